@@ -1,0 +1,143 @@
+//! The resolved cluster: nodes with their memory and throughput, links between them, and the
+//! training settings. Built from a `cluster.toml` by [`crate::config`], or directly in tests.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::{Optimizer, Precision};
+
+/// A node's index in [`ClusterSpec::nodes`]. Stable for one cluster description.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct NodeId(pub u32);
+
+impl NodeId {
+    /// As an index into `nodes`.
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// A link's figures.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Link {
+    /// Bandwidth in Gbit/s (10⁹ bits per second).
+    pub bandwidth_gbps: f64,
+    /// One-way latency in milliseconds.
+    pub latency_ms: f64,
+}
+
+impl Link {
+    /// Seconds to move `bytes` over this link: latency + bytes / bandwidth.
+    pub fn transfer_s(&self, bytes: f64) -> f64 {
+        self.latency_ms / 1e3 + bytes * 8.0 / (self.bandwidth_gbps * 1e9)
+    }
+
+    /// Bytes per second.
+    pub fn bytes_per_s(&self) -> f64 {
+        self.bandwidth_gbps * 1e9 / 8.0
+    }
+}
+
+/// One node.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeSpec {
+    /// Unique name.
+    pub name: String,
+    /// Catalog id of its device.
+    pub device: String,
+    /// Usable memory in bytes (after the framework reserve).
+    pub memory_bytes: u64,
+    /// Effective training throughput in FLOP/s for the run's precision.
+    pub flops: f64,
+    /// This node's access link (pair figures are the min bandwidth / max latency of both ends).
+    pub link: Link,
+    /// Address for `ravnest run` (`host:port`), if given.
+    pub address: Option<String>,
+}
+
+/// How gradients are synchronized; `Auto` lets the planner choose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum SyncPreference {
+    /// Planner chooses from the compute / communication ratio.
+    #[default]
+    Auto,
+    /// Ring all-reduce.
+    Ring,
+    /// Parameter server.
+    ParamServer,
+    /// Local SGD (H local steps, then averaging).
+    LocalSgd,
+}
+
+/// Training settings that shape the plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainingSpec {
+    /// Samples per optimizer step, across the whole cluster.
+    pub global_batch: u32,
+    /// Micro-batch size for pipeline schedules.
+    pub micro_batch: u32,
+    /// Optimizer (decides state bytes per parameter).
+    pub optimizer: Optimizer,
+    /// Precision.
+    pub precision: Precision,
+    /// Gradient sync preference.
+    pub sync: SyncPreference,
+    /// Local SGD is chosen (under `Auto`) when communication exceeds this multiple of compute.
+    pub local_sgd_threshold: f64,
+}
+
+impl Default for TrainingSpec {
+    fn default() -> Self {
+        TrainingSpec {
+            global_batch: 256,
+            micro_batch: 8,
+            optimizer: Optimizer::Adamw,
+            precision: Precision::Fp32,
+            sync: SyncPreference::Auto,
+            local_sgd_threshold: 1.0,
+        }
+    }
+}
+
+/// The cluster as the planner sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClusterSpec {
+    /// Name for reports.
+    pub name: String,
+    /// Nodes; `NodeId(i)` is `nodes[i]`.
+    pub nodes: Vec<NodeSpec>,
+    /// Per-pair overrides, keyed by (smaller id, larger id).
+    pub pair_links: BTreeMap<(NodeId, NodeId), Link>,
+}
+
+impl ClusterSpec {
+    /// The link between two distinct nodes.
+    pub fn link(&self, a: NodeId, b: NodeId) -> Link {
+        let key = if a <= b { (a, b) } else { (b, a) };
+        if let Some(l) = self.pair_links.get(&key) {
+            return *l;
+        }
+        let (la, lb) = (self.nodes[a.index()].link, self.nodes[b.index()].link);
+        Link {
+            bandwidth_gbps: la.bandwidth_gbps.min(lb.bandwidth_gbps),
+            latency_ms: la.latency_ms.max(lb.latency_ms),
+        }
+    }
+
+    /// All node ids in order.
+    pub fn ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        (0..self.nodes.len() as u32).map(NodeId)
+    }
+
+    /// The node for an id.
+    pub fn node(&self, id: NodeId) -> &NodeSpec {
+        &self.nodes[id.index()]
+    }
+
+    /// Whether any per-pair override exists (then ring order matters beyond access links).
+    pub fn has_pair_links(&self) -> bool {
+        !self.pair_links.is_empty()
+    }
+}

@@ -1,0 +1,926 @@
+//! The `cluster.toml` / scenario format: parsing and validation, from text (no file I/O here).
+//!
+//! One format serves `plan`, `run` and `sim`: a scenario is a cluster file plus `[sim]` and
+//! `[[fault]]` tables. Every error names the file, the line and column, and, for a misspelt key,
+//! device or preset, the nearest valid name. The format is documented in `docs/cluster-format.md`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::ops::Range;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::cluster::{ClusterSpec, Link, NodeId, NodeSpec, SyncPreference, TrainingSpec};
+use crate::device::{self, GIB};
+use crate::model::{self, LayerSpec, ModelSpec, Optimizer, Precision};
+
+/// A configuration error with its place in the file.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub struct ConfigError {
+    /// File name (or `<embedded>`).
+    pub origin: String,
+    /// 1-based line and column, when the error has a place.
+    pub at: Option<(usize, usize)>,
+    /// What is wrong.
+    pub message: String,
+    /// A hint: the nearest valid name, or what is allowed.
+    pub help: Option<String>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.at {
+            Some((line, col)) => write!(f, "{}:{line}:{col}: {}", self.origin, self.message)?,
+            None => write!(f, "{}: {}", self.origin, self.message)?,
+        }
+        if let Some(help) = &self.help {
+            write!(f, "\n  help: {help}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A fault to inject in `sim` (validated now; executed by the simulator).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum Fault {
+    /// The node's process dies at `at_s`.
+    Crash {
+        /// Node.
+        node: NodeId,
+        /// Virtual seconds.
+        at_s: f64,
+    },
+    /// A crashed node restarts and rejoins at `at_s`.
+    Restart {
+        /// Node.
+        node: NodeId,
+        /// Virtual seconds.
+        at_s: f64,
+    },
+    /// The node computes `factor` times slower between `from_s` and `to_s`.
+    Slowdown {
+        /// Node.
+        node: NodeId,
+        /// Multiplier on compute time (> 0).
+        factor: f64,
+        /// Start, virtual seconds.
+        from_s: f64,
+        /// End, virtual seconds.
+        to_s: f64,
+    },
+    /// The link between two nodes takes other figures between `from_s` and `to_s`.
+    LinkDegraded {
+        /// One end.
+        a: NodeId,
+        /// Other end.
+        b: NodeId,
+        /// The degraded link.
+        link: Link,
+        /// Start, virtual seconds.
+        from_s: f64,
+        /// End, virtual seconds.
+        to_s: f64,
+    },
+    /// No messages cross between groups between `from_s` and `to_s`.
+    Partition {
+        /// Disjoint groups of nodes.
+        groups: Vec<Vec<NodeId>>,
+        /// Start, virtual seconds.
+        from_s: f64,
+        /// End, virtual seconds.
+        to_s: f64,
+    },
+}
+
+/// Settings that only `sim` reads.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SimSettings {
+    /// Seed of the run.
+    pub seed: u64,
+    /// Training steps to simulate.
+    pub steps: u64,
+}
+
+/// Settings that only `run` reads.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct RunSettings {
+    /// Cluster secret (HMAC key), if any.
+    pub secret: Option<String>,
+    /// Coordinator node.
+    pub coordinator: Option<NodeId>,
+    /// Per-node compute slowdown to emulate a slower device (1.0 = none), by node index.
+    pub emulate_slowdown: Vec<f64>,
+}
+
+/// Everything one file describes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scenario {
+    /// The cluster.
+    pub cluster: ClusterSpec,
+    /// The model.
+    pub model: ModelSpec,
+    /// Training settings.
+    pub training: TrainingSpec,
+    /// `run` settings.
+    pub run: RunSettings,
+    /// `sim` settings, when the file has a `[sim]` table.
+    pub sim: Option<SimSettings>,
+    /// Faults, in file order.
+    pub faults: Vec<Fault>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// The file as written.
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileToml {
+    cluster: Option<ClusterToml>,
+    links: Option<LinksToml>,
+    #[serde(default)]
+    node: Vec<Spanned<NodeToml>>,
+    model: Option<Spanned<ModelToml>>,
+    training: Option<TrainingToml>,
+    sim: Option<SimToml>,
+    #[serde(default)]
+    fault: Vec<Spanned<FaultToml>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClusterToml {
+    name: Option<String>,
+    secret: Option<String>,
+    coordinator: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LinksToml {
+    bandwidth_gbps: Option<Spanned<f64>>,
+    latency_ms: Option<Spanned<f64>>,
+    #[serde(default)]
+    pair: Vec<Spanned<PairToml>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PairToml {
+    between: Spanned<Vec<Spanned<String>>>,
+    bandwidth_gbps: Option<Spanned<f64>>,
+    latency_ms: Option<Spanned<f64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NodeToml {
+    name: Spanned<String>,
+    device: Spanned<String>,
+    count: Option<Spanned<u32>>,
+    memory_gib: Option<Spanned<f64>>,
+    tflops: Option<Spanned<f64>>,
+    bandwidth_gbps: Option<Spanned<f64>>,
+    latency_ms: Option<Spanned<f64>>,
+    address: Option<Spanned<String>>,
+    emulate_slowdown: Option<Spanned<f64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModelToml {
+    preset: Option<Spanned<String>>,
+    kind: Option<Spanned<String>>,
+    name: Option<String>,
+    // gpt
+    layers: Option<Spanned<u32>>,
+    hidden: Option<Spanned<u64>>,
+    heads: Option<Spanned<u64>>,
+    seq_len: Option<Spanned<u64>>,
+    vocab: Option<Spanned<u64>>,
+    flash_attention: Option<bool>,
+    // mlp
+    dims: Option<Spanned<Vec<u64>>>,
+    // custom
+    #[serde(default)]
+    layer: Vec<Spanned<LayerToml>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LayerToml {
+    name: String,
+    params: u64,
+    fwd_flops_per_sample: Spanned<f64>,
+    activation_elems_per_sample: u64,
+    output_elems_per_sample: u64,
+    repeat: Option<Spanned<u32>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TrainingToml {
+    global_batch: Option<Spanned<u32>>,
+    micro_batch: Option<Spanned<u32>>,
+    optimizer: Option<Optimizer>,
+    precision: Option<Precision>,
+    sync: Option<SyncPreference>,
+    local_sgd_threshold: Option<Spanned<f64>>,
+    memory_reserve_gib: Option<Spanned<f64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SimToml {
+    seed: Option<u64>,
+    steps: Option<Spanned<u64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FaultToml {
+    kind: Spanned<String>,
+    node: Option<Spanned<String>>,
+    between: Option<Spanned<Vec<Spanned<String>>>>,
+    groups: Option<Spanned<Vec<Vec<Spanned<String>>>>>,
+    at_s: Option<Spanned<f64>>,
+    from_s: Option<Spanned<f64>>,
+    to_s: Option<Spanned<f64>>,
+    factor: Option<Spanned<f64>>,
+    bandwidth_gbps: Option<Spanned<f64>>,
+    latency_ms: Option<Spanned<f64>>,
+}
+
+const FAULT_KINDS: &[&str] = &["crash", "restart", "slowdown", "link", "partition"];
+const MODEL_KINDS: &[&str] = &["gpt", "mlp", "custom"];
+
+/// Default access link when `[links]` says nothing: 10 Gbit/s Ethernet, 0.1 ms.
+pub const DEFAULT_LINK: Link = Link {
+    bandwidth_gbps: 10.0,
+    latency_ms: 0.1,
+};
+
+/// Memory kept back on every node for the framework (CUDA context, allocator slack), GiB.
+pub const DEFAULT_MEMORY_RESERVE_GIB: f64 = 1.0;
+
+// ---------------------------------------------------------------------------------------------
+// Parsing.
+
+struct Ctx<'a> {
+    origin: &'a str,
+    text: &'a str,
+}
+
+impl Ctx<'_> {
+    fn loc(&self, span: &Range<usize>) -> (usize, usize) {
+        let start = span.start.min(self.text.len());
+        let before = &self.text[..start];
+        let line = before.matches('\n').count() + 1;
+        let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+        (line, col)
+    }
+
+    fn err(&self, span: Option<&Range<usize>>, message: impl Into<String>) -> ConfigError {
+        ConfigError {
+            origin: self.origin.to_string(),
+            at: span.map(|s| self.loc(s)),
+            message: message.into(),
+            help: None,
+        }
+    }
+
+    fn positive<T: Copy + PartialOrd + Default + fmt::Display>(
+        &self,
+        v: &Spanned<T>,
+        what: &str,
+    ) -> Result<T, ConfigError> {
+        let x = *v.get_ref();
+        if x > T::default() {
+            Ok(x)
+        } else {
+            Err(self.err(
+                Some(&v.span()),
+                format!("`{what}` must be greater than 0, got {x}"),
+            ))
+        }
+    }
+
+    fn non_negative(&self, v: &Spanned<f64>, what: &str) -> Result<f64, ConfigError> {
+        let x = *v.get_ref();
+        if x >= 0.0 && x.is_finite() {
+            Ok(x)
+        } else {
+            Err(self.err(
+                Some(&v.span()),
+                format!("`{what}` must be 0 or more, got {x}"),
+            ))
+        }
+    }
+}
+
+fn with_help(mut e: ConfigError, help: Option<String>) -> ConfigError {
+    e.help = help;
+    e
+}
+
+/// Levenshtein distance, for "did you mean".
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur[j + 1] = sub.min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+/// The candidate nearest to `word`, if it is near enough to be a plausible typo.
+pub fn nearest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    let lw = word.to_lowercase();
+    candidates
+        .into_iter()
+        .map(|c| (edit_distance(&lw, &c.to_lowercase()), c))
+        .filter(|(d, c)| *d <= (c.len() / 3).max(2))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| c)
+}
+
+fn did_you_mean<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str> + Clone) -> String {
+    let all: Vec<&str> = candidates.clone().into_iter().collect();
+    match nearest(word, candidates) {
+        Some(n) => format!("did you mean `{n}`? valid: {}", all.join(", ")),
+        None => format!("valid: {}", all.join(", ")),
+    }
+}
+
+/// Turn serde's "unknown field `x`, expected one of `a`, `b`" into a suggestion.
+fn suggestion_from_serde(message: &str) -> Option<String> {
+    let unknown = ["unknown field `", "unknown variant `"]
+        .iter()
+        .find_map(|p| message.split_once(p))?
+        .1
+        .split('`')
+        .next()?
+        .to_string();
+    let expected = message.split_once("expected")?.1;
+    let names: Vec<&str> = expected.split('`').skip(1).step_by(2).collect();
+    if names.is_empty() {
+        return None;
+    }
+    Some(did_you_mean(&unknown, names))
+}
+
+/// Parse and validate a cluster or scenario file. `origin` names it in errors.
+pub fn parse(text: &str, origin: &str) -> Result<Scenario, ConfigError> {
+    let ctx = Ctx { origin, text };
+    let file: FileToml = toml::from_str(text).map_err(|e| {
+        let msg = e.message().trim().to_string();
+        let help = suggestion_from_serde(&msg);
+        with_help(ctx.err(e.span().as_ref(), msg), help)
+    })?;
+    resolve(&ctx, file)
+}
+
+fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
+    // Links.
+    let mut default_link = DEFAULT_LINK;
+    if let Some(l) = &file.links {
+        if let Some(b) = &l.bandwidth_gbps {
+            default_link.bandwidth_gbps = ctx.positive(b, "bandwidth_gbps")?;
+        }
+        if let Some(x) = &l.latency_ms {
+            default_link.latency_ms = ctx.non_negative(x, "latency_ms")?;
+        }
+    }
+
+    // Training (needed before nodes: precision decides throughput, reserve decides memory).
+    let mut training = TrainingSpec::default();
+    let mut reserve_gib = DEFAULT_MEMORY_RESERVE_GIB;
+    if let Some(t) = &file.training {
+        if let Some(b) = &t.global_batch {
+            training.global_batch = ctx.positive(b, "global_batch")?;
+        }
+        if let Some(m) = &t.micro_batch {
+            training.micro_batch = ctx.positive(m, "micro_batch")?;
+        }
+        if let Some(o) = t.optimizer {
+            training.optimizer = o;
+        }
+        if let Some(p) = t.precision {
+            training.precision = p;
+        }
+        if let Some(s) = t.sync {
+            training.sync = s;
+        }
+        if let Some(x) = &t.local_sgd_threshold {
+            training.local_sgd_threshold = ctx.positive(x, "local_sgd_threshold")?;
+        }
+        if let Some(r) = &t.memory_reserve_gib {
+            reserve_gib = ctx.non_negative(r, "memory_reserve_gib")?;
+        }
+    }
+
+    // Nodes.
+    if file.node.is_empty() {
+        return Err(with_help(
+            ctx.err(None, "the cluster has no nodes"),
+            Some("add at least one [[node]] table with `name` and `device`".into()),
+        ));
+    }
+    let mut nodes: Vec<NodeSpec> = Vec::new();
+    let mut slowdown = Vec::new();
+    let mut index: BTreeMap<String, NodeId> = BTreeMap::new();
+    for n in &file.node {
+        let span = n.span();
+        let n = n.get_ref();
+        let dev_name = n.device.get_ref();
+        let dev = device::lookup(dev_name).ok_or_else(|| {
+            with_help(
+                ctx.err(
+                    Some(&n.device.span()),
+                    format!("unknown device `{dev_name}`"),
+                ),
+                Some(did_you_mean(dev_name, device::ids())),
+            )
+        })?;
+        let count = match &n.count {
+            Some(c) => ctx.positive(c, "count")?,
+            None => 1,
+        };
+        let memory_gib = match &n.memory_gib {
+            Some(m) => ctx.positive(m, "memory_gib")?,
+            None => dev.memory_gib,
+        };
+        if memory_gib <= reserve_gib {
+            return Err(ctx.err(
+                Some(&span),
+                format!(
+                    "node `{}` has {memory_gib} GiB, not more than the {reserve_gib} GiB reserve \
+                     (`memory_reserve_gib` in [training])",
+                    n.name.get_ref()
+                ),
+            ));
+        }
+        let flops = match &n.tflops {
+            Some(t) => ctx.positive(t, "tflops")? * 1e12,
+            None => dev.effective_flops(training.precision).ok_or_else(|| {
+                with_help(
+                    ctx.err(
+                        Some(&n.device.span()),
+                        format!(
+                            "device `{}` has no {} support",
+                            dev.id,
+                            training.precision.as_str()
+                        ),
+                    ),
+                    Some("use precision = \"fp32\" (or \"fp16\" on pre-Ampere GPUs), or set `tflops` for this node".into()),
+                )
+            })?,
+        };
+        let emulate = match &n.emulate_slowdown {
+            Some(e) => ctx.positive(e, "emulate_slowdown")?,
+            None => 1.0,
+        };
+        let mut link = default_link;
+        if let Some(b) = &n.bandwidth_gbps {
+            link.bandwidth_gbps = ctx.positive(b, "bandwidth_gbps")?;
+        }
+        if let Some(x) = &n.latency_ms {
+            link.latency_ms = ctx.non_negative(x, "latency_ms")?;
+        }
+        if count > 1 && n.address.is_some() {
+            return Err(ctx.err(
+                Some(&n.address.as_ref().unwrap().span()),
+                "`address` names one machine; it cannot go with `count` > 1",
+            ));
+        }
+        let base = n.name.get_ref().trim();
+        if base.is_empty() {
+            return Err(ctx.err(Some(&n.name.span()), "node `name` is empty"));
+        }
+        for i in 0..count {
+            let name = if count == 1 {
+                base.to_string()
+            } else {
+                format!("{base}-{i}")
+            };
+            let id = NodeId(nodes.len() as u32);
+            if index.insert(name.clone(), id).is_some() {
+                return Err(ctx.err(
+                    Some(&n.name.span()),
+                    format!("duplicate node name `{name}`"),
+                ));
+            }
+            nodes.push(NodeSpec {
+                name,
+                device: dev.id.to_string(),
+                memory_bytes: ((memory_gib - reserve_gib) * GIB) as u64,
+                flops: flops / emulate,
+                link,
+                address: n.address.as_ref().map(|a| a.get_ref().clone()),
+            });
+            slowdown.push(emulate);
+        }
+    }
+
+    let lookup_node = |s: &Spanned<String>| -> Result<NodeId, ConfigError> {
+        index.get(s.get_ref().as_str()).copied().ok_or_else(|| {
+            with_help(
+                ctx.err(Some(&s.span()), format!("unknown node `{}`", s.get_ref())),
+                nearest(s.get_ref(), index.keys().map(String::as_str))
+                    .map(|n| format!("did you mean `{n}`?")),
+            )
+        })
+    };
+
+    // Pair links.
+    let mut pair_links = BTreeMap::new();
+    if let Some(l) = &file.links {
+        for p in &l.pair {
+            let p = p.get_ref();
+            let ends = p.between.get_ref();
+            if ends.len() != 2 {
+                return Err(ctx.err(
+                    Some(&p.between.span()),
+                    format!("`between` takes exactly two node names, got {}", ends.len()),
+                ));
+            }
+            let (a, b) = (lookup_node(&ends[0])?, lookup_node(&ends[1])?);
+            if a == b {
+                return Err(ctx.err(
+                    Some(&p.between.span()),
+                    "`between` names the same node twice",
+                ));
+            }
+            let mut link = default_link;
+            if let Some(x) = &p.bandwidth_gbps {
+                link.bandwidth_gbps = ctx.positive(x, "bandwidth_gbps")?;
+            }
+            if let Some(x) = &p.latency_ms {
+                link.latency_ms = ctx.non_negative(x, "latency_ms")?;
+            }
+            pair_links.insert((a.min(b), a.max(b)), link);
+        }
+    }
+
+    let cluster_name = file
+        .cluster
+        .as_ref()
+        .and_then(|c| c.name.clone())
+        .unwrap_or_else(|| {
+            ctx.origin
+                .rsplit('/')
+                .next()
+                .unwrap_or("cluster")
+                .trim_end_matches(".toml")
+                .to_string()
+        });
+    let coordinator = match file.cluster.as_ref().and_then(|c| c.coordinator.as_ref()) {
+        Some(c) => Some(lookup_node(c)?),
+        None => None,
+    };
+    let run = RunSettings {
+        secret: file.cluster.as_ref().and_then(|c| c.secret.clone()),
+        coordinator,
+        emulate_slowdown: slowdown,
+    };
+
+    let model = resolve_model(ctx, file.model.as_ref())?;
+
+    let sim = match &file.sim {
+        None => None,
+        Some(s) => Some(SimSettings {
+            seed: s.seed.unwrap_or(0),
+            steps: match &s.steps {
+                Some(x) => ctx.positive(x, "steps")?,
+                None => 100,
+            },
+        }),
+    };
+
+    let mut faults = Vec::new();
+    for f in &file.fault {
+        faults.push(resolve_fault(ctx, f, &lookup_node)?);
+    }
+
+    Ok(Scenario {
+        cluster: ClusterSpec {
+            name: cluster_name,
+            nodes,
+            pair_links,
+        },
+        model,
+        training,
+        run,
+        sim,
+        faults,
+    })
+}
+
+fn resolve_model(ctx: &Ctx<'_>, m: Option<&Spanned<ModelToml>>) -> Result<ModelSpec, ConfigError> {
+    let Some(m) = m else {
+        return Err(with_help(
+            ctx.err(None, "the file has no [model] table"),
+            Some("add `[model]` with `preset = \"mlp-digits\"` (or kind = \"gpt\" / \"mlp\" / \"custom\")".into()),
+        ));
+    };
+    let span = m.span();
+    let m = m.get_ref();
+    let presets = || model::PRESETS.iter().map(|p| p.name);
+    let mut spec = match (&m.preset, &m.kind) {
+        (Some(_), Some(k)) => {
+            return Err(ctx.err(Some(&k.span()), "give either `preset` or `kind`, not both"));
+        }
+        (None, None) => {
+            return Err(with_help(
+                ctx.err(Some(&span), "[model] needs `preset` or `kind`"),
+                Some(format!(
+                    "presets: {}",
+                    presets().collect::<Vec<_>>().join(", ")
+                )),
+            ));
+        }
+        (Some(p), None) => model::preset(p.get_ref())
+            .ok_or_else(|| {
+                with_help(
+                    ctx.err(
+                        Some(&p.span()),
+                        format!("unknown model preset `{}`", p.get_ref()),
+                    ),
+                    Some(did_you_mean(p.get_ref(), presets())),
+                )
+            })?
+            .build(),
+        (None, Some(k)) => match k.get_ref().as_str() {
+            "gpt" => {
+                let need = |v: &Option<Spanned<u64>>, what: &str| -> Result<u64, ConfigError> {
+                    match v {
+                        Some(x) => ctx.positive(x, what),
+                        None => {
+                            Err(ctx.err(Some(&k.span()), format!("kind = \"gpt\" needs `{what}`")))
+                        }
+                    }
+                };
+                let layers = match &m.layers {
+                    Some(x) => ctx.positive(x, "layers")?,
+                    None => return Err(ctx.err(Some(&k.span()), "kind = \"gpt\" needs `layers`")),
+                };
+                let hidden = need(&m.hidden, "hidden")?;
+                let heads = need(&m.heads, "heads")?;
+                if hidden % heads != 0 {
+                    return Err(ctx.err(
+                        Some(&m.heads.as_ref().unwrap().span()),
+                        format!("`hidden` ({hidden}) must be a multiple of `heads` ({heads})"),
+                    ));
+                }
+                model::gpt_spec(
+                    "gpt",
+                    layers,
+                    hidden,
+                    heads,
+                    need(&m.seq_len, "seq_len")?,
+                    need(&m.vocab, "vocab")?,
+                    m.flash_attention.unwrap_or(false),
+                )
+            }
+            "mlp" => {
+                let Some(d) = &m.dims else {
+                    return Err(ctx.err(
+                        Some(&k.span()),
+                        "kind = \"mlp\" needs `dims = [in, hidden.., out]`",
+                    ));
+                };
+                if d.get_ref().len() < 2 || d.get_ref().contains(&0) {
+                    return Err(ctx.err(
+                        Some(&d.span()),
+                        "`dims` needs at least two sizes, all greater than 0",
+                    ));
+                }
+                model::mlp_spec("mlp", d.get_ref())
+            }
+            "custom" => {
+                if m.layer.is_empty() {
+                    return Err(ctx.err(
+                        Some(&k.span()),
+                        "kind = \"custom\" needs [[model.layer]] tables",
+                    ));
+                }
+                let mut layers = Vec::new();
+                for l in &m.layer {
+                    let l = l.get_ref();
+                    let flops =
+                        ctx.non_negative(&l.fwd_flops_per_sample, "fwd_flops_per_sample")?;
+                    let repeat = match &l.repeat {
+                        Some(r) => ctx.positive(r, "repeat")?,
+                        None => 1,
+                    };
+                    for i in 0..repeat {
+                        layers.push(LayerSpec {
+                            name: if repeat == 1 {
+                                l.name.clone()
+                            } else {
+                                format!("{}{i}", l.name)
+                            },
+                            params: l.params,
+                            fwd_flops_per_sample: flops,
+                            activation_elems_per_sample: l.activation_elems_per_sample,
+                            output_elems_per_sample: l.output_elems_per_sample,
+                        });
+                    }
+                }
+                ModelSpec {
+                    name: "custom".into(),
+                    layers,
+                }
+            }
+            other => {
+                return Err(with_help(
+                    ctx.err(Some(&k.span()), format!("unknown model kind `{other}`")),
+                    Some(did_you_mean(other, MODEL_KINDS.iter().copied())),
+                ));
+            }
+        },
+    };
+    if let Some(n) = &m.name {
+        spec.name = n.clone();
+    }
+    Ok(spec)
+}
+
+fn resolve_fault(
+    ctx: &Ctx<'_>,
+    f: &Spanned<FaultToml>,
+    lookup_node: &dyn Fn(&Spanned<String>) -> Result<NodeId, ConfigError>,
+) -> Result<Fault, ConfigError> {
+    let span = f.span();
+    let f = f.get_ref();
+    let kind = f.kind.get_ref().as_str();
+    let need_f = |v: &Option<Spanned<f64>>, what: &str| -> Result<f64, ConfigError> {
+        match v {
+            Some(x) => ctx.non_negative(x, what),
+            None => Err(ctx.err(
+                Some(&span),
+                format!("fault kind = \"{kind}\" needs `{what}`"),
+            )),
+        }
+    };
+    let need_node = || -> Result<NodeId, ConfigError> {
+        match &f.node {
+            Some(n) => lookup_node(n),
+            None => Err(ctx.err(Some(&span), format!("fault kind = \"{kind}\" needs `node`"))),
+        }
+    };
+    let window = || -> Result<(f64, f64), ConfigError> {
+        let (a, b) = (need_f(&f.from_s, "from_s")?, need_f(&f.to_s, "to_s")?);
+        if b <= a {
+            return Err(ctx.err(
+                Some(&f.to_s.as_ref().unwrap().span()),
+                format!("`to_s` ({b}) must be after `from_s` ({a})"),
+            ));
+        }
+        Ok((a, b))
+    };
+    Ok(match kind {
+        "crash" => Fault::Crash {
+            node: need_node()?,
+            at_s: need_f(&f.at_s, "at_s")?,
+        },
+        "restart" => Fault::Restart {
+            node: need_node()?,
+            at_s: need_f(&f.at_s, "at_s")?,
+        },
+        "slowdown" => {
+            let factor = match &f.factor {
+                Some(x) => ctx.positive(x, "factor")?,
+                None => {
+                    return Err(ctx.err(Some(&span), "fault kind = \"slowdown\" needs `factor`"));
+                }
+            };
+            let node = need_node()?;
+            let (from_s, to_s) = window()?;
+            Fault::Slowdown {
+                node,
+                factor,
+                from_s,
+                to_s,
+            }
+        }
+        "link" => {
+            let Some(between) = &f.between else {
+                return Err(ctx.err(
+                    Some(&span),
+                    "fault kind = \"link\" needs `between = [a, b]`",
+                ));
+            };
+            if between.get_ref().len() != 2 {
+                return Err(ctx.err(
+                    Some(&between.span()),
+                    "`between` takes exactly two node names",
+                ));
+            }
+            let a = lookup_node(&between.get_ref()[0])?;
+            let b = lookup_node(&between.get_ref()[1])?;
+            let bandwidth_gbps = match &f.bandwidth_gbps {
+                Some(x) => ctx.positive(x, "bandwidth_gbps")?,
+                None => {
+                    return Err(
+                        ctx.err(Some(&span), "fault kind = \"link\" needs `bandwidth_gbps`")
+                    );
+                }
+            };
+            let latency_ms = match &f.latency_ms {
+                Some(x) => ctx.non_negative(x, "latency_ms")?,
+                None => DEFAULT_LINK.latency_ms,
+            };
+            let (from_s, to_s) = window()?;
+            Fault::LinkDegraded {
+                a,
+                b,
+                link: Link {
+                    bandwidth_gbps,
+                    latency_ms,
+                },
+                from_s,
+                to_s,
+            }
+        }
+        "partition" => {
+            let Some(groups) = &f.groups else {
+                return Err(ctx.err(
+                    Some(&span),
+                    "fault kind = \"partition\" needs `groups = [[..], [..]]`",
+                ));
+            };
+            let mut seen = BTreeSet::new();
+            let mut out = Vec::new();
+            for g in groups.get_ref() {
+                let mut ids = Vec::new();
+                for n in g {
+                    let id = lookup_node(n)?;
+                    if !seen.insert(id) {
+                        return Err(ctx.err(
+                            Some(&n.span()),
+                            format!("node `{}` is in two partition groups", n.get_ref()),
+                        ));
+                    }
+                    ids.push(id);
+                }
+                out.push(ids);
+            }
+            if out.len() < 2 {
+                return Err(ctx.err(
+                    Some(&groups.span()),
+                    "a partition needs at least two groups",
+                ));
+            }
+            let (from_s, to_s) = window()?;
+            Fault::Partition {
+                groups: out,
+                from_s,
+                to_s,
+            }
+        }
+        other => {
+            return Err(with_help(
+                ctx.err(
+                    Some(&f.kind.span()),
+                    format!("unknown fault kind `{other}`"),
+                ),
+                Some(did_you_mean(other, FAULT_KINDS.iter().copied())),
+            ));
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn distance_and_nearest() {
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(nearest("rtx3909", device::ids()), Some("rtx3090"));
+        assert_eq!(nearest("zzzzzzzz", device::ids()), None);
+    }
+
+    #[test]
+    fn serde_messages_become_suggestions() {
+        let m = "unknown field `globl_batch`, expected one of `global_batch`, `micro_batch`";
+        assert!(
+            suggestion_from_serde(m)
+                .unwrap()
+                .starts_with("did you mean `global_batch`?")
+        );
+        let m = "unknown variant `adam`, expected one of `sgd`, `sgd-momentum`, `adamw`";
+        assert!(
+            suggestion_from_serde(m)
+                .unwrap()
+                .starts_with("did you mean `adamw`?")
+        );
+    }
+}

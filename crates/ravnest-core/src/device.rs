@@ -1,0 +1,418 @@
+//! The device catalog: memory and training throughput of the accelerators people actually own.
+//!
+//! Every entry carries spec-sheet peaks (dense, no sparsity) and an *effective* fp32 training
+//! throughput. Where the Sailor artifact (SOSP'25, eth-easl/sailor, MIT; re-keyed in
+//! `shared/data/gpu-profiles/`) measured a GPU, the effective figure is derived from that
+//! measurement: OPT-350 (seq 2048) forward+backward seconds per sample at the best micro-batch
+//! size, divided into the FLOPs our own GPT cost model charges for that model. Unmeasured GPUs
+//! borrow the efficiency (effective ÷ peak) of a measured sibling of the same architecture. See
+//! `docs/cost-model.md` for the derivation table.
+
+use crate::model::{Precision, gpt_spec};
+
+/// One bytes-per-GiB constant so nobody writes `1 << 30` by hand.
+pub const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+
+/// Tensor-core efficiency for mixed precision (fp16/bf16): the fraction of the dense tensor-core
+/// peak a training step reaches. A documented assumption (no measurement in our data set): large
+/// transformer training in mixed precision typically reports 35–50% model FLOPs utilisation.
+pub const MIXED_PRECISION_EFFICIENCY: f64 = 0.40;
+
+/// A measurement from the Sailor profiles: OPT-350 fp32 training, best seconds per sample.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SailorMeasurement {
+    /// GPU name as the Sailor artifact spells it.
+    pub sailor_gpu: &'static str,
+    /// Forward+backward seconds for one sample (seq 2048) at the best micro-batch size.
+    pub opt350_s_per_sample: f64,
+    /// The micro-batch size that row was measured at.
+    pub mbs: u32,
+}
+
+/// Where an entry's effective throughput comes from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Grounding {
+    /// Measured on this GPU.
+    Measured(SailorMeasurement),
+    /// Efficiency borrowed from a measured sibling (by catalog id).
+    Sibling(&'static str),
+    /// A stated assumption (used for `cpu`, which `ravnest run` measures for real).
+    Assumed(f64),
+}
+
+/// One catalog entry.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeviceSpec {
+    /// Catalog id used in `cluster.toml` (`device = "rtx3090"`).
+    pub id: &'static str,
+    /// Human name.
+    pub name: &'static str,
+    /// Memory in GiB as sold.
+    pub memory_gib: f64,
+    /// Dense fp32 peak, TFLOP/s (spec sheet).
+    pub fp32_peak_tflops: f64,
+    /// Dense fp16 tensor peak with fp32 accumulate, TFLOP/s (spec sheet; GeForce cards run
+    /// fp32-accumulate at half the fp16-accumulate rate).
+    pub fp16_peak_tflops: Option<f64>,
+    /// Dense bf16 tensor peak, TFLOP/s; `None` before Ampere.
+    pub bf16_peak_tflops: Option<f64>,
+    /// Where the effective throughput comes from.
+    pub grounding: Grounding,
+}
+
+/// FLOPs of one OPT-350 training sample (forward + backward, seq 2048) under our cost model.
+/// Computed from the same GPT preset the planner uses, so the catalog and the model agree.
+pub fn opt350_train_flops_per_sample() -> f64 {
+    let model = gpt_spec("opt-350", 24, 1024, 16, 2048, 50272, false);
+    model.train_flops_per_sample()
+}
+
+impl DeviceSpec {
+    /// Memory in bytes.
+    pub fn memory_bytes(&self) -> u64 {
+        (self.memory_gib * GIB) as u64
+    }
+
+    /// Effective fp32 efficiency (effective ÷ peak). Can exceed 1 on A100/H100, whose fp32
+    /// matmuls run on TF32 tensor cores by default in the frameworks Sailor measured.
+    pub fn fp32_efficiency(&self) -> f64 {
+        match self.grounding {
+            Grounding::Measured(m) => {
+                opt350_train_flops_per_sample()
+                    / m.opt350_s_per_sample
+                    / 1e12
+                    / self.fp32_peak_tflops
+            }
+            Grounding::Sibling(id) => lookup(id)
+                .expect("catalog sibling ids are checked by a test")
+                .fp32_efficiency(),
+            Grounding::Assumed(e) => e,
+        }
+    }
+
+    /// Effective training throughput in FLOP/s for a precision, or `None` when the device has
+    /// no fast path for it (bf16 before Ampere, half precision on `cpu`).
+    pub fn effective_flops(&self, precision: Precision) -> Option<f64> {
+        let fp32 = self.fp32_peak_tflops * self.fp32_efficiency() * 1e12;
+        let tensor = match precision {
+            Precision::Fp32 => return Some(fp32),
+            Precision::Fp16 => self.fp16_peak_tflops?,
+            Precision::Bf16 => self.bf16_peak_tflops?,
+        };
+        // Mixed precision never makes a step slower than plain fp32 would be.
+        Some((tensor * MIXED_PRECISION_EFFICIENCY * 1e12).max(fp32))
+    }
+}
+
+const fn dev(
+    id: &'static str,
+    name: &'static str,
+    memory_gib: f64,
+    fp32: f64,
+    fp16: Option<f64>,
+    bf16: Option<f64>,
+    grounding: Grounding,
+) -> DeviceSpec {
+    DeviceSpec {
+        id,
+        name,
+        memory_gib,
+        fp32_peak_tflops: fp32,
+        fp16_peak_tflops: fp16,
+        bf16_peak_tflops: bf16,
+        grounding,
+    }
+}
+
+const fn sailor(gpu: &'static str, s: f64, mbs: u32) -> Grounding {
+    Grounding::Measured(SailorMeasurement {
+        sailor_gpu: gpu,
+        opt350_s_per_sample: s,
+        mbs,
+    })
+}
+
+use Grounding::{Assumed, Sibling};
+
+/// The catalog, sorted by id. Peaks: NVIDIA spec sheets and architecture whitepapers (dense).
+/// Measured rows: `profiles_summary.json`, model OPT-350, tp 1, min over mbs of
+/// `total_fwd_bwd_s / mbs`.
+pub static CATALOG: &[DeviceSpec] = &[
+    dev(
+        "a100-40",
+        "NVIDIA A100 40GB",
+        40.0,
+        19.5,
+        Some(312.0),
+        Some(312.0),
+        sailor("A100-40", 0.191_382, 8),
+    ),
+    dev(
+        "a100-80",
+        "NVIDIA A100 80GB",
+        80.0,
+        19.5,
+        Some(312.0),
+        Some(312.0),
+        sailor("A100-80", 0.167_382, 8),
+    ),
+    // `cpu` is a placeholder for planning: `ravnest run` measures a real CPU's matmul rate.
+    dev(
+        "cpu",
+        "CPU (generic, 8 cores AVX2)",
+        16.0,
+        1.0,
+        None,
+        None,
+        Assumed(0.3),
+    ),
+    dev(
+        "gh200",
+        "NVIDIA GH200 (H100 96GB)",
+        96.0,
+        66.9,
+        Some(989.4),
+        Some(989.4),
+        sailor("GH-96", 0.087_316_5, 4),
+    ),
+    dev(
+        "h100",
+        "NVIDIA H100 SXM 80GB",
+        80.0,
+        66.9,
+        Some(989.4),
+        Some(989.4),
+        Sibling("gh200"),
+    ),
+    dev(
+        "l4",
+        "NVIDIA L4",
+        24.0,
+        30.3,
+        Some(121.0),
+        Some(121.0),
+        Sibling("rtx3090"),
+    ),
+    dev(
+        "rtx2080",
+        "GeForce RTX 2080",
+        8.0,
+        10.07,
+        Some(20.1),
+        None,
+        Sibling("rtx2080ti"),
+    ),
+    // Sailor calls this GPU "RTX-2080" but gives it 11 GiB of memory, which is the 2080 Ti's.
+    dev(
+        "rtx2080ti",
+        "GeForce RTX 2080 Ti",
+        11.0,
+        13.45,
+        Some(26.9),
+        None,
+        sailor("RTX-2080", 0.762_133, 2),
+    ),
+    dev(
+        "rtx3060",
+        "GeForce RTX 3060 12GB",
+        12.0,
+        12.74,
+        Some(25.5),
+        Some(25.5),
+        Sibling("rtx3090"),
+    ),
+    dev(
+        "rtx3070",
+        "GeForce RTX 3070",
+        8.0,
+        20.31,
+        Some(40.6),
+        Some(40.6),
+        Sibling("rtx3090"),
+    ),
+    dev(
+        "rtx3080",
+        "GeForce RTX 3080 10GB",
+        10.0,
+        29.77,
+        Some(59.5),
+        Some(59.5),
+        Sibling("rtx3090"),
+    ),
+    dev(
+        "rtx3090",
+        "GeForce RTX 3090",
+        24.0,
+        35.58,
+        Some(71.0),
+        Some(71.0),
+        sailor("RTX-3090", 0.410_754_5, 4),
+    ),
+    dev(
+        "rtx4060ti",
+        "GeForce RTX 4060 Ti 16GB",
+        16.0,
+        22.06,
+        Some(44.1),
+        Some(44.1),
+        Sibling("rtx3090"),
+    ),
+    dev(
+        "rtx4070",
+        "GeForce RTX 4070",
+        12.0,
+        29.15,
+        Some(58.3),
+        Some(58.3),
+        Sibling("rtx3090"),
+    ),
+    dev(
+        "rtx4080",
+        "GeForce RTX 4080",
+        16.0,
+        48.74,
+        Some(97.5),
+        Some(97.5),
+        Sibling("rtx3090"),
+    ),
+    dev(
+        "rtx4090",
+        "GeForce RTX 4090",
+        24.0,
+        82.58,
+        Some(165.2),
+        Some(165.2),
+        Sibling("rtx3090"),
+    ),
+    dev(
+        "t4",
+        "NVIDIA T4",
+        16.0,
+        8.14,
+        Some(65.1),
+        None,
+        Sibling("titan-rtx"),
+    ),
+    dev(
+        "titan-rtx",
+        "NVIDIA Titan RTX",
+        24.0,
+        16.3,
+        Some(130.5),
+        None,
+        sailor("Titan-RTX", 0.717_04, 2),
+    ),
+    dev(
+        "v100-16",
+        "NVIDIA V100 16GB",
+        16.0,
+        15.7,
+        Some(125.0),
+        None,
+        sailor("V100-16", 0.625, 2),
+    ),
+    dev(
+        "v100-32",
+        "NVIDIA V100 32GB",
+        32.0,
+        15.7,
+        Some(125.0),
+        None,
+        Sibling("v100-16"),
+    ),
+];
+
+/// Look a device up by catalog id. Case-insensitive, and `-`/`_`/spaces are ignored, so
+/// `RTX 3090`, `rtx_3090` and `rtx3090` all name the same card.
+pub fn lookup(name: &str) -> Option<&'static DeviceSpec> {
+    let key = normalize(name);
+    CATALOG.iter().find(|d| normalize(d.id) == key).or_else(|| {
+        // Aliases people type: vendor prefixes.
+        let stripped = key
+            .strip_prefix("nvidia")
+            .or_else(|| key.strip_prefix("geforce"))?;
+        CATALOG.iter().find(|d| normalize(d.id) == stripped)
+    })
+}
+
+fn normalize(s: &str) -> String {
+    s.chars()
+        .filter(|c| !matches!(c, '-' | '_' | ' '))
+        .flat_map(char::to_lowercase)
+        .collect()
+}
+
+/// All catalog ids, for error messages.
+pub fn ids() -> impl Iterator<Item = &'static str> + Clone {
+    CATALOG.iter().map(|d| d.id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn catalog_is_sorted_and_siblings_resolve() {
+        let ids: Vec<_> = ids().collect();
+        let mut sorted = ids.clone();
+        sorted.sort_unstable();
+        assert_eq!(ids, sorted, "keep CATALOG sorted by id");
+        for d in CATALOG {
+            if let Grounding::Sibling(s) = d.grounding {
+                let sib = lookup(s).unwrap_or_else(|| panic!("{}: unknown sibling {s}", d.id));
+                assert!(
+                    matches!(sib.grounding, Grounding::Measured(_)),
+                    "{}: sibling must be measured",
+                    d.id
+                );
+            }
+            let e = d.fp32_efficiency();
+            assert!(e > 0.1 && e < 2.0, "{}: implausible efficiency {e}", d.id);
+        }
+    }
+
+    #[test]
+    fn measured_relative_speeds_follow_sailor() {
+        // Sailor: A100-40 is 0.4108/0.1914 = 2.15x an RTX 3090 on OPT-350; our catalog must keep it.
+        let f = |id| {
+            lookup(id)
+                .unwrap()
+                .effective_flops(Precision::Fp32)
+                .unwrap()
+        };
+        let ratio = f("a100-40") / f("rtx3090");
+        assert!((ratio - 0.410_754_5 / 0.191_382).abs() < 1e-9, "{ratio}");
+        // Spec-sheet ordering inside one architecture is kept.
+        assert!(f("rtx4090") > f("rtx4080") && f("rtx4080") > f("rtx4070"));
+        assert!(f("rtx3090") > f("rtx3080") && f("rtx3080") > f("rtx3060"));
+    }
+
+    #[test]
+    fn lookup_is_forgiving_about_spelling() {
+        assert_eq!(lookup("RTX 3090").unwrap().id, "rtx3090");
+        assert_eq!(lookup("nvidia-a100_80").unwrap().id, "a100-80");
+        assert_eq!(lookup("GeForce RTX4090").unwrap().id, "rtx4090");
+        assert!(lookup("rtx9090").is_none());
+    }
+
+    #[test]
+    fn half_precision_support_follows_architecture() {
+        assert!(
+            lookup("v100-16")
+                .unwrap()
+                .effective_flops(Precision::Bf16)
+                .is_none()
+        );
+        assert!(
+            lookup("cpu")
+                .unwrap()
+                .effective_flops(Precision::Fp16)
+                .is_none()
+        );
+        let a = lookup("a100-80").unwrap();
+        assert!(
+            a.effective_flops(Precision::Bf16).unwrap()
+                > a.effective_flops(Precision::Fp32).unwrap()
+        );
+    }
+}

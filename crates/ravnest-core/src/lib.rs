@@ -1,0 +1,19 @@
+//! ravnest-core: the pure heart of ravnest.
+//!
+//! Cluster and model descriptions, the device catalog, the cost model and the planners. This
+//! crate does no I/O, reads no clock and creates no randomness: every function here is a plain
+//! function of its inputs, so it can be property-tested exhaustively and run unchanged inside
+//! the deterministic simulator. Parsing of `cluster.toml` takes text, not paths; the binary
+//! reads files.
+
+pub mod cluster;
+pub mod config;
+pub mod cost;
+pub mod device;
+pub mod model;
+pub mod planner;
+
+pub use cluster::{ClusterSpec, Link, NodeId, NodeSpec, SyncPreference, TrainingSpec};
+pub use config::{ConfigError, Scenario, parse};
+pub use model::{ModelSpec, Optimizer, Precision};
+pub use planner::{Plan, PlanError, PlannerKind, plan};

@@ -1,0 +1,480 @@
+//! Gradient synchronization: ring order, and the choice between ring all-reduce, a parameter
+//! server and local SGD, from the compute / communication ratio.
+
+use serde::Serialize;
+
+use crate::cluster::{ClusterSpec, NodeId, SyncPreference};
+use crate::cost::{Costs, param_server_s, ring_allreduce_s};
+
+/// The collective a sync round uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Collective {
+    /// Chunked reduce-scatter + all-gather around a ring.
+    Ring,
+    /// Push to / pull from one server (the first node of each group).
+    ParamServer,
+}
+
+/// How gradients are synchronized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(tag = "method", rename_all = "kebab-case")]
+pub enum SyncMethod {
+    /// One replica: nothing to synchronize.
+    None,
+    /// Exact synchronous data parallel: every step.
+    EveryStep {
+        /// The collective.
+        collective: Collective,
+    },
+    /// Local SGD (DiLoCo-style): `local_steps` steps alone, then an averaging round.
+    LocalSgd {
+        /// The collective of the averaging round.
+        collective: Collective,
+        /// Local steps between averaging rounds (H).
+        local_steps: u32,
+    },
+}
+
+/// One group of nodes that hold the same parameters and average them.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SyncGroup {
+    /// Ring order (for a parameter server, the server first).
+    pub order: Vec<NodeId>,
+    /// Bytes each member contributes per round.
+    pub bytes: u64,
+    /// Seconds of one round for this group.
+    pub round_s: f64,
+    /// Slowest link in the ring (Gbit/s), for reports.
+    pub bottleneck_gbps: f64,
+}
+
+/// The chosen synchronization.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SyncPlan {
+    /// Method.
+    pub method: SyncMethod,
+    /// Groups (data parallel: one; pipeline: one per stage).
+    pub groups: Vec<SyncGroup>,
+    /// Seconds one round takes (groups run concurrently on disjoint nodes).
+    pub round_s: f64,
+    /// Seconds charged per training step (round ÷ H under local SGD).
+    pub per_step_s: f64,
+    /// Why this method was chosen.
+    pub reason: String,
+}
+
+/// How much freedom a planner has when choosing sync.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncFreedom {
+    /// Choose ring order, collective and local SGD from the cost model.
+    Choose,
+    /// What a homogeneous framework does: ring in id order, every step (unless the user
+    /// explicitly asked for something else).
+    Baseline,
+}
+
+/// Target share of compute that amortized local-SGD communication may take.
+const LOCAL_SGD_COMM_SHARE: f64 = 0.1;
+/// Cap on local steps (DiLoCo uses 500).
+pub const LOCAL_SGD_MAX_STEPS: u32 = 500;
+
+/// Figures of a ring in a given order: (bottleneck Gbit/s, worst latency ms).
+pub fn ring_links(cluster: &ClusterSpec, order: &[NodeId]) -> (f64, f64) {
+    let n = order.len();
+    let mut bw = f64::INFINITY;
+    let mut lat: f64 = 0.0;
+    for i in 0..n {
+        let l = cluster.link(order[i], order[(i + 1) % n]);
+        bw = bw.min(l.bandwidth_gbps);
+        lat = lat.max(l.latency_ms);
+    }
+    (bw, lat)
+}
+
+fn ring_time(cluster: &ClusterSpec, order: &[NodeId], bytes: f64) -> f64 {
+    if order.len() <= 1 {
+        return 0.0;
+    }
+    let (bw, lat) = ring_links(cluster, order);
+    ring_allreduce_s(order.len(), bytes, bw, lat)
+}
+
+/// Exhaustive search is used up to this many nodes ((n-1)! orders).
+pub const RING_EXACT_MAX: usize = 8;
+/// Nearest-neighbour search (O(n²) link look-ups) is used up to this many nodes.
+const RING_GREEDY_MAX: usize = 256;
+
+/// A ring order over `nodes` that minimizes the all-reduce time of `bytes`, i.e. maximizes the
+/// slowest link (then minimizes the worst latency). Exact up to [`RING_EXACT_MAX`] nodes; above,
+/// the best of id order, access-bandwidth order and a widest-link nearest-neighbour tour.
+pub fn ring_order(cluster: &ClusterSpec, nodes: &[NodeId], bytes: f64) -> Vec<NodeId> {
+    let mut ids: Vec<NodeId> = nodes.to_vec();
+    ids.sort_unstable();
+    let n = ids.len();
+    if n <= 2 {
+        return ids;
+    }
+    if n <= RING_EXACT_MAX {
+        // Fix the first node; permute the rest (Heap's algorithm, deterministic).
+        let mut best = ids.clone();
+        let mut best_t = ring_time(cluster, &ids, bytes);
+        let mut rest: Vec<NodeId> = ids[1..].to_vec();
+        let mut c = vec![0usize; rest.len()];
+        let mut i = 0;
+        while i < rest.len() {
+            if c[i] < i {
+                if i % 2 == 0 {
+                    rest.swap(0, i);
+                } else {
+                    rest.swap(c[i], i);
+                }
+                let mut cand = vec![ids[0]];
+                cand.extend_from_slice(&rest);
+                let t = ring_time(cluster, &cand, bytes);
+                if t < best_t {
+                    best_t = t;
+                    best = cand;
+                }
+                c[i] += 1;
+                i = 0;
+            } else {
+                c[i] = 0;
+                i += 1;
+            }
+        }
+        return best;
+    }
+    let mut by_access = ids.clone();
+    by_access.sort_by(|&a, &b| {
+        let (la, lb) = (cluster.node(a).link, cluster.node(b).link);
+        lb.bandwidth_gbps
+            .total_cmp(&la.bandwidth_gbps)
+            .then(la.latency_ms.total_cmp(&lb.latency_ms))
+            .then(a.cmp(&b))
+    });
+    if !cluster.has_pair_links() {
+        // Every ring has the same bottleneck (the slowest access link); keep slow nodes adjacent.
+        return by_access;
+    }
+    let mut candidates = vec![ids.clone(), by_access.clone()];
+    if n <= RING_GREEDY_MAX {
+        let mut tour = vec![by_access[0]];
+        let mut left: Vec<NodeId> = by_access[1..].to_vec();
+        while !left.is_empty() {
+            let last = *tour.last().unwrap();
+            let (pos, _) = left
+                .iter()
+                .enumerate()
+                .map(|(p, &x)| (p, cluster.link(last, x)))
+                .max_by(|(pa, a), (pb, b)| {
+                    a.bandwidth_gbps
+                        .total_cmp(&b.bandwidth_gbps)
+                        .then(b.latency_ms.total_cmp(&a.latency_ms))
+                        .then(pb.cmp(pa))
+                })
+                .unwrap();
+            tour.push(left.remove(pos));
+        }
+        candidates.push(tour);
+    }
+    candidates
+        .into_iter()
+        .map(|o| (ring_time(cluster, &o, bytes), o))
+        .min_by(|a, b| a.0.total_cmp(&b.0))
+        .unwrap()
+        .1
+}
+
+/// The parameter server for a group: the member with the fastest access link (lowest id on ties).
+pub fn server_for(cluster: &ClusterSpec, nodes: &[NodeId]) -> NodeId {
+    *nodes
+        .iter()
+        .max_by(|&&a, &&b| {
+            cluster
+                .node(a)
+                .link
+                .bandwidth_gbps
+                .total_cmp(&cluster.node(b).link.bandwidth_gbps)
+                .then(b.cmp(&a))
+        })
+        .expect("non-empty group")
+}
+
+/// Local steps so that amortized communication is at most 10% of compute, in [2, 500].
+pub fn local_steps_for(round_s: f64, compute_s: f64) -> u32 {
+    if compute_s <= 0.0 {
+        return LOCAL_SGD_MAX_STEPS;
+    }
+    let h = (round_s / (LOCAL_SGD_COMM_SHARE * compute_s)).ceil();
+    h.clamp(2.0, f64::from(LOCAL_SGD_MAX_STEPS)) as u32
+}
+
+/// Choose how the given groups synchronize, given the compute time of one step.
+pub fn choose_sync(
+    costs: &Costs<'_>,
+    groups: &[(Vec<NodeId>, u64)],
+    compute_s: f64,
+    freedom: SyncFreedom,
+) -> SyncPlan {
+    let cluster = costs.cluster;
+    let pref = costs.training.sync;
+    if groups.iter().all(|(g, _)| g.len() <= 1) {
+        return SyncPlan {
+            method: SyncMethod::None,
+            groups: groups
+                .iter()
+                .map(|(g, b)| SyncGroup {
+                    order: g.clone(),
+                    bytes: *b,
+                    round_s: 0.0,
+                    bottleneck_gbps: 0.0,
+                })
+                .collect(),
+            round_s: 0.0,
+            per_step_s: 0.0,
+            reason: "one replica: nothing to synchronize".into(),
+        };
+    }
+    let smart = freedom == SyncFreedom::Choose;
+    let ring_groups: Vec<SyncGroup> = groups
+        .iter()
+        .map(|(g, bytes)| {
+            let order = if smart {
+                ring_order(cluster, g, *bytes as f64)
+            } else {
+                let mut o = g.clone();
+                o.sort_unstable();
+                o
+            };
+            let (bw, _) = if order.len() > 1 {
+                ring_links(cluster, &order)
+            } else {
+                (0.0, 0.0)
+            };
+            SyncGroup {
+                round_s: ring_time(cluster, &order, *bytes as f64),
+                order,
+                bytes: *bytes,
+                bottleneck_gbps: bw,
+            }
+        })
+        .collect();
+    let ps_groups: Vec<SyncGroup> = groups
+        .iter()
+        .map(|(g, bytes)| {
+            let server = if smart {
+                server_for(cluster, g)
+            } else {
+                *g.iter().min().unwrap()
+            };
+            let mut order = vec![server];
+            order.extend(g.iter().copied().filter(|&x| x != server));
+            let bw = g
+                .iter()
+                .filter(|&&x| x != server)
+                .map(|&x| cluster.link(server, x).bandwidth_gbps)
+                .fold(f64::INFINITY, f64::min);
+            SyncGroup {
+                round_s: param_server_s(cluster, server, g, *bytes as f64),
+                order,
+                bytes: *bytes,
+                bottleneck_gbps: if bw.is_finite() { bw } else { 0.0 },
+            }
+        })
+        .collect();
+    let worst = |gs: &[SyncGroup]| gs.iter().map(|g| g.round_s).fold(0.0, f64::max);
+    let (ring_s, ps_s) = (worst(&ring_groups), worst(&ps_groups));
+
+    let (collective, chosen, round_s, mut reason) = match pref {
+        SyncPreference::Ring => (
+            Collective::Ring,
+            ring_groups,
+            ring_s,
+            "ring all-reduce, as `sync = \"ring\"` asks".to_string(),
+        ),
+        SyncPreference::ParamServer => (
+            Collective::ParamServer,
+            ps_groups,
+            ps_s,
+            "parameter server, as `sync = \"param-server\"` asks".to_string(),
+        ),
+        SyncPreference::Auto | SyncPreference::LocalSgd if smart && ps_s < ring_s => (
+            Collective::ParamServer,
+            ps_groups,
+            ps_s,
+            format!(
+                "parameter server: a round takes {} against {} for a ring",
+                secs(ps_s),
+                secs(ring_s)
+            ),
+        ),
+        SyncPreference::Auto | SyncPreference::LocalSgd if smart => (
+            Collective::Ring,
+            ring_groups,
+            ring_s,
+            format!(
+                "ring all-reduce: a round takes {} against {} through a parameter server",
+                secs(ring_s),
+                secs(ps_s)
+            ),
+        ),
+        _ => (
+            Collective::Ring,
+            ring_groups,
+            ring_s,
+            "ring all-reduce in rank order, every step (what DDP does)".to_string(),
+        ),
+    };
+    let ratio = if compute_s > 0.0 {
+        round_s / compute_s
+    } else {
+        f64::INFINITY
+    };
+    let local = match pref {
+        SyncPreference::LocalSgd => true,
+        SyncPreference::Auto => smart && ratio > costs.training.local_sgd_threshold,
+        _ => false,
+    };
+    if local {
+        let h = local_steps_for(round_s, compute_s);
+        let why = if pref == SyncPreference::LocalSgd {
+            "`sync = \"local-sgd\"` asks for it".to_string()
+        } else {
+            format!(
+                "communication / compute = {ratio:.2} exceeds local_sgd_threshold = {}",
+                costs.training.local_sgd_threshold
+            )
+        };
+        reason = format!(
+            "local SGD with {h} local steps per averaging round: one round takes {} against {} of \
+             compute per step ({why}); averaging by {reason}",
+            secs(round_s),
+            secs(compute_s),
+        );
+        return SyncPlan {
+            method: SyncMethod::LocalSgd {
+                collective,
+                local_steps: h,
+            },
+            groups: chosen,
+            round_s,
+            per_step_s: round_s / f64::from(h),
+            reason,
+        };
+    }
+    if smart {
+        reason = format!(
+            "{reason}; every step (communication is {:.0}% of compute)",
+            ratio * 100.0
+        );
+    }
+    SyncPlan {
+        method: SyncMethod::EveryStep { collective },
+        groups: chosen,
+        round_s,
+        per_step_s: round_s,
+        reason,
+    }
+}
+
+/// Seconds, printed with a unit that keeps 3 significant digits.
+pub fn secs(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.2} s")
+    } else if s >= 1e-3 {
+        format!("{:.1} ms", s * 1e3)
+    } else {
+        format!("{:.0} µs", s * 1e6)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::{Link, NodeSpec};
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    fn cluster(access: &[f64], pairs: &[(u32, u32, f64)]) -> ClusterSpec {
+        ClusterSpec {
+            name: "t".into(),
+            nodes: access
+                .iter()
+                .enumerate()
+                .map(|(i, &bw)| NodeSpec {
+                    name: format!("n{i}"),
+                    device: "cpu".into(),
+                    memory_bytes: 1 << 30,
+                    flops: 1e12,
+                    link: Link {
+                        bandwidth_gbps: bw,
+                        latency_ms: 0.1,
+                    },
+                    address: None,
+                })
+                .collect(),
+            pair_links: pairs
+                .iter()
+                .map(|&(a, b, bw)| {
+                    (
+                        (NodeId(a.min(b)), NodeId(a.max(b))),
+                        Link {
+                            bandwidth_gbps: bw,
+                            latency_ms: 0.1,
+                        },
+                    )
+                })
+                .collect::<BTreeMap<_, _>>(),
+        }
+    }
+
+    proptest! {
+        /// The ring order reaches the best bottleneck over all orders (exact for small rings).
+        #[test]
+        fn ring_order_maximizes_the_slowest_link(
+            access in prop::collection::vec(1u32..20, 3..7),
+            pairs in prop::collection::vec((0u32..7, 0u32..7, 1u32..40), 0..10),
+        ) {
+            let n = access.len() as u32;
+            let pairs: Vec<(u32, u32, f64)> = pairs.into_iter().filter(|(a, b, _)| a != b && *a < n && *b < n)
+                .map(|(a, b, w)| (a, b, f64::from(w))).collect();
+            let c = cluster(&access.iter().map(|&x| f64::from(x)).collect::<Vec<_>>(), &pairs);
+            let ids: Vec<NodeId> = c.ids().collect();
+            let got = ring_order(&c, &ids, 1e9);
+            let mut sorted = got.clone(); sorted.sort_unstable();
+            prop_assert_eq!(&sorted, &ids);
+            // oracle: all permutations
+            fn perms(v: &[NodeId]) -> Vec<Vec<NodeId>> {
+                if v.len() <= 1 { return vec![v.to_vec()]; }
+                let mut out = vec![];
+                for i in 0..v.len() { let mut r = v.to_vec(); let x = r.remove(i); for mut p in perms(&r) { p.insert(0, x); out.push(p); } }
+                out
+            }
+            let best = perms(&ids).iter().map(|o| ring_links(&c, o).0).fold(0.0, f64::max);
+            prop_assert_eq!(ring_links(&c, &got).0, best);
+        }
+    }
+
+    #[test]
+    fn two_zones_cross_the_slow_link_only_twice() {
+        // 0,1 in zone A, 2,3 in zone B; fast inside zones, 1 Gbit/s across except 1-2 and 3-0 at 5.
+        let pairs = [(0, 2, 1.0), (1, 3, 1.0), (1, 2, 5.0), (0, 3, 5.0)];
+        let c = cluster(&[100.0; 4], &pairs);
+        let ids: Vec<NodeId> = c.ids().collect();
+        let order = ring_order(&c, &ids, 1e9);
+        assert_eq!(ring_links(&c, &order).0, 5.0, "{order:?}");
+        // id order 0,1,2,3 would use 1-2 (5) and 3-0 (5) too; 0,2,1,3 would use the 1 Gbit/s links.
+        assert_eq!(
+            ring_links(&c, &[NodeId(0), NodeId(2), NodeId(1), NodeId(3)]).0,
+            1.0
+        );
+    }
+
+    #[test]
+    fn local_steps_amortize_to_a_tenth() {
+        assert_eq!(local_steps_for(5.0, 1.0), 50);
+        assert_eq!(local_steps_for(0.01, 1.0), 2);
+        assert_eq!(local_steps_for(1e9, 1.0), LOCAL_SGD_MAX_STEPS);
+    }
+}

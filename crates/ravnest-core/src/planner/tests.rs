@@ -1,0 +1,277 @@
+//! Planner-level properties on random small clusters, against the exhaustive oracle.
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::cluster::{Link, NodeSpec, SyncPreference};
+use crate::model::{LayerSpec, Optimizer, Precision};
+
+#[derive(Debug, Clone)]
+struct Instance {
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    training: TrainingSpec,
+}
+
+fn instance(max_nodes: usize) -> impl Strategy<Value = Instance> {
+    let node = (
+        1u32..40,
+        1u32..40,
+        prop_oneof![Just(0.1f64), Just(1.0), Just(10.0), Just(100.0)],
+        0u32..20,
+    );
+    let layer = (1u64..400, 1u32..50, 0u64..200, 1u64..50);
+    (
+        prop::collection::vec(node, 1..=max_nodes),
+        prop::collection::vec(layer, 1..7),
+        1u32..96,
+        1u32..8,
+        prop_oneof![Just(Optimizer::Sgd), Just(Optimizer::Adamw)],
+        prop_oneof![
+            Just(SyncPreference::Auto),
+            Just(SyncPreference::Ring),
+            Just(SyncPreference::ParamServer)
+        ],
+        prop::collection::vec((0u32..6, 0u32..6, 1u32..100), 0..3),
+    )
+        .prop_map(
+            |(nodes, layers, global_batch, micro_batch, optimizer, sync, pairs)| {
+                let n = nodes.len() as u32;
+                let cluster = ClusterSpec {
+                    name: "random".into(),
+                    nodes: nodes
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &(mem, tf, bw, lat))| NodeSpec {
+                            name: format!("n{i}"),
+                            device: "cpu".into(),
+                            // memory in units of 4 KiB so small models hit the limits sometimes
+                            memory_bytes: u64::from(mem) * 4096,
+                            flops: f64::from(tf) * 1e9,
+                            link: Link {
+                                bandwidth_gbps: bw,
+                                latency_ms: f64::from(lat) / 10.0,
+                            },
+                            address: None,
+                        })
+                        .collect(),
+                    pair_links: pairs
+                        .into_iter()
+                        .filter(|(a, b, _)| a != b && *a < n && *b < n)
+                        .map(|(a, b, bw)| {
+                            (
+                                (NodeId(a.min(b)), NodeId(a.max(b))),
+                                Link {
+                                    bandwidth_gbps: f64::from(bw) / 10.0,
+                                    latency_ms: 0.5,
+                                },
+                            )
+                        })
+                        .collect::<BTreeMap<_, _>>(),
+                };
+                let model = ModelSpec {
+                    name: "random".into(),
+                    layers: layers
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &(params, mflops, act, out))| LayerSpec {
+                            name: format!("l{i}"),
+                            params: params * 16,
+                            fwd_flops_per_sample: f64::from(mflops) * 1e6,
+                            activation_elems_per_sample: act * 8,
+                            output_elems_per_sample: out * 64,
+                        })
+                        .collect(),
+                };
+                let training = TrainingSpec {
+                    global_batch,
+                    micro_batch,
+                    optimizer,
+                    precision: Precision::Fp32,
+                    sync,
+                    local_sgd_threshold: 1.0,
+                };
+                Instance {
+                    cluster,
+                    model,
+                    training,
+                }
+            },
+        )
+}
+
+fn check_plan(inst: &Instance, p: &Plan) -> Result<(), TestCaseError> {
+    let b = u64::from(inst.training.global_batch);
+    prop_assert_eq!(p.nodes.len(), inst.cluster.nodes.len());
+    for n in &p.nodes {
+        prop_assert!(
+            n.memory_bytes <= n.memory_limit_bytes,
+            "{} over memory: {} > {}",
+            n.name,
+            n.memory_bytes,
+            n.memory_limit_bytes
+        );
+        prop_assert!(n.idle_s >= 0.0 && n.compute_s >= 0.0 && n.comm_s >= 0.0);
+        prop_assert!(
+            n.compute_s + n.comm_s <= p.step.step_s * (1.0 + 1e-9) + 1e-12,
+            "{} busy longer than the step",
+            n.name
+        );
+    }
+    match &p.layout {
+        Layout::DataParallel { .. } => {
+            let sum: u64 = p.nodes.iter().map(|n| n.batch).sum();
+            prop_assert_eq!(sum, b);
+            let w: f64 = p.nodes.iter().map(|n| n.grad_weight).sum();
+            prop_assert!((w - 1.0).abs() < 1e-9, "gradient weights sum to {w}");
+        }
+        Layout::Pipeline {
+            stages,
+            replicas,
+            bounds,
+            ..
+        } => {
+            prop_assert_eq!(bounds.len(), stages + 1);
+            let stage0: u64 = p
+                .nodes
+                .iter()
+                .filter(|n| matches!(n.role, Role::Stage { stage: 0, .. }))
+                .map(|n| n.batch)
+                .sum();
+            prop_assert_eq!(stage0, b);
+            for k in 0..*stages {
+                let holders = p
+                    .nodes
+                    .iter()
+                    .filter(|n| matches!(n.role, Role::Stage { stage, .. } if stage == k))
+                    .count();
+                prop_assert_eq!(holders, *replicas);
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// Every plan is well-formed; ravnest is never predicted slower than `uniform` or
+    /// `param-count`; `exhaustive` is never beaten.
+    #[test]
+    fn ravnest_beats_baselines_and_exhaustive_beats_everyone(inst in instance(4)) {
+        let plan_of = |k| plan(k, &inst.cluster, &inst.model, &inst.training);
+        let ours = plan_of(PlannerKind::Ravnest);
+        let oracle = plan_of(PlannerKind::Exhaustive);
+        match (&ours, &oracle) {
+            (Err(PlanError::ModelFitsNowhere { .. }), Err(PlanError::ModelFitsNowhere { .. })) => {}
+            (Ok(o), Ok(x)) => {
+                check_plan(&inst, o)?;
+                check_plan(&inst, x)?;
+                prop_assert!(x.step.step_s <= o.step.step_s * (1.0 + 1e-9), "exhaustive {} > ravnest {}", x.step.step_s, o.step.step_s);
+                for k in [PlannerKind::Uniform, PlannerKind::ParamCount] {
+                    if let Ok(base) = plan_of(k) {
+                        check_plan(&inst, &base)?;
+                        prop_assert!(o.step.step_s <= base.step.step_s * (1.0 + 1e-9), "ravnest {} > {k} {}", o.step.step_s, base.step.step_s);
+                        prop_assert!(x.step.step_s <= base.step.step_s * (1.0 + 1e-9));
+                    }
+                }
+            }
+            _ => prop_assert!(false, "ravnest {:?} vs exhaustive {:?}", ours.as_ref().map(|p| p.step.step_s), oracle.as_ref().map(|p| p.step.step_s)),
+        }
+    }
+
+    /// Plans are pure functions of their input.
+    #[test]
+    fn planning_is_deterministic(inst in instance(6)) {
+        let a = plan(PlannerKind::Ravnest, &inst.cluster, &inst.model, &inst.training);
+        let b = plan(PlannerKind::Ravnest, &inst.cluster, &inst.model, &inst.training);
+        prop_assert_eq!(a, b);
+    }
+}
+
+fn node(name: &str, tflops: f64, mem_gib: f64) -> NodeSpec {
+    NodeSpec {
+        name: name.into(),
+        device: "cpu".into(),
+        memory_bytes: (mem_gib * GIB) as u64,
+        flops: tflops * 1e12,
+        link: Link {
+            bandwidth_gbps: 10.0,
+            latency_ms: 0.1,
+        },
+        address: None,
+    }
+}
+
+#[test]
+fn one_slow_node_gets_a_third_of_the_share() {
+    let cluster = ClusterSpec {
+        name: "t".into(),
+        nodes: vec![
+            node("fast0", 30.0, 20.0),
+            node("fast1", 30.0, 20.0),
+            node("slow", 10.0, 20.0),
+        ],
+        pair_links: BTreeMap::new(),
+    };
+    let model = crate::model::preset("mlp-digits").unwrap().build();
+    let training = TrainingSpec {
+        global_batch: 700,
+        ..TrainingSpec::default()
+    };
+    let p = plan(PlannerKind::Ravnest, &cluster, &model, &training).unwrap();
+    let b: Vec<u64> = p.nodes.iter().map(|n| n.batch).collect();
+    assert_eq!(b, vec![300, 300, 100]);
+    let u = plan(PlannerKind::Uniform, &cluster, &model, &training).unwrap();
+    assert!(
+        u.step.compute_s / p.step.compute_s > 1.7,
+        "{} vs {}",
+        u.step.compute_s,
+        p.step.compute_s
+    );
+}
+
+#[test]
+fn a_model_too_big_for_every_node_is_pipelined() {
+    let cluster = ClusterSpec {
+        name: "t".into(),
+        nodes: (0..4).map(|i| node(&format!("n{i}"), 30.0, 23.0)).collect(),
+        pair_links: BTreeMap::new(),
+    };
+    let model = crate::model::preset("gpt-1.3b").unwrap().build();
+    let training = TrainingSpec {
+        global_batch: 32,
+        micro_batch: 1,
+        ..TrainingSpec::default()
+    };
+    let p = plan(PlannerKind::Ravnest, &cluster, &model, &training).unwrap();
+    assert!(
+        matches!(p.layout, Layout::Pipeline { .. }),
+        "{:?}",
+        p.layout
+    );
+}
+
+#[test]
+fn a_model_that_fits_nowhere_says_how_much_it_needs() {
+    let cluster = ClusterSpec {
+        name: "t".into(),
+        nodes: vec![node("small", 10.0, 2.0)],
+        pair_links: BTreeMap::new(),
+    };
+    let model = crate::model::preset("gpt-7b").unwrap().build();
+    let err = plan(
+        PlannerKind::Ravnest,
+        &cluster,
+        &model,
+        &TrainingSpec::default(),
+    )
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("fits nowhere") && msg.contains("`small` has 2.0 GiB"),
+        "{msg}"
+    );
+}
