@@ -1,1 +1,170 @@
-fn main() {}
+//! `ravnest`: the command-line front end. Reads files, prints reports; every decision is made
+//! by the pure `ravnest-core` crate.
+
+mod report;
+mod scenarios;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use ravnest_core::{PlannerKind, Scenario, plan};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "ravnest",
+    version,
+    about = "Train neural networks on heterogeneous clusters"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Show what ravnest would do on each node, next to an equal split.
+    Plan {
+        /// Cluster or scenario file (TOML). Without it, the embedded `mixed-4090-3060` scenario.
+        file: Option<PathBuf>,
+        /// Planner: ravnest, uniform, param-count or exhaustive.
+        #[arg(long, default_value = "ravnest")]
+        planner: String,
+        /// Print JSON instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Benchmarks that print a table.
+    Bench {
+        #[command(subcommand)]
+        what: BenchWhat,
+    },
+    /// List the device catalog and the model presets.
+    Catalog,
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchWhat {
+    /// Predicted samples/s of every planner on every shipped scenario (or the given files).
+    Planners {
+        /// Scenario files; default: every scenario shipped in `scenarios/` (embedded).
+        files: Vec<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Plan {
+            file,
+            planner,
+            json,
+        } => {
+            let kind = parse_planner(&planner)?;
+            let (origin, scenario) = load(file.as_deref())?;
+            let ours = plan(kind, &scenario.cluster, &scenario.model, &scenario.training)
+                .with_context(|| format!("{origin}: planner `{kind}`"))?;
+            let baseline = (kind != PlannerKind::Uniform).then(|| {
+                plan(
+                    PlannerKind::Uniform,
+                    &scenario.cluster,
+                    &scenario.model,
+                    &scenario.training,
+                )
+            });
+            if json {
+                println!(
+                    "{}",
+                    report::plan_json(&scenario, &ours, baseline.as_ref())?
+                );
+            } else {
+                print!(
+                    "{}",
+                    report::plan_text(&origin, &scenario, &ours, baseline.as_ref())
+                );
+            }
+            Ok(())
+        }
+        Command::Bench {
+            what: BenchWhat::Planners { files },
+        } => {
+            let inputs: Vec<(String, Scenario)> = if files.is_empty() {
+                scenarios::SHIPPED
+                    .iter()
+                    .map(|(name, text)| Ok((name.to_string(), ravnest_core::parse(text, name)?)))
+                    .collect::<Result<_>>()?
+            } else {
+                files.iter().map(|f| load(Some(f))).collect::<Result<_>>()?
+            };
+            let mut rows = Vec::new();
+            for (name, s) in &inputs {
+                for kind in PlannerKind::ALL {
+                    let t0 = Instant::now();
+                    let p = plan(kind, &s.cluster, &s.model, &s.training);
+                    rows.push(report::BenchRow {
+                        scenario: name.clone(),
+                        nodes: s.cluster.nodes.len(),
+                        planner: kind,
+                        result: p,
+                        plan_ms: t0.elapsed().as_secs_f64() * 1e3,
+                    });
+                }
+            }
+            print!("{}", report::bench_table(&rows));
+            Ok(())
+        }
+        Command::Catalog => {
+            print!("{}", report::catalog_text());
+            Ok(())
+        }
+    }
+}
+
+fn parse_planner(name: &str) -> Result<PlannerKind> {
+    match PlannerKind::parse(name) {
+        Some(k) => Ok(k),
+        None => {
+            let names: Vec<&str> = PlannerKind::ALL.iter().map(|k| k.as_str()).collect();
+            match ravnest_core::config::nearest(name, names.iter().copied()) {
+                Some(n) => bail!(
+                    "unknown planner `{name}`\n  help: did you mean `{n}`? valid: {}",
+                    names.join(", ")
+                ),
+                None => bail!(
+                    "unknown planner `{name}`\n  help: valid: {}",
+                    names.join(", ")
+                ),
+            }
+        }
+    }
+}
+
+/// Read and parse a scenario; `None` is the embedded default.
+fn load(path: Option<&Path>) -> Result<(String, Scenario)> {
+    let (origin, text) = match path {
+        None => (
+            scenarios::DEFAULT.0.to_string(),
+            scenarios::DEFAULT.1.to_string(),
+        ),
+        Some(p) => {
+            let origin = p.display().to_string();
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("cannot read `{origin}`"))?;
+            (origin, text)
+        }
+    };
+    let scenario = ravnest_core::parse(&text, &origin)?;
+    Ok((origin, scenario))
+}

@@ -96,7 +96,7 @@ impl Default for TrainingSpec {
             optimizer: Optimizer::Adamw,
             precision: Precision::Fp32,
             sync: SyncPreference::Auto,
-            local_sgd_threshold: 1.0,
+            local_sgd_threshold: 3.0,
         }
     }
 }

@@ -493,9 +493,11 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
         if let Some(x) = &n.latency_ms {
             link.latency_ms = ctx.non_negative(x, "latency_ms")?;
         }
-        if count > 1 && n.address.is_some() {
+        if let Some(address) = &n.address
+            && count > 1
+        {
             return Err(ctx.err(
-                Some(&n.address.as_ref().unwrap().span()),
+                Some(&address.span()),
                 "`address` names one machine; it cannot go with `count` > 1",
             ));
         }

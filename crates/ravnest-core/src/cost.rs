@@ -9,12 +9,17 @@
 //! - transfer time = latency + bytes ÷ bandwidth;
 //! - ring all-reduce = 2(n-1)/n · S ÷ B_slowest + 2(n-1) · latency;
 //! - parameter server = 2 · max((n-1) · S ÷ B_server, slowest worker's transfer of S);
-//! - communication does not overlap computation (a conservative bound).
+//! - data-parallel gradient rounds overlap the backward pass of the slowest worker (DDP-style
+//!   buckets): exposed time = max(0, round - backward); pipeline stage rounds and local-SGD
+//!   averaging rounds are not overlapped; pipeline activation transfers add to the stage time.
 
 use std::ops::Range;
 
 use crate::cluster::{ClusterSpec, Link, NodeId, TrainingSpec};
 use crate::model::{ModelSpec, state_bytes_per_param};
+
+/// Share of a training step's compute spent in the backward pass (backward = 2x forward).
+pub const BACKWARD_SHARE: f64 = 2.0 / 3.0;
 
 /// Prefix sums over a model's layers, for O(1) range costs.
 #[derive(Debug, Clone)]

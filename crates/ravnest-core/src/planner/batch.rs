@@ -164,13 +164,43 @@ pub fn equal_split(total: u64, n: usize) -> Vec<u64> {
 /// time to the machine that would finish earliest: optimal for the makespan of unit jobs on
 /// uniform machines. Used for micro-batches across pipeline replicas (offset = S - 1 fill/drain).
 pub fn greedy_units(count: u64, secs_per_unit: &[f64], offset: f64) -> Vec<u64> {
-    let mut k = vec![0u64; secs_per_unit.len()];
+    let n = secs_per_unit.len();
+    assert!(n > 0, "at least one machine");
+    // The optimal assignment takes the `count` smallest finishing times (j + offset)·t_i over
+    // all machines i and j = 1, 2, ... Every time below the continuous solution T of
+    // Σ max(0, T/t_i - offset) = count is among them, so start from those (found by bisection)
+    // and add the last few units one by one.
+    let units_below = |t: f64, s: f64| {
+        if s > 0.0 {
+            (t / s - offset).floor().max(0.0) as u64
+        } else {
+            0
+        }
+    };
+    let t_min = secs_per_unit.iter().copied().fold(f64::INFINITY, f64::min);
+    let (mut lo, mut hi) = (0.0f64, (count as f64 + offset + 1.0) * t_min);
+    // 64 halvings take any f64 interval down to adjacent values.
+    for _ in 0..64 {
+        let mid = 0.5 * (lo + hi);
+        if secs_per_unit
+            .iter()
+            .map(|&s| units_below(mid, s))
+            .sum::<u64>()
+            <= count
+        {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let mut k: Vec<u64> = secs_per_unit.iter().map(|&s| units_below(lo, s)).collect();
+    let placed: u64 = k.iter().sum();
     let mut heap: BinaryHeap<std::cmp::Reverse<Key>> = secs_per_unit
         .iter()
         .enumerate()
-        .map(|(i, t)| std::cmp::Reverse(Key((1.0 + offset) * t, i)))
+        .map(|(i, t)| std::cmp::Reverse(Key((k[i] as f64 + 1.0 + offset) * t, i)))
         .collect();
-    for _ in 0..count {
+    for _ in placed..count {
         let std::cmp::Reverse(Key(_, i)) = heap.pop().expect("at least one machine");
         k[i] += 1;
         heap.push(std::cmp::Reverse(Key(

@@ -115,6 +115,19 @@ pub fn ring_order(cluster: &ClusterSpec, nodes: &[NodeId], bytes: f64) -> Vec<No
     if n <= 2 {
         return ids;
     }
+    let mut by_access = ids.clone();
+    by_access.sort_by(|&a, &b| {
+        let (la, lb) = (cluster.node(a).link, cluster.node(b).link);
+        lb.bandwidth_gbps
+            .total_cmp(&la.bandwidth_gbps)
+            .then(la.latency_ms.total_cmp(&lb.latency_ms))
+            .then(a.cmp(&b))
+    });
+    if !cluster.has_pair_links() {
+        // Every ring has the same bottleneck (the slowest access link) and the same worst
+        // latency; keep slow nodes adjacent.
+        return by_access;
+    }
     if n <= RING_EXACT_MAX {
         // Fix the first node; permute the rest (Heap's algorithm, deterministic).
         let mut best = ids.clone();
@@ -144,18 +157,6 @@ pub fn ring_order(cluster: &ClusterSpec, nodes: &[NodeId], bytes: f64) -> Vec<No
             }
         }
         return best;
-    }
-    let mut by_access = ids.clone();
-    by_access.sort_by(|&a, &b| {
-        let (la, lb) = (cluster.node(a).link, cluster.node(b).link);
-        lb.bandwidth_gbps
-            .total_cmp(&la.bandwidth_gbps)
-            .then(la.latency_ms.total_cmp(&lb.latency_ms))
-            .then(a.cmp(&b))
-    });
-    if !cluster.has_pair_links() {
-        // Every ring has the same bottleneck (the slowest access link); keep slow nodes adjacent.
-        return by_access;
     }
     let mut candidates = vec![ids.clone(), by_access.clone()];
     if n <= RING_GREEDY_MAX {
@@ -211,10 +212,13 @@ pub fn local_steps_for(round_s: f64, compute_s: f64) -> u32 {
 }
 
 /// Choose how the given groups synchronize, given the compute time of one step.
+/// `overlap_s` is how much of an every-step round can hide behind the backward pass (gradient
+/// buckets are reduced while later layers still compute, as DDP does); the rest is exposed.
 pub fn choose_sync(
     costs: &Costs<'_>,
     groups: &[(Vec<NodeId>, u64)],
     compute_s: f64,
+    overlap_s: f64,
     freedom: SyncFreedom,
 ) -> SyncPlan {
     let cluster = costs.cluster;
@@ -348,7 +352,8 @@ pub fn choose_sync(
         };
         reason = format!(
             "local SGD with {h} local steps per averaging round: one round takes {} against {} of \
-             compute per step ({why}); averaging by {reason}",
+             compute per step ({why}); averaging by {reason}. Local SGD is not step-for-step \
+             equal to synchronous SGD: set `sync = \"ring\"` for exact updates",
             secs(round_s),
             secs(compute_s),
         );
@@ -363,24 +368,29 @@ pub fn choose_sync(
             reason,
         };
     }
-    if smart {
+    let exposed = (round_s - overlap_s).max(0.0);
+    if overlap_s > 0.0 {
         reason = format!(
-            "{reason}; every step (communication is {:.0}% of compute)",
-            ratio * 100.0
+            "{reason}; every step, {} of it hidden behind the backward pass",
+            secs(round_s - exposed)
         );
+    } else {
+        reason = format!("{reason}; every step");
     }
     SyncPlan {
         method: SyncMethod::EveryStep { collective },
         groups: chosen,
         round_s,
-        per_step_s: round_s,
+        per_step_s: exposed,
         reason,
     }
 }
 
 /// Seconds, printed with a unit that keeps 3 significant digits.
 pub fn secs(s: f64) -> String {
-    if s >= 1.0 {
+    if s == 0.0 {
+        "0".to_string()
+    } else if s >= 1.0 {
         format!("{s:.2} s")
     } else if s >= 1e-3 {
         format!("{:.1} ms", s * 1e3)

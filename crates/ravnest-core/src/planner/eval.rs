@@ -1,0 +1,320 @@
+//! Evaluating one candidate layout with the cost model: memory check, per-node times, sync
+//! choice, predicted step.
+
+use crate::cluster::NodeId;
+use crate::cost::Costs;
+use crate::device::GIB;
+
+use super::layers::Bounds;
+use super::sync::{SyncFreedom, choose_sync};
+use super::{Layout, NodePlan, Plan, PlannerKind, Role, StepPrediction};
+
+// ---------------------------------------------------------------------------------------------
+// Candidate layouts and their evaluation.
+
+/// A concrete layout to evaluate.
+#[derive(Debug, Clone)]
+pub(super) enum Candidate {
+    /// Workers with their batch shares (same order).
+    Data {
+        workers: Vec<NodeId>,
+        batch: Vec<u64>,
+        note: Option<String>,
+    },
+    /// grid[r][k] = node of stage k in replica r; micro-batches and samples per replica.
+    Pipe {
+        grid: Vec<Vec<NodeId>>,
+        bounds: Bounds,
+        micro: Vec<u64>,
+        samples: Vec<u64>,
+        note: Option<String>,
+    },
+}
+
+pub(super) fn search(costs: &Costs<'_>, candidates: &[(Candidate, SyncFreedom)]) -> Option<Plan> {
+    let mut best = None;
+    search_into(costs, candidates, &mut best);
+    best
+}
+
+/// Evaluate candidates, keeping the fastest in `best`. A pipeline candidate is skipped when even
+/// perfect balance over its nodes could not beat `best` (a cheap lower bound).
+pub(super) fn search_into(
+    costs: &Costs<'_>,
+    candidates: &[(Candidate, SyncFreedom)],
+    best: &mut Option<Plan>,
+) {
+    for (c, freedom) in candidates {
+        if let (Candidate::Pipe { grid, .. }, Some(b)) = (c, best.as_ref())
+            && perfect_balance_s(costs, grid) >= b.step.step_s
+        {
+            continue;
+        }
+        let beat = best.as_ref().map_or(f64::INFINITY, |b| b.step.step_s);
+        if let Ok(p) = evaluate(costs, c, *freedom, beat) {
+            keep_best(best, p);
+        }
+    }
+}
+
+/// A lower bound on any plan over the nodes of `grid`: the global batch's work spread over
+/// their combined throughput with no bubble, no transfer and no sync.
+pub(super) fn perfect_balance_s(costs: &Costs<'_>, grid: &[Vec<NodeId>]) -> f64 {
+    let work = f64::from(costs.training.global_batch) * costs.train_flops(&costs.all());
+    let flops: f64 = grid
+        .iter()
+        .flatten()
+        .map(|&i| costs.cluster.node(i).flops)
+        .sum();
+    work / flops
+}
+
+/// Memory does not fit: (node, need, have).
+#[derive(Debug)]
+pub(super) struct NoFit(pub NodeId, pub u64, pub u64);
+
+fn idle_reason(costs: &Costs<'_>, layout: &Layout, id: NodeId) -> String {
+    let node = costs.cluster.node(id);
+    let all = costs.all();
+    match layout {
+        Layout::DataParallel { .. } => {
+            let need = costs.memory_bytes(&all, 1);
+            if need > node.memory_bytes {
+                format!(
+                    "the whole model needs {:.1} GiB with one sample, {:.1} GiB usable",
+                    need as f64 / GIB,
+                    node.memory_bytes as f64 / GIB
+                )
+            } else {
+                "left out: its share or its link would slow the step".into()
+            }
+        }
+        Layout::Pipeline { stages, .. } => {
+            format!("no complete replica of {stages} stages left for it")
+        }
+    }
+}
+
+/// Why a candidate was not kept.
+#[derive(Debug)]
+pub(super) enum Rejected {
+    /// A node's memory does not hold its part.
+    NoFit(NoFit),
+    /// Fits, but is not faster than the bound given.
+    NotFaster,
+}
+
+impl From<NoFit> for Rejected {
+    fn from(n: NoFit) -> Self {
+        Rejected::NoFit(n)
+    }
+}
+
+/// Evaluate a candidate; `beat` (seconds) skips building the plan when it would not be faster.
+pub(super) fn evaluate(
+    costs: &Costs<'_>,
+    c: &Candidate,
+    freedom: SyncFreedom,
+    beat: f64,
+) -> Result<Plan, Rejected> {
+    let cluster = costs.cluster;
+    let b_total = u64::from(costs.training.global_batch);
+    let all = costs.all();
+    let mut nodes: Vec<Option<NodePlan>> = vec![None; cluster.nodes.len()];
+    let (layout, sync, compute_max, notes);
+    match c {
+        Candidate::Data {
+            workers,
+            batch,
+            note,
+        } => {
+            let state = costs.state_bytes(&all);
+            let act = costs.activation_bytes_per_sample(&all);
+            let mut cmax: f64 = 0.0;
+            for (&w, &b) in workers.iter().zip(batch) {
+                let node = cluster.node(w);
+                let mem = state + act * b;
+                if mem > node.memory_bytes {
+                    return Err(NoFit(w, mem, node.memory_bytes).into());
+                }
+                let compute = costs.compute_s(w, &all, b as f64);
+                cmax = cmax.max(compute);
+                nodes[w.index()] = Some(NodePlan {
+                    id: w,
+                    name: String::new(),
+                    device: String::new(),
+                    role: Role::Worker,
+                    batch: b,
+                    micro_batches: u64::from(b > 0),
+                    layers: Some(all.clone()),
+                    grad_weight: b as f64 / b_total as f64,
+                    memory_bytes: mem,
+                    memory_limit_bytes: node.memory_bytes,
+                    compute_s: compute,
+                    comm_s: 0.0,
+                    idle_s: 0.0,
+                });
+            }
+            // Every-step rounds overlap the slowest worker's backward pass (2/3 of its compute).
+            sync = choose_sync(
+                costs,
+                &[(workers.clone(), costs.grad_bytes(&all))],
+                cmax,
+                cmax * crate::cost::BACKWARD_SHARE,
+                freedom,
+            );
+            layout = Layout::DataParallel {
+                workers: workers.len(),
+            };
+            compute_max = cmax;
+            notes = note.iter().cloned().collect::<Vec<_>>();
+        }
+        Candidate::Pipe {
+            grid,
+            bounds,
+            micro,
+            samples,
+            note,
+        } => {
+            let stages = bounds.len() - 1;
+            let m = u64::from(costs.training.micro_batch);
+            let mut cmax: f64 = 0.0;
+            let mut per_node_p2p = vec![0.0; cluster.nodes.len()];
+            for (r, row) in grid.iter().enumerate() {
+                let k_mb = micro[r];
+                let mut bottleneck: f64 = 0.0;
+                let mut stage_t = Vec::with_capacity(stages);
+                for k in 0..stages {
+                    let id = row[k];
+                    let node = cluster.node(id);
+                    let range = bounds[k]..bounds[k + 1];
+                    let in_flight = (stages - k) as u64 * m;
+                    let mem = costs.memory_bytes(&range, in_flight);
+                    if mem > node.memory_bytes {
+                        return Err(NoFit(id, mem, node.memory_bytes).into());
+                    }
+                    let compute = costs.compute_s(id, &range, m as f64);
+                    let p2p = if k + 1 < stages {
+                        let bytes = (costs.boundary_bytes_per_sample(bounds[k + 1]) * m) as f64;
+                        2.0 * costs.link(id, row[k + 1]).transfer_s(bytes)
+                    } else {
+                        0.0
+                    };
+                    stage_t.push((compute, p2p));
+                    bottleneck = bottleneck.max(compute + p2p);
+                    nodes[id.index()] = Some(NodePlan {
+                        id,
+                        name: String::new(),
+                        device: String::new(),
+                        role: Role::Stage {
+                            replica: r,
+                            stage: k,
+                        },
+                        batch: samples[r],
+                        micro_batches: k_mb,
+                        layers: Some(range),
+                        grad_weight: samples[r] as f64 / b_total as f64,
+                        memory_bytes: mem,
+                        memory_limit_bytes: node.memory_bytes,
+                        compute_s: compute * k_mb as f64,
+                        comm_s: 0.0,
+                        idle_s: 0.0,
+                    });
+                    per_node_p2p[id.index()] = p2p * k_mb as f64;
+                }
+                let replica_s = if k_mb > 0 {
+                    (k_mb + stages as u64 - 1) as f64 * bottleneck
+                } else {
+                    0.0
+                };
+                cmax = cmax.max(replica_s);
+            }
+            for (i, n) in nodes.iter_mut().enumerate() {
+                if let Some(n) = n {
+                    n.comm_s = per_node_p2p[i];
+                }
+            }
+            let groups: Vec<(Vec<NodeId>, u64)> = (0..stages)
+                .map(|k| {
+                    (
+                        grid.iter().map(|row| row[k]).collect(),
+                        costs.grad_bytes(&(bounds[k]..bounds[k + 1])),
+                    )
+                })
+                .collect();
+            // Stage gradients are reduced after the pipeline drains: no overlap is assumed.
+            sync = choose_sync(costs, &groups, cmax, 0.0, freedom);
+            layout = Layout::Pipeline {
+                stages,
+                replicas: grid.len(),
+                bounds: bounds.clone(),
+                micro_batch: costs.training.micro_batch,
+            };
+            compute_max = cmax;
+            notes = note.iter().cloned().collect::<Vec<_>>();
+        }
+    }
+    let step_s = compute_max + sync.per_step_s;
+    if step_s >= beat {
+        return Err(Rejected::NotFaster);
+    }
+    let nodes: Vec<NodePlan> = cluster
+        .ids()
+        .map(|id| match nodes[id.index()].take() {
+            Some(mut n) => {
+                let node = cluster.node(id);
+                n.name = node.name.clone();
+                n.device = node.device.clone();
+                n.comm_s += sync.per_step_s;
+                n.idle_s = (step_s - n.compute_s - n.comm_s).max(0.0);
+                n
+            }
+            None => {
+                let node = cluster.node(id);
+                NodePlan {
+                    id,
+                    name: node.name.clone(),
+                    device: node.device.clone(),
+                    role: Role::Idle {
+                        reason: idle_reason(costs, &layout, id),
+                    },
+                    batch: 0,
+                    micro_batches: 0,
+                    layers: None,
+                    grad_weight: 0.0,
+                    memory_bytes: 0,
+                    memory_limit_bytes: node.memory_bytes,
+                    compute_s: 0.0,
+                    comm_s: 0.0,
+                    idle_s: step_s,
+                }
+            }
+        })
+        .collect();
+    Ok(Plan {
+        planner: PlannerKind::Ravnest,
+        model: costs.model.name.clone(),
+        global_batch: b_total,
+        layout,
+        nodes,
+        step: StepPrediction {
+            step_s,
+            compute_s: compute_max,
+            sync_s: sync.per_step_s,
+            samples_per_s: if step_s > 0.0 {
+                b_total as f64 / step_s
+            } else {
+                0.0
+            },
+        },
+        sync,
+        notes,
+    })
+}
+
+/// Keep `p` in `best` when it is faster.
+pub(super) fn keep_best(best: &mut Option<Plan>, p: Plan) {
+    if best.as_ref().is_none_or(|b| p.step.step_s < b.step.step_s) {
+        *best = Some(p);
+    }
+}

@@ -1,0 +1,465 @@
+//! The candidate layouts each planner considers: ravnest's heuristic set, the exhaustive
+//! enumeration, and the equal-split baselines.
+
+use crate::cluster::{ClusterSpec, NodeId};
+use crate::cost::Costs;
+use crate::device::GIB;
+
+use super::eval::{Candidate, NoFit, Rejected, evaluate, keep_best, search_into};
+use super::layers::{self, Bounds};
+use super::sync::SyncFreedom;
+use super::{EXHAUSTIVE_MAX_SPLITS, Plan, PlanError, PlannerKind, batch};
+
+// ---------------------------------------------------------------------------------------------
+// Data-parallel splits.
+
+/// Per-node sample caps for holding the whole model: (usable - state) ÷ activations per sample.
+fn dp_caps(costs: &Costs<'_>, workers: &[NodeId]) -> Vec<u64> {
+    let all = costs.all();
+    let state = costs.state_bytes(&all);
+    let act = costs.activation_bytes_per_sample(&all).max(1);
+    let b = u64::from(costs.training.global_batch);
+    workers
+        .iter()
+        .map(|&w| costs.cluster.node(w).memory_bytes.saturating_sub(state) / act)
+        .map(|c| c.min(b))
+        .collect()
+}
+
+/// The heterogeneity-aware split over `workers`: proportional to throughput, capped by memory,
+/// then polished to the minimax optimum. Zero shares are dropped (with their nodes).
+fn ravnest_dp(costs: &Costs<'_>, workers: &[NodeId]) -> Option<(Vec<NodeId>, Vec<u64>)> {
+    let all = costs.all();
+    let caps = dp_caps(costs, workers);
+    let flops: Vec<f64> = workers
+        .iter()
+        .map(|&w| costs.cluster.node(w).flops)
+        .collect();
+    let mut b = batch::proportional_split(u64::from(costs.training.global_batch), &flops, &caps)?;
+    let t: Vec<f64> = workers
+        .iter()
+        .map(|&w| costs.compute_s(w, &all, 1.0))
+        .collect();
+    batch::polish_minimax(&mut b, &t, &caps);
+    let (w, b): (Vec<NodeId>, Vec<u64>) = workers
+        .iter()
+        .copied()
+        .zip(b)
+        .filter(|(_, b)| *b > 0)
+        .unzip();
+    if w.is_empty() { None } else { Some((w, b)) }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pipeline arrangements.
+
+/// Stage-group aggregates for the layer DP: the slowest member's throughput, the smallest
+/// memory, and the worst link to the next stage's member of the same replica.
+fn stage_cost_fn<'c>(
+    costs: &'c Costs<'c>,
+    grid: &'c [Vec<NodeId>],
+) -> impl Fn(usize, usize, usize) -> Option<f64> + 'c {
+    let stages = grid[0].len();
+    let m = u64::from(costs.training.micro_batch);
+    let agg: Vec<(f64, u64, f64, f64)> = (0..stages)
+        .map(|k| {
+            let flops = grid
+                .iter()
+                .map(|r| costs.cluster.node(r[k]).flops)
+                .fold(f64::INFINITY, f64::min);
+            let mem = grid
+                .iter()
+                .map(|r| costs.cluster.node(r[k]).memory_bytes)
+                .min()
+                .unwrap();
+            let (bw, lat) = if k + 1 < stages {
+                grid.iter()
+                    .map(|r| costs.link(r[k], r[k + 1]))
+                    .fold((f64::INFINITY, 0.0f64), |(b, l), x| {
+                        (b.min(x.bandwidth_gbps), l.max(x.latency_ms))
+                    })
+            } else {
+                (f64::INFINITY, 0.0)
+            };
+            (flops, mem, bw, lat)
+        })
+        .collect();
+    move |k: usize, a: usize, b: usize| {
+        let (flops, mem, bw, lat) = agg[k];
+        let range = a..b;
+        if costs.memory_bytes(&range, (stages - k) as u64 * m) > mem {
+            return None;
+        }
+        let compute = m as f64 * costs.train_flops(&range) / flops;
+        let p2p = if k + 1 < stages {
+            let bytes = (costs.boundary_bytes_per_sample(b) * m) as f64;
+            2.0 * (lat / 1e3 + bytes * 8.0 / (bw * 1e9))
+        } else {
+            0.0
+        };
+        Some(compute + p2p)
+    }
+}
+
+/// Micro-batches per replica: optimal makespan of (k_r + S - 1) · bottleneck_r.
+fn replica_micro(costs: &Costs<'_>, grid: &[Vec<NodeId>], bounds: &Bounds) -> Vec<u64> {
+    let stages = bounds.len() - 1;
+    let m = u64::from(costs.training.micro_batch);
+    let total = u64::from(costs.training.global_batch).div_ceil(m);
+    let bottleneck: Vec<f64> = grid
+        .iter()
+        .map(|row| {
+            (0..stages)
+                .map(|k| {
+                    let range = bounds[k]..bounds[k + 1];
+                    let c = costs.compute_s(row[k], &range, m as f64);
+                    let p = if k + 1 < stages {
+                        2.0 * costs
+                            .link(row[k], row[k + 1])
+                            .transfer_s((costs.boundary_bytes_per_sample(bounds[k + 1]) * m) as f64)
+                    } else {
+                        0.0
+                    };
+                    c + p
+                })
+                .fold(0.0, f64::max)
+        })
+        .collect();
+    batch::greedy_units(total, &bottleneck, (stages - 1) as f64)
+}
+
+/// Samples per replica from whole micro-batches: the last replica with work takes the partial
+/// micro-batch so that the shares sum to the global batch.
+fn samples_from_micro(micro: &[u64], costs: &Costs<'_>) -> Vec<u64> {
+    let m = u64::from(costs.training.micro_batch);
+    let mut samples: Vec<u64> = micro.iter().map(|&k| k * m).collect();
+    let excess = samples.iter().sum::<u64>() - u64::from(costs.training.global_batch);
+    if let Some(last) = samples.iter_mut().rev().find(|s| **s > 0) {
+        *last -= excess;
+    }
+    samples
+}
+
+fn pipe_candidates(
+    costs: &Costs<'_>,
+    grid: Vec<Vec<NodeId>>,
+    all_splits: bool,
+    out: &mut Vec<(Candidate, SyncFreedom)>,
+) {
+    let stages = grid[0].len();
+    let l = costs.layers();
+    let mut bounds_set: Vec<Bounds> = Vec::new();
+    if all_splits {
+        bounds_set = layers::all_splits(l, stages);
+    } else {
+        let f = stage_cost_fn(costs, &grid);
+        if let Some((_, b)) = layers::optimal_split(l, stages, &f) {
+            bounds_set.push(b);
+        }
+        let params: Vec<u64> = costs.model.layers.iter().map(|x| x.params).collect();
+        for b in [
+            layers::equal_layers(l, stages),
+            layers::equal_params(&params, stages),
+        ] {
+            if !bounds_set.contains(&b) {
+                bounds_set.push(b);
+            }
+        }
+    }
+    for bounds in bounds_set {
+        let micro = replica_micro(costs, &grid, &bounds);
+        let samples = samples_from_micro(&micro, costs);
+        out.push((
+            Candidate::Pipe {
+                grid: grid.clone(),
+                bounds,
+                micro,
+                samples,
+                note: None,
+            },
+            SyncFreedom::Choose,
+        ));
+    }
+}
+
+/// Orders of nodes to deal into pipeline grids.
+fn node_orders(cluster: &ClusterSpec) -> Vec<Vec<NodeId>> {
+    let ids: Vec<NodeId> = cluster.ids().collect();
+    let mut by_mem = ids.clone();
+    by_mem.sort_by(|&a, &b| {
+        let (na, nb) = (cluster.node(a), cluster.node(b));
+        nb.memory_bytes
+            .cmp(&na.memory_bytes)
+            .then(nb.flops.total_cmp(&na.flops))
+            .then(a.cmp(&b))
+    });
+    let mut by_speed = ids.clone();
+    by_speed.sort_by(|&a, &b| {
+        let (na, nb) = (cluster.node(a), cluster.node(b));
+        nb.flops
+            .total_cmp(&na.flops)
+            .then(nb.memory_bytes.cmp(&na.memory_bytes))
+            .then(a.cmp(&b))
+    });
+    vec![by_mem, by_speed]
+}
+
+pub(super) fn ravnest_search(costs: &Costs<'_>) -> Option<Plan> {
+    let cluster = costs.cluster;
+    let mut best: Option<Plan> = None;
+    let all = costs.all();
+    // Data parallel over the nodes that can hold the model, and over subsets that leave out the
+    // slowest links (one candidate per access-bandwidth tier).
+    let fit: Vec<NodeId> = cluster
+        .ids()
+        .filter(|&i| costs.memory_bytes(&all, 1) <= cluster.node(i).memory_bytes)
+        .collect();
+    if !fit.is_empty() {
+        let mut tiers: Vec<f64> = fit
+            .iter()
+            .map(|&i| cluster.node(i).link.bandwidth_gbps)
+            .collect();
+        tiers.sort_by(f64::total_cmp);
+        tiers.dedup();
+        for (t, &tier) in tiers.iter().enumerate().take(8) {
+            let workers: Vec<NodeId> = fit
+                .iter()
+                .copied()
+                .filter(|&i| cluster.node(i).link.bandwidth_gbps >= tier)
+                .collect();
+            if let Some((w, b)) = ravnest_dp(costs, &workers) {
+                let note = (t > 0).then(|| {
+                    format!(
+                        "left out the {} node(s) with links below {tier} Gbit/s: their share does not pay for the slower ring",
+                        fit.len() - workers.len()
+                    )
+                });
+                let c = Candidate::Data {
+                    workers: w,
+                    batch: b,
+                    note,
+                };
+                let beat = best.as_ref().map_or(f64::INFINITY, |b| b.step.step_s);
+                if let Ok(p) = evaluate(costs, &c, SyncFreedom::Choose, beat) {
+                    keep_best(&mut best, p);
+                }
+            }
+        }
+    }
+    // Pipelines: S stages, R replicas. Grids are dealt from nodes sorted by memory (stage 0
+    // holds the most in-flight activations) or by speed, the rank-order grid the baselines use,
+    // and need-matched grids: stages ranked by their memory need under the baseline splits, the
+    // largest-memory nodes given to the neediest stages. R runs
+    // from N/S down by halving (dropping the smallest / slowest nodes of each order); when N/S
+    // does not fit, a binary search finds the largest R that does. A candidate that cannot beat
+    // the best so far even with perfect balance is not evaluated.
+    let n = cluster.nodes.len();
+    let orders = node_orders(cluster);
+    let rank: Vec<NodeId> = cluster.ids().collect();
+    let params: Vec<u64> = costs.model.layers.iter().map(|x| x.params).collect();
+    let m = u64::from(costs.training.micro_batch);
+    for s in 2..=n.min(costs.layers()) {
+        let need_orders: Vec<Vec<usize>> = [
+            layers::equal_params(&params, s),
+            layers::equal_layers(costs.layers(), s),
+        ]
+        .iter()
+        .map(|b| {
+            let need: Vec<u64> = (0..s)
+                .map(|k| costs.memory_bytes(&(b[k]..b[k + 1]), (s - k) as u64 * m))
+                .collect();
+            let mut neediest: Vec<usize> = (0..s).collect();
+            neediest.sort_by_key(|&k| (std::cmp::Reverse(need[k]), k));
+            neediest
+        })
+        .collect();
+        let grid_for = |kind: usize, r: usize| -> Vec<Vec<NodeId>> {
+            match kind {
+                0 | 1 => (0..r)
+                    .map(|rep| (0..s).map(|k| orders[kind][k * r + rep]).collect())
+                    .collect(),
+                2 => (0..r)
+                    .map(|rep| (0..s).map(|k| rank[rep * s + k]).collect())
+                    .collect(),
+                _ => {
+                    let mut grid = vec![vec![NodeId(0); s]; r];
+                    for (g, &k) in need_orders[kind - 3].iter().enumerate() {
+                        for (rep, row) in grid.iter_mut().enumerate() {
+                            row[k] = orders[0][g * r + rep];
+                        }
+                    }
+                    grid
+                }
+            }
+        };
+        let r_max = n / s;
+        let mut seen: Vec<Vec<Vec<NodeId>>> = Vec::new();
+        for kind in 0..3 + need_orders.len() {
+            // Halving R keeps only the larger / faster part of each order.
+            let mut rs = vec![r_max];
+            while *rs.last().unwrap() > 1 {
+                rs.push(rs.last().unwrap() / 2);
+            }
+            // Memory feasibility only (the layer DP under each stage group's smallest memory):
+            // cheap, so the binary search does not evaluate whole plans.
+            let fits = |r: usize| {
+                layers::optimal_split(costs.layers(), s, &stage_cost_fn(costs, &grid_for(kind, r)))
+                    .is_some()
+            };
+            if r_max >= 2 && !fits(r_max) {
+                let (mut lo, mut hi, mut found) = (1, r_max - 1, None);
+                while lo <= hi {
+                    let mid = (lo + hi) / 2;
+                    if fits(mid) {
+                        found = Some(mid);
+                        lo = mid + 1;
+                    } else {
+                        hi = mid - 1;
+                    }
+                }
+                rs.extend(found);
+            }
+            for r in rs {
+                let grid = grid_for(kind, r);
+                if seen.contains(&grid) {
+                    continue;
+                }
+                seen.push(grid.clone());
+                if let Some(b) = &best
+                    && super::eval::perfect_balance_s(costs, &grid) >= b.step.step_s
+                {
+                    continue;
+                }
+                let mut cands = Vec::new();
+                pipe_candidates(costs, grid, false, &mut cands);
+                search_into(costs, &cands, &mut best);
+            }
+        }
+    }
+    best
+}
+
+pub(super) fn exhaustive_candidates(costs: &Costs<'_>) -> Vec<(Candidate, SyncFreedom)> {
+    let cluster = costs.cluster;
+    let n = cluster.nodes.len();
+    let ids: Vec<NodeId> = cluster.ids().collect();
+    let mut out = Vec::new();
+    // Every non-empty subset for data parallel, with the minimax split.
+    for mask in 1u32..(1 << n) {
+        let workers: Vec<NodeId> = ids
+            .iter()
+            .copied()
+            .filter(|i| mask & (1 << i.0) != 0)
+            .collect();
+        if let Some((w, b)) = ravnest_dp(costs, &workers) {
+            out.push((
+                Candidate::Data {
+                    workers: w,
+                    batch: b,
+                    note: None,
+                },
+                SyncFreedom::Choose,
+            ));
+        }
+    }
+    // Every arrangement of S x R distinct nodes (replicas unordered: the first replica's stage-0
+    // node id increases with the replica index), every layer split up to the budget.
+    for s in 2..=n.min(costs.layers()) {
+        let all_splits = layers::count_splits(costs.layers(), s) <= EXHAUSTIVE_MAX_SPLITS;
+        for r in 1..=n / s {
+            let mut slots = vec![NodeId(0); s * r];
+            let mut used = vec![false; n];
+            arrange(0, &mut slots, &mut used, &ids, s, r, &mut |slots| {
+                let grid: Vec<Vec<NodeId>> = slots.chunks(s).map(<[NodeId]>::to_vec).collect();
+                pipe_candidates(costs, grid, all_splits, &mut out);
+            });
+        }
+    }
+    out
+}
+
+fn arrange(
+    pos: usize,
+    slots: &mut Vec<NodeId>,
+    used: &mut Vec<bool>,
+    ids: &[NodeId],
+    s: usize,
+    r: usize,
+    f: &mut dyn FnMut(&[NodeId]),
+) {
+    if pos == s * r {
+        f(slots);
+        return;
+    }
+    for &id in ids {
+        if used[id.index()] {
+            continue;
+        }
+        // Canonical replica order: stage-0 nodes increase with the replica index.
+        if pos.is_multiple_of(s) && pos >= s && id <= slots[pos - s] {
+            continue;
+        }
+        used[id.index()] = true;
+        slots[pos] = id;
+        arrange(pos + 1, slots, used, ids, s, r, f);
+        used[id.index()] = false;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Baselines.
+
+pub(super) fn baseline(costs: &Costs<'_>, kind: PlannerKind) -> Result<Plan, PlanError> {
+    let cluster = costs.cluster;
+    let n = cluster.nodes.len();
+    let ids: Vec<NodeId> = cluster.ids().collect();
+    let b_total = u64::from(costs.training.global_batch);
+    let dp = Candidate::Data {
+        workers: ids.clone(),
+        batch: batch::equal_split(b_total, n),
+        note: None,
+    };
+    let dp_err = match evaluate(costs, &dp, SyncFreedom::Baseline, f64::INFINITY) {
+        Ok(mut p) => {
+            p.planner = kind;
+            return Ok(p);
+        }
+        Err(Rejected::NotFaster) => unreachable!("no bound was given"),
+        Err(Rejected::NoFit(NoFit(id, need, have))) => format!(
+            "equal batches of {} need {:.1} GiB on `{}`, which has {:.1} GiB",
+            b_total.div_ceil(n as u64),
+            need as f64 / GIB,
+            cluster.node(id).name,
+            have as f64 / GIB
+        ),
+    };
+    let params: Vec<u64> = costs.model.layers.iter().map(|x| x.params).collect();
+    let m = u64::from(costs.training.micro_batch);
+    for s in 2..=n.min(costs.layers()) {
+        let r = n / s;
+        let grid: Vec<Vec<NodeId>> = (0..r)
+            .map(|rep| (0..s).map(|k| ids[rep * s + k]).collect())
+            .collect();
+        let bounds = match kind {
+            PlannerKind::ParamCount => layers::equal_params(&params, s),
+            _ => layers::equal_layers(costs.layers(), s),
+        };
+        let samples = batch::equal_split(b_total, r);
+        let micro: Vec<u64> = samples.iter().map(|b| b.div_ceil(m)).collect();
+        let c = Candidate::Pipe {
+            grid,
+            bounds,
+            micro,
+            samples,
+            note: None,
+        };
+        if let Ok(mut p) = evaluate(costs, &c, SyncFreedom::Baseline, f64::INFINITY) {
+            p.planner = kind;
+            return Ok(p);
+        }
+    }
+    Err(PlanError::NoEqualSplit {
+        planner: kind,
+        detail: format!("{dp_err}; no pipeline of equal stages fits either"),
+    })
+}

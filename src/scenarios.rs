@@ -1,0 +1,21 @@
+//! The shipped scenarios, embedded so that `ravnest plan` and `ravnest bench planners` work from
+//! any directory with no files to write first.
+
+/// The default for `ravnest plan` without a file.
+pub const DEFAULT: (&str, &str) = SHIPPED[2];
+
+/// (name, TOML text) of every file in `scenarios/`, in report order (the 1,000-node one last).
+pub const SHIPPED: [(&str, &str); 6] = [
+    ("flaky-3090", include_str!("../scenarios/flaky-3090.toml")),
+    ("homogeneous", include_str!("../scenarios/homogeneous.toml")),
+    (
+        "mixed-4090-3060",
+        include_str!("../scenarios/mixed-4090-3060.toml"),
+    ),
+    (
+        "memory-limited",
+        include_str!("../scenarios/memory-limited.toml"),
+    ),
+    ("slow-link", include_str!("../scenarios/slow-link.toml")),
+    ("large-1000", include_str!("../scenarios/large-1000.toml")),
+];

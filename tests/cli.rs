@@ -1,0 +1,360 @@
+//! End-to-end tests of the `ravnest` binary: golden plans for the shipped scenarios, one test per
+//! user-facing error, and the JSON output.
+//!
+//! Golden files live in `tests/golden/`; regenerate them with `UPDATE_GOLDEN=1 cargo test`.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn ravnest(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ravnest"))
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("run ravnest")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Write `text` to a fresh file in the target directory and return its path.
+fn temp_file(name: &str, text: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn scenario_names() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(root().join("scenarios"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .map(|p| p.file_stem().unwrap().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn golden_plans_for_every_shipped_scenario() {
+    let update = std::env::var_os("UPDATE_GOLDEN").is_some();
+    let mut failures = Vec::new();
+    for name in scenario_names() {
+        let file = format!("scenarios/{name}.toml");
+        let out = ravnest(&["plan", &file]);
+        assert!(out.status.success(), "{file}: {}", stderr(&out));
+        let got = stdout(&out);
+        let golden: PathBuf = root().join("tests/golden").join(format!("{name}.txt"));
+        if update {
+            std::fs::write(&golden, &got).unwrap();
+            continue;
+        }
+        let want = std::fs::read_to_string(&golden).unwrap_or_else(|_| {
+            panic!(
+                "missing {}: run UPDATE_GOLDEN=1 cargo test",
+                golden.display()
+            )
+        });
+        if got != want {
+            failures.push(format!("--- {}\n+++ got\n{got}", golden.display()));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "plans changed (UPDATE_GOLDEN=1 to accept):\n{}",
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn every_shipped_scenario_is_embedded_and_benchmarked() {
+    let out = ravnest(&["bench", "planners"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = stdout(&out);
+    for name in scenario_names() {
+        assert!(
+            table.lines().any(|l| l.starts_with(&name)),
+            "{name} missing from:\n{table}"
+        );
+    }
+    // exhaustive is an oracle for small clusters only, and says so for the large one.
+    assert!(table.contains("n/a (more than 6 nodes)"), "{table}");
+}
+
+#[test]
+fn the_default_plan_needs_no_file_and_follows_device_speed() {
+    let out = ravnest(&["plan", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let nodes = v["plan"]["nodes"].as_array().unwrap();
+    let batch = |name: &str| {
+        nodes.iter().find(|n| n["name"] == name).unwrap()["batch"]
+            .as_u64()
+            .unwrap()
+    };
+    let total: u64 = nodes.iter().map(|n| n["batch"].as_u64().unwrap()).sum();
+    assert_eq!(total, v["training"]["global_batch"].as_u64().unwrap());
+    assert!(
+        batch("rtx4090-0") > 4 * batch("rtx3060-0"),
+        "4090 share should be several times a 3060's"
+    );
+    let w: f64 = nodes
+        .iter()
+        .map(|n| n["grad_weight"].as_f64().unwrap())
+        .sum();
+    assert!((w - 1.0).abs() < 1e-9);
+    assert!(v["uniform"]["speedup"].as_f64().unwrap() > 1.5);
+}
+
+#[test]
+fn every_planner_runs_on_a_small_scenario() {
+    for planner in ["ravnest", "uniform", "param-count", "exhaustive"] {
+        let out = ravnest(&[
+            "plan",
+            "scenarios/mixed-4090-3060.toml",
+            "--planner",
+            planner,
+        ]);
+        assert!(out.status.success(), "{planner}: {}", stderr(&out));
+        assert!(stdout(&out).contains(&format!("planner {planner}:")));
+    }
+}
+
+#[test]
+fn catalog_lists_devices_and_presets() {
+    let out = ravnest(&["catalog"]);
+    let text = stdout(&out);
+    for id in [
+        "rtx3060",
+        "rtx4090",
+        "a100-80",
+        "h100",
+        "cpu",
+        "gpt-7b",
+        "mlp-digits",
+    ] {
+        assert!(text.contains(id), "{id}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors: each names the problem and where, exits with status 2, never panics.
+
+fn expect_error(args: &[&str], needles: &[&str]) {
+    let out = ravnest(args);
+    let err = stderr(&out);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "args {args:?}: stdout {}\nstderr {err}",
+        stdout(&out)
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    for n in needles {
+        assert!(err.contains(n), "expected `{n}` in:\n{err}");
+    }
+}
+
+const GOOD: &str = r#"
+[[node]]
+name = "a"
+device = "rtx3090"
+
+[[node]]
+name = "b"
+device = "rtx3060"
+
+[model]
+preset = "mlp-digits"
+
+[training]
+global_batch = 64
+"#;
+
+fn plan_text(name: &str, text: &str, needles: &[&str]) {
+    let p = temp_file(name, text);
+    expect_error(&["plan", p.to_str().unwrap()], needles);
+}
+
+#[test]
+fn the_good_file_plans() {
+    let p = temp_file("good.toml", GOOD);
+    let out = ravnest(&["plan", p.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+#[test]
+fn error_typo_in_a_key_names_the_line_and_the_nearest_key() {
+    let text = GOOD.replace("global_batch", "globl_batch");
+    plan_text(
+        "typo-key.toml",
+        &text,
+        &[
+            "typo-key.toml:14:1",
+            "unknown field `globl_batch`",
+            "did you mean `global_batch`?",
+        ],
+    );
+}
+
+#[test]
+fn error_unknown_device_suggests_the_nearest() {
+    let text = GOOD.replace("\"rtx3060\"", "\"rtx3600\"");
+    plan_text(
+        "bad-device.toml",
+        &text,
+        &[
+            "bad-device.toml:8:10",
+            "unknown device `rtx3600`",
+            "did you mean `rtx3060`?",
+        ],
+    );
+}
+
+#[test]
+fn error_unknown_preset_and_optimizer_suggest_the_nearest() {
+    let text = GOOD.replace("mlp-digits", "mlp-digit");
+    plan_text(
+        "bad-preset.toml",
+        &text,
+        &[
+            "unknown model preset `mlp-digit`",
+            "did you mean `mlp-digits`?",
+        ],
+    );
+    let text = format!("{GOOD}optimizer = \"adam\"\n");
+    plan_text(
+        "bad-opt.toml",
+        &text,
+        &["unknown variant `adam`", "did you mean `adamw`?"],
+    );
+}
+
+#[test]
+fn error_model_that_fits_nowhere_says_what_it_needs() {
+    let text = GOOD.replace("mlp-digits", "gpt-7b");
+    plan_text(
+        "too-big.toml",
+        &text,
+        &[
+            "fits nowhere",
+            "needs 117.6 GiB",
+            "the largest node `a` has 23.0 GiB",
+        ],
+    );
+}
+
+#[test]
+fn error_empty_cluster() {
+    plan_text(
+        "empty.toml",
+        "[model]\npreset = \"mlp-digits\"\n",
+        &["the cluster has no nodes", "add at least one [[node]]"],
+    );
+}
+
+#[test]
+fn error_zero_and_negative_figures() {
+    let text = GOOD.replace("global_batch = 64", "global_batch = 0");
+    plan_text(
+        "zero-batch.toml",
+        &text,
+        &[
+            "zero-batch.toml:14:16",
+            "`global_batch` must be greater than 0",
+        ],
+    );
+    let text = GOOD.replace(
+        "device = \"rtx3060\"",
+        "device = \"rtx3060\"\nmemory_gib = -12",
+    );
+    plan_text(
+        "neg-mem.toml",
+        &text,
+        &[
+            "neg-mem.toml:9:14",
+            "`memory_gib` must be greater than 0, got -12",
+        ],
+    );
+    let text = GOOD.replace("global_batch = 64", "global_batch = -64");
+    plan_text(
+        "neg-batch.toml",
+        &text,
+        &["neg-batch.toml:14:16", "invalid value"],
+    );
+}
+
+#[test]
+fn error_missing_file() {
+    expect_error(
+        &["plan", "no/such/cluster.toml"],
+        &["cannot read `no/such/cluster.toml`", "No such file"],
+    );
+}
+
+#[test]
+fn error_not_toml_at_all() {
+    plan_text(
+        "garbage.toml",
+        "\u{0}\u{1}[[[ not toml",
+        &["garbage.toml:1:"],
+    );
+}
+
+#[test]
+fn error_unknown_planner_suggests_the_nearest() {
+    expect_error(
+        &["plan", "--planner", "uniforn"],
+        &["unknown planner `uniforn`", "did you mean `uniform`?"],
+    );
+}
+
+#[test]
+fn error_exhaustive_on_a_large_cluster() {
+    expect_error(
+        &[
+            "plan",
+            "scenarios/large-1000.toml",
+            "--planner",
+            "exhaustive",
+        ],
+        &["limited to 6 nodes", "this cluster has 1000"],
+    );
+}
+
+#[test]
+fn error_fault_naming_an_unknown_node() {
+    let text = format!("{GOOD}\n[[fault]]\nkind = \"crash\"\nnode = \"c\"\nat_s = 3\n");
+    plan_text("bad-fault.toml", &text, &["unknown node `c`"]);
+    let text = format!("{GOOD}\n[[fault]]\nkind = \"crahs\"\nnode = \"a\"\nat_s = 3\n");
+    plan_text(
+        "bad-fault-kind.toml",
+        &text,
+        &["unknown fault kind `crahs`", "did you mean `crash`?"],
+    );
+}
+
+#[test]
+fn error_unsupported_precision_names_the_node() {
+    let text = GOOD
+        .replace("device = \"rtx3060\"", "device = \"v100-16\"")
+        .replace(
+            "global_batch = 64",
+            "global_batch = 64\nprecision = \"bf16\"",
+        );
+    plan_text(
+        "bf16.toml",
+        &text,
+        &["device `v100-16` has no bf16 support"],
+    );
+}
