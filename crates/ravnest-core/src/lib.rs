@@ -9,9 +9,11 @@
 pub mod cluster;
 pub mod config;
 pub mod cost;
+pub mod detector;
 pub mod device;
 pub mod model;
 pub mod planner;
+pub mod ring;
 
 pub use cluster::{ClusterSpec, Link, NodeId, NodeSpec, SyncPreference, TrainingSpec};
 pub use config::{ConfigError, Scenario, parse};
