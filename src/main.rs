@@ -36,6 +36,26 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Replay a scenario on a simulated cluster: the real actors, virtual time, injected faults.
+    Sim {
+        /// Scenario file (TOML). Without it, the embedded `flaky-3090` scenario.
+        file: Option<PathBuf>,
+        /// Seed (default: the scenario's `[sim] seed`).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Steps to simulate (default: the scenario's `[sim] steps`).
+        #[arg(long)]
+        steps: Option<u64>,
+        /// Planner: ravnest, uniform, param-count or exhaustive.
+        #[arg(long, default_value = "ravnest")]
+        planner: String,
+        /// Run a second planner on the same seed and print both side by side.
+        #[arg(long)]
+        compare: Option<String>,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Benchmarks that print a table.
     Bench {
         #[command(subcommand)]
@@ -93,6 +113,66 @@ fn run(cli: Cli) -> Result<()> {
                 print!(
                     "{}",
                     report::plan_text(&origin, &scenario, &ours, baseline.as_ref())
+                );
+            }
+            Ok(())
+        }
+        Command::Sim {
+            file,
+            seed,
+            steps,
+            planner,
+            compare,
+            json,
+        } => {
+            let (origin, scenario) = match &file {
+                Some(_) => load(file.as_deref())?,
+                None => {
+                    let (name, text) = scenarios::SIM_DEFAULT;
+                    (name.to_string(), ravnest_core::parse(text, name)?)
+                }
+            };
+            let mut opts = ravnest_sim::SimOptions::for_scenario(&scenario);
+            if let Some(s) = seed {
+                opts.seed = s;
+            }
+            if let Some(n) = steps {
+                opts.steps = n;
+            }
+            opts.planner = parse_planner(&planner)?;
+            let mut reports =
+                vec![ravnest_sim::run(&scenario, &opts).with_context(|| origin.clone())?];
+            let mut compare_error = None;
+            if let Some(other) = compare {
+                let mut o = opts.clone();
+                o.planner = parse_planner(&other)?;
+                match ravnest_sim::run(&scenario, &o) {
+                    Ok(r) => reports.push(r),
+                    // The baseline not fitting is a result, not a failure of the command.
+                    Err(e) => {
+                        compare_error = Some(format!("{other} cannot run this scenario: {e}"))
+                    }
+                }
+            }
+            if json {
+                println!("{}", serde_json::to_string_pretty(&reports)?);
+            } else {
+                for r in &reports {
+                    print!("{}", report::sim_text(&origin, r));
+                    println!();
+                }
+                if reports.len() == 2 {
+                    print!("{}", report::sim_compare(&reports[0], &reports[1]));
+                }
+                if let Some(e) = &compare_error {
+                    println!("{e}");
+                }
+            }
+            if reports.iter().any(|r| !r.violations.is_empty()) {
+                bail!(
+                    "checkers failed; replay with: ravnest sim {origin} --seed {} --steps {}",
+                    opts.seed,
+                    opts.steps
                 );
             }
             Ok(())

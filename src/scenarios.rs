@@ -4,6 +4,9 @@
 /// The default for `ravnest plan` without a file.
 pub const DEFAULT: (&str, &str) = SHIPPED[2];
 
+/// The default for `ravnest sim` without a file.
+pub const SIM_DEFAULT: (&str, &str) = SHIPPED[0];
+
 /// (name, TOML text) of every file in `scenarios/`, in report order (the 1,000-node one last).
 pub const SHIPPED: [(&str, &str); 6] = [
     ("flaky-3090", include_str!("../scenarios/flaky-3090.toml")),

@@ -136,6 +136,28 @@ impl ClusterSpec {
         &self.nodes[id.index()]
     }
 
+    /// The sub-cluster of `ids` (in that order): node k of the result is `ids[k]` here, and
+    /// pair links between kept nodes are kept.
+    pub fn subset(&self, ids: &[NodeId]) -> ClusterSpec {
+        let pos: BTreeMap<NodeId, NodeId> = ids
+            .iter()
+            .enumerate()
+            .map(|(k, &i)| (i, NodeId(k as u32)))
+            .collect();
+        ClusterSpec {
+            name: self.name.clone(),
+            nodes: ids.iter().map(|&i| self.node(i).clone()).collect(),
+            pair_links: self
+                .pair_links
+                .iter()
+                .filter_map(|(&(a, b), l)| {
+                    let (a, b) = (*pos.get(&a)?, *pos.get(&b)?);
+                    Some(((a.min(b), a.max(b)), *l))
+                })
+                .collect(),
+        }
+    }
+
     /// Whether any per-pair override exists (then ring order matters beyond access links).
     pub fn has_pair_links(&self) -> bool {
         !self.pair_links.is_empty()

@@ -18,4 +18,4 @@ pub mod ring;
 pub use cluster::{ClusterSpec, Link, NodeId, NodeSpec, SyncPreference, TrainingSpec};
 pub use config::{ConfigError, Scenario, parse};
 pub use model::{ModelSpec, Optimizer, Precision};
-pub use planner::{Plan, PlanError, PlannerKind, plan};
+pub use planner::{Plan, PlanError, PlanOptions, PlannerKind, plan, plan_with};

@@ -248,6 +248,32 @@ pub fn plan(
     model: &ModelSpec,
     training: &TrainingSpec,
 ) -> Result<Plan, PlanError> {
+    plan_with(kind, cluster, model, training, PlanOptions::default())
+}
+
+/// Restrictions on the layouts a planner may choose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// Whether pipeline layouts are allowed (the runtime executes data parallel only, so far).
+    pub allow_pipeline: bool,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions {
+            allow_pipeline: true,
+        }
+    }
+}
+
+/// [`plan`] with restrictions.
+pub fn plan_with(
+    kind: PlannerKind,
+    cluster: &ClusterSpec,
+    model: &ModelSpec,
+    training: &TrainingSpec,
+    opts: PlanOptions,
+) -> Result<Plan, PlanError> {
     if cluster.nodes.is_empty() {
         return Err(PlanError::EmptyCluster);
     }
@@ -256,11 +282,11 @@ pub fn plan(
     }
     let costs = Costs::new(cluster, model, training);
     let best = match kind {
-        PlannerKind::Ravnest => ravnest_search(&costs).or_else(|| {
+        PlannerKind::Ravnest => ravnest_search(&costs, opts).or_else(|| {
             // The candidate layouts are heuristics; on a small cluster, make sure "fits nowhere"
             // is true before saying it.
             (cluster.nodes.len() <= EXHAUSTIVE_MAX_NODES)
-                .then(|| search(&costs, &exhaustive_candidates(&costs)))
+                .then(|| search(&costs, &exhaustive_candidates(&costs, opts)))
                 .flatten()
                 .map(|mut p| {
                     p.notes.push(
@@ -269,7 +295,7 @@ pub fn plan(
                     p
                 })
         }),
-        PlannerKind::Uniform | PlannerKind::ParamCount => return baseline(&costs, kind),
+        PlannerKind::Uniform | PlannerKind::ParamCount => return baseline(&costs, kind, opts),
         PlannerKind::Exhaustive => {
             if cluster.nodes.len() > EXHAUSTIVE_MAX_NODES {
                 return Err(PlanError::TooLargeForExhaustive {
@@ -277,7 +303,7 @@ pub fn plan(
                     limit: EXHAUSTIVE_MAX_NODES,
                 });
             }
-            search(&costs, &exhaustive_candidates(&costs))
+            search(&costs, &exhaustive_candidates(&costs, opts))
         }
     };
     match best {

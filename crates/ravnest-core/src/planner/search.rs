@@ -8,7 +8,7 @@ use crate::device::GIB;
 use super::eval::{Candidate, NoFit, Rejected, evaluate, keep_best, search_into};
 use super::layers::{self, Bounds};
 use super::sync::SyncFreedom;
-use super::{EXHAUSTIVE_MAX_SPLITS, Plan, PlanError, PlannerKind, batch};
+use super::{EXHAUSTIVE_MAX_SPLITS, Plan, PlanError, PlanOptions, PlannerKind, batch};
 
 // ---------------------------------------------------------------------------------------------
 // Data-parallel splits.
@@ -204,7 +204,7 @@ fn node_orders(cluster: &ClusterSpec) -> Vec<Vec<NodeId>> {
     vec![by_mem, by_speed]
 }
 
-pub(super) fn ravnest_search(costs: &Costs<'_>) -> Option<Plan> {
+pub(super) fn ravnest_search(costs: &Costs<'_>, opts: PlanOptions) -> Option<Plan> {
     let cluster = costs.cluster;
     let mut best: Option<Plan> = None;
     let all = costs.all();
@@ -245,6 +245,9 @@ pub(super) fn ravnest_search(costs: &Costs<'_>) -> Option<Plan> {
                 }
             }
         }
+    }
+    if !opts.allow_pipeline {
+        return best;
     }
     // Pipelines: S stages, R replicas. Grids are dealt from nodes sorted by memory (stage 0
     // holds the most in-flight activations) or by speed, the rank-order grid the baselines use,
@@ -339,7 +342,19 @@ pub(super) fn ravnest_search(costs: &Costs<'_>) -> Option<Plan> {
     best
 }
 
-pub(super) fn exhaustive_candidates(costs: &Costs<'_>) -> Vec<(Candidate, SyncFreedom)> {
+/// The largest stage count to try: none (1) when pipelines are not allowed.
+fn max_stages(n: usize, costs: &Costs<'_>, opts: PlanOptions) -> usize {
+    if opts.allow_pipeline {
+        n.min(costs.layers())
+    } else {
+        1
+    }
+}
+
+pub(super) fn exhaustive_candidates(
+    costs: &Costs<'_>,
+    opts: PlanOptions,
+) -> Vec<(Candidate, SyncFreedom)> {
     let cluster = costs.cluster;
     let n = cluster.nodes.len();
     let ids: Vec<NodeId> = cluster.ids().collect();
@@ -364,7 +379,7 @@ pub(super) fn exhaustive_candidates(costs: &Costs<'_>) -> Vec<(Candidate, SyncFr
     }
     // Every arrangement of S x R distinct nodes (replicas unordered: the first replica's stage-0
     // node id increases with the replica index), every layer split up to the budget.
-    for s in 2..=n.min(costs.layers()) {
+    for s in 2..=max_stages(n, costs, opts) {
         let all_splits = layers::count_splits(costs.layers(), s) <= EXHAUSTIVE_MAX_SPLITS;
         for r in 1..=n / s {
             let mut slots = vec![NodeId(0); s * r];
@@ -409,7 +424,11 @@ fn arrange(
 // ---------------------------------------------------------------------------------------------
 // Baselines.
 
-pub(super) fn baseline(costs: &Costs<'_>, kind: PlannerKind) -> Result<Plan, PlanError> {
+pub(super) fn baseline(
+    costs: &Costs<'_>,
+    kind: PlannerKind,
+    opts: PlanOptions,
+) -> Result<Plan, PlanError> {
     let cluster = costs.cluster;
     let n = cluster.nodes.len();
     let ids: Vec<NodeId> = cluster.ids().collect();
@@ -435,7 +454,7 @@ pub(super) fn baseline(costs: &Costs<'_>, kind: PlannerKind) -> Result<Plan, Pla
     };
     let params: Vec<u64> = costs.model.layers.iter().map(|x| x.params).collect();
     let m = u64::from(costs.training.micro_batch);
-    for s in 2..=n.min(costs.layers()) {
+    for s in 2..=max_stages(n, costs, opts) {
         let r = n / s;
         let grid: Vec<Vec<NodeId>> = (0..r)
             .map(|rep| (0..s).map(|k| ids[rep * s + k]).collect())

@@ -1,0 +1,384 @@
+//! The coordinator actor: plans, hands out work, watches heartbeats, re-plans.
+//!
+//! A thin shell over `ravnest-core`: the planner decides the split, the failure detector decides
+//! who is dead. Its own logic is bookkeeping: which step, which epoch, who still owes a result,
+//! who holds the latest model.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ravnest_core::detector::{DetectorEvent, FailureDetector};
+use ravnest_core::planner::Layout;
+use ravnest_core::{
+    ClusterSpec, ModelSpec, NodeId, PlanOptions, PlannerKind, TrainingSpec, plan_with,
+};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use crate::msg::{Addr, Envelope, Work};
+use crate::seams::Transport;
+use crate::trace::Trace;
+
+/// Something the coordinator did or saw, for reports.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A plan with a different split than the previous one (node, batch).
+    Planned {
+        /// Step it starts at.
+        step: u64,
+        /// Workers and their batches.
+        workers: Vec<(NodeId, u64)>,
+    },
+    /// A node was declared dead.
+    Detected {
+        /// Node.
+        node: NodeId,
+        /// Silence when declared, ms.
+        silent_ms: u64,
+    },
+    /// The running step was aborted.
+    Aborted {
+        /// Step.
+        step: u64,
+    },
+    /// A node (re)joined.
+    Joined {
+        /// Node.
+        node: NodeId,
+    },
+    /// Replicas disagreed after a step (a checker failure).
+    Violation(String),
+    /// Training cannot go on.
+    Stalled(String),
+    /// All steps done.
+    Finished,
+}
+
+/// The coordinator's log: events with virtual times, and each step's completion time.
+#[derive(Debug, Clone, Default)]
+pub struct RunLog {
+    /// (ns since start, event).
+    pub events: Vec<(u64, Event)>,
+    /// Completion time of each step, ns since start.
+    pub step_done_ns: Vec<u64>,
+}
+
+/// Shared handle on the log.
+pub type SharedLog = Arc<Mutex<RunLog>>;
+
+/// Read-only configuration of a coordinator.
+#[derive(Debug)]
+pub struct CoordinatorActor<T> {
+    /// The network.
+    pub transport: T,
+    /// The whole cluster as configured.
+    pub cluster: ClusterSpec,
+    /// The model.
+    pub model: ModelSpec,
+    /// Training settings.
+    pub training: TrainingSpec,
+    /// Planner to use.
+    pub planner: PlannerKind,
+    /// Steps to train.
+    pub steps: u64,
+    /// Heartbeat silence after which a node is dead.
+    pub heartbeat_timeout: Duration,
+    /// How often the detector is consulted.
+    pub tick: Duration,
+    /// Start of time.
+    pub t0: Instant,
+    /// Trace.
+    pub trace: Trace,
+    /// Log.
+    pub log: SharedLog,
+}
+
+/// Messages.
+#[derive(Debug)]
+pub enum CoordMsg {
+    /// An envelope from the network.
+    Net(Addr, Envelope),
+    /// Consult the failure detector.
+    Tick,
+}
+
+/// The step in flight.
+#[derive(Debug)]
+struct Current {
+    epoch: u64,
+    workers: Vec<NodeId>,
+    pending: BTreeSet<NodeId>,
+    digests: BTreeMap<NodeId, u64>,
+}
+
+/// Mutable state.
+#[derive(Debug)]
+pub struct CoordState {
+    detector: FailureDetector,
+    epoch: u64,
+    step: u64,
+    current: Option<Current>,
+    /// Nodes known to hold model version `step`.
+    holders: BTreeSet<NodeId>,
+    done: Option<oneshot::Sender<()>>,
+    finished: bool,
+    ticker: Option<tokio::task::JoinHandle<()>>,
+    /// Workers and batches of the last plan, to log only changes.
+    last_plan: Option<Vec<(NodeId, u64)>>,
+}
+
+impl<T: Transport> CoordinatorActor<T> {
+    fn now_ns(&self) -> u64 {
+        self.t0.elapsed().as_nanos() as u64
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.t0.elapsed().as_millis() as u64
+    }
+
+    fn event(&self, e: Event) {
+        let t = self.now_ns();
+        let (what, node) = match &e {
+            Event::Planned { .. } => ("planned", None),
+            Event::Detected { node, .. } => ("detected-dead", Some(*node)),
+            Event::Aborted { .. } => ("aborted", None),
+            Event::Joined { node } => ("joined", Some(*node)),
+            Event::Violation(_) => ("violation", None),
+            Event::Stalled(_) => ("stalled", None),
+            Event::Finished => ("finished", None),
+        };
+        self.trace
+            .record(t, what, node.map(Addr::Node), Some(Addr::Coordinator), 0);
+        self.log.lock().unwrap().events.push((t, e));
+    }
+
+    fn send(&self, to: NodeId, env: Envelope) {
+        let _ = self.transport.send(Addr::Coordinator, Addr::Node(to), env);
+    }
+
+    fn finish(&self, st: &mut CoordState, e: Event) {
+        self.event(e);
+        st.finished = true;
+        st.current = None;
+        if let Some(tx) = st.done.take() {
+            let _ = tx.send(());
+        }
+    }
+
+    /// Plan the live nodes and hand out the current step.
+    fn issue_step(&self, st: &mut CoordState) {
+        let live = st.detector.alive();
+        if live.is_empty() {
+            return self.finish(st, Event::Stalled("no live nodes".into()));
+        }
+        if st.holders.is_empty() {
+            return self.finish(
+                st,
+                Event::Stalled("no live node holds the latest model".into()),
+            );
+        }
+        let sub = self.cluster.subset(&live);
+        // Pipeline execution is not built into the runtime yet: plan data parallel only.
+        let opts = PlanOptions {
+            allow_pipeline: false,
+        };
+        let p = match plan_with(self.planner, &sub, &self.model, &self.training, opts) {
+            Ok(p) => p,
+            Err(e) => {
+                return self.finish(
+                    st,
+                    Event::Stalled(format!("no plan for the live nodes: {e}")),
+                );
+            }
+        };
+        if !matches!(p.layout, Layout::DataParallel { .. }) {
+            return self.finish(
+                st,
+                Event::Stalled("the plan is a pipeline; the runtime executes data-parallel plans only (pipeline execution is not built yet)".into()),
+            );
+        }
+        let workers: Vec<(NodeId, u64)> = p
+            .nodes
+            .iter()
+            .filter(|n| n.batch > 0)
+            .map(|n| (live[n.id.index()], n.batch))
+            .collect();
+        let ring: Vec<NodeId> = match p.sync.groups.first() {
+            Some(g) if g.order.len() == workers.len() => {
+                g.order.iter().map(|i| live[i.index()]).collect()
+            }
+            _ => workers.iter().map(|w| w.0).collect(),
+        };
+        st.epoch += 1;
+        if st.last_plan.as_ref() != Some(&workers) {
+            self.event(Event::Planned {
+                step: st.step,
+                workers: workers.clone(),
+            });
+            st.last_plan = Some(workers.clone());
+        }
+        let source = *st.holders.first().expect("checked non-empty");
+        let mut offset = 0;
+        for &(w, batch) in &workers {
+            let work = Work {
+                epoch: st.epoch,
+                step: st.step,
+                offset,
+                batch,
+                global_batch: u64::from(self.training.global_batch),
+                ring: ring.clone(),
+                state_from: (!st.holders.contains(&w)).then_some(source),
+            };
+            offset += batch;
+            self.send(w, Envelope::Work(work));
+        }
+        st.current = Some(Current {
+            epoch: st.epoch,
+            workers: workers.iter().map(|w| w.0).collect(),
+            pending: workers.iter().map(|w| w.0).collect(),
+            digests: BTreeMap::new(),
+        });
+    }
+
+    fn on_dead(&self, st: &mut CoordState, node: NodeId, silent_ms: u64) {
+        self.event(Event::Detected { node, silent_ms });
+        st.holders.remove(&node);
+        let involved = st
+            .current
+            .as_ref()
+            .is_some_and(|c| c.workers.contains(&node));
+        if involved && !st.finished {
+            let c = st.current.take().expect("involved implies current");
+            self.event(Event::Aborted { step: st.step });
+            for w in c.workers.iter().filter(|&&w| w != node) {
+                self.send(*w, Envelope::Abort { epoch: c.epoch });
+            }
+            // Continue from the last synchronized step, re-planned without the lost node.
+            self.issue_step(st);
+        }
+    }
+
+    fn on_step_done(&self, st: &mut CoordState, node: NodeId, epoch: u64, step: u64, digest: u64) {
+        let Some(c) = &mut st.current else { return };
+        if c.epoch != epoch || step != st.step || !c.pending.remove(&node) {
+            return;
+        }
+        c.digests.insert(node, digest);
+        if !c.pending.is_empty() {
+            return;
+        }
+        let distinct: BTreeSet<u64> = c.digests.values().copied().collect();
+        if distinct.len() > 1 {
+            self.event(Event::Violation(format!(
+                "replicas disagree after step {}: {} distinct models",
+                st.step,
+                distinct.len()
+            )));
+        }
+        st.holders = c.workers.iter().copied().collect();
+        st.current = None;
+        st.step += 1;
+        self.log.lock().unwrap().step_done_ns.push(self.now_ns());
+        if st.step >= self.steps {
+            self.finish(st, Event::Finished);
+        } else {
+            self.issue_step(st);
+        }
+    }
+}
+
+impl<T: Transport> Actor for CoordinatorActor<T> {
+    type Msg = CoordMsg;
+    type State = CoordState;
+    type Arguments = oneshot::Sender<()>;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<CoordMsg>,
+        done: oneshot::Sender<()>,
+    ) -> Result<CoordState, ActorProcessingErr> {
+        let me = myself.clone();
+        self.transport.register(
+            Addr::Coordinator,
+            Arc::new(move |from, env| {
+                let _ = me.cast(CoordMsg::Net(from, env));
+            }),
+        );
+        let mut detector = FailureDetector::new(self.heartbeat_timeout.as_millis().max(1) as u64);
+        let now = self.now_ms();
+        for id in self.cluster.ids() {
+            detector.watch(id, now);
+        }
+        let ticker = myself.send_interval(self.tick, || CoordMsg::Tick);
+        let mut st = CoordState {
+            detector,
+            epoch: 0,
+            step: 0,
+            current: None,
+            holders: self.cluster.ids().collect(),
+            done: Some(done),
+            finished: false,
+            ticker: Some(ticker),
+            last_plan: None,
+        };
+        if self.steps == 0 {
+            self.finish(&mut st, Event::Finished);
+        } else {
+            self.issue_step(&mut st);
+        }
+        Ok(st)
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<CoordMsg>,
+        st: &mut CoordState,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(t) = st.ticker.take() {
+            t.abort();
+        }
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<CoordMsg>,
+        msg: CoordMsg,
+        st: &mut CoordState,
+    ) -> Result<(), ActorProcessingErr> {
+        if st.finished {
+            return Ok(());
+        }
+        match msg {
+            CoordMsg::Tick => {
+                for DetectorEvent::Dead { node, silent_ms } in st.detector.tick(self.now_ms()) {
+                    self.on_dead(st, node, silent_ms);
+                }
+            }
+            CoordMsg::Net(Addr::Node(from), env) => {
+                st.detector.heard(from, self.now_ms());
+                match env {
+                    Envelope::Join => {
+                        st.detector.watch(from, self.now_ms());
+                        st.holders.remove(&from);
+                        self.event(Event::Joined { node: from });
+                        // It takes part from the next step boundary on (or now, if idle).
+                        if st.current.is_none() {
+                            self.issue_step(st);
+                        }
+                    }
+                    Envelope::StepDone {
+                        epoch,
+                        step,
+                        digest,
+                    } => self.on_step_done(st, from, epoch, step, digest),
+                    _ => {}
+                }
+            }
+            CoordMsg::Net(Addr::Coordinator, _) => {}
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,156 @@
+//! What travels between nodes: addresses and typed envelopes.
+
+use ravnest_core::NodeId;
+use ravnest_core::ring::RingChunk;
+
+/// Where an envelope goes. The coordinator lives in one node's process (its host).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Addr {
+    /// The coordinator.
+    Coordinator,
+    /// A node.
+    Node(NodeId),
+}
+
+/// One node's assignment for one step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Work {
+    /// Assignment epoch: bumped whenever membership changes; older epochs are ignored.
+    pub epoch: u64,
+    /// The step; the node starts from model version `step` (the model after `step` steps).
+    pub step: u64,
+    /// Global sample indices this node processes: `offset .. offset + batch` within the step.
+    pub offset: u64,
+    /// Samples this node processes.
+    pub batch: u64,
+    /// The global batch (gradient weight = batch / global_batch).
+    pub global_batch: u64,
+    /// Ring order of this step's workers.
+    pub ring: Vec<NodeId>,
+    /// A peer that holds model version `step`, when this node may not (it rejoined).
+    pub state_from: Option<NodeId>,
+}
+
+/// Typed envelopes. `virtual_bytes` is what the network charges for bandwidth: the simulated
+/// gradient vectors are small, the bytes they stand for are the model's.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Envelope {
+    /// I am alive.
+    Heartbeat,
+    /// A (re)started node asks to take part.
+    Join,
+    /// Work for a step.
+    Work(Work),
+    /// A ring all-reduce chunk.
+    Chunk {
+        /// The chunk.
+        chunk: RingChunk,
+        /// Bytes it stands for.
+        virtual_bytes: u64,
+    },
+    /// Step finished on this node: digest of its new model.
+    StepDone {
+        /// Epoch of the work.
+        epoch: u64,
+        /// Step finished.
+        step: u64,
+        /// Digest of the model after the step.
+        digest: u64,
+    },
+    /// The collective of `epoch` cannot complete: drop it.
+    Abort {
+        /// Epoch to abort.
+        epoch: u64,
+    },
+    /// Send model version `version` to `to`.
+    StateRequest {
+        /// Version wanted.
+        version: u64,
+        /// Who wants it.
+        to: NodeId,
+    },
+    /// A model version.
+    State {
+        /// Version.
+        version: u64,
+        /// Parameters.
+        model: Vec<f32>,
+        /// Bytes it stands for.
+        virtual_bytes: u64,
+    },
+}
+
+/// Bytes of a control message on the wire (header, ids, small fields).
+pub const CONTROL_BYTES: u64 = 256;
+
+impl Envelope {
+    /// Bytes the network charges for this envelope.
+    pub fn wire_bytes(&self) -> u64 {
+        match self {
+            Envelope::Chunk { virtual_bytes, .. } | Envelope::State { virtual_bytes, .. } => {
+                *virtual_bytes + CONTROL_BYTES
+            }
+            Envelope::Work(w) => CONTROL_BYTES + 4 * w.ring.len() as u64,
+            _ => CONTROL_BYTES,
+        }
+    }
+
+    /// Short name for traces and reports.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Envelope::Heartbeat => "heartbeat",
+            Envelope::Join => "join",
+            Envelope::Work(_) => "work",
+            Envelope::Chunk { .. } => "chunk",
+            Envelope::StepDone { .. } => "step-done",
+            Envelope::Abort { .. } => "abort",
+            Envelope::StateRequest { .. } => "state-request",
+            Envelope::State { .. } => "state",
+        }
+    }
+
+    /// A digest of the payload for the trace (FNV-1a over the fields that matter).
+    pub fn digest(&self) -> u64 {
+        let mut h = crate::trace::Fnv::default();
+        match self {
+            Envelope::Heartbeat | Envelope::Join => {}
+            Envelope::Work(w) => {
+                for x in [w.epoch, w.step, w.offset, w.batch, w.global_batch] {
+                    h.u64(x);
+                }
+                for n in &w.ring {
+                    h.u64(u64::from(n.0));
+                }
+            }
+            Envelope::Chunk { chunk, .. } => {
+                h.u64(chunk.epoch);
+                h.u64(chunk.step as u64);
+                h.u64(chunk.chunk as u64);
+                for x in &chunk.data {
+                    h.u64(u64::from(x.to_bits()));
+                }
+            }
+            Envelope::StepDone {
+                epoch,
+                step,
+                digest,
+            } => {
+                h.u64(*epoch);
+                h.u64(*step);
+                h.u64(*digest);
+            }
+            Envelope::Abort { epoch } => h.u64(*epoch),
+            Envelope::StateRequest { version, to } => {
+                h.u64(*version);
+                h.u64(u64::from(to.0));
+            }
+            Envelope::State { version, model, .. } => {
+                h.u64(*version);
+                for x in model {
+                    h.u64(u64::from(x.to_bits()));
+                }
+            }
+        }
+        h.finish()
+    }
+}

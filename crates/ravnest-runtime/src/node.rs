@@ -1,0 +1,321 @@
+//! The node actor: computes its share of each step and takes part in the ring all-reduce.
+//!
+//! A thin shell: work arrives as [`Work`], the gradient comes from the [`Compute`] seam, the
+//! collective is a [`RingMember`] whose effects become [`Transport`] sends.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ravnest_core::NodeId;
+use ravnest_core::ring::{RingChunk, RingEffect, RingInput, RingMember};
+use tokio::time::Instant;
+
+use crate::msg::{Addr, Envelope, Work};
+use crate::seams::{Compute, Transport};
+use crate::toy;
+
+/// Per-node counters, shared with whoever reports.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NodeCounters {
+    /// Virtual ns spent computing.
+    pub compute_ns: u64,
+    /// Virtual ns between starting a collective and finishing (or aborting) it.
+    pub comm_ns: u64,
+    /// Steps this node applied.
+    pub steps: u64,
+    /// Collectives aborted.
+    pub aborted: u64,
+    /// The latest model version this node holds, and the version number.
+    pub model: (u64, Vec<f32>),
+}
+
+/// Counters of every node.
+pub type Counters = Arc<Mutex<BTreeMap<NodeId, NodeCounters>>>;
+
+/// A node actor (read-only configuration; mutable state lives in [`NodeState`]).
+#[derive(Debug)]
+pub struct NodeActor<T, C> {
+    /// This node.
+    pub id: NodeId,
+    /// The network.
+    pub transport: T,
+    /// The compute backend.
+    pub compute: Arc<C>,
+    /// Bytes one full gradient stands for (chunks are charged their share).
+    pub grad_bytes: u64,
+    /// Bytes one model copy stands for.
+    pub model_bytes: u64,
+    /// Counters.
+    pub counters: Counters,
+}
+
+/// Messages a node actor handles.
+#[derive(Debug)]
+pub enum NodeMsg {
+    /// An envelope from the network.
+    Net(Addr, Envelope),
+}
+
+/// Whether the node starts with the initial model or must fetch state (it restarted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// First start: the seeded initial model is version 0.
+    Fresh,
+    /// Restart after a crash: no state; ask the coordinator to join.
+    Rejoin,
+}
+
+/// A node's mutable state.
+#[derive(Debug, Default)]
+pub struct NodeState {
+    epoch: u64,
+    /// Model versions held (the last two): version k = the model after k steps.
+    versions: BTreeMap<u64, Vec<f32>>,
+    /// Work waiting for a model version to arrive from a peer.
+    waiting: Option<Work>,
+    /// The running collective and its work.
+    ring: Option<(RingMember, Work, Instant)>,
+    /// Chunks that arrived before the collective started, by epoch.
+    early: Vec<RingChunk>,
+}
+
+impl<T: Transport, C: Compute> NodeActor<T, C> {
+    fn me(&self) -> Addr {
+        Addr::Node(self.id)
+    }
+
+    fn send(&self, to: Addr, env: Envelope) {
+        // A send can only fail for an unknown address or a downed sender; both mean this node
+        // is being torn down or the cluster changed under it, and the detector handles it.
+        let _ = self.transport.send(self.me(), to, env);
+    }
+
+    fn count(&self, f: impl FnOnce(&mut NodeCounters)) {
+        f(self.counters.lock().unwrap().entry(self.id).or_default());
+    }
+
+    async fn start_work(&self, st: &mut NodeState, work: Work) {
+        let Some(model) = st.versions.get(&work.step).cloned() else {
+            match work.state_from {
+                Some(peer) => {
+                    self.send(
+                        Addr::Node(peer),
+                        Envelope::StateRequest {
+                            version: work.step,
+                            to: self.id,
+                        },
+                    );
+                    st.waiting = Some(work);
+                }
+                None => st.waiting = Some(work),
+            }
+            return;
+        };
+        let samples = toy::step_samples(work.step, work.global_batch, work.offset, work.batch);
+        let t = Instant::now();
+        let sum = self
+            .compute
+            .gradient_sum(self.id, work.step, samples, &model)
+            .await;
+        self.count(|c| c.compute_ns += t.elapsed().as_nanos() as u64);
+        // Weight b_i / B: the sum over my samples divided by the global batch, so the ring's sum
+        // is the mean gradient of the whole batch.
+        let weighted: Vec<f32> = sum.iter().map(|x| x / work.global_batch as f32).collect();
+        let Some(rank) = work.ring.iter().position(|&n| n == self.id) else {
+            return;
+        };
+        let mut member = RingMember::new(work.epoch, rank, work.ring.len(), weighted.len());
+        let mut effects = member.handle(RingInput::Start(weighted));
+        let early = std::mem::take(&mut st.early);
+        for c in early {
+            if c.epoch == work.epoch {
+                effects.extend(member.handle(RingInput::Chunk(c)));
+            }
+        }
+        st.ring = Some((member, work, Instant::now()));
+        self.apply_effects(st, effects);
+    }
+
+    fn apply_effects(&self, st: &mut NodeState, effects: Vec<RingEffect>) {
+        for e in effects {
+            let Some((_, work, started)) = &st.ring else {
+                return;
+            };
+            match e {
+                RingEffect::Send(chunk) => {
+                    let n = work.ring.len();
+                    let rank = work.ring.iter().position(|&x| x == self.id).unwrap_or(0);
+                    let next = work.ring[(rank + 1) % n];
+                    let virtual_bytes = self.grad_bytes / n as u64;
+                    self.send(
+                        Addr::Node(next),
+                        Envelope::Chunk {
+                            chunk,
+                            virtual_bytes,
+                        },
+                    );
+                }
+                RingEffect::Done(mean) => {
+                    let (work, started) = (work.clone(), *started);
+                    self.count(|c| {
+                        c.comm_ns += started.elapsed().as_nanos() as u64;
+                        c.steps += 1;
+                    });
+                    let mut model = st.versions.get(&work.step).cloned().unwrap_or_default();
+                    self.compute.apply_update(&mut model, &mean);
+                    let digest = toy::digest(&model);
+                    let snapshot = model.clone();
+                    self.count(|c| c.model = (work.step + 1, snapshot));
+                    st.versions.insert(work.step + 1, model);
+                    while st.versions.len() > 2 {
+                        st.versions.pop_first();
+                    }
+                    st.ring = None;
+                    self.send(
+                        Addr::Coordinator,
+                        Envelope::StepDone {
+                            epoch: work.epoch,
+                            step: work.step,
+                            digest,
+                        },
+                    );
+                }
+                RingEffect::Aborted => {
+                    let started = *started;
+                    self.count(|c| {
+                        c.comm_ns += started.elapsed().as_nanos() as u64;
+                        c.aborted += 1;
+                    });
+                    st.ring = None;
+                }
+            }
+        }
+    }
+}
+
+impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
+    type Msg = NodeMsg;
+    type State = NodeState;
+    type Arguments = Start;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<NodeMsg>,
+        start: Start,
+    ) -> Result<NodeState, ActorProcessingErr> {
+        let me = myself.clone();
+        self.transport.register(
+            self.me(),
+            Arc::new(move |from, env| {
+                // The actor may be gone (crashed): then the envelope is lost, as on a network.
+                let _ = me.cast(NodeMsg::Net(from, env));
+            }),
+        );
+        let mut st = NodeState::default();
+        match start {
+            Start::Fresh => {
+                st.versions.insert(0, self.compute.initial_model());
+            }
+            Start::Rejoin => self.send(Addr::Coordinator, Envelope::Join),
+        }
+        Ok(st)
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<NodeMsg>,
+        msg: NodeMsg,
+        st: &mut NodeState,
+    ) -> Result<(), ActorProcessingErr> {
+        let NodeMsg::Net(from, env) = msg;
+        match env {
+            Envelope::Work(w) => {
+                if w.epoch < st.epoch {
+                    return Ok(());
+                }
+                if w.epoch > st.epoch {
+                    st.epoch = w.epoch;
+                    // A newer assignment supersedes a collective still running.
+                    if let Some((_, _, started)) = st.ring.take() {
+                        self.count(|c| {
+                            c.comm_ns += started.elapsed().as_nanos() as u64;
+                            c.aborted += 1;
+                        });
+                    }
+                    st.early.retain(|c| c.epoch >= w.epoch);
+                }
+                self.start_work(st, w).await;
+            }
+            Envelope::Chunk { chunk, .. } => {
+                if chunk.epoch < st.epoch {
+                    return Ok(());
+                }
+                match &mut st.ring {
+                    Some((m, w, _)) if w.epoch == chunk.epoch => {
+                        let eff = m.handle(RingInput::Chunk(chunk));
+                        self.apply_effects(st, eff);
+                    }
+                    _ => st.early.push(chunk),
+                }
+            }
+            Envelope::Abort { epoch } => {
+                if let Some((m, w, _)) = &mut st.ring
+                    && w.epoch <= epoch
+                {
+                    let eff = m.handle(RingInput::PeerLost);
+                    self.apply_effects(st, eff);
+                }
+            }
+            Envelope::StateRequest { version, to } => {
+                if let Some(model) = st.versions.get(&version) {
+                    self.send(
+                        Addr::Node(to),
+                        Envelope::State {
+                            version,
+                            model: model.clone(),
+                            virtual_bytes: self.model_bytes,
+                        },
+                    );
+                }
+            }
+            Envelope::State { version, model, .. } => {
+                st.versions.insert(version, model);
+                if let Some(w) = st.waiting.take() {
+                    if w.step == version && w.epoch >= st.epoch {
+                        self.start_work(st, w).await;
+                    } else {
+                        st.waiting = Some(w);
+                    }
+                }
+            }
+            Envelope::Heartbeat | Envelope::Join | Envelope::StepDone { .. } => {
+                let _ = from;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A node process's heartbeat: a task beside the actor (so a long compute does not silence
+/// it), sending to the coordinator every `period`.
+pub fn spawn_heartbeat<T: Transport>(
+    transport: T,
+    id: NodeId,
+    period: Duration,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if transport
+                .send(Addr::Node(id), Addr::Coordinator, Envelope::Heartbeat)
+                .is_err()
+            {
+                return;
+            }
+        }
+    })
+}

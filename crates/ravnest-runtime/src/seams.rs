@@ -1,0 +1,53 @@
+//! The two seams: how envelopes travel ([`Transport`]) and how a training step is computed
+//! ([`Compute`]). The simulator and the real runtime each implement both.
+
+use std::future::Future;
+use std::ops::Range;
+use std::sync::Arc;
+
+use ravnest_core::NodeId;
+
+use crate::msg::{Addr, Envelope};
+
+/// Where a transport hands an arriving envelope: (sender, envelope).
+pub type Inbox = Arc<dyn Fn(Addr, Envelope) + Send + Sync>;
+
+/// Errors a sender sees at once. Loss in flight is silent (as on a real network); the failure
+/// detector notices it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransportError {
+    /// No such address in this cluster.
+    #[error("unknown address {0:?}")]
+    Unknown(Addr),
+    /// The sending node is down (crashed) and cannot send.
+    #[error("{0:?} is down")]
+    SenderDown(Addr),
+}
+
+/// Message-level transport: per-link FIFO delivery of typed envelopes.
+pub trait Transport: Clone + Send + Sync + 'static {
+    /// Deliver envelopes for `addr` to `inbox` from now on (a restarted node registers again).
+    fn register(&self, addr: Addr, inbox: Inbox);
+    /// Send `env` from `from` to `to`. Ordered per (from, to); may be lost if `to` is down or
+    /// unreachable.
+    fn send(&self, from: Addr, to: Addr, env: Envelope) -> Result<(), TransportError>;
+}
+
+/// How a node computes one training step and applies an update.
+pub trait Compute: Send + Sync + 'static {
+    /// The model every node starts from (the same on every node: seeded).
+    fn initial_model(&self) -> Vec<f32>;
+
+    /// Apply the optimizer to `model` with the averaged gradient of one step.
+    fn apply_update(&self, model: &mut [f32], mean_gradient: &[f32]);
+
+    /// Forward and backward over the global sample indices `samples` of `step` with model
+    /// `model`; returns the *sum* over those samples of the per-sample gradient.
+    fn gradient_sum(
+        &self,
+        node: NodeId,
+        step: u64,
+        samples: Range<u64>,
+        model: &[f32],
+    ) -> impl Future<Output = Vec<f32>> + Send;
+}

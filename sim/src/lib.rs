@@ -1,0 +1,528 @@
+//! ravnest-sim: run the real actors (`ravnest-runtime`) on a simulated cluster.
+//!
+//! [`run`] builds a single-threaded tokio runtime with paused time, a [`net::SimNet`], a
+//! [`compute::SimCompute`], one node actor per node and the coordinator, then plays the
+//! scenario's faults at their virtual times. Everything random comes from the seed; every
+//! delivery and event goes into a trace whose hash is the run's fingerprint. Checkers run as it
+//! goes (replicas agree after every step) and at the end (the model equals single-node training
+//! on the same data, the run ended within its bound).
+
+pub mod compute;
+pub mod net;
+pub mod rng;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ractor::{Actor, ActorRef};
+use ravnest_core::config::{Fault, Scenario};
+use ravnest_core::cost::Costs;
+use ravnest_core::{NodeId, PlannerKind};
+use ravnest_runtime::coordinator::{CoordinatorActor, Event, RunLog};
+use ravnest_runtime::node::{Counters, NodeActor, NodeMsg, Start, spawn_heartbeat};
+use ravnest_runtime::{Addr, Trace, toy};
+use serde::Serialize;
+use tokio::time::Instant;
+
+use compute::SimCompute;
+use net::SimNet;
+
+/// Knobs of one simulated run.
+#[derive(Debug, Clone)]
+pub struct SimOptions {
+    /// Seed (overrides the scenario's).
+    pub seed: u64,
+    /// Planner.
+    pub planner: PlannerKind,
+    /// Steps (overrides the scenario's).
+    pub steps: u64,
+    /// Heartbeat period.
+    pub heartbeat: Duration,
+    /// Silence after which a node is declared dead.
+    pub timeout: Duration,
+}
+
+impl SimOptions {
+    /// Defaults for a scenario: its seed and steps, the ravnest planner, 100 ms heartbeats and a
+    /// 1 s timeout.
+    pub fn for_scenario(s: &Scenario) -> Self {
+        let sim = s.sim.clone().unwrap_or(ravnest_core::config::SimSettings {
+            seed: 0,
+            steps: 100,
+        });
+        SimOptions {
+            seed: sim.seed,
+            planner: PlannerKind::Ravnest,
+            steps: sim.steps,
+            heartbeat: Duration::from_millis(100),
+            timeout: Duration::from_millis(1000),
+        }
+    }
+}
+
+/// Why a simulation could not start.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SimError {
+    /// The scenario asks for something the simulator cannot do yet.
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+/// One node's figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct NodeReport {
+    /// Name.
+    pub name: String,
+    /// Device.
+    pub device: String,
+    /// Share of the run spent computing.
+    pub busy: f64,
+    /// Share spent in collectives.
+    pub comm: f64,
+    /// Share spent waiting (or down).
+    pub idle: f64,
+    /// Bytes sent.
+    pub bytes_sent: u64,
+    /// Steps applied.
+    pub steps: u64,
+    /// Collectives aborted under it.
+    pub aborted: u64,
+}
+
+/// How one fault was handled.
+#[derive(Debug, Clone, Serialize)]
+pub struct FaultReport {
+    /// What.
+    pub fault: String,
+    /// When, virtual seconds.
+    pub at_s: f64,
+    /// For a crash: seconds until the coordinator declared the node dead.
+    pub detected_after_s: Option<f64>,
+    /// Seconds until the next step completed after the fault (training resumed).
+    pub resumed_after_s: Option<f64>,
+}
+
+/// The result of a run.
+#[derive(Debug, Clone, Serialize)]
+pub struct SimReport {
+    /// Scenario.
+    pub scenario: String,
+    /// Planner.
+    pub planner: String,
+    /// Seed.
+    pub seed: u64,
+    /// Steps asked for.
+    pub steps_requested: u64,
+    /// Steps completed.
+    pub steps_completed: u64,
+    /// Virtual seconds simulated.
+    pub sim_time_s: f64,
+    /// Samples per virtual second.
+    pub samples_per_s: f64,
+    /// Achieved samples/s ÷ the sum of every node's solo samples/s.
+    pub capacity_efficiency: f64,
+    /// Per node, in id order.
+    pub nodes: Vec<NodeReport>,
+    /// Faults in order.
+    pub faults: Vec<FaultReport>,
+    /// Distinct plans used (the first included): a new one after each membership change.
+    pub plans: usize,
+    /// Messages dropped by the network.
+    pub dropped: u64,
+    /// Checker failures (empty when all held).
+    pub violations: Vec<String>,
+    /// Largest |w − w_reference| at the end (toy model vs single-node training).
+    pub max_model_error: f64,
+    /// Trace entries.
+    pub trace_len: u64,
+    /// Trace hash.
+    pub trace_hash: u64,
+}
+
+/// One timed action of the fault schedule.
+#[derive(Debug, Clone)]
+enum Action {
+    Crash(NodeId),
+    Restart(NodeId),
+    Slow(NodeId, f64),
+    Degrade(NodeId, NodeId, ravnest_core::Link),
+    Restore(NodeId, NodeId),
+    Partition(Vec<Vec<NodeId>>),
+    Heal(Vec<Vec<NodeId>>),
+}
+
+fn schedule(faults: &[Fault]) -> Vec<(f64, usize, Action)> {
+    let mut v = Vec::new();
+    for (i, f) in faults.iter().enumerate() {
+        match f {
+            Fault::Crash { node, at_s } => v.push((*at_s, i, Action::Crash(*node))),
+            Fault::Restart { node, at_s } => v.push((*at_s, i, Action::Restart(*node))),
+            Fault::Slowdown {
+                node,
+                factor,
+                from_s,
+                to_s,
+            } => {
+                v.push((*from_s, i, Action::Slow(*node, *factor)));
+                v.push((*to_s, i, Action::Slow(*node, 1.0)));
+            }
+            Fault::LinkDegraded {
+                a,
+                b,
+                link,
+                from_s,
+                to_s,
+            } => {
+                v.push((*from_s, i, Action::Degrade(*a, *b, *link)));
+                v.push((*to_s, i, Action::Restore(*a, *b)));
+            }
+            Fault::Partition {
+                groups,
+                from_s,
+                to_s,
+            } => {
+                v.push((*from_s, i, Action::Partition(groups.clone())));
+                v.push((*to_s, i, Action::Heal(groups.clone())));
+            }
+        }
+    }
+    // Stable by time, then file order.
+    v.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    v
+}
+
+fn describe(s: &Scenario, f: &Fault) -> String {
+    let name = |n: &NodeId| s.cluster.node(*n).name.clone();
+    match f {
+        Fault::Crash { node, .. } => format!("crash {}", name(node)),
+        Fault::Restart { node, .. } => format!("restart {}", name(node)),
+        Fault::Slowdown {
+            node, factor, to_s, ..
+        } => format!("{} {factor}x slower until {to_s} s", name(node)),
+        Fault::LinkDegraded {
+            a, b, link, to_s, ..
+        } => {
+            format!(
+                "link {}-{} at {} Gbit/s until {to_s} s",
+                name(a),
+                name(b),
+                link.bandwidth_gbps
+            )
+        }
+        Fault::Partition { groups, to_s, .. } => {
+            format!("partition into {} groups until {to_s} s", groups.len())
+        }
+    }
+}
+
+fn fault_at(f: &Fault) -> f64 {
+    match f {
+        Fault::Crash { at_s, .. } | Fault::Restart { at_s, .. } => *at_s,
+        Fault::Slowdown { from_s, .. }
+        | Fault::LinkDegraded { from_s, .. }
+        | Fault::Partition { from_s, .. } => *from_s,
+    }
+}
+
+type NodeSlot = Option<(ActorRef<NodeMsg>, tokio::task::JoinHandle<()>)>;
+
+/// Run a scenario. Deterministic: the same scenario and options give the same report and hash.
+pub fn run(s: &Scenario, opts: &SimOptions) -> Result<SimReport, SimError> {
+    let host = s.run.coordinator.unwrap_or(NodeId(0));
+    for f in &s.faults {
+        if let Fault::Crash { node, .. } = f
+            && *node == host
+        {
+            return Err(SimError::Unsupported(format!(
+                "fault crashes `{}`, which hosts the coordinator; coordinator fail-over is not built yet (set [cluster] coordinator to another node)",
+                s.cluster.node(host).name
+            )));
+        }
+    }
+    let opts_dp = ravnest_core::PlanOptions {
+        allow_pipeline: false,
+    };
+    if let Err(e) =
+        ravnest_core::plan_with(opts.planner, &s.cluster, &s.model, &s.training, opts_dp)
+    {
+        return Err(SimError::Unsupported(format!(
+            "no data-parallel plan fits this cluster ({e}); the runtime executes data-parallel plans only so far (pipeline execution is not built yet)"
+        )));
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .map_err(|e| SimError::Unsupported(format!("cannot build the runtime: {e}")))?;
+    rt.block_on(simulate(s, opts, host))
+}
+
+async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimReport, SimError> {
+    let t0 = Instant::now();
+    let trace = Trace::default();
+    let cluster = s.cluster.clone();
+    let net = SimNet::new(cluster.clone(), host, opts.seed, t0, trace.clone());
+    let net_task = tokio::spawn(net.clone().run());
+    let costs = Costs::new(&s.cluster, &s.model, &s.training);
+    let all = costs.all();
+    let secs_per_sample: Vec<f64> = cluster
+        .ids()
+        .map(|i| costs.compute_s(i, &all, 1.0))
+        .collect();
+    let compute = Arc::new(SimCompute::new(secs_per_sample.clone(), opts.seed));
+    let grad_bytes = costs.grad_bytes(&all);
+    let counters: Counters = Arc::default();
+    let log: Arc<Mutex<RunLog>> = Arc::default();
+
+    let node_actor = |id: NodeId| NodeActor {
+        id,
+        transport: net.clone(),
+        compute: compute.clone(),
+        grad_bytes,
+        model_bytes: grad_bytes,
+        counters: counters.clone(),
+    };
+    let mut nodes: Vec<NodeSlot> = Vec::new();
+    for id in cluster.ids() {
+        let (r, _) = Actor::spawn(None, node_actor(id), Start::Fresh)
+            .await
+            .map_err(|e| SimError::Unsupported(format!("spawn node: {e}")))?;
+        nodes.push(Some((r, spawn_heartbeat(net.clone(), id, opts.heartbeat))));
+    }
+    let (done_tx, mut done_rx) = tokio::sync::oneshot::channel();
+    let coordinator = CoordinatorActor {
+        transport: net.clone(),
+        cluster: cluster.clone(),
+        model: s.model.clone(),
+        training: s.training.clone(),
+        planner: opts.planner,
+        steps: opts.steps,
+        heartbeat_timeout: opts.timeout,
+        tick: opts.heartbeat / 2,
+        t0,
+        trace: trace.clone(),
+        log: log.clone(),
+    };
+    let (coord, _) = Actor::spawn(None, coordinator, done_tx)
+        .await
+        .map_err(|e| SimError::Unsupported(format!("spawn coordinator: {e}")))?;
+
+    // Bound: every step at the slowest node's full-batch time, plus sync over the slowest link,
+    // twenty times over, plus the fault schedule. A run that needs longer is a bug.
+    let worst_step = secs_per_sample.iter().copied().fold(0.0, f64::max)
+        * f64::from(s.training.global_batch)
+        + cluster
+            .nodes
+            .iter()
+            .map(|n| n.link.transfer_s(2.0 * grad_bytes as f64))
+            .fold(0.0, f64::max);
+    let actions = schedule(&s.faults);
+    let last_fault = actions.last().map_or(0.0, |a| a.0);
+    let bound_s = 20.0 * worst_step * opts.steps as f64 + last_fault + 60.0;
+    let deadline = t0 + Duration::from_secs_f64(bound_s);
+
+    let mut finished = false;
+    for (at_s, _, action) in actions {
+        let when = t0 + Duration::from_secs_f64(at_s);
+        tokio::select! {
+            biased;
+            _ = &mut done_rx => { finished = true; break; }
+            _ = tokio::time::sleep_until(when) => {}
+        }
+        let t_ns = t0.elapsed().as_nanos() as u64;
+        match action {
+            Action::Crash(n) => {
+                trace.record(t_ns, "crash", Some(Addr::Node(n)), None, 0);
+                net.crash(n);
+                if let Some((r, hb)) = nodes[n.index()].take() {
+                    hb.abort();
+                    r.kill();
+                }
+            }
+            Action::Restart(n) => {
+                trace.record(t_ns, "restart", Some(Addr::Node(n)), None, 0);
+                if nodes[n.index()].is_none() {
+                    net.restart(n);
+                    let (r, _) = Actor::spawn(None, node_actor(n), Start::Rejoin)
+                        .await
+                        .map_err(|e| SimError::Unsupported(format!("respawn node: {e}")))?;
+                    nodes[n.index()] = Some((r, spawn_heartbeat(net.clone(), n, opts.heartbeat)));
+                }
+            }
+            Action::Slow(n, k) => {
+                trace.record(t_ns, "slowdown", Some(Addr::Node(n)), None, k.to_bits());
+                compute.set_slowdown(n, k);
+            }
+            Action::Degrade(a, b, l) => {
+                trace.record(
+                    t_ns,
+                    "link-degraded",
+                    Some(Addr::Node(a)),
+                    Some(Addr::Node(b)),
+                    l.bandwidth_gbps.to_bits(),
+                );
+                net.degrade(a, b, l);
+            }
+            Action::Restore(a, b) => {
+                trace.record(
+                    t_ns,
+                    "link-restored",
+                    Some(Addr::Node(a)),
+                    Some(Addr::Node(b)),
+                    0,
+                );
+                net.restore(a, b);
+            }
+            Action::Partition(g) => {
+                trace.record(t_ns, "partition", None, None, g.len() as u64);
+                net.partition(g);
+            }
+            Action::Heal(g) => {
+                trace.record(t_ns, "heal", None, None, g.len() as u64);
+                net.heal(&g);
+            }
+        }
+    }
+    let mut violations = Vec::new();
+    if !finished {
+        tokio::select! {
+            biased;
+            _ = &mut done_rx => {}
+            _ = tokio::time::sleep_until(deadline) => {
+                violations.push(format!("the run did not end within its bound of {bound_s:.0} virtual seconds"));
+            }
+        }
+    }
+    let end_ns = t0.elapsed().as_nanos() as u64;
+    coord.stop(None);
+    for (r, hb) in nodes.into_iter().flatten() {
+        hb.abort();
+        r.stop(None);
+    }
+    net_task.abort();
+
+    let log = log.lock().unwrap().clone();
+    let counters = counters.lock().unwrap().clone();
+    Ok(report(
+        s,
+        opts,
+        &log,
+        &counters,
+        &net,
+        &trace,
+        end_ns,
+        &secs_per_sample,
+        violations,
+    ))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn report(
+    s: &Scenario,
+    opts: &SimOptions,
+    log: &RunLog,
+    counters: &BTreeMap<NodeId, ravnest_runtime::node::NodeCounters>,
+    net: &SimNet,
+    trace: &Trace,
+    end_ns: u64,
+    secs_per_sample: &[f64],
+    mut violations: Vec<String>,
+) -> SimReport {
+    let end_s = end_ns as f64 / 1e9;
+    let steps_completed = log.step_done_ns.len() as u64;
+    let samples_per_s = if end_s > 0.0 {
+        steps_completed as f64 * f64::from(s.training.global_batch) / end_s
+    } else {
+        0.0
+    };
+    let solo: f64 = secs_per_sample.iter().map(|t| 1.0 / t).sum();
+    for (_, e) in &log.events {
+        match e {
+            Event::Violation(v) => violations.push(v.clone()),
+            Event::Stalled(why) => violations.push(format!("training stalled: {why}")),
+            _ => {}
+        }
+    }
+    // The model every live replica ends with must equal single-node training on the same data.
+    let reference = toy::reference_model(steps_completed, u64::from(s.training.global_batch));
+    let mut max_err: f64 = 0.0;
+    for c in counters
+        .values()
+        .filter(|c| c.model.0 == steps_completed && steps_completed > 0)
+    {
+        for (a, b) in c.model.1.iter().zip(&reference) {
+            max_err = max_err.max(f64::from((a - b).abs()));
+        }
+    }
+    if max_err > 1e-4 {
+        violations.push(format!(
+            "final model differs from single-node training by {max_err:.2e}"
+        ));
+    }
+    let bytes = net.bytes_sent();
+    let nodes = s
+        .cluster
+        .ids()
+        .map(|id| {
+            let n = s.cluster.node(id);
+            let c = counters.get(&id).cloned().unwrap_or_default();
+            let busy = c.compute_ns as f64 / end_ns.max(1) as f64;
+            let comm = c.comm_ns as f64 / end_ns.max(1) as f64;
+            NodeReport {
+                name: n.name.clone(),
+                device: n.device.clone(),
+                busy,
+                comm,
+                idle: (1.0 - busy - comm).max(0.0),
+                bytes_sent: bytes.get(&id).copied().unwrap_or(0),
+                steps: c.steps,
+                aborted: c.aborted,
+            }
+        })
+        .collect();
+    let faults = s
+        .faults
+        .iter()
+        .map(|f| {
+            let at_ns = (fault_at(f) * 1e9) as u64;
+            let detected = match f {
+                Fault::Crash { node, .. } => log.events.iter().find_map(|(t, e)| match e {
+                    Event::Detected { node: n, .. } if n == node && *t >= at_ns => Some(*t),
+                    _ => None,
+                }),
+                _ => None,
+            };
+            let after = detected.unwrap_or(at_ns);
+            let resumed = log.step_done_ns.iter().copied().find(|&t| t >= after);
+            FaultReport {
+                fault: describe(s, f),
+                at_s: fault_at(f),
+                detected_after_s: detected.map(|t| (t - at_ns) as f64 / 1e9),
+                resumed_after_s: resumed.map(|t| (t - at_ns) as f64 / 1e9),
+            }
+        })
+        .collect();
+    SimReport {
+        scenario: s.cluster.name.clone(),
+        planner: opts.planner.as_str().to_string(),
+        seed: opts.seed,
+        steps_requested: opts.steps,
+        steps_completed,
+        sim_time_s: end_s,
+        samples_per_s,
+        capacity_efficiency: samples_per_s / solo,
+        nodes,
+        faults,
+        plans: log
+            .events
+            .iter()
+            .filter(|(_, e)| matches!(e, Event::Planned { .. }))
+            .count(),
+        dropped: net.dropped(),
+        violations,
+        max_model_error: max_err,
+        trace_len: trace.len(),
+        trace_hash: trace.hash(),
+    }
+}

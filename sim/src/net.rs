@@ -1,0 +1,280 @@
+//! SimNet: the simulated side of the [`Transport`] seam.
+//!
+//! Each directed link is a FIFO pipe (two, in fact: control messages have their own): a message waits until the link is free, occupies it for
+//! bytes ÷ bandwidth (serialization), then arrives after the link's latency plus seeded jitter
+//! (never before an earlier message on the same link). Crashed nodes and partitions drop
+//! messages, at send time and again at delivery. One task delivers everything in (time,
+//! sequence) order on tokio's paused clock, so a run is a pure function of its seed.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+
+use ravnest_core::{ClusterSpec, Link, NodeId};
+use ravnest_runtime::msg::CONTROL_BYTES;
+use ravnest_runtime::{Addr, Envelope, Inbox, Trace, Transport, TransportError};
+use tokio::sync::Notify;
+use tokio::time::{Duration, Instant};
+
+use crate::rng::Rng;
+
+/// Fraction of a link's latency added as uniform jitter.
+pub const JITTER: f64 = 0.1;
+
+type Queued = (Addr, Addr, Envelope);
+
+struct State {
+    cluster: ClusterSpec,
+    /// The node whose process hosts the coordinator.
+    host: NodeId,
+    seed: u64,
+    t0: Instant,
+    trace: Trace,
+    inboxes: BTreeMap<Addr, Inbox>,
+    down: BTreeSet<NodeId>,
+    /// Active partitions: a message crosses only if both ends are in the same group (or one end
+    /// is in no group).
+    partitions: Vec<Vec<Vec<NodeId>>>,
+    /// Degraded links (both directions), stacked: the last one applies.
+    degraded: BTreeMap<(NodeId, NodeId), Vec<Link>>,
+    /// Per (from, to, pipe): when the pipe is next free, and the last arrival time (FIFO).
+    free_at: BTreeMap<(NodeId, NodeId, u64), u64>,
+    last_at: BTreeMap<(NodeId, NodeId, u64), u64>,
+    rngs: BTreeMap<(NodeId, NodeId), Rng>,
+    queue: BTreeMap<(u64, u64), Queued>,
+    seq: u64,
+    bytes_sent: BTreeMap<NodeId, u64>,
+    dropped: u64,
+}
+
+/// The simulated network (cheap to clone: a handle).
+#[derive(Clone)]
+pub struct SimNet {
+    state: Arc<Mutex<State>>,
+    wake: Arc<Notify>,
+}
+
+impl std::fmt::Debug for SimNet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SimNet")
+    }
+}
+
+fn host_of(host: NodeId, a: Addr) -> NodeId {
+    match a {
+        Addr::Coordinator => host,
+        Addr::Node(n) => n,
+    }
+}
+
+impl State {
+    fn now_ns(&self) -> u64 {
+        self.t0.elapsed().as_nanos() as u64
+    }
+
+    fn known(&self, a: Addr) -> bool {
+        match a {
+            Addr::Coordinator => true,
+            Addr::Node(n) => n.index() < self.cluster.nodes.len(),
+        }
+    }
+
+    fn reachable(&self, a: NodeId, b: NodeId) -> bool {
+        if self.down.contains(&a) || self.down.contains(&b) {
+            return false;
+        }
+        self.partitions.iter().all(|groups| {
+            let ga = groups.iter().position(|g| g.contains(&a));
+            let gb = groups.iter().position(|g| g.contains(&b));
+            ga.is_none() || gb.is_none() || ga == gb
+        })
+    }
+
+    fn link(&self, a: NodeId, b: NodeId) -> Link {
+        let key = (a.min(b), a.max(b));
+        match self.degraded.get(&key).and_then(|v| v.last()) {
+            Some(l) => *l,
+            None => self.cluster.link(a, b),
+        }
+    }
+}
+
+impl SimNet {
+    /// A network over `cluster`, the coordinator hosted on `host`.
+    pub fn new(cluster: ClusterSpec, host: NodeId, seed: u64, t0: Instant, trace: Trace) -> Self {
+        SimNet {
+            state: Arc::new(Mutex::new(State {
+                cluster,
+                host,
+                seed,
+                t0,
+                trace,
+                inboxes: BTreeMap::new(),
+                down: BTreeSet::new(),
+                partitions: Vec::new(),
+                degraded: BTreeMap::new(),
+                free_at: BTreeMap::new(),
+                last_at: BTreeMap::new(),
+                rngs: BTreeMap::new(),
+                queue: BTreeMap::new(),
+                seq: 0,
+                bytes_sent: BTreeMap::new(),
+                dropped: 0,
+            })),
+            wake: Arc::new(Notify::new()),
+        }
+    }
+
+    /// The delivery loop; run it as a task for the whole simulation.
+    pub async fn run(self) {
+        loop {
+            let next = self.state.lock().unwrap().queue.keys().next().copied();
+            match next {
+                None => self.wake.notified().await,
+                Some((t_ns, _)) => {
+                    let t0 = self.state.lock().unwrap().t0;
+                    tokio::select! {
+                        biased;
+                        _ = tokio::time::sleep_until(t0 + Duration::from_nanos(t_ns)) => self.deliver_due(),
+                        _ = self.wake.notified() => {}
+                    }
+                }
+            }
+        }
+    }
+
+    fn deliver_due(&self) {
+        let mut out: Vec<(Inbox, Addr, Envelope)> = Vec::new();
+        {
+            let mut s = self.state.lock().unwrap();
+            let now = s.now_ns();
+            while let Some((&(t, seq), _)) = s.queue.iter().next() {
+                if t > now {
+                    break;
+                }
+                let (from, to, env) = s.queue.remove(&(t, seq)).expect("peeked");
+                let (a, b) = (host_of(s.host, from), host_of(s.host, to));
+                let inbox = s.inboxes.get(&to).cloned();
+                if a != b && !s.reachable(a, b) || inbox.is_none() {
+                    s.dropped += 1;
+                    s.trace
+                        .record(t, "drop", Some(from), Some(to), env.digest());
+                    continue;
+                }
+                s.trace
+                    .record(t, env.kind(), Some(from), Some(to), env.digest());
+                out.push((inbox.expect("checked"), from, env));
+            }
+        }
+        for (inbox, from, env) in out {
+            inbox(from, env);
+        }
+    }
+
+    /// Crash a node: it sends and receives nothing until [`restart`](Self::restart).
+    pub fn crash(&self, node: NodeId) {
+        let mut s = self.state.lock().unwrap();
+        s.down.insert(node);
+        s.inboxes.remove(&Addr::Node(node));
+    }
+
+    /// Bring a crashed node's links back (its process re-registers its inbox).
+    pub fn restart(&self, node: NodeId) {
+        self.state.lock().unwrap().down.remove(&node);
+    }
+
+    /// Start a partition (groups of nodes that cannot reach each other).
+    pub fn partition(&self, groups: Vec<Vec<NodeId>>) {
+        self.state.lock().unwrap().partitions.push(groups);
+    }
+
+    /// End the oldest partition with these groups.
+    pub fn heal(&self, groups: &[Vec<NodeId>]) {
+        let mut s = self.state.lock().unwrap();
+        if let Some(i) = s.partitions.iter().position(|g| g == groups) {
+            s.partitions.remove(i);
+        }
+    }
+
+    /// Degrade the link a–b (both directions) until [`restore`](Self::restore).
+    pub fn degrade(&self, a: NodeId, b: NodeId, link: Link) {
+        self.state
+            .lock()
+            .unwrap()
+            .degraded
+            .entry((a.min(b), a.max(b)))
+            .or_default()
+            .push(link);
+    }
+
+    /// Undo the oldest degradation of a–b.
+    pub fn restore(&self, a: NodeId, b: NodeId) {
+        let mut s = self.state.lock().unwrap();
+        if let Some(v) = s.degraded.get_mut(&(a.min(b), a.max(b)))
+            && !v.is_empty()
+        {
+            v.remove(0);
+        }
+    }
+
+    /// Bytes each node put on the wire.
+    pub fn bytes_sent(&self) -> BTreeMap<NodeId, u64> {
+        self.state.lock().unwrap().bytes_sent.clone()
+    }
+
+    /// Messages dropped (to or from a down node, across a partition).
+    pub fn dropped(&self) -> u64 {
+        self.state.lock().unwrap().dropped
+    }
+}
+
+impl Transport for SimNet {
+    fn register(&self, addr: Addr, inbox: Inbox) {
+        self.state.lock().unwrap().inboxes.insert(addr, inbox);
+    }
+
+    fn send(&self, from: Addr, to: Addr, env: Envelope) -> Result<(), TransportError> {
+        let mut s = self.state.lock().unwrap();
+        if !s.known(to) {
+            return Err(TransportError::Unknown(to));
+        }
+        if !s.known(from) {
+            return Err(TransportError::Unknown(from));
+        }
+        let (a, b) = (host_of(s.host, from), host_of(s.host, to));
+        if s.down.contains(&a) {
+            return Err(TransportError::SenderDown(from));
+        }
+        let now = s.now_ns();
+        let arrive = if a == b {
+            now // same process: no network
+        } else {
+            let bytes = env.wire_bytes();
+            *s.bytes_sent.entry(a).or_default() += bytes;
+            let link = s.link(a, b);
+            let ser_ns = (bytes as f64 * 8.0 / (link.bandwidth_gbps * 1e9) * 1e9) as u64;
+            // Control messages travel on their own connection: a heartbeat does not wait behind
+            // a gradient (pipe 1 is bulk data, pipe 0 control).
+            let pipe = u64::from(bytes > CONTROL_BYTES);
+            let key = (a, b, pipe);
+            let start = now.max(*s.free_at.get(&key).unwrap_or(&0));
+            let free = start + ser_ns;
+            s.free_at.insert(key, free);
+            let seed = s.seed;
+            let u = s
+                .rngs
+                .entry((a, b))
+                .or_insert_with(|| Rng::derive(seed, &[1, u64::from(a.0), u64::from(b.0)]))
+                .unit();
+            let lat_ns = (link.latency_ms * 1e6 * (1.0 + JITTER * u)) as u64;
+            let arrive = (free + lat_ns).max(*s.last_at.get(&key).unwrap_or(&0));
+            s.last_at.insert(key, arrive);
+            arrive
+        };
+        let seq = s.seq;
+        s.seq += 1;
+        s.queue.insert((arrive, seq), (from, to, env));
+        drop(s);
+        self.wake.notify_one();
+        Ok(())
+    }
+}
