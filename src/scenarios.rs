@@ -8,7 +8,7 @@ pub const DEFAULT: (&str, &str) = SHIPPED[2];
 pub const SIM_DEFAULT: (&str, &str) = SHIPPED[0];
 
 /// (name, TOML text) of every file in `scenarios/`, in report order (the 1,000-node one last).
-pub const SHIPPED: [(&str, &str); 6] = [
+pub const SHIPPED: [(&str, &str); 8] = [
     ("flaky-3090", include_str!("../scenarios/flaky-3090.toml")),
     ("homogeneous", include_str!("../scenarios/homogeneous.toml")),
     (
@@ -20,5 +20,7 @@ pub const SHIPPED: [(&str, &str); 6] = [
         include_str!("../scenarios/memory-limited.toml"),
     ),
     ("slow-link", include_str!("../scenarios/slow-link.toml")),
+    ("straggler", include_str!("../scenarios/straggler.toml")),
+    ("partition", include_str!("../scenarios/partition.toml")),
     ("large-1000", include_str!("../scenarios/large-1000.toml")),
 ];

@@ -369,23 +369,41 @@ fn sim_default_detects_the_crash_and_all_checkers_hold() {
     assert!(text.contains("checkers: all held"), "{text}");
     // Same seed, same hash, across processes.
     let again = stdout(&ravnest(&["sim"]));
-    let hash = |t: &str| t.lines().find(|l| l.starts_with("trace:")).unwrap().to_string();
+    let hash = |t: &str| {
+        t.lines()
+            .find(|l| l.starts_with("trace:"))
+            .unwrap()
+            .to_string()
+    };
     assert_eq!(hash(&text), hash(&again));
 }
 
 #[test]
 fn sim_json_and_compare() {
-    let out = ravnest(&["sim", "scenarios/mixed-4090-3060.toml", "--steps", "10", "--compare", "uniform", "--json"]);
+    let out = ravnest(&[
+        "sim",
+        "scenarios/mixed-4090-3060.toml",
+        "--steps",
+        "10",
+        "--compare",
+        "uniform",
+        "--json",
+    ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let runs = v.as_array().unwrap();
     assert_eq!(runs.len(), 2);
     assert_eq!(runs[0]["planner"], "ravnest");
     assert_eq!(runs[1]["planner"], "uniform");
-    assert!(runs[0]["samples_per_s"].as_f64().unwrap() > runs[1]["samples_per_s"].as_f64().unwrap());
+    assert!(
+        runs[0]["samples_per_s"].as_f64().unwrap() > runs[1]["samples_per_s"].as_f64().unwrap()
+    );
 }
 
 #[test]
 fn error_sim_of_a_scenario_that_needs_a_pipeline() {
-    expect_error(&["sim", "scenarios/memory-limited.toml"], &["pipeline execution is not built yet"]);
+    expect_error(
+        &["sim", "scenarios/memory-limited.toml"],
+        &["pipeline execution is not built yet"],
+    );
 }

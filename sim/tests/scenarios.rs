@@ -13,6 +13,8 @@ fn scenario(name: &str) -> Scenario {
         "slow-link" => include_str!("../../scenarios/slow-link.toml"),
         "homogeneous" => include_str!("../../scenarios/homogeneous.toml"),
         "memory-limited" => include_str!("../../scenarios/memory-limited.toml"),
+        "straggler" => include_str!("../../scenarios/straggler.toml"),
+        "partition" => include_str!("../../scenarios/partition.toml"),
         other => panic!("unknown scenario {other}"),
     };
     ravnest_core::parse(text, name).unwrap()
@@ -27,7 +29,14 @@ fn opts(s: &Scenario, seed: u64, steps: u64) -> SimOptions {
 
 #[test]
 fn same_seed_same_trace_hash_and_another_seed_another() {
-    for name in ["flaky-3090", "mixed-4090-3060", "slow-link", "homogeneous"] {
+    for name in [
+        "flaky-3090",
+        "mixed-4090-3060",
+        "slow-link",
+        "homogeneous",
+        "straggler",
+        "partition",
+    ] {
         let s = scenario(name);
         let a = run(&s, &opts(&s, 11, 20)).unwrap();
         let b = run(&s, &opts(&s, 11, 20)).unwrap();
@@ -79,18 +88,33 @@ fn a_scenario_that_needs_a_pipeline_is_refused_clearly() {
 }
 
 #[test]
+fn a_partitioned_rack_is_dropped_then_rejoins() {
+    let s = scenario("partition");
+    let r = run(&s, &opts(&s, 5, 150)).unwrap();
+    assert!(r.violations.is_empty(), "{:?}", r.violations);
+    assert_eq!(r.steps_completed, 150);
+    assert!(r.plans >= 3, "plans {}", r.plans);
+    assert!(r.dropped > 0);
+    // rack B missed the steps during the partition but trained after it healed.
+    let b = &r.nodes[3];
+    assert!(b.steps > 0 && b.steps < 150, "{b:?}");
+}
+
+#[test]
 fn seed_sweep_with_checkers() {
     let seeds: u64 = std::env::var("RAVNEST_SWEEP_SEEDS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(50);
-    let s = scenario("flaky-3090");
-    for seed in 0..seeds {
-        let r = run(&s, &opts(&s, seed, 170)).unwrap();
-        assert!(
-            r.violations.is_empty() && r.steps_completed == 170,
-            "seed {seed}: {:?}\nreplay: cargo run --release -- sim scenarios/flaky-3090.toml --seed {seed} --steps 170",
-            r.violations
-        );
+    for (name, steps) in [("flaky-3090", 170), ("partition", 80), ("straggler", 60)] {
+        let s = scenario(name);
+        for seed in 0..seeds {
+            let r = run(&s, &opts(&s, seed, steps)).unwrap();
+            assert!(
+                r.violations.is_empty() && r.steps_completed == steps,
+                "{name} seed {seed}: {:?}\nreplay: cargo run --release -- sim scenarios/{name}.toml --seed {seed} --steps {steps}",
+                r.violations
+            );
+        }
     }
 }

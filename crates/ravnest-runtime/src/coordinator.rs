@@ -358,9 +358,12 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                 }
             }
             CoordMsg::Net(Addr::Node(from), env) => {
+                // A node heard from after it was declared dead (a healed partition) rejoins as a
+                // new incarnation: its model may be stale, so it is no longer a holder.
+                let rejoin = matches!(env, Envelope::Join) || !st.detector.is_alive(from);
                 st.detector.heard(from, self.now_ms());
                 match env {
-                    Envelope::Join => {
+                    _ if rejoin => {
                         st.detector.watch(from, self.now_ms());
                         st.holders.remove(&from);
                         self.event(Event::Joined { node: from });
