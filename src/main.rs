@@ -55,6 +55,9 @@ enum Command {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+        /// Write a timeline picture (SVG) of the run to this file.
+        #[arg(long)]
+        timeline: Option<PathBuf>,
     },
     /// Benchmarks that print a table.
     Bench {
@@ -124,6 +127,7 @@ fn run(cli: Cli) -> Result<()> {
             planner,
             compare,
             json,
+            timeline,
         } => {
             let (origin, scenario) = match &file {
                 Some(_) => load(file.as_deref())?,
@@ -142,6 +146,21 @@ fn run(cli: Cli) -> Result<()> {
             opts.planner = parse_planner(&planner)?;
             let mut reports =
                 vec![ravnest_sim::run(&scenario, &opts).with_context(|| origin.clone())?];
+            if let Some(path) = &timeline {
+                let r = &reports[0];
+                let title = format!(
+                    "{} · planner {} · seed {} · {}/{} steps in {:.1} s · trace {:016x}",
+                    r.scenario,
+                    r.planner,
+                    r.seed,
+                    r.steps_completed,
+                    r.steps_requested,
+                    r.sim_time_s,
+                    r.trace_hash
+                );
+                std::fs::write(path, ravnest_sim::timeline::svg(&r.timeline, &title))
+                    .with_context(|| format!("cannot write `{}`", path.display()))?;
+            }
             let mut compare_error = None;
             if let Some(other) = compare {
                 let mut o = opts.clone();

@@ -407,3 +407,20 @@ fn error_sim_of_a_scenario_that_needs_a_pipeline() {
         &["pipeline execution is not built yet"],
     );
 }
+
+#[test]
+fn sim_writes_a_timeline_picture() {
+    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("flaky.svg");
+    let out = ravnest(&["sim", "--timeline", path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let svg = std::fs::read_to_string(&path).unwrap();
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    for lane in ["rtx3090-0", "rtx3090-1", "rtx4090", "rtx3060"] {
+        assert!(svg.contains(&format!(">{lane}</text>")), "lane {lane}");
+    }
+    assert!(svg.contains("crash rtx3090-1") && svg.contains("rtx3090-1 declared dead"));
+    assert!(
+        svg.contains("#444444"),
+        "the crashed node's down time is drawn"
+    );
+}

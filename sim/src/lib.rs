@@ -10,6 +10,7 @@
 pub mod compute;
 pub mod net;
 pub mod rng;
+pub mod timeline;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -138,6 +139,9 @@ pub struct SimReport {
     pub trace_len: u64,
     /// Trace hash.
     pub trace_hash: u64,
+    /// The picture's data (not in JSON: it can be large).
+    #[serde(skip)]
+    pub timeline: timeline::Timeline,
 }
 
 /// One timed action of the fault schedule.
@@ -282,6 +286,7 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
         grad_bytes,
         model_bytes: grad_bytes,
         counters: counters.clone(),
+        t0,
     };
     let mut nodes: Vec<NodeSlot> = Vec::new();
     for id in cluster.ids() {
@@ -322,6 +327,8 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
     let bound_s = 20.0 * worst_step * opts.steps as f64 + last_fault + 60.0;
     let deadline = t0 + Duration::from_secs_f64(bound_s);
 
+    let mut down: Vec<Vec<(u64, u64)>> = vec![Vec::new(); cluster.nodes.len()];
+    let mut down_since: Vec<Option<u64>> = vec![None; cluster.nodes.len()];
     let mut finished = false;
     for (at_s, _, action) in actions {
         let when = t0 + Duration::from_secs_f64(at_s);
@@ -335,6 +342,7 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
             Action::Crash(n) => {
                 trace.record(t_ns, "crash", Some(Addr::Node(n)), None, 0);
                 net.crash(n);
+                down_since[n.index()].get_or_insert(t_ns);
                 if let Some((r, hb)) = nodes[n.index()].take() {
                     hb.abort();
                     r.kill();
@@ -343,6 +351,9 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
             Action::Restart(n) => {
                 trace.record(t_ns, "restart", Some(Addr::Node(n)), None, 0);
                 if nodes[n.index()].is_none() {
+                    if let Some(since) = down_since[n.index()].take() {
+                        down[n.index()].push((since, t_ns));
+                    }
                     net.restart(n);
                     let (r, _) = Actor::spawn(None, node_actor(n), Start::Rejoin)
                         .await
@@ -395,6 +406,11 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
         }
     }
     let end_ns = t0.elapsed().as_nanos() as u64;
+    for (i, since) in down_since.iter().enumerate() {
+        if let Some(a) = since {
+            down[i].push((*a, end_ns));
+        }
+    }
     coord.stop(None);
     for (r, hb) in nodes.into_iter().flatten() {
         hb.abort();
@@ -404,7 +420,7 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
 
     let log = log.lock().unwrap().clone();
     let counters = counters.lock().unwrap().clone();
-    Ok(report(
+    let mut r = report(
         s,
         opts,
         &log,
@@ -414,7 +430,59 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
         end_ns,
         &secs_per_sample,
         violations,
-    ))
+    );
+    r.timeline = picture(s, &log, &counters, down, end_ns);
+    Ok(r)
+}
+
+fn picture(
+    s: &Scenario,
+    log: &RunLog,
+    counters: &BTreeMap<NodeId, ravnest_runtime::node::NodeCounters>,
+    down: Vec<Vec<(u64, u64)>>,
+    end_ns: u64,
+) -> timeline::Timeline {
+    let lanes = s
+        .cluster
+        .ids()
+        .zip(down)
+        .map(|(id, down)| timeline::Lane {
+            name: s.cluster.node(id).name.clone(),
+            spans: counters
+                .get(&id)
+                .map(|c| {
+                    c.spans
+                        .iter()
+                        .map(|sp| (sp.start_ns, sp.end_ns, sp.kind))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            down,
+        })
+        .collect();
+    let mut markers: Vec<(u64, String, bool)> = s
+        .faults
+        .iter()
+        .map(|f| ((fault_at(f) * 1e9) as u64, describe(s, f), true))
+        .collect();
+    for (t, e) in &log.events {
+        let name = |n: &NodeId| s.cluster.node(*n).name.clone();
+        match e {
+            Event::Detected { node, .. } => markers.push((
+                *t,
+                format!("{} declared dead, re-planned", name(node)),
+                false,
+            )),
+            Event::Joined { node } => markers.push((*t, format!("{} rejoined", name(node)), false)),
+            _ => {}
+        }
+    }
+    markers.sort_by_key(|m| m.0);
+    timeline::Timeline {
+        end_ns,
+        lanes,
+        markers,
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -524,5 +592,6 @@ fn report(
         max_model_error: max_err,
         trace_len: trace.len(),
         trace_hash: trace.hash(),
+        timeline: timeline::Timeline::default(),
     }
 }

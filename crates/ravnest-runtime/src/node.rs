@@ -16,6 +16,26 @@ use crate::msg::{Addr, Envelope, Work};
 use crate::seams::{Compute, Transport};
 use crate::toy;
 
+/// What a node was doing during a [`Span`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpanKind {
+    /// Computing a step.
+    Compute,
+    /// Inside a collective (sending, receiving, or waiting for a peer).
+    Comm,
+}
+
+/// An interval of activity, ns since the start of the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    /// Start.
+    pub start_ns: u64,
+    /// End.
+    pub end_ns: u64,
+    /// Activity.
+    pub kind: SpanKind,
+}
+
 /// Per-node counters, shared with whoever reports.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct NodeCounters {
@@ -29,6 +49,8 @@ pub struct NodeCounters {
     pub aborted: u64,
     /// The latest model version this node holds, and the version number.
     pub model: (u64, Vec<f32>),
+    /// Activity intervals, in order (for timelines).
+    pub spans: Vec<Span>,
 }
 
 /// Counters of every node.
@@ -49,6 +71,8 @@ pub struct NodeActor<T, C> {
     pub model_bytes: u64,
     /// Counters.
     pub counters: Counters,
+    /// Start of the run (spans are measured from it).
+    pub t0: Instant,
 }
 
 /// Messages a node actor handles.
@@ -90,6 +114,14 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         // A send can only fail for an unknown address or a downed sender; both mean this node
         // is being torn down or the cluster changed under it, and the detector handles it.
         let _ = self.transport.send(self.me(), to, env);
+    }
+
+    fn span(&self, since: Instant, kind: SpanKind) -> Span {
+        Span {
+            start_ns: since.duration_since(self.t0).as_nanos() as u64,
+            end_ns: self.t0.elapsed().as_nanos() as u64,
+            kind,
+        }
     }
 
     fn count(&self, f: impl FnOnce(&mut NodeCounters)) {
@@ -159,9 +191,11 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 }
                 RingEffect::Done(mean) => {
                     let (work, started) = (work.clone(), *started);
+                    let span = self.span(started, SpanKind::Comm);
                     self.count(|c| {
                         c.comm_ns += started.elapsed().as_nanos() as u64;
                         c.steps += 1;
+                        c.spans.push(span);
                     });
                     let mut model = st.versions.get(&work.step).cloned().unwrap_or_default();
                     self.compute.apply_update(&mut model, &mean);
@@ -184,9 +218,11 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 }
                 RingEffect::Aborted => {
                     let started = *started;
+                    let span = self.span(started, SpanKind::Comm);
                     self.count(|c| {
                         c.comm_ns += started.elapsed().as_nanos() as u64;
                         c.aborted += 1;
+                        c.spans.push(span);
                     });
                     st.ring = None;
                 }
@@ -239,9 +275,11 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                     st.epoch = w.epoch;
                     // A newer assignment supersedes a collective still running.
                     if let Some((_, _, started)) = st.ring.take() {
+                        let span = self.span(started, SpanKind::Comm);
                         self.count(|c| {
                             c.comm_ns += started.elapsed().as_nanos() as u64;
                             c.aborted += 1;
+                            c.spans.push(span);
                         });
                     }
                     st.early.retain(|c| c.epoch >= w.epoch);

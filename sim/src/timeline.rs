@@ -1,0 +1,180 @@
+//! A picture of a run: one lane per node, compute / communication / idle / down over virtual
+//! time, with fault and recovery markers. Self-contained SVG, readable in any browser.
+
+use std::fmt::Write as _;
+
+use ravnest_runtime::node::SpanKind;
+
+/// One node's lane.
+#[derive(Debug, Clone, Default)]
+pub struct Lane {
+    /// Node name.
+    pub name: String,
+    /// (start ns, end ns, kind).
+    pub spans: Vec<(u64, u64, SpanKind)>,
+    /// Intervals the node was down.
+    pub down: Vec<(u64, u64)>,
+}
+
+/// Everything the picture shows.
+#[derive(Debug, Clone, Default)]
+pub struct Timeline {
+    /// End of the run, ns.
+    pub end_ns: u64,
+    /// Lanes in node order.
+    pub lanes: Vec<Lane>,
+    /// (time ns, label, is a fault (red) rather than a recovery (green)).
+    pub markers: Vec<(u64, String, bool)>,
+}
+
+/// Lanes drawn at most; the rest are summarized in a note.
+const MAX_LANES: usize = 64;
+const WIDTH: f64 = 1200.0;
+const LEFT: f64 = 130.0;
+const LANE: f64 = 18.0;
+const TOP: f64 = 60.0;
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// Render the timeline as SVG.
+pub fn svg(t: &Timeline, title: &str) -> String {
+    let lanes = t.lanes.len().min(MAX_LANES);
+    let height = TOP + LANE * lanes as f64 + 70.0;
+    let span_w = WIDTH - LEFT - 20.0;
+    let end = t.end_ns.max(1) as f64;
+    let x = |ns: u64| LEFT + span_w * ns as f64 / end;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" font-family="sans-serif" font-size="11">"#
+    );
+    let _ = writeln!(o, r##"<rect width="100%" height="100%" fill="#ffffff"/>"##);
+    let _ = writeln!(
+        o,
+        r#"<text x="10" y="20" font-size="14" font-weight="bold">{}</text>"#,
+        esc(title)
+    );
+    // Time axis.
+    let secs = end / 1e9;
+    let step = [
+        1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+    ]
+    .into_iter()
+    .find(|s| secs / s <= 12.0)
+    .unwrap_or(7200.0);
+    let mut s = 0.0;
+    while s <= secs {
+        let xs = x((s * 1e9) as u64);
+        let _ = writeln!(
+            o,
+            r##"<line x1="{xs:.1}" y1="{}" x2="{xs:.1}" y2="{}" stroke="#dddddd"/>"##,
+            TOP - 5.0,
+            TOP + LANE * lanes as f64
+        );
+        let _ = writeln!(
+            o,
+            r#"<text x="{xs:.1}" y="{}" text-anchor="middle">{s:.0} s</text>"#,
+            TOP + LANE * lanes as f64 + 14.0
+        );
+        s += step;
+    }
+    for (i, lane) in t.lanes.iter().take(lanes).enumerate() {
+        let y = TOP + LANE * i as f64;
+        let _ = writeln!(
+            o,
+            r#"<text x="{}" y="{:.1}" text-anchor="end">{}</text>"#,
+            LEFT - 6.0,
+            y + 12.0,
+            esc(&lane.name)
+        );
+        let _ = writeln!(
+            o,
+            r##"<rect x="{LEFT}" y="{:.1}" width="{span_w:.1}" height="{:.1}" fill="#eeeeee"/>"##,
+            y + 2.0,
+            LANE - 4.0
+        );
+        // Merge spans closer than a pixel so long runs stay small.
+        let px_ns = (end / span_w) as u64;
+        let mut merged: Vec<(u64, u64, SpanKind)> = Vec::new();
+        for &(a, b, k) in &lane.spans {
+            match merged.last_mut() {
+                Some(m) if m.2 == k && a <= m.1 + px_ns => m.1 = m.1.max(b),
+                _ => merged.push((a, b, k)),
+            }
+        }
+        for (a, b, k) in merged {
+            let color = match k {
+                SpanKind::Compute => "#3b7dd8",
+                SpanKind::Comm => "#f0a030",
+            };
+            let _ = writeln!(
+                o,
+                r#"<rect x="{:.2}" y="{:.1}" width="{:.2}" height="{:.1}" fill="{color}"/>"#,
+                x(a),
+                y + 2.0,
+                (x(b) - x(a)).max(0.5),
+                LANE - 4.0
+            );
+        }
+        for &(a, b) in &lane.down {
+            let _ = writeln!(
+                o,
+                r##"<rect x="{:.2}" y="{:.1}" width="{:.2}" height="{:.1}" fill="#444444"/>"##,
+                x(a),
+                y + 2.0,
+                (x(b) - x(a)).max(0.5),
+                LANE - 4.0
+            );
+        }
+    }
+    for (k, (ns, label, fault)) in t.markers.iter().enumerate() {
+        let xs = x(*ns);
+        let color = if *fault { "#d62728" } else { "#2ca02c" };
+        let _ = writeln!(
+            o,
+            r#"<line x1="{xs:.1}" y1="{}" x2="{xs:.1}" y2="{}" stroke="{color}" stroke-width="1.5"/>"#,
+            TOP - 8.0,
+            TOP + LANE * lanes as f64
+        );
+        let _ = writeln!(
+            o,
+            r#"<text x="{:.1}" y="{}" fill="{color}">{}</text>"#,
+            xs + 3.0,
+            TOP - 10.0 - 11.0 * (k % 2) as f64,
+            esc(label)
+        );
+    }
+    let ly = TOP + LANE * lanes as f64 + 36.0;
+    let legend = [
+        (10.0, "#3b7dd8", "compute"),
+        (
+            110.0,
+            "#f0a030",
+            "communication (incl. waiting in a collective)",
+        ),
+        (420.0, "#eeeeee", "idle"),
+        (490.0, "#444444", "down"),
+    ];
+    for (lx, color, what) in legend {
+        let _ = writeln!(
+            o,
+            r##"<rect x="{lx}" y="{}" width="12" height="12" fill="{color}" stroke="#999999"/>"##,
+            ly - 10.0
+        );
+        let _ = writeln!(o, r#"<text x="{}" y="{ly}">{what}</text>"#, lx + 16.0);
+    }
+    if t.lanes.len() > lanes {
+        let _ = writeln!(
+            o,
+            r#"<text x="10" y="{}">... {} more nodes not drawn</text>"#,
+            ly + 18.0,
+            t.lanes.len() - lanes
+        );
+    }
+    o.push_str("</svg>\n");
+    o
+}
