@@ -10,7 +10,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use ravnest_core::{ClusterSpec, Link, NodeId};
-use ravnest_runtime::msg::CONTROL_BYTES;
 use ravnest_runtime::{Addr, Envelope, Inbox, Trace, Transport, TransportError};
 use tokio::sync::Notify;
 use tokio::time::{Duration, Instant};
@@ -254,7 +253,7 @@ impl Transport for SimNet {
             let ser_ns = (bytes as f64 * 8.0 / (link.bandwidth_gbps * 1e9) * 1e9) as u64;
             // Control messages travel on their own connection: a heartbeat does not wait behind
             // a gradient (pipe 1 is bulk data, pipe 0 control).
-            let pipe = u64::from(bytes > CONTROL_BYTES);
+            let pipe = u64::from(env.is_bulk());
             let key = (a, b, pipe);
             let start = now.max(*s.free_at.get(&key).unwrap_or(&0));
             let free = start + ser_ns;

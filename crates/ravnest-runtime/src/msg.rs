@@ -95,6 +95,13 @@ impl Envelope {
         }
     }
 
+    /// Whether this is bulk data (chunks, model state) rather than control. Transports keep
+    /// order within each class between two addresses; control may overtake bulk data (it
+    /// travels on its own connection, so a heartbeat never waits behind a gradient).
+    pub fn is_bulk(&self) -> bool {
+        matches!(self, Envelope::Chunk { .. } | Envelope::State { .. })
+    }
+
     /// Short name for traces and reports.
     pub fn kind(&self) -> &'static str {
         match self {
