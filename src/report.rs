@@ -496,19 +496,14 @@ pub fn sim_text(origin: &str, r: &ravnest_sim::SimReport) -> String {
             if let Some(d) = f.detected_after_s {
                 let _ = write!(line, ": detected after {d:.2} s");
             }
-            match f.resumed_after_s {
-                Some(x) => {
-                    let _ = write!(
-                        line,
-                        "{} training resumed after {x:.2} s",
-                        if f.detected_after_s.is_some() {
-                            ","
-                        } else {
-                            ":"
-                        }
-                    );
+            match (f.resumed_after_s, f.detected_after_s) {
+                (Some(x), Some(_)) => {
+                    let _ = write!(line, ", training resumed after {x:.2} s");
                 }
-                None => line.push_str(": no step completed after it"),
+                (Some(x), None) => {
+                    let _ = write!(line, ": next step completed {x:.2} s later");
+                }
+                (None, _) => line.push_str(": no step completed after it"),
             }
             let _ = writeln!(out, "{line}");
         }

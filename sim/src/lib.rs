@@ -308,6 +308,7 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
         t0,
         trace: trace.clone(),
         log: log.clone(),
+        train_flops: costs.train_flops(&all),
     };
     let (coord, _) = Actor::spawn(None, coordinator, done_tx)
         .await

@@ -101,6 +101,17 @@ fn a_partitioned_rack_is_dropped_then_rejoins() {
 }
 
 #[test]
+fn a_straggler_is_rebalanced_with_measured_speed() {
+    let s = scenario("straggler");
+    let r = run(&s, &opts(&s, 3, 200)).unwrap();
+    assert!(r.violations.is_empty(), "{:?}", r.violations);
+    // The first plan, one when the 3090 slows down, at least one when it recovers.
+    assert!(r.plans >= 3, "plans {}", r.plans);
+    // Without rebalancing the slow minute costs ~60 steps at 3x: 189 s on this seed.
+    assert!(r.sim_time_s < 175.0, "{}", r.sim_time_s);
+}
+
+#[test]
 fn seed_sweep_with_checkers() {
     let seeds: u64 = std::env::var("RAVNEST_SWEEP_SEEDS")
         .ok()

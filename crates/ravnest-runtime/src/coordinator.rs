@@ -43,6 +43,15 @@ pub enum Event {
         /// Step.
         step: u64,
     },
+    /// A node's measured speed drifted from the plan: re-planned with measured figures.
+    Rebalanced {
+        /// Node.
+        node: NodeId,
+        /// Seconds per sample the plan assumed.
+        assumed_s_per_sample: f64,
+        /// Seconds per sample measured.
+        measured_s_per_sample: f64,
+    },
     /// A node (re)joined.
     Joined {
         /// Node.
@@ -64,6 +73,10 @@ pub struct RunLog {
     /// Completion time of each step, ns since start.
     pub step_done_ns: Vec<u64>,
 }
+
+/// Relative drift of a node's measured seconds per sample from the plan's figure that triggers
+/// a re-plan with measured figures.
+pub const DRIFT: f64 = 0.25;
 
 /// Shared handle on the log.
 pub type SharedLog = Arc<Mutex<RunLog>>;
@@ -93,6 +106,8 @@ pub struct CoordinatorActor<T> {
     pub trace: Trace,
     /// Log.
     pub log: SharedLog,
+    /// Training FLOPs per sample of the model (to turn measured seconds into throughput).
+    pub train_flops: f64,
 }
 
 /// Messages.
@@ -109,6 +124,7 @@ pub enum CoordMsg {
 struct Current {
     epoch: u64,
     workers: Vec<NodeId>,
+    batches: BTreeMap<NodeId, u64>,
     pending: BTreeSet<NodeId>,
     digests: BTreeMap<NodeId, u64>,
 }
@@ -127,6 +143,10 @@ pub struct CoordState {
     ticker: Option<tokio::task::JoinHandle<()>>,
     /// Workers and batches of the last plan, to log only changes.
     last_plan: Option<Vec<(NodeId, u64)>>,
+    /// Measured seconds per sample (smoothed), per node.
+    measured: BTreeMap<NodeId, f64>,
+    /// Seconds per sample the planner is given, per node (catalog figures until drift).
+    assumed: BTreeMap<NodeId, f64>,
 }
 
 impl<T: Transport> CoordinatorActor<T> {
@@ -145,6 +165,7 @@ impl<T: Transport> CoordinatorActor<T> {
             Event::Detected { node, .. } => ("detected-dead", Some(*node)),
             Event::Aborted { .. } => ("aborted", None),
             Event::Joined { node } => ("joined", Some(*node)),
+            Event::Rebalanced { node, .. } => ("rebalanced", Some(*node)),
             Event::Violation(_) => ("violation", None),
             Event::Stalled(_) => ("stalled", None),
             Event::Finished => ("finished", None),
@@ -179,7 +200,12 @@ impl<T: Transport> CoordinatorActor<T> {
                 Event::Stalled("no live node holds the latest model".into()),
             );
         }
-        let sub = self.cluster.subset(&live);
+        let mut sub = self.cluster.subset(&live);
+        for (k, id) in live.iter().enumerate() {
+            if let Some(&a) = st.assumed.get(id) {
+                sub.nodes[k].flops = self.train_flops / a;
+            }
+        }
         // Pipeline execution is not built into the runtime yet: plan data parallel only.
         let opts = PlanOptions {
             allow_pipeline: false,
@@ -237,6 +263,7 @@ impl<T: Transport> CoordinatorActor<T> {
         st.current = Some(Current {
             epoch: st.epoch,
             workers: workers.iter().map(|w| w.0).collect(),
+            batches: workers.iter().copied().collect(),
             pending: workers.iter().map(|w| w.0).collect(),
             digests: BTreeMap::new(),
         });
@@ -260,12 +287,29 @@ impl<T: Transport> CoordinatorActor<T> {
         }
     }
 
-    fn on_step_done(&self, st: &mut CoordState, node: NodeId, epoch: u64, step: u64, digest: u64) {
+    fn on_step_done(
+        &self,
+        st: &mut CoordState,
+        node: NodeId,
+        epoch: u64,
+        step: u64,
+        digest: u64,
+        compute_ns: u64,
+    ) {
         let Some(c) = &mut st.current else { return };
         if c.epoch != epoch || step != st.step || !c.pending.remove(&node) {
             return;
         }
         c.digests.insert(node, digest);
+        if let Some(&batch) = c.batches.get(&node)
+            && batch > 0
+            && compute_ns > 0
+        {
+            // Seconds per sample, smoothed: one slow step is jitter, three are drift.
+            let s = compute_ns as f64 / 1e9 / batch as f64;
+            let m = st.measured.entry(node).or_insert(s);
+            *m = 0.5 * *m + 0.5 * s;
+        }
         if !c.pending.is_empty() {
             return;
         }
@@ -278,7 +322,21 @@ impl<T: Transport> CoordinatorActor<T> {
             )));
         }
         st.holders = c.workers.iter().copied().collect();
+        let workers = c.workers.clone();
         st.current = None;
+        // Rebalance when a worker's measured speed drifts from what the plan assumed.
+        for w in workers {
+            if let (Some(&m), Some(&a)) = (st.measured.get(&w), st.assumed.get(&w))
+                && (m / a - 1.0).abs() > DRIFT
+            {
+                self.event(Event::Rebalanced {
+                    node: w,
+                    assumed_s_per_sample: a,
+                    measured_s_per_sample: m,
+                });
+                st.assumed.insert(w, m);
+            }
+        }
         st.step += 1;
         self.log.lock().unwrap().step_done_ns.push(self.now_ns());
         if st.step >= self.steps {
@@ -322,6 +380,12 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             finished: false,
             ticker: Some(ticker),
             last_plan: None,
+            measured: BTreeMap::new(),
+            assumed: self
+                .cluster
+                .ids()
+                .map(|i| (i, self.train_flops / self.cluster.node(i).flops))
+                .collect(),
         };
         if self.steps == 0 {
             self.finish(&mut st, Event::Finished);
@@ -376,7 +440,8 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                         epoch,
                         step,
                         digest,
-                    } => self.on_step_done(st, from, epoch, step, digest),
+                        compute_ns,
+                    } => self.on_step_done(st, from, epoch, step, digest, compute_ns),
                     _ => {}
                 }
             }

@@ -56,6 +56,8 @@ pub enum Envelope {
         step: u64,
         /// Digest of the model after the step.
         digest: u64,
+        /// Nanoseconds this node spent computing its share (the coordinator's drift measure).
+        compute_ns: u64,
     },
     /// The collective of `epoch` cannot complete: drop it.
     Abort {
@@ -141,10 +143,12 @@ impl Envelope {
                 epoch,
                 step,
                 digest,
+                compute_ns,
             } => {
                 h.u64(*epoch);
                 h.u64(*step);
                 h.u64(*digest);
+                h.u64(*compute_ns);
             }
             Envelope::Abort { epoch } => h.u64(*epoch),
             Envelope::StateRequest { version, to } => {

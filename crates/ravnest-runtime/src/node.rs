@@ -103,6 +103,8 @@ pub struct NodeState {
     ring: Option<(RingMember, Work, Instant)>,
     /// Chunks that arrived before the collective started, by epoch.
     early: Vec<RingChunk>,
+    /// Compute time of the step in flight, ns.
+    compute_ns: u64,
 }
 
 impl<T: Transport, C: Compute> NodeActor<T, C> {
@@ -151,7 +153,12 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             .compute
             .gradient_sum(self.id, work.step, samples, &model)
             .await;
-        self.count(|c| c.compute_ns += t.elapsed().as_nanos() as u64);
+        let span = self.span(t, SpanKind::Compute);
+        st.compute_ns = t.elapsed().as_nanos() as u64;
+        self.count(|c| {
+            c.compute_ns += t.elapsed().as_nanos() as u64;
+            c.spans.push(span);
+        });
         // Weight b_i / B: the sum over my samples divided by the global batch, so the ring's sum
         // is the mean gradient of the whole batch.
         let weighted: Vec<f32> = sum.iter().map(|x| x / work.global_batch as f32).collect();
@@ -213,6 +220,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                             epoch: work.epoch,
                             step: work.step,
                             digest,
+                            compute_ns: st.compute_ns,
                         },
                     );
                 }
