@@ -108,15 +108,17 @@ fn run(cli: Cli) -> Result<()> {
                 )
             });
             if json {
-                println!(
-                    "{}",
+                emit(&format!(
+                    "{}\n",
                     report::plan_json(&scenario, &ours, baseline.as_ref())?
-                );
+                ));
             } else {
-                print!(
-                    "{}",
-                    report::plan_text(&origin, &scenario, &ours, baseline.as_ref())
-                );
+                emit(&report::plan_text(
+                    &origin,
+                    &scenario,
+                    &ours,
+                    baseline.as_ref(),
+                ));
             }
             Ok(())
         }
@@ -174,17 +176,16 @@ fn run(cli: Cli) -> Result<()> {
                 }
             }
             if json {
-                println!("{}", serde_json::to_string_pretty(&reports)?);
+                emit(&format!("{}\n", serde_json::to_string_pretty(&reports)?));
             } else {
                 for r in &reports {
-                    print!("{}", report::sim_text(&origin, r));
-                    println!();
+                    emit(&format!("{}\n", report::sim_text(&origin, r)));
                 }
                 if reports.len() == 2 {
-                    print!("{}", report::sim_compare(&reports[0], &reports[1]));
+                    emit(&report::sim_compare(&reports[0], &reports[1]));
                 }
                 if let Some(e) = &compare_error {
-                    println!("{e}");
+                    emit(&format!("{e}\n"));
                 }
             }
             if reports.iter().any(|r| !r.violations.is_empty()) {
@@ -221,13 +222,27 @@ fn run(cli: Cli) -> Result<()> {
                     });
                 }
             }
-            print!("{}", report::bench_table(&rows));
+            emit(&report::bench_table(&rows));
             Ok(())
         }
         Command::Catalog => {
-            print!("{}", report::catalog_text());
+            emit(&report::catalog_text());
             Ok(())
         }
+    }
+}
+
+/// Write to stdout; a closed pipe (`ravnest sim | head`) ends the program quietly instead of
+/// panicking as `print!` would.
+fn emit(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("error: cannot write to stdout: {e}");
+        std::process::exit(2);
     }
 }
 

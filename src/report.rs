@@ -516,7 +516,7 @@ pub fn sim_text(origin: &str, r: &ravnest_sim::SimReport) -> String {
     if r.violations.is_empty() {
         let _ = writeln!(
             out,
-            "checkers: all held (replicas identical after every step; final model equals single-node training, max error {:.1e})",
+            "checkers: all held (replicas identical after every synchronized step; final model equals single-node training, max error {:.1e})",
             r.max_model_error
         );
     } else {

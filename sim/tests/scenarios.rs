@@ -112,6 +112,29 @@ fn a_straggler_is_rebalanced_with_measured_speed() {
 }
 
 #[test]
+fn local_sgd_on_a_slow_link_beats_a_ring_every_step() {
+    let s = scenario("slow-link");
+    let local = run(&s, &opts(&s, 2, 600)).unwrap();
+    assert!(local.violations.is_empty(), "{:?}", local.violations);
+    let mut exact = s.clone();
+    exact.training.sync = ravnest_core::SyncPreference::Ring;
+    let ring = run(&exact, &opts(&exact, 2, 600)).unwrap();
+    assert!(ring.violations.is_empty(), "{:?}", ring.violations);
+    // Under local SGD the remote node trains and averages once; with an exact ring every step
+    // the planner leaves it out (its link would make every round crawl).
+    assert_eq!(local.nodes[4].steps, 600);
+    assert_eq!(ring.nodes[4].steps, 0);
+    assert!(
+        local.samples_per_s > ring.samples_per_s,
+        "{} vs {}",
+        local.samples_per_s,
+        ring.samples_per_s
+    );
+    // For the toy model local SGD with share-weighted averaging equals synchronous SGD.
+    assert!(local.max_model_error < 1e-3);
+}
+
+#[test]
 fn seed_sweep_with_checkers() {
     let seeds: u64 = std::env::var("RAVNEST_SWEEP_SEEDS")
         .ok()

@@ -11,13 +11,14 @@ use std::time::Duration;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use ravnest_core::detector::{DetectorEvent, FailureDetector};
 use ravnest_core::planner::Layout;
+use ravnest_core::planner::sync::SyncMethod;
 use ravnest_core::{
     ClusterSpec, ModelSpec, NodeId, PlanOptions, PlannerKind, TrainingSpec, plan_with,
 };
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use crate::msg::{Addr, Envelope, Work};
+use crate::msg::{Addr, Envelope, StepMode, Work};
 use crate::seams::Transport;
 use crate::trace::Trace;
 
@@ -72,6 +73,8 @@ pub struct RunLog {
     pub events: Vec<(u64, Event)>,
     /// Completion time of each step, ns since start.
     pub step_done_ns: Vec<u64>,
+    /// Whether the run used local SGD (replicas agree only after averaging rounds).
+    pub local_sgd: bool,
 }
 
 /// Relative drift of a node's measured seconds per sample from the plan's figure that triggers
@@ -123,6 +126,7 @@ pub enum CoordMsg {
 #[derive(Debug)]
 struct Current {
     epoch: u64,
+    mode: StepMode,
     workers: Vec<NodeId>,
     batches: BTreeMap<NodeId, u64>,
     pending: BTreeSet<NodeId>,
@@ -147,6 +151,10 @@ pub struct CoordState {
     measured: BTreeMap<NodeId, f64>,
     /// Seconds per sample the planner is given, per node (catalog figures until drift).
     assumed: BTreeMap<NodeId, f64>,
+    /// The last version every replica agreed on (after a synchronous or averaging step).
+    last_sync: u64,
+    /// Whether any step ran under local SGD.
+    local_sgd: bool,
 }
 
 impl<T: Transport> CoordinatorActor<T> {
@@ -190,7 +198,14 @@ impl<T: Transport> CoordinatorActor<T> {
 
     /// Plan the live nodes and hand out the current step.
     fn issue_step(&self, st: &mut CoordState) {
-        let live = st.detector.alive();
+        let mut live = st.detector.alive();
+        // Inside a local-SGD period only the nodes that hold a local model take part; joiners
+        // wait for the next averaging round.
+        if st.step > st.last_sync
+            && let Some(prev) = &st.last_plan
+        {
+            live.retain(|n| prev.iter().any(|(w, _)| w == n));
+        }
         if live.is_empty() {
             return self.finish(st, Event::Stalled("no live nodes".into()));
         }
@@ -237,6 +252,32 @@ impl<T: Transport> CoordinatorActor<T> {
             }
             _ => workers.iter().map(|w| w.0).collect(),
         };
+        let mode = match p.sync.method {
+            SyncMethod::LocalSgd { local_steps, .. } => {
+                st.local_sgd = true;
+                if st.step + 1 - st.last_sync >= u64::from(local_steps) || st.step + 1 == self.steps
+                {
+                    StepMode::Average
+                } else {
+                    StepMode::Local
+                }
+            }
+            _ => StepMode::Sync,
+        };
+        if mode == StepMode::Local
+            && st.step > st.last_sync
+            && workers.iter().any(|(w, _)| {
+                !st.last_plan
+                    .as_ref()
+                    .is_some_and(|p| p.iter().any(|(x, _)| x == w))
+            })
+        {
+            // Cannot happen (candidates are restricted above); keep the invariant explicit.
+            return self.finish(
+                st,
+                Event::Stalled("a new worker inside a local-SGD period".into()),
+            );
+        }
         st.epoch += 1;
         if st.last_plan.as_ref() != Some(&workers) {
             self.event(Event::Planned {
@@ -255,7 +296,10 @@ impl<T: Transport> CoordinatorActor<T> {
                 batch,
                 global_batch: u64::from(self.training.global_batch),
                 ring: ring.clone(),
-                state_from: (!st.holders.contains(&w)).then_some(source),
+                // Holders hold the last synchronized version; inside a local period every
+                // worker continues from its own model.
+                state_from: (st.step == st.last_sync && !st.holders.contains(&w)).then_some(source),
+                mode,
             };
             offset += batch;
             self.send(w, Envelope::Work(work));
@@ -266,7 +310,21 @@ impl<T: Transport> CoordinatorActor<T> {
             batches: workers.iter().copied().collect(),
             pending: workers.iter().map(|w| w.0).collect(),
             digests: BTreeMap::new(),
+            mode,
         });
+    }
+
+    /// Go back to the last synchronized model (a loss inside a local-SGD period loses the
+    /// local progress of everyone: the replicas must agree again).
+    fn roll_back(&self, st: &mut CoordState) {
+        if st.step > st.last_sync {
+            st.step = st.last_sync;
+            self.log
+                .lock()
+                .unwrap()
+                .step_done_ns
+                .truncate(st.last_sync as usize);
+        }
     }
 
     fn on_dead(&self, st: &mut CoordState, node: NodeId, silent_ms: u64) {
@@ -283,6 +341,7 @@ impl<T: Transport> CoordinatorActor<T> {
                 self.send(*w, Envelope::Abort { epoch: c.epoch });
             }
             // Continue from the last synchronized step, re-planned without the lost node.
+            self.roll_back(st);
             self.issue_step(st);
         }
     }
@@ -313,17 +372,21 @@ impl<T: Transport> CoordinatorActor<T> {
         if !c.pending.is_empty() {
             return;
         }
+        let synchronized = c.mode != StepMode::Local;
         let distinct: BTreeSet<u64> = c.digests.values().copied().collect();
-        if distinct.len() > 1 {
+        if synchronized && distinct.len() > 1 {
             self.event(Event::Violation(format!(
                 "replicas disagree after step {}: {} distinct models",
                 st.step,
                 distinct.len()
             )));
         }
-        st.holders = c.workers.iter().copied().collect();
         let workers = c.workers.clone();
         st.current = None;
+        if synchronized {
+            st.holders = workers.iter().copied().collect();
+            st.last_sync = st.step + 1;
+        }
         // Rebalance when a worker's measured speed drifts from what the plan assumed.
         for w in workers {
             if let (Some(&m), Some(&a)) = (st.measured.get(&w), st.assumed.get(&w))
@@ -340,6 +403,7 @@ impl<T: Transport> CoordinatorActor<T> {
         st.step += 1;
         self.log.lock().unwrap().step_done_ns.push(self.now_ns());
         if st.step >= self.steps {
+            self.log.lock().unwrap().local_sgd = st.local_sgd;
             self.finish(st, Event::Finished);
         } else {
             self.issue_step(st);
@@ -380,6 +444,8 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             finished: false,
             ticker: Some(ticker),
             last_plan: None,
+            last_sync: 0,
+            local_sgd: false,
             measured: BTreeMap::new(),
             assumed: self
                 .cluster

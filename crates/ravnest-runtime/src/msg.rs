@@ -12,6 +12,17 @@ pub enum Addr {
     Node(NodeId),
 }
 
+/// How a step's result is synchronized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepMode {
+    /// Exact synchronous data parallel: average the gradients over the ring, then apply.
+    Sync,
+    /// Local SGD: apply this node's own mean gradient, no communication.
+    Local,
+    /// Local step, then average the models (weighted by batch share) over the ring.
+    Average,
+}
+
 /// One node's assignment for one step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Work {
@@ -29,6 +40,8 @@ pub struct Work {
     pub ring: Vec<NodeId>,
     /// A peer that holds model version `step`, when this node may not (it rejoined).
     pub state_from: Option<NodeId>,
+    /// How the step is synchronized.
+    pub mode: StepMode,
 }
 
 /// Typed envelopes. `virtual_bytes` is what the network charges for bandwidth: the simulated
@@ -124,7 +137,14 @@ impl Envelope {
         match self {
             Envelope::Heartbeat | Envelope::Join => {}
             Envelope::Work(w) => {
-                for x in [w.epoch, w.step, w.offset, w.batch, w.global_batch] {
+                for x in [
+                    w.epoch,
+                    w.step,
+                    w.offset,
+                    w.batch,
+                    w.global_batch,
+                    w.mode as u64,
+                ] {
                     h.u64(x);
                 }
                 for n in &w.ring {

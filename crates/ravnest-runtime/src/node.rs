@@ -12,7 +12,7 @@ use ravnest_core::NodeId;
 use ravnest_core::ring::{RingChunk, RingEffect, RingInput, RingMember};
 use tokio::time::Instant;
 
-use crate::msg::{Addr, Envelope, Work};
+use crate::msg::{Addr, Envelope, StepMode, Work};
 use crate::seams::{Compute, Transport};
 use crate::toy;
 
@@ -97,6 +97,9 @@ pub struct NodeState {
     epoch: u64,
     /// Model versions held (the last two): version k = the model after k steps.
     versions: BTreeMap<u64, Vec<f32>>,
+    /// The latest synchronized version (identical on every replica), kept through local-SGD
+    /// periods so the cluster can fall back to it.
+    synced: Option<(u64, Vec<f32>)>,
     /// Work waiting for a model version to arrive from a peer.
     waiting: Option<Work>,
     /// The running collective and its work.
@@ -118,6 +121,32 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let _ = self.transport.send(self.me(), to, env);
     }
 
+    /// Record model version `work.step + 1` and report it.
+    fn finish_step(&self, st: &mut NodeState, work: &Work, model: Vec<f32>, synchronized: bool) {
+        let digest = toy::digest(&model);
+        let snapshot = model.clone();
+        self.count(|c| {
+            c.model = (work.step + 1, snapshot);
+            c.steps += 1;
+        });
+        if synchronized {
+            st.synced = Some((work.step + 1, model.clone()));
+        }
+        st.versions.insert(work.step + 1, model);
+        while st.versions.len() > 2 {
+            st.versions.pop_first();
+        }
+        self.send(
+            Addr::Coordinator,
+            Envelope::StepDone {
+                epoch: work.epoch,
+                step: work.step,
+                digest,
+                compute_ns: st.compute_ns,
+            },
+        );
+    }
+
     fn span(&self, since: Instant, kind: SpanKind) -> Span {
         Span {
             start_ns: since.duration_since(self.t0).as_nanos() as u64,
@@ -131,7 +160,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     async fn start_work(&self, st: &mut NodeState, work: Work) {
-        let Some(model) = st.versions.get(&work.step).cloned() else {
+        let Some(model) = st.version(work.step) else {
             match work.state_from {
                 Some(peer) => {
                     self.send(
@@ -159,9 +188,24 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             c.compute_ns += t.elapsed().as_nanos() as u64;
             c.spans.push(span);
         });
-        // Weight b_i / B: the sum over my samples divided by the global batch, so the ring's sum
-        // is the mean gradient of the whole batch.
-        let weighted: Vec<f32> = sum.iter().map(|x| x / work.global_batch as f32).collect();
+        let contribution: Vec<f32> = match work.mode {
+            // Weight b_i / B: the sum over my samples divided by the global batch, so the
+            // ring's sum is the mean gradient of the whole batch.
+            StepMode::Sync => sum.iter().map(|x| x / work.global_batch as f32).collect(),
+            StepMode::Local | StepMode::Average => {
+                let mean: Vec<f32> = sum.iter().map(|x| x / work.batch.max(1) as f32).collect();
+                let mut local = model.clone();
+                self.compute.apply_update(&mut local, &mean);
+                if work.mode == StepMode::Local {
+                    self.finish_step(st, &work, local, false);
+                    return;
+                }
+                // The model weighted by its batch share: the ring's sum is the weighted average.
+                let share = work.batch as f32 / work.global_batch as f32;
+                local.iter().map(|w| w * share).collect()
+            }
+        };
+        let weighted = contribution;
         let Some(rank) = work.ring.iter().position(|&n| n == self.id) else {
             return;
         };
@@ -196,33 +240,23 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                         },
                     );
                 }
-                RingEffect::Done(mean) => {
+                RingEffect::Done(sum) => {
                     let (work, started) = (work.clone(), *started);
                     let span = self.span(started, SpanKind::Comm);
                     self.count(|c| {
                         c.comm_ns += started.elapsed().as_nanos() as u64;
-                        c.steps += 1;
                         c.spans.push(span);
                     });
-                    let mut model = st.versions.get(&work.step).cloned().unwrap_or_default();
-                    self.compute.apply_update(&mut model, &mean);
-                    let digest = toy::digest(&model);
-                    let snapshot = model.clone();
-                    self.count(|c| c.model = (work.step + 1, snapshot));
-                    st.versions.insert(work.step + 1, model);
-                    while st.versions.len() > 2 {
-                        st.versions.pop_first();
-                    }
                     st.ring = None;
-                    self.send(
-                        Addr::Coordinator,
-                        Envelope::StepDone {
-                            epoch: work.epoch,
-                            step: work.step,
-                            digest,
-                            compute_ns: st.compute_ns,
-                        },
-                    );
+                    let model = match work.mode {
+                        StepMode::Average => sum,
+                        _ => {
+                            let mut model = st.version(work.step).unwrap_or_default();
+                            self.compute.apply_update(&mut model, &sum);
+                            model
+                        }
+                    };
+                    self.finish_step(st, &work, model, true);
                 }
                 RingEffect::Aborted => {
                     let started = *started;
@@ -235,6 +269,17 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                     st.ring = None;
                 }
             }
+        }
+    }
+}
+
+impl NodeState {
+    /// Model version `v`, if held (a recent version, or the last synchronized one).
+    fn version(&self, v: u64) -> Option<Vec<f32>> {
+        match (self.versions.get(&v), &self.synced) {
+            (_, Some((sv, m))) if *sv == v => Some(m.clone()),
+            (Some(m), _) => Some(m.clone()),
+            _ => None,
         }
     }
 }
@@ -260,7 +305,9 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
         let mut st = NodeState::default();
         match start {
             Start::Fresh => {
-                st.versions.insert(0, self.compute.initial_model());
+                let m = self.compute.initial_model();
+                st.synced = Some((0, m.clone()));
+                st.versions.insert(0, m);
             }
             Start::Rejoin => self.send(Addr::Coordinator, Envelope::Join),
         }
@@ -315,12 +362,12 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                 }
             }
             Envelope::StateRequest { version, to } => {
-                if let Some(model) = st.versions.get(&version) {
+                if let Some(model) = st.version(version) {
                     self.send(
                         Addr::Node(to),
                         Envelope::State {
                             version,
-                            model: model.clone(),
+                            model,
                             virtual_bytes: self.model_bytes,
                         },
                     );
