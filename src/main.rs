@@ -75,6 +75,15 @@ enum BenchWhat {
         /// Scenario files; default: every scenario shipped in `scenarios/` (embedded).
         files: Vec<PathBuf>,
     },
+    /// Simulated samples/s and capacity efficiency of ravnest, uniform and param-count on every
+    /// shipped scenario the simulator runs (or the given files), with simulator speed.
+    Sim {
+        /// Scenario files; default: the shipped scenarios except `large-1000` (run it by name).
+        files: Vec<PathBuf>,
+        /// Steps per run.
+        #[arg(long, default_value_t = 100)]
+        steps: u64,
+    },
 }
 
 fn main() -> ExitCode {
@@ -223,6 +232,41 @@ fn run(cli: Cli) -> Result<()> {
                 }
             }
             emit(&report::bench_table(&rows));
+            Ok(())
+        }
+        Command::Bench {
+            what: BenchWhat::Sim { files, steps },
+        } => {
+            let inputs: Vec<(String, Scenario)> = if files.is_empty() {
+                scenarios::SHIPPED
+                    .iter()
+                    .filter(|(name, _)| *name != "large-1000")
+                    .map(|(name, text)| Ok((name.to_string(), ravnest_core::parse(text, name)?)))
+                    .collect::<Result<_>>()?
+            } else {
+                files.iter().map(|f| load(Some(f))).collect::<Result<_>>()?
+            };
+            let mut rows = Vec::new();
+            for (name, s) in &inputs {
+                for kind in [
+                    PlannerKind::Ravnest,
+                    PlannerKind::Uniform,
+                    PlannerKind::ParamCount,
+                ] {
+                    let mut o = ravnest_sim::SimOptions::for_scenario(s);
+                    o.planner = kind;
+                    o.steps = steps;
+                    let t0 = Instant::now();
+                    let r = ravnest_sim::run(s, &o);
+                    rows.push(report::SimBenchRow {
+                        scenario: name.clone(),
+                        planner: kind,
+                        result: r.map_err(|e| e.to_string()),
+                        wall_s: t0.elapsed().as_secs_f64(),
+                    });
+                }
+            }
+            emit(&report::sim_bench_table(&rows));
             Ok(())
         }
         Command::Catalog => {

@@ -424,3 +424,13 @@ fn sim_writes_a_timeline_picture() {
         "the crashed node's down time is drawn"
     );
 }
+
+#[test]
+fn bench_sim_compares_planners_in_simulation() {
+    let out = ravnest(&["bench", "sim", "--steps", "5"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = stdout(&out);
+    assert!(table.contains("mixed-4090-3060"), "{table}");
+    assert!(table.contains("needs pipeline execution"), "{table}");
+    assert!(!table.contains("CHECKER FAILED"), "{table}");
+}

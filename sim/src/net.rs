@@ -6,7 +6,7 @@
 //! messages, at send time and again at delivery. One task delivers everything in (time,
 //! sequence) order on tokio's paused clock, so a run is a pure function of its seed.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 
 use ravnest_core::{ClusterSpec, Link, NodeId};
@@ -20,6 +20,13 @@ use crate::rng::Rng;
 pub const JITTER: f64 = 0.1;
 
 type Queued = (Addr, Addr, Envelope);
+
+#[derive(Debug)]
+struct Pipe {
+    free_at: u64,
+    last_at: u64,
+    rng: Rng,
+}
 
 struct State {
     cluster: ClusterSpec,
@@ -35,13 +42,13 @@ struct State {
     partitions: Vec<Vec<Vec<NodeId>>>,
     /// Degraded links (both directions), stacked: the last one applies.
     degraded: BTreeMap<(NodeId, NodeId), Vec<Link>>,
-    /// Per (from, to, pipe): when the pipe is next free, and the last arrival time (FIFO).
-    free_at: BTreeMap<(NodeId, NodeId, u64), u64>,
-    last_at: BTreeMap<(NodeId, NodeId, u64), u64>,
-    rngs: BTreeMap<(NodeId, NodeId), Rng>,
+    /// Per directed pipe (from, to, class): when it is next free, the last arrival (FIFO),
+    /// and its jitter stream. Hash maps for O(1) look-ups only: nothing iterates them, so
+    /// their order cannot leak into the run.
+    pipes: HashMap<(NodeId, NodeId, u64), Pipe>,
     queue: BTreeMap<(u64, u64), Queued>,
     seq: u64,
-    bytes_sent: BTreeMap<NodeId, u64>,
+    bytes_sent: Vec<u64>,
     dropped: u64,
 }
 
@@ -102,6 +109,7 @@ impl SimNet {
     pub fn new(cluster: ClusterSpec, host: NodeId, seed: u64, t0: Instant, trace: Trace) -> Self {
         SimNet {
             state: Arc::new(Mutex::new(State {
+                bytes_sent: vec![0; cluster.nodes.len()],
                 cluster,
                 host,
                 seed,
@@ -111,12 +119,9 @@ impl SimNet {
                 down: BTreeSet::new(),
                 partitions: Vec::new(),
                 degraded: BTreeMap::new(),
-                free_at: BTreeMap::new(),
-                last_at: BTreeMap::new(),
-                rngs: BTreeMap::new(),
+                pipes: HashMap::new(),
                 queue: BTreeMap::new(),
                 seq: 0,
-                bytes_sent: BTreeMap::new(),
                 dropped: 0,
             })),
             wake: Arc::new(Notify::new()),
@@ -217,7 +222,12 @@ impl SimNet {
 
     /// Bytes each node put on the wire.
     pub fn bytes_sent(&self) -> BTreeMap<NodeId, u64> {
-        self.state.lock().unwrap().bytes_sent.clone()
+        let s = self.state.lock().unwrap();
+        s.bytes_sent
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| (NodeId(i as u32), b))
+            .collect()
     }
 
     /// Messages dropped (to or from a down node, across a partition).
@@ -248,26 +258,23 @@ impl Transport for SimNet {
             now // same process: no network
         } else {
             let bytes = env.wire_bytes();
-            *s.bytes_sent.entry(a).or_default() += bytes;
+            s.bytes_sent[a.index()] += bytes;
             let link = s.link(a, b);
             let ser_ns = (bytes as f64 * 8.0 / (link.bandwidth_gbps * 1e9) * 1e9) as u64;
             // Control messages travel on their own connection: a heartbeat does not wait behind
             // a gradient (pipe 1 is bulk data, pipe 0 control).
-            let pipe = u64::from(env.is_bulk());
-            let key = (a, b, pipe);
-            let start = now.max(*s.free_at.get(&key).unwrap_or(&0));
-            let free = start + ser_ns;
-            s.free_at.insert(key, free);
+            let class = u64::from(env.is_bulk());
             let seed = s.seed;
-            let u = s
-                .rngs
-                .entry((a, b))
-                .or_insert_with(|| Rng::derive(seed, &[1, u64::from(a.0), u64::from(b.0)]))
-                .unit();
-            let lat_ns = (link.latency_ms * 1e6 * (1.0 + JITTER * u)) as u64;
-            let arrive = (free + lat_ns).max(*s.last_at.get(&key).unwrap_or(&0));
-            s.last_at.insert(key, arrive);
-            arrive
+            let pipe = s.pipes.entry((a, b, class)).or_insert_with(|| Pipe {
+                free_at: 0,
+                last_at: 0,
+                rng: Rng::derive(seed, &[1, u64::from(a.0), u64::from(b.0), class]),
+            });
+            let start = now.max(pipe.free_at);
+            pipe.free_at = start + ser_ns;
+            let lat_ns = (link.latency_ms * 1e6 * (1.0 + JITTER * pipe.rng.unit())) as u64;
+            pipe.last_at = (pipe.free_at + lat_ns).max(pipe.last_at);
+            pipe.last_at
         };
         let seq = s.seq;
         s.seq += 1;

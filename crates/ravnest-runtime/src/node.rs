@@ -108,6 +108,8 @@ pub struct NodeState {
     early: Vec<RingChunk>,
     /// Compute time of the step in flight, ns.
     compute_ns: u64,
+    /// This node's rank in the running collective's ring.
+    rank: usize,
 }
 
 impl<T: Transport, C: Compute> NodeActor<T, C> {
@@ -209,6 +211,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let Some(rank) = work.ring.iter().position(|&n| n == self.id) else {
             return;
         };
+        st.rank = rank;
         let mut member = RingMember::new(work.epoch, rank, work.ring.len(), weighted.len());
         let mut effects = member.handle(RingInput::Start(weighted));
         let early = std::mem::take(&mut st.early);
@@ -229,8 +232,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             match e {
                 RingEffect::Send(chunk) => {
                     let n = work.ring.len();
-                    let rank = work.ring.iter().position(|&x| x == self.id).unwrap_or(0);
-                    let next = work.ring[(rank + 1) % n];
+                    let next = work.ring[(st.rank + 1) % n];
                     let virtual_bytes = self.grad_bytes / n as u64;
                     self.send(
                         Addr::Node(next),
