@@ -135,6 +135,23 @@ fn local_sgd_on_a_slow_link_beats_a_ring_every_step() {
 }
 
 #[test]
+fn a_parameter_server_round_trains_the_same_model() {
+    let mut s = scenario("mixed-4090-3060");
+    s.training.sync = ravnest_core::SyncPreference::ParamServer;
+    let r = run(&s, &opts(&s, 4, 20)).unwrap();
+    assert!(r.violations.is_empty(), "{:?}", r.violations);
+    assert!(r.max_model_error < 1e-4);
+    // The server (first in the group) sends the sum to every worker: it sends the most.
+    let server = r.nodes.iter().map(|n| n.bytes_sent).max().unwrap();
+    assert!(r.nodes.iter().filter(|n| n.bytes_sent == server).count() == 1);
+    assert!(
+        r.nodes
+            .iter()
+            .all(|n| n.bytes_sent == server || 2 * n.bytes_sent < server)
+    );
+}
+
+#[test]
 fn seed_sweep_with_checkers() {
     let seeds: u64 = std::env::var("RAVNEST_SWEEP_SEEDS")
         .ok()

@@ -13,6 +13,7 @@ pub mod detector;
 pub mod device;
 pub mod model;
 pub mod planner;
+pub mod ps;
 pub mod ring;
 
 pub use cluster::{ClusterSpec, Link, NodeId, NodeSpec, SyncPreference, TrainingSpec};

@@ -11,7 +11,7 @@ use std::time::Duration;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use ravnest_core::detector::{DetectorEvent, FailureDetector};
 use ravnest_core::planner::Layout;
-use ravnest_core::planner::sync::SyncMethod;
+use ravnest_core::planner::sync::{Collective, SyncMethod};
 use ravnest_core::{
     ClusterSpec, ModelSpec, NodeId, PlanOptions, PlannerKind, TrainingSpec, plan_with,
 };
@@ -252,6 +252,12 @@ impl<T: Transport> CoordinatorActor<T> {
             }
             _ => workers.iter().map(|w| w.0).collect(),
         };
+        let collective = match p.sync.method {
+            SyncMethod::EveryStep { collective } | SyncMethod::LocalSgd { collective, .. } => {
+                collective
+            }
+            SyncMethod::None => Collective::Ring,
+        };
         let mode = match p.sync.method {
             SyncMethod::LocalSgd { local_steps, .. } => {
                 st.local_sgd = true;
@@ -300,6 +306,7 @@ impl<T: Transport> CoordinatorActor<T> {
                 // worker continues from its own model.
                 state_from: (st.step == st.last_sync && !st.holders.contains(&w)).then_some(source),
                 mode,
+                collective,
             };
             offset += batch;
             self.send(w, Envelope::Work(work));

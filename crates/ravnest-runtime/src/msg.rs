@@ -1,6 +1,7 @@
 //! What travels between nodes: addresses and typed envelopes.
 
 use ravnest_core::NodeId;
+use ravnest_core::planner::sync::Collective;
 use ravnest_core::ring::RingChunk;
 
 /// Where an envelope goes. The coordinator lives in one node's process (its host).
@@ -42,6 +43,9 @@ pub struct Work {
     pub state_from: Option<NodeId>,
     /// How the step is synchronized.
     pub mode: StepMode,
+    /// The collective averaging uses: a ring in `ring` order, or a parameter server
+    /// (`ring[0]` is the server).
+    pub collective: Collective,
 }
 
 /// Typed envelopes. `virtual_bytes` is what the network charges for bandwidth: the simulated
@@ -58,6 +62,26 @@ pub enum Envelope {
     Chunk {
         /// The chunk.
         chunk: RingChunk,
+        /// Bytes it stands for.
+        virtual_bytes: u64,
+    },
+    /// (Parameter server) a worker's contribution, to the server.
+    Push {
+        /// Collective epoch.
+        epoch: u64,
+        /// The worker's rank in the group.
+        rank: u32,
+        /// Contribution.
+        data: Vec<f32>,
+        /// Bytes it stands for.
+        virtual_bytes: u64,
+    },
+    /// (Parameter server) the sum, from the server.
+    Pull {
+        /// Collective epoch.
+        epoch: u64,
+        /// The sum.
+        data: Vec<f32>,
         /// Bytes it stands for.
         virtual_bytes: u64,
     },
@@ -102,9 +126,10 @@ impl Envelope {
     /// Bytes the network charges for this envelope.
     pub fn wire_bytes(&self) -> u64 {
         match self {
-            Envelope::Chunk { virtual_bytes, .. } | Envelope::State { virtual_bytes, .. } => {
-                *virtual_bytes + CONTROL_BYTES
-            }
+            Envelope::Chunk { virtual_bytes, .. }
+            | Envelope::State { virtual_bytes, .. }
+            | Envelope::Push { virtual_bytes, .. }
+            | Envelope::Pull { virtual_bytes, .. } => *virtual_bytes + CONTROL_BYTES,
             Envelope::Work(w) => CONTROL_BYTES + 4 * w.ring.len() as u64,
             _ => CONTROL_BYTES,
         }
@@ -114,7 +139,13 @@ impl Envelope {
     /// order within each class between two addresses; control may overtake bulk data (it
     /// travels on its own connection, so a heartbeat never waits behind a gradient).
     pub fn is_bulk(&self) -> bool {
-        matches!(self, Envelope::Chunk { .. } | Envelope::State { .. })
+        matches!(
+            self,
+            Envelope::Chunk { .. }
+                | Envelope::State { .. }
+                | Envelope::Push { .. }
+                | Envelope::Pull { .. }
+        )
     }
 
     /// Short name for traces and reports.
@@ -124,6 +155,8 @@ impl Envelope {
             Envelope::Join => "join",
             Envelope::Work(_) => "work",
             Envelope::Chunk { .. } => "chunk",
+            Envelope::Push { .. } => "push",
+            Envelope::Pull { .. } => "pull",
             Envelope::StepDone { .. } => "step-done",
             Envelope::Abort { .. } => "abort",
             Envelope::StateRequest { .. } => "state-request",
@@ -169,6 +202,21 @@ impl Envelope {
                 h.u64(*step);
                 h.u64(*digest);
                 h.u64(*compute_ns);
+            }
+            Envelope::Push {
+                epoch, rank, data, ..
+            } => {
+                h.u64(*epoch);
+                h.u64(u64::from(*rank));
+                for x in data {
+                    h.u64(u64::from(x.to_bits()));
+                }
+            }
+            Envelope::Pull { epoch, data, .. } => {
+                h.u64(*epoch);
+                for x in data {
+                    h.u64(u64::from(x.to_bits()));
+                }
             }
             Envelope::Abort { epoch } => h.u64(*epoch),
             Envelope::StateRequest { version, to } => {

@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use ravnest_core::NodeId;
+use ravnest_core::planner::sync::Collective;
+use ravnest_core::ps::{PsEffect, PsInput, PsMember};
 use ravnest_core::ring::{RingChunk, RingEffect, RingInput, RingMember};
 use tokio::time::Instant;
 
@@ -103,13 +105,62 @@ pub struct NodeState {
     /// Work waiting for a model version to arrive from a peer.
     waiting: Option<Work>,
     /// The running collective and its work.
-    ring: Option<(RingMember, Work, Instant)>,
+    ring: Option<(Member, Work, Instant)>,
     /// Chunks that arrived before the collective started, by epoch.
     early: Vec<RingChunk>,
+    /// (Server) pushes that arrived before the collective started: (epoch, rank, data).
+    early_push: Vec<(u64, usize, Vec<f32>)>,
     /// Compute time of the step in flight, ns.
     compute_ns: u64,
     /// This node's rank in the running collective's ring.
     rank: usize,
+}
+
+/// The collective a node takes part in.
+#[derive(Debug)]
+enum Member {
+    Ring(RingMember),
+    Ps(PsMember),
+}
+
+/// What a collective asks the node to do, whichever collective it is.
+#[derive(Debug)]
+enum Out {
+    Chunk(RingChunk),
+    Push(Vec<f32>),
+    Broadcast(Vec<f32>),
+    Done(Vec<f32>),
+    Aborted,
+}
+
+fn from_ring(e: Vec<RingEffect>) -> Vec<Out> {
+    e.into_iter()
+        .map(|e| match e {
+            RingEffect::Send(c) => Out::Chunk(c),
+            RingEffect::Done(v) => Out::Done(v),
+            RingEffect::Aborted => Out::Aborted,
+        })
+        .collect()
+}
+
+fn from_ps(e: Vec<PsEffect>) -> Vec<Out> {
+    e.into_iter()
+        .map(|e| match e {
+            PsEffect::Push(v) => Out::Push(v),
+            PsEffect::Broadcast(v) => Out::Broadcast(v),
+            PsEffect::Done(v) => Out::Done(v),
+            PsEffect::Aborted => Out::Aborted,
+        })
+        .collect()
+}
+
+impl Member {
+    fn lost(&mut self) -> Vec<Out> {
+        match self {
+            Member::Ring(m) => from_ring(m.handle(RingInput::PeerLost)),
+            Member::Ps(m) => from_ps(m.handle(PsInput::PeerLost)),
+        }
+    }
 }
 
 impl<T: Transport, C: Compute> NodeActor<T, C> {
@@ -212,25 +263,63 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return;
         };
         st.rank = rank;
-        let mut member = RingMember::new(work.epoch, rank, work.ring.len(), weighted.len());
-        let mut effects = member.handle(RingInput::Start(weighted));
-        let early = std::mem::take(&mut st.early);
-        for c in early {
-            if c.epoch == work.epoch {
-                effects.extend(member.handle(RingInput::Chunk(c)));
+        let n = work.ring.len();
+        let (member, effects) = match work.collective {
+            Collective::Ring => {
+                let mut m = RingMember::new(work.epoch, rank, n, weighted.len());
+                let mut e = from_ring(m.handle(RingInput::Start(weighted)));
+                for c in std::mem::take(&mut st.early) {
+                    if c.epoch == work.epoch {
+                        e.extend(from_ring(m.handle(RingInput::Chunk(c))));
+                    }
+                }
+                (Member::Ring(m), e)
             }
-        }
+            Collective::ParamServer => {
+                let mut m = PsMember::new(rank, n, weighted.len());
+                let mut e = from_ps(m.handle(PsInput::Start(weighted)));
+                for (epoch, r, data) in std::mem::take(&mut st.early_push) {
+                    if epoch == work.epoch {
+                        e.extend(from_ps(m.handle(PsInput::FromWorker { rank: r, data })));
+                    }
+                }
+                (Member::Ps(m), e)
+            }
+        };
         st.ring = Some((member, work, Instant::now()));
         self.apply_effects(st, effects);
     }
 
-    fn apply_effects(&self, st: &mut NodeState, effects: Vec<RingEffect>) {
+    fn apply_effects(&self, st: &mut NodeState, effects: Vec<Out>) {
         for e in effects {
             let Some((_, work, started)) = &st.ring else {
                 return;
             };
             match e {
-                RingEffect::Send(chunk) => {
+                Out::Push(data) => {
+                    self.send(
+                        Addr::Node(work.ring[0]),
+                        Envelope::Push {
+                            epoch: work.epoch,
+                            rank: st.rank as u32,
+                            data,
+                            virtual_bytes: self.grad_bytes,
+                        },
+                    );
+                }
+                Out::Broadcast(data) => {
+                    for &w in &work.ring[1..] {
+                        self.send(
+                            Addr::Node(w),
+                            Envelope::Pull {
+                                epoch: work.epoch,
+                                data: data.clone(),
+                                virtual_bytes: self.grad_bytes,
+                            },
+                        );
+                    }
+                }
+                Out::Chunk(chunk) => {
                     let n = work.ring.len();
                     let next = work.ring[(st.rank + 1) % n];
                     let virtual_bytes = self.grad_bytes / n as u64;
@@ -242,7 +331,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                         },
                     );
                 }
-                RingEffect::Done(sum) => {
+                Out::Done(sum) => {
                     let (work, started) = (work.clone(), *started);
                     let span = self.span(started, SpanKind::Comm);
                     self.count(|c| {
@@ -260,7 +349,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                     };
                     self.finish_step(st, &work, model, true);
                 }
-                RingEffect::Aborted => {
+                Out::Aborted => {
                     let started = *started;
                     let span = self.span(started, SpanKind::Comm);
                     self.count(|c| {
@@ -340,6 +429,7 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                         });
                     }
                     st.early.retain(|c| c.epoch >= w.epoch);
+                    st.early_push.retain(|p| p.0 >= w.epoch);
                 }
                 self.start_work(st, w).await;
             }
@@ -348,18 +438,43 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                     return Ok(());
                 }
                 match &mut st.ring {
-                    Some((m, w, _)) if w.epoch == chunk.epoch => {
-                        let eff = m.handle(RingInput::Chunk(chunk));
+                    Some((Member::Ring(m), w, _)) if w.epoch == chunk.epoch => {
+                        let eff = from_ring(m.handle(RingInput::Chunk(chunk)));
                         self.apply_effects(st, eff);
                     }
                     _ => st.early.push(chunk),
+                }
+            }
+            Envelope::Push {
+                epoch, rank, data, ..
+            } => {
+                if epoch < st.epoch {
+                    return Ok(());
+                }
+                match &mut st.ring {
+                    Some((Member::Ps(m), w, _)) if w.epoch == epoch => {
+                        let eff = from_ps(m.handle(PsInput::FromWorker {
+                            rank: rank as usize,
+                            data,
+                        }));
+                        self.apply_effects(st, eff);
+                    }
+                    _ => st.early_push.push((epoch, rank as usize, data)),
+                }
+            }
+            Envelope::Pull { epoch, data, .. } => {
+                if let Some((Member::Ps(m), w, _)) = &mut st.ring
+                    && w.epoch == epoch
+                {
+                    let eff = from_ps(m.handle(PsInput::FromServer(data)));
+                    self.apply_effects(st, eff);
                 }
             }
             Envelope::Abort { epoch } => {
                 if let Some((m, w, _)) = &mut st.ring
                     && w.epoch <= epoch
                 {
-                    let eff = m.handle(RingInput::PeerLost);
+                    let eff = m.lost();
                     self.apply_effects(st, eff);
                 }
             }
