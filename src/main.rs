@@ -155,6 +155,7 @@ fn run(cli: Cli) -> Result<()> {
                 opts.steps = n;
             }
             opts.planner = parse_planner(&planner)?;
+            opts.progress = !json && std::io::IsTerminal::is_terminal(&std::io::stderr());
             let mut reports =
                 vec![ravnest_sim::run(&scenario, &opts).with_context(|| origin.clone())?];
             if let Some(path) = &timeline {

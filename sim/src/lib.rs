@@ -42,6 +42,9 @@ pub struct SimOptions {
     pub heartbeat: Duration,
     /// Silence after which a node is declared dead.
     pub timeout: Duration,
+    /// Print progress to stderr (every 5% of the steps). Reads the log only: the trace is the
+    /// same with or without it.
+    pub progress: bool,
 }
 
 impl SimOptions {
@@ -58,6 +61,7 @@ impl SimOptions {
             steps: sim.steps,
             heartbeat: Duration::from_millis(100),
             timeout: Duration::from_millis(1000),
+            progress: false,
         }
     }
 }
@@ -328,6 +332,26 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
     let bound_s = 20.0 * worst_step * opts.steps as f64 + last_fault + 60.0;
     let deadline = t0 + Duration::from_secs_f64(bound_s);
 
+    let progress = opts.progress.then(|| {
+        let log = log.clone();
+        let total = opts.steps;
+        let started = std::time::Instant::now();
+        tokio::spawn(async move {
+            let mut shown = 0;
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let done = log.lock().unwrap().step_done_ns.len() as u64;
+                if total > 0 && done * 20 / total > shown {
+                    shown = done * 20 / total;
+                    eprint!(
+                        "\r[sim] step {done}/{total}, {:.0} virtual s, {:.1} wall s   ",
+                        t0.elapsed().as_secs_f64(),
+                        started.elapsed().as_secs_f64()
+                    );
+                }
+            }
+        })
+    });
     let mut down: Vec<Vec<(u64, u64)>> = vec![Vec::new(); cluster.nodes.len()];
     let mut down_since: Vec<Option<u64>> = vec![None; cluster.nodes.len()];
     let mut finished = false;
@@ -418,6 +442,10 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
         r.stop(None);
     }
     net_task.abort();
+    if let Some(p) = progress {
+        p.abort();
+        eprintln!();
+    }
 
     let log = log.lock().unwrap().clone();
     let counters = counters.lock().unwrap().clone();

@@ -54,6 +54,12 @@ fn same_seed_same_trace_hash_and_another_seed_another() {
         assert_eq!(a.steps_completed, 20);
         assert!(a.max_model_error < 1e-4);
     }
+    // Progress output only reads the log: the run is the same with it.
+    let s = scenario("flaky-3090");
+    let mut o = opts(&s, 11, 20);
+    let quiet = run(&s, &o).unwrap();
+    o.progress = true;
+    assert_eq!(run(&s, &o).unwrap().trace_hash, quiet.trace_hash);
 }
 
 #[test]
