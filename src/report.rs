@@ -493,6 +493,9 @@ pub fn sim_text(origin: &str, r: &ravnest_sim::SimReport) -> String {
         let _ = writeln!(out, "\nfaults:");
         for f in &r.faults {
             let mut line = format!("  at {:>7.1} s  {}", f.at_s, f.fault);
+            if let Some(j) = f.rejoined_after_s {
+                let _ = write!(line, ": rejoined after {j:.2} s");
+            }
             if let Some(d) = f.detected_after_s {
                 let _ = write!(line, ": detected after {d:.2} s");
             }
@@ -501,7 +504,12 @@ pub fn sim_text(origin: &str, r: &ravnest_sim::SimReport) -> String {
                     let _ = write!(line, ", training resumed after {x:.2} s");
                 }
                 (Some(x), None) => {
-                    let _ = write!(line, ": next step completed {x:.2} s later");
+                    let sep = if f.rejoined_after_s.is_some() {
+                        ","
+                    } else {
+                        ":"
+                    };
+                    let _ = write!(line, "{sep} next step completed {x:.2} s later");
                 }
                 (None, _) => line.push_str(": no step completed after it"),
             }

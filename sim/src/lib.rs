@@ -16,12 +16,13 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ractor::{Actor, ActorRef};
+use ractor::Actor;
 use ravnest_core::config::{Fault, Scenario};
 use ravnest_core::cost::Costs;
 use ravnest_core::{NodeId, PlannerKind};
 use ravnest_runtime::coordinator::{CoordinatorActor, Event, RunLog};
-use ravnest_runtime::node::{Counters, NodeActor, NodeMsg, Start, spawn_heartbeat};
+use ravnest_runtime::node::{Counters, NodeActor};
+use ravnest_runtime::supervisor::{NodeFactory, SupMsg, SupervisorActor};
 use ravnest_runtime::{Addr, Trace, toy};
 use serde::Serialize;
 use tokio::time::Instant;
@@ -106,6 +107,8 @@ pub struct FaultReport {
     pub detected_after_s: Option<f64>,
     /// Seconds until the next step completed after the fault (training resumed).
     pub resumed_after_s: Option<f64>,
+    /// For a restart: seconds until the coordinator took the node back.
+    pub rejoined_after_s: Option<f64>,
 }
 
 /// The result of a run.
@@ -233,8 +236,6 @@ fn fault_at(f: &Fault) -> f64 {
     }
 }
 
-type NodeSlot = Option<(ActorRef<NodeMsg>, tokio::task::JoinHandle<()>)>;
-
 /// Run a scenario. Deterministic: the same scenario and options give the same report and hash.
 pub fn run(s: &Scenario, opts: &SimOptions) -> Result<SimReport, SimError> {
     let host = s.run.coordinator.unwrap_or(NodeId(0));
@@ -283,22 +284,29 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
     let counters: Counters = Arc::default();
     let log: Arc<Mutex<RunLog>> = Arc::default();
 
-    let node_actor = |id: NodeId| NodeActor {
-        id,
+    let make_node: NodeFactory<SimNet, SimCompute> = {
+        let (net, compute, counters) = (net.clone(), compute.clone(), counters.clone());
+        Arc::new(move |id: NodeId| NodeActor {
+            id,
+            transport: net.clone(),
+            compute: compute.clone(),
+            grad_bytes,
+            model_bytes: grad_bytes,
+            counters: counters.clone(),
+            t0,
+        })
+    };
+    let supervisor = SupervisorActor {
+        make_node,
         transport: net.clone(),
-        compute: compute.clone(),
-        grad_bytes,
-        model_bytes: grad_bytes,
-        counters: counters.clone(),
+        heartbeat: opts.heartbeat,
+        nodes: cluster.ids().collect(),
+        trace: trace.clone(),
         t0,
     };
-    let mut nodes: Vec<NodeSlot> = Vec::new();
-    for id in cluster.ids() {
-        let (r, _) = Actor::spawn(None, node_actor(id), Start::Fresh)
-            .await
-            .map_err(|e| SimError::Unsupported(format!("spawn node: {e}")))?;
-        nodes.push(Some((r, spawn_heartbeat(net.clone(), id, opts.heartbeat))));
-    }
+    let (sup, _) = Actor::spawn(None, supervisor, ())
+        .await
+        .map_err(|e| SimError::Unsupported(format!("spawn supervisor: {e}")))?;
     let (done_tx, mut done_rx) = tokio::sync::oneshot::channel();
     let coordinator = CoordinatorActor {
         transport: net.clone(),
@@ -368,22 +376,14 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
                 trace.record(t_ns, "crash", Some(Addr::Node(n)), None, 0);
                 net.crash(n);
                 down_since[n.index()].get_or_insert(t_ns);
-                if let Some((r, hb)) = nodes[n.index()].take() {
-                    hb.abort();
-                    r.kill();
-                }
+                let _ = sup.cast(SupMsg::Crash(n));
             }
             Action::Restart(n) => {
                 trace.record(t_ns, "restart", Some(Addr::Node(n)), None, 0);
-                if nodes[n.index()].is_none() {
-                    if let Some(since) = down_since[n.index()].take() {
-                        down[n.index()].push((since, t_ns));
-                    }
+                if let Some(since) = down_since[n.index()].take() {
+                    down[n.index()].push((since, t_ns));
                     net.restart(n);
-                    let (r, _) = Actor::spawn(None, node_actor(n), Start::Rejoin)
-                        .await
-                        .map_err(|e| SimError::Unsupported(format!("respawn node: {e}")))?;
-                    nodes[n.index()] = Some((r, spawn_heartbeat(net.clone(), n, opts.heartbeat)));
+                    let _ = sup.cast(SupMsg::Restart(n));
                 }
             }
             Action::Slow(n, k) => {
@@ -437,10 +437,7 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
         }
     }
     coord.stop(None);
-    for (r, hb) in nodes.into_iter().flatten() {
-        hb.abort();
-        r.stop(None);
-    }
+    sup.stop(None);
     net_task.abort();
     if let Some(p) = progress {
         p.abort();
@@ -592,7 +589,17 @@ fn report(
             };
             let after = detected.unwrap_or(at_ns);
             let resumed = log.step_done_ns.iter().copied().find(|&t| t >= after);
+            let rejoined = match f {
+                Fault::Restart { node, .. } => log.events.iter().find_map(|(t, e)| match e {
+                    Event::Joined { node: n } if n == node && *t >= at_ns => {
+                        Some((*t - at_ns) as f64 / 1e9)
+                    }
+                    _ => None,
+                }),
+                _ => None,
+            };
             FaultReport {
+                rejoined_after_s: rejoined,
                 fault: describe(s, f),
                 at_s: fault_at(f),
                 detected_after_s: detected.map(|t| (t - at_ns) as f64 / 1e9),

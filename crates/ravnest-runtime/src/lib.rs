@@ -16,6 +16,7 @@ pub mod coordinator;
 pub mod msg;
 pub mod node;
 pub mod seams;
+pub mod supervisor;
 pub mod toy;
 pub mod trace;
 
