@@ -521,6 +521,18 @@ pub fn sim_text(origin: &str, r: &ravnest_sim::SimReport) -> String {
         "\nplans made: {} · messages dropped by the network: {}",
         r.plans, r.dropped
     );
+    match r.checkpoints.last() {
+        Some(last) => {
+            let _ = writeln!(
+                out,
+                "checkpoints: {} complete, the latest at step {last}",
+                r.checkpoints.len()
+            );
+        }
+        None => {
+            let _ = writeln!(out, "checkpoints: none");
+        }
+    }
     if r.violations.is_empty() {
         let _ = writeln!(
             out,

@@ -20,6 +20,7 @@ use ractor::Actor;
 use ravnest_core::config::{Fault, Scenario};
 use ravnest_core::cost::Costs;
 use ravnest_core::{NodeId, PlannerKind};
+use ravnest_runtime::checkpoint::{CheckpointActor, Store};
 use ravnest_runtime::coordinator::{CoordinatorActor, Event, RunLog};
 use ravnest_runtime::node::{Counters, NodeActor};
 use ravnest_runtime::supervisor::{NodeFactory, SupMsg, SupervisorActor};
@@ -43,6 +44,8 @@ pub struct SimOptions {
     pub heartbeat: Duration,
     /// Silence after which a node is declared dead.
     pub timeout: Duration,
+    /// Checkpoint every this many steps (0: never).
+    pub checkpoint_every: u64,
     /// Print progress to stderr (every 5% of the steps). Reads the log only: the trace is the
     /// same with or without it.
     pub progress: bool,
@@ -55,6 +58,7 @@ impl SimOptions {
         let sim = s.sim.clone().unwrap_or(ravnest_core::config::SimSettings {
             seed: 0,
             steps: 100,
+            checkpoint_every_steps: ravnest_core::config::DEFAULT_CHECKPOINT_EVERY_STEPS,
         });
         SimOptions {
             seed: sim.seed,
@@ -62,6 +66,7 @@ impl SimOptions {
             steps: sim.steps,
             heartbeat: Duration::from_millis(100),
             timeout: Duration::from_millis(1000),
+            checkpoint_every: sim.checkpoint_every_steps,
             progress: false,
         }
     }
@@ -142,6 +147,8 @@ pub struct SimReport {
     pub violations: Vec<String>,
     /// Largest |w − w_reference| at the end (toy model vs single-node training).
     pub max_model_error: f64,
+    /// Model versions checkpointed, in order.
+    pub checkpoints: Vec<u64>,
     /// Trace entries.
     pub trace_len: u64,
     /// Trace hash.
@@ -149,6 +156,28 @@ pub struct SimReport {
     /// The picture's data (not in JSON: it can be large).
     #[serde(skip)]
     pub timeline: timeline::Timeline,
+}
+
+/// The simulator's checkpoint store: the latest complete checkpoint, in memory.
+#[derive(Debug, Default)]
+pub struct MemStore(Mutex<Option<(ravnest_core::checkpoint::Manifest, Vec<f32>)>>);
+
+impl Store for MemStore {
+    fn commit(
+        &self,
+        manifest: &ravnest_core::checkpoint::Manifest,
+        shards: &[Vec<f32>],
+    ) -> Result<(), String> {
+        // Merge shards in layer order into one model (data parallel: one shard).
+        let merged: Vec<f32> = shards.iter().flatten().copied().collect();
+        if toy::digest(&merged) != manifest.shards.first().map_or(0, |m| m.digest)
+            && shards.len() == 1
+        {
+            return Err("shard contents do not match their digest".into());
+        }
+        *self.0.lock().unwrap() = Some((manifest.clone(), merged));
+        Ok(())
+    }
 }
 
 /// One timed action of the fault schedule.
@@ -321,7 +350,20 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
         trace: trace.clone(),
         log: log.clone(),
         train_flops: costs.train_flops(&all),
+        checkpoint_every: opts.checkpoint_every,
     };
+    let store = Arc::new(MemStore::default());
+    let checkpointer = CheckpointActor {
+        transport: net.clone(),
+        store: store.clone(),
+        log: log.clone(),
+        trace: trace.clone(),
+        t0,
+        bytes_per_elem: s.training.precision.element_bytes(),
+    };
+    let (ck, _) = Actor::spawn(None, checkpointer, ())
+        .await
+        .map_err(|e| SimError::Unsupported(format!("spawn checkpoint actor: {e}")))?;
     let (coord, _) = Actor::spawn(None, coordinator, done_tx)
         .await
         .map_err(|e| SimError::Unsupported(format!("spawn coordinator: {e}")))?;
@@ -437,6 +479,7 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
         }
     }
     coord.stop(None);
+    ck.stop(None);
     sup.stop(None);
     net_task.abort();
     if let Some(p) = progress {
@@ -531,8 +574,17 @@ fn report(
         0.0
     };
     let solo: f64 = secs_per_sample.iter().map(|t| 1.0 / t).sum();
+    let mut checkpoints = Vec::new();
     for (_, e) in &log.events {
         match e {
+            Event::CheckpointComplete { step, digest } => {
+                checkpoints.push(*step);
+                if log.synced_digest.get(step) != Some(digest) {
+                    violations.push(format!(
+                        "checkpoint {step} does not hold the model the replicas agreed on"
+                    ));
+                }
+            }
             Event::Violation(v) => violations.push(v.clone()),
             Event::Stalled(why) => violations.push(format!("training stalled: {why}")),
             _ => {}
@@ -626,6 +678,7 @@ fn report(
         dropped: net.dropped(),
         violations,
         max_model_error: max_err,
+        checkpoints,
         trace_len: trace.len(),
         trace_hash: trace.hash(),
         timeline: timeline::Timeline::default(),

@@ -67,7 +67,7 @@ impl std::fmt::Debug for SimNet {
 
 fn host_of(host: NodeId, a: Addr) -> NodeId {
     match a {
-        Addr::Coordinator => host,
+        Addr::Coordinator | Addr::Checkpoint => host,
         Addr::Node(n) => n,
     }
 }
@@ -79,7 +79,7 @@ impl State {
 
     fn known(&self, a: Addr) -> bool {
         match a {
-            Addr::Coordinator => true,
+            Addr::Coordinator | Addr::Checkpoint => true,
             Addr::Node(n) => n.index() < self.cluster.nodes.len(),
         }
     }

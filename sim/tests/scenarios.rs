@@ -80,6 +80,8 @@ fn a_crashed_node_is_detected_and_training_continues_and_it_rejoins() {
     assert!(r.plans >= 3, "plans {}", r.plans);
     let rejoined = &r.nodes[1];
     assert!(rejoined.steps > 0 && rejoined.steps < 300, "{rejoined:?}");
+    // A checkpoint every 50 steps, each holding the model the replicas agreed on (checked).
+    assert_eq!(r.checkpoints, vec![50, 100, 150, 200, 250, 300]);
 }
 
 #[test]

@@ -101,6 +101,8 @@ pub struct SimSettings {
     pub seed: u64,
     /// Training steps to simulate.
     pub steps: u64,
+    /// Checkpoint every this many steps (0: never).
+    pub checkpoint_every_steps: u64,
 }
 
 /// Settings that only `run` reads.
@@ -235,6 +237,7 @@ struct TrainingToml {
 struct SimToml {
     seed: Option<u64>,
     steps: Option<Spanned<u64>>,
+    checkpoint_every_steps: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -260,6 +263,9 @@ pub const DEFAULT_LINK: Link = Link {
     bandwidth_gbps: 10.0,
     latency_ms: 0.1,
 };
+
+/// Default checkpoint period of `sim`, in steps.
+pub const DEFAULT_CHECKPOINT_EVERY_STEPS: u64 = 50;
 
 /// Memory kept back on every node for the framework (CUDA context, allocator slack), GiB.
 pub const DEFAULT_MEMORY_RESERVE_GIB: f64 = 1.0;
@@ -602,6 +608,9 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
                 Some(x) => ctx.positive(x, "steps")?,
                 None => 100,
             },
+            checkpoint_every_steps: s
+                .checkpoint_every_steps
+                .unwrap_or(DEFAULT_CHECKPOINT_EVERY_STEPS),
         }),
     };
 

@@ -6,6 +6,7 @@
 //! the deterministic simulator. Parsing of `cluster.toml` takes text, not paths; the binary
 //! reads files.
 
+pub mod checkpoint;
 pub mod cluster;
 pub mod config;
 pub mod cost;

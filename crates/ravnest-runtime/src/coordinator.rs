@@ -58,6 +58,13 @@ pub enum Event {
         /// Node.
         node: NodeId,
     },
+    /// A checkpoint of model version `step` was committed; `digest` of its (first) shard.
+    CheckpointComplete {
+        /// Model version.
+        step: u64,
+        /// Digest.
+        digest: u64,
+    },
     /// Replicas disagreed after a step (a checker failure).
     Violation(String),
     /// Training cannot go on.
@@ -75,6 +82,8 @@ pub struct RunLog {
     pub step_done_ns: Vec<u64>,
     /// Whether the run used local SGD (replicas agree only after averaging rounds).
     pub local_sgd: bool,
+    /// The model digest every replica reported, per synchronized version.
+    pub synced_digest: BTreeMap<u64, u64>,
 }
 
 /// Relative drift of a node's measured seconds per sample from the plan's figure that triggers
@@ -111,6 +120,8 @@ pub struct CoordinatorActor<T> {
     pub log: SharedLog,
     /// Training FLOPs per sample of the model (to turn measured seconds into throughput).
     pub train_flops: f64,
+    /// Checkpoint every this many steps (0: never).
+    pub checkpoint_every: u64,
 }
 
 /// Messages.
@@ -155,6 +166,10 @@ pub struct CoordState {
     last_sync: u64,
     /// Whether any step ran under local SGD.
     local_sgd: bool,
+    /// The model version from which the next checkpoint is due.
+    next_checkpoint: u64,
+    /// The checkpoint in progress: (version, writer).
+    pending_checkpoint: Option<(u64, NodeId)>,
 }
 
 impl<T: Transport> CoordinatorActor<T> {
@@ -174,6 +189,7 @@ impl<T: Transport> CoordinatorActor<T> {
             Event::Aborted { .. } => ("aborted", None),
             Event::Joined { node } => ("joined", Some(*node)),
             Event::Rebalanced { node, .. } => ("rebalanced", Some(*node)),
+            Event::CheckpointComplete { .. } => ("checkpoint", None),
             Event::Violation(_) => ("violation", None),
             Event::Stalled(_) => ("stalled", None),
             Event::Finished => ("finished", None),
@@ -336,6 +352,19 @@ impl<T: Transport> CoordinatorActor<T> {
 
     fn on_dead(&self, st: &mut CoordState, node: NodeId, silent_ms: u64) {
         self.event(Event::Detected { node, silent_ms });
+        // A writer lost before its shard arrived: that round cannot complete; the next
+        // checkpoint is due at the next synchronized step.
+        if let Some((version, writer)) = st.pending_checkpoint
+            && writer == node
+        {
+            let _ = self.transport.send(
+                Addr::Coordinator,
+                Addr::Checkpoint,
+                Envelope::CheckpointAbandon { step: version },
+            );
+            st.pending_checkpoint = None;
+            st.next_checkpoint = version;
+        }
         st.holders.remove(&node);
         let involved = st
             .current
@@ -393,6 +422,40 @@ impl<T: Transport> CoordinatorActor<T> {
         if synchronized {
             st.holders = workers.iter().copied().collect();
             st.last_sync = st.step + 1;
+            if let Some(&d) = distinct.iter().next() {
+                self.log
+                    .lock()
+                    .unwrap()
+                    .synced_digest
+                    .insert(st.step + 1, d);
+            }
+            // Checkpoint a version every replica agreed on, once one is due (under local SGD:
+            // the first averaging round from then on).
+            let version = st.step + 1;
+            if self.checkpoint_every > 0
+                && version >= st.next_checkpoint
+                && let (Some(&d), Some(&writer)) = (distinct.iter().next(), workers.first())
+            {
+                st.next_checkpoint = version + self.checkpoint_every;
+                let layers = (0, self.model.layers.len() as u32);
+                let _ = self.transport.send(
+                    Addr::Coordinator,
+                    Addr::Checkpoint,
+                    Envelope::CheckpointBegin {
+                        step: version,
+                        shards: vec![(layers.0, layers.1, d)],
+                    },
+                );
+                let _ = self.transport.send(
+                    Addr::Coordinator,
+                    Addr::Node(writer),
+                    Envelope::WriteShard {
+                        step: version,
+                        layers,
+                    },
+                );
+                st.pending_checkpoint = Some((version, writer));
+            }
         }
         // Rebalance when a worker's measured speed drifts from what the plan assumed.
         for w in workers {
@@ -453,6 +516,8 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             last_plan: None,
             last_sync: 0,
             local_sgd: false,
+            next_checkpoint: self.checkpoint_every,
+            pending_checkpoint: None,
             measured: BTreeMap::new(),
             assumed: self
                 .cluster
@@ -518,7 +583,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                     _ => {}
                 }
             }
-            CoordMsg::Net(Addr::Coordinator, _) => {}
+            CoordMsg::Net(Addr::Coordinator | Addr::Checkpoint, _) => {}
         }
         Ok(())
     }

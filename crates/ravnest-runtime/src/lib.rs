@@ -11,6 +11,7 @@
 //! Time comes from tokio's clock (paused and virtual in the simulator); randomness never comes
 //! from here: it lives in the seams' implementations, seeded.
 
+pub mod checkpoint;
 pub mod conformance;
 pub mod coordinator;
 pub mod msg;

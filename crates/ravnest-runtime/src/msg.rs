@@ -9,6 +9,8 @@ use ravnest_core::ring::RingChunk;
 pub enum Addr {
     /// The coordinator.
     Coordinator,
+    /// The checkpoint aggregator (in the coordinator's process).
+    Checkpoint,
     /// A node.
     Node(NodeId),
 }
@@ -85,6 +87,38 @@ pub enum Envelope {
         /// Bytes it stands for.
         virtual_bytes: u64,
     },
+    /// (Coordinator → checkpoint) a checkpoint of model version `step`, which every replica
+    /// agreed on, begins: one shard per layer range, with the digest each must have.
+    CheckpointBegin {
+        /// Model version.
+        step: u64,
+        /// (layer start, layer end, expected digest), one per shard.
+        shards: Vec<(u32, u32, u64)>,
+    },
+    /// (Coordinator → node) write the shard `layers` of model version `step`.
+    WriteShard {
+        /// Model version.
+        step: u64,
+        /// Layers.
+        layers: (u32, u32),
+    },
+    /// (Coordinator → checkpoint) the checkpoint of `step` will not complete.
+    CheckpointAbandon {
+        /// Model version.
+        step: u64,
+    },
+    /// (Node → checkpoint) a shard was written. The writer stores it locally; the values ride
+    /// along so the simulator can check the merged model, and are not charged to the network.
+    Shard {
+        /// Model version.
+        step: u64,
+        /// Layers covered.
+        layers: (u32, u32),
+        /// Digest of the shard.
+        digest: u64,
+        /// The values.
+        model: Vec<f32>,
+    },
     /// Step finished on this node: digest of its new model.
     StepDone {
         /// Epoch of the work.
@@ -159,6 +193,10 @@ impl Envelope {
             Envelope::Pull { .. } => "pull",
             Envelope::StepDone { .. } => "step-done",
             Envelope::Abort { .. } => "abort",
+            Envelope::CheckpointBegin { .. } => "checkpoint-begin",
+            Envelope::WriteShard { .. } => "write-shard",
+            Envelope::CheckpointAbandon { .. } => "checkpoint-abandon",
+            Envelope::Shard { .. } => "shard",
             Envelope::StateRequest { .. } => "state-request",
             Envelope::State { .. } => "state",
         }
@@ -219,6 +257,31 @@ impl Envelope {
                 }
             }
             Envelope::Abort { epoch } => h.u64(*epoch),
+            Envelope::CheckpointBegin { step, shards } => {
+                h.u64(*step);
+                for (a, b, d) in shards {
+                    h.u64(u64::from(*a));
+                    h.u64(u64::from(*b));
+                    h.u64(*d);
+                }
+            }
+            Envelope::WriteShard { step, layers } => {
+                h.u64(*step);
+                h.u64(u64::from(layers.0));
+                h.u64(u64::from(layers.1));
+            }
+            Envelope::CheckpointAbandon { step } => h.u64(*step),
+            Envelope::Shard {
+                step,
+                layers,
+                digest,
+                ..
+            } => {
+                h.u64(*step);
+                h.u64(u64::from(layers.0));
+                h.u64(u64::from(layers.1));
+                h.u64(*digest);
+            }
             Envelope::StateRequest { version, to } => {
                 h.u64(*version);
                 h.u64(u64::from(to.0));

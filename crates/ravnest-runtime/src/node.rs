@@ -500,7 +500,29 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                     }
                 }
             }
-            Envelope::Heartbeat | Envelope::Join | Envelope::StepDone { .. } => {
+            Envelope::WriteShard { step, layers } => {
+                // The writer stores the shard where it runs (files in `run`) and reports it;
+                // a version it no longer holds cannot be written (the round stays incomplete).
+                if let Some(model) = st.version(step) {
+                    let shard: Vec<f32> = model;
+                    self.send(
+                        Addr::Checkpoint,
+                        Envelope::Shard {
+                            step,
+                            layers,
+                            digest: toy::digest(&shard),
+                            model: shard,
+                        },
+                    );
+                }
+            }
+            // Addressed to the coordinator or the checkpoint actor, not to a node: ignore.
+            Envelope::Heartbeat
+            | Envelope::Join
+            | Envelope::StepDone { .. }
+            | Envelope::CheckpointBegin { .. }
+            | Envelope::CheckpointAbandon { .. }
+            | Envelope::Shard { .. } => {
                 let _ = from;
             }
         }

@@ -66,6 +66,7 @@ fn addr_code(a: Option<Addr>) -> u64 {
     match a {
         None => u64::MAX,
         Some(Addr::Coordinator) => u64::MAX - 1,
+        Some(Addr::Checkpoint) => u64::MAX - 2,
         Some(Addr::Node(n)) => u64::from(n.0),
     }
 }
