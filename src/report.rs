@@ -60,6 +60,7 @@ fn collective_text(c: Collective) -> &'static str {
     match c {
         Collective::Ring => "ring all-reduce",
         Collective::ParamServer => "parameter server",
+        Collective::Ring2d => "two-level ring all-reduce",
     }
 }
 

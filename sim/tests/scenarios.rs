@@ -177,3 +177,31 @@ fn seed_sweep_with_checkers() {
         }
     }
 }
+
+#[test]
+fn a_two_level_ring_on_a_latency_bound_cluster_trains_the_same_model() {
+    // 24 small GPUs behind 5 ms links: a flat ring waits through 46 hops, a 4x6 one through 16.
+    let text = "[links]\nbandwidth_gbps = 10.0\nlatency_ms = 5.0\n[[node]]\nname = \"g\"\ndevice = \"rtx3060\"\ncount = 24\n[model]\npreset = \"char-transformer\"\n[training]\nglobal_batch = 240\nsync = \"ring\"\n";
+    let s = ravnest_core::parse(text, "latency-bound").unwrap();
+    let p = ravnest_core::plan(
+        ravnest_core::PlannerKind::Ravnest,
+        &s.cluster,
+        &s.model,
+        &s.training,
+    )
+    .unwrap();
+    assert!(
+        matches!(
+            p.sync.method,
+            ravnest_core::planner::sync::SyncMethod::EveryStep {
+                collective: ravnest_core::planner::sync::Collective::Ring2d
+            }
+        ),
+        "{:?}",
+        p.sync.method
+    );
+    let r = run(&s, &opts(&s, 9, 12)).unwrap();
+    assert!(r.violations.is_empty(), "{:?}", r.violations);
+    assert_eq!(r.steps_completed, 12);
+    assert!(r.max_model_error < 1e-4);
+}

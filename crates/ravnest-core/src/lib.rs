@@ -16,6 +16,7 @@ pub mod model;
 pub mod planner;
 pub mod ps;
 pub mod ring;
+pub mod ring2d;
 
 pub use cluster::{ClusterSpec, Link, NodeId, NodeSpec, SyncPreference, TrainingSpec};
 pub use config::{ConfigError, Scenario, parse};

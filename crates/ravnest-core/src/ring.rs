@@ -41,11 +41,24 @@ pub fn schedule(phase: Phase, step: usize, rank: usize, n: usize) -> (usize, usi
     }
 }
 
+/// Which part of an all-reduce a member runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RingMode {
+    /// Reduce-scatter then all-gather: every rank ends with the whole sum.
+    Full,
+    /// Reduce-scatter only: rank r ends owning the sum of chunk (r + 1) mod n.
+    ReduceScatter,
+    /// All-gather only: rank r starts owning chunk (r + 1) mod n and ends with every chunk.
+    AllGather,
+}
+
 /// A chunk travelling to the next rank.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RingChunk {
     /// Collective this chunk belongs to.
     pub epoch: u64,
+    /// Which ring of a composed collective it belongs to (0 for a flat ring).
+    pub level: u8,
     /// Phase.
     pub phase: Phase,
     /// Step within the phase.
@@ -90,6 +103,8 @@ enum State {
 #[derive(Debug, Clone)]
 pub struct RingMember {
     epoch: u64,
+    level: u8,
+    mode: RingMode,
     rank: usize,
     n: usize,
     len: usize,
@@ -102,9 +117,23 @@ pub struct RingMember {
 impl RingMember {
     /// A member at `rank` of a ring of `n` over vectors of `len` elements.
     pub fn new(epoch: u64, rank: usize, n: usize, len: usize) -> Self {
+        Self::with_mode(epoch, 0, RingMode::Full, rank, n, len)
+    }
+
+    /// A member running part of an all-reduce, as ring `level` of a composed collective.
+    pub fn with_mode(
+        epoch: u64,
+        level: u8,
+        mode: RingMode,
+        rank: usize,
+        n: usize,
+        len: usize,
+    ) -> Self {
         assert!(rank < n && n > 0, "rank {rank} outside a ring of {n}");
         RingMember {
             epoch,
+            level,
+            mode,
             rank,
             n,
             len,
@@ -123,6 +152,7 @@ impl RingMember {
         let (c, _) = schedule(phase, step, self.rank, self.n);
         RingEffect::Send(RingChunk {
             epoch: self.epoch,
+            level: self.level,
             phase,
             step,
             chunk: c,
@@ -151,16 +181,21 @@ impl RingMember {
                     self.state = State::Finished;
                     return vec![RingEffect::Done(std::mem::take(&mut self.buf))];
                 }
-                self.state = State::Running {
-                    phase: Phase::ReduceScatter,
-                    step: 0,
+                let phase = match self.mode {
+                    RingMode::Full | RingMode::ReduceScatter => Phase::ReduceScatter,
+                    RingMode::AllGather => Phase::AllGather,
                 };
-                let mut out = vec![self.send(Phase::ReduceScatter, 0)];
+                self.state = State::Running { phase, step: 0 };
+                let mut out = vec![self.send(phase, 0)];
                 out.extend(self.drain());
                 out
             }
             RingInput::Chunk(c) => {
-                if c.epoch != self.epoch || self.state == State::Finished || c.step >= self.n - 1 {
+                if c.epoch != self.epoch
+                    || c.level != self.level
+                    || self.state == State::Finished
+                    || c.step >= self.n - 1
+                {
                     return vec![];
                 }
                 let (_, want) = schedule(c.phase, c.step, self.rank, self.n);
@@ -195,6 +230,9 @@ impl RingMember {
             }
             let last = self.n - 2;
             let next = match (phase, step) {
+                (Phase::ReduceScatter, s) if s == last && self.mode == RingMode::ReduceScatter => {
+                    None
+                }
                 (Phase::ReduceScatter, s) if s == last => Some((Phase::AllGather, 0)),
                 (Phase::AllGather, s) if s == last => None,
                 (p, s) => Some((p, s + 1)),
@@ -329,6 +367,7 @@ mod tests {
         let mut m = RingMember::new(3, 0, 3, 6);
         let junk = RingChunk {
             epoch: 2,
+            level: 0,
             phase: Phase::ReduceScatter,
             step: 0,
             chunk: 2,
@@ -337,6 +376,7 @@ mod tests {
         assert!(m.handle(RingInput::Chunk(junk)).is_empty());
         let wrong_len = RingChunk {
             epoch: 3,
+            level: 0,
             phase: Phase::ReduceScatter,
             step: 0,
             chunk: 2,
@@ -345,6 +385,7 @@ mod tests {
         assert!(m.handle(RingInput::Chunk(wrong_len)).is_empty());
         let wrong_step = RingChunk {
             epoch: 3,
+            level: 0,
             phase: Phase::AllGather,
             step: 9,
             chunk: 0,

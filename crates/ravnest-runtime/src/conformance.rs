@@ -36,6 +36,7 @@ fn chunk(i: usize, len: usize) -> Envelope {
     Envelope::Chunk {
         chunk: RingChunk {
             epoch: 1,
+            level: 0,
             phase: Phase::ReduceScatter,
             step: 0,
             chunk: i,

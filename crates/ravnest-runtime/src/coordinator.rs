@@ -274,6 +274,7 @@ impl<T: Transport> CoordinatorActor<T> {
             }
             SyncMethod::None => Collective::Ring,
         };
+        let group_size = p.sync.groups.first().map_or(0, |g| g.group_size);
         let mode = match p.sync.method {
             SyncMethod::LocalSgd { local_steps, .. } => {
                 st.local_sgd = true;
@@ -323,6 +324,7 @@ impl<T: Transport> CoordinatorActor<T> {
                 state_from: (st.step == st.last_sync && !st.holders.contains(&w)).then_some(source),
                 mode,
                 collective,
+                group_size,
             };
             offset += batch;
             self.send(w, Envelope::Work(work));

@@ -48,6 +48,8 @@ pub struct Work {
     /// The collective averaging uses: a ring in `ring` order, or a parameter server
     /// (`ring[0]` is the server).
     pub collective: Collective,
+    /// For a two-level ring: nodes per group (groups are consecutive in `ring`).
+    pub group_size: u32,
 }
 
 /// Typed envelopes. `virtual_bytes` is what the network charges for bandwidth: the simulated

@@ -12,6 +12,7 @@ use ravnest_core::NodeId;
 use ravnest_core::planner::sync::Collective;
 use ravnest_core::ps::{PsEffect, PsInput, PsMember};
 use ravnest_core::ring::{RingChunk, RingEffect, RingInput, RingMember};
+use ravnest_core::ring2d::{Ring2dEffect, Ring2dInput, Ring2dMember};
 use tokio::time::Instant;
 
 use crate::msg::{Addr, Envelope, StepMode, Work};
@@ -120,6 +121,7 @@ pub struct NodeState {
 #[derive(Debug)]
 enum Member {
     Ring(RingMember),
+    Ring2d(Box<Ring2dMember>),
     Ps(PsMember),
 }
 
@@ -127,6 +129,7 @@ enum Member {
 #[derive(Debug)]
 enum Out {
     Chunk(RingChunk),
+    ChunkTo(usize, RingChunk),
     Push(Vec<f32>),
     Broadcast(Vec<f32>),
     Done(Vec<f32>),
@@ -139,6 +142,16 @@ fn from_ring(e: Vec<RingEffect>) -> Vec<Out> {
             RingEffect::Send(c) => Out::Chunk(c),
             RingEffect::Done(v) => Out::Done(v),
             RingEffect::Aborted => Out::Aborted,
+        })
+        .collect()
+}
+
+fn from_ring2d(e: Vec<Ring2dEffect>) -> Vec<Out> {
+    e.into_iter()
+        .map(|e| match e {
+            Ring2dEffect::Send { to, chunk } => Out::ChunkTo(to, chunk),
+            Ring2dEffect::Done(v) => Out::Done(v),
+            Ring2dEffect::Aborted => Out::Aborted,
         })
         .collect()
 }
@@ -158,6 +171,7 @@ impl Member {
     fn lost(&mut self) -> Vec<Out> {
         match self {
             Member::Ring(m) => from_ring(m.handle(RingInput::PeerLost)),
+            Member::Ring2d(m) => from_ring2d(m.handle(Ring2dInput::PeerLost)),
             Member::Ps(m) => from_ps(m.handle(PsInput::PeerLost)),
         }
     }
@@ -275,6 +289,17 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 }
                 (Member::Ring(m), e)
             }
+            Collective::Ring2d => {
+                let k = (work.group_size as usize).max(1);
+                let mut m = Ring2dMember::new(work.epoch, rank, n / k, k, weighted.len());
+                let mut e = from_ring2d(m.handle(Ring2dInput::Start(weighted)));
+                for c in std::mem::take(&mut st.early) {
+                    if c.epoch == work.epoch {
+                        e.extend(from_ring2d(m.handle(Ring2dInput::Chunk(c))));
+                    }
+                }
+                (Member::Ring2d(Box::new(m)), e)
+            }
             Collective::ParamServer => {
                 let mut m = PsMember::new(rank, n, weighted.len());
                 let mut e = from_ps(m.handle(PsInput::Start(weighted)));
@@ -318,6 +343,22 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                             },
                         );
                     }
+                }
+                Out::ChunkTo(to, chunk) => {
+                    // Each level of a two-level ring moves about a full gradient's worth in
+                    // k or g chunks; charge each chunk its share of the bytes it stands for.
+                    let parts = match chunk.level {
+                        2 => (work.ring.len() as u64).max(1),
+                        _ => u64::from(work.group_size.max(1)),
+                    };
+                    let virtual_bytes = self.grad_bytes / parts;
+                    self.send(
+                        Addr::Node(work.ring[to]),
+                        Envelope::Chunk {
+                            chunk,
+                            virtual_bytes,
+                        },
+                    );
                 }
                 Out::Chunk(chunk) => {
                     let n = work.ring.len();
@@ -440,6 +481,10 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                 match &mut st.ring {
                     Some((Member::Ring(m), w, _)) if w.epoch == chunk.epoch => {
                         let eff = from_ring(m.handle(RingInput::Chunk(chunk)));
+                        self.apply_effects(st, eff);
+                    }
+                    Some((Member::Ring2d(m), w, _)) if w.epoch == chunk.epoch => {
+                        let eff = from_ring2d(m.handle(Ring2dInput::Chunk(chunk)));
                         self.apply_effects(st, eff);
                     }
                     _ => st.early.push(chunk),

@@ -14,6 +14,8 @@ pub enum Collective {
     Ring,
     /// Push to / pull from one server (the first node of each group).
     ParamServer,
+    /// Two-level ring (`ring2d`): groups of `group_size` consecutive nodes of the order.
+    Ring2d,
 }
 
 /// How gradients are synchronized.
@@ -47,6 +49,8 @@ pub struct SyncGroup {
     pub round_s: f64,
     /// Slowest link in the ring (Gbit/s), for reports.
     pub bottleneck_gbps: f64,
+    /// For a two-level ring: nodes per group (groups are consecutive in `order`); else 0.
+    pub group_size: u32,
 }
 
 /// The chosen synchronization.
@@ -233,6 +237,7 @@ pub fn choose_sync(
                     bytes: *b,
                     round_s: 0.0,
                     bottleneck_gbps: 0.0,
+                    group_size: 0,
                 })
                 .collect(),
             round_s: 0.0,
@@ -261,6 +266,7 @@ pub fn choose_sync(
                 order,
                 bytes: *bytes,
                 bottleneck_gbps: bw,
+                group_size: 0,
             }
         })
         .collect();
@@ -284,18 +290,62 @@ pub fn choose_sync(
                 order,
                 bytes: *bytes,
                 bottleneck_gbps: if bw.is_finite() { bw } else { 0.0 },
+                group_size: 0,
             }
         })
         .collect();
     let worst = |gs: &[SyncGroup]| gs.iter().map(|g| g.round_s).fold(0.0, f64::max);
     let (ring_s, ps_s) = (worst(&ring_groups), worst(&ps_groups));
 
-    let (collective, chosen, round_s, mut reason) = match pref {
-        SyncPreference::Ring => (
+    // The two-level ring moves the same bytes as a flat ring but waits through 2(k-1)+2(g-1)
+    // hops instead of 2(n-1): a candidate for every group with a divisor near √n. Its links are
+    // taken to be those of the flat ring's order (the column rings cross the same kind of links).
+    let ring2d_groups: Option<Vec<SyncGroup>> = if smart && pref != SyncPreference::ParamServer {
+        ring_groups
+            .iter()
+            .map(|g| {
+                let n = g.order.len();
+                let k = crate::ring2d::group_size(n)?;
+                let (bw, lat) = ring_links(cluster, &g.order);
+                let hops = 2 * (k - 1) + 2 * (n / k - 1);
+                let t = 2.0 * (n as f64 - 1.0) / n as f64 * g.bytes as f64 * 8.0 / (bw * 1e9)
+                    + hops as f64 * lat / 1e3;
+                Some(SyncGroup {
+                    round_s: t,
+                    order: g.order.clone(),
+                    bytes: g.bytes,
+                    bottleneck_gbps: bw,
+                    group_size: k as u32,
+                })
+            })
+            .collect()
+    } else {
+        None
+    };
+    let (ring_collective, ring_groups, ring_s, ring_name) = match ring2d_groups {
+        Some(r2) if worst(&r2) < ring_s => {
+            let k = r2.first().map_or(0, |g| g.group_size);
+            let n = r2.first().map_or(0, |g| g.order.len());
+            let name = format!(
+                "two-level ring ({} groups of {k}; a flat ring would take {})",
+                n / k.max(1) as usize,
+                secs(ring_s)
+            );
+            (Collective::Ring2d, r2.clone(), worst(&r2), name)
+        }
+        _ => (
             Collective::Ring,
             ring_groups,
             ring_s,
-            "ring all-reduce, as `sync = \"ring\"` asks".to_string(),
+            "ring all-reduce".to_string(),
+        ),
+    };
+    let (collective, chosen, round_s, mut reason) = match pref {
+        SyncPreference::Ring => (
+            ring_collective,
+            ring_groups,
+            ring_s,
+            format!("{ring_name}, as `sync = \"ring\"` asks"),
         ),
         SyncPreference::ParamServer => (
             Collective::ParamServer,
@@ -314,11 +364,11 @@ pub fn choose_sync(
             ),
         ),
         SyncPreference::Auto | SyncPreference::LocalSgd if smart => (
-            Collective::Ring,
+            ring_collective,
             ring_groups,
             ring_s,
             format!(
-                "ring all-reduce: a round takes {} against {} through a parameter server",
+                "{ring_name}: a round takes {} against {} through a parameter server",
                 secs(ring_s),
                 secs(ps_s)
             ),
