@@ -144,7 +144,7 @@ fn local_sgd_on_a_slow_link_beats_a_ring_every_step() {
 
 #[test]
 fn a_parameter_server_round_trains_the_same_model() {
-    let mut s = scenario("mixed-4090-3060");
+    let mut s = scenario("homogeneous");
     s.training.sync = ravnest_core::SyncPreference::ParamServer;
     let r = run(&s, &opts(&s, 4, 20)).unwrap();
     assert!(r.violations.is_empty(), "{:?}", r.violations);

@@ -90,6 +90,10 @@ pub struct RunLog {
 /// a re-plan with measured figures.
 pub const DRIFT: f64 = 0.25;
 
+/// Steps after which a node left out for its measured speed is given another chance (planned
+/// with its catalog figure again, and re-measured).
+pub const PROBATION_STEPS: u64 = 20;
+
 /// Shared handle on the log.
 pub type SharedLog = Arc<Mutex<RunLog>>;
 
@@ -170,6 +174,8 @@ pub struct CoordState {
     next_checkpoint: u64,
     /// The checkpoint in progress: (version, writer).
     pending_checkpoint: Option<(u64, NodeId)>,
+    /// Live nodes the last plan left out, and since which step.
+    left_out: BTreeMap<NodeId, u64>,
 }
 
 impl<T: Transport> CoordinatorActor<T> {
@@ -230,6 +236,15 @@ impl<T: Transport> CoordinatorActor<T> {
                 st,
                 Event::Stalled("no live node holds the latest model".into()),
             );
+        }
+        // A node left out long enough for its measured speed is planned with its catalog figure
+        // again: if it is still slow, the next measurement leaves it out again.
+        for (&n, &since) in &st.left_out {
+            if st.step >= since + PROBATION_STEPS {
+                st.assumed
+                    .insert(n, self.train_flops / self.cluster.node(n).flops);
+                st.measured.remove(&n);
+            }
         }
         let mut sub = self.cluster.subset(&live);
         for (k, id) in live.iter().enumerate() {
@@ -300,6 +315,16 @@ impl<T: Transport> CoordinatorActor<T> {
                 st,
                 Event::Stalled("a new worker inside a local-SGD period".into()),
             );
+        }
+        for &n in &live {
+            if workers.iter().any(|w| w.0 == n) {
+                st.left_out.remove(&n);
+            } else {
+                let since = st.left_out.entry(n).or_insert(st.step);
+                if st.step >= *since + PROBATION_STEPS {
+                    *since = st.step;
+                }
+            }
         }
         st.epoch += 1;
         if st.last_plan.as_ref() != Some(&workers) {
@@ -520,6 +545,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             local_sgd: false,
             next_checkpoint: self.checkpoint_every,
             pending_checkpoint: None,
+            left_out: BTreeMap::new(),
             measured: BTreeMap::new(),
             assumed: self
                 .cluster

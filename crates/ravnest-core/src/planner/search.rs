@@ -215,23 +215,31 @@ pub(super) fn ravnest_search(costs: &Costs<'_>, opts: PlanOptions) -> Option<Pla
         .filter(|&i| costs.memory_bytes(&all, 1) <= cluster.node(i).memory_bytes)
         .collect();
     if !fit.is_empty() {
-        let mut tiers: Vec<f64> = fit
-            .iter()
-            .map(|&i| cluster.node(i).link.bandwidth_gbps)
-            .collect();
-        tiers.sort_by(f64::total_cmp);
-        tiers.dedup();
-        for (t, &tier) in tiers.iter().enumerate().take(8) {
-            let workers: Vec<NodeId> = fit
-                .iter()
-                .copied()
-                .filter(|&i| cluster.node(i).link.bandwidth_gbps >= tier)
-                .collect();
-            if let Some((w, b)) = ravnest_dp(costs, &workers) {
+        // Tiers of access bandwidth (leave out the slowest links) and of throughput (leave out
+        // the slowest devices: a share too small to pay for the ring's extra hops).
+        type Key = fn(&crate::cluster::NodeSpec) -> f64;
+        let by: [(Key, &str); 2] = [
+            (|n| n.link.bandwidth_gbps, "links below {} Gbit/s"),
+            (|n| n.flops / 1e12, "devices below {} TFLOP/s"),
+        ];
+        for (key, what) in by {
+            let mut tiers: Vec<f64> = fit.iter().map(|&i| key(cluster.node(i))).collect();
+            tiers.sort_by(f64::total_cmp);
+            tiers.dedup();
+            for (t, &tier) in tiers.iter().enumerate().take(8) {
+                let workers: Vec<NodeId> = fit
+                    .iter()
+                    .copied()
+                    .filter(|&i| key(cluster.node(i)) >= tier)
+                    .collect();
+                let Some((w, b)) = ravnest_dp(costs, &workers) else {
+                    continue;
+                };
                 let note = (t > 0).then(|| {
                     format!(
-                        "left out the {} node(s) with links below {tier} Gbit/s: their share does not pay for the slower ring",
-                        fit.len() - workers.len()
+                        "left out the {} node(s) with {}: their share does not pay for the slower ring",
+                        fit.len() - workers.len(),
+                        what.replace("{}", &format!("{tier:.1}"))
                     )
                 });
                 let c = Candidate::Data {
