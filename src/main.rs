@@ -210,14 +210,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             what: BenchWhat::Planners { files },
         } => {
-            let inputs: Vec<(String, Scenario)> = if files.is_empty() {
-                scenarios::SHIPPED
-                    .iter()
-                    .map(|(name, text)| Ok((name.to_string(), ravnest_core::parse(text, name)?)))
-                    .collect::<Result<_>>()?
-            } else {
-                files.iter().map(|f| load(Some(f))).collect::<Result<_>>()?
-            };
+            let inputs = bench_inputs(&files, &[])?;
             let mut rows = Vec::new();
             for (name, s) in &inputs {
                 for kind in PlannerKind::ALL {
@@ -238,15 +231,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             what: BenchWhat::Sim { files, steps },
         } => {
-            let inputs: Vec<(String, Scenario)> = if files.is_empty() {
-                scenarios::SHIPPED
-                    .iter()
-                    .filter(|(name, _)| *name != "large-1000")
-                    .map(|(name, text)| Ok((name.to_string(), ravnest_core::parse(text, name)?)))
-                    .collect::<Result<_>>()?
-            } else {
-                files.iter().map(|f| load(Some(f))).collect::<Result<_>>()?
-            };
+            // The 1,000-node scenario takes about half a minute: run it by naming it.
+            let inputs = bench_inputs(&files, &["large-1000"])?;
             let mut rows = Vec::new();
             for (name, s) in &inputs {
                 for kind in [
@@ -307,6 +293,19 @@ fn parse_planner(name: &str) -> Result<PlannerKind> {
                 ),
             }
         }
+    }
+}
+
+/// The given scenario files, or every shipped scenario but those in `skip`.
+fn bench_inputs(files: &[PathBuf], skip: &[&str]) -> Result<Vec<(String, Scenario)>> {
+    if files.is_empty() {
+        scenarios::SHIPPED
+            .iter()
+            .filter(|(name, _)| !skip.contains(name))
+            .map(|(name, text)| Ok((name.to_string(), ravnest_core::parse(text, name)?)))
+            .collect()
+    } else {
+        files.iter().map(|f| load(Some(f))).collect()
     }
 }
 

@@ -364,34 +364,23 @@ mod tests {
 
     #[test]
     fn stale_and_malformed_chunks_are_ignored() {
+        let chunk = |epoch, level, phase, step, c, len| RingChunk {
+            epoch,
+            level,
+            phase,
+            step,
+            chunk: c,
+            data: vec![1.0; len],
+        };
         let mut m = RingMember::new(3, 0, 3, 6);
-        let junk = RingChunk {
-            epoch: 2,
-            level: 0,
-            phase: Phase::ReduceScatter,
-            step: 0,
-            chunk: 2,
-            data: vec![1.0; 2],
-        };
-        assert!(m.handle(RingInput::Chunk(junk)).is_empty());
-        let wrong_len = RingChunk {
-            epoch: 3,
-            level: 0,
-            phase: Phase::ReduceScatter,
-            step: 0,
-            chunk: 2,
-            data: vec![1.0; 5],
-        };
+        let stale = chunk(2, 0, Phase::ReduceScatter, 0, 2, 2);
+        assert!(m.handle(RingInput::Chunk(stale)).is_empty());
+        let wrong_len = chunk(3, 0, Phase::ReduceScatter, 0, 2, 5);
         assert!(m.handle(RingInput::Chunk(wrong_len)).is_empty());
-        let wrong_step = RingChunk {
-            epoch: 3,
-            level: 0,
-            phase: Phase::AllGather,
-            step: 9,
-            chunk: 0,
-            data: vec![],
-        };
+        let wrong_step = chunk(3, 0, Phase::AllGather, 9, 0, 0);
         assert!(m.handle(RingInput::Chunk(wrong_step)).is_empty());
+        let wrong_level = chunk(3, 2, Phase::ReduceScatter, 0, 2, 2);
+        assert!(m.handle(RingInput::Chunk(wrong_level)).is_empty());
         assert!(
             m.handle(RingInput::Start(vec![0.0; 5])).is_empty(),
             "wrong length start"
