@@ -70,12 +70,9 @@ impl<T: Transport> Actor for CheckpointActor<T> {
         myself: ActorRef<CkMsg>,
         _: (),
     ) -> Result<CkState, ActorProcessingErr> {
-        let me = myself.clone();
         self.transport.register(
             Addr::Checkpoint,
-            Arc::new(move |from, env| {
-                let _ = me.cast(CkMsg::Net(from, env));
-            }),
+            crate::seams::mailbox(myself.clone(), CkMsg::Net),
         );
         Ok(CkState::default())
     }

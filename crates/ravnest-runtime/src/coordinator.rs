@@ -518,12 +518,9 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
         myself: ActorRef<CoordMsg>,
         done: oneshot::Sender<()>,
     ) -> Result<CoordState, ActorProcessingErr> {
-        let me = myself.clone();
         self.transport.register(
             Addr::Coordinator,
-            Arc::new(move |from, env| {
-                let _ = me.cast(CoordMsg::Net(from, env));
-            }),
+            crate::seams::mailbox(myself.clone(), CoordMsg::Net),
         );
         let mut detector = FailureDetector::new(self.heartbeat_timeout.as_millis().max(1) as u64);
         let now = self.now_ms();

@@ -426,13 +426,9 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
         myself: ActorRef<NodeMsg>,
         start: Start,
     ) -> Result<NodeState, ActorProcessingErr> {
-        let me = myself.clone();
         self.transport.register(
             self.me(),
-            Arc::new(move |from, env| {
-                // The actor may be gone (crashed): then the envelope is lost, as on a network.
-                let _ = me.cast(NodeMsg::Net(from, env));
-            }),
+            crate::seams::mailbox(myself.clone(), NodeMsg::Net),
         );
         let mut st = NodeState::default();
         match start {

@@ -12,6 +12,17 @@ use crate::msg::{Addr, Envelope};
 /// Where a transport hands an arriving envelope: (sender, envelope).
 pub type Inbox = Arc<dyn Fn(Addr, Envelope) + Send + Sync>;
 
+/// An inbox that casts every arriving envelope into `actor`'s mailbox as `wrap(from, env)`.
+/// If the actor is gone (crashed), the envelope is lost, as on a network.
+pub fn mailbox<M: ractor::Message>(
+    actor: ractor::ActorRef<M>,
+    wrap: fn(Addr, Envelope) -> M,
+) -> Inbox {
+    Arc::new(move |from, env| {
+        let _ = actor.cast(wrap(from, env));
+    })
+}
+
 /// Errors a sender sees at once. Loss in flight is silent (as on a real network); the failure
 /// detector notices it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
