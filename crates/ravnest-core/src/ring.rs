@@ -14,7 +14,9 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 
 /// Phase of the algorithm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub enum Phase {
     /// Each rank accumulates one chunk's sum.
     ReduceScatter,
@@ -53,7 +55,7 @@ pub enum RingMode {
 }
 
 /// A chunk travelling to the next rank.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RingChunk {
     /// Collective this chunk belongs to.
     pub epoch: u64,

@@ -18,8 +18,10 @@ pub mod msg;
 pub mod node;
 pub mod seams;
 pub mod supervisor;
+pub mod tcp;
 pub mod toy;
 pub mod trace;
+pub mod wire;
 
 pub use msg::{Addr, Envelope};
 pub use seams::{Compute, Inbox, Transport, TransportError};

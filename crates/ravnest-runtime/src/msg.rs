@@ -5,7 +5,9 @@ use ravnest_core::planner::sync::Collective;
 use ravnest_core::ring::RingChunk;
 
 /// Where an envelope goes. The coordinator lives in one node's process (its host).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub enum Addr {
     /// The coordinator.
     Coordinator,
@@ -16,7 +18,7 @@ pub enum Addr {
 }
 
 /// How a step's result is synchronized.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum StepMode {
     /// Exact synchronous data parallel: average the gradients over the ring, then apply.
     Sync,
@@ -27,7 +29,7 @@ pub enum StepMode {
 }
 
 /// One node's assignment for one step.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Work {
     /// Assignment epoch: bumped whenever membership changes; older epochs are ignored.
     pub epoch: u64,
@@ -52,14 +54,36 @@ pub struct Work {
     pub group_size: u32,
 }
 
+/// What a node measured about itself, reported when it registers (`ravnest run`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Capabilities {
+    /// Measured dense matmul throughput, FLOP/s (after any emulated slowdown).
+    pub flops: f64,
+    /// Memory available for training, bytes.
+    pub memory_bytes: u64,
+    /// What was measured (device, threads), for the printed plan.
+    pub device: String,
+}
+
 /// Typed envelopes. `virtual_bytes` is what the network charges for bandwidth: the simulated
 /// gradient vectors are small, the bytes they stand for are the model's.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Envelope {
     /// I am alive.
     Heartbeat,
     /// A (re)started node asks to take part.
     Join,
+    /// (Node → coordinator, `ravnest run`) a node starts and reports what it measured.
+    Register(Capabilities),
+    /// A link probe: the receiver sends the same data back with `echo = false`.
+    Probe {
+        /// Probe id.
+        id: u64,
+        /// Payload (its size is what is measured).
+        data: Vec<f32>,
+        /// Whether the receiver should echo it.
+        echo: bool,
+    },
     /// Work for a step.
     Work(Work),
     /// A ring all-reduce chunk.
@@ -181,6 +205,7 @@ impl Envelope {
                 | Envelope::State { .. }
                 | Envelope::Push { .. }
                 | Envelope::Pull { .. }
+                | Envelope::Probe { .. }
         )
     }
 
@@ -189,6 +214,8 @@ impl Envelope {
         match self {
             Envelope::Heartbeat => "heartbeat",
             Envelope::Join => "join",
+            Envelope::Register(_) => "register",
+            Envelope::Probe { .. } => "probe",
             Envelope::Work(_) => "work",
             Envelope::Chunk { .. } => "chunk",
             Envelope::Push { .. } => "push",
@@ -209,6 +236,15 @@ impl Envelope {
         let mut h = crate::trace::Fnv::default();
         match self {
             Envelope::Heartbeat | Envelope::Join => {}
+            Envelope::Register(c) => {
+                h.u64(c.flops.to_bits());
+                h.u64(c.memory_bytes);
+            }
+            Envelope::Probe { id, data, echo } => {
+                h.u64(*id);
+                h.u64(data.len() as u64);
+                h.u64(u64::from(*echo));
+            }
             Envelope::Work(w) => {
                 for x in [
                     w.epoch,

@@ -558,8 +558,21 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                 }
             }
             // Addressed to the coordinator or the checkpoint actor, not to a node: ignore.
+            Envelope::Probe { id, data, echo } => {
+                if echo {
+                    self.send(
+                        from,
+                        Envelope::Probe {
+                            id,
+                            data,
+                            echo: false,
+                        },
+                    );
+                }
+            }
             Envelope::Heartbeat
             | Envelope::Join
+            | Envelope::Register(_)
             | Envelope::StepDone { .. }
             | Envelope::CheckpointBegin { .. }
             | Envelope::CheckpointAbandon { .. }

@@ -7,7 +7,7 @@ use crate::cluster::{ClusterSpec, NodeId, SyncPreference};
 use crate::cost::{Costs, param_server_s, ring_allreduce_s};
 
 /// The collective a sync round uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Collective {
     /// Chunked reduce-scatter + all-gather around a ring.

@@ -1,0 +1,164 @@
+//! The transport conformance suite on real TCP (loopback), plus what only TCP has: the
+//! handshake (a wrong secret is refused on both sides), peer-down events, and hostile bytes.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ravnest_core::NodeId;
+use ravnest_runtime::conformance;
+use ravnest_runtime::tcp::{LoopbackCluster, TcpConfig, TcpTransport};
+use ravnest_runtime::{Addr, Envelope, Transport};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const SETTLE: Duration = Duration::from_secs(2);
+
+fn check(f: impl AsyncFnOnce(LoopbackCluster) -> Result<(), String>) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let net = LoopbackCluster::start(3, b"conformance").await.unwrap();
+        let r = f(net.clone()).await;
+        for t in net.nodes.values() {
+            t.shutdown();
+        }
+        r.unwrap();
+    });
+}
+
+#[test]
+fn ordering_per_link() {
+    check(async |n| conformance::ordering_per_link(&n, SETTLE).await);
+}
+
+#[test]
+fn large_messages() {
+    check(async |n| conformance::large_messages(&n, SETTLE).await);
+}
+
+#[test]
+fn unknown_address() {
+    check(async |n| conformance::unknown_address(&n));
+}
+
+#[test]
+fn peer_down() {
+    check(async |n| conformance::peer_down(&n, SETTLE).await);
+}
+
+async fn pair(secret_a: &[u8], secret_b: &[u8]) -> (TcpTransport, TcpTransport) {
+    let mut peers = BTreeMap::new();
+    for i in 0..2 {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        peers.insert(NodeId(i), l.local_addr().unwrap());
+    }
+    let cfg = |me: u32, secret: &[u8]| TcpConfig {
+        me: NodeId(me),
+        peers: peers.clone(),
+        coordinator: NodeId(0),
+        secret: secret.to_vec(),
+        max_frame: 1 << 20,
+        connect_window: Duration::from_secs(1),
+    };
+    let a = TcpTransport::bind(cfg(0, secret_a), false).await.unwrap();
+    let b = TcpTransport::bind(cfg(1, secret_b), false).await.unwrap();
+    (a, b)
+}
+
+type Got = Arc<Mutex<Vec<(Addr, Envelope)>>>;
+
+fn listen(t: &TcpTransport, at: Addr) -> Got {
+    let got: Got = Arc::default();
+    let g = got.clone();
+    t.register(
+        at,
+        Arc::new(move |from, env| g.lock().unwrap().push((from, env))),
+    );
+    got
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_secret_is_refused_on_both_sides() {
+    let (a, b) = pair(b"right", b"wrong").await;
+    let got = listen(&a, Addr::Coordinator);
+    b.send(
+        Addr::Node(NodeId(1)),
+        Addr::Coordinator,
+        Envelope::Heartbeat,
+    )
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        got.lock().unwrap().is_empty(),
+        "an unauthenticated envelope arrived"
+    );
+    let (la, lb) = (a.log_lines().join("\n"), b.log_lines().join("\n"));
+    assert!(la.contains("wrong cluster secret"), "listener log: {la}");
+    assert!(lb.contains("wrong cluster secret"), "dialer log: {lb}");
+    assert!(
+        lb.contains("node 0 at 127.0.0.1:"),
+        "the dialer names the peer: {lb}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn right_secret_delivers_and_loss_is_a_peer_down_event() {
+    let (a, b) = pair(b"same", b"same").await;
+    let got = listen(&a, Addr::Coordinator);
+    let downs: Arc<Mutex<Vec<NodeId>>> = Arc::default();
+    let d = downs.clone();
+    a.on_peer_down(Arc::new(move |n| d.lock().unwrap().push(n)));
+    b.send(
+        Addr::Node(NodeId(1)),
+        Addr::Coordinator,
+        Envelope::Heartbeat,
+    )
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(got.lock().unwrap().len(), 1);
+    b.shutdown();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(downs.lock().unwrap().as_slice(), &[NodeId(1)]);
+}
+
+/// A peer that authenticates and then sends garbage, or a frame that lies about its length,
+/// loses its connection with a logged reason; the node keeps serving others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_after_handshake_drops_only_that_connection() {
+    let (a, b) = pair(b"s", b"s").await;
+    let got = listen(&a, Addr::Coordinator);
+    // A hand-rolled dialer that claims to be node 1 but cannot authenticate.
+    let mut raw = tokio::net::TcpStream::connect(a.local_addr())
+        .await
+        .unwrap();
+    raw.write_all(b"RVN1").await.unwrap();
+    raw.write_all(&1u32.to_le_bytes()).await.unwrap();
+    raw.write_all(&1u32.to_le_bytes()).await.unwrap();
+    raw.write_all(&[7u8; 32]).await.unwrap();
+    let mut challenge = [0u8; 1 + 4 + 32 + 32];
+    raw.read_exact(&mut challenge).await.unwrap();
+    raw.write_all(&[0u8; 32]).await.unwrap();
+    let mut status = [0u8; 1];
+    raw.read_exact(&mut status).await.unwrap();
+    assert_ne!(status[0], 0, "a forged answer was accepted");
+    // Garbage from a stranger that is not even a ravnest peer.
+    let mut junk = tokio::net::TcpStream::connect(a.local_addr())
+        .await
+        .unwrap();
+    junk.write_all(&[0xff; 64]).await.unwrap();
+    // The real node still gets through.
+    b.send(
+        Addr::Node(NodeId(1)),
+        Addr::Coordinator,
+        Envelope::Heartbeat,
+    )
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(got.lock().unwrap().len(), 1);
+    let log = a.log_lines().join("\n");
+    assert!(log.contains("wrong cluster secret"), "{log}");
+    assert!(log.contains("not a ravnest peer"), "{log}");
+}
