@@ -114,6 +114,50 @@ pub struct RunSettings {
     pub coordinator: Option<NodeId>,
     /// Per-node compute slowdown to emulate a slower device (1.0 = none), by node index.
     pub emulate_slowdown: Vec<f64>,
+    /// Training steps.
+    pub steps: u64,
+    /// Learning rate.
+    pub learning_rate: f64,
+    /// Momentum (SGD with momentum) or β1 (AdamW).
+    pub momentum: f64,
+    /// Decoupled weight decay (AdamW).
+    pub weight_decay: f64,
+    /// Seed of the weight initialization and the data order.
+    pub seed: u64,
+    /// `"digits"` (embedded) or a path: a CSV file (features then label per row) or an IDX
+    /// images file (its labels file beside it).
+    pub dataset: String,
+    /// The network that `run` trains: `"mlp"` (the [model]'s dims) or `"cnn"`.
+    pub network: String,
+    /// Checkpoint every this many steps (0: only at the end).
+    pub checkpoint_every_steps: u64,
+    /// Test accuracy the run reports against (and the demo test requires).
+    pub target_accuracy: f64,
+    /// Heartbeat period, ms.
+    pub heartbeat_ms: u64,
+    /// Heartbeat silence after which a node is declared dead, ms.
+    pub heartbeat_timeout_ms: u64,
+}
+
+impl Default for RunSettings {
+    fn default() -> Self {
+        RunSettings {
+            secret: None,
+            coordinator: None,
+            emulate_slowdown: Vec::new(),
+            steps: 300,
+            learning_rate: 0.05,
+            momentum: 0.9,
+            weight_decay: 0.0,
+            seed: 0,
+            dataset: "digits".into(),
+            network: "mlp".into(),
+            checkpoint_every_steps: 100,
+            target_accuracy: 0.9,
+            heartbeat_ms: 100,
+            heartbeat_timeout_ms: 1500,
+        }
+    }
 }
 
 /// Everything one file describes.
@@ -145,6 +189,7 @@ struct FileToml {
     node: Vec<Spanned<NodeToml>>,
     model: Option<Spanned<ModelToml>>,
     training: Option<TrainingToml>,
+    run: Option<RunToml>,
     sim: Option<SimToml>,
     #[serde(default)]
     fault: Vec<Spanned<FaultToml>>,
@@ -231,6 +276,24 @@ struct TrainingToml {
     local_sgd_threshold: Option<Spanned<f64>>,
     memory_reserve_gib: Option<Spanned<f64>>,
 }
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RunToml {
+    steps: Option<Spanned<u64>>,
+    learning_rate: Option<Spanned<f64>>,
+    momentum: Option<Spanned<f64>>,
+    weight_decay: Option<Spanned<f64>>,
+    seed: Option<u64>,
+    dataset: Option<String>,
+    network: Option<Spanned<String>>,
+    checkpoint_every_steps: Option<u64>,
+    target_accuracy: Option<Spanned<f64>>,
+    heartbeat_ms: Option<Spanned<u64>>,
+    heartbeat_timeout_ms: Option<Spanned<u64>>,
+}
+
+const NETWORKS: &[&str] = &["mlp", "cnn"];
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -592,11 +655,59 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
         Some(c) => Some(lookup_node(c)?),
         None => None,
     };
-    let run = RunSettings {
+    let mut run = RunSettings {
         secret: file.cluster.as_ref().and_then(|c| c.secret.clone()),
         coordinator,
         emulate_slowdown: slowdown,
+        ..RunSettings::default()
     };
+    if let Some(r) = &file.run {
+        if let Some(x) = &r.steps {
+            run.steps = ctx.positive(x, "steps")?;
+        }
+        if let Some(x) = &r.learning_rate {
+            run.learning_rate = ctx.positive(x, "learning_rate")?;
+        }
+        if let Some(x) = &r.momentum {
+            run.momentum = ctx.non_negative(x, "momentum")?;
+            if run.momentum >= 1.0 {
+                return Err(ctx.err(Some(&x.span()), "`momentum` must be below 1"));
+            }
+        }
+        if let Some(x) = &r.weight_decay {
+            run.weight_decay = ctx.non_negative(x, "weight_decay")?;
+        }
+        if let Some(x) = r.seed {
+            run.seed = x;
+        }
+        if let Some(x) = &r.dataset {
+            run.dataset = x.clone();
+        }
+        if let Some(x) = &r.network {
+            if !NETWORKS.contains(&x.get_ref().as_str()) {
+                return Err(with_help(
+                    ctx.err(
+                        Some(&x.span()),
+                        format!("unknown network `{}`", x.get_ref()),
+                    ),
+                    Some(did_you_mean(x.get_ref(), NETWORKS.iter().copied())),
+                ));
+            }
+            run.network = x.get_ref().clone();
+        }
+        if let Some(x) = r.checkpoint_every_steps {
+            run.checkpoint_every_steps = x;
+        }
+        if let Some(x) = &r.target_accuracy {
+            run.target_accuracy = ctx.positive(x, "target_accuracy")?;
+        }
+        if let Some(x) = &r.heartbeat_ms {
+            run.heartbeat_ms = ctx.positive(x, "heartbeat_ms")?;
+        }
+        if let Some(x) = &r.heartbeat_timeout_ms {
+            run.heartbeat_timeout_ms = ctx.positive(x, "heartbeat_timeout_ms")?;
+        }
+    }
 
     let model = resolve_model(ctx, file.model.as_ref())?;
 

@@ -92,6 +92,9 @@ pub enum Start {
     Fresh,
     /// Restart after a crash: no state; ask the coordinator to join.
     Rejoin,
+    /// Start without state and wait for work naming a peer to fetch it from (a resumed run,
+    /// where only the coordinator's host read the checkpoint).
+    Empty,
 }
 
 /// A node's mutable state.
@@ -434,10 +437,12 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
         match start {
             Start::Fresh => {
                 let m = self.compute.initial_model();
-                st.synced = Some((0, m.clone()));
-                st.versions.insert(0, m);
+                let v = self.compute.initial_version();
+                st.synced = Some((v, m.clone()));
+                st.versions.insert(v, m);
             }
             Start::Rejoin => self.send(Addr::Coordinator, Envelope::Join),
+            Start::Empty => {}
         }
         Ok(st)
     }

@@ -49,6 +49,11 @@ pub trait Compute: Send + Sync + 'static {
     /// The model every node starts from (the same on every node: seeded).
     fn initial_model(&self) -> Vec<f32>;
 
+    /// The version [`Compute::initial_model`] is (a resumed run starts from a checkpoint).
+    fn initial_version(&self) -> u64 {
+        0
+    }
+
     /// Apply the optimizer to `model` with the averaged gradient of one step.
     fn apply_update(&self, model: &mut [f32], mean_gradient: &[f32]);
 

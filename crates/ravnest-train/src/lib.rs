@@ -1,1 +1,9 @@
-//! placeholder
+//! ravnest-train: real training for `ravnest run`. Candle networks ([`net`]), datasets
+//! ([`data`]), our optimizers ([`optim`]), the [`compute::CandleCompute`] side of the runtime's
+//! `Compute` seam, checkpoint files ([`store`]), capability measurement ([`measure`]) and a
+//! node process ([`node`]).
+
+pub mod compute;
+pub mod data;
+pub mod net;
+pub mod optim;

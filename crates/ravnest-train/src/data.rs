@@ -1,0 +1,288 @@
+//! Datasets: the embedded digits data, CSV files, and IDX (MNIST / Fashion-MNIST) files.
+//! Every dataset is split the same way: the last `max(1, n/6)` rows are the test set.
+
+use std::io::Read;
+use std::path::Path;
+
+/// The digits data, embedded (see `data/ATTRIBUTION.md`).
+pub const DIGITS_CSV_GZ: &[u8] = include_bytes!("../data/digits.csv.gz");
+
+/// Samples as rows of `features` floats in [0, 1] with a class label.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dataset {
+    /// Name for reports.
+    pub name: String,
+    /// Row-major features, `len() * features` values.
+    pub x: Vec<f32>,
+    /// Labels.
+    pub y: Vec<u32>,
+    /// Features per sample.
+    pub features: usize,
+    /// Image side, when the features are a square image (for the CNN).
+    pub side: Option<usize>,
+    /// Number of classes.
+    pub classes: usize,
+}
+
+/// A dataset could not be read.
+#[derive(Debug, thiserror::Error)]
+#[error("{origin}: {message}")]
+pub struct DataError {
+    /// File (or "digits").
+    pub origin: String,
+    /// What is wrong, with the line or offset where known.
+    pub message: String,
+}
+
+fn err(origin: &str, message: impl Into<String>) -> DataError {
+    DataError {
+        origin: origin.into(),
+        message: message.into(),
+    }
+}
+
+impl Dataset {
+    /// Samples.
+    pub fn len(&self) -> usize {
+        self.y.len()
+    }
+
+    /// Whether there are no samples.
+    pub fn is_empty(&self) -> bool {
+        self.y.is_empty()
+    }
+
+    /// Split into (train, test): the last `max(1, n/6)` rows are the test set.
+    pub fn split(&self) -> (Dataset, Dataset) {
+        let n = self.len();
+        let test = (n / 6).max(1).min(n.saturating_sub(1));
+        let cut = n - test;
+        let part = |a: usize, b: usize| Dataset {
+            name: self.name.clone(),
+            x: self.x[a * self.features..b * self.features].to_vec(),
+            y: self.y[a..b].to_vec(),
+            ..self.clone()
+        };
+        (part(0, cut), part(cut, n))
+    }
+
+    /// Load `"digits"` (embedded) or a path (`.csv`, `.csv.gz`, or an IDX images file).
+    pub fn load(spec: &str) -> Result<Dataset, DataError> {
+        if spec == "digits" {
+            let mut text = String::new();
+            flate2::read::GzDecoder::new(DIGITS_CSV_GZ)
+                .read_to_string(&mut text)
+                .map_err(|e| err("digits", e.to_string()))?;
+            return parse_csv(&text, "digits", 16.0);
+        }
+        let path = Path::new(spec);
+        let bytes = std::fs::read(path).map_err(|e| {
+            err(
+                spec,
+                format!("cannot read the dataset: {e} (`dataset` is \"digits\" or a path)"),
+            )
+        })?;
+        let bytes = if spec.ends_with(".gz") {
+            let mut out = Vec::new();
+            flate2::read::GzDecoder::new(&bytes[..])
+                .read_to_end(&mut out)
+                .map_err(|e| err(spec, format!("not gzip: {e}")))?;
+            out
+        } else {
+            bytes
+        };
+        if bytes.len() >= 4 && bytes[0] == 0 && bytes[1] == 0 && bytes[2] == 0x08 {
+            return load_idx(path, &bytes);
+        }
+        let text = String::from_utf8(bytes)
+            .map_err(|_| err(spec, "neither a CSV text file nor an IDX file"))?;
+        let max = text
+            .lines()
+            .flat_map(|l| l.split(',').rev().skip(1))
+            .filter_map(|v| v.trim().parse::<f32>().ok())
+            .fold(0.0f32, f32::max);
+        parse_csv(&text, spec, if max > 1.0 { max } else { 1.0 })
+    }
+}
+
+/// CSV: features then an integer label per row; features are divided by `scale`.
+fn parse_csv(text: &str, origin: &str, scale: f32) -> Result<Dataset, DataError> {
+    let mut x = Vec::new();
+    let mut y = Vec::new();
+    let mut features = None;
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let fields: Vec<&str> = line.split(',').map(str::trim).collect();
+        if fields.len() < 2 {
+            return Err(err(
+                origin,
+                format!("line {}: expected features then a label", i + 1),
+            ));
+        }
+        let f = fields.len() - 1;
+        match features {
+            None => features = Some(f),
+            Some(k) if k != f => {
+                return Err(err(
+                    origin,
+                    format!("line {}: {f} features, earlier rows have {k}", i + 1),
+                ));
+            }
+            _ => {}
+        }
+        for (j, v) in fields[..f].iter().enumerate() {
+            let v: f32 = v.parse().map_err(|_| {
+                err(
+                    origin,
+                    format!("line {}, column {}: `{v}` is not a number", i + 1, j + 1),
+                )
+            })?;
+            x.push(v / scale);
+        }
+        let label: u32 = fields[f].parse().map_err(|_| {
+            err(
+                origin,
+                format!(
+                    "line {}: label `{}` is not a class number",
+                    i + 1,
+                    fields[f]
+                ),
+            )
+        })?;
+        y.push(label);
+    }
+    let features = features.ok_or_else(|| err(origin, "no rows"))?;
+    if y.len() < 2 {
+        return Err(err(origin, "needs at least 2 rows"));
+    }
+    let classes = *y.iter().max().expect("rows exist") as usize + 1;
+    let side = (1..=features).find(|s| s * s == features);
+    Ok(Dataset {
+        name: origin.rsplit('/').next().unwrap_or(origin).to_string(),
+        x,
+        y,
+        features,
+        side,
+        classes,
+    })
+}
+
+fn be32(b: &[u8], at: usize) -> u32 {
+    u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// IDX images (magic 0x00000803) with the labels file beside it (`...-images-idx3-ubyte` →
+/// `...-labels-idx1-ubyte`).
+fn load_idx(path: &Path, images: &[u8]) -> Result<Dataset, DataError> {
+    let origin = path.display().to_string();
+    if images.len() < 16 || be32(images, 0) != 0x0803 {
+        return Err(err(&origin, "not an IDX images file (magic 0x00000803)"));
+    }
+    let (n, rows, cols) = (
+        be32(images, 4) as usize,
+        be32(images, 8) as usize,
+        be32(images, 12) as usize,
+    );
+    let features = rows.checked_mul(cols).unwrap_or(usize::MAX);
+    if n.checked_mul(features).map(|b| b + 16) != Some(images.len()) {
+        return Err(err(
+            &origin,
+            format!(
+                "header says {n} images of {rows}x{cols}, the file has {} bytes",
+                images.len()
+            ),
+        ));
+    }
+    let name = path.file_name().and_then(|f| f.to_str()).unwrap_or("");
+    let label_name = name.replace("images-idx3", "labels-idx1");
+    let label_path = path.with_file_name(&label_name);
+    if label_name == name {
+        return Err(err(
+            &origin,
+            "cannot tell the labels file's name (expected `*images-idx3*`)",
+        ));
+    }
+    let mut labels = std::fs::read(&label_path)
+        .map_err(|e| err(&label_path.display().to_string(), format!("labels: {e}")))?;
+    if label_name.ends_with(".gz") {
+        let mut out = Vec::new();
+        flate2::read::GzDecoder::new(&labels[..])
+            .read_to_end(&mut out)
+            .map_err(|e| err(&label_path.display().to_string(), e.to_string()))?;
+        labels = out;
+    }
+    if labels.len() != n + 8 || be32(&labels, 0) != 0x0801 || be32(&labels, 4) as usize != n {
+        return Err(err(
+            &label_path.display().to_string(),
+            format!("not an IDX labels file for {n} images"),
+        ));
+    }
+    let x = images[16..].iter().map(|&b| f32::from(b) / 255.0).collect();
+    let y: Vec<u32> = labels[8..].iter().map(|&b| u32::from(b)).collect();
+    let classes = *y.iter().max().unwrap_or(&0) as usize + 1;
+    Ok(Dataset {
+        name: name.to_string(),
+        x,
+        y,
+        features,
+        side: (rows == cols).then_some(rows),
+        classes,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digits_load_and_split() {
+        let d = Dataset::load("digits").unwrap();
+        assert_eq!(
+            (d.len(), d.features, d.classes, d.side),
+            (1797, 64, 10, Some(8))
+        );
+        assert!(d.x.iter().all(|v| (0.0..=1.0).contains(v)));
+        let (tr, te) = d.split();
+        assert_eq!((tr.len(), te.len()), (1498, 299));
+    }
+
+    #[test]
+    fn bad_csv_names_the_line() {
+        let e = parse_csv("1,2,3\n1,x,3\n", "f.csv", 1.0).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "f.csv: line 2, column 2: `x` is not a number"
+        );
+        let e = parse_csv("1,2,3\n1,2\n", "f.csv", 1.0).unwrap_err();
+        assert!(e.to_string().contains("line 2: 1 features"), "{e}");
+    }
+
+    #[test]
+    fn missing_file_is_named() {
+        let e = Dataset::load("/nonexistent/train.csv").unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("/nonexistent/train.csv: cannot read"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn idx_round_trip() {
+        let dir = std::env::temp_dir().join(format!("ravnest-idx-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut img = vec![0, 0, 8, 3, 0, 0, 0, 2, 0, 0, 0, 2, 0, 0, 0, 2];
+        img.extend([0, 255, 128, 0, 1, 2, 3, 4]);
+        let mut lab = vec![0, 0, 8, 1, 0, 0, 0, 2];
+        lab.extend([3, 7]);
+        std::fs::write(dir.join("t-images-idx3-ubyte"), img).unwrap();
+        std::fs::write(dir.join("t-labels-idx1-ubyte"), lab).unwrap();
+        let d = Dataset::load(dir.join("t-images-idx3-ubyte").to_str().unwrap()).unwrap();
+        assert_eq!((d.len(), d.features, d.classes, d.side), (2, 4, 8, Some(2)));
+        assert_eq!(d.y, vec![3, 7]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

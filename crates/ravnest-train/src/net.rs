@@ -1,0 +1,346 @@
+//! The networks `ravnest run` trains, in candle: an MLP and a small CNN.
+//!
+//! A model is one flat `Vec<f32>`: its tensors in sorted name order (the order every node, the
+//! ring all-reduce and the checkpoint files agree on). A forward/backward pass wraps slices of
+//! it as candle `Var`s, and flattens the gradients back in the same order.
+
+use candle_core::{D, DType, Device, Tensor, Var};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use ravnest_core::ModelSpec;
+use ravnest_core::model::LayerSpec;
+
+/// Which network.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Network {
+    /// Fully connected layers with ReLU between them: `dims[0]` inputs, `dims.last()` classes.
+    Mlp {
+        /// Layer widths.
+        dims: Vec<usize>,
+    },
+    /// conv 3x3 (8 channels) → ReLU → conv 3x3 (16) → ReLU → max-pool 2 → linear.
+    Cnn {
+        /// Image side (square, one channel).
+        side: usize,
+        /// Classes.
+        classes: usize,
+    },
+}
+
+/// One tensor of the flat model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Param {
+    /// Name (e.g. `fc0.weight`).
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Offset in the flat model.
+    pub offset: usize,
+    /// Fan-in for initialization.
+    fan_in: usize,
+}
+
+impl Param {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+const C1: usize = 8;
+const C2: usize = 16;
+
+impl Network {
+    /// The network's tensors, sorted by name, with offsets.
+    pub fn layout(&self) -> Vec<Param> {
+        let mut raw: Vec<(String, Vec<usize>, usize)> = match self {
+            Network::Mlp { dims } => dims
+                .windows(2)
+                .enumerate()
+                .flat_map(|(i, w)| {
+                    [
+                        (format!("fc{i}.weight"), vec![w[1], w[0]], w[0]),
+                        (format!("fc{i}.bias"), vec![w[1]], w[0]),
+                    ]
+                })
+                .collect(),
+            Network::Cnn { side, classes } => {
+                let flat = C2 * (side / 2) * (side / 2);
+                vec![
+                    ("conv1.weight".into(), vec![C1, 1, 3, 3], 9),
+                    ("conv1.bias".into(), vec![C1], 9),
+                    ("conv2.weight".into(), vec![C2, C1, 3, 3], 9 * C1),
+                    ("conv2.bias".into(), vec![C2], 9 * C1),
+                    ("fc.weight".into(), vec![*classes, flat], flat),
+                    ("fc.bias".into(), vec![*classes], flat),
+                ]
+            }
+        };
+        raw.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut offset = 0;
+        raw.into_iter()
+            .map(|(name, shape, fan_in)| {
+                let p = Param {
+                    name,
+                    shape,
+                    offset,
+                    fan_in,
+                };
+                offset += p.len();
+                p
+            })
+            .collect()
+    }
+
+    /// Parameters.
+    pub fn params(&self) -> usize {
+        self.layout().iter().map(Param::len).sum()
+    }
+
+    /// Inputs per sample.
+    pub fn inputs(&self) -> usize {
+        match self {
+            Network::Mlp { dims } => dims[0],
+            Network::Cnn { side, .. } => side * side,
+        }
+    }
+
+    /// The cost-model description of this network (what the planner plans with).
+    pub fn model_spec(&self) -> ModelSpec {
+        match self {
+            Network::Mlp { dims } => {
+                let d: Vec<u64> = dims.iter().map(|&x| x as u64).collect();
+                ravnest_core::model::mlp_spec("mlp", &d)
+            }
+            Network::Cnn { side, classes } => {
+                let hw = (side * side) as u64;
+                let flat = (C2 * (side / 2) * (side / 2)) as u64;
+                let (c1, c2, k) = (C1 as u64, C2 as u64, *classes as u64);
+                let layer = |name: &str, params: u64, flops: u64, act: u64, out: u64| LayerSpec {
+                    name: name.into(),
+                    params,
+                    fwd_flops_per_sample: flops as f64,
+                    activation_elems_per_sample: act,
+                    output_elems_per_sample: out,
+                };
+                ModelSpec {
+                    name: "cnn".into(),
+                    layers: vec![
+                        layer("conv1", 9 * c1 + c1, 2 * 9 * c1 * hw, hw + c1 * hw, c1 * hw),
+                        layer(
+                            "conv2",
+                            9 * c1 * c2 + c2,
+                            2 * 9 * c1 * c2 * hw,
+                            c1 * hw + c2 * hw,
+                            flat,
+                        ),
+                        layer("fc", flat * k + k, 2 * flat * k, flat + k, k),
+                    ],
+                }
+            }
+        }
+    }
+
+    /// Initial weights from a seeded ChaCha RNG: uniform in ±1/√fan_in (PyTorch's default for
+    /// linear and conv layers), drawn tensor by tensor in name order.
+    pub fn init(&self, seed: u64) -> Vec<f32> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut out = Vec::with_capacity(self.params());
+        for p in self.layout() {
+            let bound = 1.0 / (p.fan_in as f32).sqrt();
+            out.extend((0..p.len()).map(|_| rng.random_range(-bound..bound)));
+        }
+        out
+    }
+
+    fn forward(&self, vars: &[Tensor], x: &Tensor) -> candle_core::Result<Tensor> {
+        let get = |name: &str| -> &Tensor {
+            let layout = self.layout();
+            let i = layout
+                .iter()
+                .position(|p| p.name == name)
+                .expect("known name");
+            &vars[i]
+        };
+        match self {
+            Network::Mlp { dims } => {
+                let mut h = x.clone();
+                let n = dims.len() - 1;
+                for i in 0..n {
+                    let w = get(&format!("fc{i}.weight"));
+                    let b = get(&format!("fc{i}.bias"));
+                    h = h.matmul(&w.t()?)?.broadcast_add(b)?;
+                    if i + 1 < n {
+                        h = h.relu()?;
+                    }
+                }
+                Ok(h)
+            }
+            Network::Cnn { side, .. } => {
+                let b = x.dim(0)?;
+                let h = x.reshape((b, 1, *side, *side))?;
+                let h = h
+                    .conv2d(get("conv1.weight"), 1, 1, 1, 1)?
+                    .broadcast_add(&get("conv1.bias").reshape((1, C1, 1, 1))?)?
+                    .relu()?;
+                let h = h
+                    .conv2d(get("conv2.weight"), 1, 1, 1, 1)?
+                    .broadcast_add(&get("conv2.bias").reshape((1, C2, 1, 1))?)?
+                    .relu()?
+                    .max_pool2d(2)?
+                    .flatten_from(1)?;
+                h.matmul(&get("fc.weight").t()?)?
+                    .broadcast_add(get("fc.bias"))
+            }
+        }
+    }
+
+    fn tensors(&self, model: &[f32], dev: &Device) -> candle_core::Result<Vec<Tensor>> {
+        self.layout()
+            .iter()
+            .map(|p| {
+                Tensor::from_slice(
+                    &model[p.offset..p.offset + p.len()],
+                    p.shape.as_slice(),
+                    dev,
+                )
+            })
+            .collect()
+    }
+
+    /// Σ over the batch of the cross-entropy loss, and its gradient (flat, layout order).
+    /// `x` holds `y.len()` rows of [`Network::inputs`] values.
+    pub fn loss_and_grad_sum(
+        &self,
+        model: &[f32],
+        x: &[f32],
+        y: &[u32],
+    ) -> candle_core::Result<(f64, Vec<f32>)> {
+        let dev = Device::Cpu;
+        let vars: Vec<Var> = self
+            .tensors(model, &dev)?
+            .into_iter()
+            .map(|t| Var::from_tensor(&t))
+            .collect::<candle_core::Result<_>>()?;
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let xb = Tensor::from_slice(x, (y.len(), self.inputs()), &dev)?;
+        let yb = Tensor::from_slice(y, y.len(), &dev)?;
+        let logp = candle_nn::ops::log_softmax(&self.forward(&ts, &xb)?, D::Minus1)?;
+        let loss = logp.gather(&yb.unsqueeze(1)?, 1)?.sum_all()?.neg()?;
+        let grads = loss.backward()?;
+        let mut out = Vec::with_capacity(model.len());
+        for (v, p) in vars.iter().zip(self.layout()) {
+            match grads.get(v.as_tensor()) {
+                Some(g) => out.extend(g.flatten_all()?.to_vec1::<f32>()?),
+                None => out.extend(std::iter::repeat_n(0.0, p.len())),
+            }
+        }
+        Ok((
+            f64::from(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?),
+            out,
+        ))
+    }
+
+    /// Fraction of rows classified correctly.
+    pub fn accuracy(&self, model: &[f32], x: &[f32], y: &[u32]) -> candle_core::Result<f64> {
+        if y.is_empty() {
+            return Ok(0.0);
+        }
+        let dev = Device::Cpu;
+        let ts = self.tensors(model, &dev)?;
+        let xb = Tensor::from_slice(x, (y.len(), self.inputs()), &dev)?;
+        let pred = self
+            .forward(&ts, &xb)?
+            .argmax(D::Minus1)?
+            .to_vec1::<u32>()?;
+        let right = pred.iter().zip(y).filter(|(a, b)| a == b).count();
+        Ok(right as f64 / y.len() as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The analytic gradient agrees with central differences on a few coordinates.
+    #[test]
+    fn gradient_matches_finite_differences() {
+        for net in [
+            Network::Mlp {
+                dims: vec![4, 5, 3],
+            },
+            Network::Cnn {
+                side: 4,
+                classes: 3,
+            },
+        ] {
+            let w = net.init(3);
+            let x: Vec<f32> = (0..8)
+                .flat_map(|i| (0..net.inputs()).map(move |j| ((i * 7 + j * 3) % 11) as f32 / 11.0))
+                .collect();
+            let y = [0u32, 2];
+            let (_, g) = net
+                .loss_and_grad_sum(&w, &x[..2 * net.inputs()], &y)
+                .unwrap();
+            for k in [0, w.len() / 3, w.len() / 2, w.len() - 1] {
+                let h = 1e-2f32;
+                let mut wp = w.clone();
+                wp[k] += h;
+                let mut wm = w.clone();
+                wm[k] -= h;
+                let lp = net
+                    .loss_and_grad_sum(&wp, &x[..2 * net.inputs()], &y)
+                    .unwrap()
+                    .0;
+                let lm = net
+                    .loss_and_grad_sum(&wm, &x[..2 * net.inputs()], &y)
+                    .unwrap()
+                    .0;
+                let fd = ((lp - lm) / (2.0 * f64::from(h))) as f32;
+                assert!(
+                    (fd - g[k]).abs() < 2e-2 * (1.0 + fd.abs()),
+                    "{net:?} coord {k}: {fd} vs {}",
+                    g[k]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn layout_is_sorted_and_dense() {
+        let l = Network::Mlp {
+            dims: vec![64, 128, 64, 10],
+        }
+        .layout();
+        let names: Vec<&str> = l.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "fc0.bias",
+                "fc0.weight",
+                "fc1.bias",
+                "fc1.weight",
+                "fc2.bias",
+                "fc2.weight"
+            ]
+        );
+        assert_eq!(
+            l.last().map(|p| p.offset + p.len()),
+            Some(64 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10)
+        );
+    }
+
+    #[test]
+    fn init_is_seeded() {
+        let n = Network::Mlp {
+            dims: vec![3, 4, 2],
+        };
+        assert_eq!(n.init(1), n.init(1));
+        assert_ne!(n.init(1), n.init(2));
+    }
+}
