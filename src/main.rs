@@ -2,6 +2,7 @@
 //! by the pure `ravnest-core` crate.
 
 mod report;
+mod run;
 mod scenarios;
 
 use std::path::{Path, PathBuf};
@@ -58,6 +59,32 @@ enum Command {
         /// Write a timeline picture (SVG) of the run to this file.
         #[arg(long)]
         timeline: Option<PathBuf>,
+    },
+    /// Train for real over TCP. Without --node: start every node of the file as a local
+    /// process (the embedded default: three processes on loopback, one emulating a 3x slower
+    /// device). With --node NAME: be that node (the same command on every machine).
+    Run {
+        /// Cluster file (TOML) with an `address` per node. Without it, the embedded
+        /// `local-digits` cluster.
+        file: Option<PathBuf>,
+        /// Be this node of the file (otherwise start them all locally).
+        #[arg(long)]
+        node: Option<String>,
+        /// Rejoin a running cluster (a restarted node).
+        #[arg(long)]
+        join: bool,
+        /// Continue from the latest checkpoint in the output directory.
+        #[arg(long)]
+        resume: bool,
+        /// Output directory (checkpoints); default `ravnest-out/<cluster name>`.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Override the file's `[run] steps`.
+        #[arg(long)]
+        steps: Option<u64>,
+        /// JSON lines on stdout instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Benchmarks that print a table.
     Bench {
@@ -255,6 +282,37 @@ fn run(cli: Cli) -> Result<()> {
             }
             emit(&report::sim_bench_table(&rows));
             Ok(())
+        }
+        Command::Run {
+            file,
+            node,
+            join,
+            resume,
+            out,
+            steps,
+            json,
+        } => {
+            let (origin, text) = match &file {
+                None => (
+                    scenarios::RUN_DEFAULT.0.to_string(),
+                    scenarios::RUN_DEFAULT.1.to_string(),
+                ),
+                Some(p) => (
+                    p.display().to_string(),
+                    std::fs::read_to_string(p)
+                        .with_context(|| format!("cannot read `{}`", p.display()))?,
+                ),
+            };
+            run::run(run::RunArgs {
+                origin,
+                text,
+                node,
+                join,
+                resume,
+                out,
+                json,
+                steps,
+            })
         }
         Command::Catalog => {
             emit(&report::catalog_text());

@@ -7,8 +7,11 @@ pub const DEFAULT: (&str, &str) = SHIPPED[2];
 /// The default for `ravnest sim` without a file.
 pub const SIM_DEFAULT: (&str, &str) = SHIPPED[0];
 
+/// The default for `ravnest run` without a file: three local processes.
+pub const RUN_DEFAULT: (&str, &str) = SHIPPED[7];
+
 /// (name, TOML text) of every file in `scenarios/`, in report order (the 1,000-node one last).
-pub const SHIPPED: [(&str, &str); 8] = [
+pub const SHIPPED: [(&str, &str); 9] = [
     ("flaky-3090", include_str!("../scenarios/flaky-3090.toml")),
     ("homogeneous", include_str!("../scenarios/homogeneous.toml")),
     (
@@ -22,5 +25,9 @@ pub const SHIPPED: [(&str, &str); 8] = [
     ("slow-link", include_str!("../scenarios/slow-link.toml")),
     ("straggler", include_str!("../scenarios/straggler.toml")),
     ("partition", include_str!("../scenarios/partition.toml")),
+    (
+        "local-digits",
+        include_str!("../scenarios/local-digits.toml"),
+    ),
     ("large-1000", include_str!("../scenarios/large-1000.toml")),
 ];

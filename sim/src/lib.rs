@@ -330,6 +330,7 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
         transport: net.clone(),
         heartbeat: opts.heartbeat,
         nodes: cluster.ids().collect(),
+        first_start: ravnest_runtime::node::Start::Fresh,
         trace: trace.clone(),
         t0,
     };
@@ -351,6 +352,11 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
         log: log.clone(),
         train_flops: costs.train_flops(&all),
         checkpoint_every: opts.checkpoint_every,
+        checkpoint_at_end: false,
+        start_step: 0,
+        initial_holders: None,
+        measure_min_batch: 0,
+        rebalance_cooldown: 0,
     };
     let store = Arc::new(MemStore::default());
     let checkpointer = CheckpointActor {

@@ -126,6 +126,18 @@ pub struct CoordinatorActor<T> {
     pub train_flops: f64,
     /// Checkpoint every this many steps (0: never).
     pub checkpoint_every: u64,
+    /// Also checkpoint the final model.
+    pub checkpoint_at_end: bool,
+    /// The model version training starts from (a resumed run: the checkpoint's step).
+    pub start_step: u64,
+    /// Nodes that hold version `start_step` at the start (`None`: every node).
+    pub initial_holders: Option<Vec<NodeId>>,
+    /// Shares smaller than this many samples are not measured (fixed per-step costs would
+    /// dominate the figure).
+    pub measure_min_batch: u64,
+    /// Steps after a rebalance for a node before its drift can trigger another one (measured
+    /// speeds on shared machines jitter; 0 in the simulator, whose jitter is modelled).
+    pub rebalance_cooldown: u64,
 }
 
 /// Messages.
@@ -135,6 +147,8 @@ pub enum CoordMsg {
     Net(Addr, Envelope),
     /// Consult the failure detector.
     Tick,
+    /// The transport lost its connection to a node (TCP): evidence for the detector.
+    PeerDown(NodeId),
 }
 
 /// The step in flight.
@@ -176,6 +190,8 @@ pub struct CoordState {
     pending_checkpoint: Option<(u64, NodeId)>,
     /// Live nodes the last plan left out, and since which step.
     left_out: BTreeMap<NodeId, u64>,
+    /// The step of each node's last rebalance.
+    rebalanced_at: BTreeMap<NodeId, u64>,
 }
 
 impl<T: Transport> CoordinatorActor<T> {
@@ -373,7 +389,7 @@ impl<T: Transport> CoordinatorActor<T> {
                 .lock()
                 .unwrap()
                 .step_done_ns
-                .truncate(st.last_sync as usize);
+                .truncate((st.last_sync - self.start_step) as usize);
         }
     }
 
@@ -425,6 +441,7 @@ impl<T: Transport> CoordinatorActor<T> {
         c.digests.insert(node, digest);
         if let Some(&batch) = c.batches.get(&node)
             && batch > 0
+            && batch >= self.measure_min_batch
             && compute_ns > 0
         {
             // Seconds per sample, smoothed: one slow step is jitter, three are drift.
@@ -459,10 +476,9 @@ impl<T: Transport> CoordinatorActor<T> {
             // Checkpoint a version every replica agreed on, once one is due (under local SGD:
             // the first averaging round from then on).
             let version = st.step + 1;
-            if self.checkpoint_every > 0
-                && version >= st.next_checkpoint
-                && let (Some(&d), Some(&writer)) = (distinct.iter().next(), workers.first())
-            {
+            let due = (self.checkpoint_every > 0 && version >= st.next_checkpoint)
+                || (self.checkpoint_at_end && version == self.steps);
+            if due && let (Some(&d), Some(&writer)) = (distinct.iter().next(), workers.first()) {
                 st.next_checkpoint = version + self.checkpoint_every;
                 let layers = (0, self.model.layers.len() as u32);
                 let _ = self.transport.send(
@@ -486,9 +502,15 @@ impl<T: Transport> CoordinatorActor<T> {
         }
         // Rebalance when a worker's measured speed drifts from what the plan assumed.
         for w in workers {
+            let cooling = st
+                .rebalanced_at
+                .get(&w)
+                .is_some_and(|&at| st.step < at + self.rebalance_cooldown);
             if let (Some(&m), Some(&a)) = (st.measured.get(&w), st.assumed.get(&w))
                 && (m / a - 1.0).abs() > DRIFT
+                && !cooling
             {
+                st.rebalanced_at.insert(w, st.step);
                 self.event(Event::Rebalanced {
                     node: w,
                     assumed_s_per_sample: a,
@@ -531,18 +553,22 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
         let mut st = CoordState {
             detector,
             epoch: 0,
-            step: 0,
+            step: self.start_step,
             current: None,
-            holders: self.cluster.ids().collect(),
+            holders: match &self.initial_holders {
+                Some(h) => h.iter().copied().collect(),
+                None => self.cluster.ids().collect(),
+            },
             done: Some(done),
             finished: false,
             ticker: Some(ticker),
             last_plan: None,
-            last_sync: 0,
+            last_sync: self.start_step,
             local_sgd: false,
-            next_checkpoint: self.checkpoint_every,
+            next_checkpoint: self.start_step + self.checkpoint_every,
             pending_checkpoint: None,
             left_out: BTreeMap::new(),
+            rebalanced_at: BTreeMap::new(),
             measured: BTreeMap::new(),
             assumed: self
                 .cluster
@@ -550,7 +576,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                 .map(|i| (i, self.train_flops / self.cluster.node(i).flops))
                 .collect(),
         };
-        if self.steps == 0 {
+        if self.steps <= self.start_step {
             self.finish(&mut st, Event::Finished);
         } else {
             self.issue_step(&mut st);
@@ -581,6 +607,13 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
         match msg {
             CoordMsg::Tick => {
                 for DetectorEvent::Dead { node, silent_ms } in st.detector.tick(self.now_ms()) {
+                    self.on_dead(st, node, silent_ms);
+                }
+            }
+            CoordMsg::PeerDown(node) => {
+                if let Some(DetectorEvent::Dead { node, silent_ms }) =
+                    st.detector.peer_down(node, self.now_ms())
+                {
                     self.on_dead(st, node, silent_ms);
                 }
             }

@@ -75,6 +75,8 @@ pub enum Envelope {
     Join,
     /// (Node → coordinator, `ravnest run`) a node starts and reports what it measured.
     Register(Capabilities),
+    /// (Coordinator → nodes, `ravnest run`) training is over: the process may exit.
+    Finish,
     /// A link probe: the receiver sends the same data back with `echo = false`.
     Probe {
         /// Probe id.
@@ -215,6 +217,7 @@ impl Envelope {
             Envelope::Heartbeat => "heartbeat",
             Envelope::Join => "join",
             Envelope::Register(_) => "register",
+            Envelope::Finish => "finish",
             Envelope::Probe { .. } => "probe",
             Envelope::Work(_) => "work",
             Envelope::Chunk { .. } => "chunk",
@@ -235,7 +238,7 @@ impl Envelope {
     pub fn digest(&self) -> u64 {
         let mut h = crate::trace::Fnv::default();
         match self {
-            Envelope::Heartbeat | Envelope::Join => {}
+            Envelope::Heartbeat | Envelope::Join | Envelope::Finish => {}
             Envelope::Register(c) => {
                 h.u64(c.flops.to_bits());
                 h.u64(c.memory_bytes);

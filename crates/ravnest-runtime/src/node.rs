@@ -578,6 +578,7 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
             Envelope::Heartbeat
             | Envelope::Join
             | Envelope::Register(_)
+            | Envelope::Finish
             | Envelope::StepDone { .. }
             | Envelope::CheckpointBegin { .. }
             | Envelope::CheckpointAbandon { .. }

@@ -32,6 +32,8 @@ pub struct SupervisorActor<T, C> {
     pub heartbeat: Duration,
     /// Nodes to start.
     pub nodes: Vec<NodeId>,
+    /// How they start (fresh with the initial model, or without state).
+    pub first_start: Start,
     /// Trace.
     pub trace: Trace,
     /// Start of time.
@@ -100,7 +102,7 @@ impl<T: Transport, C: Compute> Actor for SupervisorActor<T, C> {
     ) -> Result<SupState, ActorProcessingErr> {
         let mut st = SupState::default();
         for &id in &self.nodes {
-            self.start(&myself, &mut st, id, Start::Fresh).await?;
+            self.start(&myself, &mut st, id, self.first_start).await?;
         }
         Ok(st)
     }

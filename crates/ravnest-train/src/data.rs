@@ -186,7 +186,7 @@ fn load_idx(path: &Path, images: &[u8]) -> Result<Dataset, DataError> {
         be32(images, 8) as usize,
         be32(images, 12) as usize,
     );
-    let features = rows.checked_mul(cols).unwrap_or(usize::MAX);
+    let features = rows.saturating_mul(cols);
     if n.checked_mul(features).map(|b| b + 16) != Some(images.len()) {
         return Err(err(
             &origin,

@@ -5,5 +5,8 @@
 
 pub mod compute;
 pub mod data;
+pub mod measure;
 pub mod net;
 pub mod optim;
+pub mod process;
+pub mod store;

@@ -1,0 +1,789 @@
+//! One node process of `ravnest run`: the same code on every machine.
+//!
+//! Every process binds its node's address, measures itself (candle matmul throughput, the
+//! model's own samples/s, free memory) and starts its node actor. The coordinator's host (the
+//! configured coordinator, else the lowest id) collects the registrations, probes each link
+//! (latency and bandwidth by echo), plans on the measured figures, prints the plan, and starts
+//! the coordinator and checkpoint actors: the very actors the simulator runs, over TCP and with
+//! candle instead of SimNet and virtual time.
+//!
+//! Output is one event per line: human text on stderr, or JSON on stdout with `--json` (what
+//! the local demo's parent reads).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use ractor::Actor;
+use ravnest_core::{NodeId, PlannerKind, Scenario};
+use ravnest_runtime::checkpoint::CheckpointActor;
+use ravnest_runtime::coordinator::{CoordMsg, CoordinatorActor, Event, RunLog};
+use ravnest_runtime::msg::Capabilities;
+use ravnest_runtime::node::{Counters, NodeActor, Start};
+use ravnest_runtime::supervisor::SupervisorActor;
+use ravnest_runtime::tcp::{TcpConfig, TcpTransport};
+use ravnest_runtime::{Addr, Compute, Envelope, Inbox, Trace, Transport, TransportError};
+use serde_json::{Value, json};
+use tokio::sync::{Notify, mpsc};
+use tokio::time::Instant;
+
+use crate::compute::CandleCompute;
+use crate::data::Dataset;
+use crate::net::Network;
+use crate::optim::Optim;
+use crate::store::CheckpointFiles;
+
+/// What one process is asked to do.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The cluster file, parsed.
+    pub scenario: Scenario,
+    /// Its name, for messages.
+    pub origin: String,
+    /// This process's node name.
+    pub node: String,
+    /// Where checkpoints go (on the coordinator's host).
+    pub out_dir: PathBuf,
+    /// Continue from the latest checkpoint in `out_dir`.
+    pub resume: bool,
+    /// Rejoin a running cluster (a restarted worker).
+    pub join: bool,
+    /// JSON lines on stdout instead of text on stderr.
+    pub json: bool,
+    /// How long the coordinator waits for every node to register.
+    pub register_timeout: Duration,
+}
+
+/// The network a scenario trains on a dataset, checked against each other.
+pub fn network_for(s: &Scenario, origin: &str, data: &Dataset) -> anyhow::Result<Network> {
+    match s.run.network.as_str() {
+        "cnn" => {
+            let side = data.side.with_context(|| {
+                format!(
+                    "{origin}: [run] network = \"cnn\" needs square images; {} has {} features",
+                    data.name, data.features
+                )
+            })?;
+            Ok(Network::Cnn {
+                side,
+                classes: data.classes,
+            })
+        }
+        _ => {
+            // The [model]'s MLP widths, recovered from its layers (params = in·out + out).
+            let mut dims = Vec::new();
+            for l in &s.model.layers {
+                let out = l.output_elems_per_sample;
+                if out == 0 || l.params % out != 0 || !l.name.starts_with("fc") {
+                    bail!(
+                        "{origin}: `ravnest run` trains MLPs ([model] preset = \"mlp-digits\" or kind = \"mlp\") or, with [run] network = \"cnn\", a small CNN; model `{}` is neither",
+                        s.model.name
+                    );
+                }
+                if dims.is_empty() {
+                    dims.push((l.params / out - 1) as usize);
+                }
+                dims.push(out as usize);
+            }
+            if dims.first() != Some(&data.features) {
+                bail!(
+                    "{origin}: the model takes {} inputs but dataset {} has {} features per sample",
+                    dims.first().copied().unwrap_or(0),
+                    data.name,
+                    data.features
+                );
+            }
+            if dims.last().copied().unwrap_or(0) < data.classes {
+                bail!(
+                    "{origin}: the model has {} outputs but dataset {} has {} classes",
+                    dims.last().copied().unwrap_or(0),
+                    data.name,
+                    data.classes
+                );
+            }
+            Ok(Network::Mlp { dims })
+        }
+    }
+}
+
+/// The optimizer a scenario asks for.
+pub fn optim_for(s: &Scenario) -> Optim {
+    Optim {
+        kind: s.training.optimizer,
+        lr: s.run.learning_rate as f32,
+        momentum: s.run.momentum as f32,
+        weight_decay: s.run.weight_decay as f32,
+    }
+}
+
+/// The transport, with `Finish` for this process's node taken out of the node's stream.
+#[derive(Clone, Debug)]
+struct Tap {
+    inner: TcpTransport,
+    finish: Arc<Notify>,
+}
+
+impl Transport for Tap {
+    fn register(&self, addr: Addr, inbox: Inbox) {
+        let finish = self.finish.clone();
+        self.inner.register(
+            addr,
+            Arc::new(move |from, env| match env {
+                Envelope::Finish => finish.notify_one(),
+                env => inbox(from, env),
+            }),
+        );
+    }
+
+    fn send(&self, from: Addr, to: Addr, env: Envelope) -> Result<(), TransportError> {
+        self.inner.send(from, to, env)
+    }
+}
+
+/// Prints events: JSON lines on stdout, or text on stderr.
+#[derive(Debug, Clone)]
+struct Say {
+    json: bool,
+    node: String,
+}
+
+impl Say {
+    fn event(&self, mut v: Value) {
+        v["node"] = json!(self.node);
+        if self.json {
+            println!("{v}");
+        } else {
+            eprintln!("[{}] {}", self.node, human(&v));
+        }
+    }
+}
+
+/// One line of text for an event.
+pub fn human(v: &Value) -> String {
+    let f = |k: &str| v.get(k).cloned().unwrap_or(Value::Null);
+    match v["event"].as_str().unwrap_or("") {
+        "measured" => format!(
+            "measured: {:.1} GFLOP/s candle matmul, {:.0} samples/s on the model, {:.1} GiB free{}",
+            f("matmul_gflops").as_f64().unwrap_or(0.0),
+            f("samples_per_s").as_f64().unwrap_or(0.0),
+            f("memory_gib").as_f64().unwrap_or(0.0),
+            match f("slowdown").as_f64() {
+                Some(k) if k > 1.0 => format!(" (emulating a {k}x slower device)"),
+                _ => String::new(),
+            }
+        ),
+        "plan" => format!("plan:\n{}", f("text").as_str().unwrap_or("")),
+        "progress" => format!(
+            "step {}/{}  loss {:.3}  {:.0} samples/s",
+            f("step"),
+            f("steps"),
+            f("loss").as_f64().unwrap_or(f64::NAN),
+            f("samples_per_s").as_f64().unwrap_or(0.0)
+        ),
+        "cluster" => f("what").as_str().unwrap_or("").to_string(),
+        "report" => format!("report: {v}"),
+        _ => v.to_string(),
+    }
+}
+
+fn coordinator_of(s: &Scenario) -> NodeId {
+    s.run.coordinator.unwrap_or(NodeId(0))
+}
+
+/// The TCP view of a scenario for node `me`, or why `run` cannot use it.
+pub fn tcp_config(s: &Scenario, origin: &str, me: NodeId) -> anyhow::Result<TcpConfig> {
+    let mut peers = BTreeMap::new();
+    for (i, n) in s.cluster.nodes.iter().enumerate() {
+        let a = n.address.as_deref().with_context(|| {
+            format!(
+                "{origin}: node `{}` has no `address`; `ravnest run` needs host:port for every node",
+                n.name
+            )
+        })?;
+        let sa: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(a)
+            .ok()
+            .and_then(|mut it| it.next())
+            .with_context(|| {
+                format!("{origin}: node `{}`: cannot resolve address `{a}`", n.name)
+            })?;
+        peers.insert(NodeId(i as u32), sa);
+    }
+    Ok(TcpConfig {
+        me,
+        peers,
+        coordinator: coordinator_of(s),
+        secret: s
+            .run
+            .secret
+            .clone()
+            .unwrap_or_else(|| "ravnest-default-secret".into())
+            .into_bytes(),
+        max_frame: ravnest_runtime::wire::MAX_FRAME,
+        connect_window: Duration::from_secs(30),
+    })
+}
+
+/// Run one node process to the end of training. Returns its report.
+pub fn run(opts: Options) -> anyhow::Result<Value> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(run_async(opts))
+}
+
+struct Setup {
+    me: NodeId,
+    compute: Arc<CandleCompute>,
+    test: Dataset,
+    files: CheckpointFiles,
+    caps: Capabilities,
+    solo_samples_per_s: f64,
+}
+
+async fn setup(opts: &Options, say: &Say) -> anyhow::Result<Setup> {
+    let s = &opts.scenario;
+    let names: Vec<&str> = s.cluster.nodes.iter().map(|n| n.name.as_str()).collect();
+    let me = names
+        .iter()
+        .position(|n| *n == opts.node)
+        .map(|i| NodeId(i as u32))
+        .with_context(|| {
+            format!(
+                "{}: no node named `{}` (nodes: {})",
+                opts.origin,
+                opts.node,
+                names.join(", ")
+            )
+        })?;
+    let data = Dataset::load(&s.run.dataset)?;
+    let (train, test) = data.split();
+    let net = network_for(s, &opts.origin, &data)?;
+    let optim = optim_for(s);
+    let slowdown = s
+        .run
+        .emulate_slowdown
+        .get(me.index())
+        .copied()
+        .unwrap_or(1.0);
+    let mut compute = CandleCompute::new(net.clone(), Arc::new(train), optim, s.run.seed, slowdown);
+    let files = CheckpointFiles {
+        dir: opts.out_dir.join("checkpoints"),
+        net,
+        optim,
+    };
+    if opts.resume && me == coordinator_of(s) {
+        match files.latest()? {
+            Some(step) => {
+                let flat = files.load(step)?;
+                compute.resume = Some((step, flat));
+            }
+            None => bail!(
+                "--resume: no checkpoint in {} (its `latest` file is missing)",
+                files.dir.display()
+            ),
+        }
+    }
+    // Measure: candle matmul, then the model itself on one global batch (emulated slowdown
+    // included: that is what this node delivers).
+    let gflops =
+        tokio::task::block_in_place(|| crate::measure::matmul_flops(Duration::from_millis(150)))
+            / 1e9;
+    let model = compute.initial_model();
+    let b = u64::from(s.training.global_batch).clamp(1, 512);
+    let _ = compute.gradient_sum(me, 0, 0..b.min(8), &model).await;
+    // The best of three: other processes on the machine may be measuring at the same time.
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let _ = compute.gradient_sum(me, 0, 0..b, &model).await;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    let solo = b as f64 / best.max(1e-9);
+    let memory =
+        crate::measure::available_memory().unwrap_or(s.cluster.nodes[me.index()].memory_bytes);
+    let train_flops = compute.net.model_spec().train_flops_per_sample();
+    let caps = Capabilities {
+        flops: solo * train_flops,
+        memory_bytes: memory,
+        device: format!("cpu (candle matmul {gflops:.1} GFLOP/s, {solo:.0} samples/s)"),
+    };
+    say.event(json!({
+        "event": "measured",
+        "matmul_gflops": gflops,
+        "samples_per_s": solo,
+        "memory_gib": memory as f64 / (1u64 << 30) as f64,
+        "slowdown": slowdown,
+    }));
+    Ok(Setup {
+        me,
+        compute: Arc::new(compute),
+        test,
+        files,
+        caps,
+        solo_samples_per_s: solo,
+    })
+}
+
+async fn run_async(opts: Options) -> anyhow::Result<Value> {
+    let say = Say {
+        json: opts.json,
+        node: opts.node.clone(),
+    };
+    let su = setup(&opts, &say).await?;
+    let s = &opts.scenario;
+    let cfg = tcp_config(s, &opts.origin, su.me)?;
+    let tcp = TcpTransport::bind(cfg, !opts.json).await?;
+    let finish = Arc::new(Notify::new());
+    let net = Tap {
+        inner: tcp.clone(),
+        finish: finish.clone(),
+    };
+    let t0 = Instant::now();
+    let counters: Counters = Arc::default();
+    let model_bytes = 4 * su.compute.model_len() as u64;
+    let grad_bytes = 4 * su.compute.params() as u64;
+    let is_coord = su.me == coordinator_of(s);
+
+    // The coordinator's host listens for registrations before its node exists.
+    let (reg_tx, mut reg_rx) = mpsc::unbounded_channel();
+    if is_coord {
+        tcp.register(
+            Addr::Coordinator,
+            Arc::new(move |from, env| {
+                let _ = reg_tx.send((from, env));
+            }),
+        );
+    }
+
+    let make_node = {
+        let (net, compute, counters) = (net.clone(), su.compute.clone(), counters.clone());
+        Arc::new(move |id: NodeId| NodeActor {
+            id,
+            transport: net.clone(),
+            compute: compute.clone(),
+            grad_bytes,
+            model_bytes,
+            counters: counters.clone(),
+            t0,
+        })
+    };
+    let first_start = if opts.join {
+        Start::Rejoin
+    } else if opts.resume && !is_coord {
+        Start::Empty
+    } else {
+        Start::Fresh
+    };
+    let heartbeat = Duration::from_millis(s.run.heartbeat_ms);
+    let supervisor = SupervisorActor {
+        make_node,
+        transport: net.clone(),
+        heartbeat,
+        nodes: vec![su.me],
+        first_start,
+        trace: Trace::default(),
+        t0,
+    };
+    let (sup, _) = Actor::spawn(None, supervisor, ())
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot start the node actor: {e}"))?;
+    if !opts.join {
+        let _ = net.send(
+            Addr::Node(su.me),
+            Addr::Coordinator,
+            Envelope::Register(su.caps.clone()),
+        );
+    }
+
+    let report = if is_coord {
+        coordinate(&opts, &say, &su, &tcp, &mut reg_rx, &counters, t0).await?
+    } else {
+        let lost = Arc::new(Notify::new());
+        let l = lost.clone();
+        let coord = coordinator_of(s);
+        tcp.on_peer_down(Arc::new(move |n| {
+            if n == coord {
+                l.notify_one();
+            }
+        }));
+        let progress = spawn_progress(
+            say.clone(),
+            counters.clone(),
+            su.compute.clone(),
+            su.me,
+            s.run.steps,
+            u64::from(s.training.global_batch),
+        );
+        tokio::select! {
+            _ = finish.notified() => {}
+            _ = lost.notified() => {
+                // The connection may close right after `Finish`: give it a moment to arrive.
+                if tokio::time::timeout(Duration::from_secs(3), finish.notified()).await.is_err() {
+                    progress.abort();
+                    sup.stop(None);
+                    tcp.shutdown();
+                    bail!("lost the coordinator (node `{}`); training cannot go on without it", s.cluster.nodes[coord.index()].name);
+                }
+            }
+        }
+        progress.abort();
+        json!({ "role": "worker" })
+    };
+    let mut report = report;
+    let c = counters
+        .lock()
+        .unwrap()
+        .get(&su.me)
+        .cloned()
+        .unwrap_or_default();
+    let wall = t0.elapsed().as_secs_f64();
+    report["event"] = json!("report");
+    report["steps_applied"] = json!(c.steps);
+    report["compute_s"] = json!(c.compute_ns as f64 / 1e9);
+    report["comm_s"] = json!(c.comm_ns as f64 / 1e9);
+    report["wall_s"] = json!(wall);
+    report["aborted_collectives"] = json!(c.aborted);
+    report["bytes_sent"] = json!(tcp.bytes_sent());
+    report["solo_samples_per_s"] = json!(su.solo_samples_per_s);
+    report["last_loss"] = json!(su.compute.stats().last_loss);
+    say.event(report.clone());
+    sup.stop(None);
+    tcp.shutdown();
+    Ok(report)
+}
+
+fn spawn_progress(
+    say: Say,
+    counters: Counters,
+    compute: Arc<CandleCompute>,
+    me: NodeId,
+    steps: u64,
+    global_batch: u64,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        let mut last: Option<(Instant, u64)> = None;
+        loop {
+            tick.tick().await;
+            let step = counters.lock().unwrap().get(&me).map_or(0, |c| c.model.0);
+            let now = Instant::now();
+            let rate = match last {
+                Some((t, s)) if step >= s => {
+                    (step - s) as f64 * global_batch as f64 / (now - t).as_secs_f64()
+                }
+                _ => 0.0,
+            };
+            last = Some((now, step));
+            say.event(json!({
+                "event": "progress",
+                "step": step,
+                "steps": steps,
+                "loss": compute.stats().last_loss,
+                "samples_per_s": rate,
+            }));
+        }
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn coordinate(
+    opts: &Options,
+    say: &Say,
+    su: &Setup,
+    tcp: &TcpTransport,
+    reg_rx: &mut mpsc::UnboundedReceiver<(Addr, Envelope)>,
+    counters: &Counters,
+    t0: Instant,
+) -> anyhow::Result<Value> {
+    let s = &opts.scenario;
+    let n = s.cluster.nodes.len();
+    // Registrations.
+    let mut caps: BTreeMap<NodeId, Capabilities> = BTreeMap::new();
+    let deadline = Instant::now() + opts.register_timeout;
+    while caps.len() < n {
+        match tokio::time::timeout_at(deadline, reg_rx.recv()).await {
+            Ok(Some((Addr::Node(from), Envelope::Register(c)))) => {
+                say.event(json!({"event": "cluster", "what": format!("node `{}` registered: {}", s.cluster.nodes[from.index()].name, c.device)}));
+                caps.insert(from, c);
+            }
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => break,
+        }
+    }
+    if caps.is_empty() {
+        bail!("no node registered within {:?}", opts.register_timeout);
+    }
+    // Link probes: latency from a small echo, bandwidth from a 1 MiB one.
+    let mut cluster = s.cluster.clone();
+    let mut probe_id = 0u64;
+    for &id in caps.keys() {
+        if id == su.me {
+            continue;
+        }
+        let mut rtt = [f64::INFINITY; 2];
+        for (k, len) in [(0usize, 16usize), (1, 1 << 18)] {
+            for _ in 0..3 {
+                probe_id += 1;
+                let t = Instant::now();
+                let _ = tcp.send(
+                    Addr::Coordinator,
+                    Addr::Node(id),
+                    Envelope::Probe {
+                        id: probe_id,
+                        data: vec![0.0; len],
+                        echo: true,
+                    },
+                );
+                let got = tokio::time::timeout(Duration::from_secs(5), async {
+                    while let Some((_, env)) = reg_rx.recv().await {
+                        if matches!(env, Envelope::Probe { id, echo: false, .. } if id == probe_id)
+                        {
+                            return true;
+                        }
+                    }
+                    false
+                })
+                .await;
+                if matches!(got, Ok(true)) {
+                    rtt[k] = rtt[k].min(t.elapsed().as_secs_f64());
+                }
+            }
+        }
+        if rtt[1].is_finite() && rtt[0].is_finite() {
+            let link = &mut cluster.nodes[id.index()].link;
+            link.latency_ms = rtt[0] / 2.0 * 1e3;
+            link.bandwidth_gbps =
+                (2.0 * 4.0 * f64::from(1u32 << 18) * 8.0 / (rtt[1] - rtt[0]).max(1e-6) / 1e9)
+                    .min(400.0);
+        }
+    }
+    for (id, c) in &caps {
+        let node = &mut cluster.nodes[id.index()];
+        node.flops = c.flops;
+        node.memory_bytes = c.memory_bytes;
+    }
+    let model_spec = su.compute.net.model_spec();
+    let registered: Vec<NodeId> = caps.keys().copied().collect();
+    let plan_text = match ravnest_core::plan(PlannerKind::Ravnest, &cluster.subset(&registered), &model_spec, &s.training) {
+        Ok(p) => p
+            .nodes
+            .iter()
+            .map(|pn| {
+                let id = registered[pn.id.index()];
+                let node = &cluster.nodes[id.index()];
+                format!(
+                    "  {:<10} batch {:>4}   measured {:>8.0} samples/s   link {:.2} ms, {:.1} Gbit/s",
+                    node.name,
+                    pn.batch,
+                    node.flops / model_spec.train_flops_per_sample(),
+                    node.link.latency_ms,
+                    node.link.bandwidth_gbps
+                )
+            })
+            .chain(std::iter::once(format!("  sync: {}", p.sync.reason)))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        Err(e) => bail!("{}: no plan for the registered nodes: {e}", opts.origin),
+    };
+    say.event(json!({"event": "plan", "text": plan_text}));
+
+    // The actors.
+    let log: Arc<Mutex<RunLog>> = Arc::default();
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    let start_step = su.compute.initial_version();
+    let checkpointer = CheckpointActor {
+        transport: tcp.clone(),
+        store: Arc::new(su.files.clone()),
+        log: log.clone(),
+        trace: Trace::default(),
+        t0,
+        bytes_per_elem: 4,
+    };
+    let (ck, _) = Actor::spawn(None, checkpointer, ())
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot start the checkpoint actor: {e}"))?;
+    let train_started = Instant::now();
+    let coordinator = CoordinatorActor {
+        transport: tcp.clone(),
+        cluster: cluster.clone(),
+        model: model_spec.clone(),
+        training: s.training.clone(),
+        planner: PlannerKind::Ravnest,
+        steps: s.run.steps,
+        heartbeat_timeout: Duration::from_millis(s.run.heartbeat_timeout_ms),
+        tick: Duration::from_millis(s.run.heartbeat_ms / 2 + 1),
+        t0,
+        trace: Trace::default(),
+        log: log.clone(),
+        train_flops: model_spec.train_flops_per_sample(),
+        checkpoint_every: s.run.checkpoint_every_steps,
+        checkpoint_at_end: true,
+        start_step,
+        initial_holders: opts.resume.then(|| vec![su.me]),
+        measure_min_batch: 16,
+        rebalance_cooldown: 25,
+    };
+    let (coord, _) = Actor::spawn(None, coordinator, done_tx)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot start the coordinator: {e}"))?;
+    {
+        let c = coord.clone();
+        tcp.on_peer_down(Arc::new(move |node| {
+            let _ = c.cast(CoordMsg::PeerDown(node));
+        }));
+    }
+    for id in cluster.ids() {
+        if !caps.contains_key(&id) {
+            say.event(json!({"event": "cluster", "what": format!("node `{}` did not register: treated as failed", cluster.nodes[id.index()].name)}));
+            let _ = coord.cast(CoordMsg::PeerDown(id));
+        }
+    }
+    let progress = spawn_progress(
+        say.clone(),
+        counters.clone(),
+        su.compute.clone(),
+        su.me,
+        s.run.steps,
+        u64::from(s.training.global_batch),
+    );
+    // Relay the coordinator's events as they happen.
+    let relay = {
+        let (log, say, cluster) = (log.clone(), say.clone(), cluster.clone());
+        tokio::spawn(async move {
+            let mut seen = 0;
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let new: Vec<(u64, Event)> = log.lock().unwrap().events[seen..].to_vec();
+                seen += new.len();
+                for (t, e) in new {
+                    say.event(json!({"event": "cluster", "t_s": t as f64 / 1e9, "what": describe(&e, &cluster)}));
+                }
+            }
+        })
+    };
+    let _ = done_rx.await;
+    let train_s = train_started.elapsed().as_secs_f64();
+    // The final checkpoint's shard may still be on its way.
+    let final_ck = |log: &RunLog| {
+        log.events.iter().any(
+            |(_, e)| matches!(e, Event::CheckpointComplete { step, .. } if *step == s.run.steps),
+        )
+    };
+    let wait_until = Instant::now() + Duration::from_secs(15);
+    while !final_ck(&log.lock().unwrap()) && Instant::now() < wait_until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    progress.abort();
+    relay.abort();
+    let log = log.lock().unwrap().clone();
+    for (t, e) in &log.events {
+        let _ = t;
+        if let Event::Stalled(why) | Event::Violation(why) = e {
+            bail!("training stopped: {why}");
+        }
+    }
+    let final_step = start_step + log.step_done_ns.len() as u64;
+    let model = match su.files.load(s.run.steps) {
+        Ok(m) => m,
+        Err(_) => counters
+            .lock()
+            .unwrap()
+            .get(&su.me)
+            .map(|c| c.model.1.clone())
+            .unwrap_or_default(),
+    };
+    let accuracy = su
+        .compute
+        .net
+        .accuracy(
+            &model[..su.compute.params().min(model.len())],
+            &su.test.x,
+            &su.test.y,
+        )
+        .unwrap_or(0.0);
+    for id in cluster.ids() {
+        if id != su.me {
+            let _ = tcp.send(Addr::Coordinator, Addr::Node(id), Envelope::Finish);
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    coord.stop(None);
+    ck.stop(None);
+    let trained = final_step - start_step;
+    let samples_per_s = trained as f64 * f64::from(s.training.global_batch) / train_s.max(1e-9);
+    let solo_sum: f64 = caps
+        .values()
+        .map(|c| c.flops / model_spec.train_flops_per_sample())
+        .sum();
+    let checkpoints: Vec<u64> = log
+        .events
+        .iter()
+        .filter_map(|(_, e)| match e {
+            Event::CheckpointComplete { step, .. } => Some(*step),
+            _ => None,
+        })
+        .collect();
+    Ok(json!({
+        "role": "coordinator",
+        "steps": final_step,
+        "start_step": start_step,
+        "train_s": train_s,
+        "samples_per_s": samples_per_s,
+        "solo_sum_samples_per_s": solo_sum,
+        "capacity_efficiency": samples_per_s / solo_sum.max(1e-9),
+        "accuracy": accuracy,
+        "target_accuracy": s.run.target_accuracy,
+        "checkpoints": checkpoints,
+        "checkpoint_dir": su.files.dir.display().to_string(),
+        "final_checkpoint": su.files.path(s.run.steps).display().to_string(),
+        "optimizer": s.training.optimizer.as_str(),
+        "events": log.events.iter().map(|(t, e)| json!({"t_s": *t as f64 / 1e9, "what": describe(e, &cluster)})).collect::<Vec<_>>(),
+    }))
+}
+
+/// A coordinator event in words, with node names.
+pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
+    let name = |n: &NodeId| {
+        cluster
+            .nodes
+            .get(n.index())
+            .map_or("?", |x| x.name.as_str())
+            .to_string()
+    };
+    match e {
+        Event::Planned { step, workers } => format!(
+            "step {step}: planned {}",
+            workers
+                .iter()
+                .map(|(n, b)| format!("{}={b}", name(n)))
+                .collect::<Vec<_>>()
+                .join(" ")
+        ),
+        Event::Detected { node, silent_ms } => {
+            format!("node `{}` lost (silent {silent_ms} ms)", name(node))
+        }
+        Event::Aborted { step } => {
+            format!("step {step} aborted; re-planning without the lost node")
+        }
+        Event::Rebalanced {
+            node,
+            assumed_s_per_sample,
+            measured_s_per_sample,
+        } => format!(
+            "node `{}` runs at {:.0} samples/s, planned {:.0}: rebalanced",
+            name(node),
+            1.0 / measured_s_per_sample,
+            1.0 / assumed_s_per_sample
+        ),
+        Event::Joined { node } => format!("node `{}` joined", name(node)),
+        Event::CheckpointComplete { step, .. } => format!("checkpoint of step {step} written"),
+        Event::Violation(w) => format!("violation: {w}"),
+        Event::Stalled(w) => format!("stalled: {w}"),
+        Event::Finished => "finished".into(),
+    }
+}

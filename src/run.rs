@@ -1,0 +1,338 @@
+//! `ravnest run`: one node process (`--node NAME`), or a local cluster of processes (no
+//! `--node`: one child per node of the file, all on this machine's loopback).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use ravnest_core::Scenario;
+use ravnest_train::process::{Options, human};
+use serde_json::{Value, json};
+
+/// What the user asked for.
+#[derive(Debug)]
+pub struct RunArgs {
+    /// Origin (file name) and its text.
+    pub origin: String,
+    /// The file's text.
+    pub text: String,
+    /// This process's node, if one.
+    pub node: Option<String>,
+    /// Rejoin a running cluster.
+    pub join: bool,
+    /// Continue from the latest checkpoint.
+    pub resume: bool,
+    /// Output directory.
+    pub out: Option<PathBuf>,
+    /// JSON lines.
+    pub json: bool,
+    /// Override `[run] steps`.
+    pub steps: Option<u64>,
+}
+
+fn default_out(s: &Scenario) -> PathBuf {
+    Path::new("ravnest-out").join(&s.cluster.name)
+}
+
+/// Run as asked.
+pub fn run(args: RunArgs) -> Result<()> {
+    let mut scenario = ravnest_core::parse(&args.text, &args.origin)?;
+    if let Some(n) = args.steps {
+        scenario.run.steps = n;
+    }
+    let out = args.out.clone().unwrap_or_else(|| default_out(&scenario));
+    if args.join && args.node.is_none() {
+        bail!("--join restarts one node: name it with --node NAME");
+    }
+    match &args.node {
+        Some(node) => {
+            let report = ravnest_train::process::run(Options {
+                scenario,
+                origin: args.origin.clone(),
+                node: node.clone(),
+                out_dir: out,
+                resume: args.resume,
+                join: args.join,
+                json: args.json,
+                register_timeout: Duration::from_secs(60),
+            })?;
+            if !args.json && report["role"] == "coordinator" {
+                eprintln!("{}", coordinator_summary(&report));
+            }
+            Ok(())
+        }
+        None => local_cluster(&args, &scenario, &out),
+    }
+}
+
+fn is_local(addr: &str) -> bool {
+    addr.starts_with("127.") || addr.starts_with("localhost:") || addr.starts_with("[::1]:")
+}
+
+/// Start one child process per node and show their progress; the final report merges theirs.
+fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
+    for n in &s.cluster.nodes {
+        match &n.address {
+            Some(a) if is_local(a) => {}
+            Some(a) => bail!(
+                "{}: node `{}` is at {a}, not on this machine; start `ravnest run {} --node {}` there (a run without --node starts every node locally)",
+                args.origin,
+                n.name,
+                args.origin,
+                n.name
+            ),
+            None => bail!(
+                "{}: node `{}` has no `address`; `ravnest run` needs host:port for every node",
+                args.origin,
+                n.name
+            ),
+        }
+    }
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create `{}`", out.display()))?;
+    let file = out.join("cluster.toml");
+    std::fs::write(&file, &args.text)
+        .with_context(|| format!("cannot write `{}`", file.display()))?;
+    let exe = std::env::current_exe().context("cannot find this program's path")?;
+    let (tx, rx) = mpsc::channel::<(usize, Option<Value>)>();
+    let mut children: Vec<(String, Child)> = Vec::new();
+    for (i, n) in s.cluster.nodes.iter().enumerate() {
+        let mut cmd = Command::new(&exe);
+        cmd.arg("run")
+            .arg(&file)
+            .args(["--node", &n.name, "--json", "--out"])
+            .arg(out)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if let Some(k) = args.steps {
+            cmd.args(["--steps", &k.to_string()]);
+        }
+        if args.resume {
+            cmd.arg("--resume");
+        }
+        // Several processes share this machine's cores: one compute thread each.
+        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+            cmd.env("RAYON_NUM_THREADS", "1");
+        }
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("cannot start node `{}`", n.name))?;
+        let stdout = child.stdout.take().expect("piped");
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(|l| l.ok()) {
+                if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                    let _ = tx.send((i, Some(v)));
+                }
+            }
+            let _ = tx.send((i, None));
+        });
+        say(
+            args.json,
+            json!({"event": "spawned", "node": n.name, "pid": child.id()}),
+        );
+        children.push((n.name.clone(), child));
+    }
+    drop(tx);
+    let tty = !args.json && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let mut reports: Vec<Option<Value>> = vec![None; children.len()];
+    let mut progress: Vec<Option<Value>> = vec![None; children.len()];
+    let mut open = children.len();
+    let mut last_draw = Instant::now();
+    while open > 0 {
+        let Ok((i, msg)) = rx.recv() else { break };
+        let Some(v) = msg else {
+            open -= 1;
+            continue;
+        };
+        match v["event"].as_str() {
+            Some("progress") => {
+                progress[i] = Some(v);
+                if tty && last_draw.elapsed() > Duration::from_millis(200) {
+                    draw(&children, &progress);
+                    last_draw = Instant::now();
+                }
+            }
+            Some("report") => reports[i] = Some(v),
+            _ => {
+                if args.json {
+                    say(true, v);
+                } else if matches!(v["event"].as_str(), Some("plan" | "cluster" | "measured")) {
+                    eprintln!("[{}] {}", v["node"].as_str().unwrap_or("?"), human(&v));
+                }
+            }
+        }
+    }
+    let mut failed = Vec::new();
+    for (name, child) in &mut children {
+        let status = child.wait()?;
+        if !status.success() {
+            failed.push(format!("{name} ({status})"));
+        }
+    }
+    let coordinator = reports
+        .iter()
+        .flatten()
+        .find(|r| r["role"] == "coordinator")
+        .cloned();
+    let merged = json!({
+        "event": "summary",
+        "cluster": s.cluster.name,
+        "coordinator": coordinator,
+        "nodes": children.iter().zip(&reports).map(|((name, _), r)| json!({"node": name, "report": r})).collect::<Vec<_>>(),
+        "failed": failed,
+    });
+    if args.json {
+        say(true, merged);
+    } else {
+        eprintln!();
+        println!("{}", summary_text(&merged));
+    }
+    match coordinator {
+        Some(_) => Ok(()),
+        None => bail!(
+            "the coordinator did not finish (failed: {})",
+            failed.join(", ")
+        ),
+    }
+}
+
+fn say(json: bool, v: Value) {
+    if json {
+        println!("{v}");
+    } else if v["event"] != "spawned" {
+        eprintln!("{}", human(&v));
+    }
+}
+
+fn draw(children: &[(String, Child)], progress: &[Option<Value>]) {
+    let mut line = String::new();
+    for ((name, _), p) in children.iter().zip(progress) {
+        if let Some(p) = p {
+            let (step, steps) = (
+                p["step"].as_u64().unwrap_or(0),
+                p["steps"].as_u64().unwrap_or(1),
+            );
+            let filled = (20 * step / steps.max(1)).min(20) as usize;
+            line.push_str(&format!(
+                "{name} [{}{}] {step}/{steps} {:>6.0}/s  ",
+                "#".repeat(filled),
+                "-".repeat(20 - filled),
+                p["samples_per_s"].as_f64().unwrap_or(0.0)
+            ));
+        }
+    }
+    eprint!("\r{line}");
+}
+
+fn coordinator_summary(c: &Value) -> String {
+    let f = |k: &str| c[k].as_f64().unwrap_or(0.0);
+    let acc = f("accuracy");
+    let target = f("target_accuracy");
+    format!(
+        "trained steps {}..{} in {:.1} s: {:.0} samples/s\n\
+         accuracy on the held-out split: {:.3} (target {:.2}: {})\n\
+         capacity efficiency: {:.2} (achieved ÷ {:.0} samples/s, the sum of each node's measured solo throughput)\n\
+         checkpoints: steps {} in {} (final: {})",
+        c["start_step"],
+        c["steps"],
+        f("train_s"),
+        f("samples_per_s"),
+        acc,
+        target,
+        if acc >= target {
+            "reached"
+        } else {
+            "NOT reached"
+        },
+        f("capacity_efficiency"),
+        f("solo_sum_samples_per_s"),
+        c["checkpoints"]
+            .as_array()
+            .map(|a| a
+                .iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(", "))
+            .unwrap_or_default(),
+        c["checkpoint_dir"].as_str().unwrap_or(""),
+        c["final_checkpoint"].as_str().unwrap_or("")
+    )
+}
+
+/// The final report of a local cluster run.
+fn summary_text(m: &Value) -> String {
+    let mut out = format!("ravnest run: {}\n", m["cluster"].as_str().unwrap_or(""));
+    let Some(c) = m["coordinator"]
+        .as_object()
+        .map(|o| Value::Object(o.clone()))
+    else {
+        return out + "the coordinator did not report\n";
+    };
+    out += &coordinator_summary(&c);
+    out += "\n\nnode          role          steps   busy   comm   idle   solo samples/s     sent\n";
+    let wall = c["train_s"].as_f64().unwrap_or(1.0).max(1e-9);
+    for n in m["nodes"].as_array().into_iter().flatten() {
+        let r = &n["report"];
+        if r.is_null() {
+            out += &format!(
+                "{:<13} (no report: the process ended early)\n",
+                n["node"].as_str().unwrap_or("?")
+            );
+            continue;
+        }
+        let busy = r["compute_s"].as_f64().unwrap_or(0.0) / wall;
+        let comm = r["comm_s"].as_f64().unwrap_or(0.0) / wall;
+        out += &format!(
+            "{:<13} {:<12} {:>6} {:>5.0}% {:>5.0}% {:>5.0}% {:>16.0} {:>7.1} MB\n",
+            n["node"].as_str().unwrap_or("?"),
+            r["role"].as_str().unwrap_or("?"),
+            r["steps_applied"],
+            100.0 * busy.min(1.0),
+            100.0 * comm.min(1.0),
+            100.0 * (1.0 - busy - comm).max(0.0),
+            r["solo_samples_per_s"].as_f64().unwrap_or(0.0),
+            r["bytes_sent"].as_f64().unwrap_or(0.0) / 1e6
+        );
+    }
+    let all: Vec<&str> = c["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e["what"].as_str())
+        .collect();
+    let replans = all.iter().filter(|w| w.contains(": planned ")).count();
+    let rebalanced = all.iter().filter(|w| w.ends_with("rebalanced")).count();
+    out += &format!(
+        "
+{replans} plan(s), {rebalanced} of them after a node's measured speed drifted from its plan\n"
+    );
+    let events: Vec<&str> = all
+        .into_iter()
+        .filter(|w| {
+            w.contains("lost")
+                || w.contains("aborted")
+                || w.contains("joined")
+                || w.starts_with("violation")
+                || w.starts_with("stalled")
+        })
+        .collect();
+    if !events.is_empty() {
+        out += "\nevents:\n";
+        for e in events {
+            out += &format!("  {e}\n");
+        }
+    }
+    if let Some(f) = m["failed"].as_array().filter(|f| !f.is_empty()) {
+        out += &format!(
+            "\nprocesses that failed: {}\n",
+            f.iter()
+                .filter_map(|x| x.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    out
+}
