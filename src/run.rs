@@ -149,6 +149,9 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
         };
         match v["event"].as_str() {
             Some("progress") => {
+                if args.json {
+                    say(true, v.clone());
+                }
                 progress[i] = Some(v);
                 if tty && last_draw.elapsed() > Duration::from_millis(200) {
                     draw(&children, &progress);

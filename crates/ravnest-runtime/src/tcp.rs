@@ -98,6 +98,10 @@ struct Inner {
     bytes_sent: AtomicU64,
     log: Mutex<Vec<String>>,
     verbose: bool,
+    /// This process's incarnation (random per start), exchanged in the handshake.
+    incarnation: u64,
+    /// The latest incarnation seen of each peer.
+    incarnations: Mutex<BTreeMap<NodeId, u64>>,
 }
 
 type HmacSha256 = Hmac<Sha256>;
@@ -176,7 +180,8 @@ async fn handshake_dial(
     s: &mut TcpStream,
     cfg: &TcpConfig,
     peer: NodeId,
-) -> Result<(), HandshakeError> {
+    incarnation: u64,
+) -> Result<u64, HandshakeError> {
     let who = format!("node {} at {}", peer.0, cfg.peers[&peer]);
     let nc = nonce();
     let mut hello = Vec::with_capacity(44);
@@ -218,14 +223,19 @@ async fn handshake_dial(
     let ids = (cfg.me.0, server_id);
     if !verify(&cfg.secret, b"ravnest-listener", &nc, &ns, ids, &rest[36..]) {
         // Tell the listener too, so both sides log the reason.
-        let _ = s.write_all(&[0u8; 32]).await;
+        let _ = s.write_all(&[0u8; 40]).await;
         return Err(HandshakeError::Secret(who));
     }
-    let tag = mac(&cfg.secret, b"ravnest-dialer", &ns, &nc, ids);
-    timed(s.write_all(&tag), &who).await?;
+    let mut answer = mac(&cfg.secret, b"ravnest-dialer", &ns, &nc, ids).to_vec();
+    answer.extend_from_slice(&incarnation.to_le_bytes());
+    timed(s.write_all(&answer), &who).await?;
     timed(s.read_exact(&mut status), &who).await?;
     match status[0] {
-        OK => Ok(()),
+        OK => {
+            let mut theirs = [0u8; 8];
+            timed(s.read_exact(&mut theirs), &who).await?;
+            Ok(u64::from_le_bytes(theirs))
+        }
         BAD_SECRET => Err(HandshakeError::Secret(who)),
         _ => Err(HandshakeError::Io(format!("{who}: not a ravnest peer"))),
     }
@@ -236,7 +246,8 @@ async fn handshake_accept(
     s: &mut TcpStream,
     cfg: &TcpConfig,
     remote: SocketAddr,
-) -> Result<NodeId, HandshakeError> {
+    incarnation: u64,
+) -> Result<(NodeId, u64), HandshakeError> {
     let who = format!("connection from {remote}");
     let mut hello = [0u8; 44];
     timed(s.read_exact(&mut hello), &who).await?;
@@ -268,14 +279,17 @@ async fn handshake_accept(
     challenge.extend_from_slice(&ns);
     challenge.extend_from_slice(&mac(&cfg.secret, b"ravnest-listener", &nc, &ns, ids));
     timed(s.write_all(&challenge), &who).await?;
-    let mut tag = [0u8; 32];
-    timed(s.read_exact(&mut tag), &who).await?;
-    if !verify(&cfg.secret, b"ravnest-dialer", &ns, &nc, ids, &tag) {
+    let mut answer = [0u8; 32 + 8];
+    timed(s.read_exact(&mut answer), &who).await?;
+    if !verify(&cfg.secret, b"ravnest-dialer", &ns, &nc, ids, &answer[..32]) {
         let _ = s.write_all(&[BAD_SECRET]).await;
         return Err(HandshakeError::Secret(who));
     }
-    timed(s.write_all(&[OK]), &who).await?;
-    Ok(NodeId(id))
+    let mut ok = vec![OK];
+    ok.extend_from_slice(&incarnation.to_le_bytes());
+    timed(s.write_all(&ok), &who).await?;
+    let theirs = u64::from_le_bytes(answer[32..].try_into().expect("8 bytes"));
+    Ok((NodeId(id), theirs))
 }
 
 impl TcpTransport {
@@ -304,6 +318,8 @@ impl TcpTransport {
                 bytes_sent: AtomicU64::new(0),
                 log: Mutex::default(),
                 verbose,
+                incarnation: rand::random(),
+                incarnations: Mutex::default(),
             }),
         };
         let me = t.clone();
@@ -369,6 +385,31 @@ impl TcpTransport {
         }
     }
 
+    /// A peer connected to us as `incarnation`. If it is a new one, the peer restarted: our
+    /// own connection to it leads to the dead process, where envelopes would vanish; drop it so
+    /// the next envelope dials the new one.
+    fn saw_incarnation(&self, peer: NodeId, incarnation: u64) {
+        let old = self
+            .inner
+            .incarnations
+            .lock()
+            .unwrap()
+            .insert(peer, incarnation);
+        if old.is_some_and(|o| o != incarnation) {
+            self.inner.links.lock().unwrap().remove(&peer);
+            self.log(format!("node {} restarted: reconnecting", peer.0));
+        }
+    }
+
+    /// We dialed `peer` and met `incarnation` (our link is to it, so only record it).
+    fn saw_incarnation_dialed(&self, peer: NodeId, incarnation: u64) {
+        self.inner
+            .incarnations
+            .lock()
+            .unwrap()
+            .insert(peer, incarnation);
+    }
+
     fn host(&self, a: Addr) -> Option<NodeId> {
         match a {
             Addr::Coordinator | Addr::Checkpoint => Some(self.inner.cfg.coordinator),
@@ -388,13 +429,19 @@ impl TcpTransport {
 
     /// An accepted connection: authenticate, then read frames until it ends.
     async fn serve(&self, mut stream: TcpStream, remote: SocketAddr) {
-        let peer = match handshake_accept(&mut stream, &self.inner.cfg, remote).await {
-            Ok(p) => p,
-            Err(e) => {
-                self.log(format!("refused {e}"));
-                return;
-            }
-        };
+        let peer =
+            match handshake_accept(&mut stream, &self.inner.cfg, remote, self.inner.incarnation)
+                .await
+            {
+                Ok((p, incarnation)) => {
+                    self.saw_incarnation(p, incarnation);
+                    p
+                }
+                Err(e) => {
+                    self.log(format!("refused {e}"));
+                    return;
+                }
+            };
         let reason = loop {
             match wire::read_frame(&mut stream, self.inner.cfg.max_frame).await {
                 Ok(None) => break None,
@@ -417,6 +464,9 @@ impl TcpTransport {
         if let Some(r) = reason {
             self.log(format!("dropped the connection from node {}: {r}", peer.0));
         }
+        // The peer's process is gone or restarting: our connection to it is stale too. Drop it,
+        // so the next envelope dials afresh instead of vanishing into a dead socket.
+        self.inner.links.lock().unwrap().remove(&peer);
         self.peer_down(peer);
     }
 
@@ -451,8 +501,13 @@ impl TcpTransport {
             match TcpStream::connect(addr).await {
                 Ok(mut s) => {
                     let _ = s.set_nodelay(true);
-                    match handshake_dial(&mut s, &self.inner.cfg, peer).await {
-                        Ok(()) => return Some(s),
+                    match handshake_dial(&mut s, &self.inner.cfg, peer, self.inner.incarnation)
+                        .await
+                    {
+                        Ok(incarnation) => {
+                            self.saw_incarnation_dialed(peer, incarnation);
+                            return Some(s);
+                        }
                         Err(
                             e @ (HandshakeError::Secret(_)
                             | HandshakeError::Version { .. }
@@ -489,26 +544,42 @@ impl TcpTransport {
             self.peer_down(peer);
             return;
         };
-        let (_read, write) = stream.into_split();
+        let (mut read, write) = stream.into_split();
         let mut w = BufWriter::with_capacity(1 << 16, write);
-        'outer: while let Some(frame) = rx.recv().await {
+        let mut probe = [0u8; 1];
+        loop {
+            // The listener never writes on this connection after the handshake: a readable
+            // end means the peer's process closed it (killed, or gone), and we know at once
+            // instead of losing the next envelopes into a dead socket.
+            let frame = tokio::select! {
+                biased;
+                _ = read.read(&mut probe) => break,
+                f = rx.recv() => match f {
+                    Some(f) => f,
+                    None => break,
+                },
+            };
             let mut next = Some(frame);
+            let mut failed = false;
             // Write what is queued, then flush once.
             while let Some(f) = next {
                 if w.write_all(&f).await.is_err() {
-                    break 'outer;
+                    failed = true;
+                    break;
                 }
                 self.inner
                     .bytes_sent
                     .fetch_add(f.len() as u64, Ordering::Relaxed);
                 next = rx.try_recv().ok();
             }
-            if w.flush().await.is_err() {
+            if failed || w.flush().await.is_err() {
                 break;
             }
         }
+        // Closed by us (shutdown, or the link was replaced) is not a loss.
+        let lost = !rx.is_closed();
         self.unlink(peer, generation);
-        if !rx.is_closed() {
+        if lost {
             self.log(format!("lost the connection to node {}", peer.0));
             self.peer_down(peer);
         }

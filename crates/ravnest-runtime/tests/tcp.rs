@@ -140,7 +140,7 @@ async fn garbage_after_handshake_drops_only_that_connection() {
     raw.write_all(&[7u8; 32]).await.unwrap();
     let mut challenge = [0u8; 1 + 4 + 32 + 32];
     raw.read_exact(&mut challenge).await.unwrap();
-    raw.write_all(&[0u8; 32]).await.unwrap();
+    raw.write_all(&[0u8; 40]).await.unwrap();
     let mut status = [0u8; 1];
     raw.read_exact(&mut status).await.unwrap();
     assert_ne!(status[0], 0, "a forged answer was accepted");
