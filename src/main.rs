@@ -1,6 +1,7 @@
 //! `ravnest`: the command-line front end. Reads files, prints reports; every decision is made
 //! by the pure `ravnest-core` crate.
 
+mod bench_net;
 mod report;
 mod run;
 mod scenarios;
@@ -97,6 +98,18 @@ enum Command {
 
 #[derive(Subcommand, Debug)]
 enum BenchWhat {
+    /// Ring all-reduce over loopback TCP: algorithm and bus bandwidth for 2, 3 and 4 ranks.
+    Allreduce {
+        /// Sizes in MiB.
+        #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+        sizes: Vec<usize>,
+        /// Rank counts.
+        #[arg(long, value_delimiter = ',', default_value = "2,3,4")]
+        nodes: Vec<usize>,
+        /// Timed rounds per cell.
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+    },
     /// Predicted samples/s of every planner on every shipped scenario (or the given files).
     Planners {
         /// Scenario files; default: every scenario shipped in `scenarios/` (embedded).
@@ -313,6 +326,16 @@ fn run(cli: Cli) -> Result<()> {
                 json,
                 steps,
             })
+        }
+        Command::Bench {
+            what: BenchWhat::Allreduce { sizes, nodes, reps },
+        } => {
+            if nodes.iter().any(|&n| n < 2) || reps == 0 {
+                bail!("--nodes must be 2 or more and --reps at least 1");
+            }
+            let rows = bench_net::measure(&nodes, &sizes, reps)?;
+            emit(&bench_net::table(&rows));
+            Ok(())
         }
         Command::Catalog => {
             emit(&report::catalog_text());

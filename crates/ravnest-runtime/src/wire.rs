@@ -75,9 +75,7 @@ pub fn encode(from: Addr, to: Addr, env: &Envelope) -> Vec<u8> {
     out.extend_from_slice(&(body_len as u32).to_le_bytes());
     out.extend_from_slice(&(header.len() as u32).to_le_bytes());
     out.extend_from_slice(&header);
-    for x in payload {
-        out.extend_from_slice(&x.to_le_bytes());
-    }
+    extend_le(&mut out, payload);
     out
 }
 
@@ -160,6 +158,29 @@ impl Envelope {
     }
 }
 
+/// Append `xs` as little-endian bytes (a plain copy on little-endian machines).
+fn extend_le(out: &mut Vec<u8>, xs: &[f32]) {
+    if cfg!(target_endian = "little") {
+        out.extend_from_slice(bytemuck::cast_slice(xs));
+    } else {
+        for x in xs {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+}
+
+/// Little-endian bytes (a multiple of 4) as f32s (a plain copy on little-endian machines).
+fn from_le(bytes: &[u8]) -> Vec<f32> {
+    if cfg!(target_endian = "little") {
+        bytemuck::pod_collect_to_vec(bytes)
+    } else {
+        bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
+}
+
 /// Decode a frame body (without its length prefix).
 pub fn decode(body: &[u8]) -> Result<(Addr, Addr, Envelope), WireError> {
     if body.len() < 4 {
@@ -188,10 +209,7 @@ pub fn decode(body: &[u8]) -> Result<(Addr, Addr, Envelope), WireError> {
             if !slot.is_empty() {
                 return Err(WireError::Header("tensor inside the header".into()));
             }
-            *slot = payload
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
+            *slot = from_le(payload);
         }
         None if payload.is_empty() => {}
         None => return Err(WireError::Payload(payload.len() as u64)),
@@ -217,8 +235,9 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
             max: u64::from(max),
         });
     }
-    // Grow with what arrives, not with what was announced.
-    let mut body = Vec::with_capacity((len as usize).min(1 << 16));
+    // Reserve at most 64 MiB from the announced length (frames come from authenticated peers
+    // only, but a bug should not cost a gigabyte); beyond that, grow with what arrives.
+    let mut body = Vec::with_capacity((len as usize).min(64 << 20));
     let got = (&mut *r)
         .take(u64::from(len))
         .read_to_end(&mut body)

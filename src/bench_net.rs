@@ -1,0 +1,146 @@
+//! `ravnest bench allreduce`: ring all-reduce over loopback TCP, the same `RingMember` and
+//! `TcpTransport` that `ravnest run` uses, one transport per rank (each with its own sockets,
+//! handshake and frames), timed from start until every rank holds the sum.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail};
+use ravnest_core::NodeId;
+use ravnest_core::ring::{RingEffect, RingInput, RingMember};
+use ravnest_runtime::tcp::LoopbackCluster;
+use ravnest_runtime::{Addr, Envelope, Transport};
+use tokio::sync::mpsc;
+
+/// One measurement.
+#[derive(Debug, Clone)]
+pub struct Row {
+    /// Ranks.
+    pub n: usize,
+    /// Bytes reduced per rank.
+    pub bytes: usize,
+    /// Median seconds per all-reduce.
+    pub secs: f64,
+}
+
+impl Row {
+    /// Algorithm bandwidth, GB/s.
+    pub fn algbw(&self) -> f64 {
+        self.bytes as f64 / self.secs / 1e9
+    }
+    /// Bus bandwidth, GB/s (algbw · 2(n−1)/n, as NCCL and gloo report it).
+    pub fn busbw(&self) -> f64 {
+        self.algbw() * 2.0 * (self.n as f64 - 1.0) / self.n as f64
+    }
+}
+
+async fn one_round(net: &LoopbackCluster, n: usize, len: usize, epoch: u64) -> Result<Duration> {
+    let mut inboxes = Vec::new();
+    for r in 0..n {
+        let (tx, rx) = mpsc::unbounded_channel();
+        net.register(
+            Addr::Node(NodeId(r as u32)),
+            std::sync::Arc::new(move |_, env| {
+                let _ = tx.send(env);
+            }),
+        );
+        inboxes.push(rx);
+    }
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for (r, mut rx) in inboxes.into_iter().enumerate() {
+        let net = net.clone();
+        tasks.push(tokio::spawn(async move {
+            let me = Addr::Node(NodeId(r as u32));
+            let next = Addr::Node(NodeId(((r + 1) % n) as u32));
+            let mut m = RingMember::new(epoch, r, n, len);
+            let mut effects = m.handle(RingInput::Start(vec![r as f32 + 1.0; len]));
+            loop {
+                for e in effects {
+                    match e {
+                        RingEffect::Send(chunk) => {
+                            let bytes = 4 * chunk.data.len() as u64;
+                            let _ = net.send(
+                                me,
+                                next,
+                                Envelope::Chunk {
+                                    chunk,
+                                    virtual_bytes: bytes,
+                                },
+                            );
+                        }
+                        RingEffect::Done(sum) => return Ok(sum[len / 2]),
+                        RingEffect::Aborted => bail!("aborted"),
+                    }
+                }
+                match rx.recv().await {
+                    Some(Envelope::Chunk { chunk, .. }) => {
+                        effects = m.handle(RingInput::Chunk(chunk))
+                    }
+                    Some(_) => effects = Vec::new(),
+                    None => bail!("inbox closed"),
+                }
+            }
+        }));
+    }
+    let want = (n * (n + 1) / 2) as f32;
+    for t in tasks {
+        let got = t.await??;
+        if got != want {
+            bail!("wrong sum {got}, expected {want}");
+        }
+    }
+    Ok(t.elapsed())
+}
+
+/// Measure every (n, size), `reps` rounds each (after one warm-up).
+pub fn measure(ns: &[usize], sizes_mib: &[usize], reps: usize) -> Result<Vec<Row>> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let mut rows = Vec::new();
+        for &n in ns {
+            let net = LoopbackCluster::start(n as u32, b"bench").await?;
+            let mut epoch = 0;
+            for &mib in sizes_mib {
+                let len = mib * (1 << 20) / 4;
+                epoch += 1;
+                one_round(&net, n, len, epoch).await?;
+                let mut times = Vec::new();
+                for _ in 0..reps {
+                    epoch += 1;
+                    times.push(one_round(&net, n, len, epoch).await?.as_secs_f64());
+                }
+                times.sort_by(f64::total_cmp);
+                rows.push(Row {
+                    n,
+                    bytes: len * 4,
+                    secs: times[times.len() / 2],
+                });
+            }
+            for t in net.nodes.values() {
+                t.shutdown();
+            }
+        }
+        Ok(rows)
+    })
+}
+
+/// The table.
+pub fn table(rows: &[Row]) -> String {
+    let mut out = String::from(
+        "ring all-reduce over loopback TCP (median of the rounds)\n\n  n     size      time    algbw GB/s   busbw GB/s\n",
+    );
+    for r in rows {
+        out += &format!(
+            "{:>3} {:>6} MiB {:>8.1} ms {:>12.3} {:>12.3}\n",
+            r.n,
+            r.bytes >> 20,
+            r.secs * 1e3,
+            r.algbw(),
+            r.busbw()
+        );
+    }
+    out
+}
