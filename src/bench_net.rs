@@ -144,3 +144,79 @@ pub fn table(rows: &[Row]) -> String {
     }
     out
 }
+
+/// `ravnest bench overhead`: one node training through ravnest (a real `run` process: TCP
+/// transport, actors, coordinator, checkpoint at the end) against a bare candle loop on the
+/// same model, data and steps. Alternates the two `rounds` times and keeps each one's best.
+pub fn overhead(steps: u64, rounds: usize) -> Result<String> {
+    use ravnest_runtime::Compute;
+    use ravnest_train::compute::CandleCompute;
+    use ravnest_train::data::Dataset;
+    use ravnest_train::net::Network;
+    use ravnest_train::optim::Optim;
+    use std::sync::Arc;
+
+    let batch = 384u64;
+    let dims = [64usize, 512, 512, 10];
+    let out = std::env::temp_dir().join(format!("ravnest-overhead-{}", std::process::id()));
+    let mut best = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..rounds {
+        // Bare candle: forward/backward on the same rows, our optimizer, nothing else.
+        let data = Arc::new(Dataset::load("digits")?.split().0);
+        let optim = Optim {
+            kind: ravnest_core::Optimizer::SgdMomentum,
+            lr: 0.05,
+            momentum: 0.9,
+            weight_decay: 0.0,
+        };
+        let c = CandleCompute::new(
+            Network::Mlp {
+                dims: dims.to_vec(),
+            },
+            data,
+            optim,
+            1,
+            1.0,
+        );
+        let mut model = c.initial_model();
+        let t = Instant::now();
+        for k in 0..steps {
+            let g = c.gradient_sum_now(k * batch..(k + 1) * batch, &model);
+            let mean: Vec<f32> = g.iter().map(|x| x / batch as f32).collect();
+            c.apply_update(&mut model, &mean);
+        }
+        best.0 = best.0.min(t.elapsed().as_secs_f64());
+
+        // The same through ravnest, one node.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let text = format!(
+            "[cluster]\nname = \"overhead\"\n[[node]]\nname = \"solo\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{port}\"\n[model]\nkind = \"mlp\"\ndims = [64, 512, 512, 10]\n[training]\nglobal_batch = {batch}\noptimizer = \"sgd-momentum\"\nsync = \"ring\"\n[run]\nsteps = {steps}\nlearning_rate = 0.05\nseed = 1\ncheckpoint_every_steps = 0\n"
+        );
+        let scenario = ravnest_core::parse(&text, "overhead")?;
+        let report = ravnest_train::process::run(ravnest_train::process::Options {
+            scenario,
+            origin: "overhead".into(),
+            node: "solo".into(),
+            out_dir: out.clone(),
+            resume: false,
+            join: false,
+            json: false,
+            register_timeout: Duration::from_secs(10),
+            planner: ravnest_core::PlannerKind::Ravnest,
+            quiet: true,
+        })?;
+        best.1 = best.1.min(report["train_s"].as_f64().unwrap_or(f64::NAN));
+    }
+    let _ = std::fs::remove_dir_all(&out);
+    Ok(format!(
+        "one node, MLP 64-512-512-10, batch {batch}, {steps} steps (best of {rounds})\n\n\
+         bare candle loop      {:>8.3} s\n\
+         through ravnest       {:>8.3} s\n\
+         overhead              {:>+7.1}%\n",
+        best.0,
+        best.1,
+        100.0 * (best.1 / best.0 - 1.0)
+    ))
+}

@@ -86,6 +86,9 @@ enum Command {
         /// JSON lines on stdout instead of text.
         #[arg(long)]
         json: bool,
+        /// Planner: ravnest, or uniform (the equal split of DDP-style frameworks) to compare.
+        #[arg(long, default_value = "ravnest")]
+        planner: String,
     },
     /// Benchmarks that print a table.
     Bench {
@@ -98,6 +101,15 @@ enum Command {
 
 #[derive(Subcommand, Debug)]
 enum BenchWhat {
+    /// One node through ravnest against a bare candle training loop: the framework's overhead.
+    Overhead {
+        /// Steps per run.
+        #[arg(long, default_value_t = 100)]
+        steps: u64,
+        /// Alternating rounds (each side keeps its best).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+    },
     /// Ring all-reduce over loopback TCP: algorithm and bus bandwidth for 2, 3 and 4 ranks.
     Allreduce {
         /// Sizes in MiB.
@@ -304,7 +316,9 @@ fn run(cli: Cli) -> Result<()> {
             out,
             steps,
             json,
+            planner,
         } => {
+            parse_planner(&planner)?;
             let (origin, text) = match &file {
                 None => (
                     scenarios::RUN_DEFAULT.0.to_string(),
@@ -325,6 +339,7 @@ fn run(cli: Cli) -> Result<()> {
                 out,
                 json,
                 steps,
+                planner,
             })
         }
         Command::Bench {
@@ -335,6 +350,12 @@ fn run(cli: Cli) -> Result<()> {
             }
             let rows = bench_net::measure(&nodes, &sizes, reps)?;
             emit(&bench_net::table(&rows));
+            Ok(())
+        }
+        Command::Bench {
+            what: BenchWhat::Overhead { steps, rounds },
+        } => {
+            emit(&bench_net::overhead(steps.max(1), rounds.max(1))?);
             Ok(())
         }
         Command::Catalog => {

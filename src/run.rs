@@ -31,6 +31,8 @@ pub struct RunArgs {
     pub json: bool,
     /// Override `[run] steps`.
     pub steps: Option<u64>,
+    /// Planner name.
+    pub planner: String,
 }
 
 fn default_out(s: &Scenario) -> PathBuf {
@@ -58,6 +60,9 @@ pub fn run(args: RunArgs) -> Result<()> {
                 join: args.join,
                 json: args.json,
                 register_timeout: Duration::from_secs(60),
+                planner: ravnest_core::PlannerKind::parse(&args.planner)
+                    .with_context(|| format!("unknown planner `{}`", args.planner))?,
+                quiet: false,
             })?;
             if !args.json && report["role"] == "coordinator" {
                 eprintln!("{}", coordinator_summary(&report));
@@ -112,6 +117,7 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
         if args.resume {
             cmd.arg("--resume");
         }
+        cmd.args(["--planner", &args.planner]);
         // Several processes share this machine's cores: one compute thread each.
         if std::env::var_os("RAYON_NUM_THREADS").is_none() {
             cmd.env("RAYON_NUM_THREADS", "1");

@@ -55,6 +55,10 @@ pub struct Options {
     pub json: bool,
     /// How long the coordinator waits for every node to register.
     pub register_timeout: Duration,
+    /// The planner (`uniform` is the equal-split baseline).
+    pub planner: PlannerKind,
+    /// Print nothing (benchmarks).
+    pub quiet: bool,
 }
 
 /// The network a scenario trains on a dataset, checked against each other.
@@ -147,11 +151,15 @@ impl Transport for Tap {
 #[derive(Debug, Clone)]
 struct Say {
     json: bool,
+    quiet: bool,
     node: String,
 }
 
 impl Say {
     fn event(&self, mut v: Value) {
+        if self.quiet {
+            return;
+        }
         v["node"] = json!(self.node);
         if self.json {
             println!("{v}");
@@ -331,12 +339,13 @@ async fn setup(opts: &Options, say: &Say) -> anyhow::Result<Setup> {
 async fn run_async(opts: Options) -> anyhow::Result<Value> {
     let say = Say {
         json: opts.json,
+        quiet: opts.quiet,
         node: opts.node.clone(),
     };
     let su = setup(&opts, &say).await?;
     let s = &opts.scenario;
     let cfg = tcp_config(s, &opts.origin, su.me)?;
-    let tcp = TcpTransport::bind(cfg, !opts.json).await?;
+    let tcp = TcpTransport::bind(cfg, !opts.json && !opts.quiet).await?;
     let finish = Arc::new(Notify::new());
     let net = Tap {
         inner: tcp.clone(),
@@ -568,7 +577,7 @@ async fn coordinate(
     }
     let model_spec = su.compute.net.model_spec();
     let registered: Vec<NodeId> = caps.keys().copied().collect();
-    let plan_text = match ravnest_core::plan(PlannerKind::Ravnest, &cluster.subset(&registered), &model_spec, &s.training) {
+    let plan_text = match ravnest_core::plan(opts.planner, &cluster.subset(&registered), &model_spec, &s.training) {
         Ok(p) => p
             .nodes
             .iter()
@@ -612,7 +621,7 @@ async fn coordinate(
         cluster: cluster.clone(),
         model: model_spec.clone(),
         training: s.training.clone(),
-        planner: PlannerKind::Ravnest,
+        planner: opts.planner,
         steps: s.run.steps,
         heartbeat_timeout: Duration::from_millis(s.run.heartbeat_timeout_ms),
         tick: Duration::from_millis(s.run.heartbeat_ms / 2 + 1),
