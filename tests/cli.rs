@@ -434,3 +434,40 @@ fn bench_sim_compares_planners_in_simulation() {
     assert!(table.contains("needs pipeline execution"), "{table}");
     assert!(!table.contains("CHECKER FAILED"), "{table}");
 }
+
+#[test]
+fn error_run_needs_an_address_per_node() {
+    let out = ravnest(&["run", "scenarios/mixed-4090-3060.toml"]);
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(
+        e.contains("node `rtx4090-0` has no `address`"),
+        "unexpected error: {e}"
+    );
+}
+
+#[test]
+fn error_run_unknown_node_lists_the_nodes() {
+    let out = ravnest(&["run", "--node", "fast-c", "--out", "target/none"]);
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(
+        e.contains("no node named `fast-c` (nodes: fast-a, fast-b, slow)"),
+        "unexpected error: {e}"
+    );
+}
+
+#[test]
+fn error_run_unreadable_dataset_is_named() {
+    let text = std::fs::read_to_string(root().join("scenarios/local-digits.toml"))
+        .unwrap()
+        .replace("dataset = \"digits\"", "dataset = \"/nonexistent/train.csv\"");
+    let f = temp_file("bad-dataset.toml", &text);
+    let out = ravnest(&["run", f.to_str().unwrap(), "--node", "fast-a"]);
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(
+        e.contains("/nonexistent/train.csv: cannot read the dataset"),
+        "unexpected error: {e}"
+    );
+}
