@@ -461,7 +461,10 @@ fn error_run_unknown_node_lists_the_nodes() {
 fn error_run_unreadable_dataset_is_named() {
     let text = std::fs::read_to_string(root().join("scenarios/local-digits.toml"))
         .unwrap()
-        .replace("dataset = \"digits\"", "dataset = \"/nonexistent/train.csv\"");
+        .replace(
+            "dataset = \"digits\"",
+            "dataset = \"/nonexistent/train.csv\"",
+        );
     let f = temp_file("bad-dataset.toml", &text);
     let out = ravnest(&["run", f.to_str().unwrap(), "--node", "fast-a"]);
     assert!(!out.status.success());
