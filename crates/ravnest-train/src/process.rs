@@ -408,6 +408,15 @@ async fn run_async(opts: Options) -> anyhow::Result<Value> {
         );
     }
 
+    // Progress lines, the same for every role.
+    let progress = spawn_progress(
+        say.clone(),
+        counters.clone(),
+        su.compute.clone(),
+        su.me,
+        s.run.steps,
+        u64::from(s.training.global_batch),
+    );
     let report = if is_coord {
         coordinate(&opts, &say, &su, &tcp, &mut reg_rx, &counters, t0).await?
     } else {
@@ -419,14 +428,6 @@ async fn run_async(opts: Options) -> anyhow::Result<Value> {
                 l.notify_one();
             }
         }));
-        let progress = spawn_progress(
-            say.clone(),
-            counters.clone(),
-            su.compute.clone(),
-            su.me,
-            s.run.steps,
-            u64::from(s.training.global_batch),
-        );
         tokio::select! {
             _ = finish.notified() => {}
             _ = lost.notified() => {
@@ -439,9 +440,9 @@ async fn run_async(opts: Options) -> anyhow::Result<Value> {
                 }
             }
         }
-        progress.abort();
         json!({ "role": "worker" })
     };
+    progress.abort();
     let mut report = report;
     let c = counters
         .lock()
@@ -651,14 +652,6 @@ async fn coordinate(
             let _ = coord.cast(CoordMsg::PeerDown(id));
         }
     }
-    let progress = spawn_progress(
-        say.clone(),
-        counters.clone(),
-        su.compute.clone(),
-        su.me,
-        s.run.steps,
-        u64::from(s.training.global_batch),
-    );
     // Relay the coordinator's events as they happen.
     let relay = {
         let (log, say, cluster) = (log.clone(), say.clone(), cluster.clone());
@@ -687,7 +680,6 @@ async fn coordinate(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_millis(150)).await;
-    progress.abort();
     relay.abort();
     let log = log.lock().unwrap().clone();
     for (t, e) in &log.events {
