@@ -45,15 +45,17 @@ async fn one_round(net: &LoopbackCluster, n: usize, len: usize, epoch: u64) -> R
         );
         inboxes.push(rx);
     }
+    // The contributions exist before the clock starts, as gradients do in training.
+    let inputs: Vec<Vec<f32>> = (0..n).map(|r| vec![r as f32 + 1.0; len]).collect();
     let t = Instant::now();
     let mut tasks = Vec::new();
-    for (r, mut rx) in inboxes.into_iter().enumerate() {
+    for ((r, mut rx), input) in inboxes.into_iter().enumerate().zip(inputs) {
         let net = net.clone();
         tasks.push(tokio::spawn(async move {
             let me = Addr::Node(NodeId(r as u32));
             let next = Addr::Node(NodeId(((r + 1) % n) as u32));
             let mut m = RingMember::new(epoch, r, n, len);
-            let mut effects = m.handle(RingInput::Start(vec![r as f32 + 1.0; len]));
+            let mut effects = m.handle(RingInput::Start(input));
             loop {
                 for e in effects {
                     match e {

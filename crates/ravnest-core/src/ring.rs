@@ -1,4 +1,4 @@
-//! Ring all-reduce as a pure state machine: reduce-scatter, then all-gather.
+//! Ring all-reduce as a pure state machine: reduce-scatter, then all-gather, pipelined.
 //!
 //! [`schedule`] is index arithmetic only (which chunk goes where at which step). [`RingMember`]
 //! is one node's side of one collective: feed it [`RingInput`]s, send the [`RingEffect::Send`]s
@@ -6,6 +6,13 @@
 //! sum. It does no I/O and keeps no clock, so the simulator and the TCP runtime drive the same
 //! code, and the property test below drives it under arbitrary (per-link FIFO) interleavings
 //! against a plain sum.
+//!
+//! Each of the n chunks is cut into `segments` equal pieces that travel as separate messages,
+//! and each piece moves on through the 2(n − 1) steps as soon as it has arrived: the chunk a
+//! rank sends at step s + 1 is the one it received (and reduced) at step s, so segment j of
+//! step s + 1 only waits for segment j of step s, never for the whole chunk. Sending,
+//! receiving and adding then overlap along the ring, and no message is larger than a segment
+//! (1 MiB by default, see [`segments_for`]), which keeps buffers small and cache-warm.
 //!
 //! Messages carry the collective's `epoch`; a member ignores messages of other epochs, so after
 //! an abort (a peer was lost, the ring re-forms) stale chunks cannot leak into the next round.
@@ -27,6 +34,25 @@ pub enum Phase {
 /// The element range of chunk `c` when `len` elements are split into `n` chunks.
 pub fn chunk_range(len: usize, n: usize, c: usize) -> Range<usize> {
     (c * len / n)..((c + 1) * len / n)
+}
+
+/// The element range of segment `j` of chunk `c` (of `n` chunks over `len` elements, each cut
+/// into `segments` pieces).
+pub fn segment_range(len: usize, n: usize, c: usize, segments: usize, j: usize) -> Range<usize> {
+    let chunk = chunk_range(len, n, c);
+    let inner = chunk_range(chunk.len(), segments, j);
+    chunk.start + inner.start..chunk.start + inner.end
+}
+
+/// Elements per segment that [`segments_for`] aims at: 256 Ki f32s, 1 MiB on the wire.
+pub const SEGMENT_ELEMS: usize = 256 * 1024;
+
+/// How many segments each chunk is cut into when `len` elements are reduced over `n` ranks:
+/// enough that no segment exceeds [`SEGMENT_ELEMS`] (one segment for small vectors, such as
+/// the simulator's).
+pub fn segments_for(len: usize, n: usize) -> usize {
+    let chunk = len.div_ceil(n.max(1));
+    chunk.div_ceil(SEGMENT_ELEMS).max(1)
 }
 
 /// Which chunk rank `rank` sends to `rank + 1` at `step` (0..n-1) of `phase`, and which chunk
@@ -54,7 +80,7 @@ pub enum RingMode {
     AllGather,
 }
 
-/// A chunk travelling to the next rank.
+/// A piece of a chunk travelling to the next rank.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RingChunk {
     /// Collective this chunk belongs to.
@@ -67,6 +93,8 @@ pub struct RingChunk {
     pub step: usize,
     /// Chunk index.
     pub chunk: usize,
+    /// Segment of the chunk.
+    pub seg: u32,
     /// The values.
     pub data: Vec<f32>,
 }
@@ -94,10 +122,10 @@ pub enum RingEffect {
 }
 
 /// Where a member is.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 enum State {
     Waiting,
-    Running { phase: Phase, step: usize },
+    Running,
     Finished,
 }
 
@@ -106,14 +134,22 @@ enum State {
 pub struct RingMember {
     epoch: u64,
     level: u8,
-    mode: RingMode,
     rank: usize,
     n: usize,
     len: usize,
+    segments: usize,
     buf: Vec<f32>,
     state: State,
-    /// Chunks that arrived before this member was ready for them, by (phase, step).
-    early: BTreeMap<(Phase, usize), RingChunk>,
+    /// Steps are numbered 0..2(n−1) across both phases (reduce-scatter first); this member
+    /// runs `first..end` of them.
+    first: usize,
+    end: usize,
+    /// Per segment: the next step it expects to receive.
+    next: Vec<usize>,
+    /// Segments that have received every step.
+    finished_segments: usize,
+    /// Pieces that arrived before this member was ready for them, by (segment, step).
+    early: BTreeMap<(usize, usize), RingChunk>,
 }
 
 impl RingMember {
@@ -132,17 +168,37 @@ impl RingMember {
         len: usize,
     ) -> Self {
         assert!(rank < n && n > 0, "rank {rank} outside a ring of {n}");
+        let half = n - 1;
+        let (first, end) = match mode {
+            RingMode::Full => (0, 2 * half),
+            RingMode::ReduceScatter => (0, half),
+            RingMode::AllGather => (half, 2 * half),
+        };
+        let segments = segments_for(len, n);
         RingMember {
             epoch,
             level,
-            mode,
             rank,
             n,
             len,
+            segments,
             buf: Vec::new(),
             state: State::Waiting,
+            first,
+            end,
+            next: vec![first; segments],
+            finished_segments: 0,
             early: BTreeMap::new(),
         }
+    }
+
+    /// The same member with each chunk cut into `segments` pieces instead of the default
+    /// (every rank of a ring must use the same count). Call before `Start`.
+    pub fn with_segments(mut self, segments: usize) -> Self {
+        let segments = segments.max(1);
+        self.segments = segments;
+        self.next = vec![self.first; segments];
+        self
     }
 
     /// Whether the collective has finished or aborted.
@@ -150,15 +206,33 @@ impl RingMember {
         self.state == State::Finished
     }
 
-    fn send(&self, phase: Phase, step: usize) -> RingEffect {
+    /// How many pieces each chunk travels in.
+    pub fn segments(&self) -> usize {
+        self.segments
+    }
+
+    /// Phase and step within it of overall step `u`.
+    fn phase_step(&self, u: usize) -> (Phase, usize) {
+        let half = self.n - 1;
+        if u < half {
+            (Phase::ReduceScatter, u)
+        } else {
+            (Phase::AllGather, u - half)
+        }
+    }
+
+    fn send(&self, u: usize, seg: usize) -> RingEffect {
+        let (phase, step) = self.phase_step(u);
         let (c, _) = schedule(phase, step, self.rank, self.n);
+        let range = segment_range(self.len, self.n, c, self.segments, seg);
         RingEffect::Send(RingChunk {
             epoch: self.epoch,
             level: self.level,
             phase,
             step,
             chunk: c,
-            data: self.buf[chunk_range(self.len, self.n, c)].to_vec(),
+            seg: seg as u32,
+            data: self.buf[range].to_vec(),
         })
     }
 
@@ -179,50 +253,61 @@ impl RingMember {
                     return vec![];
                 }
                 self.buf = v;
-                if self.n == 1 {
+                if self.first == self.end {
                     self.state = State::Finished;
                     return vec![RingEffect::Done(std::mem::take(&mut self.buf))];
                 }
-                let phase = match self.mode {
-                    RingMode::Full | RingMode::ReduceScatter => Phase::ReduceScatter,
-                    RingMode::AllGather => Phase::AllGather,
-                };
-                self.state = State::Running { phase, step: 0 };
-                let mut out = vec![self.send(phase, 0)];
-                out.extend(self.drain());
+                self.state = State::Running;
+                let mut out: Vec<RingEffect> = (0..self.segments)
+                    .map(|j| self.send(self.first, j))
+                    .collect();
+                for j in 0..self.segments {
+                    self.drain(j, &mut out);
+                }
                 out
             }
             RingInput::Chunk(c) => {
+                let seg = c.seg as usize;
                 if c.epoch != self.epoch
                     || c.level != self.level
                     || self.state == State::Finished
                     || c.step >= self.n - 1
+                    || seg >= self.segments
                 {
                     return vec![];
                 }
+                let u = match c.phase {
+                    Phase::ReduceScatter => c.step,
+                    Phase::AllGather => self.n - 1 + c.step,
+                };
                 let (_, want) = schedule(c.phase, c.step, self.rank, self.n);
-                if c.chunk != want || c.data.len() != chunk_range(self.len, self.n, want).len() {
+                let range = segment_range(self.len, self.n, want, self.segments, seg);
+                if u < self.next[seg]
+                    || u >= self.end
+                    || c.chunk != want
+                    || c.data.len() != range.len()
+                {
                     return vec![];
                 }
-                self.early.insert((c.phase, c.step), c);
-                if matches!(self.state, State::Running { .. }) {
-                    self.drain()
-                } else {
-                    vec![]
+                self.early.insert((seg, u), c);
+                let mut out = Vec::new();
+                if self.state == State::Running {
+                    self.drain(seg, &mut out);
                 }
+                out
             }
         }
     }
 
-    /// Apply every chunk that is now due, in schedule order.
-    fn drain(&mut self) -> Vec<RingEffect> {
-        let mut out = Vec::new();
-        while let State::Running { phase, step } = self.state {
-            let Some(c) = self.early.remove(&(phase, step)) else {
-                break;
+    /// Apply every piece of segment `seg` that is now due, in step order.
+    fn drain(&mut self, seg: usize, out: &mut Vec<RingEffect>) {
+        while self.state == State::Running {
+            let u = self.next[seg];
+            let Some(c) = self.early.remove(&(seg, u)) else {
+                return;
             };
-            let range = chunk_range(self.len, self.n, c.chunk);
-            match phase {
+            let range = segment_range(self.len, self.n, c.chunk, self.segments, seg);
+            match c.phase {
                 Phase::ReduceScatter => {
                     for (x, y) in self.buf[range].iter_mut().zip(&c.data) {
                         *x += *y;
@@ -230,30 +315,19 @@ impl RingMember {
                 }
                 Phase::AllGather => self.buf[range].copy_from_slice(&c.data),
             }
-            let last = self.n - 2;
-            let next = match (phase, step) {
-                (Phase::ReduceScatter, s) if s == last && self.mode == RingMode::ReduceScatter => {
-                    None
-                }
-                (Phase::ReduceScatter, s) if s == last => Some((Phase::AllGather, 0)),
-                (Phase::AllGather, s) if s == last => None,
-                (p, s) => Some((p, s + 1)),
-            };
-            match next {
-                Some((p, s)) => {
-                    self.state = State::Running { phase: p, step: s };
-                    out.push(self.send(p, s));
-                }
-                None => {
+            self.next[seg] = u + 1;
+            if u + 1 < self.end {
+                out.push(self.send(u + 1, seg));
+            } else {
+                self.finished_segments += 1;
+                if self.finished_segments == self.segments {
                     self.state = State::Finished;
                     out.push(RingEffect::Done(std::mem::take(&mut self.buf)));
                 }
             }
         }
-        out
     }
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -264,12 +338,15 @@ mod tests {
     /// acts next, so every interleaving that keeps per-link FIFO order is reachable.
     fn run(
         vectors: &[Vec<f32>],
+        segments: usize,
         choices: &[usize],
         lose_at: Option<usize>,
     ) -> Vec<Option<Vec<f32>>> {
         let n = vectors.len();
         let len = vectors[0].len();
-        let mut members: Vec<RingMember> = (0..n).map(|r| RingMember::new(7, r, n, len)).collect();
+        let mut members: Vec<RingMember> = (0..n)
+            .map(|r| RingMember::new(7, r, n, len).with_segments(segments))
+            .collect();
         let mut links: Vec<VecDeque<RingChunk>> = vec![VecDeque::new(); n]; // links[r]: r -> r+1
         let mut started = vec![false; n];
         let mut result: Vec<Option<Vec<f32>>> = vec![None; n];
@@ -317,13 +394,14 @@ mod tests {
         fn ring_allreduce_equals_the_sum(
             n in 1usize..7,
             len in 0usize..23,
+            segments in 1usize..5,
             seed_vals in prop::collection::vec(-100i32..100, 7 * 23),
             choices in prop::collection::vec(0usize..1000, 0..300),
         ) {
             let vectors: Vec<Vec<f32>> = (0..n)
                 .map(|r| (0..len).map(|j| seed_vals[r * 23 + j] as f32 / 8.0).collect())
                 .collect();
-            let out = run(&vectors, &choices, None);
+            let out = run(&vectors, segments, &choices, None);
             let oracle: Vec<f32> = (0..len).map(|j| vectors.iter().map(|v| v[j]).sum()).collect();
             for (r, o) in out.iter().enumerate() {
                 let o = o.as_ref().unwrap_or_else(|| panic!("rank {r} did not finish"));
@@ -335,9 +413,9 @@ mod tests {
 
         /// A lost peer aborts every member that has not finished; nobody finishes afterwards.
         #[test]
-        fn abort_stops_the_collective(n in 2usize..6, at in 0usize..20, choices in prop::collection::vec(0usize..100, 0..50)) {
+        fn abort_stops_the_collective(n in 2usize..6, segments in 1usize..4, at in 0usize..20, choices in prop::collection::vec(0usize..100, 0..50)) {
             let vectors: Vec<Vec<f32>> = (0..n).map(|r| vec![r as f32; 10]).collect();
-            let out = run(&vectors, &choices, Some(at));
+            let out = run(&vectors, segments, &choices, Some(at));
             // Either everyone finished before the loss, or the finished ones hold the true sum.
             let sum: f32 = (0..n).map(|r| r as f32).sum();
             for o in out.iter().flatten() { prop_assert!(o.iter().all(|&x| x == sum)); }
@@ -372,6 +450,7 @@ mod tests {
             phase,
             step,
             chunk: c,
+            seg: 0,
             data: vec![1.0; len],
         };
         let mut m = RingMember::new(3, 0, 3, 6);
@@ -388,5 +467,55 @@ mod tests {
             "wrong length start"
         );
         assert_eq!(m.handle(RingInput::Start(vec![0.0; 6])).len(), 1);
+        let wrong_seg = RingChunk {
+            seg: 1,
+            ..chunk(3, 0, Phase::ReduceScatter, 0, 2, 2)
+        };
+        assert!(m.handle(RingInput::Chunk(wrong_seg)).is_empty());
+    }
+
+    #[test]
+    fn segment_counts() {
+        assert_eq!(segments_for(10, 3), 1);
+        assert_eq!(segments_for(0, 3), 1);
+        // 64 MiB of f32 over 2 ranks: 32 MiB chunks of 1 MiB segments.
+        assert_eq!(segments_for(16 << 20, 2), 32);
+        assert_eq!(segments_for(16 << 20, 3), 22); // ceil(5,592,406 / 262,144)
+        // Segments tile each chunk exactly.
+        for (len, n, s) in [(10, 3, 4), (7, 2, 3), (1000, 7, 9)] {
+            for c in 0..n {
+                let mut at = chunk_range(len, n, c).start;
+                for j in 0..s {
+                    let r = segment_range(len, n, c, s, j);
+                    assert_eq!(r.start, at);
+                    at = r.end;
+                }
+                assert_eq!(at, chunk_range(len, n, c).end);
+            }
+        }
+    }
+
+    /// A member sends no piece larger than a segment, and pieces move on as they arrive:
+    /// with 4 segments, the first received piece is forwarded before the others arrive.
+    #[test]
+    fn pieces_move_on_one_at_a_time() {
+        let mut a = RingMember::new(1, 0, 2, 16).with_segments(4);
+        let mut b = RingMember::new(1, 1, 2, 16).with_segments(4);
+        let sent_a = a.handle(RingInput::Start(vec![1.0; 16]));
+        assert_eq!(sent_a.len(), 4);
+        b.handle(RingInput::Start(vec![2.0; 16]));
+        let RingEffect::Send(first) = sent_a[0].clone() else {
+            panic!("expected a send")
+        };
+        assert_eq!(first.data.len(), 2);
+        let out = b.handle(RingInput::Chunk(first));
+        assert_eq!(out.len(), 1, "one piece in, one piece on: {out:?}");
+        match &out[0] {
+            RingEffect::Send(c) => {
+                assert_eq!((c.phase, c.seg), (Phase::AllGather, 0));
+                assert_eq!(c.data, vec![3.0; 2]);
+            }
+            e => panic!("unexpected {e:?}"),
+        }
     }
 }

@@ -40,6 +40,7 @@ fn chunk(i: usize, len: usize) -> Envelope {
             phase: Phase::ReduceScatter,
             step: 0,
             chunk: i,
+            seg: 0,
             data: vec![i as f32; len],
         },
         virtual_bytes: 4 * len as u64,

@@ -267,6 +267,7 @@ impl Envelope {
                 h.u64(chunk.epoch);
                 h.u64(chunk.step as u64);
                 h.u64(chunk.chunk as u64);
+                h.u64(u64::from(chunk.seg));
                 for x in &chunk.data {
                     h.u64(u64::from(x.to_bits()));
                 }

@@ -366,7 +366,11 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 Out::Chunk(chunk) => {
                     let n = work.ring.len();
                     let next = work.ring[(st.rank + 1) % n];
-                    let virtual_bytes = self.grad_bytes / n as u64;
+                    let pieces = match &st.ring {
+                        Some((Member::Ring(m), ..)) => m.segments() as u64,
+                        _ => 1,
+                    };
+                    let virtual_bytes = self.grad_bytes / n as u64 / pieces;
                     self.send(
                         Addr::Node(next),
                         Envelope::Chunk {

@@ -26,7 +26,7 @@ use std::time::Duration;
 use hmac::{Hmac, Mac};
 use ravnest_core::NodeId;
 use sha2::Sha256;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
@@ -82,7 +82,7 @@ impl std::fmt::Debug for TcpTransport {
 }
 
 /// An outgoing queue and its generation.
-type Link = (u64, mpsc::UnboundedSender<Vec<u8>>);
+type Link = (u64, mpsc::UnboundedSender<wire::Frame>);
 
 struct Inner {
     cfg: TcpConfig,
@@ -442,23 +442,21 @@ impl TcpTransport {
                     return;
                 }
             };
+        let mut stream = BufReader::with_capacity(1 << 16, stream);
         let reason = loop {
-            match wire::read_frame(&mut stream, self.inner.cfg.max_frame).await {
+            match wire::read_envelope(&mut stream, self.inner.cfg.max_frame).await {
                 Ok(None) => break None,
                 Err(e) => break Some(e.to_string()),
-                Ok(Some(body)) => match wire::decode(&body) {
-                    Err(e) => break Some(e.to_string()),
-                    Ok((from, to, env)) => {
-                        // The header must not lie about who sent it or where it goes.
-                        if self.host(from) != Some(peer) {
-                            break Some(format!("claimed to send as {from:?}"));
-                        }
-                        if self.host(to) != Some(self.inner.cfg.me) {
-                            break Some(format!("sent to {to:?}, which is not here"));
-                        }
-                        self.deliver(from, to, env);
+                Ok(Some((from, to, env))) => {
+                    // The header must not lie about who sent it or where it goes.
+                    if self.host(from) != Some(peer) {
+                        break Some(format!("claimed to send as {from:?}"));
                     }
-                },
+                    if self.host(to) != Some(self.inner.cfg.me) {
+                        break Some(format!("sent to {to:?}, which is not here"));
+                    }
+                    self.deliver(from, to, env);
+                }
             }
         };
         if let Some(r) = reason {
@@ -537,7 +535,7 @@ impl TcpTransport {
         &self,
         peer: NodeId,
         generation: u64,
-        mut rx: mpsc::UnboundedReceiver<Vec<u8>>,
+        mut rx: mpsc::UnboundedReceiver<wire::Frame>,
     ) {
         let Some(stream) = self.dial(peer).await else {
             self.unlink(peer, generation);
@@ -563,7 +561,9 @@ impl TcpTransport {
             let mut failed = false;
             // Write what is queued, then flush once.
             while let Some(f) = next {
-                if w.write_all(&f).await.is_err() {
+                if w.write_all(&f.head).await.is_err()
+                    || w.write_all(f.payload_bytes()).await.is_err()
+                {
                     failed = true;
                     break;
                 }
@@ -603,7 +603,7 @@ impl Transport for TcpTransport {
             self.deliver(from, to, env);
             return Ok(());
         }
-        let frame = wire::encode(from, to, &env);
+        let frame = wire::Frame::new(from, to, env);
         let (generation, tx) = self.link(host);
         if tx.send(frame).is_err() {
             // The link ended between lookup and send: the envelope is lost, as on a network.

@@ -53,7 +53,7 @@ fn config() -> impl bincode::config::Config {
         .with_limit::<{ MAX_HEADER as usize }>()
 }
 
-/// Where the tensor of an envelope goes back, if it has one.
+/// Where the tensor of an envelope lives, if it has one.
 fn payload_slot(env: &mut Envelope) -> Option<&mut Vec<f32>> {
     match env {
         Envelope::Chunk { chunk, .. } => Some(&mut chunk.data),
@@ -64,120 +64,96 @@ fn payload_slot(env: &mut Envelope) -> Option<&mut Vec<f32>> {
     }
 }
 
-/// Encode one frame (length prefix included).
+/// One outgoing frame: the length prefix and header as bytes, and the tensor moved out of the
+/// envelope (not copied) to be written straight from its own memory.
+#[derive(Debug)]
+pub struct Frame {
+    /// `len`, `hlen` and the header.
+    pub head: Vec<u8>,
+    /// The tensor, already little-endian.
+    pub payload: Vec<f32>,
+}
+
+impl Frame {
+    /// Frame `env` (its tensor is moved, not copied).
+    pub fn new(from: Addr, to: Addr, mut env: Envelope) -> Frame {
+        let mut payload = payload_slot(&mut env)
+            .map(std::mem::take)
+            .unwrap_or_default();
+        if cfg!(target_endian = "big") {
+            for x in &mut payload {
+                *x = f32::from_bits(x.to_bits().to_le());
+            }
+        }
+        let header = bincode::serde::encode_to_vec((from, to, &env), config())
+            .expect("an envelope header always encodes");
+        let body_len = 4 + header.len() + 4 * payload.len();
+        let mut head = Vec::with_capacity(8 + header.len());
+        head.extend_from_slice(&(body_len as u32).to_le_bytes());
+        head.extend_from_slice(&(header.len() as u32).to_le_bytes());
+        head.extend_from_slice(&header);
+        Frame { head, payload }
+    }
+
+    /// Bytes on the wire, length prefix included.
+    pub fn len(&self) -> usize {
+        self.head.len() + 4 * self.payload.len()
+    }
+
+    /// Whether the frame is empty (never: a frame has at least its prefixes).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The tensor as bytes.
+    pub fn payload_bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.payload)
+    }
+
+    /// The whole frame in one buffer (tests and small messages).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.len());
+        out.extend_from_slice(&self.head);
+        out.extend_from_slice(self.payload_bytes());
+        out
+    }
+}
+
+/// Encode one frame (length prefix included) into one buffer.
 pub fn encode(from: Addr, to: Addr, env: &Envelope) -> Vec<u8> {
-    let head = env.clone_without_payload();
-    let payload = payload_of(env);
-    let header = bincode::serde::encode_to_vec((from, to, &head), config())
-        .expect("an envelope header always encodes");
-    let body_len = 4 + header.len() + 4 * payload.len();
-    let mut out = Vec::with_capacity(4 + body_len);
-    out.extend_from_slice(&(body_len as u32).to_le_bytes());
-    out.extend_from_slice(&(header.len() as u32).to_le_bytes());
-    out.extend_from_slice(&header);
-    extend_le(&mut out, payload);
-    out
+    Frame::new(from, to, env.clone()).to_bytes()
 }
 
-fn payload_of(env: &Envelope) -> &[f32] {
-    match env {
-        Envelope::Chunk { chunk, .. } => &chunk.data,
-        Envelope::Push { data, .. } | Envelope::Pull { data, .. } => data,
-        Envelope::Probe { data, .. } => data,
-        Envelope::State { model, .. } | Envelope::Shard { model, .. } => model,
-        _ => &[],
+/// Decode a header and check that a payload of `payload_len` bytes fits its envelope.
+fn decode_header(header: &[u8], payload_len: usize) -> Result<(Addr, Addr, Envelope), WireError> {
+    let ((from, to, mut env), used): ((Addr, Addr, Envelope), usize) =
+        bincode::serde::decode_from_slice(header, config())
+            .map_err(|e| WireError::Header(e.to_string()))?;
+    if used != header.len() {
+        return Err(WireError::Header(format!(
+            "{} trailing header bytes",
+            header.len() - used
+        )));
+    }
+    if !payload_len.is_multiple_of(4) {
+        return Err(WireError::Payload(payload_len as u64));
+    }
+    match payload_slot(&mut env) {
+        Some(slot) if !slot.is_empty() => Err(WireError::Header("tensor inside the header".into())),
+        None if payload_len != 0 => Err(WireError::Payload(payload_len as u64)),
+        _ => Ok((from, to, env)),
     }
 }
 
-impl Envelope {
-    /// A copy with the tensor left out (cheap for bulk envelopes).
-    fn clone_without_payload(&self) -> Envelope {
-        let empty = Vec::new;
-        match self {
-            Envelope::Chunk {
-                chunk,
-                virtual_bytes,
-            } => Envelope::Chunk {
-                chunk: ravnest_core::ring::RingChunk {
-                    epoch: chunk.epoch,
-                    level: chunk.level,
-                    phase: chunk.phase,
-                    step: chunk.step,
-                    chunk: chunk.chunk,
-                    data: empty(),
-                },
-                virtual_bytes: *virtual_bytes,
-            },
-            Envelope::Push {
-                epoch,
-                rank,
-                virtual_bytes,
-                ..
-            } => Envelope::Push {
-                epoch: *epoch,
-                rank: *rank,
-                data: empty(),
-                virtual_bytes: *virtual_bytes,
-            },
-            Envelope::Pull {
-                epoch,
-                virtual_bytes,
-                ..
-            } => Envelope::Pull {
-                epoch: *epoch,
-                data: empty(),
-                virtual_bytes: *virtual_bytes,
-            },
-            Envelope::Probe { id, echo, .. } => Envelope::Probe {
-                id: *id,
-                data: empty(),
-                echo: *echo,
-            },
-            Envelope::State {
-                version,
-                virtual_bytes,
-                ..
-            } => Envelope::State {
-                version: *version,
-                model: empty(),
-                virtual_bytes: *virtual_bytes,
-            },
-            Envelope::Shard {
-                step,
-                layers,
-                digest,
-                ..
-            } => Envelope::Shard {
-                step: *step,
-                layers: *layers,
-                digest: *digest,
-                model: empty(),
-            },
-            other => other.clone(),
+/// Put `payload` (little-endian f32s) into the envelope's tensor slot.
+fn fill(env: &mut Envelope, mut payload: Vec<f32>) {
+    if cfg!(target_endian = "big") {
+        for x in &mut payload {
+            *x = f32::from_bits(u32::from_le(x.to_bits()));
         }
     }
-}
-
-/// Append `xs` as little-endian bytes (a plain copy on little-endian machines).
-fn extend_le(out: &mut Vec<u8>, xs: &[f32]) {
-    if cfg!(target_endian = "little") {
-        out.extend_from_slice(bytemuck::cast_slice(xs));
-    } else {
-        for x in xs {
-            out.extend_from_slice(&x.to_le_bytes());
-        }
-    }
-}
-
-/// Little-endian bytes (a multiple of 4) as f32s (a plain copy on little-endian machines).
-fn from_le(bytes: &[u8]) -> Vec<f32> {
-    if cfg!(target_endian = "little") {
-        bytemuck::pod_collect_to_vec(bytes)
-    } else {
-        bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect()
+    if let Some(slot) = payload_slot(env) {
+        *slot = payload;
     }
 }
 
@@ -192,36 +168,29 @@ pub fn decode(body: &[u8]) -> Result<(Addr, Addr, Envelope), WireError> {
     }
     let header = &body[4..4 + hlen as usize];
     let payload = &body[4 + hlen as usize..];
-    let ((from, to, mut env), used): ((Addr, Addr, Envelope), usize) =
-        bincode::serde::decode_from_slice(header, config())
-            .map_err(|e| WireError::Header(e.to_string()))?;
-    if used != header.len() {
-        return Err(WireError::Header(format!(
-            "{} trailing header bytes",
-            header.len() - used
-        )));
-    }
-    if !payload.len().is_multiple_of(4) {
-        return Err(WireError::Payload(payload.len() as u64));
-    }
-    match payload_slot(&mut env) {
-        Some(slot) => {
-            if !slot.is_empty() {
-                return Err(WireError::Header("tensor inside the header".into()));
-            }
-            *slot = from_le(payload);
-        }
-        None if payload.is_empty() => {}
-        None => return Err(WireError::Payload(payload.len() as u64)),
-    }
+    let (from, to, mut env) = decode_header(header, payload.len())?;
+    fill(&mut env, bytemuck::pod_collect_to_vec(payload));
     Ok((from, to, env))
 }
 
-/// Read one frame body from `r`. `Ok(None)` on a clean end of stream between frames.
-pub async fn read_frame<R: AsyncRead + Unpin>(
+/// Tensor bytes read (and allocated) at a time: memory follows what arrives, not what a length
+/// announces.
+const READ_STEP_ELEMS: usize = 4 << 20;
+
+fn io(e: std::io::Error) -> WireError {
+    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        WireError::Io("stream ended mid-frame".into())
+    } else {
+        WireError::Io(e.to_string())
+    }
+}
+
+/// Read one envelope from `r`: prefixes, header, then the tensor straight into its `f32`
+/// buffer (no intermediate byte copy). `Ok(None)` on a clean end of stream between frames.
+pub async fn read_envelope<R: AsyncRead + Unpin>(
     r: &mut R,
     max: u32,
-) -> Result<Option<Vec<u8>>, WireError> {
+) -> Result<Option<(Addr, Addr, Envelope)>, WireError> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len).await {
         Ok(_) => {}
@@ -235,20 +204,34 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
             max: u64::from(max),
         });
     }
-    // Reserve at most 64 MiB from the announced length (frames come from authenticated peers
-    // only, but a bug should not cost a gigabyte); beyond that, grow with what arrives.
-    let mut body = Vec::with_capacity((len as usize).min(64 << 20));
-    let got = (&mut *r)
-        .take(u64::from(len))
-        .read_to_end(&mut body)
-        .await
-        .map_err(|e| WireError::Io(e.to_string()))?;
-    if got != len as usize {
-        return Err(WireError::Io(format!(
-            "stream ended after {got} of {len} bytes"
-        )));
+    let mut hlen = [0u8; 4];
+    r.read_exact(&mut hlen).await.map_err(io)?;
+    let hlen = u32::from_le_bytes(hlen);
+    if hlen > MAX_HEADER || hlen > len - 4 {
+        return Err(WireError::HeaderLength(u64::from(hlen)));
     }
-    Ok(Some(body))
+    let mut header = Vec::with_capacity((hlen as usize).min(4096));
+    let got = (&mut *r)
+        .take(u64::from(hlen))
+        .read_to_end(&mut header)
+        .await
+        .map_err(io)?;
+    if got != hlen as usize {
+        return Err(WireError::Io("stream ended mid-frame".into()));
+    }
+    let payload_len = (len - 4 - hlen) as usize;
+    let (from, to, mut env) = decode_header(&header, payload_len)?;
+    let want = payload_len / 4;
+    let mut data: Vec<f32> = Vec::new();
+    while data.len() < want {
+        let at = data.len();
+        data.resize(at + (want - at).min(READ_STEP_ELEMS), 0.0);
+        r.read_exact(bytemuck::cast_slice_mut(&mut data[at..]))
+            .await
+            .map_err(io)?;
+    }
+    fill(&mut env, data);
+    Ok(Some((from, to, env)))
 }
 
 #[cfg(test)]
@@ -269,6 +252,7 @@ mod tests {
                     phase: Phase::AllGather,
                     step: 2,
                     chunk: 1,
+                    seg: 4,
                     data: vec![1.5, -2.0, f32::MIN_POSITIVE],
                 },
                 virtual_bytes: 12,
@@ -301,16 +285,44 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn envelopes_round_trip_through_a_stream() {
+        let mut stream = Vec::new();
+        for env in samples() {
+            stream.extend(encode(Addr::Node(NodeId(2)), Addr::Node(NodeId(0)), &env));
+        }
+        let mut r: &[u8] = &stream;
+        for env in samples() {
+            let (from, to, back) = read_envelope(&mut r, MAX_FRAME).await.unwrap().unwrap();
+            assert_eq!((from, to), (Addr::Node(NodeId(2)), Addr::Node(NodeId(0))));
+            assert_eq!(back, env);
+        }
+        assert_eq!(read_envelope(&mut r, MAX_FRAME).await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn an_announced_tensor_that_never_comes_is_an_error() {
+        let env = Envelope::State {
+            version: 1,
+            model: vec![1.0; 1000],
+            virtual_bytes: 0,
+        };
+        let frame = encode(Addr::Node(NodeId(1)), Addr::Node(NodeId(0)), &env);
+        let mut r: &[u8] = &frame[..frame.len() - 7];
+        let e = read_envelope(&mut r, MAX_FRAME).await.unwrap_err();
+        assert!(matches!(e, WireError::Io(_)), "{e}");
+    }
+
+    #[tokio::test]
     async fn oversized_length_is_refused_before_reading() {
         let mut bytes: &[u8] = &[0xff, 0xff, 0xff, 0x7f, 1, 2, 3];
-        let e = read_frame(&mut bytes, MAX_FRAME).await.unwrap_err();
+        let e = read_envelope(&mut bytes, MAX_FRAME).await.unwrap_err();
         assert!(matches!(e, WireError::Length { .. }), "{e}");
     }
 
     #[tokio::test]
     async fn a_short_stream_is_an_error_not_a_hang() {
         let mut bytes: &[u8] = &[100, 0, 0, 0, 1, 2, 3];
-        let e = read_frame(&mut bytes, MAX_FRAME).await.unwrap_err();
+        let e = read_envelope(&mut bytes, MAX_FRAME).await.unwrap_err();
         assert!(matches!(e, WireError::Io(_)), "{e}");
     }
 
@@ -335,17 +347,31 @@ mod tests {
             let _ = decode(&frame[4..]);
         }
 
-        /// A stream of arbitrary bytes read as frames: errors, never panics, and never holds
-        /// more than it was sent.
+        /// A stream of arbitrary bytes read as envelopes: errors, never panics, and never
+        /// holds a tensor larger than it was sent.
         #[test]
         fn read_arbitrary_streams(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
             let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
             rt.block_on(async {
                 let mut r: &[u8] = &bytes;
-                while let Ok(Some(body)) = read_frame(&mut r, MAX_FRAME).await {
-                    assert!(body.len() <= bytes.len());
-                    let _ = decode(&body);
+                while let Ok(Some((from, to, env))) = read_envelope(&mut r, MAX_FRAME).await {
+                    let frame = Frame::new(from, to, env);
+                    assert!(frame.payload.len() * 4 <= bytes.len());
                 }
+            });
+        }
+
+        /// A valid frame with one byte changed, read from a stream: never panics.
+        #[test]
+        fn read_mutated_streams(which in 0usize..5, pos in any::<usize>(), byte in any::<u8>()) {
+            let env = &samples()[which];
+            let mut frame = encode(Addr::Node(NodeId(0)), Addr::Node(NodeId(1)), env);
+            let i = pos % frame.len();
+            frame[i] = byte;
+            let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            rt.block_on(async {
+                let mut r: &[u8] = &frame;
+                let _ = read_envelope(&mut r, MAX_FRAME).await;
             });
         }
     }
