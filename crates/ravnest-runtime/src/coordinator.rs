@@ -192,7 +192,11 @@ pub struct CoordState {
     left_out: BTreeMap<NodeId, u64>,
     /// The step of each node's last rebalance.
     rebalanced_at: BTreeMap<NodeId, u64>,
+    /// The last plan and what it was made from: (live nodes, their FLOP/s bits).
+    plan_cache: Option<PlanCache>,
 }
+
+type PlanCache = ((Vec<NodeId>, Vec<u64>), ravnest_core::Plan);
 
 impl<T: Transport> CoordinatorActor<T> {
     fn now_ns(&self) -> u64 {
@@ -272,14 +276,26 @@ impl<T: Transport> CoordinatorActor<T> {
         let opts = PlanOptions {
             allow_pipeline: false,
         };
-        let p = match plan_with(self.planner, &sub, &self.model, &self.training, opts) {
-            Ok(p) => p,
-            Err(e) => {
-                return self.finish(
-                    st,
-                    Event::Stalled(format!("no plan for the live nodes: {e}")),
-                );
-            }
+        // Planning is a pure function of the live set and the speeds it is given: reuse the
+        // last plan while neither changed (most steps), instead of planning every step.
+        let key: (Vec<NodeId>, Vec<u64>) = (
+            live.clone(),
+            sub.nodes.iter().map(|n| n.flops.to_bits()).collect(),
+        );
+        let p = match &st.plan_cache {
+            Some((k, p)) if *k == key => p.clone(),
+            _ => match plan_with(self.planner, &sub, &self.model, &self.training, opts) {
+                Ok(p) => {
+                    st.plan_cache = Some((key, p.clone()));
+                    p
+                }
+                Err(e) => {
+                    return self.finish(
+                        st,
+                        Event::Stalled(format!("no plan for the live nodes: {e}")),
+                    );
+                }
+            },
         };
         if !matches!(p.layout, Layout::DataParallel { .. }) {
             return self.finish(
@@ -500,8 +516,10 @@ impl<T: Transport> CoordinatorActor<T> {
                 st.pending_checkpoint = Some((version, writer));
             }
         }
-        // Rebalance when a worker's measured speed drifts from what the plan assumed.
-        for w in workers {
+        // Rebalance when a worker's measured speed drifts from what the plan assumed (a lone
+        // worker takes the whole batch whatever its speed: nothing to rebalance).
+        let alone = workers.len() < 2;
+        for w in workers.into_iter().filter(|_| !alone) {
             let cooling = st
                 .rebalanced_at
                 .get(&w)
@@ -569,6 +587,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             pending_checkpoint: None,
             left_out: BTreeMap::new(),
             rebalanced_at: BTreeMap::new(),
+            plan_cache: None,
             measured: BTreeMap::new(),
             assumed: self
                 .cluster

@@ -51,7 +51,7 @@ pub struct NodeCounters {
     /// Collectives aborted.
     pub aborted: u64,
     /// The latest model version this node holds, and the version number.
-    pub model: (u64, Vec<f32>),
+    pub model: (u64, Arc<Vec<f32>>),
     /// Activity intervals, in order (for timelines).
     pub spans: Vec<Span>,
 }
@@ -102,10 +102,10 @@ pub enum Start {
 pub struct NodeState {
     epoch: u64,
     /// Model versions held (the last two): version k = the model after k steps.
-    versions: BTreeMap<u64, Vec<f32>>,
+    versions: BTreeMap<u64, Arc<Vec<f32>>>,
     /// The latest synchronized version (identical on every replica), kept through local-SGD
     /// periods so the cluster can fall back to it.
-    synced: Option<(u64, Vec<f32>)>,
+    synced: Option<(u64, Arc<Vec<f32>>)>,
     /// Work waiting for a model version to arrive from a peer.
     waiting: Option<Work>,
     /// The running collective and its work.
@@ -194,6 +194,9 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     /// Record model version `work.step + 1` and report it.
     fn finish_step(&self, st: &mut NodeState, work: &Work, model: Vec<f32>, synchronized: bool) {
         let digest = toy::digest(&model);
+        // Versions are shared, not copied: the counters, the synchronized slot and the
+        // version map hold the same buffer.
+        let model = Arc::new(model);
         let snapshot = model.clone();
         self.count(|c| {
             c.model = (work.step + 1, snapshot);
@@ -264,7 +267,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             StepMode::Sync => sum.iter().map(|x| x / work.global_batch as f32).collect(),
             StepMode::Local | StepMode::Average => {
                 let mean: Vec<f32> = sum.iter().map(|x| x / work.batch.max(1) as f32).collect();
-                let mut local = model.clone();
+                let mut local = (*model).clone();
                 self.compute.apply_update(&mut local, &mean);
                 if work.mode == StepMode::Local {
                     self.finish_step(st, &work, local, false);
@@ -390,7 +393,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                     let model = match work.mode {
                         StepMode::Average => sum,
                         _ => {
-                            let mut model = st.version(work.step).unwrap_or_default();
+                            let mut model = st
+                                .version(work.step)
+                                .map(|m| (*m).clone())
+                                .unwrap_or_default();
                             self.compute.apply_update(&mut model, &sum);
                             model
                         }
@@ -414,7 +420,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
 
 impl NodeState {
     /// Model version `v`, if held (a recent version, or the last synchronized one).
-    fn version(&self, v: u64) -> Option<Vec<f32>> {
+    fn version(&self, v: u64) -> Option<Arc<Vec<f32>>> {
         match (self.versions.get(&v), &self.synced) {
             (_, Some((sv, m))) if *sv == v => Some(m.clone()),
             (Some(m), _) => Some(m.clone()),
@@ -442,6 +448,7 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
             Start::Fresh => {
                 let m = self.compute.initial_model();
                 let v = self.compute.initial_version();
+                let m = Arc::new(m);
                 st.synced = Some((v, m.clone()));
                 st.versions.insert(v, m);
             }
@@ -534,14 +541,14 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                         Addr::Node(to),
                         Envelope::State {
                             version,
-                            model,
+                            model: (*model).clone(),
                             virtual_bytes: self.model_bytes,
                         },
                     );
                 }
             }
             Envelope::State { version, model, .. } => {
-                st.versions.insert(version, model);
+                st.versions.insert(version, Arc::new(model));
                 if let Some(w) = st.waiting.take() {
                     if w.step == version && w.epoch >= st.epoch {
                         self.start_work(st, w).await;
@@ -554,7 +561,7 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                 // The writer stores the shard where it runs (files in `run`) and reports it;
                 // a version it no longer holds cannot be written (the round stays incomplete).
                 if let Some(model) = st.version(step) {
-                    let shard: Vec<f32> = model;
+                    let shard: Vec<f32> = (*model).clone();
                     self.send(
                         Addr::Checkpoint,
                         Envelope::Shard {

@@ -695,7 +695,7 @@ async fn coordinate(
             .lock()
             .unwrap()
             .get(&su.me)
-            .map(|c| c.model.1.clone())
+            .map(|c| c.model.1.to_vec())
             .unwrap_or_default(),
     };
     let accuracy = su
