@@ -316,7 +316,7 @@ fn summary_text(m: &Value) -> String {
     let rebalanced = all.iter().filter(|w| w.ends_with("rebalanced")).count();
     out += &format!(
         "
-{replans} plan(s), {rebalanced} of them after a node's measured speed drifted from its plan\n"
+{replans} distinct plan(s); {rebalanced} rebalance(s) after a node's measured speed drifted from its plan\n"
     );
     let events: Vec<&str> = all
         .into_iter()
