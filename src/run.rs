@@ -240,7 +240,17 @@ fn coordinator_summary(c: &Value) -> String {
     let f = |k: &str| c[k].as_f64().unwrap_or(0.0);
     let acc = f("accuracy");
     let target = f("target_accuracy");
-    format!(
+    let sample = match (
+        c["sample"]["prompt"].as_str(),
+        c["sample"]["continuation"].as_str(),
+    ) {
+        (Some(p), Some(more)) => format!(
+            "\nthe model continues the first test context: {:?} → {:?}",
+            p, more
+        ),
+        _ => String::new(),
+    };
+    let body = format!(
         "trained steps {}..{} in {:.1} s: {:.0} samples/s\n\
          accuracy on the held-out split: {:.3} (target {:.2}: {})\n\
          capacity efficiency: {:.2} (achieved ÷ {:.0} samples/s, the sum of each node's measured solo throughput)\n\
@@ -268,7 +278,8 @@ fn coordinator_summary(c: &Value) -> String {
             .unwrap_or_default(),
         c["checkpoint_dir"].as_str().unwrap_or(""),
         c["final_checkpoint"].as_str().unwrap_or("")
-    )
+    );
+    body + &sample
 }
 
 /// The final report of a local cluster run.

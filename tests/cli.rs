@@ -474,3 +474,47 @@ fn error_run_unreadable_dataset_is_named() {
         "unexpected error: {e}"
     );
 }
+
+#[test]
+fn error_run_char_model_needs_a_text_file() {
+    let text = std::fs::read_to_string(root().join("scenarios/local-digits.toml"))
+        .unwrap()
+        .replace("seed = 1\n", "seed = 1\nnetwork = \"char\"\n");
+    let f = temp_file("char-on-digits.toml", &text);
+    let out = ravnest(&["run", f.to_str().unwrap(), "--node", "fast-a"]);
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(
+        e.contains(
+            "[run] network = \"char\" trains on text: set [run] dataset to a text file's path"
+        ),
+        "unexpected error: {e}"
+    );
+    let text = text.replace(
+        "dataset = \"digits\"",
+        "dataset = \"/nonexistent/book.txt\"",
+    );
+    let f = temp_file("char-missing.toml", &text);
+    let out = ravnest(&["run", f.to_str().unwrap(), "--node", "fast-a"]);
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(
+        e.contains("/nonexistent/book.txt: cannot read the text"),
+        "unexpected error: {e}"
+    );
+}
+
+#[test]
+fn error_unknown_network_suggests_the_nearest() {
+    let text = std::fs::read_to_string(root().join("scenarios/local-digits.toml"))
+        .unwrap()
+        .replace("seed = 1\n", "seed = 1\nnetwork = \"chr\"\n");
+    let f = temp_file("chr.toml", &text);
+    let out = ravnest(&["run", f.to_str().unwrap(), "--node", "fast-a"]);
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(
+        e.contains("unknown network `chr`") && e.contains("char"),
+        "unexpected error: {e}"
+    );
+}

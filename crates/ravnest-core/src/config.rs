@@ -127,8 +127,13 @@ pub struct RunSettings {
     /// `"digits"` (embedded) or a path: a CSV file (features then label per row) or an IDX
     /// images file (its labels file beside it).
     pub dataset: String,
-    /// The network that `run` trains: `"mlp"` (the [model]'s dims) or `"cnn"`.
+    /// The network that `run` trains: `"mlp"` (the [model]'s dims), `"cnn"`, or `"char"` (a
+    /// character model over a text file).
     pub network: String,
+    /// Characters of context the `"char"` network sees.
+    pub context_chars: u64,
+    /// Hidden width of the `"char"` network.
+    pub char_hidden: u64,
     /// Checkpoint every this many steps (0: only at the end).
     pub checkpoint_every_steps: u64,
     /// Test accuracy the run reports against (and the demo test requires).
@@ -152,6 +157,8 @@ impl Default for RunSettings {
             seed: 0,
             dataset: "digits".into(),
             network: "mlp".into(),
+            context_chars: 16,
+            char_hidden: 256,
             checkpoint_every_steps: 100,
             target_accuracy: 0.9,
             heartbeat_ms: 100,
@@ -287,13 +294,15 @@ struct RunToml {
     seed: Option<u64>,
     dataset: Option<String>,
     network: Option<Spanned<String>>,
+    context_chars: Option<Spanned<u64>>,
+    char_hidden: Option<Spanned<u64>>,
     checkpoint_every_steps: Option<u64>,
     target_accuracy: Option<Spanned<f64>>,
     heartbeat_ms: Option<Spanned<u64>>,
     heartbeat_timeout_ms: Option<Spanned<u64>>,
 }
 
-const NETWORKS: &[&str] = &["mlp", "cnn"];
+const NETWORKS: &[&str] = &["mlp", "cnn", "char"];
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -694,6 +703,12 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
                 ));
             }
             run.network = x.get_ref().clone();
+        }
+        if let Some(x) = &r.context_chars {
+            run.context_chars = ctx.positive(x, "context_chars")?;
+        }
+        if let Some(x) = &r.char_hidden {
+            run.char_hidden = ctx.positive(x, "char_hidden")?;
         }
         if let Some(x) = r.checkpoint_every_steps {
             run.checkpoint_every_steps = x;

@@ -1,5 +1,6 @@
-//! Datasets: the embedded digits data, CSV files, and IDX (MNIST / Fashion-MNIST) files.
-//! Every dataset is split the same way: the last `max(1, n/6)` rows are the test set.
+//! Datasets: the embedded digits data, CSV files, IDX (MNIST / Fashion-MNIST) files, and any
+//! text file for the character model. Every dataset is split the same way: the last
+//! `max(1, n/6)` rows are the test set (for text: the end of the file).
 
 use std::io::Read;
 use std::path::Path;
@@ -22,6 +23,8 @@ pub struct Dataset {
     pub side: Option<usize>,
     /// Number of classes.
     pub classes: usize,
+    /// For text: the characters, class `k` is `vocab[k]` (empty otherwise).
+    pub vocab: Vec<char>,
 }
 
 /// A dataset could not be read.
@@ -167,6 +170,7 @@ fn parse_csv(text: &str, origin: &str, scale: f32) -> Result<Dataset, DataError>
         features,
         side,
         classes,
+        vocab: Vec::new(),
     })
 }
 
@@ -230,7 +234,89 @@ fn load_idx(path: &Path, images: &[u8]) -> Result<Dataset, DataError> {
         features,
         side: (rows == cols).then_some(rows),
         classes,
+        vocab: Vec::new(),
     })
+}
+
+/// Most distinct characters a text may hold (the model's input and output width).
+pub const MAX_VOCAB: usize = 512;
+
+impl Dataset {
+    /// A text file (UTF-8, optionally `.gz`) for the character model: sample `i` is the
+    /// `context` characters before position `i + context` (as class numbers) and the character
+    /// at it. Classes are the text's distinct characters in sorted order.
+    pub fn load_text(spec: &str, context: usize) -> Result<Dataset, DataError> {
+        let bytes = std::fs::read(spec).map_err(|e| {
+            err(
+                spec,
+                format!("cannot read the text: {e} (`dataset` is a text file's path)"),
+            )
+        })?;
+        let bytes = if spec.ends_with(".gz") {
+            let mut out = Vec::new();
+            flate2::read::GzDecoder::new(&bytes[..])
+                .read_to_end(&mut out)
+                .map_err(|e| err(spec, format!("not gzip: {e}")))?;
+            out
+        } else {
+            bytes
+        };
+        let text = String::from_utf8(bytes).map_err(|e| {
+            err(
+                spec,
+                format!(
+                    "not UTF-8 text (byte {}): the character model reads text files",
+                    e.utf8_error().valid_up_to()
+                ),
+            )
+        })?;
+        Dataset::text(&text, spec, context)
+    }
+
+    /// [`Dataset::load_text`] on text already in memory.
+    pub fn text(text: &str, origin: &str, context: usize) -> Result<Dataset, DataError> {
+        let chars: Vec<char> = text.chars().collect();
+        let mut vocab = chars.clone();
+        vocab.sort_unstable();
+        vocab.dedup();
+        if vocab.len() > MAX_VOCAB {
+            return Err(err(
+                origin,
+                format!(
+                    "{} distinct characters; the character model takes at most {MAX_VOCAB}",
+                    vocab.len()
+                ),
+            ));
+        }
+        if context == 0 || chars.len() < context + 12 {
+            return Err(err(
+                origin,
+                format!(
+                    "{} characters: too short for a context of {context} (need at least {})",
+                    chars.len(),
+                    context + 12
+                ),
+            ));
+        }
+        let ids: Vec<u32> = chars
+            .iter()
+            .map(|c| vocab.binary_search(c).expect("in vocab") as u32)
+            .collect();
+        let n = ids.len() - context;
+        let mut x = Vec::with_capacity(n * context);
+        for i in 0..n {
+            x.extend(ids[i..i + context].iter().map(|&k| k as f32));
+        }
+        Ok(Dataset {
+            name: origin.rsplit('/').next().unwrap_or(origin).to_string(),
+            x,
+            y: ids[context..].to_vec(),
+            features: context,
+            side: None,
+            classes: vocab.len(),
+            vocab,
+        })
+    }
 }
 
 #[cfg(test)]
@@ -283,6 +369,33 @@ mod tests {
         let d = Dataset::load(dir.join("t-images-idx3-ubyte").to_str().unwrap()).unwrap();
         assert_eq!((d.len(), d.features, d.classes, d.side), (2, 4, 8, Some(2)));
         assert_eq!(d.y, vec![3, 7]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn text_samples_are_context_then_next_character() {
+        let d = Dataset::text("abcabcabcabcabcabc", "t", 3).unwrap();
+        assert_eq!(d.vocab, vec!['a', 'b', 'c']);
+        assert_eq!((d.features, d.classes, d.len()), (3, 3, 15));
+        assert_eq!(&d.x[..6], &[0.0, 1.0, 2.0, 1.0, 2.0, 0.0]);
+        assert_eq!(&d.y[..2], &[0, 1]);
+        let (train, test) = d.split();
+        assert_eq!((train.len(), test.len()), (13, 2));
+        assert_eq!(test.vocab, d.vocab);
+    }
+
+    #[test]
+    fn text_errors_name_the_file_and_the_problem() {
+        let e = Dataset::text("short", "notes.txt", 16).unwrap_err();
+        assert!(e.to_string().starts_with("notes.txt: 5 characters"), "{e}");
+        let dir = std::env::temp_dir().join(format!("ravnest-text-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let bin = dir.join("bin.txt");
+        std::fs::write(&bin, [b'a', b'b', 0xff, 0xfe]).unwrap();
+        let e = Dataset::load_text(bin.to_str().unwrap(), 2).unwrap_err();
+        assert!(e.to_string().contains("not UTF-8 text (byte 2)"), "{e}");
+        let e = Dataset::load_text("/nonexistent/book.txt", 2).unwrap_err();
+        assert!(e.to_string().contains("cannot read the text"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

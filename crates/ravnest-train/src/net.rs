@@ -1,4 +1,4 @@
-//! The networks `ravnest run` trains, in candle: an MLP and a small CNN.
+//! The networks `ravnest run` trains, in candle: an MLP, a small CNN, and a character model.
 //!
 //! A model is one flat `Vec<f32>`: its tensors in sorted name order (the order every node, the
 //! ring all-reduce and the checkpoint files agree on). A forward/backward pass wraps slices of
@@ -25,7 +25,22 @@ pub enum Network {
         /// Classes.
         classes: usize,
     },
+    /// Next-character model: each of the last `context` characters embedded (`embed` wide),
+    /// concatenated → linear to `hidden` → tanh → linear to `vocab` logits.
+    Char {
+        /// Characters of context.
+        context: usize,
+        /// Distinct characters.
+        vocab: usize,
+        /// Embedding width.
+        embed: usize,
+        /// Hidden width.
+        hidden: usize,
+    },
 }
+
+/// Embedding width of the character model.
+pub const CHAR_EMBED: usize = 24;
 
 /// One tensor of the flat model.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,6 +95,22 @@ impl Network {
                     ("fc.bias".into(), vec![*classes], flat),
                 ]
             }
+            Network::Char {
+                context,
+                vocab,
+                embed,
+                hidden,
+            } => {
+                let wide = context * embed;
+                vec![
+                    // Fan-in 3: embeddings start in ±0.58, not ±1, so tanh does not saturate.
+                    ("emb.weight".into(), vec![*vocab, *embed], 3),
+                    ("fc0.weight".into(), vec![*hidden, wide], wide),
+                    ("fc0.bias".into(), vec![*hidden], wide),
+                    ("fc1.weight".into(), vec![*vocab, *hidden], *hidden),
+                    ("fc1.bias".into(), vec![*vocab], *hidden),
+                ]
+            }
         };
         raw.sort_by(|a, b| a.0.cmp(&b.0));
         let mut offset = 0;
@@ -107,6 +138,7 @@ impl Network {
         match self {
             Network::Mlp { dims } => dims[0],
             Network::Cnn { side, .. } => side * side,
+            Network::Char { context, .. } => *context,
         }
     }
 
@@ -140,6 +172,34 @@ impl Network {
                             flat,
                         ),
                         layer("fc", flat * k + k, 2 * flat * k, flat + k, k),
+                    ],
+                }
+            }
+            Network::Char {
+                context,
+                vocab,
+                embed,
+                hidden,
+            } => {
+                let (c, v, e, h) = (
+                    *context as u64,
+                    *vocab as u64,
+                    *embed as u64,
+                    *hidden as u64,
+                );
+                let layer = |name: &str, params: u64, flops: u64, act: u64, out: u64| LayerSpec {
+                    name: name.into(),
+                    params,
+                    fwd_flops_per_sample: flops as f64,
+                    activation_elems_per_sample: act,
+                    output_elems_per_sample: out,
+                };
+                ModelSpec {
+                    name: "char".into(),
+                    layers: vec![
+                        layer("emb", v * e, c * e, c + c * e, c * e),
+                        layer("fc0", c * e * h + h, 2 * c * e * h, c * e + h, h),
+                        layer("fc1", h * v + v, 2 * h * v, h + v, v),
                     ],
                 }
             }
@@ -197,6 +257,20 @@ impl Network {
                 h.matmul(&get("fc.weight").t()?)?
                     .broadcast_add(get("fc.bias"))
             }
+            Network::Char { context, embed, .. } => {
+                let b = x.dim(0)?;
+                // Inputs are class numbers stored as f32 (exact below 2^24).
+                let ids = x.to_dtype(DType::U32)?.flatten_all()?;
+                let h = get("emb.weight")
+                    .index_select(&ids, 0)?
+                    .reshape((b, context * embed))?;
+                let h = h
+                    .matmul(&get("fc0.weight").t()?)?
+                    .broadcast_add(get("fc0.bias"))?
+                    .tanh()?;
+                h.matmul(&get("fc1.weight").t()?)?
+                    .broadcast_add(get("fc1.bias"))
+            }
         }
     }
 
@@ -246,6 +320,38 @@ impl Network {
         ))
     }
 
+    /// For the character model: extend `prompt` (class numbers, at least `context` long) by
+    /// `n` characters, each the most likely next one (greedy). Other networks: empty.
+    pub fn continue_text(
+        &self,
+        model: &[f32],
+        prompt: &[u32],
+        n: usize,
+    ) -> candle_core::Result<Vec<u32>> {
+        let Network::Char { context, .. } = self else {
+            return Ok(Vec::new());
+        };
+        if prompt.len() < *context {
+            return Ok(Vec::new());
+        }
+        let dev = Device::Cpu;
+        let ts = self.tensors(model, &dev)?;
+        let mut ids = prompt.to_vec();
+        for _ in 0..n {
+            let window: Vec<f32> = ids[ids.len() - context..]
+                .iter()
+                .map(|&k| k as f32)
+                .collect();
+            let xb = Tensor::from_slice(&window, (1, *context), &dev)?;
+            let next = self
+                .forward(&ts, &xb)?
+                .argmax(D::Minus1)?
+                .to_vec1::<u32>()?;
+            ids.push(next[0]);
+        }
+        Ok(ids.split_off(prompt.len()))
+    }
+
     /// Fraction of rows classified correctly.
     pub fn accuracy(&self, model: &[f32], x: &[f32], y: &[u32]) -> candle_core::Result<f64> {
         if y.is_empty() {
@@ -266,6 +372,37 @@ impl Network {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The character model's gradient agrees with central differences, embeddings included.
+    #[test]
+    fn char_gradient_matches_finite_differences() {
+        let net = Network::Char {
+            context: 3,
+            vocab: 5,
+            embed: 2,
+            hidden: 4,
+        };
+        let w = net.init(5);
+        let x = [0.0f32, 4.0, 2.0, 1.0, 1.0, 3.0];
+        let y = [3u32, 0];
+        let (_, g) = net.loss_and_grad_sum(&w, &x, &y).unwrap();
+        // Every coordinate, the embedding rows included.
+        for k in 0..w.len() {
+            let h = 1e-2f32;
+            let mut wp = w.clone();
+            wp[k] += h;
+            let mut wm = w.clone();
+            wm[k] -= h;
+            let lp = net.loss_and_grad_sum(&wp, &x, &y).unwrap().0;
+            let lm = net.loss_and_grad_sum(&wm, &x, &y).unwrap().0;
+            let fd = ((lp - lm) / (2.0 * f64::from(h))) as f32;
+            assert!(
+                (fd - g[k]).abs() < 2e-2 * (1.0 + fd.abs()),
+                "coord {k}: {fd} vs {}",
+                g[k]
+            );
+        }
+    }
 
     /// The analytic gradient agrees with central differences on a few coordinates.
     #[test]

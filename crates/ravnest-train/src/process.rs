@@ -61,9 +61,31 @@ pub struct Options {
     pub quiet: bool,
 }
 
+/// The dataset a scenario names: a text file for the character model, else digits, CSV or IDX.
+pub fn load_dataset(s: &Scenario, origin: &str) -> anyhow::Result<Dataset> {
+    if s.run.network == "char" {
+        if s.run.dataset == "digits" {
+            bail!(
+                "{origin}: [run] network = \"char\" trains on text: set [run] dataset to a text file's path"
+            );
+        }
+        return Ok(Dataset::load_text(
+            &s.run.dataset,
+            s.run.context_chars as usize,
+        )?);
+    }
+    Ok(Dataset::load(&s.run.dataset)?)
+}
+
 /// The network a scenario trains on a dataset, checked against each other.
 pub fn network_for(s: &Scenario, origin: &str, data: &Dataset) -> anyhow::Result<Network> {
     match s.run.network.as_str() {
+        "char" => Ok(Network::Char {
+            context: data.features,
+            vocab: data.classes,
+            embed: crate::net::CHAR_EMBED,
+            hidden: s.run.char_hidden as usize,
+        }),
         "cnn" => {
             let side = data.side.with_context(|| {
                 format!(
@@ -267,7 +289,7 @@ async fn setup(opts: &Options, say: &Say) -> anyhow::Result<Setup> {
                 names.join(", ")
             )
         })?;
-    let data = Dataset::load(&s.run.dataset)?;
+    let data = load_dataset(s, &opts.origin)?;
     let (train, test) = data.split();
     let net = network_for(s, &opts.origin, &data)?;
     let optim = optim_for(s);
@@ -707,6 +729,24 @@ async fn coordinate(
             &su.test.y,
         )
         .unwrap_or(0.0);
+    // The character model writes: the first test context, continued greedily.
+    let sample = match (&su.compute.net, su.test.vocab.is_empty()) {
+        (Network::Char { context, .. }, false) => {
+            let prompt: Vec<u32> = su.test.x[..*context].iter().map(|&k| k as u32).collect();
+            let more = su
+                .compute
+                .net
+                .continue_text(&model[..su.compute.params().min(model.len())], &prompt, 80)
+                .unwrap_or_default();
+            let text = |ids: &[u32]| -> String {
+                ids.iter()
+                    .map(|&k| su.test.vocab.get(k as usize).copied().unwrap_or('?'))
+                    .collect()
+            };
+            Some(json!({"prompt": text(&prompt), "continuation": text(&more)}))
+        }
+        _ => None,
+    };
     for id in cluster.ids() {
         if id != su.me {
             let _ = tcp.send(Addr::Coordinator, Addr::Node(id), Envelope::Finish);
@@ -739,6 +779,7 @@ async fn coordinate(
         "capacity_efficiency": samples_per_s / solo_sum.max(1e-9),
         "accuracy": accuracy,
         "target_accuracy": s.run.target_accuracy,
+        "sample": sample,
         "checkpoints": checkpoints,
         "checkpoint_dir": su.files.dir.display().to_string(),
         "final_checkpoint": su.files.path(s.run.steps).display().to_string(),

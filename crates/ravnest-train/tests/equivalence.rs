@@ -1,6 +1,8 @@
 //! Distributed = single node: three node actors over real TCP (loopback), with a deliberately
-//! uneven batch split, train K steps of the candle MLP through the ring all-reduce; every
-//! replica's weights must equal K single-node steps on the whole global batch within 1e-5.
+//! uneven batch split, train K steps of a candle network through the ring all-reduce (or the
+//! parameter server); every replica's weights must equal K single-node steps on the whole
+//! global batch within 1e-5. Run for the MLP and the character model over the ring, and for
+//! the MLP through the parameter server.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -20,7 +22,7 @@ use ravnest_train::optim::Optim;
 const STEPS: u64 = 5;
 const BATCH: u64 = 60;
 
-fn cluster_text() -> String {
+fn cluster_text(sync: &str) -> String {
     // Three nodes of different speeds: the planner splits the batch unevenly.
     // Slow devices on fast links, so the ring pays for every node.
     let mut t = String::from("[links]\nbandwidth_gbps = 100.0\nlatency_ms = 0.001\n\n");
@@ -28,17 +30,44 @@ fn cluster_text() -> String {
         t += &format!("[[node]]\nname = \"{name}\"\ndevice = \"cpu\"\ntflops = {tflops}\n\n");
     }
     t + &format!(
-        "[model]\nkind = \"mlp\"\ndims = [64, 32, 10]\n\n[training]\nglobal_batch = {BATCH}\noptimizer = \"adamw\"\nsync = \"ring\"\n"
+        "[model]\nkind = \"mlp\"\ndims = [64, 32, 10]\n\n[training]\nglobal_batch = {BATCH}\noptimizer = \"adamw\"\nsync = \"{sync}\"\n"
     )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn distributed_steps_equal_single_node_steps() {
-    let s = ravnest_core::parse(&cluster_text(), "equivalence").unwrap();
-    let data = Arc::new(Dataset::load("digits").unwrap().split().0);
+async fn distributed_mlp_steps_equal_single_node_steps() {
+    let data = Dataset::load("digits").unwrap();
     let net = Network::Mlp {
         dims: vec![64, 32, 10],
     };
+    equivalence(net, data, "ring").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn distributed_char_model_steps_equal_single_node_steps() {
+    let text = "the quick brown fox jumps over the lazy dog. ".repeat(20);
+    let data = Dataset::text(&text, "fox.txt", 6).unwrap();
+    let net = Network::Char {
+        context: 6,
+        vocab: data.classes,
+        embed: 4,
+        hidden: 16,
+    };
+    equivalence(net, data, "ring").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parameter_server_steps_over_tcp_equal_single_node_steps() {
+    let data = Dataset::load("digits").unwrap();
+    let net = Network::Mlp {
+        dims: vec![64, 32, 10],
+    };
+    equivalence(net, data, "param-server").await;
+}
+
+async fn equivalence(net: Network, data: Dataset, sync: &str) {
+    let s = ravnest_core::parse(&cluster_text(sync), "equivalence").unwrap();
+    let data = Arc::new(data.split().0);
     let optim = Optim {
         kind: Optimizer::Adamw,
         lr: 0.01,
@@ -111,8 +140,24 @@ async fn distributed_steps_equal_single_node_steps() {
         .unwrap();
     coord.stop(None);
     sup.stop(None);
+    let sent: Vec<u64> = net_tcp.nodes.values().map(|t| t.bytes_sent()).collect();
     for t in net_tcp.nodes.values() {
         t.shutdown();
+    }
+    // The traffic shows which collective ran: a ring spreads it evenly; a parameter server
+    // sends every worker the update while each worker sends one gradient.
+    let (lo, hi) = (
+        *sent.iter().min().unwrap() as f64,
+        *sent.iter().max().unwrap() as f64,
+    );
+    eprintln!("{sync}: bytes sent per node {sent:?}");
+    if sync == "param-server" {
+        assert!(
+            hi > 1.5 * lo,
+            "a server sends more than its workers: {sent:?}"
+        );
+    } else {
+        assert!(hi < 1.5 * lo, "a ring spreads the traffic: {sent:?}");
     }
 
     let log = log.lock().unwrap().clone();
