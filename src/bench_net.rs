@@ -208,6 +208,7 @@ pub fn overhead(steps: u64, rounds: usize) -> Result<String> {
             register_timeout: Duration::from_secs(10),
             planner: ravnest_core::PlannerKind::Ravnest,
             quiet: true,
+            share: None,
         })?;
         best.1 = best.1.min(report["train_s"].as_f64().unwrap_or(f64::NAN));
     }

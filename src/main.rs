@@ -77,9 +77,11 @@ enum Command {
         /// Be this node of the file (otherwise start them all locally).
         #[arg(long)]
         node: Option<String>,
-        /// Rejoin a running cluster (a restarted node).
-        #[arg(long)]
-        join: bool,
+        /// Rejoin a running cluster (a restarted node). With HOST:PORT (any running node's
+        /// address) and no FILE: fetch the cluster file from that node, authenticated with the
+        /// secret in RAVNEST_SECRET.
+        #[arg(long, value_name = "HOST:PORT", num_args = 0..=1, default_missing_value = "")]
+        join: Option<String>,
         /// Continue from the latest checkpoint in the output directory.
         #[arg(long)]
         resume: bool,
@@ -325,22 +327,36 @@ fn run(cli: Cli) -> Result<()> {
             planner,
         } => {
             parse_planner(&planner)?;
-            let (origin, text) = match &file {
-                None => (
+            let seed = join.as_deref().filter(|a| !a.is_empty());
+            let (origin, text, steps) = match (&file, seed) {
+                (Some(p), Some(a)) => bail!(
+                    "give a cluster file or --join {a}, not both (`{}` and the file fetched from {a} could differ)",
+                    p.display()
+                ),
+                (None, Some(a)) => {
+                    if node.is_none() {
+                        bail!("--join {a}: name the node this process is with --node NAME");
+                    }
+                    let (origin, text, n) = run::fetch_cluster_file(a)?;
+                    (origin, text, Some(steps.unwrap_or(n)))
+                }
+                (None, None) => (
                     scenarios::RUN_DEFAULT.0.to_string(),
                     scenarios::RUN_DEFAULT.1.to_string(),
+                    steps,
                 ),
-                Some(p) => (
+                (Some(p), None) => (
                     p.display().to_string(),
                     std::fs::read_to_string(p)
                         .with_context(|| format!("cannot read `{}`", p.display()))?,
+                    steps,
                 ),
             };
             run::run(run::RunArgs {
                 origin,
                 text,
                 node,
-                join,
+                join: join.is_some(),
                 resume,
                 out,
                 json,

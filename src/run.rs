@@ -45,6 +45,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     if let Some(n) = args.steps {
         scenario.run.steps = n;
     }
+    let steps = scenario.run.steps;
     let out = args.out.clone().unwrap_or_else(|| default_out(&scenario));
     if args.join && args.node.is_none() {
         bail!("--join restarts one node: name it with --node NAME");
@@ -63,6 +64,11 @@ pub fn run(args: RunArgs) -> Result<()> {
                 planner: ravnest_core::PlannerKind::parse(&args.planner)
                     .with_context(|| format!("unknown planner `{}`", args.planner))?,
                 quiet: false,
+                share: Some(ravnest_train::process::share_document(
+                    &args.origin,
+                    &args.text,
+                    steps,
+                )),
             })?;
             if !args.json && report["role"] == "coordinator" {
                 eprintln!("{}", coordinator_summary(&report));
@@ -355,4 +361,37 @@ fn summary_text(m: &Value) -> String {
         );
     }
     out
+}
+
+/// `--join HOST:PORT`: the cluster file from a running node, authenticated with the secret in
+/// `RAVNEST_SECRET` (the default secret of files without one when unset). Returns (origin,
+/// text, steps).
+pub fn fetch_cluster_file(addr: &str) -> Result<(String, String, u64)> {
+    let sa: std::net::SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(addr)
+        .ok()
+        .and_then(|mut it| it.next())
+        .with_context(|| format!("--join {addr}: not a reachable host:port"))?;
+    let secret = std::env::var("RAVNEST_SECRET")
+        .unwrap_or_else(|_| ravnest_train::process::DEFAULT_SECRET.to_string());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let doc = rt
+        .block_on(ravnest_runtime::tcp::fetch_cluster_file(
+            sa,
+            secret.as_bytes(),
+        ))
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "--join {addr}: {e}{}",
+                if matches!(e, ravnest_runtime::tcp::HandshakeError::Secret(_)) {
+                    " (set RAVNEST_SECRET to the cluster's secret)"
+                } else {
+                    ""
+                }
+            )
+        })?;
+    let (origin, text, steps) = ravnest_train::process::read_share_document(&doc)
+        .with_context(|| format!("--join {addr}"))?;
+    Ok((format!("{origin} (from {addr})"), text, steps))
 }

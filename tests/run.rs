@@ -3,7 +3,8 @@
 //! - a local 3-process heterogeneous cluster reaches the target accuracy, and its merged
 //!   checkpoint loads in Python's `safetensors` (where installed; CI installs it);
 //! - a worker killed with SIGKILL mid-run is detected, the others finish, loss still falls, and
-//!   the worker restarted with `--join` comes back in;
+//!   the worker restarted with `--join HOST:PORT` (no file: it fetches it from a running node)
+//!   comes back in;
 //! - a run resumed from a checkpoint ends with the same bytes as an uninterrupted one;
 //! - the character model learns a text file across two processes and writes with it.
 //!
@@ -224,17 +225,31 @@ fn a_worker_killed_with_sigkill_is_survived_and_can_rejoin() {
         lost.last().is_some_and(|v| v["event"] == "cluster"),
         "the loss of b was not reported: {lost:?}"
     );
-    // Restart b: it rejoins the running cluster.
-    let mut b = start(&[
-        "run",
-        file.to_str().unwrap(),
-        "--node",
-        "b",
-        "--join",
-        "--json",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    // Restart b with only a seed address: it fetches the cluster file from node a
+    // (authenticated by the secret) and rejoins the running cluster.
+    let text = std::fs::read_to_string(&file).unwrap();
+    let seed = text
+        .lines()
+        .find_map(|l| l.strip_prefix("address = \""))
+        .and_then(|l| l.strip_suffix('"'))
+        .unwrap()
+        .to_string();
+    let mut b = Command::new(exe())
+        .args([
+            "run",
+            "--join",
+            &seed,
+            "--node",
+            "b",
+            "--json",
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .env("RAVNEST_SECRET", "e2e-secret")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
     let rest = read_until(&rx, deadline, |v| v["event"] == "summary");
     assert!(
         parent.wait().unwrap().success(),

@@ -39,6 +39,10 @@ use crate::wire;
 pub const PROTOCOL_VERSION: u32 = 1;
 
 const MAGIC: &[u8; 4] = b"RVN1";
+/// A joiner asking for the cluster file (`ravnest run --join HOST:PORT`).
+const CONFIG_MAGIC: &[u8; 4] = b"RVCF";
+/// Largest cluster file handed out.
+const MAX_CLUSTER_FILE: u32 = 4 << 20;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Handshake status bytes (listener → dialer).
@@ -62,6 +66,9 @@ pub struct TcpConfig {
     pub max_frame: u32,
     /// How long a dial is retried before queued envelopes are given up.
     pub connect_window: Duration,
+    /// The cluster file this node hands to an authenticated joiner (`--join HOST:PORT`),
+    /// if it shares one.
+    pub cluster_file: Option<Arc<str>>,
 }
 
 /// Called with the peer whose connection was lost.
@@ -96,6 +103,8 @@ struct Inner {
     tasks: Mutex<Vec<AbortHandle>>,
     down: AtomicBool,
     bytes_sent: AtomicU64,
+    /// Frames queued on links and not yet written and flushed (or dropped with their link).
+    unsent: AtomicU64,
     log: Mutex<Vec<String>>,
     verbose: bool,
     /// This process's incarnation (random per start), exchanged in the handshake.
@@ -241,16 +250,31 @@ async fn handshake_dial(
     }
 }
 
+/// What an accepted connection turned out to be.
+enum Accepted {
+    /// An authenticated peer node and its incarnation.
+    Node(NodeId, u64),
+    /// A joiner that was handed the cluster file (the connection is done).
+    ClusterFileSent,
+}
+
 /// The listener's side. Returns the authenticated peer.
 async fn handshake_accept(
     s: &mut TcpStream,
     cfg: &TcpConfig,
     remote: SocketAddr,
     incarnation: u64,
-) -> Result<(NodeId, u64), HandshakeError> {
+) -> Result<Accepted, HandshakeError> {
     let who = format!("connection from {remote}");
     let mut hello = [0u8; 44];
     timed(s.read_exact(&mut hello), &who).await?;
+    if &hello[..4] == CONFIG_MAGIC {
+        let version = u32::from_le_bytes(hello[4..8].try_into().expect("4 bytes"));
+        let nc: [u8; 32] = hello[12..44].try_into().expect("32 bytes");
+        let who = format!("joiner at {remote}");
+        send_cluster_file(s, cfg, version, nc, &who).await?;
+        return Ok(Accepted::ClusterFileSent);
+    }
     if &hello[..4] != MAGIC {
         return Err(HandshakeError::Io(format!("{who}: not a ravnest peer")));
     }
@@ -289,7 +313,148 @@ async fn handshake_accept(
     ok.extend_from_slice(&incarnation.to_le_bytes());
     timed(s.write_all(&ok), &who).await?;
     let theirs = u64::from_le_bytes(answer[32..].try_into().expect("8 bytes"));
-    Ok((NodeId(id), theirs))
+    Ok(Accepted::Node(NodeId(id), theirs))
+}
+
+/// MAC over the cluster file, bound to both nonces.
+fn file_mac(secret: &[u8], a: &[u8; 32], b: &[u8; 32], doc: &[u8]) -> HmacSha256 {
+    let mut m = keyed(secret, b"ravnest-cluster-file", a, b, (0, 0));
+    m.update(doc);
+    m
+}
+
+/// The listener's side of `--join HOST:PORT`: prove we hold the secret, check that the
+/// joiner does, then send the cluster file with a MAC over it.
+async fn send_cluster_file(
+    s: &mut TcpStream,
+    cfg: &TcpConfig,
+    version: u32,
+    nc: [u8; 32],
+    who: &str,
+) -> Result<(), HandshakeError> {
+    if version != PROTOCOL_VERSION {
+        let mut m = vec![BAD_VERSION];
+        m.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        let _ = s.write_all(&m).await;
+        return Err(HandshakeError::Version {
+            peer: who.to_string(),
+            theirs: version,
+            ours: PROTOCOL_VERSION,
+        });
+    }
+    let Some(doc) = cfg.cluster_file.clone() else {
+        let _ = s.write_all(&[UNKNOWN_NODE]).await;
+        return Err(HandshakeError::Unknown(format!(
+            "{who} asked for the cluster file, which this node does not share"
+        )));
+    };
+    let ns = nonce();
+    let mut challenge = vec![OK];
+    challenge.extend_from_slice(&ns);
+    challenge.extend_from_slice(&mac(&cfg.secret, b"ravnest-file-server", &nc, &ns, (0, 0)));
+    timed(s.write_all(&challenge), who).await?;
+    let mut answer = [0u8; 32];
+    timed(s.read_exact(&mut answer), who).await?;
+    if !verify(
+        &cfg.secret,
+        b"ravnest-file-joiner",
+        &ns,
+        &nc,
+        (0, 0),
+        &answer,
+    ) {
+        let _ = s.write_all(&[BAD_SECRET]).await;
+        return Err(HandshakeError::Secret(who.to_string()));
+    }
+    let mut reply = vec![OK];
+    reply.extend_from_slice(&(doc.len() as u32).to_le_bytes());
+    reply.extend_from_slice(doc.as_bytes());
+    reply.extend_from_slice(
+        &file_mac(&cfg.secret, &nc, &ns, doc.as_bytes())
+            .finalize()
+            .into_bytes(),
+    );
+    timed(s.write_all(&reply), who).await?;
+    Ok(())
+}
+
+/// `ravnest run --join HOST:PORT`: fetch the cluster file from a running node, both sides
+/// proving they hold `secret` (HMAC over fresh nonces, as between nodes) and the file
+/// arriving under a MAC.
+pub async fn fetch_cluster_file(addr: SocketAddr, secret: &[u8]) -> Result<String, HandshakeError> {
+    let who = format!("node at {addr}");
+    let mut s = timed(TcpStream::connect(addr), &who).await?;
+    let nc = nonce();
+    let mut hello = Vec::with_capacity(44);
+    hello.extend_from_slice(CONFIG_MAGIC);
+    hello.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    hello.extend_from_slice(&0u32.to_le_bytes());
+    hello.extend_from_slice(&nc);
+    timed(s.write_all(&hello), &who).await?;
+    let mut status = [0u8; 1];
+    timed(s.read_exact(&mut status), &who).await?;
+    match status[0] {
+        OK => {}
+        BAD_VERSION => {
+            let mut v = [0u8; 4];
+            timed(s.read_exact(&mut v), &who).await?;
+            return Err(HandshakeError::Version {
+                peer: who,
+                theirs: u32::from_le_bytes(v),
+                ours: PROTOCOL_VERSION,
+            });
+        }
+        UNKNOWN_NODE => {
+            return Err(HandshakeError::Unknown(format!(
+                "{who} does not share its cluster file"
+            )));
+        }
+        _ => return Err(HandshakeError::Io(format!("{who}: not a ravnest node"))),
+    }
+    let mut rest = [0u8; 64];
+    timed(s.read_exact(&mut rest), &who).await?;
+    let ns: [u8; 32] = rest[..32].try_into().expect("32 bytes");
+    if !verify(
+        secret,
+        b"ravnest-file-server",
+        &nc,
+        &ns,
+        (0, 0),
+        &rest[32..],
+    ) {
+        let _ = s.write_all(&[0u8; 32]).await;
+        return Err(HandshakeError::Secret(who));
+    }
+    timed(
+        s.write_all(&mac(secret, b"ravnest-file-joiner", &ns, &nc, (0, 0))),
+        &who,
+    )
+    .await?;
+    timed(s.read_exact(&mut status), &who).await?;
+    match status[0] {
+        OK => {}
+        BAD_SECRET => return Err(HandshakeError::Secret(who)),
+        _ => return Err(HandshakeError::Io(format!("{who}: not a ravnest node"))),
+    }
+    let mut len = [0u8; 4];
+    timed(s.read_exact(&mut len), &who).await?;
+    let len = u32::from_le_bytes(len);
+    if len > MAX_CLUSTER_FILE {
+        return Err(HandshakeError::Io(format!(
+            "{who}: a cluster file of {len} bytes (at most {MAX_CLUSTER_FILE})"
+        )));
+    }
+    let mut doc = vec![0u8; len as usize];
+    timed(s.read_exact(&mut doc), &who).await?;
+    let mut tag = [0u8; 32];
+    timed(s.read_exact(&mut tag), &who).await?;
+    if file_mac(secret, &nc, &ns, &doc).verify_slice(&tag).is_err() {
+        return Err(HandshakeError::Io(format!(
+            "{who}: the cluster file arrived altered"
+        )));
+    }
+    String::from_utf8(doc)
+        .map_err(|_| HandshakeError::Io(format!("{who}: the cluster file is not UTF-8")))
 }
 
 impl TcpTransport {
@@ -316,6 +481,7 @@ impl TcpTransport {
                 tasks: Mutex::default(),
                 down: AtomicBool::new(false),
                 bytes_sent: AtomicU64::new(0),
+                unsent: AtomicU64::new(0),
                 log: Mutex::default(),
                 verbose,
                 incarnation: rand::random(),
@@ -351,6 +517,20 @@ impl TcpTransport {
     /// Bytes written to sockets so far (frames, with headers).
     pub fn bytes_sent(&self) -> u64 {
         self.inner.bytes_sent.load(Ordering::Relaxed)
+    }
+
+    /// Wait until every queued frame has been written to its socket (or dropped with a lost
+    /// link), at most `limit`. Returns whether everything went out. A process that is about to
+    /// exit calls this so its last words (`Finish`) are not lost with it.
+    pub async fn drain(&self, limit: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        while self.inner.unsent.load(Ordering::SeqCst) > 0 {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        true
     }
 
     /// What the transport logged (refused handshakes, dropped connections).
@@ -433,9 +613,13 @@ impl TcpTransport {
             match handshake_accept(&mut stream, &self.inner.cfg, remote, self.inner.incarnation)
                 .await
             {
-                Ok((p, incarnation)) => {
+                Ok(Accepted::Node(p, incarnation)) => {
                     self.saw_incarnation(p, incarnation);
                     p
+                }
+                Ok(Accepted::ClusterFileSent) => {
+                    self.log(format!("sent the cluster file to a joiner at {remote}"));
+                    return;
                 }
                 Err(e) => {
                     self.log(format!("refused {e}"));
@@ -539,6 +723,8 @@ impl TcpTransport {
     ) {
         let Some(stream) = self.dial(peer).await else {
             self.unlink(peer, generation);
+            rx.close();
+            self.forget_queued(&mut rx);
             self.peer_down(peer);
             return;
         };
@@ -559,8 +745,10 @@ impl TcpTransport {
             };
             let mut next = Some(frame);
             let mut failed = false;
+            let mut taken = 0;
             // Write what is queued, then flush once.
             while let Some(f) = next {
+                taken += 1;
                 if w.write_all(&f.head).await.is_err()
                     || w.write_all(f.payload_bytes()).await.is_err()
                 {
@@ -572,16 +760,29 @@ impl TcpTransport {
                     .fetch_add(f.len() as u64, Ordering::Relaxed);
                 next = rx.try_recv().ok();
             }
-            if failed || w.flush().await.is_err() {
+            let flushed = !failed && w.flush().await.is_ok();
+            self.inner.unsent.fetch_sub(taken, Ordering::SeqCst);
+            if !flushed {
                 break;
             }
         }
         // Closed by us (shutdown, or the link was replaced) is not a loss.
         let lost = !rx.is_closed();
+        rx.close();
+        self.forget_queued(&mut rx);
         self.unlink(peer, generation);
         if lost {
             self.log(format!("lost the connection to node {}", peer.0));
             self.peer_down(peer);
+        }
+    }
+}
+
+impl TcpTransport {
+    /// Frames left in a closed link's queue are lost with it.
+    fn forget_queued(&self, rx: &mut mpsc::UnboundedReceiver<wire::Frame>) {
+        while rx.try_recv().is_ok() {
+            self.inner.unsent.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }
@@ -605,7 +806,10 @@ impl Transport for TcpTransport {
         }
         let frame = wire::Frame::new(from, to, env);
         let (generation, tx) = self.link(host);
+        // Counted before it is queued, so the writer never takes away what was not added.
+        self.inner.unsent.fetch_add(1, Ordering::SeqCst);
         if tx.send(frame).is_err() {
+            self.inner.unsent.fetch_sub(1, Ordering::SeqCst);
             // The link ended between lookup and send: the envelope is lost, as on a network.
             self.unlink(host, generation);
         }
@@ -639,6 +843,7 @@ impl LoopbackCluster {
                 secret: secret.to_vec(),
                 max_frame: wire::MAX_FRAME,
                 connect_window: Duration::from_secs(2),
+                cluster_file: None,
             };
             nodes.insert(NodeId(i), TcpTransport::bind(cfg, false).await?);
         }

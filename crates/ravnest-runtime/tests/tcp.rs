@@ -62,6 +62,7 @@ async fn pair(secret_a: &[u8], secret_b: &[u8]) -> (TcpTransport, TcpTransport) 
         secret: secret.to_vec(),
         max_frame: 1 << 20,
         connect_window: Duration::from_secs(1),
+        cluster_file: None,
     };
     let a = TcpTransport::bind(cfg(0, secret_a), false).await.unwrap();
     let b = TcpTransport::bind(cfg(1, secret_b), false).await.unwrap();
@@ -161,4 +162,87 @@ async fn garbage_after_handshake_drops_only_that_connection() {
     let log = a.log_lines().join("\n");
     assert!(log.contains("wrong cluster secret"), "{log}");
     assert!(log.contains("not a ravnest peer"), "{log}");
+}
+
+async fn sharing(file: Option<&str>) -> TcpTransport {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut peers = BTreeMap::new();
+    peers.insert(NodeId(0), l.local_addr().unwrap());
+    drop(l);
+    TcpTransport::bind(
+        TcpConfig {
+            me: NodeId(0),
+            peers,
+            coordinator: NodeId(0),
+            secret: b"right".to_vec(),
+            max_frame: 1 << 20,
+            connect_window: Duration::from_secs(1),
+            cluster_file: file.map(Arc::from),
+        },
+        false,
+    )
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joiner_with_the_secret_gets_the_cluster_file() {
+    let text = "[cluster]\nname = \"x\" # ünïcode\n".repeat(1000);
+    let a = sharing(Some(&text)).await;
+    let got = ravnest_runtime::tcp::fetch_cluster_file(a.local_addr(), b"right")
+        .await
+        .unwrap();
+    assert_eq!(got, text);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        a.log_lines().join("\n").contains("sent the cluster file"),
+        "{:?}",
+        a.log_lines()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joiner_with_another_secret_gets_nothing_and_both_sides_say_why() {
+    use ravnest_runtime::tcp::HandshakeError;
+    let a = sharing(Some("secret stuff")).await;
+    let e = ravnest_runtime::tcp::fetch_cluster_file(a.local_addr(), b"wrong")
+        .await
+        .unwrap_err();
+    assert!(matches!(e, HandshakeError::Secret(_)), "{e}");
+    assert!(e.to_string().contains("wrong cluster secret"), "{e}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let log = a.log_lines().join("\n");
+    assert!(log.contains("wrong cluster secret"), "listener log: {log}");
+    assert!(!log.contains("sent the cluster file"), "{log}");
+
+    let quiet = sharing(None).await;
+    let e = ravnest_runtime::tcp::fetch_cluster_file(quiet.local_addr(), b"right")
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("does not share its cluster file"),
+        "{e}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_returns_once_the_last_frames_are_written_or_given_up() {
+    let (a, b) = pair(b"right", b"right").await;
+    let got = listen(&a, Addr::Coordinator);
+    for _ in 0..50 {
+        b.send(Addr::Node(NodeId(1)), Addr::Coordinator, Envelope::Finish)
+            .unwrap();
+    }
+    assert!(b.drain(Duration::from_secs(5)).await, "frames still queued");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(got.lock().unwrap().len(), 50);
+    // A peer that is gone: the frames are given up after the dial window, not waited on forever.
+    a.shutdown();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    b.send(Addr::Node(NodeId(1)), Addr::Coordinator, Envelope::Finish)
+        .unwrap();
+    assert!(
+        b.drain(Duration::from_secs(5)).await,
+        "a dead link's frames were not given up"
+    );
 }

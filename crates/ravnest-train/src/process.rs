@@ -59,6 +59,27 @@ pub struct Options {
     pub planner: PlannerKind,
     /// Print nothing (benchmarks).
     pub quiet: bool,
+    /// The cluster file as handed to a joiner (`ravnest run --join HOST:PORT`); see
+    /// [`share_document`].
+    pub share: Option<String>,
+}
+
+/// What a node hands a joiner: the cluster file's text and the command-line overrides.
+pub fn share_document(origin: &str, text: &str, steps: u64) -> String {
+    json!({"origin": origin, "text": text, "steps": steps}).to_string()
+}
+
+/// Read a [`share_document`]: (origin, text, steps).
+pub fn read_share_document(doc: &str) -> anyhow::Result<(String, String, u64)> {
+    let v: Value = serde_json::from_str(doc).context("the shared cluster file is not JSON")?;
+    match (
+        v["origin"].as_str(),
+        v["text"].as_str(),
+        v["steps"].as_u64(),
+    ) {
+        (Some(o), Some(t), Some(n)) => Ok((o.to_string(), t.to_string(), n)),
+        _ => bail!("the shared cluster file lacks origin, text or steps"),
+    }
 }
 
 /// The dataset a scenario names: a text file for the character model, else digits, CSV or IDX.
@@ -223,6 +244,9 @@ fn coordinator_of(s: &Scenario) -> NodeId {
     s.run.coordinator.unwrap_or(NodeId(0))
 }
 
+/// The handshake key of a cluster file without `[cluster] secret`.
+pub const DEFAULT_SECRET: &str = "ravnest-default-secret";
+
 /// The TCP view of a scenario for node `me`, or why `run` cannot use it.
 pub fn tcp_config(s: &Scenario, origin: &str, me: NodeId) -> anyhow::Result<TcpConfig> {
     let mut peers = BTreeMap::new();
@@ -249,10 +273,11 @@ pub fn tcp_config(s: &Scenario, origin: &str, me: NodeId) -> anyhow::Result<TcpC
             .run
             .secret
             .clone()
-            .unwrap_or_else(|| "ravnest-default-secret".into())
+            .unwrap_or_else(|| DEFAULT_SECRET.into())
             .into_bytes(),
         max_frame: ravnest_runtime::wire::MAX_FRAME,
         connect_window: Duration::from_secs(30),
+        cluster_file: None,
     })
 }
 
@@ -366,7 +391,8 @@ async fn run_async(opts: Options) -> anyhow::Result<Value> {
     };
     let su = setup(&opts, &say).await?;
     let s = &opts.scenario;
-    let cfg = tcp_config(s, &opts.origin, su.me)?;
+    let mut cfg = tcp_config(s, &opts.origin, su.me)?;
+    cfg.cluster_file = opts.share.as_deref().map(Arc::from);
     let tcp = TcpTransport::bind(cfg, !opts.json && !opts.quiet).await?;
     let finish = Arc::new(Notify::new());
     let net = Tap {
@@ -752,7 +778,12 @@ async fn coordinate(
             let _ = tcp.send(Addr::Coordinator, Addr::Node(id), Envelope::Finish);
         }
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // `Finish` must reach every worker before this process exits (a node that is still
+    // dialing in, such as a rejoiner, would otherwise wait for it in vain).
+    if !tcp.drain(Duration::from_secs(5)).await {
+        say.event(json!({"event": "cluster", "what": "some nodes could not be told that training finished"}));
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
     coord.stop(None);
     ck.stop(None);
     let trained = final_step - start_step;
