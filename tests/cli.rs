@@ -518,3 +518,42 @@ fn error_unknown_network_suggests_the_nearest() {
         "unexpected error: {e}"
     );
 }
+
+#[test]
+fn error_run_join_address_problems_are_named() {
+    let out = ravnest(&["run", "--join", "127.0.0.1:1"]);
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(e.contains("--join 127.0.0.1:1: name the node"), "{e}");
+
+    let out = ravnest(&["run", "--join", "127.0.0.1:1", "--node", "b"]);
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(
+        e.contains("--join 127.0.0.1:1: node at 127.0.0.1:1"),
+        "unexpected error: {e}"
+    );
+
+    let out = ravnest(&["run", "--join", "not-an-address", "--node", "b"]);
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(
+        e.contains("--join not-an-address: not a reachable host:port"),
+        "{e}"
+    );
+
+    let out = ravnest(&[
+        "run",
+        "scenarios/local-digits.toml",
+        "--join",
+        "127.0.0.1:1",
+        "--node",
+        "b",
+    ]);
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(
+        e.contains("give a cluster file or --join 127.0.0.1:1, not both"),
+        "{e}"
+    );
+}
