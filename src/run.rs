@@ -5,9 +5,10 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use ravnest_core::Scenario;
 use ravnest_train::process::{Options, human};
 use serde_json::{Value, json};
@@ -148,11 +149,27 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
         children.push((n.name.clone(), child));
     }
     drop(tx);
-    let tty = !args.json && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    // One progress bar per node (indicatif draws only on a terminal); events print above them.
+    let bars = MultiProgress::new();
+    if args.json {
+        bars.set_draw_target(ProgressDrawTarget::hidden());
+    }
+    let style =
+        ProgressStyle::with_template("{prefix:>10} [{bar:30.cyan/blue}] {pos:>5}/{len:5} {msg}")
+            .expect("a valid template")
+            .progress_chars("#>-");
+    let node_bars: Vec<ProgressBar> = children
+        .iter()
+        .map(|(name, _)| {
+            let b = bars.add(ProgressBar::new(s.run.steps));
+            b.set_style(style.clone());
+            b.set_prefix(name.clone());
+            b.set_message("starting");
+            b
+        })
+        .collect();
     let mut reports: Vec<Option<Value>> = vec![None; children.len()];
-    let mut progress: Vec<Option<Value>> = vec![None; children.len()];
     let mut open = children.len();
-    let mut last_draw = Instant::now();
     while open > 0 {
         let Ok((i, msg)) = rx.recv() else { break };
         let Some(v) = msg else {
@@ -164,20 +181,36 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
                 if args.json {
                     say(true, v.clone());
                 }
-                progress[i] = Some(v);
-                if tty && last_draw.elapsed() > Duration::from_millis(200) {
-                    draw(&children, &progress);
-                    last_draw = Instant::now();
-                }
+                let b = &node_bars[i];
+                b.set_length(v["steps"].as_u64().unwrap_or(s.run.steps));
+                b.set_position(v["step"].as_u64().unwrap_or(0));
+                b.set_message(format!(
+                    "{:>7.0} samples/s  loss {:.3}",
+                    v["samples_per_s"].as_f64().unwrap_or(0.0),
+                    v["loss"].as_f64().unwrap_or(f64::NAN)
+                ));
             }
-            Some("report") => reports[i] = Some(v),
+            Some("report") => {
+                node_bars[i].finish_with_message("done");
+                reports[i] = Some(v);
+            }
             _ => {
                 if args.json {
                     say(true, v);
                 } else if matches!(v["event"].as_str(), Some("plan" | "cluster" | "measured")) {
-                    eprintln!("[{}] {}", v["node"].as_str().unwrap_or("?"), human(&v));
+                    let line = format!("[{}] {}", v["node"].as_str().unwrap_or("?"), human(&v));
+                    if bars.is_hidden() {
+                        eprintln!("{line}");
+                    } else {
+                        let _ = bars.println(line);
+                    }
                 }
             }
+        }
+    }
+    for b in &node_bars {
+        if !b.is_finished() {
+            b.abandon();
         }
     }
     let mut failed = Vec::new();
@@ -220,26 +253,6 @@ fn say(json: bool, v: Value) {
     } else if v["event"] != "spawned" {
         eprintln!("{}", human(&v));
     }
-}
-
-fn draw(children: &[(String, Child)], progress: &[Option<Value>]) {
-    let mut line = String::new();
-    for ((name, _), p) in children.iter().zip(progress) {
-        if let Some(p) = p {
-            let (step, steps) = (
-                p["step"].as_u64().unwrap_or(0),
-                p["steps"].as_u64().unwrap_or(1),
-            );
-            let filled = (20 * step / steps.max(1)).min(20) as usize;
-            line.push_str(&format!(
-                "{name} [{}{}] {step}/{steps} {:>6.0}/s  ",
-                "#".repeat(filled),
-                "-".repeat(20 - filled),
-                p["samples_per_s"].as_f64().unwrap_or(0.0)
-            ));
-        }
-    }
-    eprint!("\r{line}");
 }
 
 fn coordinator_summary(c: &Value) -> String {
