@@ -2,7 +2,11 @@
 //!
 //! Each directed link is a FIFO pipe (two, in fact: control messages have their own): a message waits until the link is free, occupies it for
 //! bytes ÷ bandwidth (serialization), then arrives after the link's latency plus seeded jitter
-//! (never before an earlier message on the same link). Crashed nodes and partitions drop
+//! (never before an earlier message on the same link). Bulk messages also share each node's
+//! network interface: a transfer starts only when the sender's egress and the receiver's
+//! ingress are free, and holds each for bytes ÷ that node's own access bandwidth. So a
+//! parameter server that receives every worker's gradient at once takes them one after
+//! another at its NIC's rate, instead of all in parallel. Crashed nodes and partitions drop
 //! messages, at send time and again at delivery. One task delivers everything in (time,
 //! sequence) order on tokio's paused clock, so a run is a pure function of its seed.
 
@@ -46,6 +50,9 @@ struct State {
     /// and its jitter stream. Hash maps for O(1) look-ups only: nothing iterates them, so
     /// their order cannot leak into the run.
     pipes: HashMap<(NodeId, NodeId, u64), Pipe>,
+    /// Per node: when its interface is next free to send, and to receive, bulk data (ns).
+    egress_free: Vec<u64>,
+    ingress_free: Vec<u64>,
     queue: BTreeMap<(u64, u64), Queued>,
     seq: u64,
     bytes_sent: Vec<u64>,
@@ -110,6 +117,8 @@ impl SimNet {
         SimNet {
             state: Arc::new(Mutex::new(State {
                 bytes_sent: vec![0; cluster.nodes.len()],
+                egress_free: vec![0; cluster.nodes.len()],
+                ingress_free: vec![0; cluster.nodes.len()],
                 cluster,
                 host,
                 seed,
@@ -270,11 +279,29 @@ impl Transport for SimNet {
                 last_at: 0,
                 rng: Rng::derive(seed, &[1, u64::from(a.0), u64::from(b.0), class]),
             });
-            let start = now.max(pipe.free_at);
+            let mut start = now.max(pipe.free_at);
+            if class == 1 {
+                start = start
+                    .max(s.egress_free[a.index()])
+                    .max(s.ingress_free[b.index()]);
+            }
+            let pipe = s.pipes.get_mut(&(a, b, class)).expect("just made");
             pipe.free_at = start + ser_ns;
             let lat_ns = (link.latency_ms * 1e6 * (1.0 + JITTER * pipe.rng.unit())) as u64;
             pipe.last_at = (pipe.free_at + lat_ns).max(pipe.last_at);
-            pipe.last_at
+            let arrive = pipe.last_at;
+            if class == 1 {
+                // Each interface is busy for the bytes at its own rate (a slow pair link holds
+                // the transfer longer, not the faster end's interface).
+                let nic_ns = |bw_gbps: f64| (bytes as f64 * 8.0 / (bw_gbps * 1e9) * 1e9) as u64;
+                let (bw_a, bw_b) = (
+                    s.cluster.nodes[a.index()].link.bandwidth_gbps,
+                    s.cluster.nodes[b.index()].link.bandwidth_gbps,
+                );
+                s.egress_free[a.index()] = start + nic_ns(bw_a).min(ser_ns);
+                s.ingress_free[b.index()] = start + nic_ns(bw_b).min(ser_ns);
+            }
+            arrive
         };
         let seq = s.seq;
         s.seq += 1;

@@ -68,3 +68,70 @@ fn unknown_address() {
 fn peer_down() {
     check(async |n| conformance::peer_down(&n, SETTLE).await);
 }
+
+/// Arrival times (ms after the start) of 1 MB pushes sent at t = 0 along `flows` on 4 nodes
+/// with 1 Gbit/s interfaces.
+fn arrivals(flows: &[(u32, u32)]) -> Vec<f64> {
+    use ravnest_runtime::{Addr, Envelope, Transport};
+    use std::sync::{Arc, Mutex};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let text = "[[node]]\nname = \"n\"\ndevice = \"rtx3090\"\ncount = 4\nbandwidth_gbps = 1.0\nlatency_ms = 0.01\n[model]\npreset = \"mlp-digits\"\n";
+        let s = ravnest_core::parse(text, "nic").unwrap();
+        let t0 = tokio::time::Instant::now();
+        let net = SimNet::new(s.cluster, NodeId(0), 1, t0, Trace::default());
+        let task = tokio::spawn(net.clone().run());
+        let got: Arc<Mutex<Vec<f64>>> = Arc::default();
+        for n in 0..4 {
+            let g = got.clone();
+            net.register(
+                Addr::Node(NodeId(n)),
+                Arc::new(move |_, _| {
+                    g.lock()
+                        .unwrap()
+                        .push(t0.elapsed().as_secs_f64() * 1e3);
+                }),
+            );
+        }
+        for &(a, b) in flows {
+            let push = Envelope::Push {
+                epoch: 1,
+                rank: a,
+                data: vec![],
+                virtual_bytes: 1_000_000,
+            };
+            net.send(Addr::Node(NodeId(a)), Addr::Node(NodeId(b)), push)
+                .unwrap();
+        }
+        tokio::time::sleep(SETTLE).await;
+        task.abort();
+        let mut v = got.lock().unwrap().clone();
+        v.sort_by(f64::total_cmp);
+        v
+    })
+}
+
+/// Three workers pushing to one server share the server's interface: the pushes arrive one
+/// after another (8 ms apart at 1 Gbit/s), as a parameter server's do; three pushes around a
+/// ring use three different interfaces and all arrive together.
+#[test]
+fn a_servers_interface_is_shared_by_everything_sent_to_it() {
+    let fan_in = arrivals(&[(1, 0), (2, 0), (3, 0)]);
+    let ring = arrivals(&[(0, 1), (1, 2), (2, 0)]);
+    let near = |x: f64, want: f64| (x - want).abs() < 0.5;
+    // One transfer: 8 ms of serialization plus the link's latency.
+    let one = fan_in[0];
+    assert!(one >= 8.0, "fan-in arrivals {fan_in:?}");
+    assert!(
+        fan_in.len() == 3 && near(fan_in[1], one + 8.0) && near(fan_in[2], one + 16.0),
+        "fan-in arrivals {fan_in:?}"
+    );
+    assert!(
+        ring.len() == 3 && ring.iter().all(|&t| near(t, one)),
+        "ring arrivals {ring:?}"
+    );
+}
