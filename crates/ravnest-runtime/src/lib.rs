@@ -12,6 +12,7 @@
 //! from here: it lives in the seams' implementations, seeded.
 
 pub mod checkpoint;
+pub mod collective;
 pub mod conformance;
 pub mod coordinator;
 pub mod msg;

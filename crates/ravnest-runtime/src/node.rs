@@ -1,7 +1,9 @@
-//! The node actor: computes its share of each step and takes part in the ring all-reduce.
+//! The node actor: computes its share of each step, hands the result to its collective actor
+//! (ring all-reduce or parameter server), and applies what comes back.
 //!
 //! A thin shell: work arrives as [`Work`], the gradient comes from the [`Compute`] seam, the
-//! collective is a [`RingMember`] whose effects become [`Transport`] sends.
+//! synchronization runs in the node's [`CollectiveActor`] (spawned linked to it), and model
+//! versions are kept for peers that need them.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -9,12 +11,9 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use ravnest_core::NodeId;
-use ravnest_core::planner::sync::Collective;
-use ravnest_core::ps::{PsEffect, PsInput, PsMember};
-use ravnest_core::ring::{RingChunk, RingEffect, RingInput, RingMember};
-use ravnest_core::ring2d::{Ring2dEffect, Ring2dInput, Ring2dMember};
 use tokio::time::Instant;
 
+use crate::collective::{CollectiveActor, CollectiveMsg, Outcome, is_collective};
 use crate::msg::{Addr, Envelope, StepMode, Work};
 use crate::seams::{Compute, Transport};
 use crate::toy;
@@ -83,6 +82,8 @@ pub struct NodeActor<T, C> {
 pub enum NodeMsg {
     /// An envelope from the network.
     Net(Addr, Envelope),
+    /// The node's collective actor finished (or abandoned) a step's synchronization.
+    Collective(Outcome),
 }
 
 /// Whether the node starts with the initial model or must fetch state (it restarted).
@@ -108,76 +109,12 @@ pub struct NodeState {
     synced: Option<(u64, Arc<Vec<f32>>)>,
     /// Work waiting for a model version to arrive from a peer.
     waiting: Option<Work>,
-    /// The running collective and its work.
-    ring: Option<(Member, Work, Instant)>,
-    /// Chunks that arrived before the collective started, by epoch.
-    early: Vec<RingChunk>,
-    /// (Server) pushes that arrived before the collective started: (epoch, rank, data).
-    early_push: Vec<(u64, usize, Vec<f32>)>,
+    /// The step whose collective is running, and when it started.
+    in_flight: Option<(Work, Instant)>,
     /// Compute time of the step in flight, ns.
     compute_ns: u64,
-    /// This node's rank in the running collective's ring.
-    rank: usize,
-}
-
-/// The collective a node takes part in.
-#[derive(Debug)]
-enum Member {
-    Ring(RingMember),
-    Ring2d(Box<Ring2dMember>),
-    Ps(PsMember),
-}
-
-/// What a collective asks the node to do, whichever collective it is.
-#[derive(Debug)]
-enum Out {
-    Chunk(RingChunk),
-    ChunkTo(usize, RingChunk),
-    Push(Vec<f32>),
-    Broadcast(Vec<f32>),
-    Done(Vec<f32>),
-    Aborted,
-}
-
-fn from_ring(e: Vec<RingEffect>) -> Vec<Out> {
-    e.into_iter()
-        .map(|e| match e {
-            RingEffect::Send(c) => Out::Chunk(c),
-            RingEffect::Done(v) => Out::Done(v),
-            RingEffect::Aborted => Out::Aborted,
-        })
-        .collect()
-}
-
-fn from_ring2d(e: Vec<Ring2dEffect>) -> Vec<Out> {
-    e.into_iter()
-        .map(|e| match e {
-            Ring2dEffect::Send { to, chunk } => Out::ChunkTo(to, chunk),
-            Ring2dEffect::Done(v) => Out::Done(v),
-            Ring2dEffect::Aborted => Out::Aborted,
-        })
-        .collect()
-}
-
-fn from_ps(e: Vec<PsEffect>) -> Vec<Out> {
-    e.into_iter()
-        .map(|e| match e {
-            PsEffect::Push(v) => Out::Push(v),
-            PsEffect::Broadcast(v) => Out::Broadcast(v),
-            PsEffect::Done(v) => Out::Done(v),
-            PsEffect::Aborted => Out::Aborted,
-        })
-        .collect()
-}
-
-impl Member {
-    fn lost(&mut self) -> Vec<Out> {
-        match self {
-            Member::Ring(m) => from_ring(m.handle(RingInput::PeerLost)),
-            Member::Ring2d(m) => from_ring2d(m.handle(Ring2dInput::PeerLost)),
-            Member::Ps(m) => from_ps(m.handle(PsInput::PeerLost)),
-        }
-    }
+    /// The node's collective actor.
+    collective: Option<ActorRef<CollectiveMsg>>,
 }
 
 impl<T: Transport, C: Compute> NodeActor<T, C> {
@@ -278,142 +215,43 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 local.iter().map(|w| w * share).collect()
             }
         };
-        let weighted = contribution;
-        let Some(rank) = work.ring.iter().position(|&n| n == self.id) else {
+        if !work.ring.contains(&self.id) {
             return;
-        };
-        st.rank = rank;
-        let n = work.ring.len();
-        let (member, effects) = match work.collective {
-            Collective::Ring => {
-                let mut m = RingMember::new(work.epoch, rank, n, weighted.len());
-                let mut e = from_ring(m.handle(RingInput::Start(weighted)));
-                for c in std::mem::take(&mut st.early) {
-                    if c.epoch == work.epoch {
-                        e.extend(from_ring(m.handle(RingInput::Chunk(c))));
-                    }
-                }
-                (Member::Ring(m), e)
-            }
-            Collective::Ring2d => {
-                let k = (work.group_size as usize).max(1);
-                let mut m = Ring2dMember::new(work.epoch, rank, n / k, k, weighted.len());
-                let mut e = from_ring2d(m.handle(Ring2dInput::Start(weighted)));
-                for c in std::mem::take(&mut st.early) {
-                    if c.epoch == work.epoch {
-                        e.extend(from_ring2d(m.handle(Ring2dInput::Chunk(c))));
-                    }
-                }
-                (Member::Ring2d(Box::new(m)), e)
-            }
-            Collective::ParamServer => {
-                let mut m = PsMember::new(rank, n, weighted.len());
-                let mut e = from_ps(m.handle(PsInput::Start(weighted)));
-                for (epoch, r, data) in std::mem::take(&mut st.early_push) {
-                    if epoch == work.epoch {
-                        e.extend(from_ps(m.handle(PsInput::FromWorker { rank: r, data })));
-                    }
-                }
-                (Member::Ps(m), e)
-            }
-        };
-        st.ring = Some((member, work, Instant::now()));
-        self.apply_effects(st, effects);
+        }
+        st.in_flight = Some((work.clone(), Instant::now()));
+        if let Some(c) = &st.collective {
+            let _ = c.cast(CollectiveMsg::Start(work, contribution));
+        }
     }
 
-    fn apply_effects(&self, st: &mut NodeState, effects: Vec<Out>) {
-        for e in effects {
-            let Some((_, work, started)) = &st.ring else {
-                return;
+    /// The collective of the step in flight ended.
+    fn on_outcome(&self, st: &mut NodeState, outcome: Outcome) {
+        let epoch = match &outcome {
+            Outcome::Done { epoch, .. } | Outcome::Aborted { epoch } => *epoch,
+        };
+        let Some((work, started)) = st.in_flight.take_if(|(w, _)| w.epoch == epoch) else {
+            return;
+        };
+        let span = self.span(started, SpanKind::Comm);
+        let aborted = matches!(outcome, Outcome::Aborted { .. });
+        self.count(|c| {
+            c.comm_ns += started.elapsed().as_nanos() as u64;
+            c.aborted += u64::from(aborted);
+            c.spans.push(span);
+        });
+        if let Outcome::Done { sum, .. } = outcome {
+            let model = match work.mode {
+                StepMode::Average => sum,
+                _ => {
+                    let mut model = st
+                        .version(work.step)
+                        .map(|m| (*m).clone())
+                        .unwrap_or_default();
+                    self.compute.apply_update(&mut model, &sum);
+                    model
+                }
             };
-            match e {
-                Out::Push(data) => {
-                    self.send(
-                        Addr::Node(work.ring[0]),
-                        Envelope::Push {
-                            epoch: work.epoch,
-                            rank: st.rank as u32,
-                            data,
-                            virtual_bytes: self.grad_bytes,
-                        },
-                    );
-                }
-                Out::Broadcast(data) => {
-                    for &w in &work.ring[1..] {
-                        self.send(
-                            Addr::Node(w),
-                            Envelope::Pull {
-                                epoch: work.epoch,
-                                data: data.clone(),
-                                virtual_bytes: self.grad_bytes,
-                            },
-                        );
-                    }
-                }
-                Out::ChunkTo(to, chunk) => {
-                    // Each level of a two-level ring moves about a full gradient's worth in
-                    // k or g chunks; charge each chunk its share of the bytes it stands for.
-                    let parts = match chunk.level {
-                        2 => (work.ring.len() as u64).max(1),
-                        _ => u64::from(work.group_size.max(1)),
-                    };
-                    let virtual_bytes = self.grad_bytes / parts;
-                    self.send(
-                        Addr::Node(work.ring[to]),
-                        Envelope::Chunk {
-                            chunk,
-                            virtual_bytes,
-                        },
-                    );
-                }
-                Out::Chunk(chunk) => {
-                    let n = work.ring.len();
-                    let next = work.ring[(st.rank + 1) % n];
-                    let pieces = match &st.ring {
-                        Some((Member::Ring(m), ..)) => m.segments() as u64,
-                        _ => 1,
-                    };
-                    let virtual_bytes = self.grad_bytes / n as u64 / pieces;
-                    self.send(
-                        Addr::Node(next),
-                        Envelope::Chunk {
-                            chunk,
-                            virtual_bytes,
-                        },
-                    );
-                }
-                Out::Done(sum) => {
-                    let (work, started) = (work.clone(), *started);
-                    let span = self.span(started, SpanKind::Comm);
-                    self.count(|c| {
-                        c.comm_ns += started.elapsed().as_nanos() as u64;
-                        c.spans.push(span);
-                    });
-                    st.ring = None;
-                    let model = match work.mode {
-                        StepMode::Average => sum,
-                        _ => {
-                            let mut model = st
-                                .version(work.step)
-                                .map(|m| (*m).clone())
-                                .unwrap_or_default();
-                            self.compute.apply_update(&mut model, &sum);
-                            model
-                        }
-                    };
-                    self.finish_step(st, &work, model, true);
-                }
-                Out::Aborted => {
-                    let started = *started;
-                    let span = self.span(started, SpanKind::Comm);
-                    self.count(|c| {
-                        c.comm_ns += started.elapsed().as_nanos() as u64;
-                        c.aborted += 1;
-                        c.spans.push(span);
-                    });
-                    st.ring = None;
-                }
-            }
+            self.finish_step(st, &work, model, true);
         }
     }
 }
@@ -439,11 +277,36 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
         myself: ActorRef<NodeMsg>,
         start: Start,
     ) -> Result<NodeState, ActorProcessingErr> {
-        self.transport.register(
-            self.me(),
-            crate::seams::mailbox(myself.clone(), NodeMsg::Net),
-        );
-        let mut st = NodeState::default();
+        let (collective, _) = Actor::spawn_linked(
+            None,
+            CollectiveActor {
+                id: self.id,
+                transport: self.transport.clone(),
+                grad_bytes: self.grad_bytes,
+                node: myself.clone(),
+            },
+            (),
+            myself.get_cell(),
+        )
+        .await?;
+        // Collective traffic goes straight to the collective actor; the rest to the node.
+        {
+            let (node, coll) = (myself.clone(), collective.clone());
+            self.transport.register(
+                self.me(),
+                Arc::new(move |from, env| {
+                    if is_collective(&env) {
+                        let _ = coll.cast(CollectiveMsg::Net(env));
+                    } else {
+                        let _ = node.cast(NodeMsg::Net(from, env));
+                    }
+                }),
+            );
+        }
+        let mut st = NodeState {
+            collective: Some(collective),
+            ..NodeState::default()
+        };
         match start {
             Start::Fresh => {
                 let m = self.compute.initial_model();
@@ -464,7 +327,13 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
         msg: NodeMsg,
         st: &mut NodeState,
     ) -> Result<(), ActorProcessingErr> {
-        let NodeMsg::Net(from, env) = msg;
+        let (from, env) = match msg {
+            NodeMsg::Net(from, env) => (from, env),
+            NodeMsg::Collective(outcome) => {
+                self.on_outcome(st, outcome);
+                return Ok(());
+            }
+        };
         match env {
             Envelope::Work(w) => {
                 if w.epoch < st.epoch {
@@ -473,7 +342,7 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                 if w.epoch > st.epoch {
                     st.epoch = w.epoch;
                     // A newer assignment supersedes a collective still running.
-                    if let Some((_, _, started)) = st.ring.take() {
+                    if let Some((_, started)) = st.in_flight.take() {
                         let span = self.span(started, SpanKind::Comm);
                         self.count(|c| {
                             c.comm_ns += started.elapsed().as_nanos() as u64;
@@ -481,58 +350,18 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                             c.spans.push(span);
                         });
                     }
-                    st.early.retain(|c| c.epoch >= w.epoch);
-                    st.early_push.retain(|p| p.0 >= w.epoch);
+                    if let Some(c) = &st.collective {
+                        let _ = c.cast(CollectiveMsg::Supersede(w.epoch));
+                    }
                 }
                 self.start_work(st, w).await;
             }
-            Envelope::Chunk { chunk, .. } => {
-                if chunk.epoch < st.epoch {
-                    return Ok(());
-                }
-                match &mut st.ring {
-                    Some((Member::Ring(m), w, _)) if w.epoch == chunk.epoch => {
-                        let eff = from_ring(m.handle(RingInput::Chunk(chunk)));
-                        self.apply_effects(st, eff);
-                    }
-                    Some((Member::Ring2d(m), w, _)) if w.epoch == chunk.epoch => {
-                        let eff = from_ring2d(m.handle(Ring2dInput::Chunk(chunk)));
-                        self.apply_effects(st, eff);
-                    }
-                    _ => st.early.push(chunk),
-                }
-            }
-            Envelope::Push {
-                epoch, rank, data, ..
-            } => {
-                if epoch < st.epoch {
-                    return Ok(());
-                }
-                match &mut st.ring {
-                    Some((Member::Ps(m), w, _)) if w.epoch == epoch => {
-                        let eff = from_ps(m.handle(PsInput::FromWorker {
-                            rank: rank as usize,
-                            data,
-                        }));
-                        self.apply_effects(st, eff);
-                    }
-                    _ => st.early_push.push((epoch, rank as usize, data)),
-                }
-            }
-            Envelope::Pull { epoch, data, .. } => {
-                if let Some((Member::Ps(m), w, _)) = &mut st.ring
-                    && w.epoch == epoch
-                {
-                    let eff = from_ps(m.handle(PsInput::FromServer(data)));
-                    self.apply_effects(st, eff);
-                }
-            }
-            Envelope::Abort { epoch } => {
-                if let Some((m, w, _)) = &mut st.ring
-                    && w.epoch <= epoch
-                {
-                    let eff = m.lost();
-                    self.apply_effects(st, eff);
+            Envelope::Chunk { .. }
+            | Envelope::Push { .. }
+            | Envelope::Pull { .. }
+            | Envelope::Abort { .. } => {
+                if let Some(c) = &st.collective {
+                    let _ = c.cast(CollectiveMsg::Net(env));
                 }
             }
             Envelope::StateRequest { version, to } => {
