@@ -197,7 +197,10 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
             _ => {
                 if args.json {
                     say(true, v);
-                } else if matches!(v["event"].as_str(), Some("plan" | "cluster" | "measured")) {
+                } else if matches!(
+                    v["event"].as_str(),
+                    Some("plan" | "links" | "cluster" | "measured")
+                ) {
                     let line = format!("[{}] {}", v["node"].as_str().unwrap_or("?"), human(&v));
                     if bars.is_hidden() {
                         eprintln!("{line}");

@@ -146,6 +146,19 @@ fn local_cluster_reaches_target_accuracy_and_writes_loadable_checkpoints() {
         v["event"] == "summary"
     });
     assert!(c.wait().unwrap().success());
+    // Every pair of nodes had its link measured (the coordinator's own two, and b to slow).
+    let links = events
+        .iter()
+        .find(|v| v["event"] == "links")
+        .unwrap_or_else(|| panic!("no link measurements among {events:?}"));
+    let pairs = links["pairs"].as_array().unwrap();
+    assert_eq!(pairs.len(), 3, "{links}");
+    assert!(
+        pairs
+            .iter()
+            .any(|p| p.as_str().unwrap().starts_with("b-slow ")),
+        "{links}"
+    );
     let s = summary(&events);
     let coord = &s["coordinator"];
     assert_eq!(coord["steps"], 150, "{s}");

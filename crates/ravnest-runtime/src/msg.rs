@@ -86,6 +86,17 @@ pub enum Envelope {
         /// Whether the receiver should echo it.
         echo: bool,
     },
+    /// (Coordinator → node, `ravnest run`) measure your links to these peers with probes and
+    /// send a [`Envelope::LinkReport`].
+    ProbePeers {
+        /// Peers to probe.
+        peers: Vec<NodeId>,
+    },
+    /// (Node → coordinator) measured links: (peer, latency ms, bandwidth Gbit/s).
+    LinkReport {
+        /// One entry per peer that answered.
+        links: Vec<(NodeId, f64, f64)>,
+    },
     /// Work for a step.
     Work(Work),
     /// A ring all-reduce chunk.
@@ -219,6 +230,8 @@ impl Envelope {
             Envelope::Register(_) => "register",
             Envelope::Finish => "finish",
             Envelope::Probe { .. } => "probe",
+            Envelope::ProbePeers { .. } => "probe-peers",
+            Envelope::LinkReport { .. } => "link-report",
             Envelope::Work(_) => "work",
             Envelope::Chunk { .. } => "chunk",
             Envelope::Push { .. } => "push",
@@ -247,6 +260,18 @@ impl Envelope {
                 h.u64(*id);
                 h.u64(data.len() as u64);
                 h.u64(u64::from(*echo));
+            }
+            Envelope::ProbePeers { peers } => {
+                for p in peers {
+                    h.u64(u64::from(p.0));
+                }
+            }
+            Envelope::LinkReport { links } => {
+                for (p, lat, bw) in links {
+                    h.u64(u64::from(p.0));
+                    h.u64(lat.to_bits());
+                    h.u64(bw.to_bits());
+                }
             }
             Envelope::Work(w) => {
                 for x in [

@@ -115,6 +115,79 @@ pub struct NodeState {
     compute_ns: u64,
     /// The node's collective actor.
     collective: Option<ActorRef<CollectiveMsg>>,
+    /// Link probes this node sent and awaits the echo of, by id.
+    probes: ProbeWaiters,
+    /// Probe ids issued so far.
+    probe_seq: u64,
+}
+
+type ProbeWaiters = Arc<Mutex<BTreeMap<u64, tokio::sync::oneshot::Sender<()>>>>;
+
+/// Elements of the small probe (latency) and of the large one (bandwidth: 1 MiB).
+pub const PROBE_SMALL: usize = 16;
+/// See [`PROBE_SMALL`].
+pub const PROBE_LARGE: usize = 1 << 18;
+
+/// A link's (latency ms, bandwidth Gbit/s) from the best round trips of a small and a large
+/// echo probe ([`PROBE_SMALL`], [`PROBE_LARGE`] elements): latency is half the small round
+/// trip; the large one carries 2 x 1 MiB more than the small one in its extra time.
+pub fn link_from_round_trips(small_s: f64, large_s: f64) -> (f64, f64) {
+    let extra_bits = 2.0 * 4.0 * (PROBE_LARGE - PROBE_SMALL) as f64 * 8.0;
+    let gbps = (extra_bits / (large_s - small_s).max(1e-6) / 1e9).min(400.0);
+    (small_s / 2.0 * 1e3, gbps)
+}
+
+/// Measure the links from `me` to `peers` (best of three round trips each) and report them
+/// to the coordinator. Runs beside the actor, which routes the echoes back by id.
+fn spawn_link_probes<T: Transport>(
+    transport: T,
+    me: NodeId,
+    peers: Vec<NodeId>,
+    waiters: ProbeWaiters,
+    first_id: u64,
+) {
+    tokio::spawn(async move {
+        let mut id = first_id;
+        let mut links = Vec::new();
+        for peer in peers {
+            let mut best = [f64::INFINITY; 2];
+            for (k, len) in [(0, PROBE_SMALL), (1, PROBE_LARGE)] {
+                for _ in 0..3 {
+                    id += 1;
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    waiters.lock().unwrap().insert(id, tx);
+                    let t = Instant::now();
+                    let sent = transport.send(
+                        Addr::Node(me),
+                        Addr::Node(peer),
+                        Envelope::Probe {
+                            id,
+                            data: vec![0.0; len],
+                            echo: true,
+                        },
+                    );
+                    if sent.is_ok()
+                        && matches!(
+                            tokio::time::timeout(Duration::from_secs(5), rx).await,
+                            Ok(Ok(()))
+                        )
+                    {
+                        best[k] = best[k].min(t.elapsed().as_secs_f64());
+                    }
+                    waiters.lock().unwrap().remove(&id);
+                }
+            }
+            if best.iter().all(|b| b.is_finite()) {
+                let (lat, gbps) = link_from_round_trips(best[0], best[1]);
+                links.push((peer, lat, gbps));
+            }
+        }
+        let _ = transport.send(
+            Addr::Node(me),
+            Addr::Coordinator,
+            Envelope::LinkReport { links },
+        );
+    });
 }
 
 impl<T: Transport, C: Compute> NodeActor<T, C> {
@@ -403,6 +476,25 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                 }
             }
             // Addressed to the coordinator or the checkpoint actor, not to a node: ignore.
+            Envelope::ProbePeers { peers } => {
+                // Ids unique to this node: its id in the high bits.
+                let first = (u64::from(self.id.0) << 40) + st.probe_seq;
+                st.probe_seq += 6 * peers.len() as u64 + 1;
+                spawn_link_probes(
+                    self.transport.clone(),
+                    self.id,
+                    peers,
+                    st.probes.clone(),
+                    first,
+                );
+            }
+            Envelope::Probe {
+                id, echo: false, ..
+            } => {
+                if let Some(tx) = st.probes.lock().unwrap().remove(&id) {
+                    let _ = tx.send(());
+                }
+            }
             Envelope::Probe { id, data, echo } => {
                 if echo {
                     self.send(
@@ -416,6 +508,7 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                 }
             }
             Envelope::Heartbeat
+            | Envelope::LinkReport { .. }
             | Envelope::Join
             | Envelope::Register(_)
             | Envelope::Finish

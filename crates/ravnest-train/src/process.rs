@@ -18,11 +18,13 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use ractor::Actor;
-use ravnest_core::{NodeId, PlannerKind, Scenario};
+use ravnest_core::{Link, NodeId, PlannerKind, Scenario};
 use ravnest_runtime::checkpoint::CheckpointActor;
 use ravnest_runtime::coordinator::{CoordMsg, CoordinatorActor, Event, RunLog};
 use ravnest_runtime::msg::Capabilities;
-use ravnest_runtime::node::{Counters, NodeActor, Start};
+use ravnest_runtime::node::{
+    Counters, NodeActor, PROBE_LARGE, PROBE_SMALL, Start, link_from_round_trips,
+};
 use ravnest_runtime::supervisor::SupervisorActor;
 use ravnest_runtime::tcp::{TcpConfig, TcpTransport};
 use ravnest_runtime::{Addr, Compute, Envelope, Inbox, Trace, Transport, TransportError};
@@ -227,6 +229,17 @@ pub fn human(v: &Value) -> String {
             }
         ),
         "plan" => format!("plan:\n{}", f("text").as_str().unwrap_or("")),
+        "links" => format!(
+            "links measured by echo probes: {}",
+            f("pairs")
+                .as_array()
+                .map(|a| a
+                    .iter()
+                    .filter_map(|p| p.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "))
+                .unwrap_or_default()
+        ),
         "progress" => format!(
             "step {}/{}  loss {:.3}  {:.0} samples/s",
             f("step"),
@@ -583,7 +596,7 @@ async fn coordinate(
             continue;
         }
         let mut rtt = [f64::INFINITY; 2];
-        for (k, len) in [(0usize, 16usize), (1, 1 << 18)] {
+        for (k, len) in [(0usize, PROBE_SMALL), (1, PROBE_LARGE)] {
             for _ in 0..3 {
                 probe_id += 1;
                 let t = Instant::now();
@@ -612,13 +625,65 @@ async fn coordinate(
             }
         }
         if rtt[1].is_finite() && rtt[0].is_finite() {
-            let link = &mut cluster.nodes[id.index()].link;
-            link.latency_ms = rtt[0] / 2.0 * 1e3;
-            link.bandwidth_gbps =
-                (2.0 * 4.0 * f64::from(1u32 << 18) * 8.0 / (rtt[1] - rtt[0]).max(1e-6) / 1e9)
-                    .min(400.0);
+            let (latency_ms, bandwidth_gbps) = link_from_round_trips(rtt[0], rtt[1]);
+            let measured = Link {
+                bandwidth_gbps,
+                latency_ms,
+            };
+            cluster.nodes[id.index()].link = measured;
+            cluster
+                .pair_links
+                .insert((su.me.min(id), su.me.max(id)), measured);
         }
     }
+    // Links between the other nodes: each node probes the peers after it and reports.
+    let others: Vec<NodeId> = caps.keys().copied().filter(|&i| i != su.me).collect();
+    let mut asked = 0;
+    for (k, &id) in others.iter().enumerate() {
+        let peers = others[k + 1..].to_vec();
+        if peers.is_empty() {
+            continue;
+        }
+        asked += 1;
+        let _ = tcp.send(
+            Addr::Coordinator,
+            Addr::Node(id),
+            Envelope::ProbePeers { peers },
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while asked > 0 {
+        match tokio::time::timeout_at(deadline, reg_rx.recv()).await {
+            Ok(Some((Addr::Node(from), Envelope::LinkReport { links }))) => {
+                asked -= 1;
+                for (peer, latency_ms, bandwidth_gbps) in links {
+                    cluster.pair_links.insert(
+                        (from.min(peer), from.max(peer)),
+                        Link {
+                            bandwidth_gbps,
+                            latency_ms,
+                        },
+                    );
+                }
+            }
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => break,
+        }
+    }
+    let pairs: Vec<String> = cluster
+        .pair_links
+        .iter()
+        .map(|((a, b), l)| {
+            format!(
+                "{}-{} {:.2} ms {:.1} Gbit/s",
+                cluster.nodes[a.index()].name,
+                cluster.nodes[b.index()].name,
+                l.latency_ms,
+                l.bandwidth_gbps
+            )
+        })
+        .collect();
+    say.event(json!({"event": "links", "pairs": pairs}));
     for (id, c) in &caps {
         let node = &mut cluster.nodes[id.index()];
         node.flops = c.flops;
