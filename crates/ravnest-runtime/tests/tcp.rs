@@ -136,7 +136,9 @@ async fn garbage_after_handshake_drops_only_that_connection() {
         .await
         .unwrap();
     raw.write_all(b"RVN1").await.unwrap();
-    raw.write_all(&1u32.to_le_bytes()).await.unwrap();
+    raw.write_all(&ravnest_runtime::tcp::PROTOCOL_VERSION.to_le_bytes())
+        .await
+        .unwrap();
     raw.write_all(&1u32.to_le_bytes()).await.unwrap();
     raw.write_all(&[7u8; 32]).await.unwrap();
     let mut challenge = [0u8; 1 + 4 + 32 + 32];
@@ -244,5 +246,37 @@ async fn drain_returns_once_the_last_frames_are_written_or_given_up() {
     assert!(
         b.drain(Duration::from_secs(5)).await,
         "a dead link's frames were not given up"
+    );
+}
+
+/// A peer of another protocol version is told ours and refused; both can say why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_protocol_version_is_refused_with_both_versions_named() {
+    use ravnest_runtime::tcp::PROTOCOL_VERSION;
+    let (a, _b) = pair(b"s", b"s").await;
+    let mut raw = tokio::net::TcpStream::connect(a.local_addr())
+        .await
+        .unwrap();
+    raw.write_all(b"RVN1").await.unwrap();
+    raw.write_all(&(PROTOCOL_VERSION + 7).to_le_bytes())
+        .await
+        .unwrap();
+    raw.write_all(&1u32.to_le_bytes()).await.unwrap();
+    raw.write_all(&[7u8; 32]).await.unwrap();
+    let mut answer = [0u8; 5];
+    raw.read_exact(&mut answer).await.unwrap();
+    assert_eq!(answer[0], 1, "status: another version");
+    assert_eq!(
+        u32::from_le_bytes(answer[1..].try_into().unwrap()),
+        PROTOCOL_VERSION
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let log = a.log_lines().join("\n");
+    assert!(
+        log.contains(&format!(
+            "protocol version {}, this node speaks {PROTOCOL_VERSION}",
+            PROTOCOL_VERSION + 7
+        )),
+        "{log}"
     );
 }
