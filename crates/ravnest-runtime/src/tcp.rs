@@ -184,6 +184,35 @@ fn nonce() -> [u8; 32] {
     rand::random()
 }
 
+/// Send a dialer's hello (magic, our version, an id, a fresh nonce) and read the listener's
+/// first status byte; a version refusal comes back as the error naming both versions.
+async fn hello(
+    s: &mut TcpStream,
+    magic: &[u8; 4],
+    id: u32,
+    who: &str,
+) -> Result<([u8; 32], u8), HandshakeError> {
+    let nc = nonce();
+    let mut hello = Vec::with_capacity(44);
+    hello.extend_from_slice(magic);
+    hello.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    hello.extend_from_slice(&id.to_le_bytes());
+    hello.extend_from_slice(&nc);
+    timed(s.write_all(&hello), who).await?;
+    let mut status = [0u8; 1];
+    timed(s.read_exact(&mut status), who).await?;
+    if status[0] == BAD_VERSION {
+        let mut v = [0u8; 4];
+        timed(s.read_exact(&mut v), who).await?;
+        return Err(HandshakeError::Version {
+            peer: who.to_string(),
+            theirs: u32::from_le_bytes(v),
+            ours: PROTOCOL_VERSION,
+        });
+    }
+    Ok((nc, status[0]))
+}
+
 /// The dialer's side. Returns when the listener has accepted us.
 async fn handshake_dial(
     s: &mut TcpStream,
@@ -192,26 +221,9 @@ async fn handshake_dial(
     incarnation: u64,
 ) -> Result<u64, HandshakeError> {
     let who = format!("node {} at {}", peer.0, cfg.peers[&peer]);
-    let nc = nonce();
-    let mut hello = Vec::with_capacity(44);
-    hello.extend_from_slice(MAGIC);
-    hello.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
-    hello.extend_from_slice(&cfg.me.0.to_le_bytes());
-    hello.extend_from_slice(&nc);
-    timed(s.write_all(&hello), &who).await?;
-    let mut status = [0u8; 1];
-    timed(s.read_exact(&mut status), &who).await?;
-    match status[0] {
+    let (nc, status) = hello(s, MAGIC, cfg.me.0, &who).await?;
+    match status {
         OK => {}
-        BAD_VERSION => {
-            let mut v = [0u8; 4];
-            timed(s.read_exact(&mut v), &who).await?;
-            return Err(HandshakeError::Version {
-                peer: who,
-                theirs: u32::from_le_bytes(v),
-                ours: PROTOCOL_VERSION,
-            });
-        }
         UNKNOWN_NODE => {
             return Err(HandshakeError::Unknown(format!(
                 "{who} does not know node {}",
@@ -238,6 +250,7 @@ async fn handshake_dial(
     let mut answer = mac(&cfg.secret, b"ravnest-dialer", &ns, &nc, ids).to_vec();
     answer.extend_from_slice(&incarnation.to_le_bytes());
     timed(s.write_all(&answer), &who).await?;
+    let mut status = [0u8; 1];
     timed(s.read_exact(&mut status), &who).await?;
     match status[0] {
         OK => {
@@ -384,26 +397,9 @@ async fn send_cluster_file(
 pub async fn fetch_cluster_file(addr: SocketAddr, secret: &[u8]) -> Result<String, HandshakeError> {
     let who = format!("node at {addr}");
     let mut s = timed(TcpStream::connect(addr), &who).await?;
-    let nc = nonce();
-    let mut hello = Vec::with_capacity(44);
-    hello.extend_from_slice(CONFIG_MAGIC);
-    hello.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
-    hello.extend_from_slice(&0u32.to_le_bytes());
-    hello.extend_from_slice(&nc);
-    timed(s.write_all(&hello), &who).await?;
-    let mut status = [0u8; 1];
-    timed(s.read_exact(&mut status), &who).await?;
-    match status[0] {
+    let (nc, status) = hello(&mut s, CONFIG_MAGIC, 0, &who).await?;
+    match status {
         OK => {}
-        BAD_VERSION => {
-            let mut v = [0u8; 4];
-            timed(s.read_exact(&mut v), &who).await?;
-            return Err(HandshakeError::Version {
-                peer: who,
-                theirs: u32::from_le_bytes(v),
-                ours: PROTOCOL_VERSION,
-            });
-        }
         UNKNOWN_NODE => {
             return Err(HandshakeError::Unknown(format!(
                 "{who} does not share its cluster file"
@@ -430,6 +426,7 @@ pub async fn fetch_cluster_file(addr: SocketAddr, secret: &[u8]) -> Result<Strin
         &who,
     )
     .await?;
+    let mut status = [0u8; 1];
     timed(s.read_exact(&mut status), &who).await?;
     match status[0] {
         OK => {}

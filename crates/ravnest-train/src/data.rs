@@ -37,6 +37,18 @@ pub struct DataError {
     pub message: String,
 }
 
+/// The file's bytes, decompressed when its name ends in `.gz`.
+fn gunzip_if_gz(spec: &str, bytes: Vec<u8>) -> Result<Vec<u8>, DataError> {
+    if !spec.ends_with(".gz") {
+        return Ok(bytes);
+    }
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(&bytes[..])
+        .read_to_end(&mut out)
+        .map_err(|e| err(spec, format!("not gzip: {e}")))?;
+    Ok(out)
+}
+
 fn err(origin: &str, message: impl Into<String>) -> DataError {
     DataError {
         origin: origin.into(),
@@ -85,15 +97,7 @@ impl Dataset {
                 format!("cannot read the dataset: {e} (`dataset` is \"digits\" or a path)"),
             )
         })?;
-        let bytes = if spec.ends_with(".gz") {
-            let mut out = Vec::new();
-            flate2::read::GzDecoder::new(&bytes[..])
-                .read_to_end(&mut out)
-                .map_err(|e| err(spec, format!("not gzip: {e}")))?;
-            out
-        } else {
-            bytes
-        };
+        let bytes = gunzip_if_gz(spec, bytes)?;
         if bytes.len() >= 4 && bytes[0] == 0 && bytes[1] == 0 && bytes[2] == 0x08 {
             return load_idx(path, &bytes);
         }
@@ -252,15 +256,7 @@ impl Dataset {
                 format!("cannot read the text: {e} (`dataset` is a text file's path)"),
             )
         })?;
-        let bytes = if spec.ends_with(".gz") {
-            let mut out = Vec::new();
-            flate2::read::GzDecoder::new(&bytes[..])
-                .read_to_end(&mut out)
-                .map_err(|e| err(spec, format!("not gzip: {e}")))?;
-            out
-        } else {
-            bytes
-        };
+        let bytes = gunzip_if_gz(spec, bytes)?;
         let text = String::from_utf8(bytes).map_err(|e| {
             err(
                 spec,

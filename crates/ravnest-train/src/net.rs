@@ -142,6 +142,17 @@ impl Network {
         }
     }
 
+    /// One layer of a cost-model description.
+    fn layer(name: &str, params: u64, flops: u64, act: u64, out: u64) -> LayerSpec {
+        LayerSpec {
+            name: name.into(),
+            params,
+            fwd_flops_per_sample: flops as f64,
+            activation_elems_per_sample: act,
+            output_elems_per_sample: out,
+        }
+    }
+
     /// The cost-model description of this network (what the planner plans with).
     pub fn model_spec(&self) -> ModelSpec {
         match self {
@@ -153,25 +164,18 @@ impl Network {
                 let hw = (side * side) as u64;
                 let flat = (C2 * (side / 2) * (side / 2)) as u64;
                 let (c1, c2, k) = (C1 as u64, C2 as u64, *classes as u64);
-                let layer = |name: &str, params: u64, flops: u64, act: u64, out: u64| LayerSpec {
-                    name: name.into(),
-                    params,
-                    fwd_flops_per_sample: flops as f64,
-                    activation_elems_per_sample: act,
-                    output_elems_per_sample: out,
-                };
                 ModelSpec {
                     name: "cnn".into(),
                     layers: vec![
-                        layer("conv1", 9 * c1 + c1, 2 * 9 * c1 * hw, hw + c1 * hw, c1 * hw),
-                        layer(
+                        Self::layer("conv1", 9 * c1 + c1, 2 * 9 * c1 * hw, hw + c1 * hw, c1 * hw),
+                        Self::layer(
                             "conv2",
                             9 * c1 * c2 + c2,
                             2 * 9 * c1 * c2 * hw,
                             c1 * hw + c2 * hw,
                             flat,
                         ),
-                        layer("fc", flat * k + k, 2 * flat * k, flat + k, k),
+                        Self::layer("fc", flat * k + k, 2 * flat * k, flat + k, k),
                     ],
                 }
             }
@@ -187,19 +191,12 @@ impl Network {
                     *embed as u64,
                     *hidden as u64,
                 );
-                let layer = |name: &str, params: u64, flops: u64, act: u64, out: u64| LayerSpec {
-                    name: name.into(),
-                    params,
-                    fwd_flops_per_sample: flops as f64,
-                    activation_elems_per_sample: act,
-                    output_elems_per_sample: out,
-                };
                 ModelSpec {
                     name: "char".into(),
                     layers: vec![
-                        layer("emb", v * e, c * e, c + c * e, c * e),
-                        layer("fc0", c * e * h + h, 2 * c * e * h, c * e + h, h),
-                        layer("fc1", h * v + v, 2 * h * v, h + v, v),
+                        Self::layer("emb", v * e, c * e, c + c * e, c * e),
+                        Self::layer("fc0", c * e * h + h, 2 * c * e * h, c * e + h, h),
+                        Self::layer("fc1", h * v + v, 2 * h * v, h + v, v),
                     ],
                 }
             }
