@@ -22,9 +22,7 @@ use ravnest_core::{Link, NodeId, PlannerKind, Scenario};
 use ravnest_runtime::checkpoint::CheckpointActor;
 use ravnest_runtime::coordinator::{CoordMsg, CoordinatorActor, Event, RunLog};
 use ravnest_runtime::msg::Capabilities;
-use ravnest_runtime::node::{
-    Counters, NodeActor, PROBE_LARGE, PROBE_SMALL, Start, link_from_round_trips,
-};
+use ravnest_runtime::node::{Counters, NodeActor, Start};
 use ravnest_runtime::supervisor::SupervisorActor;
 use ravnest_runtime::tcp::{TcpConfig, TcpTransport};
 use ravnest_runtime::{Addr, Compute, Envelope, Inbox, Trace, Transport, TransportError};
@@ -588,59 +586,13 @@ async fn coordinate(
     if caps.is_empty() {
         bail!("no node registered within {:?}", opts.register_timeout);
     }
-    // Link probes: latency from a small echo, bandwidth from a 1 MiB one.
+    // Link probes: every node (this one too) echo-probes the peers after it and reports, so
+    // each pair is measured once, by the same code everywhere.
     let mut cluster = s.cluster.clone();
-    let mut probe_id = 0u64;
-    for &id in caps.keys() {
-        if id == su.me {
-            continue;
-        }
-        let mut rtt = [f64::INFINITY; 2];
-        for (k, len) in [(0usize, PROBE_SMALL), (1, PROBE_LARGE)] {
-            for _ in 0..3 {
-                probe_id += 1;
-                let t = Instant::now();
-                let _ = tcp.send(
-                    Addr::Coordinator,
-                    Addr::Node(id),
-                    Envelope::Probe {
-                        id: probe_id,
-                        data: vec![0.0; len],
-                        echo: true,
-                    },
-                );
-                let got = tokio::time::timeout(Duration::from_secs(5), async {
-                    while let Some((_, env)) = reg_rx.recv().await {
-                        if matches!(env, Envelope::Probe { id, echo: false, .. } if id == probe_id)
-                        {
-                            return true;
-                        }
-                    }
-                    false
-                })
-                .await;
-                if matches!(got, Ok(true)) {
-                    rtt[k] = rtt[k].min(t.elapsed().as_secs_f64());
-                }
-            }
-        }
-        if rtt[1].is_finite() && rtt[0].is_finite() {
-            let (latency_ms, bandwidth_gbps) = link_from_round_trips(rtt[0], rtt[1]);
-            let measured = Link {
-                bandwidth_gbps,
-                latency_ms,
-            };
-            cluster.nodes[id.index()].link = measured;
-            cluster
-                .pair_links
-                .insert((su.me.min(id), su.me.max(id)), measured);
-        }
-    }
-    // Links between the other nodes: each node probes the peers after it and reports.
-    let others: Vec<NodeId> = caps.keys().copied().filter(|&i| i != su.me).collect();
+    let all: Vec<NodeId> = caps.keys().copied().collect();
     let mut asked = 0;
-    for (k, &id) in others.iter().enumerate() {
-        let peers = others[k + 1..].to_vec();
+    for (k, &id) in all.iter().enumerate() {
+        let peers = all[k + 1..].to_vec();
         if peers.is_empty() {
             continue;
         }
@@ -668,6 +620,12 @@ async fn coordinate(
             }
             Ok(Some(_)) => {}
             Ok(None) | Err(_) => break,
+        }
+    }
+    // A node's access link, as the plan shows it: its measured link to this host.
+    for &id in &all {
+        if let Some(l) = cluster.pair_links.get(&(su.me.min(id), su.me.max(id))) {
+            cluster.nodes[id.index()].link = *l;
         }
     }
     let pairs: Vec<String> = cluster
