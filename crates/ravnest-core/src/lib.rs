@@ -13,6 +13,7 @@ pub mod cost;
 pub mod detector;
 pub mod device;
 pub mod model;
+pub mod pipeline;
 pub mod planner;
 pub mod ps;
 pub mod ring;
