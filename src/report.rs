@@ -643,8 +643,6 @@ pub fn sim_bench_table(rows: &[SimBenchRow]) -> String {
                 Err(e) => {
                     let short = if e.contains("no equal split fits") {
                         "does not fit (equal split)".to_string()
-                    } else if e.contains("pipeline execution is not built yet") {
-                        "needs pipeline execution (not built yet)".to_string()
                     } else {
                         e.clone()
                     };

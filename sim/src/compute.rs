@@ -1,13 +1,15 @@
 //! SimCompute: the simulated side of the [`Compute`] seam. A step costs virtual time from the
 //! cost model (samples × seconds per sample on the node's device), times the node's current
 //! slowdown, times seeded jitter; the gradient itself is the toy model's, computed for real.
+//! Pipeline stages cost their layers' share of the model's FLOPs (a third forward, two thirds
+//! backward) and compute the layered toy ([`Toy::Chain`]) for real.
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use ravnest_core::NodeId;
 use ravnest_runtime::Compute;
-use ravnest_runtime::toy;
+use ravnest_runtime::toy::{self, Toy};
 
 use crate::rng::Rng;
 
@@ -16,6 +18,9 @@ pub const JITTER: f64 = 0.04;
 
 #[derive(Debug)]
 struct State {
+    toy: Toy,
+    /// Cumulative share of the model's training FLOPs before each layer (L + 1 entries).
+    flops_before: Vec<f64>,
     secs_per_sample: Vec<f64>,
     slowdown: Vec<f64>,
     rngs: Vec<Rng>,
@@ -30,10 +35,62 @@ impl SimCompute {
     pub fn new(secs_per_sample: Vec<f64>, seed: u64) -> Self {
         let n = secs_per_sample.len();
         SimCompute(Arc::new(Mutex::new(State {
+            toy: Toy::Flat,
+            flops_before: vec![0.0, 1.0],
             rngs: (0..n).map(|i| Rng::derive(seed, &[2, i as u64])).collect(),
             slowdown: vec![1.0; n],
             secs_per_sample,
         })))
+    }
+
+    /// Train the layered toy, whose layer `l` costs `layer_flops[l]` (any unit: shares are
+    /// what matter), so that pipeline stages can run.
+    pub fn layered(self, layer_flops: &[f64]) -> Self {
+        {
+            let mut s = self.0.lock().unwrap();
+            let total: f64 = layer_flops.iter().sum::<f64>().max(f64::MIN_POSITIVE);
+            let mut acc = 0.0;
+            s.flops_before = std::iter::once(0.0)
+                .chain(layer_flops.iter().map(|f| {
+                    acc += f / total;
+                    acc
+                }))
+                .collect();
+            s.toy = Toy::Chain {
+                layers: layer_flops.len(),
+            };
+        }
+        self
+    }
+
+    /// The toy model this compute trains.
+    pub fn toy(&self) -> Toy {
+        self.0.lock().unwrap().toy
+    }
+
+    /// Virtual seconds for `node` to run `share` of the full training FLOPs of `samples`
+    /// samples, with its slowdown and jitter.
+    fn secs(&self, node: NodeId, samples: u64, share: f64) -> f64 {
+        let mut s = self.0.lock().unwrap();
+        let i = node.index();
+        let u = s.rngs[i].unit();
+        samples as f64 * share * s.secs_per_sample[i] * s.slowdown[i] * (1.0 + JITTER * (u - 0.5))
+    }
+
+    fn layer_share(&self, layers: &Range<usize>) -> Result<f64, String> {
+        let s = self.0.lock().unwrap();
+        let Toy::Chain { layers: total } = s.toy else {
+            return Err(
+                "the simulated model is not layered (the run was planned data-parallel)".into(),
+            );
+        };
+        if layers.start >= layers.end || layers.end > total {
+            return Err(format!(
+                "layers {}..{} of a {total}-layer model",
+                layers.start, layers.end
+            ));
+        }
+        Ok(s.flops_before[layers.end] - s.flops_before[layers.start])
     }
 
     /// Multiply node's compute time by `factor` from now on (1.0 = normal).
@@ -42,9 +99,75 @@ impl SimCompute {
     }
 }
 
+/// Share of a layer range's training FLOPs spent in its forward pass.
+pub const FORWARD_SHARE: f64 = 1.0 / 3.0;
+
 impl Compute for SimCompute {
     fn initial_model(&self) -> Vec<f32> {
-        toy::initial_model()
+        self.toy().initial_model()
+    }
+
+    fn param_range(&self, layers: Range<usize>, _model_len: usize) -> Range<usize> {
+        self.toy().param_range(layers)
+    }
+
+    fn runs_stages(&self) -> bool {
+        matches!(self.toy(), Toy::Chain { .. })
+    }
+
+    async fn stage_forward(
+        &self,
+        node: NodeId,
+        _step: u64,
+        samples: Range<u64>,
+        layers: Range<usize>,
+        params: &[f32],
+        input: Option<&[f32]>,
+    ) -> Result<Vec<f32>, String> {
+        let share = self.layer_share(&layers)?;
+        let n = samples.end - samples.start;
+        if params.len() != layers.len() * toy::DIM
+            || input.is_some_and(|x| x.len() != n as usize * toy::DIM)
+        {
+            return Err(format!(
+                "stage forward of layers {}..{}: {} parameters and {:?} inputs do not fit {n} samples",
+                layers.start,
+                layers.end,
+                params.len(),
+                input.map(<[f32]>::len)
+            ));
+        }
+        let secs = self.secs(node, n, share * FORWARD_SHARE);
+        tokio::time::sleep(std::time::Duration::from_nanos((secs * 1e9) as u64)).await;
+        Ok(toy::chain_forward(samples, layers, params, input))
+    }
+
+    async fn stage_backward(
+        &self,
+        node: NodeId,
+        _step: u64,
+        samples: Range<u64>,
+        layers: Range<usize>,
+        _params: &[f32],
+        _input: Option<&[f32]>,
+        output: &[f32],
+        grad_out: Option<&[f32]>,
+    ) -> Result<(Vec<f32>, Vec<f32>), String> {
+        let share = self.layer_share(&layers)?;
+        let n = samples.end - samples.start;
+        let want = n as usize * toy::DIM;
+        if output.len() != want || grad_out.is_some_and(|g| g.len() != want) {
+            return Err(format!(
+                "stage backward of layers {}..{}: output of {} values and gradient of {:?} do not fit {n} samples",
+                layers.start,
+                layers.end,
+                output.len(),
+                grad_out.map(<[f32]>::len)
+            ));
+        }
+        let secs = self.secs(node, n, share * (1.0 - FORWARD_SHARE));
+        tokio::time::sleep(std::time::Duration::from_nanos((secs * 1e9) as u64)).await;
+        Ok(toy::chain_backward(samples, layers, output, grad_out))
     }
 
     fn apply_update(&self, model: &mut [f32], mean_gradient: &[f32]) {
@@ -58,16 +181,8 @@ impl Compute for SimCompute {
         samples: Range<u64>,
         model: &[f32],
     ) -> Vec<f32> {
-        let secs = {
-            let mut s = self.0.lock().unwrap();
-            let i = node.index();
-            let u = s.rngs[i].unit();
-            (samples.end - samples.start) as f64
-                * s.secs_per_sample[i]
-                * s.slowdown[i]
-                * (1.0 + JITTER * (u - 0.5))
-        };
+        let secs = self.secs(node, samples.end - samples.start, 1.0);
         tokio::time::sleep(std::time::Duration::from_nanos((secs * 1e9) as u64)).await;
-        toy::gradient_sum(samples, model)
+        self.toy().gradient_sum(samples, model)
     }
 }

@@ -278,25 +278,37 @@ pub fn run(s: &Scenario, opts: &SimOptions) -> Result<SimReport, SimError> {
             )));
         }
     }
-    let opts_dp = ravnest_core::PlanOptions {
+    // Data parallel when it fits (the toy model is one vector); else a pipeline, and the toy
+    // model gets the model's layers so that stages compute their part of it.
+    let dp = ravnest_core::PlanOptions {
         allow_pipeline: false,
     };
-    if let Err(e) =
-        ravnest_core::plan_with(opts.planner, &s.cluster, &s.model, &s.training, opts_dp)
+    let layered = match ravnest_core::plan_with(opts.planner, &s.cluster, &s.model, &s.training, dp)
     {
-        return Err(SimError::Unsupported(format!(
-            "no data-parallel plan fits this cluster ({e}); the runtime executes data-parallel plans only so far (pipeline execution is not built yet)"
-        )));
-    }
+        Ok(_) => false,
+        Err(_) => match ravnest_core::plan(opts.planner, &s.cluster, &s.model, &s.training) {
+            Ok(_) => true,
+            Err(e) => {
+                return Err(SimError::Unsupported(format!(
+                    "no plan fits this cluster: {e}"
+                )));
+            }
+        },
+    };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
         .build()
         .map_err(|e| SimError::Unsupported(format!("cannot build the runtime: {e}")))?;
-    rt.block_on(simulate(s, opts, host))
+    rt.block_on(simulate(s, opts, host, layered))
 }
 
-async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimReport, SimError> {
+async fn simulate(
+    s: &Scenario,
+    opts: &SimOptions,
+    host: NodeId,
+    layered: bool,
+) -> Result<SimReport, SimError> {
     let t0 = Instant::now();
     let trace = Trace::default();
     let cluster = s.cluster.clone();
@@ -308,7 +320,16 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
         .ids()
         .map(|i| costs.compute_s(i, &all, 1.0))
         .collect();
-    let compute = Arc::new(SimCompute::new(secs_per_sample.clone(), opts.seed));
+    let mut compute = SimCompute::new(secs_per_sample.clone(), opts.seed);
+    if layered {
+        let layer_flops: Vec<f64> = all
+            .clone()
+            .map(|l| costs.train_flops(&(l..l + 1)))
+            .collect();
+        compute = compute.layered(&layer_flops);
+    }
+    let toy = compute.toy();
+    let compute = Arc::new(compute);
     let grad_bytes = costs.grad_bytes(&all);
     let counters: Counters = Arc::default();
     let log: Arc<Mutex<RunLog>> = Arc::default();
@@ -357,6 +378,7 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
         initial_holders: None,
         measure_min_batch: 0,
         rebalance_cooldown: 0,
+        allow_pipeline: layered,
     };
     let store = Arc::new(MemStore::default());
     let checkpointer = CheckpointActor {
@@ -498,6 +520,7 @@ async fn simulate(s: &Scenario, opts: &SimOptions, host: NodeId) -> Result<SimRe
     let mut r = report(
         s,
         opts,
+        toy,
         &log,
         &counters,
         &net,
@@ -564,6 +587,7 @@ fn picture(
 fn report(
     s: &Scenario,
     opts: &SimOptions,
+    toy: toy::Toy,
     log: &RunLog,
     counters: &BTreeMap<NodeId, ravnest_runtime::node::NodeCounters>,
     net: &SimNet,
@@ -597,13 +621,15 @@ fn report(
         }
     }
     // The model every live replica ends with must equal single-node training on the same data.
-    let reference = toy::reference_model(steps_completed, u64::from(s.training.global_batch));
+    // (A pipeline stage holds its layers only: compare those.)
+    let reference = toy.reference_model(steps_completed, u64::from(s.training.global_batch));
     let mut max_err: f64 = 0.0;
     for c in counters
         .values()
         .filter(|c| c.model.0 == steps_completed && steps_completed > 0)
     {
-        for (a, b) in c.model.1.iter().zip(&reference) {
+        let r = c.model_range.clone();
+        for (a, b) in c.model.1[r.clone()].iter().zip(&reference[r]) {
             max_err = max_err.max(f64::from((a - b).abs()));
         }
     }

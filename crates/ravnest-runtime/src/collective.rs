@@ -198,6 +198,11 @@ impl<T: Transport> CollectiveActor<T> {
             let Some((member, work, rank)) = &st.running else {
                 return;
             };
+            // A pipeline stage synchronizes its layers' gradient only.
+            let grad_bytes = work
+                .stage
+                .as_ref()
+                .map_or(self.grad_bytes, |s| s.sync_bytes);
             match e {
                 Out::Push(data) => self.send(
                     Addr::Node(work.ring[0]),
@@ -205,7 +210,7 @@ impl<T: Transport> CollectiveActor<T> {
                         epoch: work.epoch,
                         rank: *rank as u32,
                         data,
-                        virtual_bytes: self.grad_bytes,
+                        virtual_bytes: grad_bytes,
                     },
                 ),
                 Out::Broadcast(data) => {
@@ -215,7 +220,7 @@ impl<T: Transport> CollectiveActor<T> {
                             Envelope::Pull {
                                 epoch: work.epoch,
                                 data: data.clone(),
-                                virtual_bytes: self.grad_bytes,
+                                virtual_bytes: grad_bytes,
                             },
                         );
                     }
@@ -227,7 +232,7 @@ impl<T: Transport> CollectiveActor<T> {
                         2 => (work.ring.len() as u64).max(1),
                         _ => u64::from(work.group_size.max(1)),
                     };
-                    let virtual_bytes = self.grad_bytes / parts;
+                    let virtual_bytes = grad_bytes / parts;
                     self.send(
                         Addr::Node(work.ring[to]),
                         Envelope::Chunk {
@@ -243,7 +248,7 @@ impl<T: Transport> CollectiveActor<T> {
                         Member::Ring(m) => m.segments() as u64,
                         _ => 1,
                     };
-                    let virtual_bytes = self.grad_bytes / n as u64 / pieces;
+                    let virtual_bytes = grad_bytes / n as u64 / pieces;
                     self.send(
                         Addr::Node(next),
                         Envelope::Chunk {

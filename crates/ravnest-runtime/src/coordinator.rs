@@ -9,16 +9,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ravnest_core::cost::Costs;
 use ravnest_core::detector::{DetectorEvent, FailureDetector};
-use ravnest_core::planner::Layout;
 use ravnest_core::planner::sync::{Collective, SyncMethod};
+use ravnest_core::planner::{Layout, Plan, Role};
 use ravnest_core::{
     ClusterSpec, ModelSpec, NodeId, PlanOptions, PlannerKind, TrainingSpec, plan_with,
 };
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use crate::msg::{Addr, Envelope, StepMode, Work};
+use crate::msg::{Addr, Envelope, StageWork, StepMode, Work};
 use crate::seams::Transport;
 use crate::trace::Trace;
 
@@ -138,6 +139,10 @@ pub struct CoordinatorActor<T> {
     /// Steps after a rebalance for a node before its drift can trigger another one (measured
     /// speeds on shared machines jitter; 0 in the simulator, whose jitter is modelled).
     pub rebalance_cooldown: u64,
+    /// Whether the nodes' compute backend runs pipeline stages. When it does, a cluster where
+    /// no data-parallel plan fits is planned as a pipeline; data parallel is preferred
+    /// otherwise (every replica then holds the whole model, which recovery relies on).
+    pub allow_pipeline: bool,
 }
 
 /// Messages.
@@ -157,10 +162,28 @@ struct Current {
     epoch: u64,
     mode: StepMode,
     workers: Vec<NodeId>,
+    /// Shares whose compute time measures the node's speed (data parallel only: a stage's
+    /// time covers its layers, not the model).
     batches: BTreeMap<NodeId, u64>,
     pending: BTreeSet<NodeId>,
     digests: BTreeMap<NodeId, u64>,
+    /// The sync groups: the layers each holds (a data-parallel step has one group holding
+    /// every layer; a pipeline one per stage) and its members.
+    groups: Vec<((u32, u32), Vec<NodeId>)>,
 }
+
+/// One node's assignment in a step, before it becomes a [`Work`].
+#[derive(Debug, Clone)]
+struct Assign {
+    node: NodeId,
+    offset: u64,
+    batch: u64,
+    ring: Vec<NodeId>,
+    stage: Option<StageWork>,
+}
+
+/// A plan turned into assignments: (assignments, sync groups as in [`Current::groups`]).
+type Assignments = (Vec<Assign>, Vec<((u32, u32), Vec<NodeId>)>);
 
 /// Mutable state.
 #[derive(Debug)]
@@ -186,8 +209,11 @@ pub struct CoordState {
     local_sgd: bool,
     /// The model version from which the next checkpoint is due.
     next_checkpoint: u64,
-    /// The checkpoint in progress: (version, writer).
-    pending_checkpoint: Option<(u64, NodeId)>,
+    /// The checkpoint in progress: (version, writers).
+    pending_checkpoint: Option<(u64, Vec<NodeId>)>,
+    /// Layers each node holds current at version `step` when it is a pipeline stage (absent:
+    /// the whole model).
+    layers_held: BTreeMap<NodeId, (u32, u32)>,
     /// Live nodes the last plan left out, and since which step.
     left_out: BTreeMap<NodeId, u64>,
     /// The step of each node's last rebalance.
@@ -272,7 +298,8 @@ impl<T: Transport> CoordinatorActor<T> {
                 sub.nodes[k].flops = self.train_flops / a;
             }
         }
-        // Pipeline execution is not built into the runtime yet: plan data parallel only.
+        // Data parallel first; a pipeline when no data-parallel plan fits (and the backend runs
+        // stages).
         let opts = PlanOptions {
             allow_pipeline: false,
         };
@@ -284,7 +311,17 @@ impl<T: Transport> CoordinatorActor<T> {
         );
         let p = match &st.plan_cache {
             Some((k, p)) if *k == key => p.clone(),
-            _ => match plan_with(self.planner, &sub, &self.model, &self.training, opts) {
+            _ => match plan_with(self.planner, &sub, &self.model, &self.training, opts).or_else(
+                |e| {
+                    if !self.allow_pipeline {
+                        return Err(e);
+                    }
+                    let pipe = PlanOptions {
+                        allow_pipeline: true,
+                    };
+                    plan_with(self.planner, &sub, &self.model, &self.training, pipe)
+                },
+            ) {
                 Ok(p) => {
                     st.plan_cache = Some((key, p.clone()));
                     p
@@ -297,24 +334,34 @@ impl<T: Transport> CoordinatorActor<T> {
                 }
             },
         };
-        if !matches!(p.layout, Layout::DataParallel { .. }) {
-            return self.finish(
-                st,
-                Event::Stalled("the plan is a pipeline; the runtime executes data-parallel plans only (pipeline execution is not built yet)".into()),
-            );
-        }
-        let workers: Vec<(NodeId, u64)> = p
-            .nodes
-            .iter()
-            .filter(|n| n.batch > 0)
-            .map(|n| (live[n.id.index()], n.batch))
-            .collect();
-        let ring: Vec<NodeId> = match p.sync.groups.first() {
-            Some(g) if g.order.len() == workers.len() => {
-                g.order.iter().map(|i| live[i.index()]).collect()
-            }
-            _ => workers.iter().map(|w| w.0).collect(),
+        let (assigns, groups) = match self.assignments(&p, &live, &sub) {
+            Ok(a) => a,
+            Err(why) => return self.finish(st, Event::Stalled(why)),
         };
+        // A stage computes from the layers it holds; moving layer state between nodes after a
+        // pipeline is re-planned is not built.
+        for a in &assigns {
+            if let Some(sw) = &a.stage {
+                let held = st.holders.contains(&a.node)
+                    && st
+                        .layers_held
+                        .get(&a.node)
+                        .is_none_or(|h| h.0 <= sw.layers.0 && sw.layers.1 <= h.1);
+                if !held {
+                    return self.finish(
+                        st,
+                        Event::Stalled(format!(
+                            "the re-planned pipeline gives `{}` layers {}..{}, which it does not hold at step {}; moving layer state between pipeline stages is not built yet",
+                            self.cluster.node(a.node).name,
+                            sw.layers.0,
+                            sw.layers.1,
+                            st.step
+                        )),
+                    );
+                }
+            }
+        }
+        let workers: Vec<(NodeId, u64)> = assigns.iter().map(|a| (a.node, a.batch)).collect();
         let collective = match p.sync.method {
             SyncMethod::EveryStep { collective } | SyncMethod::LocalSgd { collective, .. } => {
                 collective
@@ -367,33 +414,158 @@ impl<T: Transport> CoordinatorActor<T> {
             st.last_plan = Some(workers.clone());
         }
         let source = *st.holders.first().expect("checked non-empty");
-        let mut offset = 0;
-        for &(w, batch) in &workers {
+        let pipelined = assigns.iter().any(|a| a.stage.is_some());
+        for a in &assigns {
             let work = Work {
                 epoch: st.epoch,
                 step: st.step,
-                offset,
-                batch,
+                offset: a.offset,
+                batch: a.batch,
                 global_batch: u64::from(self.training.global_batch),
-                ring: ring.clone(),
+                ring: a.ring.clone(),
                 // Holders hold the last synchronized version; inside a local period every
                 // worker continues from its own model.
-                state_from: (st.step == st.last_sync && !st.holders.contains(&w)).then_some(source),
+                state_from: (a.stage.is_none()
+                    && st.step == st.last_sync
+                    && !st.holders.contains(&a.node))
+                .then_some(source),
                 mode,
                 collective,
                 group_size,
+                stage: a.stage.clone(),
             };
-            offset += batch;
-            self.send(w, Envelope::Work(work));
+            self.send(a.node, Envelope::Work(work));
         }
         st.current = Some(Current {
             epoch: st.epoch,
             workers: workers.iter().map(|w| w.0).collect(),
-            batches: workers.iter().copied().collect(),
+            batches: if pipelined {
+                BTreeMap::new()
+            } else {
+                workers.iter().copied().collect()
+            },
             pending: workers.iter().map(|w| w.0).collect(),
             digests: BTreeMap::new(),
+            groups,
             mode,
         });
+    }
+
+    /// Each node's assignment under plan `p` of the live nodes `live` (`sub`: their cluster).
+    fn assignments(
+        &self,
+        p: &Plan,
+        live: &[NodeId],
+        sub: &ClusterSpec,
+    ) -> Result<Assignments, String> {
+        let all_layers = (0, self.model.layers.len() as u32);
+        match &p.layout {
+            Layout::DataParallel { .. } => {
+                let workers: Vec<(NodeId, u64)> = p
+                    .nodes
+                    .iter()
+                    .filter(|n| n.batch > 0)
+                    .map(|n| (live[n.id.index()], n.batch))
+                    .collect();
+                let ring: Vec<NodeId> = match p.sync.groups.first() {
+                    Some(g) if g.order.len() == workers.len() => {
+                        g.order.iter().map(|i| live[i.index()]).collect()
+                    }
+                    _ => workers.iter().map(|w| w.0).collect(),
+                };
+                let mut offset = 0;
+                let assigns = workers
+                    .iter()
+                    .map(|&(node, batch)| {
+                        offset += batch;
+                        Assign {
+                            node,
+                            offset: offset - batch,
+                            batch,
+                            ring: ring.clone(),
+                            stage: None,
+                        }
+                    })
+                    .collect();
+                Ok((assigns, vec![(all_layers, ring)]))
+            }
+            Layout::Pipeline {
+                stages,
+                replicas,
+                bounds,
+                micro_batch,
+            } => {
+                let (s, r) = (*stages, *replicas);
+                let mut grid: Vec<Vec<Option<NodeId>>> = vec![vec![None; s]; r];
+                let mut samples = vec![0u64; r];
+                for n in &p.nodes {
+                    if let Role::Stage { replica, stage } = n.role
+                        && n.batch > 0
+                        && replica < r
+                        && stage < s
+                    {
+                        grid[replica][stage] = Some(live[n.id.index()]);
+                        samples[replica] = n.batch;
+                    }
+                }
+                let costs = Costs::new(sub, &self.model, &self.training);
+                let mut assigns = Vec::new();
+                let mut groups = Vec::new();
+                let used: Vec<usize> = (0..r).filter(|&k| samples[k] > 0).collect();
+                for k in 0..s {
+                    let column: Vec<NodeId> = used.iter().filter_map(|&rep| grid[rep][k]).collect();
+                    if column.len() != used.len() {
+                        return Err(format!(
+                            "the pipeline plan leaves stage {k} of a replica without a node"
+                        ));
+                    }
+                    // The plan's ring order for this stage's group, else replica order.
+                    let ring: Vec<NodeId> = p
+                        .sync
+                        .groups
+                        .iter()
+                        .map(|g| g.order.iter().map(|i| live[i.index()]).collect::<Vec<_>>())
+                        .find(|o| o.len() == column.len() && column.iter().all(|c| o.contains(c)))
+                        .unwrap_or_else(|| column.clone());
+                    let layers = (bounds[k] as u32, bounds[k + 1] as u32);
+                    groups.push((layers, ring.clone()));
+                    let mut offset = 0;
+                    for rep in 0..r {
+                        offset += samples[rep];
+                        let Some(node) = grid[rep][k].filter(|_| samples[rep] > 0) else {
+                            continue;
+                        };
+                        let at = |j: usize| grid[rep][j];
+                        assigns.push(Assign {
+                            node,
+                            offset: offset - samples[rep],
+                            batch: samples[rep],
+                            ring: ring.clone(),
+                            stage: Some(StageWork {
+                                stage: k as u32,
+                                stages: s as u32,
+                                layers,
+                                prev: k.checked_sub(1).and_then(at),
+                                next: (k + 1 < s).then(|| at(k + 1)).flatten(),
+                                micro_batch: u64::from(*micro_batch),
+                                out_bytes_per_sample: if k + 1 < s {
+                                    costs.boundary_bytes_per_sample(bounds[k + 1])
+                                } else {
+                                    0
+                                },
+                                in_bytes_per_sample: if k > 0 {
+                                    costs.boundary_bytes_per_sample(bounds[k])
+                                } else {
+                                    0
+                                },
+                                sync_bytes: costs.grad_bytes(&(bounds[k]..bounds[k + 1])),
+                            }),
+                        });
+                    }
+                }
+                Ok((assigns, groups))
+            }
+        }
     }
 
     /// Go back to the last synchronized model (a loss inside a local-SGD period loses the
@@ -413,9 +585,10 @@ impl<T: Transport> CoordinatorActor<T> {
         self.event(Event::Detected { node, silent_ms });
         // A writer lost before its shard arrived: that round cannot complete; the next
         // checkpoint is due at the next synchronized step.
-        if let Some((version, writer)) = st.pending_checkpoint
-            && writer == node
+        if let Some((version, writers)) = &st.pending_checkpoint
+            && writers.contains(&node)
         {
+            let version = *version;
             let _ = self.transport.send(
                 Addr::Coordinator,
                 Addr::Checkpoint,
@@ -469,51 +642,83 @@ impl<T: Transport> CoordinatorActor<T> {
             return;
         }
         let synchronized = c.mode != StepMode::Local;
-        let distinct: BTreeSet<u64> = c.digests.values().copied().collect();
-        if synchronized && distinct.len() > 1 {
-            self.event(Event::Violation(format!(
-                "replicas disagree after step {}: {} distinct models",
-                st.step,
-                distinct.len()
-            )));
+        // Every member of a sync group must hold the same parameters after a synchronized
+        // step (data parallel: one group; a pipeline: one per stage).
+        let mut group_digests: Vec<Option<u64>> = Vec::new();
+        for (layers, members) in &c.groups {
+            let distinct: BTreeSet<u64> = members
+                .iter()
+                .filter_map(|m| c.digests.get(m).copied())
+                .collect();
+            if synchronized && distinct.len() > 1 {
+                let what = if c.groups.len() > 1 {
+                    format!("the replicas of layers {}..{}", layers.0, layers.1)
+                } else {
+                    "replicas".into()
+                };
+                self.event(Event::Violation(format!(
+                    "{what} disagree after step {}: {} distinct models",
+                    st.step,
+                    distinct.len()
+                )));
+            }
+            group_digests.push(distinct.first().copied());
         }
         let workers = c.workers.clone();
+        let groups = std::mem::take(&mut c.groups);
+        let pipelined = groups.len() > 1;
         st.current = None;
         if synchronized {
             st.holders = workers.iter().copied().collect();
             st.last_sync = st.step + 1;
-            if let Some(&d) = distinct.iter().next() {
+            for (layers, members) in &groups {
+                for &m in members {
+                    if pipelined {
+                        st.layers_held.insert(m, *layers);
+                    } else {
+                        st.layers_held.remove(&m);
+                    }
+                }
+            }
+            if let Some(Some(d)) = group_digests.first() {
                 self.log
                     .lock()
                     .unwrap()
                     .synced_digest
-                    .insert(st.step + 1, d);
+                    .insert(st.step + 1, *d);
             }
             // Checkpoint a version every replica agreed on, once one is due (under local SGD:
-            // the first averaging round from then on).
+            // the first averaging round from then on): one shard per group, written by its
+            // first member.
             let version = st.step + 1;
             let due = (self.checkpoint_every > 0 && version >= st.next_checkpoint)
                 || (self.checkpoint_at_end && version == self.steps);
-            if due && let (Some(&d), Some(&writer)) = (distinct.iter().next(), workers.first()) {
+            let shards: Option<Vec<(u32, u32, u64, NodeId)>> = groups
+                .iter()
+                .zip(&group_digests)
+                .map(|((layers, members), d)| Some((layers.0, layers.1, (*d)?, *members.first()?)))
+                .collect();
+            if due && let Some(shards) = shards {
                 st.next_checkpoint = version + self.checkpoint_every;
-                let layers = (0, self.model.layers.len() as u32);
                 let _ = self.transport.send(
                     Addr::Coordinator,
                     Addr::Checkpoint,
                     Envelope::CheckpointBegin {
                         step: version,
-                        shards: vec![(layers.0, layers.1, d)],
+                        shards: shards.iter().map(|&(a, b, d, _)| (a, b, d)).collect(),
                     },
                 );
-                let _ = self.transport.send(
-                    Addr::Coordinator,
-                    Addr::Node(writer),
-                    Envelope::WriteShard {
-                        step: version,
-                        layers,
-                    },
-                );
-                st.pending_checkpoint = Some((version, writer));
+                for &(a, b, _, writer) in &shards {
+                    let _ = self.transport.send(
+                        Addr::Coordinator,
+                        Addr::Node(writer),
+                        Envelope::WriteShard {
+                            step: version,
+                            layers: (a, b),
+                        },
+                    );
+                }
+                st.pending_checkpoint = Some((version, shards.iter().map(|s| s.3).collect()));
             }
         }
         // Rebalance when a worker's measured speed drifts from what the plan assumed (a lone
@@ -585,6 +790,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             local_sgd: false,
             next_checkpoint: self.start_step + self.checkpoint_every,
             pending_checkpoint: None,
+            layers_held: BTreeMap::new(),
             left_out: BTreeMap::new(),
             rebalanced_at: BTreeMap::new(),
             plan_cache: None,
@@ -657,6 +863,15 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                         digest,
                         compute_ns,
                     } => self.on_step_done(st, from, epoch, step, digest, compute_ns),
+                    Envelope::StepFailed { epoch, reason }
+                        if st.current.as_ref().is_some_and(|c| c.epoch == epoch) =>
+                    {
+                        let name = self.cluster.node(from).name.clone();
+                        self.finish(
+                            st,
+                            Event::Stalled(format!("`{name}` cannot compute its work: {reason}")),
+                        );
+                    }
                     _ => {}
                 }
             }

@@ -52,6 +52,34 @@ pub struct Work {
     pub collective: Collective,
     /// For a two-level ring: nodes per group (groups are consecutive in `ring`).
     pub group_size: u32,
+    /// Pipeline stage work (`None`: data parallel, the whole model). With a stage, `offset` and
+    /// `batch` are the replica's samples, and `ring` is the group of nodes that hold this
+    /// stage's layers in every replica.
+    pub stage: Option<StageWork>,
+}
+
+/// A node's part in a pipeline step.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StageWork {
+    /// This stage.
+    pub stage: u32,
+    /// Stages per replica.
+    pub stages: u32,
+    /// Layers this stage holds.
+    pub layers: (u32, u32),
+    /// The previous stage's node in this replica (none on the first stage).
+    pub prev: Option<NodeId>,
+    /// The next stage's node in this replica (none on the last stage).
+    pub next: Option<NodeId>,
+    /// Samples per micro-batch.
+    pub micro_batch: u64,
+    /// Bytes per sample of the activations this stage sends forward (and of the gradient it
+    /// receives back).
+    pub out_bytes_per_sample: u64,
+    /// Bytes per sample of the input gradient this stage sends back.
+    pub in_bytes_per_sample: u64,
+    /// Bytes of this stage's gradient (what its sync group all-reduces).
+    pub sync_bytes: u64,
 }
 
 /// What a node measured about itself, reported when it registers (`ravnest run`).
@@ -99,6 +127,37 @@ pub enum Envelope {
     },
     /// Work for a step.
     Work(Work),
+    /// (Pipeline) a stage's output activations for micro-batch `micro`, to the next stage.
+    Activation {
+        /// Epoch of the work.
+        epoch: u64,
+        /// Micro-batch.
+        micro: u32,
+        /// Activations.
+        data: Vec<f32>,
+        /// Bytes they stand for.
+        virtual_bytes: u64,
+    },
+    /// (Pipeline) the gradient of a stage's input for micro-batch `micro`, to the previous
+    /// stage.
+    ActivationGrad {
+        /// Epoch of the work.
+        epoch: u64,
+        /// Micro-batch.
+        micro: u32,
+        /// Gradient.
+        data: Vec<f32>,
+        /// Bytes it stands for.
+        virtual_bytes: u64,
+    },
+    /// (Node → coordinator) the node cannot compute its work: training cannot go on as
+    /// planned.
+    StepFailed {
+        /// Epoch of the work.
+        epoch: u64,
+        /// Why.
+        reason: String,
+    },
     /// A ring all-reduce chunk.
     Chunk {
         /// The chunk.
@@ -202,7 +261,9 @@ impl Envelope {
             Envelope::Chunk { virtual_bytes, .. }
             | Envelope::State { virtual_bytes, .. }
             | Envelope::Push { virtual_bytes, .. }
-            | Envelope::Pull { virtual_bytes, .. } => *virtual_bytes + CONTROL_BYTES,
+            | Envelope::Pull { virtual_bytes, .. }
+            | Envelope::Activation { virtual_bytes, .. }
+            | Envelope::ActivationGrad { virtual_bytes, .. } => *virtual_bytes + CONTROL_BYTES,
             Envelope::Work(w) => CONTROL_BYTES + 4 * w.ring.len() as u64,
             _ => CONTROL_BYTES,
         }
@@ -219,6 +280,8 @@ impl Envelope {
                 | Envelope::Push { .. }
                 | Envelope::Pull { .. }
                 | Envelope::Probe { .. }
+                | Envelope::Activation { .. }
+                | Envelope::ActivationGrad { .. }
         )
     }
 
@@ -233,6 +296,9 @@ impl Envelope {
             Envelope::ProbePeers { .. } => "probe-peers",
             Envelope::LinkReport { .. } => "link-report",
             Envelope::Work(_) => "work",
+            Envelope::Activation { .. } => "activation",
+            Envelope::ActivationGrad { .. } => "activation-grad",
+            Envelope::StepFailed { .. } => "step-failed",
             Envelope::Chunk { .. } => "chunk",
             Envelope::Push { .. } => "push",
             Envelope::Pull { .. } => "pull",
@@ -287,6 +353,32 @@ impl Envelope {
                 for n in &w.ring {
                     h.u64(u64::from(n.0));
                 }
+                if let Some(sw) = &w.stage {
+                    for x in [
+                        u64::from(sw.stage),
+                        u64::from(sw.layers.0),
+                        u64::from(sw.layers.1),
+                        sw.micro_batch,
+                    ] {
+                        h.u64(x);
+                    }
+                }
+            }
+            Envelope::Activation {
+                epoch, micro, data, ..
+            }
+            | Envelope::ActivationGrad {
+                epoch, micro, data, ..
+            } => {
+                h.u64(*epoch);
+                h.u64(u64::from(*micro));
+                for x in data {
+                    h.u64(u64::from(x.to_bits()));
+                }
+            }
+            Envelope::StepFailed { epoch, reason } => {
+                h.u64(*epoch);
+                h.bytes(reason.as_bytes());
             }
             Envelope::Chunk { chunk, .. } => {
                 h.u64(chunk.epoch);

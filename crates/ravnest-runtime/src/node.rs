@@ -6,15 +6,17 @@
 //! versions are kept for peers that need them.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use ravnest_core::NodeId;
+use ravnest_core::pipeline::{Ready, StageRun, micro_batches};
 use tokio::time::Instant;
 
 use crate::collective::{CollectiveActor, CollectiveMsg, Outcome, is_collective};
-use crate::msg::{Addr, Envelope, StepMode, Work};
+use crate::msg::{Addr, Envelope, StageWork, StepMode, Work};
 use crate::seams::{Compute, Transport};
 use crate::toy;
 
@@ -51,6 +53,9 @@ pub struct NodeCounters {
     pub aborted: u64,
     /// The latest model version this node holds, and the version number.
     pub model: (u64, Arc<Vec<f32>>),
+    /// The part of `model` that version applies to (a pipeline stage keeps only its layers
+    /// current; the rest is stale).
+    pub model_range: Range<usize>,
     /// Activity intervals, in order (for timelines).
     pub spans: Vec<Span>,
 }
@@ -119,6 +124,40 @@ pub struct NodeState {
     probes: ProbeWaiters,
     /// Probe ids issued so far.
     probe_seq: u64,
+    /// The pipeline stage step being computed.
+    pipe: Option<Pipe>,
+    /// Activations and gradients that arrived before their work: (epoch, is gradient,
+    /// micro-batch, data).
+    early_pipe: Vec<(u64, bool, u32, Vec<f32>)>,
+}
+
+/// A pipeline stage's step in progress.
+#[derive(Debug)]
+struct Pipe {
+    work: Work,
+    sw: StageWork,
+    run: StageRun,
+    /// Global sample ranges of the micro-batches.
+    micros: Vec<Range<u64>>,
+    /// Model version `work.step`.
+    model: Arc<Vec<f32>>,
+    /// This stage's layers, and where their parameters sit in `model`.
+    layers: Range<usize>,
+    range: Range<usize>,
+    /// Forward input and output per micro-batch awaiting its backward.
+    saved: BTreeMap<u32, (Option<Vec<f32>>, Vec<f32>)>,
+    /// Σ of the layers' parameter gradients so far.
+    grad: Vec<f32>,
+    compute_ns: u64,
+}
+
+fn feed(run: &mut StageRun, is_grad: bool, micro: u32, data: Vec<f32>) -> Result<(), String> {
+    let r = if is_grad {
+        run.gradient(micro, data)
+    } else {
+        run.activation(micro, data)
+    };
+    r.map_err(|e| e.to_string())
 }
 
 type ProbeWaiters = Arc<Mutex<BTreeMap<u64, tokio::sync::oneshot::Sender<()>>>>;
@@ -203,13 +242,15 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
 
     /// Record model version `work.step + 1` and report it.
     fn finish_step(&self, st: &mut NodeState, work: &Work, model: Vec<f32>, synchronized: bool) {
-        let digest = toy::digest(&model);
+        let range = self.range_of(work, model.len());
+        let digest = toy::digest(&model[range.clone()]);
         // Versions are shared, not copied: the counters, the synchronized slot and the
         // version map hold the same buffer.
         let model = Arc::new(model);
         let snapshot = model.clone();
         self.count(|c| {
             c.model = (work.step + 1, snapshot);
+            c.model_range = range;
             c.steps += 1;
         });
         if synchronized {
@@ -242,6 +283,37 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         f(self.counters.lock().unwrap().entry(self.id).or_default());
     }
 
+    /// Record `ns` of compute since `since` (adjacent compute spans merge: a pipeline stage
+    /// computes many short micro-batches).
+    fn computed(&self, since: Instant) -> u64 {
+        let span = self.span(since, SpanKind::Compute);
+        let ns = since.elapsed().as_nanos() as u64;
+        self.count(|c| {
+            c.compute_ns += ns;
+            match c.spans.last_mut() {
+                Some(last) if last.kind == span.kind && last.end_ns == span.start_ns => {
+                    last.end_ns = span.end_ns;
+                }
+                _ => c.spans.push(span),
+            }
+        });
+        ns
+    }
+
+    /// The part of a `len`-value model that `work` computes and synchronizes.
+    fn range_of(&self, work: &Work, len: usize) -> Range<usize> {
+        match &work.stage {
+            Some(s) => self
+                .compute
+                .param_range(s.layers.0 as usize..s.layers.1 as usize, len),
+            None => 0..len,
+        }
+    }
+
+    fn fail(&self, epoch: u64, reason: String) {
+        self.send(Addr::Coordinator, Envelope::StepFailed { epoch, reason });
+    }
+
     async fn start_work(&self, st: &mut NodeState, work: Work) {
         let Some(model) = st.version(work.step) else {
             match work.state_from {
@@ -259,28 +331,47 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             }
             return;
         };
+        if let Some(sw) = work.stage.clone() {
+            return self.start_stage(st, work, sw, model).await;
+        }
         let samples = toy::step_samples(work.step, work.global_batch, work.offset, work.batch);
         let t = Instant::now();
         let sum = self
             .compute
             .gradient_sum(self.id, work.step, samples, &model)
             .await;
-        let span = self.span(t, SpanKind::Compute);
-        st.compute_ns = t.elapsed().as_nanos() as u64;
-        self.count(|c| {
-            c.compute_ns += t.elapsed().as_nanos() as u64;
-            c.spans.push(span);
-        });
+        st.compute_ns = self.computed(t);
+        let range = 0..model.len();
+        self.contribute(st, work, &model, range, sum);
+    }
+
+    /// The step's gradient sum over `range` of `model` is computed: apply it (local SGD) or
+    /// hand this node's contribution to its collective actor.
+    fn contribute(
+        &self,
+        st: &mut NodeState,
+        work: Work,
+        model: &Arc<Vec<f32>>,
+        range: Range<usize>,
+        sum: Vec<f32>,
+    ) {
         let contribution: Vec<f32> = match work.mode {
             // Weight b_i / B: the sum over my samples divided by the global batch, so the
             // ring's sum is the mean gradient of the whole batch.
             StepMode::Sync => sum.iter().map(|x| x / work.global_batch as f32).collect(),
             StepMode::Local | StepMode::Average => {
                 let mean: Vec<f32> = sum.iter().map(|x| x / work.batch.max(1) as f32).collect();
-                let mut local = (*model).clone();
+                let mut local = model[range.clone()].to_vec();
                 self.compute.apply_update(&mut local, &mean);
                 if work.mode == StepMode::Local {
-                    self.finish_step(st, &work, local, false);
+                    let full = if range.len() == model.len() {
+                        local
+                    } else {
+                        let mut full = (**model).clone();
+                        full[range].copy_from_slice(&local);
+                        full
+                    };
+                    self.finish_step(st, &work, full, false);
                     return;
                 }
                 // The model weighted by its batch share: the ring's sum is the weighted average.
@@ -294,6 +385,191 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         st.in_flight = Some((work.clone(), Instant::now()));
         if let Some(c) = &st.collective {
             let _ = c.cast(CollectiveMsg::Start(work, contribution));
+        }
+    }
+
+    /// Begin a pipeline stage's step: its micro-batches run in 1F1B order as their inputs
+    /// arrive ([`NodeActor::pump`]).
+    async fn start_stage(
+        &self,
+        st: &mut NodeState,
+        work: Work,
+        sw: StageWork,
+        model: Arc<Vec<f32>>,
+    ) {
+        let layers = sw.layers.0 as usize..sw.layers.1 as usize;
+        let range = self.compute.param_range(layers.clone(), model.len());
+        if sw.stage >= sw.stages || layers.is_empty() || range.end > model.len() {
+            return self.fail(
+                work.epoch,
+                format!(
+                    "malformed stage work: stage {} of {}, layers {}..{}, parameters {}..{} of a {}-value model",
+                    sw.stage,
+                    sw.stages,
+                    layers.start,
+                    layers.end,
+                    range.start,
+                    range.end,
+                    model.len()
+                ),
+            );
+        }
+        let first = toy::step_samples(work.step, work.global_batch, work.offset, work.batch).start;
+        let micros: Vec<Range<u64>> = micro_batches(work.batch, sw.micro_batch)
+            .into_iter()
+            .map(|r| first + r.start..first + r.end)
+            .collect();
+        let mut run = StageRun::new(sw.stages as usize, sw.stage as usize, micros.len() as u32);
+        for (epoch, is_grad, micro, data) in std::mem::take(&mut st.early_pipe) {
+            // An input the schedule refuses (duplicate, out of range) is dropped: the step then
+            // waits, and the coordinator's abort or the next work ends it.
+            if epoch == work.epoch {
+                let _ = feed(&mut run, is_grad, micro, data);
+            } else if epoch > work.epoch {
+                st.early_pipe.push((epoch, is_grad, micro, data));
+            }
+        }
+        st.pipe = Some(Pipe {
+            grad: vec![0.0; range.len()],
+            work,
+            sw,
+            run,
+            micros,
+            model,
+            layers,
+            range,
+            saved: BTreeMap::new(),
+            compute_ns: 0,
+        });
+        self.pump(st).await;
+    }
+
+    /// Run every operation of the stage's schedule whose input is here, in order; when the
+    /// schedule is done, hand the layers' gradient to the stage's sync group.
+    async fn pump(&self, st: &mut NodeState) {
+        while let Some(p) = st.pipe.as_mut() {
+            let Some(ready) = p.run.next_ready() else {
+                break;
+            };
+            let t = Instant::now();
+            let (epoch, step) = (p.work.epoch, p.work.step);
+            let params = &p.model[p.range.clone()];
+            let failed = match ready {
+                Ready::Forward { micro, input } => {
+                    let samples = p.micros[micro as usize].clone();
+                    let n = samples.end - samples.start;
+                    let out = self
+                        .compute
+                        .stage_forward(
+                            self.id,
+                            step,
+                            samples,
+                            p.layers.clone(),
+                            params,
+                            input.as_deref(),
+                        )
+                        .await;
+                    match out {
+                        Ok(out) => {
+                            if let Some(next) = p.sw.next {
+                                self.send(
+                                    Addr::Node(next),
+                                    Envelope::Activation {
+                                        epoch,
+                                        micro,
+                                        data: out.clone(),
+                                        virtual_bytes: p.sw.out_bytes_per_sample * n,
+                                    },
+                                );
+                            }
+                            p.saved.insert(micro, (input, out));
+                            None
+                        }
+                        Err(e) => Some(e),
+                    }
+                }
+                Ready::Backward { micro, grad } => {
+                    let samples = p.micros[micro as usize].clone();
+                    let n = samples.end - samples.start;
+                    let (input, output) = p.saved.remove(&micro).unwrap_or_default();
+                    let back = self
+                        .compute
+                        .stage_backward(
+                            self.id,
+                            step,
+                            samples,
+                            p.layers.clone(),
+                            params,
+                            input.as_deref(),
+                            &output,
+                            grad.as_deref(),
+                        )
+                        .await;
+                    match back {
+                        Ok((g, grad_in)) if g.len() == p.grad.len() => {
+                            for (a, b) in p.grad.iter_mut().zip(&g) {
+                                *a += b;
+                            }
+                            if let Some(prev) = p.sw.prev {
+                                self.send(
+                                    Addr::Node(prev),
+                                    Envelope::ActivationGrad {
+                                        epoch,
+                                        micro,
+                                        data: grad_in,
+                                        virtual_bytes: p.sw.in_bytes_per_sample * n,
+                                    },
+                                );
+                            }
+                            None
+                        }
+                        Ok((g, _)) => Some(format!(
+                            "the backward of layers {}..{} gave {} gradient values for {} parameters",
+                            p.layers.start,
+                            p.layers.end,
+                            g.len(),
+                            p.grad.len()
+                        )),
+                        Err(e) => Some(e),
+                    }
+                }
+            };
+            p.compute_ns += self.computed(t);
+            if let Some(reason) = failed {
+                st.pipe = None;
+                return self.fail(epoch, reason);
+            }
+        }
+        if st.pipe.as_ref().is_some_and(|p| p.run.done())
+            && let Some(p) = st.pipe.take()
+        {
+            st.compute_ns = p.compute_ns;
+            self.contribute(st, p.work, &p.model, p.range, p.grad);
+        }
+    }
+
+    /// An activation or gradient from a neighbouring stage.
+    async fn on_stage_input(
+        &self,
+        st: &mut NodeState,
+        epoch: u64,
+        is_grad: bool,
+        micro: u32,
+        data: Vec<f32>,
+    ) {
+        let current = st.pipe.as_ref().map(|p| p.work.epoch);
+        if current == Some(epoch) {
+            if let Some(p) = st.pipe.as_mut()
+                && feed(&mut p.run, is_grad, micro, data).is_ok()
+            {
+                self.pump(st).await;
+            }
+        } else if epoch > st.epoch || (epoch == st.epoch && current.is_none()) {
+            // Its work has not arrived yet (it comes from the coordinator, the data from a
+            // peer): keep it. Older epochs are void.
+            if st.early_pipe.len() < 1 << 16 {
+                st.early_pipe.push((epoch, is_grad, micro, data));
+            }
         }
     }
 
@@ -313,14 +589,19 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             c.spans.push(span);
         });
         if let Outcome::Done { sum, .. } = outcome {
+            let Some(prev) = st.version(work.step) else {
+                return;
+            };
+            let range = self.range_of(&work, prev.len());
             let model = match work.mode {
-                StepMode::Average => sum,
+                StepMode::Average if range.len() == prev.len() => sum,
                 _ => {
-                    let mut model = st
-                        .version(work.step)
-                        .map(|m| (*m).clone())
-                        .unwrap_or_default();
-                    self.compute.apply_update(&mut model, &sum);
+                    let mut model = (*prev).clone();
+                    if work.mode == StepMode::Average {
+                        model[range].copy_from_slice(&sum);
+                    } else {
+                        self.compute.apply_update(&mut model[range], &sum);
+                    }
                     model
                 }
             };
@@ -426,6 +707,10 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                     if let Some(c) = &st.collective {
                         let _ = c.cast(CollectiveMsg::Supersede(w.epoch));
                     }
+                    if st.pipe.take().is_some() {
+                        self.count(|c| c.aborted += 1);
+                    }
+                    st.early_pipe.retain(|e| e.0 >= w.epoch);
                 }
                 self.start_work(st, w).await;
             }
@@ -437,6 +722,12 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                     let _ = c.cast(CollectiveMsg::Net(env));
                 }
             }
+            Envelope::Activation {
+                epoch, micro, data, ..
+            } => self.on_stage_input(st, epoch, false, micro, data).await,
+            Envelope::ActivationGrad {
+                epoch, micro, data, ..
+            } => self.on_stage_input(st, epoch, true, micro, data).await,
             Envelope::StateRequest { version, to } => {
                 if let Some(model) = st.version(version) {
                     self.send(
@@ -462,8 +753,13 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
             Envelope::WriteShard { step, layers } => {
                 // The writer stores the shard where it runs (files in `run`) and reports it;
                 // a version it no longer holds cannot be written (the round stays incomplete).
-                if let Some(model) = st.version(step) {
-                    let shard: Vec<f32> = (*model).clone();
+                if let Some(model) = st.version(step)
+                    && let Some(shard) = model.get(
+                        self.compute
+                            .param_range(layers.0 as usize..layers.1 as usize, model.len()),
+                    )
+                {
+                    let shard = shard.to_vec();
                     self.send(
                         Addr::Checkpoint,
                         Envelope::Shard {
@@ -513,6 +809,7 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
             | Envelope::Register(_)
             | Envelope::Finish
             | Envelope::StepDone { .. }
+            | Envelope::StepFailed { .. }
             | Envelope::CheckpointBegin { .. }
             | Envelope::CheckpointAbandon { .. }
             | Envelope::Shard { .. } => {

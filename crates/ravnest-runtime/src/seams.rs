@@ -66,4 +66,53 @@ pub trait Compute: Send + Sync + 'static {
         samples: Range<u64>,
         model: &[f32],
     ) -> impl Future<Output = Vec<f32>> + Send;
+
+    /// Where `layers`' parameters sit in a model vector of `model_len` values. A backend that
+    /// does not split its model by layer holds it as one slice.
+    fn param_range(&self, _layers: Range<usize>, model_len: usize) -> Range<usize> {
+        0..model_len
+    }
+
+    /// Whether this backend runs pipeline stages ([`Compute::stage_forward`] and
+    /// [`Compute::stage_backward`]). The coordinator plans pipelines only for backends that do.
+    fn runs_stages(&self) -> bool {
+        false
+    }
+
+    /// Forward of one micro-batch through `layers` (parameters `params`, the model's slice at
+    /// [`Compute::param_range`]): from `input`, the previous stage's output, or from the
+    /// samples on the first stage. Returns the output activations.
+    fn stage_forward(
+        &self,
+        _node: NodeId,
+        _step: u64,
+        _samples: Range<u64>,
+        _layers: Range<usize>,
+        _params: &[f32],
+        _input: Option<&[f32]>,
+    ) -> impl Future<Output = Result<Vec<f32>, String>> + Send {
+        std::future::ready(Err(NO_STAGES.to_string()))
+    }
+
+    /// Backward of one micro-batch through `layers`, given the forward's `input` and `output`
+    /// and the gradient of the output (`None` on the last stage: from the loss). Returns (the
+    /// *sum* over the samples of the gradient of the layers' parameters, the gradient of the
+    /// input).
+    #[allow(clippy::too_many_arguments)]
+    fn stage_backward(
+        &self,
+        _node: NodeId,
+        _step: u64,
+        _samples: Range<u64>,
+        _layers: Range<usize>,
+        _params: &[f32],
+        _input: Option<&[f32]>,
+        _output: &[f32],
+        _grad_out: Option<&[f32]>,
+    ) -> impl Future<Output = Result<(Vec<f32>, Vec<f32>), String>> + Send {
+        std::future::ready(Err(NO_STAGES.to_string()))
+    }
 }
+
+/// What a backend without pipeline support answers to stage work.
+pub const NO_STAGES: &str = "this compute backend does not run pipeline stages";

@@ -36,7 +36,7 @@ use crate::seams::{Inbox, Transport, TransportError};
 use crate::wire;
 
 /// Wire protocol version; peers with another version are refused.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 const MAGIC: &[u8; 4] = b"RVN1";
 /// A joiner asking for the cluster file (`ravnest run --join HOST:PORT`).

@@ -707,6 +707,7 @@ async fn coordinate(
         initial_holders: opts.resume.then(|| vec![su.me]),
         measure_min_batch: 16,
         rebalance_cooldown: 25,
+        allow_pipeline: su.compute.runs_stages(),
     };
     let (coord, _) = Actor::spawn(None, coordinator, done_tx)
         .await

@@ -129,6 +129,7 @@ async fn equivalence(net: Network, data: Dataset, sync: &str) {
             initial_holders: None,
             measure_min_batch: u64::MAX,
             rebalance_cooldown: 0,
+            allow_pipeline: false,
         },
         done_tx,
     )
