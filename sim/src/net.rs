@@ -10,7 +10,9 @@
 //! messages, at send time and again at delivery. One task delivers everything in (time,
 //! sequence) order on tokio's paused clock, so a run is a pure function of its seed.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex};
 
 use ravnest_core::{ClusterSpec, Link, NodeId};
@@ -25,11 +27,82 @@ pub const JITTER: f64 = 0.1;
 
 type Queued = (Addr, Addr, Envelope);
 
+/// A fast hasher for the pipe map's small integer keys (multiply-rotate; SipHash's DoS
+/// resistance buys nothing here). Deterministic, and nothing iterates the map.
+#[derive(Default)]
+struct PipeHasher(u64);
+
+impl Hasher for PipeHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    fn write_u32(&mut self, x: u32) {
+        self.write_u64(u64::from(x));
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0.rotate_left(23) ^ x).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+/// Messages in flight, delivered in (arrival time, send sequence) order. The heap holds small
+/// keys; the envelopes stay put in a slab until delivered (moving them on every heap step
+/// was a tenth of the simulator's time).
+#[derive(Default)]
+struct Queue {
+    heap: BinaryHeap<Reverse<(u64, u64, u32)>>,
+    slab: Vec<Option<Queued>>,
+    free: Vec<u32>,
+}
+
+impl Queue {
+    fn push(&mut self, at: u64, seq: u64, q: Queued) {
+        let i = match self.free.pop() {
+            Some(i) => {
+                self.slab[i as usize] = Some(q);
+                i
+            }
+            None => {
+                self.slab.push(Some(q));
+                (self.slab.len() - 1) as u32
+            }
+        };
+        self.heap.push(Reverse((at, seq, i)));
+    }
+
+    /// The earliest arrival time.
+    fn next_at(&self) -> Option<u64> {
+        self.heap.peek().map(|r| r.0.0)
+    }
+
+    /// The earliest message, if it arrives by `now`.
+    fn pop_due(&mut self, now: u64) -> Option<(u64, Queued)> {
+        let &Reverse((t, _, i)) = self.heap.peek()?;
+        if t > now {
+            return None;
+        }
+        self.heap.pop();
+        self.free.push(i);
+        let q = self.slab[i as usize].take().expect("queued");
+        Some((t, q))
+    }
+}
+
 #[derive(Debug)]
 struct Pipe {
     free_at: u64,
     last_at: u64,
     rng: Rng,
+    /// The link, as of `State::link_gen` = `link_gen` (looked up once, not per message).
+    link: Link,
+    link_gen: u64,
 }
 
 struct State {
@@ -46,14 +119,16 @@ struct State {
     partitions: Vec<Vec<Vec<NodeId>>>,
     /// Degraded links (both directions), stacked: the last one applies.
     degraded: BTreeMap<(NodeId, NodeId), Vec<Link>>,
+    /// Bumped whenever a link changes (pipes re-read their link).
+    link_gen: u64,
     /// Per directed pipe (from, to, class): when it is next free, the last arrival (FIFO),
     /// and its jitter stream. Hash maps for O(1) look-ups only: nothing iterates them, so
     /// their order cannot leak into the run.
-    pipes: HashMap<(NodeId, NodeId, u64), Pipe>,
+    pipes: HashMap<(NodeId, NodeId, u64), Pipe, BuildHasherDefault<PipeHasher>>,
     /// Per node: when its interface is next free to send, and to receive, bulk data (ns).
     egress_free: Vec<u64>,
     ingress_free: Vec<u64>,
-    queue: BTreeMap<(u64, u64), Queued>,
+    queue: Queue,
     seq: u64,
     bytes_sent: Vec<u64>,
     dropped: u64,
@@ -128,8 +203,9 @@ impl SimNet {
                 down: BTreeSet::new(),
                 partitions: Vec::new(),
                 degraded: BTreeMap::new(),
-                pipes: HashMap::new(),
-                queue: BTreeMap::new(),
+                link_gen: 0,
+                pipes: HashMap::default(),
+                queue: Queue::default(),
                 seq: 0,
                 dropped: 0,
             })),
@@ -139,15 +215,19 @@ impl SimNet {
 
     /// The delivery loop; run it as a task for the whole simulation.
     pub async fn run(self) {
+        let t0 = self.state.lock().unwrap().t0;
+        // One timer, re-armed for each next arrival (not a new one per message).
+        let sleep = tokio::time::sleep_until(t0);
+        tokio::pin!(sleep);
         loop {
-            let next = self.state.lock().unwrap().queue.keys().next().copied();
+            let next = self.state.lock().unwrap().queue.next_at();
             match next {
                 None => self.wake.notified().await,
-                Some((t_ns, _)) => {
-                    let t0 = self.state.lock().unwrap().t0;
+                Some(t_ns) => {
+                    sleep.as_mut().reset(t0 + Duration::from_nanos(t_ns));
                     tokio::select! {
                         biased;
-                        _ = tokio::time::sleep_until(t0 + Duration::from_nanos(t_ns)) => self.deliver_due(),
+                        _ = &mut sleep => self.deliver_due(),
                         _ = self.wake.notified() => {}
                     }
                 }
@@ -160,11 +240,7 @@ impl SimNet {
         {
             let mut s = self.state.lock().unwrap();
             let now = s.now_ns();
-            while let Some((&(t, seq), _)) = s.queue.iter().next() {
-                if t > now {
-                    break;
-                }
-                let (from, to, env) = s.queue.remove(&(t, seq)).expect("peeked");
+            while let Some((t, (from, to, env))) = s.queue.pop_due(now) {
                 let (a, b) = (host_of(s.host, from), host_of(s.host, to));
                 let inbox = s.inboxes.get(&to).cloned();
                 if a != b && !s.reachable(a, b) || inbox.is_none() {
@@ -210,10 +286,9 @@ impl SimNet {
 
     /// Degrade the link a–b (both directions) until [`restore`](Self::restore).
     pub fn degrade(&self, a: NodeId, b: NodeId, link: Link) {
-        self.state
-            .lock()
-            .unwrap()
-            .degraded
+        let mut s = self.state.lock().unwrap();
+        s.link_gen += 1;
+        s.degraded
             .entry((a.min(b), a.max(b)))
             .or_default()
             .push(link);
@@ -222,6 +297,7 @@ impl SimNet {
     /// Undo the oldest degradation of a–b.
     pub fn restore(&self, a: NodeId, b: NodeId) {
         let mut s = self.state.lock().unwrap();
+        s.link_gen += 1;
         if let Some(v) = s.degraded.get_mut(&(a.min(b), a.max(b)))
             && !v.is_empty()
         {
@@ -268,17 +344,24 @@ impl Transport for SimNet {
         } else {
             let bytes = env.wire_bytes();
             s.bytes_sent[a.index()] += bytes;
-            let link = s.link(a, b);
-            let ser_ns = (bytes as f64 * 8.0 / (link.bandwidth_gbps * 1e9) * 1e9) as u64;
             // Control messages travel on their own connection: a heartbeat does not wait behind
             // a gradient (pipe 1 is bulk data, pipe 0 control).
             let class = u64::from(env.is_bulk());
-            let seed = s.seed;
+            let (seed, generation) = (s.seed, s.link_gen);
+            let link = match s.pipes.get(&(a, b, class)) {
+                Some(p) if p.link_gen == generation => p.link,
+                _ => s.link(a, b),
+            };
+            let ser_ns = (bytes as f64 * 8.0 / (link.bandwidth_gbps * 1e9) * 1e9) as u64;
             let pipe = s.pipes.entry((a, b, class)).or_insert_with(|| Pipe {
                 free_at: 0,
                 last_at: 0,
                 rng: Rng::derive(seed, &[1, u64::from(a.0), u64::from(b.0), class]),
+                link,
+                link_gen: generation,
             });
+            pipe.link = link;
+            pipe.link_gen = generation;
             let mut start = now.max(pipe.free_at);
             if class == 1 {
                 start = start
@@ -305,7 +388,7 @@ impl Transport for SimNet {
         };
         let seq = s.seq;
         s.seq += 1;
-        s.queue.insert((arrive, seq), (from, to, env));
+        s.queue.push(arrive, seq, (from, to, env));
         drop(s);
         self.wake.notify_one();
         Ok(())

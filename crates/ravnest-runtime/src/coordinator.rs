@@ -434,7 +434,7 @@ impl<T: Transport> CoordinatorActor<T> {
                 group_size,
                 stage: a.stage.clone(),
             };
-            self.send(a.node, Envelope::Work(work));
+            self.send(a.node, Envelope::Work(Box::new(work)));
         }
         st.current = Some(Current {
             epoch: st.epoch,

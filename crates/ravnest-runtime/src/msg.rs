@@ -126,7 +126,7 @@ pub enum Envelope {
         links: Vec<(NodeId, f64, f64)>,
     },
     /// Work for a step.
-    Work(Work),
+    Work(Box<Work>),
     /// (Pipeline) a stage's output activations for micro-batch `micro`, to the next stage.
     Activation {
         /// Epoch of the work.

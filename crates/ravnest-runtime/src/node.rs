@@ -712,7 +712,7 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                     }
                     st.early_pipe.retain(|e| e.0 >= w.epoch);
                 }
-                self.start_work(st, w).await;
+                self.start_work(st, *w).await;
             }
             Envelope::Chunk { .. }
             | Envelope::Push { .. }
