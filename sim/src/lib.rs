@@ -624,14 +624,25 @@ fn report(
     // (A pipeline stage holds its layers only: compare those.)
     let reference = toy.reference_model(steps_completed, u64::from(s.training.global_batch));
     let mut max_err: f64 = 0.0;
+    let mut covered = vec![false; reference.len()];
     for c in counters
         .values()
         .filter(|c| c.model.0 == steps_completed && steps_completed > 0)
     {
         let r = c.model_range.clone();
-        for (a, b) in c.model.1[r.clone()].iter().zip(&reference[r]) {
+        for (a, b) in c.model.1[r.clone()].iter().zip(&reference[r.clone()]) {
             max_err = max_err.max(f64::from((a - b).abs()));
         }
+        for x in &mut covered[r] {
+            *x = true;
+        }
+    }
+    if steps_completed > 0
+        && let Some(i) = covered.iter().position(|c| !c)
+    {
+        violations.push(format!(
+            "no node ends with the final version of parameter {i}: the final model is incomplete"
+        ));
     }
     if max_err > 1e-4 {
         violations.push(format!(

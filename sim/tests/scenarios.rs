@@ -114,6 +114,29 @@ fn a_model_that_fits_no_node_trains_as_a_pipeline() {
 }
 
 #[test]
+fn a_pipeline_stage_that_crashes_is_replanned_its_layers_move_and_it_rejoins() {
+    // An rtx4070 (stage 2 of one replica) crashes at 200 s and restarts at 500 s. The
+    // re-planned pipelines give nodes layers they did not hold: they fetch them from the nodes
+    // that did, and the final layers still equal single-node training.
+    let text = format!(
+        "{}\n[[fault]]\nkind = \"crash\"\nnode = \"rtx4070-1\"\nat_s = 200.0\n[[fault]]\nkind = \"restart\"\nnode = \"rtx4070-1\"\nat_s = 500.0\n",
+        include_str!("../../scenarios/memory-limited.toml")
+    );
+    let s = ravnest_core::parse(&text, "memory-limited-crash").unwrap();
+    for seed in [3, 4] {
+        let r = run(&s, &opts(&s, seed, 60)).unwrap();
+        assert!(r.violations.is_empty(), "seed {seed}: {:?}", r.violations);
+        assert_eq!(r.steps_completed, 60);
+        assert!(r.max_model_error < 1e-5, "{}", r.max_model_error);
+        assert!(r.faults[0].detected_after_s.is_some(), "{:?}", r.faults);
+        assert!(r.faults[1].rejoined_after_s.is_some(), "{:?}", r.faults);
+        assert!(r.plans >= 3, "plans {}", r.plans);
+        let back = r.nodes.iter().find(|n| n.name == "rtx4070-1").unwrap();
+        assert!(back.steps > 0 && back.steps < 60, "{back:?}");
+    }
+}
+
+#[test]
 fn uneven_micro_batches_and_a_lone_replica_pipeline_train_the_same_model() {
     // A model too big for any one of 3 nodes: one replica of 3 stages; a batch of 10 in
     // micro-batches of 3 (the last one smaller).
@@ -124,6 +147,23 @@ fn uneven_micro_batches_and_a_lone_replica_pipeline_train_the_same_model() {
     assert_eq!(r.steps_completed, 15);
     assert!(r.max_model_error < 1e-5, "{}", r.max_model_error);
     assert!(r.nodes.iter().all(|n| n.steps == 15), "{:?}", r.nodes);
+}
+
+#[test]
+fn losing_the_only_holder_of_some_layers_stops_with_a_clear_message() {
+    // One pipeline replica over 4 cards: when g-1 crashes, the other 3 could still run the
+    // model, but g-1's layers exist nowhere else.
+    let text = "[[node]]\nname = \"g\"\ndevice = \"rtx3060\"\ncount = 4\n[model]\npreset = \"gpt-1.3b\"\n[training]\nglobal_batch = 10\nmicro_batch = 3\noptimizer = \"sgd\"\nprecision = \"bf16\"\n[[fault]]\nkind = \"crash\"\nnode = \"g-1\"\nat_s = 30.0\n";
+    let s = ravnest_core::parse(text, "lone-replica-crash").unwrap();
+    let r = run(&s, &opts(&s, 1, 40)).unwrap();
+    assert!(r.steps_completed < 40);
+    assert!(
+        r.violations
+            .iter()
+            .any(|v| v.contains("held only by nodes that are gone")),
+        "{:?}",
+        r.violations
+    );
 }
 
 #[test]

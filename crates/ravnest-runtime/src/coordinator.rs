@@ -182,6 +182,9 @@ struct Assign {
     stage: Option<StageWork>,
 }
 
+/// Layer ranges a node fetches, and from whom.
+type Fetches = Vec<(NodeId, (u32, u32))>;
+
 /// A plan turned into assignments: (assignments, sync groups as in [`Current::groups`]).
 type Assignments = (Vec<Assign>, Vec<((u32, u32), Vec<NodeId>)>);
 
@@ -338,26 +341,14 @@ impl<T: Transport> CoordinatorActor<T> {
             Ok(a) => a,
             Err(why) => return self.finish(st, Event::Stalled(why)),
         };
-        // A stage computes from the layers it holds; moving layer state between nodes after a
-        // pipeline is re-planned is not built.
-        for a in &assigns {
-            if let Some(sw) = &a.stage {
-                let held = st.holders.contains(&a.node)
-                    && st
-                        .layers_held
-                        .get(&a.node)
-                        .is_none_or(|h| h.0 <= sw.layers.0 && sw.layers.1 <= h.1);
-                if !held {
-                    return self.finish(
-                        st,
-                        Event::Stalled(format!(
-                            "the re-planned pipeline gives `{}` layers {}..{}, which it does not hold at step {}; moving layer state between pipeline stages is not built yet",
-                            self.cluster.node(a.node).name,
-                            sw.layers.0,
-                            sw.layers.1,
-                            st.step
-                        )),
-                    );
+        // A stage given layers it does not hold (a re-planned pipeline, a rejoined node)
+        // fetches them from nodes that do.
+        let mut assigns = assigns;
+        for a in &mut assigns {
+            if let Some(sw) = &mut a.stage {
+                match self.fetch_plan(st, a.node, sw.layers) {
+                    Ok(f) => sw.fetch = f,
+                    Err(why) => return self.finish(st, Event::Stalled(why)),
                 }
             }
         }
@@ -449,6 +440,44 @@ impl<T: Transport> CoordinatorActor<T> {
             groups,
             mode,
         });
+    }
+
+    /// Where `node` fetches the layers of `layers` it does not hold at version `st.step`:
+    /// (peer, layer range) pieces, each from a holder of the whole piece.
+    fn fetch_plan(
+        &self,
+        st: &CoordState,
+        node: NodeId,
+        layers: (u32, u32),
+    ) -> Result<Fetches, String> {
+        let holds = |n: NodeId, l: u32| {
+            st.holders.contains(&n) && st.layers_held.get(&n).is_none_or(|h| h.0 <= l && l < h.1)
+        };
+        let mut out: Fetches = Vec::new();
+        for l in layers.0..layers.1 {
+            if holds(node, l) {
+                continue;
+            }
+            let source = match out.last() {
+                Some(&(s, (_, end))) if end == l && holds(s, l) => Some(s),
+                _ => st
+                    .holders
+                    .iter()
+                    .copied()
+                    .find(|&h| h != node && holds(h, l)),
+            };
+            let Some(s) = source else {
+                return Err(format!(
+                    "layer {l} of model version {} was held only by nodes that are gone, so the pipeline cannot go on; restart from the last checkpoint",
+                    st.step
+                ));
+            };
+            match out.last_mut() {
+                Some((p, (_, end))) if *p == s && *end == l => *end = l + 1,
+                _ => out.push((s, (l, l + 1))),
+            }
+        }
+        Ok(out)
     }
 
     /// Each node's assignment under plan `p` of the live nodes `live` (`sub`: their cluster).
@@ -559,6 +588,7 @@ impl<T: Transport> CoordinatorActor<T> {
                                     0
                                 },
                                 sync_bytes: costs.grad_bytes(&(bounds[k]..bounds[k + 1])),
+                                fetch: Vec::new(),
                             }),
                         });
                     }

@@ -80,6 +80,9 @@ pub struct StageWork {
     pub in_bytes_per_sample: u64,
     /// Bytes of this stage's gradient (what its sync group all-reduces).
     pub sync_bytes: u64,
+    /// Layers of model version `step` this node does not hold, and the peer to fetch each
+    /// range from before computing (a pipeline re-planned after a loss or a rejoin).
+    pub fetch: Vec<(NodeId, (u32, u32))>,
 }
 
 /// What a node measured about itself, reported when it registers (`ravnest run`).
@@ -233,14 +236,16 @@ pub enum Envelope {
         /// Epoch to abort.
         epoch: u64,
     },
-    /// Send model version `version` to `to`.
+    /// Send model version `version` to `to` (only the parameters of `layers`, when given).
     StateRequest {
         /// Version wanted.
         version: u64,
         /// Who wants it.
         to: NodeId,
+        /// Layers wanted (`None`: the whole model).
+        layers: Option<(u32, u32)>,
     },
-    /// A model version.
+    /// A model version (or the parameters of some of its layers).
     State {
         /// Version.
         version: u64,
@@ -248,6 +253,8 @@ pub enum Envelope {
         model: Vec<f32>,
         /// Bytes it stands for.
         virtual_bytes: u64,
+        /// The layers `model` holds (`None`: the whole model).
+        layers: Option<(u32, u32)>,
     },
 }
 
@@ -441,12 +448,29 @@ impl Envelope {
                 h.u64(u64::from(layers.1));
                 h.u64(*digest);
             }
-            Envelope::StateRequest { version, to } => {
+            Envelope::StateRequest {
+                version,
+                to,
+                layers,
+            } => {
                 h.u64(*version);
                 h.u64(u64::from(to.0));
+                if let Some((a, b)) = layers {
+                    h.u64(u64::from(*a));
+                    h.u64(u64::from(*b));
+                }
             }
-            Envelope::State { version, model, .. } => {
+            Envelope::State {
+                version,
+                model,
+                layers,
+                ..
+            } => {
                 h.u64(*version);
+                if let Some((a, b)) = layers {
+                    h.u64(u64::from(*a));
+                    h.u64(u64::from(*b));
+                }
                 for x in model {
                     h.u64(u64::from(x.to_bits()));
                 }

@@ -129,6 +129,19 @@ pub struct NodeState {
     /// Activations and gradients that arrived before their work: (epoch, is gradient,
     /// micro-batch, data).
     early_pipe: Vec<(u64, bool, u32, Vec<f32>)>,
+    /// Layers being fetched from peers before a stage can start.
+    assembling: Option<Assembly>,
+    /// The epoch whose fetches are complete.
+    fetched: Option<u64>,
+}
+
+/// A model version being put together from this node's own layers and peers' ranges.
+#[derive(Debug)]
+struct Assembly {
+    epoch: u64,
+    version: u64,
+    model: Vec<f32>,
+    missing: std::collections::BTreeSet<(u32, u32)>,
 }
 
 /// A pipeline stage's step in progress.
@@ -315,6 +328,34 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     async fn start_work(&self, st: &mut NodeState, work: Work) {
+        // A stage given layers it does not hold fetches them first (each range from a peer
+        // that holds it), on top of its own copy of the version, or of the initial model.
+        if let Some(sw) = &work.stage
+            && !sw.fetch.is_empty()
+            && st.fetched != Some(work.epoch)
+        {
+            let base = st
+                .version(work.step)
+                .map_or_else(|| self.compute.initial_model(), |m| (*m).clone());
+            for &(peer, layers) in &sw.fetch {
+                self.send(
+                    Addr::Node(peer),
+                    Envelope::StateRequest {
+                        version: work.step,
+                        to: self.id,
+                        layers: Some(layers),
+                    },
+                );
+            }
+            st.assembling = Some(Assembly {
+                epoch: work.epoch,
+                version: work.step,
+                model: base,
+                missing: sw.fetch.iter().map(|f| f.1).collect(),
+            });
+            st.waiting = Some(work);
+            return;
+        }
         let Some(model) = st.version(work.step) else {
             match work.state_from {
                 Some(peer) => {
@@ -323,6 +364,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                         Envelope::StateRequest {
                             version: work.step,
                             to: self.id,
+                            layers: None,
                         },
                     );
                     st.waiting = Some(work);
@@ -711,6 +753,7 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                         self.count(|c| c.aborted += 1);
                     }
                     st.early_pipe.retain(|e| e.0 >= w.epoch);
+                    st.assembling = None;
                 }
                 self.start_work(st, *w).await;
             }
@@ -728,19 +771,77 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
             Envelope::ActivationGrad {
                 epoch, micro, data, ..
             } => self.on_stage_input(st, epoch, true, micro, data).await,
-            Envelope::StateRequest { version, to } => {
+            Envelope::StateRequest {
+                version,
+                to,
+                layers,
+            } => {
                 if let Some(model) = st.version(version) {
-                    self.send(
-                        Addr::Node(to),
-                        Envelope::State {
-                            version,
-                            model: (*model).clone(),
-                            virtual_bytes: self.model_bytes,
-                        },
-                    );
+                    let range = match layers {
+                        Some((a, b)) => self
+                            .compute
+                            .param_range(a as usize..b as usize, model.len()),
+                        None => 0..model.len(),
+                    };
+                    if let Some(part) = model.get(range) {
+                        self.send(
+                            Addr::Node(to),
+                            Envelope::State {
+                                version,
+                                model: part.to_vec(),
+                                virtual_bytes: self.model_bytes * part.len() as u64
+                                    / model.len().max(1) as u64,
+                                layers,
+                            },
+                        );
+                    }
                 }
             }
-            Envelope::State { version, model, .. } => {
+            Envelope::State {
+                version,
+                model,
+                layers: Some(layers),
+                ..
+            } => {
+                let Some(a) = st.assembling.as_mut() else {
+                    return Ok(());
+                };
+                let range = self
+                    .compute
+                    .param_range(layers.0 as usize..layers.1 as usize, a.model.len());
+                if a.version != version
+                    || range.len() != model.len()
+                    || range.end > a.model.len()
+                    || !a.missing.remove(&layers)
+                {
+                    return Ok(());
+                }
+                a.model[range].copy_from_slice(&model);
+                if a.missing.is_empty()
+                    && let Some(a) = st.assembling.take()
+                {
+                    // The assembled version replaces this node's copy of it.
+                    let merged = Arc::new(a.model);
+                    if st.synced.as_ref().is_some_and(|s| s.0 == version) {
+                        st.synced = Some((version, merged.clone()));
+                    }
+                    st.versions.insert(version, merged);
+                    st.fetched = Some(a.epoch);
+                    if let Some(w) = st.waiting.take() {
+                        if w.epoch == a.epoch {
+                            self.start_work(st, w).await;
+                        } else {
+                            st.waiting = Some(w);
+                        }
+                    }
+                }
+            }
+            Envelope::State {
+                version,
+                model,
+                layers: None,
+                ..
+            } => {
                 st.versions.insert(version, Arc::new(model));
                 if let Some(w) = st.waiting.take() {
                     if w.step == version && w.epoch >= st.epoch {

@@ -261,6 +261,7 @@ mod tests {
                 version: 9,
                 model: vec![0.25; 1000],
                 virtual_bytes: 4000,
+                layers: Some((2, 5)),
             },
             Envelope::Abort { epoch: 7 },
             Envelope::Push {
@@ -305,6 +306,7 @@ mod tests {
             version: 1,
             model: vec![1.0; 1000],
             virtual_bytes: 0,
+            layers: None,
         };
         let frame = encode(Addr::Node(NodeId(1)), Addr::Node(NodeId(0)), &env);
         let mut r: &[u8] = &frame[..frame.len() - 7];
