@@ -129,6 +129,9 @@ struct State {
     egress_free: Vec<u64>,
     ingress_free: Vec<u64>,
     queue: Queue,
+    /// The arrival time the delivery loop sleeps until (`u64::MAX`: it waits for any send). A
+    /// send that arrives later needs no wake-up: the loop will see it when it wakes.
+    armed_at: u64,
     seq: u64,
     bytes_sent: Vec<u64>,
     dropped: u64,
@@ -206,6 +209,7 @@ impl SimNet {
                 link_gen: 0,
                 pipes: HashMap::default(),
                 queue: Queue::default(),
+                armed_at: u64::MAX,
                 seq: 0,
                 dropped: 0,
             })),
@@ -220,7 +224,12 @@ impl SimNet {
         let sleep = tokio::time::sleep_until(t0);
         tokio::pin!(sleep);
         loop {
-            let next = self.state.lock().unwrap().queue.next_at();
+            let next = {
+                let mut s = self.state.lock().unwrap();
+                let next = s.queue.next_at();
+                s.armed_at = next.unwrap_or(u64::MAX);
+                next
+            };
             match next {
                 None => self.wake.notified().await,
                 Some(t_ns) => {
@@ -389,8 +398,14 @@ impl Transport for SimNet {
         let seq = s.seq;
         s.seq += 1;
         s.queue.push(arrive, seq, (from, to, env));
+        let wake = arrive < s.armed_at;
+        if wake {
+            s.armed_at = arrive;
+        }
         drop(s);
-        self.wake.notify_one();
+        if wake {
+            self.wake.notify_one();
+        }
         Ok(())
     }
 }
