@@ -466,15 +466,25 @@ pub fn sim_text(origin: &str, r: &ravnest_sim::SimReport) -> String {
     out.push('\n');
     let _ = writeln!(
         out,
-        "{:<16} {:<10} {:>6} {:>6} {:>6} {:>12} {:>6} {:>8}",
-        "node", "device", "busy", "comm", "idle", "sent", "steps", "aborted"
+        "{:<16} {:<10} {:<7} {:>12} {:>6} {:>6} {:>6} {:>12} {:>6} {:>8}",
+        "node", "device", "role", "memory GiB", "busy", "comm", "idle", "sent", "steps", "aborted"
     );
     for n in r.nodes.iter().take(MAX_ROWS) {
         let _ = writeln!(
             out,
-            "{:<16} {:<10} {:>5.0}% {:>5.0}% {:>5.0}% {:>9.1} MB {:>6} {:>8}",
+            "{:<16} {:<10} {:<7} {:>12} {:>5.0}% {:>5.0}% {:>5.0}% {:>9.1} MB {:>6} {:>8}",
             truncate(&n.name, 16),
             n.device,
+            n.role,
+            if n.memory_bytes > 0 {
+                format!(
+                    "{:.1}/{:.1}",
+                    n.memory_bytes as f64 / GIB,
+                    n.memory_limit_bytes as f64 / GIB
+                )
+            } else {
+                format!("-/{:.1}", n.memory_limit_bytes as f64 / GIB)
+            },
             n.busy * 100.0,
             n.comm * 100.0,
             n.idle * 100.0,

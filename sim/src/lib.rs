@@ -99,6 +99,12 @@ pub struct NodeReport {
     pub steps: u64,
     /// Collectives aborted under it.
     pub aborted: u64,
+    /// Its role in the first plan: `worker`, `rK/sJ` (pipeline replica K, stage J) or `idle`.
+    pub role: String,
+    /// Peak memory the first plan predicts for it, bytes (0 when idle).
+    pub memory_bytes: u64,
+    /// Its usable memory, bytes.
+    pub memory_limit_bytes: u64,
 }
 
 /// How one fault was handled.
@@ -283,24 +289,24 @@ pub fn run(s: &Scenario, opts: &SimOptions) -> Result<SimReport, SimError> {
     let dp = ravnest_core::PlanOptions {
         allow_pipeline: false,
     };
-    let layered = match ravnest_core::plan_with(opts.planner, &s.cluster, &s.model, &s.training, dp)
-    {
-        Ok(_) => false,
-        Err(_) => match ravnest_core::plan(opts.planner, &s.cluster, &s.model, &s.training) {
-            Ok(_) => true,
-            Err(e) => {
-                return Err(SimError::Unsupported(format!(
-                    "no plan fits this cluster: {e}"
-                )));
-            }
-        },
-    };
+    let (layered, first_plan) =
+        match ravnest_core::plan_with(opts.planner, &s.cluster, &s.model, &s.training, dp) {
+            Ok(p) => (false, p),
+            Err(_) => match ravnest_core::plan(opts.planner, &s.cluster, &s.model, &s.training) {
+                Ok(p) => (true, p),
+                Err(e) => {
+                    return Err(SimError::Unsupported(format!(
+                        "no plan fits this cluster: {e}"
+                    )));
+                }
+            },
+        };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
         .build()
         .map_err(|e| SimError::Unsupported(format!("cannot build the runtime: {e}")))?;
-    rt.block_on(simulate(s, opts, host, layered))
+    rt.block_on(simulate(s, opts, host, layered, &first_plan))
 }
 
 async fn simulate(
@@ -308,6 +314,7 @@ async fn simulate(
     opts: &SimOptions,
     host: NodeId,
     layered: bool,
+    first_plan: &ravnest_core::Plan,
 ) -> Result<SimReport, SimError> {
     let t0 = Instant::now();
     let trace = Trace::default();
@@ -521,6 +528,7 @@ async fn simulate(
         s,
         opts,
         toy,
+        first_plan,
         &log,
         &counters,
         &net,
@@ -588,6 +596,7 @@ fn report(
     s: &Scenario,
     opts: &SimOptions,
     toy: toy::Toy,
+    first_plan: &ravnest_core::Plan,
     log: &RunLog,
     counters: &BTreeMap<NodeId, ravnest_runtime::node::NodeCounters>,
     net: &SimNet,
@@ -658,7 +667,19 @@ fn report(
             let c = counters.get(&id).cloned().unwrap_or_default();
             let busy = c.compute_ns as f64 / end_ns.max(1) as f64;
             let comm = c.comm_ns as f64 / end_ns.max(1) as f64;
+            let planned = first_plan.nodes.get(id.index());
             NodeReport {
+                role: match planned.map(|p| &p.role) {
+                    Some(ravnest_core::planner::Role::Worker) => "worker".into(),
+                    Some(ravnest_core::planner::Role::Stage { replica, stage }) => {
+                        format!("r{replica}/s{stage}")
+                    }
+                    _ => "idle".into(),
+                },
+                memory_bytes: planned
+                    .filter(|p| p.batch > 0)
+                    .map_or(0, |p| p.memory_bytes),
+                memory_limit_bytes: n.memory_bytes,
                 name: n.name.clone(),
                 device: n.device.clone(),
                 busy,

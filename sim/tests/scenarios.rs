@@ -115,14 +115,10 @@ fn a_model_that_fits_no_node_trains_as_a_pipeline() {
 
 #[test]
 fn a_pipeline_stage_that_crashes_is_replanned_its_layers_move_and_it_rejoins() {
-    // An rtx4070 (stage 2 of one replica) crashes at 200 s and restarts at 500 s. The
-    // re-planned pipelines give nodes layers they did not hold: they fetch them from the nodes
+    // The re-planned pipelines give nodes layers they did not hold: they fetch them from the nodes
     // that did, and the final layers still equal single-node training.
-    let text = format!(
-        "{}\n[[fault]]\nkind = \"crash\"\nnode = \"rtx4070-1\"\nat_s = 200.0\n[[fault]]\nkind = \"restart\"\nnode = \"rtx4070-1\"\nat_s = 500.0\n",
-        include_str!("../../scenarios/memory-limited.toml")
-    );
-    let s = ravnest_core::parse(&text, "memory-limited-crash").unwrap();
+    // memory-limited: an rtx4070 (stage 2 of one replica) crashes at 200 s, restarts at 500 s.
+    let s = scenario("memory-limited");
     for seed in [3, 4] {
         let r = run(&s, &opts(&s, seed, 60)).unwrap();
         assert!(r.violations.is_empty(), "seed {seed}: {:?}", r.violations);
@@ -248,7 +244,12 @@ fn seed_sweep_with_checkers() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(50);
-    for (name, steps) in [("flaky-3090", 170), ("partition", 80), ("straggler", 60)] {
+    for (name, steps) in [
+        ("flaky-3090", 170),
+        ("partition", 80),
+        ("straggler", 60),
+        ("memory-limited", 45),
+    ] {
         let s = scenario(name);
         for seed in 0..seeds {
             let r = run(&s, &opts(&s, seed, steps)).unwrap();
