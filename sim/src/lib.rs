@@ -653,7 +653,7 @@ fn report(
             "no node ends with the final version of parameter {i}: the final model is incomplete"
         ));
     }
-    if max_err > 1e-4 {
+    if max_err > 1e-5 {
         violations.push(format!(
             "final model differs from single-node training by {max_err:.2e}"
         ));

@@ -338,8 +338,8 @@ mod tests {
                 prop_assert!(guard < 10_000, "no progress");
                 // Run everything that is ready, then deliver one message chosen by the picks.
                 let mut progressed = false;
-                for k in 0..s {
-                    while let Some(r) = runs[k].next_ready() {
+                for (k, run) in runs.iter_mut().enumerate() {
+                    while let Some(r) = run.next_ready() {
                         progressed = true;
                         match r {
                             // Forward: value = micro index + 1, plus one per stage passed.
