@@ -146,6 +146,27 @@ fn uneven_micro_batches_and_a_lone_replica_pipeline_train_the_same_model() {
 }
 
 #[test]
+fn a_slow_pipeline_stage_is_measured_and_its_layers_rebalanced() {
+    // rtx3060-2 (stage 0 of a replica) runs 3x slower from 600 s to 1200 s. Its measured time
+    // on its layers, scaled by their share of the model, drifts from the plan: the planner
+    // re-splits the layers with measured speeds, and nodes fetch the layers they gain.
+    let base = scenario("memory-limited");
+    let text = format!(
+        "{}\n[[fault]]\nkind = \"slowdown\"\nnode = \"rtx3060-2\"\nfactor = 3.0\nfrom_s = 600.0\nto_s = 1200.0\n",
+        include_str!("../../scenarios/memory-limited.toml")
+    );
+    let slow = ravnest_core::parse(&text, "memory-limited-slow").unwrap();
+    let a = run(&base, &opts(&base, 3, 100)).unwrap();
+    let b = run(&slow, &opts(&slow, 3, 100)).unwrap();
+    for r in [&a, &b] {
+        assert!(r.violations.is_empty(), "{:?}", r.violations);
+        assert_eq!(r.steps_completed, 100);
+        assert!(r.max_model_error < 1e-5, "{}", r.max_model_error);
+    }
+    assert!(b.plans > a.plans, "plans {} vs {}", b.plans, a.plans);
+}
+
+#[test]
 fn losing_the_only_holder_of_some_layers_stops_with_a_clear_message() {
     // One pipeline replica over 4 cards: when g-1 crashes, the other 3 could still run the
     // model, but g-1's layers exist nowhere else.

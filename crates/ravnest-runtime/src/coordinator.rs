@@ -162,9 +162,10 @@ struct Current {
     epoch: u64,
     mode: StepMode,
     workers: Vec<NodeId>,
-    /// Shares whose compute time measures the node's speed (data parallel only: a stage's
-    /// time covers its layers, not the model).
-    batches: BTreeMap<NodeId, u64>,
+    /// Per worker: samples, and the share of the model's training FLOPs it computes per
+    /// sample (1 in data parallel; a stage's layers' share in a pipeline). Its compute time ÷
+    /// both is its measured seconds per sample of the whole model.
+    batches: BTreeMap<NodeId, (u64, f64)>,
     pending: BTreeSet<NodeId>,
     digests: BTreeMap<NodeId, u64>,
     /// The sync groups: the layers each holds (a data-parallel step has one group holding
@@ -202,6 +203,9 @@ pub struct CoordState {
     ticker: Option<tokio::task::JoinHandle<()>>,
     /// Workers and batches of the last plan, to log only changes.
     last_plan: Option<Vec<(NodeId, u64)>>,
+    /// The layers of each stage in the last plan (empty for data parallel): a pipeline
+    /// re-split over the same nodes is a new plan too.
+    last_layers: Vec<Option<(u32, u32)>>,
     /// Measured seconds per sample (smoothed), per node.
     measured: BTreeMap<NodeId, f64>,
     /// Seconds per sample the planner is given, per node (catalog figures until drift).
@@ -397,15 +401,19 @@ impl<T: Transport> CoordinatorActor<T> {
             }
         }
         st.epoch += 1;
-        if st.last_plan.as_ref() != Some(&workers) {
+        let layers: Vec<Option<(u32, u32)>> = assigns
+            .iter()
+            .map(|a| a.stage.as_ref().map(|s| s.layers))
+            .collect();
+        if st.last_plan.as_ref() != Some(&workers) || st.last_layers != layers {
             self.event(Event::Planned {
                 step: st.step,
                 workers: workers.clone(),
             });
             st.last_plan = Some(workers.clone());
+            st.last_layers = layers;
         }
         let source = *st.holders.first().expect("checked non-empty");
-        let pipelined = assigns.iter().any(|a| a.stage.is_some());
         for a in &assigns {
             let work = Work {
                 epoch: st.epoch,
@@ -430,10 +438,18 @@ impl<T: Transport> CoordinatorActor<T> {
         st.current = Some(Current {
             epoch: st.epoch,
             workers: workers.iter().map(|w| w.0).collect(),
-            batches: if pipelined {
-                BTreeMap::new()
-            } else {
-                workers.iter().copied().collect()
+            batches: {
+                let costs = Costs::new(&self.cluster, &self.model, &self.training);
+                let whole = costs.train_flops(&costs.all()).max(f64::MIN_POSITIVE);
+                assigns
+                    .iter()
+                    .map(|a| {
+                        let share = a.stage.as_ref().map_or(1.0, |s| {
+                            costs.train_flops(&(s.layers.0 as usize..s.layers.1 as usize)) / whole
+                        });
+                        (a.node, (a.batch, share))
+                    })
+                    .collect()
             },
             pending: workers.iter().map(|w| w.0).collect(),
             digests: BTreeMap::new(),
@@ -658,13 +674,14 @@ impl<T: Transport> CoordinatorActor<T> {
             return;
         }
         c.digests.insert(node, digest);
-        if let Some(&batch) = c.batches.get(&node)
+        if let Some(&(batch, share)) = c.batches.get(&node)
             && batch > 0
             && batch >= self.measure_min_batch
             && compute_ns > 0
+            && share > 0.0
         {
             // Seconds per sample, smoothed: one slow step is jitter, three are drift.
-            let s = compute_ns as f64 / 1e9 / batch as f64;
+            let s = compute_ns as f64 / 1e9 / batch as f64 / share;
             let m = st.measured.entry(node).or_insert(s);
             *m = 0.5 * *m + 0.5 * s;
         }
@@ -816,6 +833,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             finished: false,
             ticker: Some(ticker),
             last_plan: None,
+            last_layers: Vec::new(),
             last_sync: self.start_step,
             local_sgd: false,
             next_checkpoint: self.start_step + self.checkpoint_every,
