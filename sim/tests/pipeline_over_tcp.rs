@@ -1,0 +1,138 @@
+//! The pipeline over real TCP: the same node, collective and coordinator actors as in the
+//! simulator, on four loopback TCP transports (handshake, framing, the `Activation` and
+//! `ActivationGrad` envelopes on the wire), computing with the simulator's layered toy model
+//! at near-zero compute times. The stages must end with the layers single-node training gives.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ractor::Actor;
+use ravnest_core::cost::Costs;
+use ravnest_core::{NodeId, PlannerKind};
+use ravnest_runtime::coordinator::{CoordinatorActor, Event, RunLog};
+use ravnest_runtime::node::{Counters, NodeActor, Start};
+use ravnest_runtime::supervisor::SupervisorActor;
+use ravnest_runtime::tcp::LoopbackCluster;
+use ravnest_runtime::{Compute, Trace};
+use ravnest_sim::compute::SimCompute;
+
+const STEPS: u64 = 6;
+const BATCH: u64 = 12;
+
+#[test]
+fn a_pipeline_trains_over_real_tcp() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        // A 1.4B model on four 12 GB cards: it fits no card, so the plan is a pipeline.
+        let text = format!(
+            "[links]\nbandwidth_gbps = 10.0\nlatency_ms = 0.1\n[[node]]\nname = \"g\"\ndevice = \"rtx3060\"\ncount = 4\n[model]\npreset = \"gpt-1.3b\"\n[training]\nglobal_batch = {BATCH}\nmicro_batch = 2\noptimizer = \"sgd\"\nprecision = \"bf16\"\n"
+        );
+        let s = ravnest_core::parse(&text, "tcp-pipeline").unwrap();
+        let costs = Costs::new(&s.cluster, &s.model, &s.training);
+        let layer_flops: Vec<f64> = costs
+            .all()
+            .map(|l| costs.train_flops(&(l..l + 1)))
+            .collect();
+        let compute = Arc::new(SimCompute::new(vec![1e-6; 4], 5).layered(&layer_flops));
+        let toy = compute.toy();
+        let net = LoopbackCluster::start(4, b"tcp-pipeline").await.unwrap();
+        let t0 = tokio::time::Instant::now();
+        let counters: Counters = Arc::default();
+        let make_node = {
+            let (t, c, k) = (net.clone(), compute.clone(), counters.clone());
+            Arc::new(move |id: NodeId| NodeActor {
+                id,
+                transport: t.clone(),
+                compute: c.clone(),
+                grad_bytes: 1 << 20,
+                model_bytes: 1 << 20,
+                counters: k.clone(),
+                t0,
+            })
+        };
+        let (sup, _) = Actor::spawn(
+            None,
+            SupervisorActor {
+                make_node,
+                transport: net.clone(),
+                heartbeat: Duration::from_millis(50),
+                nodes: (0..4).map(NodeId).collect(),
+                first_start: Start::Fresh,
+                trace: Trace::default(),
+                t0,
+            },
+            (),
+        )
+        .await
+        .unwrap();
+        let log: Arc<Mutex<RunLog>> = Arc::default();
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        let (coord, _) = Actor::spawn(
+            None,
+            CoordinatorActor {
+                transport: net.clone(),
+                cluster: s.cluster.clone(),
+                model: s.model.clone(),
+                training: s.training.clone(),
+                planner: PlannerKind::Ravnest,
+                steps: STEPS,
+                heartbeat_timeout: Duration::from_secs(5),
+                tick: Duration::from_millis(50),
+                t0,
+                trace: Trace::default(),
+                log: log.clone(),
+                train_flops: costs.train_flops(&costs.all()),
+                checkpoint_every: 0,
+                checkpoint_at_end: false,
+                start_step: 0,
+                initial_holders: None,
+                measure_min_batch: u64::MAX,
+                rebalance_cooldown: 0,
+                allow_pipeline: compute.runs_stages(),
+            },
+            done_tx,
+        )
+        .await
+        .unwrap();
+        tokio::time::timeout(Duration::from_secs(60), done_rx)
+            .await
+            .expect("training finished within 60 s")
+            .unwrap();
+        coord.stop(None);
+        sup.stop(None);
+        let sent: Vec<u64> = net.nodes.values().map(|t| t.bytes_sent()).collect();
+        for t in net.nodes.values() {
+            t.shutdown();
+        }
+        let log = log.lock().unwrap().clone();
+        for (_, e) in &log.events {
+            assert!(
+                !matches!(e, Event::Violation(_) | Event::Stalled(_)),
+                "{e:?}"
+            );
+        }
+        assert_eq!(log.step_done_ns.len() as u64, STEPS);
+        assert!(sent.iter().all(|&b| b > 0), "every stage sent: {sent:?}");
+
+        let reference = toy.reference_model(STEPS, BATCH);
+        let counters = counters.lock().unwrap();
+        let mut covered = vec![false; reference.len()];
+        for (id, c) in counters.iter() {
+            let r = c.model_range.clone();
+            assert_eq!(c.model.0, STEPS, "node {id:?} version");
+            assert!(
+                r.len() < reference.len(),
+                "node {id:?} holds only its stage's layers"
+            );
+            for (a, b) in c.model.1[r.clone()].iter().zip(&reference[r.clone()]) {
+                assert!((a - b).abs() < 1e-5, "node {id:?}: {a} vs {b}");
+            }
+            covered[r].iter_mut().for_each(|x| *x = true);
+        }
+        assert!(covered.iter().all(|&c| c), "every layer is held by a stage");
+    });
+}
