@@ -649,7 +649,21 @@ async fn coordinate(
     }
     let model_spec = su.compute.net.model_spec();
     let registered: Vec<NodeId> = caps.keys().copied().collect();
-    let plan_text = match ravnest_core::plan(opts.planner, &cluster.subset(&registered), &model_spec, &s.training) {
+    // The same policy as the coordinator: data parallel first; a pipeline only when none fits
+    // and the backend runs stages.
+    let live = cluster.subset(&registered);
+    let dp = ravnest_core::PlanOptions {
+        allow_pipeline: false,
+    };
+    let planned = ravnest_core::plan_with(opts.planner, &live, &model_spec, &s.training, dp)
+        .or_else(|e| {
+            if su.compute.runs_stages() {
+                ravnest_core::plan(opts.planner, &live, &model_spec, &s.training)
+            } else {
+                Err(e)
+            }
+        });
+    let plan_text = match planned {
         Ok(p) => p
             .nodes
             .iter()
@@ -668,6 +682,10 @@ async fn coordinate(
             .chain(std::iter::once(format!("  sync: {}", p.sync.reason)))
             .collect::<Vec<_>>()
             .join("\n"),
+        Err(e) if !su.compute.runs_stages() => bail!(
+            "{}: no data-parallel plan for the registered nodes ({e}); the candle backend does not run pipeline stages yet",
+            opts.origin
+        ),
         Err(e) => bail!("{}: no plan for the registered nodes: {e}", opts.origin),
     };
     say.event(json!({"event": "plan", "text": plan_text}));

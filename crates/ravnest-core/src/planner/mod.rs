@@ -254,7 +254,8 @@ pub fn plan(
 /// Restrictions on the layouts a planner may choose.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlanOptions {
-    /// Whether pipeline layouts are allowed (the runtime executes data parallel only, so far).
+    /// Whether pipeline layouts are allowed (the coordinator asks for data parallel first, and
+    /// for a pipeline only when none fits and its compute backend runs stages).
     pub allow_pipeline: bool,
 }
 
