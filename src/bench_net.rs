@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 use ravnest_core::NodeId;
+use ravnest_core::collective::{CollId, CollMsg};
 use ravnest_core::ring::{RingEffect, RingInput, RingMember};
 use ravnest_runtime::tcp::LoopbackCluster;
 use ravnest_runtime::{Addr, Envelope, Transport};
@@ -54,7 +55,7 @@ async fn one_round(net: &LoopbackCluster, n: usize, len: usize, epoch: u64) -> R
         tasks.push(tokio::spawn(async move {
             let me = Addr::Node(NodeId(r as u32));
             let next = Addr::Node(NodeId(((r + 1) % n) as u32));
-            let mut m = RingMember::new(epoch, r, n, len);
+            let mut m = RingMember::new(CollId::epoch(epoch), r, n, len);
             let mut effects = m.handle(RingInput::Start(input));
             loop {
                 for e in effects {
@@ -64,8 +65,8 @@ async fn one_round(net: &LoopbackCluster, n: usize, len: usize, epoch: u64) -> R
                             let _ = net.send(
                                 me,
                                 next,
-                                Envelope::Chunk {
-                                    chunk,
+                                Envelope::Coll {
+                                    msg: CollMsg::Chunk(chunk),
                                     virtual_bytes: bytes,
                                 },
                             );
@@ -75,9 +76,10 @@ async fn one_round(net: &LoopbackCluster, n: usize, len: usize, epoch: u64) -> R
                     }
                 }
                 match rx.recv().await {
-                    Some(Envelope::Chunk { chunk, .. }) => {
-                        effects = m.handle(RingInput::Chunk(chunk))
-                    }
+                    Some(Envelope::Coll {
+                        msg: CollMsg::Chunk(chunk),
+                        ..
+                    }) => effects = m.handle(RingInput::Chunk(chunk)),
                     Some(_) => effects = Vec::new(),
                     None => bail!("inbox closed"),
                 }
@@ -147,6 +149,54 @@ pub fn table(rows: &[Row]) -> String {
     out
 }
 
+/// PyTorch's side of `bench overhead`: the same MLP, batch, optimizer and steps, one thread,
+/// best of `rounds`; prints seconds.
+const TORCH_LOOP: &str = r#"
+import sys, time
+try:
+    import torch
+except Exception as e:
+    print("skipped", e); sys.exit(0)
+torch.set_num_threads(1)
+dims = [int(x) for x in sys.argv[1].split(",")]
+b, steps, rounds = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+layers = []
+for i in range(len(dims) - 1):
+    layers.append(torch.nn.Linear(dims[i], dims[i + 1]))
+    if i + 2 < len(dims):
+        layers.append(torch.nn.ReLU())
+m = torch.nn.Sequential(*layers)
+opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+x = torch.rand(b, dims[0]); y = torch.randint(0, dims[-1], (b,))
+loss = torch.nn.CrossEntropyLoss(reduction="sum")
+best = float("inf")
+for _ in range(rounds):
+    t = time.perf_counter()
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss(m(x), y).backward()
+        opt.step()
+    best = min(best, time.perf_counter() - t)
+print(best, torch.__version__)
+"#;
+
+/// PyTorch's best seconds for `steps` steps, or why not.
+fn torch_seconds(dims: &[usize], batch: u64, steps: u64, rounds: usize) -> Result<f64, String> {
+    let python = std::env::var("RAVNEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let dims: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
+    let out = std::process::Command::new(&python)
+        .args(["-c", TORCH_LOOP, &dims.join(",")])
+        .args([batch.to_string(), steps.to_string(), rounds.to_string()])
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .map_err(|e| format!("cannot start {python}: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    match text.split_whitespace().next().map(str::parse::<f64>) {
+        Some(Ok(s)) => Ok(s),
+        _ => Err(text.trim().to_string()),
+    }
+}
+
 /// `ravnest bench overhead`: one node training through ravnest (a real `run` process: TCP
 /// transport, actors, coordinator, checkpoint at the end) against a bare candle loop on the
 /// same model, data and steps. Alternates the two `rounds` times and keeps each one's best.
@@ -160,6 +210,7 @@ pub fn overhead(steps: u64, rounds: usize) -> Result<String> {
 
     let batch = 384u64;
     let dims = [64usize, 512, 512, 10];
+    let mut autograd = f64::INFINITY;
     let out = std::env::temp_dir().join(format!("ravnest-overhead-{}", std::process::id()));
     let mut best = (f64::INFINITY, f64::INFINITY);
     for _ in 0..rounds {
@@ -185,9 +236,21 @@ pub fn overhead(steps: u64, rounds: usize) -> Result<String> {
         for k in 0..steps {
             let g = c.gradient_sum_now(k * batch..(k + 1) * batch, &model);
             let mean: Vec<f32> = g.iter().map(|x| x / batch as f32).collect();
-            c.apply_update(&mut model, &mean);
+            c.step_now(&mut model, &mean);
         }
         best.0 = best.0.min(t.elapsed().as_secs_f64());
+
+        // The same step through candle's autograd (what ravnest used before its own backward).
+        let mut model = c.initial_model();
+        let params = c.params();
+        let t = Instant::now();
+        for k in 0..steps {
+            let (x, y) = c.batch(k * batch..(k + 1) * batch);
+            let (_, g) = c.net.loss_and_grad_sum(&model[..params], &x, &y)?;
+            let mean: Vec<f32> = g.iter().map(|x| x / batch as f32).collect();
+            c.step_now(&mut model, &mean);
+        }
+        autograd = autograd.min(t.elapsed().as_secs_f64());
 
         // The same through ravnest, one node.
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
@@ -213,13 +276,33 @@ pub fn overhead(steps: u64, rounds: usize) -> Result<String> {
         best.1 = best.1.min(report["train_s"].as_f64().unwrap_or(f64::NAN));
     }
     let _ = std::fs::remove_dir_all(&out);
-    Ok(format!(
-        "one node, MLP 64-512-512-10, batch {batch}, {steps} steps (best of {rounds})\n\n\
-         bare candle loop      {:>8.3} s\n\
-         through ravnest       {:>8.3} s\n\
-         overhead              {:>+7.1}%\n",
+    let rate = |secs: f64| (steps * batch) as f64 / secs;
+    let mut text = format!(
+        "one node, MLP 64-512-512-10, batch {batch}, {steps} steps, one thread (best of {rounds})\n\n\
+         bare candle loop           {:>8.3} s {:>9.0} samples/s   (ravnest's own forward/backward)\n\
+         through ravnest            {:>8.3} s {:>9.0} samples/s   overhead {:+.1}%\n\
+         candle autograd loop       {:>8.3} s {:>9.0} samples/s\n",
         best.0,
+        rate(best.0),
         best.1,
-        100.0 * (best.1 / best.0 - 1.0)
-    ))
+        rate(best.1),
+        100.0 * (best.1 / best.0 - 1.0),
+        autograd,
+        rate(autograd),
+    );
+    match torch_seconds(&dims, batch, steps, rounds) {
+        Ok(t) => {
+            text += &format!(
+                "PyTorch (1 thread)         {:>8.3} s {:>9.0} samples/s\n\n\
+                 compute per sample vs PyTorch: bare loop {:.2}x, through ravnest {:.2}x, candle autograd {:.2}x\n",
+                t,
+                rate(t),
+                t / best.0,
+                t / best.1,
+                t / autograd
+            );
+        }
+        Err(why) => text += &format!("PyTorch: skipped ({why})\n"),
+    }
+    Ok(text)
 }

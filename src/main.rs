@@ -1,6 +1,7 @@
 //! `ravnest`: the command-line front end. Reads files, prints reports; every decision is made
 //! by the pure `ravnest-core` crate.
 
+mod bench_ddp;
 mod bench_net;
 mod report;
 mod run;
@@ -117,6 +118,41 @@ enum BenchWhat {
         /// Alternating rounds (each side keeps its best).
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+    },
+    /// ravnest against PyTorch DDP on the same job, side by side: 2 processes, one of them k
+    /// times slower; ravnest heterogeneous and uniform, DDP with the equal split and with the
+    /// split by hand. The PyTorch side needs torch (RAVNEST_PYTHON, or python3), else it is
+    /// skipped.
+    ///
+    /// Example: ravnest bench ddp --rounds 3 --steps 300
+    Ddp {
+        /// Fashion-MNIST training images (IDX); the labels file sits beside it.
+        #[arg(
+            long,
+            default_value = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
+        )]
+        data: PathBuf,
+        /// Interleaved rounds (each runs all four).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Timed steps per run.
+        #[arg(long, default_value_t = 300)]
+        steps: u64,
+        /// Untimed steps before them.
+        #[arg(long, default_value_t = 20)]
+        warmup: u64,
+        /// MLP widths.
+        #[arg(long, value_delimiter = ',', default_value = "784,512,512,10")]
+        dims: Vec<usize>,
+        /// Global batch.
+        #[arg(long, default_value_t = 128)]
+        batch: u64,
+        /// How many times slower the second process is.
+        #[arg(long, default_value_t = 3.0)]
+        slowdown: f64,
+        /// Python with torch (default: RAVNEST_PYTHON, else python3).
+        #[arg(long)]
+        python: Option<String>,
     },
     /// Ring all-reduce over loopback TCP: algorithm and bus bandwidth for 2, 3 and 4 ranks.
     Allreduce {
@@ -372,6 +408,36 @@ fn run(cli: Cli) -> Result<()> {
             }
             let rows = bench_net::measure(&nodes, &sizes, reps)?;
             emit(&bench_net::table(&rows));
+            Ok(())
+        }
+        Command::Bench {
+            what:
+                BenchWhat::Ddp {
+                    data,
+                    rounds,
+                    steps,
+                    warmup,
+                    dims,
+                    batch,
+                    slowdown,
+                    python,
+                },
+        } => {
+            if rounds == 0 || steps == 0 || batch < 2 || dims.len() < 2 || slowdown < 1.0 {
+                bail!(
+                    "--rounds, --steps at least 1, --batch at least 2, --dims at least two widths, --slowdown at least 1"
+                );
+            }
+            emit(&bench_ddp::ddp(&bench_ddp::DdpArgs {
+                data,
+                rounds,
+                steps,
+                warmup,
+                dims,
+                batch,
+                slowdown,
+                python,
+            })?);
             Ok(())
         }
         Command::Bench {

@@ -335,7 +335,9 @@ fn summary_text(m: &Value) -> String {
             100.0 * busy.min(1.0),
             100.0 * comm.min(1.0),
             100.0 * (1.0 - busy - comm).max(0.0),
-            r["solo_samples_per_s"].as_f64().unwrap_or(0.0),
+            c["solo_by_node"][n["node"].as_str().unwrap_or("?")]
+                .as_f64()
+                .unwrap_or(0.0),
             r["bytes_sent"].as_f64().unwrap_or(0.0) / 1e6
         );
     }
@@ -345,11 +347,11 @@ fn summary_text(m: &Value) -> String {
         .flatten()
         .filter_map(|e| e["what"].as_str())
         .collect();
-    let replans = all.iter().filter(|w| w.contains(": planned ")).count();
-    let rebalanced = all.iter().filter(|w| w.ends_with("rebalanced")).count();
+    let plans = all.iter().filter(|w| w.contains(": planned ")).count();
+    let rebalanced = all.iter().filter(|w| w.ends_with("re-planned")).count();
     out += &format!(
         "
-{replans} distinct plan(s); {rebalanced} rebalance(s) after a node's measured speed drifted from its plan\n"
+{plans} distinct plan(s); {rebalanced} re-plan(s) for measured speeds\n"
     );
     let events: Vec<&str> = all
         .into_iter()

@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex};
 
 use ravnest_core::NodeId;
 use ravnest_runtime::Compute;
-use ravnest_runtime::toy::{self, Toy};
+use ravnest_runtime::seams::{BucketSink, ComputeError};
+
+use crate::toy::{self, Toy};
 
 use crate::rng::Rng;
 
@@ -77,18 +79,18 @@ impl SimCompute {
         samples as f64 * share * s.secs_per_sample[i] * s.slowdown[i] * (1.0 + JITTER * (u - 0.5))
     }
 
-    fn layer_share(&self, layers: &Range<usize>) -> Result<f64, String> {
+    fn layer_share(&self, layers: &Range<usize>) -> Result<f64, ComputeError> {
         let s = self.0.lock().unwrap();
         let Toy::Chain { layers: total } = s.toy else {
-            return Err(
+            return Err(ComputeError::Shape(
                 "the simulated model is not layered (the run was planned data-parallel)".into(),
-            );
+            ));
         };
         if layers.start >= layers.end || layers.end > total {
-            return Err(format!(
+            return Err(ComputeError::Shape(format!(
                 "layers {}..{} of a {total}-layer model",
                 layers.start, layers.end
-            ));
+            )));
         }
         Ok(s.flops_before[layers.end] - s.flops_before[layers.start])
     }
@@ -123,19 +125,19 @@ impl Compute for SimCompute {
         layers: Range<usize>,
         params: &[f32],
         input: Option<&[f32]>,
-    ) -> Result<Vec<f32>, String> {
+    ) -> Result<Vec<f32>, ComputeError> {
         let share = self.layer_share(&layers)?;
         let n = samples.end - samples.start;
         if params.len() != layers.len() * toy::DIM
             || input.is_some_and(|x| x.len() != n as usize * toy::DIM)
         {
-            return Err(format!(
+            return Err(ComputeError::Shape(format!(
                 "stage forward of layers {}..{}: {} parameters and {:?} inputs do not fit {n} samples",
                 layers.start,
                 layers.end,
                 params.len(),
                 input.map(<[f32]>::len)
-            ));
+            )));
         }
         let secs = self.secs(node, n, share * FORWARD_SHARE);
         tokio::time::sleep(std::time::Duration::from_nanos((secs * 1e9) as u64)).await;
@@ -152,26 +154,36 @@ impl Compute for SimCompute {
         _input: Option<&[f32]>,
         output: &[f32],
         grad_out: Option<&[f32]>,
-    ) -> Result<(Vec<f32>, Vec<f32>), String> {
+    ) -> Result<(Vec<f32>, Vec<f32>), ComputeError> {
         let share = self.layer_share(&layers)?;
         let n = samples.end - samples.start;
         let want = n as usize * toy::DIM;
         if output.len() != want || grad_out.is_some_and(|g| g.len() != want) {
-            return Err(format!(
+            return Err(ComputeError::Shape(format!(
                 "stage backward of layers {}..{}: output of {} values and gradient of {:?} do not fit {n} samples",
                 layers.start,
                 layers.end,
                 output.len(),
                 grad_out.map(<[f32]>::len)
-            ));
+            )));
         }
         let secs = self.secs(node, n, share * (1.0 - FORWARD_SHARE));
         tokio::time::sleep(std::time::Duration::from_nanos((secs * 1e9) as u64)).await;
         Ok(toy::chain_backward(samples, layers, output, grad_out))
     }
 
-    fn apply_update(&self, model: &mut [f32], mean_gradient: &[f32]) {
-        toy::apply(model, mean_gradient);
+    /// The flat toy's gradient comes in two buckets (its back half first, as backward runs),
+    /// so the simulator overlaps communication with compute as the real runtime does; a
+    /// layered toy runs as pipeline stages, whose gradient is one bucket per stage.
+    fn buckets(&self, params: usize) -> Vec<Range<usize>> {
+        match self.toy() {
+            Toy::Flat if params >= 2 => vec![params / 2..params, 0..params / 2],
+            _ => std::iter::once(0..params).collect(),
+        }
+    }
+
+    fn apply_update(&self, model: &mut [f32], range: Range<usize>, mean_gradient: &[f32]) {
+        toy::apply(&mut model[range], mean_gradient);
     }
 
     async fn gradient_sum(
@@ -179,10 +191,19 @@ impl Compute for SimCompute {
         node: NodeId,
         _step: u64,
         samples: Range<u64>,
-        model: &[f32],
-    ) -> Vec<f32> {
+        model: Arc<Vec<f32>>,
+        ready: BucketSink,
+    ) -> Result<(), ComputeError> {
         let secs = self.secs(node, samples.end - samples.start, 1.0);
-        tokio::time::sleep(std::time::Duration::from_nanos((secs * 1e9) as u64)).await;
-        self.toy().gradient_sum(samples, model)
+        let sleep = |s: f64| tokio::time::sleep(std::time::Duration::from_nanos((s * 1e9) as u64));
+        sleep(secs * FORWARD_SHARE).await;
+        let g = self.toy().gradient_sum(samples, &model);
+        // Backward produces the buckets in order, each after its share of the backward time.
+        for (k, r) in self.buckets(g.len()).into_iter().enumerate() {
+            let share = r.len() as f64 / g.len().max(1) as f64;
+            sleep(secs * (1.0 - FORWARD_SHARE) * share).await;
+            ready(k, g[r].to_vec());
+        }
+        Ok(())
     }
 }

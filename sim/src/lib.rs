@@ -11,6 +11,7 @@ pub mod compute;
 pub mod net;
 pub mod rng;
 pub mod timeline;
+pub mod toy;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -21,10 +22,10 @@ use ravnest_core::config::{Fault, Scenario};
 use ravnest_core::cost::Costs;
 use ravnest_core::{NodeId, PlannerKind};
 use ravnest_runtime::checkpoint::{CheckpointActor, Store};
-use ravnest_runtime::coordinator::{CoordinatorActor, Event, RunLog};
+use ravnest_runtime::coordinator::{Config, CoordinatorActor, Event, RunLog, Tuning};
 use ravnest_runtime::node::{Counters, NodeActor};
 use ravnest_runtime::supervisor::{NodeFactory, SupMsg, SupervisorActor};
-use ravnest_runtime::{Addr, Trace, toy};
+use ravnest_runtime::{Addr, Trace};
 use serde::Serialize;
 use tokio::time::Instant;
 
@@ -176,7 +177,7 @@ impl Store for MemStore {
     ) -> Result<(), String> {
         // Merge shards in layer order into one model (data parallel: one shard).
         let merged: Vec<f32> = shards.iter().flatten().copied().collect();
-        if toy::digest(&merged) != manifest.shards.first().map_or(0, |m| m.digest)
+        if crate::toy::digest(&merged) != manifest.shards.first().map_or(0, |m| m.digest)
             && shards.len() == 1
         {
             return Err("shard contents do not match their digest".into());
@@ -368,24 +369,26 @@ async fn simulate(
     let (done_tx, mut done_rx) = tokio::sync::oneshot::channel();
     let coordinator = CoordinatorActor {
         transport: net.clone(),
-        cluster: cluster.clone(),
-        model: s.model.clone(),
-        training: s.training.clone(),
-        planner: opts.planner,
-        steps: opts.steps,
-        heartbeat_timeout: opts.timeout,
+        config: Config {
+            cluster: cluster.clone(),
+            model: s.model.clone(),
+            training: s.training.clone(),
+            planner: opts.planner,
+            steps: opts.steps,
+            heartbeat_timeout_ms: opts.timeout.as_millis() as u64,
+            train_flops: costs.train_flops(&all),
+            checkpoint_every: opts.checkpoint_every,
+            checkpoint_at_end: false,
+            start_step: 0,
+            initial_holders: None,
+            absent: Vec::new(),
+            allow_pipeline: layered,
+            tuning: Tuning::default(),
+        },
         tick: opts.heartbeat / 2,
         t0,
         trace: trace.clone(),
         log: log.clone(),
-        train_flops: costs.train_flops(&all),
-        checkpoint_every: opts.checkpoint_every,
-        checkpoint_at_end: false,
-        start_step: 0,
-        initial_holders: None,
-        measure_min_batch: 0,
-        rebalance_cooldown: 0,
-        allow_pipeline: layered,
     };
     let store = Arc::new(MemStore::default());
     let checkpointer = CheckpointActor {
@@ -595,7 +598,7 @@ fn picture(
 fn report(
     s: &Scenario,
     opts: &SimOptions,
-    toy: toy::Toy,
+    toy: crate::toy::Toy,
     first_plan: &ravnest_core::Plan,
     log: &RunLog,
     counters: &BTreeMap<NodeId, ravnest_runtime::node::NodeCounters>,

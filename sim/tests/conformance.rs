@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use ravnest_core::NodeId;
+use ravnest_core::collective::{CollId, CollMsg};
 use ravnest_runtime::Trace;
 use ravnest_runtime::conformance::{self, TestNet};
 use ravnest_sim::net::SimNet;
@@ -98,10 +99,12 @@ fn arrivals(flows: &[(u32, u32)]) -> Vec<f64> {
             );
         }
         for &(a, b) in flows {
-            let push = Envelope::Push {
-                epoch: 1,
-                rank: a,
-                data: vec![],
+            let push = Envelope::Coll {
+                msg: CollMsg::Push {
+                    id: CollId::epoch(1),
+                    rank: a,
+                    data: vec![],
+                },
                 virtual_bytes: 1_000_000,
             };
             net.send(Addr::Node(NodeId(a)), Addr::Node(NodeId(b)), push)

@@ -9,7 +9,7 @@ use std::time::Duration;
 use ractor::Actor;
 use ravnest_core::cost::Costs;
 use ravnest_core::{NodeId, PlannerKind};
-use ravnest_runtime::coordinator::{CoordinatorActor, Event, RunLog};
+use ravnest_runtime::coordinator::{Config, CoordinatorActor, Event, RunLog, Tuning};
 use ravnest_runtime::node::{Counters, NodeActor, Start};
 use ravnest_runtime::supervisor::SupervisorActor;
 use ravnest_runtime::tcp::LoopbackCluster;
@@ -75,24 +75,29 @@ fn a_pipeline_trains_over_real_tcp() {
             None,
             CoordinatorActor {
                 transport: net.clone(),
-                cluster: s.cluster.clone(),
-                model: s.model.clone(),
-                training: s.training.clone(),
-                planner: PlannerKind::Ravnest,
-                steps: STEPS,
-                heartbeat_timeout: Duration::from_secs(5),
+                config: Config {
+                    cluster: s.cluster.clone(),
+                    model: s.model.clone(),
+                    training: s.training.clone(),
+                    planner: PlannerKind::Ravnest,
+                    steps: STEPS,
+                    heartbeat_timeout_ms: 5000,
+                    train_flops: costs.train_flops(&costs.all()),
+                    checkpoint_every: 0,
+                    checkpoint_at_end: false,
+                    start_step: 0,
+                    initial_holders: None,
+                    absent: Vec::new(),
+                    allow_pipeline: compute.runs_stages(),
+                    tuning: Tuning {
+                        measure_min_batch: u64::MAX,
+                        ..Tuning::default()
+                    },
+                },
                 tick: Duration::from_millis(50),
                 t0,
                 trace: Trace::default(),
                 log: log.clone(),
-                train_flops: costs.train_flops(&costs.all()),
-                checkpoint_every: 0,
-                checkpoint_at_end: false,
-                start_step: 0,
-                initial_holders: None,
-                measure_min_batch: u64::MAX,
-                rebalance_cooldown: 0,
-                allow_pipeline: compute.runs_stages(),
             },
             done_tx,
         )

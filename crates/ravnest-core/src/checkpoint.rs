@@ -6,7 +6,7 @@
 //! by one replica; pipeline: one per stage). The actor that drives this writes the shards it is
 //! given (files in `run`, memory in `sim`) and commits the manifest only on completion.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::ops::Range;
 
 use crate::cluster::NodeId;
@@ -47,19 +47,27 @@ pub enum CheckpointError {
         /// Layers offered.
         layers: Range<usize>,
     },
-    /// The same shard arrived twice with different contents.
-    #[error("checkpoint {step}: conflicting copies of the shard for layers {layers:?}")]
-    Conflict {
+    /// The shard's digest is not the one every replica agreed on (corrupted, or of another
+    /// model): refused, the round stays open and the previous checkpoint stays the latest.
+    #[error(
+        "checkpoint {step}: the shard for layers {layers:?} has digest {got:016x}, the replicas agreed on {want:016x}"
+    )]
+    DigestMismatch {
         /// Step.
         step: u64,
         /// Layers.
         layers: Range<usize>,
+        /// The shard's digest.
+        got: u64,
+        /// The agreed digest.
+        want: u64,
     },
 }
 
 #[derive(Debug, Clone)]
 struct Round {
-    expected: BTreeSet<(usize, usize)>,
+    /// Layer range → the digest its shard must have.
+    expected: BTreeMap<(usize, usize), u64>,
     got: BTreeMap<(usize, usize), ShardMeta>,
 }
 
@@ -76,12 +84,13 @@ impl Aggregator {
         Aggregator::default()
     }
 
-    /// Open a round for `step` expecting one shard per layer range.
-    pub fn begin(&mut self, step: u64, shards: &[Range<usize>]) {
+    /// Open a round for `step` expecting one shard per layer range, each with the digest the
+    /// replicas agreed on.
+    pub fn begin(&mut self, step: u64, shards: &[(Range<usize>, u64)]) {
         self.rounds.insert(
             step,
             Round {
-                expected: shards.iter().map(|r| (r.start, r.end)).collect(),
+                expected: shards.iter().map(|(r, d)| ((r.start, r.end), *d)).collect(),
                 got: BTreeMap::new(),
             },
         );
@@ -103,24 +112,24 @@ impl Aggregator {
             .get_mut(&step)
             .ok_or(CheckpointError::UnknownStep(step))?;
         let key = (meta.layers.start, meta.layers.end);
-        if !round.expected.contains(&key) {
+        let Some(&want) = round.expected.get(&key) else {
             return Err(CheckpointError::UnexpectedShard {
                 step,
                 layers: meta.layers,
             });
+        };
+        if meta.digest != want {
+            return Err(CheckpointError::DigestMismatch {
+                step,
+                layers: meta.layers,
+                got: meta.digest,
+                want,
+            });
         }
-        match round.got.get(&key) {
-            Some(prev) if prev.digest != meta.digest => {
-                return Err(CheckpointError::Conflict {
-                    step,
-                    layers: meta.layers,
-                });
-            }
-            Some(_) => return Ok(None),
-            None => {
-                round.got.insert(key, meta);
-            }
+        if round.got.contains_key(&key) {
+            return Ok(None);
         }
+        round.got.insert(key, meta);
         if round.got.len() < round.expected.len() {
             return Ok(None);
         }
@@ -147,14 +156,14 @@ mod tests {
 
     #[derive(Debug, Clone)]
     enum Op {
-        Begin(u64, usize),
+        Begin(u64, usize, u64),
         Shard(u64, usize, u64),
         Abandon(u64),
     }
 
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
-            (0u64..4, 1usize..4).prop_map(|(s, n)| Op::Begin(s, n)),
+            (0u64..4, 1usize..4, 0u64..2).prop_map(|(s, n, d)| Op::Begin(s, n, d)),
             (0u64..4, 0usize..4, 0u64..2).prop_map(|(s, k, d)| Op::Shard(s, k, d)),
             (0u64..4).prop_map(Op::Abandon),
         ]
@@ -163,17 +172,18 @@ mod tests {
     proptest! {
         /// Against an oracle of (expected, received) sets: a manifest appears exactly when the
         /// last missing shard of an open round arrives, holds every shard once, and never
-        /// appears for an abandoned round.
+        /// appears for an abandoned round; a shard whose digest is not the agreed one is
+        /// refused and changes nothing.
         #[test]
         fn completes_only_with_every_shard(ops in prop::collection::vec(op(), 0..60)) {
             let mut a = Aggregator::new();
-            let mut oracle: BTreeMap<u64, (usize, BTreeMap<usize, u64>)> = BTreeMap::new();
+            let mut oracle: BTreeMap<u64, (usize, u64, BTreeMap<usize, u64>)> = BTreeMap::new();
             for o in ops {
                 match o {
-                    Op::Begin(s, n) => {
-                        let shards: Vec<Range<usize>> = (0..n).map(|k| k * 10..k * 10 + 10).collect();
+                    Op::Begin(s, n, want) => {
+                        let shards: Vec<(Range<usize>, u64)> = (0..n).map(|k| (k * 10..k * 10 + 10, want)).collect();
                         a.begin(s, &shards);
-                        oracle.insert(s, (n, BTreeMap::new()));
+                        oracle.insert(s, (n, want, BTreeMap::new()));
                     }
                     Op::Abandon(s) => { a.abandon(s); oracle.remove(&s); }
                     Op::Shard(s, k, d) => {
@@ -181,11 +191,11 @@ mod tests {
                         let got = a.shard(s, meta);
                         match oracle.get_mut(&s) {
                             None => prop_assert_eq!(got, Err(CheckpointError::UnknownStep(s))),
-                            Some((n, _)) if k >= *n => prop_assert!(matches!(got, Err(CheckpointError::UnexpectedShard { .. })), "expected UnexpectedShard"),
-                            Some((n, rec)) => {
+                            Some((n, _, _)) if k >= *n => prop_assert!(matches!(got, Err(CheckpointError::UnexpectedShard { .. })), "expected UnexpectedShard"),
+                            Some((_, want, _)) if d != *want => prop_assert!(matches!(got, Err(CheckpointError::DigestMismatch { .. })), "expected DigestMismatch"),
+                            Some((n, _, rec)) => {
                                 let n = *n;
                                 match rec.get(&k) {
-                                    Some(&prev) if prev != d => prop_assert!(matches!(got, Err(CheckpointError::Conflict { .. })), "expected Conflict"),
                                     Some(_) => prop_assert_eq!(got, Ok(None)),
                                     None => {
                                         rec.insert(k, d);

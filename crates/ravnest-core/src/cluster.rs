@@ -50,6 +50,11 @@ pub struct NodeSpec {
     pub memory_bytes: u64,
     /// Effective training throughput in FLOP/s for the run's precision.
     pub flops: f64,
+    /// Seconds each step's compute costs this node whatever its batch (copying the model into
+    /// tensors, kernel launches, allocations): measured by `ravnest run`, where small shares
+    /// would otherwise look faster than they are; 0 for catalog devices.
+    #[serde(default)]
+    pub step_overhead_s: f64,
     /// This node's access link (pair figures are the min bandwidth / max latency of both ends).
     pub link: Link,
     /// Address for `ravnest run` (`host:port`), if given.

@@ -602,6 +602,7 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
                 memory_bytes: ((memory_gib - reserve_gib) * GIB) as u64,
                 flops: flops / emulate,
                 link,
+                step_overhead_s: 0.0,
                 address: n.address.as_ref().map(|a| a.get_ref().clone()),
             });
             slowdown.push(emulate);

@@ -101,9 +101,31 @@ impl<'a> Costs<'a> {
         self.model.layers[boundary - 1].output_elems_per_sample * self.elem
     }
 
-    /// Seconds for `node` to run forward+backward over `layers` for `samples` samples.
+    /// Seconds for `node` to run forward+backward over `layers` for `samples` samples: the
+    /// samples' FLOPs at the node's speed, plus its fixed per-step cost (its share for a layer
+    /// range) when it computes anything at all.
     pub fn compute_s(&self, node: NodeId, layers: &Range<usize>, samples: f64) -> f64 {
-        samples * self.train_flops(layers) / self.cluster.node(node).flops
+        let n = self.cluster.node(node);
+        let flops = self.train_flops(layers);
+        let fixed = if samples > 0.0 && n.step_overhead_s > 0.0 {
+            n.step_overhead_s * flops / self.train_flops(&self.all()).max(f64::MIN_POSITIVE)
+        } else {
+            0.0
+        };
+        samples * flops / n.flops + fixed
+    }
+
+    /// Seconds per sample (the whole model) and fixed seconds per step of each of `nodes`: what
+    /// a batch split balances.
+    pub fn step_costs(&self, nodes: &[NodeId]) -> (Vec<f64>, Vec<f64>) {
+        let per_sample = self.train_flops(&self.all());
+        nodes
+            .iter()
+            .map(|&w| {
+                let n = self.cluster.node(w);
+                (per_sample / n.flops, n.step_overhead_s.max(0.0))
+            })
+            .unzip()
     }
 
     /// Memory `layers` need with `in_flight` samples of activations.

@@ -8,6 +8,7 @@
 
 pub mod checkpoint;
 pub mod cluster;
+pub mod collective;
 pub mod config;
 pub mod cost;
 pub mod detector;

@@ -14,11 +14,15 @@
 //! receiving and adding then overlap along the ring, and no message is larger than a segment
 //! (1 MiB by default, see [`segments_for`]), which keeps buffers small and cache-warm.
 //!
-//! Messages carry the collective's `epoch`; a member ignores messages of other epochs, so after
-//! an abort (a peer was lost, the ring re-forms) stale chunks cannot leak into the next round.
+//! Messages carry the collective's [`CollId`] (plan epoch, training step, gradient bucket); a
+//! member ignores messages of other collectives, so after an abort (a peer was lost, the ring
+//! re-forms) stale chunks cannot leak into the next round, and the buckets of one step, or two
+//! consecutive steps, can be reduced at the same time over the same links.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
+
+pub use crate::collective::CollId;
 
 /// Phase of the algorithm.
 #[derive(
@@ -84,7 +88,7 @@ pub enum RingMode {
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RingChunk {
     /// Collective this chunk belongs to.
-    pub epoch: u64,
+    pub id: CollId,
     /// Which ring of a composed collective it belongs to (0 for a flat ring).
     pub level: u8,
     /// Phase.
@@ -132,7 +136,7 @@ enum State {
 /// One node's side of one ring all-reduce.
 #[derive(Debug, Clone)]
 pub struct RingMember {
-    epoch: u64,
+    id: CollId,
     level: u8,
     rank: usize,
     n: usize,
@@ -154,13 +158,13 @@ pub struct RingMember {
 
 impl RingMember {
     /// A member at `rank` of a ring of `n` over vectors of `len` elements.
-    pub fn new(epoch: u64, rank: usize, n: usize, len: usize) -> Self {
-        Self::with_mode(epoch, 0, RingMode::Full, rank, n, len)
+    pub fn new(id: CollId, rank: usize, n: usize, len: usize) -> Self {
+        Self::with_mode(id, 0, RingMode::Full, rank, n, len)
     }
 
     /// A member running part of an all-reduce, as ring `level` of a composed collective.
     pub fn with_mode(
-        epoch: u64,
+        id: CollId,
         level: u8,
         mode: RingMode,
         rank: usize,
@@ -176,7 +180,7 @@ impl RingMember {
         };
         let segments = segments_for(len, n);
         RingMember {
-            epoch,
+            id,
             level,
             rank,
             n,
@@ -226,7 +230,7 @@ impl RingMember {
         let (c, _) = schedule(phase, step, self.rank, self.n);
         let range = segment_range(self.len, self.n, c, self.segments, seg);
         RingEffect::Send(RingChunk {
-            epoch: self.epoch,
+            id: self.id,
             level: self.level,
             phase,
             step,
@@ -268,7 +272,7 @@ impl RingMember {
             }
             RingInput::Chunk(c) => {
                 let seg = c.seg as usize;
-                if c.epoch != self.epoch
+                if c.id != self.id
                     || c.level != self.level
                     || self.state == State::Finished
                     || c.step >= self.n - 1
@@ -345,7 +349,7 @@ mod tests {
         let n = vectors.len();
         let len = vectors[0].len();
         let mut members: Vec<RingMember> = (0..n)
-            .map(|r| RingMember::new(7, r, n, len).with_segments(segments))
+            .map(|r| RingMember::new(CollId::epoch(7), r, n, len).with_segments(segments))
             .collect();
         let mut links: Vec<VecDeque<RingChunk>> = vec![VecDeque::new(); n]; // links[r]: r -> r+1
         let mut started = vec![false; n];
@@ -445,7 +449,7 @@ mod tests {
     #[test]
     fn stale_and_malformed_chunks_are_ignored() {
         let chunk = |epoch, level, phase, step, c, len| RingChunk {
-            epoch,
+            id: CollId::epoch(epoch),
             level,
             phase,
             step,
@@ -453,7 +457,7 @@ mod tests {
             seg: 0,
             data: vec![1.0; len],
         };
-        let mut m = RingMember::new(3, 0, 3, 6);
+        let mut m = RingMember::new(CollId::epoch(3), 0, 3, 6);
         let stale = chunk(2, 0, Phase::ReduceScatter, 0, 2, 2);
         assert!(m.handle(RingInput::Chunk(stale)).is_empty());
         let wrong_len = chunk(3, 0, Phase::ReduceScatter, 0, 2, 5);
@@ -499,8 +503,8 @@ mod tests {
     /// with 4 segments, the first received piece is forwarded before the others arrive.
     #[test]
     fn pieces_move_on_one_at_a_time() {
-        let mut a = RingMember::new(1, 0, 2, 16).with_segments(4);
-        let mut b = RingMember::new(1, 1, 2, 16).with_segments(4);
+        let mut a = RingMember::new(CollId::epoch(1), 0, 2, 16).with_segments(4);
+        let mut b = RingMember::new(CollId::epoch(1), 1, 2, 16).with_segments(4);
         let sent_a = a.handle(RingInput::Start(vec![1.0; 16]));
         assert_eq!(sent_a.len(), 4);
         b.handle(RingInput::Start(vec![2.0; 16]));

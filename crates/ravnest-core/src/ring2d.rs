@@ -6,7 +6,7 @@
 //! 2(n − 1): for 1,000 nodes, 122 instead of 1,998 (NCCL's hierarchical algorithms use the same
 //! idea). Pure, like the flat ring.
 
-use crate::ring::{RingChunk, RingEffect, RingInput, RingMember, RingMode, chunk_range};
+use crate::ring::{CollId, RingChunk, RingEffect, RingInput, RingMember, RingMode, chunk_range};
 
 /// Inputs.
 #[derive(Debug, Clone, PartialEq)]
@@ -52,7 +52,7 @@ pub struct Ring2dMember {
 
 impl Ring2dMember {
     /// The member at global `index` (group = index / size) of `groups` groups of `size` nodes.
-    pub fn new(epoch: u64, index: usize, groups: usize, size: usize, len: usize) -> Self {
+    pub fn new(id: CollId, index: usize, groups: usize, size: usize, len: usize) -> Self {
         assert!(
             groups > 0 && size > 0 && index < groups * size,
             "index {index} outside {groups}x{size}"
@@ -66,11 +66,21 @@ impl Ring2dMember {
             size,
             len,
             buf: Vec::new(),
-            a: RingMember::with_mode(epoch, 1, RingMode::ReduceScatter, pos, size, len),
-            b: RingMember::with_mode(epoch, 2, RingMode::Full, group, groups, owned.len()),
-            c: RingMember::with_mode(epoch, 3, RingMode::AllGather, pos, size, len),
+            a: RingMember::with_mode(id, 1, RingMode::ReduceScatter, pos, size, len),
+            b: RingMember::with_mode(id, 2, RingMode::Full, group, groups, owned.len()),
+            c: RingMember::with_mode(id, 3, RingMode::AllGather, pos, size, len),
             finished: false,
         }
+    }
+
+    /// Groups.
+    pub fn groups(&self) -> usize {
+        self.groups
+    }
+
+    /// Nodes per group.
+    pub fn size(&self) -> usize {
+        self.size
     }
 
     /// Global index of a group-mate at position `p`.
@@ -199,7 +209,7 @@ mod tests {
         ) {
             let n = groups * size;
             let vs: Vec<Vec<f32>> = (0..n).map(|r| (0..len).map(|j| vals[r * 13 + j] as f32 / 8.0).collect()).collect();
-            let mut m: Vec<Ring2dMember> = (0..n).map(|i| Ring2dMember::new(5, i, groups, size, len)).collect();
+            let mut m: Vec<Ring2dMember> = (0..n).map(|i| Ring2dMember::new(CollId::epoch(5), i, groups, size, len)).collect();
             let mut links: BTreeMap<(usize, usize), VecDeque<RingChunk>> = BTreeMap::new();
             let mut started = vec![false; n];
             let mut done: Vec<Option<Vec<f32>>> = vec![None; n];

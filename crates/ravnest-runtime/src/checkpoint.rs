@@ -1,7 +1,9 @@
-//! The checkpoint actor: a thin shell over [`ravnest_core::checkpoint::Aggregator`]. The
-//! coordinator opens a round when it hands out a step that ends in a checkpoint; writers report
-//! their shards; on completion the merged model goes to a [`Store`] (files in `ravnest run`,
-//! memory in the simulator) and the completion is logged.
+//! The checkpoint actor: a thin shell over [`ravnest_core::checkpoint::Aggregator`]. Writers
+//! send their shard when they reach a checkpoint version; the coordinator opens the round once
+//! every replica reported that version, with the digest they agreed on. Shards that arrive
+//! first wait here for their round. A shard whose digest is not the agreed one is refused (the
+//! previous checkpoint stays the latest); on completion the merged model goes to a [`Store`]
+//! (files in `ravnest run`, memory in the simulator) and the completion is logged.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -51,13 +53,70 @@ pub enum CkMsg {
     Net(Addr, Envelope),
 }
 
-/// Open rounds and the shard values received so far.
+/// Checkpoint versions whose shards are kept before their round opens, at most.
+pub const EARLY_VERSIONS: usize = 8;
+
+/// Open rounds, the shard values received so far, and shards that came before their round.
 #[derive(Debug, Default)]
 pub struct CkState {
     agg: Aggregator,
     data: BTreeMap<(u64, u32, u32), Vec<f32>>,
-    /// Expected digest of each shard of each open round.
-    expected: BTreeMap<(u64, u32, u32), u64>,
+    early: BTreeMap<u64, Vec<(ShardMeta, Vec<f32>)>>,
+    open: std::collections::BTreeSet<u64>,
+}
+
+impl<T: Transport> CheckpointActor<T> {
+    fn record(&self, now: u64, what: &str, from: Option<Addr>, step: u64, event: Option<Event>) {
+        self.trace
+            .record(now, what, from, Some(Addr::Checkpoint), step);
+        if let Some(e) = event {
+            self.log.lock().unwrap().events.push((now, e));
+        }
+    }
+
+    /// A shard for an open round: refused, kept, or the last one (then commit).
+    fn offer(&self, st: &mut CkState, now: u64, step: u64, meta: ShardMeta, model: Vec<f32>) {
+        let key = (step, meta.layers.start as u32, meta.layers.end as u32);
+        let from = Some(Addr::Node(meta.node));
+        match st.agg.shard(step, meta) {
+            Ok(None) => {
+                st.data.insert(key, model);
+            }
+            Ok(Some(manifest)) => {
+                st.data.insert(key, model);
+                let shards: Vec<Vec<f32>> = manifest
+                    .shards
+                    .iter()
+                    .map(|m| {
+                        st.data
+                            .remove(&(step, m.layers.start as u32, m.layers.end as u32))
+                            .unwrap_or_default()
+                    })
+                    .collect();
+                st.data.retain(|k, _| k.0 > step);
+                st.early.retain(|s, _| *s > step);
+                st.open.retain(|s| *s > step);
+                let event = match self.store.commit(&manifest, &shards) {
+                    Ok(()) => Event::CheckpointComplete {
+                        step,
+                        digest: manifest.shards.first().map_or(0, |m| m.digest),
+                    },
+                    Err(e) => {
+                        Event::Violation(format!("checkpoint {step} could not be stored: {e}"))
+                    }
+                };
+                self.record(now, "checkpoint-complete", None, step, Some(event));
+            }
+            // A stale, unexpected or corrupted shard: refused and traced; nothing changes.
+            Err(e) => self.record(
+                now,
+                "shard-refused",
+                from,
+                step,
+                Some(Event::Refused(e.to_string())),
+            ),
+        }
+    }
 }
 
 impl<T: Transport> Actor for CheckpointActor<T> {
@@ -87,20 +146,22 @@ impl<T: Transport> Actor for CheckpointActor<T> {
         let now = self.t0.elapsed().as_nanos() as u64;
         match env {
             Envelope::CheckpointBegin { step, shards } => {
-                let ranges: Vec<Range<usize>> = shards
+                let expected: Vec<(Range<usize>, u64)> = shards
                     .iter()
-                    .map(|&(a, b, _)| a as usize..b as usize)
+                    .map(|&(a, b, d)| (a as usize..b as usize, d))
                     .collect();
-                st.agg.begin(step, &ranges);
+                st.agg.begin(step, &expected);
+                st.open.insert(step);
                 st.data.retain(|k, _| k.0 != step);
-                for (a, b, d) in shards {
-                    st.expected.insert((step, a, b), d);
+                for (meta, model) in st.early.remove(&step).unwrap_or_default() {
+                    self.offer(st, now, step, meta, model);
                 }
             }
             Envelope::CheckpointAbandon { step } => {
                 st.agg.abandon(step);
+                st.open.remove(&step);
                 st.data.retain(|k, _| k.0 != step);
-                st.expected.retain(|k, _| k.0 != step);
+                st.early.remove(&step);
             }
             Envelope::Shard {
                 step,
@@ -117,48 +178,13 @@ impl<T: Transport> Actor for CheckpointActor<T> {
                     digest,
                     bytes: model.len() as u64 * self.bytes_per_elem,
                 };
-                st.data.insert((step, layers.0, layers.1), model);
-                match st.agg.shard(step, meta) {
-                    Ok(None) => {}
-                    Ok(Some(manifest)) => {
-                        let shards: Vec<Vec<f32>> = manifest
-                            .shards
-                            .iter()
-                            .map(|m| {
-                                st.data
-                                    .remove(&(step, m.layers.start as u32, m.layers.end as u32))
-                                    .unwrap_or_default()
-                            })
-                            .collect();
-                        st.data.retain(|k, _| k.0 > step);
-                        st.expected.retain(|k, _| k.0 > step);
-                        let event = match self.store.commit(&manifest, &shards) {
-                            Ok(()) => Event::CheckpointComplete {
-                                step,
-                                digest: manifest.shards.first().map_or(0, |m| m.digest),
-                            },
-                            Err(e) => Event::Violation(format!(
-                                "checkpoint {step} could not be stored: {e}"
-                            )),
-                        };
-                        self.trace.record(
-                            now,
-                            "checkpoint-complete",
-                            Some(Addr::Checkpoint),
-                            None,
-                            step,
-                        );
-                        self.log.lock().unwrap().events.push((now, event));
-                    }
-                    Err(_) => {
-                        // A stale or malformed shard: refused and traced; nothing changes.
-                        self.trace.record(
-                            now,
-                            "shard-refused",
-                            Some(from),
-                            Some(Addr::Checkpoint),
-                            step,
-                        );
+                if st.open.contains(&step) {
+                    self.offer(st, now, step, meta, model);
+                } else if st.agg.last_complete().is_none_or(|c| step > c) {
+                    // Before its round: keep it for when the replicas have agreed on the version.
+                    st.early.entry(step).or_default().push((meta, model));
+                    while st.early.len() > EARLY_VERSIONS {
+                        st.early.pop_first();
                     }
                 }
             }

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ravnest_core::NodeId;
+use ravnest_core::collective::{CollId, CollMsg};
 use ravnest_core::ring::{Phase, RingChunk};
 
 use crate::msg::{Addr, Envelope};
@@ -33,16 +34,16 @@ fn listen<T: Transport>(net: &T, at: Addr) -> Got {
 }
 
 fn chunk(i: usize, len: usize) -> Envelope {
-    Envelope::Chunk {
-        chunk: RingChunk {
-            epoch: 1,
+    Envelope::Coll {
+        msg: CollMsg::Chunk(RingChunk {
+            id: CollId::epoch(1),
             level: 0,
             phase: Phase::ReduceScatter,
             step: 0,
             chunk: i,
             seg: 0,
             data: vec![i as f32; len],
-        },
+        }),
         virtual_bytes: 4 * len as u64,
     }
 }
@@ -54,7 +55,7 @@ pub async fn ordering_per_link<T: Transport>(net: &T, settle: Duration) -> Resul
         let env = if i % 3 == 0 {
             chunk(i, 1 + i % 17)
         } else {
-            Envelope::Abort { epoch: i as u64 }
+            Envelope::Halt { epoch: i as u64 }
         };
         net.send(Addr::Node(NodeId(0)), Addr::Node(NodeId(1)), env)
             .map_err(|e| e.to_string())?;
@@ -70,12 +71,15 @@ pub async fn ordering_per_link<T: Transport>(net: &T, settle: Duration) -> Resul
             return Err(format!("wrong sender {from:?}"));
         }
         let ok = match env {
-            Envelope::Chunk { chunk, .. } => {
+            Envelope::Coll {
+                msg: CollMsg::Chunk(chunk),
+                ..
+            } => {
                 let ok = chunk.chunk == next_bulk;
                 next_bulk += 3;
                 ok
             }
-            Envelope::Abort { epoch } => {
+            Envelope::Halt { epoch } => {
                 let ok = *epoch == next_control as u64;
                 next_control += if next_control % 3 == 2 { 2 } else { 1 };
                 ok
@@ -103,11 +107,15 @@ pub async fn large_messages<T: Transport>(net: &T, settle: Duration) -> Result<(
     tokio::time::sleep(settle).await;
     let got = got.lock().unwrap();
     match got.as_slice() {
-        [(_, Envelope::Chunk { chunk, .. })]
-            if chunk.data.len() == 4 << 20 && chunk.data.iter().all(|&x| x == 7.0) =>
-        {
-            Ok(())
-        }
+        [
+            (
+                _,
+                Envelope::Coll {
+                    msg: CollMsg::Chunk(chunk),
+                    ..
+                },
+            ),
+        ] if chunk.data.len() == 4 << 20 && chunk.data.iter().all(|&x| x == 7.0) => Ok(()),
         other => Err(format!(
             "expected one intact large chunk, got {} envelopes",
             other.len()

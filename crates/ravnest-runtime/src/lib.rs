@@ -15,12 +15,12 @@ pub mod checkpoint;
 pub mod collective;
 pub mod conformance;
 pub mod coordinator;
+pub mod digest;
 pub mod msg;
 pub mod node;
 pub mod seams;
 pub mod supervisor;
 pub mod tcp;
-pub mod toy;
 pub mod trace;
 pub mod wire;
 

@@ -1,8 +1,8 @@
 //! What travels between nodes: addresses and typed envelopes.
 
 use ravnest_core::NodeId;
+use ravnest_core::collective::{CollId, CollMsg};
 use ravnest_core::planner::sync::Collective;
-use ravnest_core::ring::RingChunk;
 
 /// Where an envelope goes. The coordinator lives in one node's process (its host).
 #[derive(
@@ -28,26 +28,47 @@ pub enum StepMode {
     Average,
 }
 
-/// One node's assignment for one step.
+/// How the steps of an epoch are synchronized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum SyncPolicy {
+    /// Every step is [`StepMode::Sync`].
+    EveryStep,
+    /// Local SGD: [`StepMode::Local`] steps, and every `local_steps` steps from the epoch's
+    /// first (and at the run's last step) an [`StepMode::Average`] step.
+    LocalSgd {
+        /// Steps per averaging period.
+        local_steps: u32,
+    },
+}
+
+/// A node's standing assignment for an epoch: it runs step after step on its own, from
+/// `step` until the coordinator's grant (`until`) or the run's end, whichever comes first. The
+/// collective of each step is the only synchronization; the coordinator is not on the path.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Work {
-    /// Assignment epoch: bumped whenever membership changes; older epochs are ignored.
+    /// Assignment epoch: bumped whenever the plan changes; older epochs are void.
     pub epoch: u64,
-    /// The step; the node starts from model version `step` (the model after `step` steps).
+    /// The epoch's first step; the node starts it from model version `step` (the model after
+    /// `step` steps). A node still running an older epoch finishes its steps below `step` first.
     pub step: u64,
-    /// Global sample indices this node processes: `offset .. offset + batch` within the step.
+    /// Steps below this may be started (the coordinator extends it with [`Envelope::Grant`]).
+    pub until: u64,
+    /// The run's last step + 1.
+    pub end: u64,
+    /// Global sample indices this node processes: `offset .. offset + batch` within each step.
     pub offset: u64,
-    /// Samples this node processes.
+    /// Samples this node processes per step.
     pub batch: u64,
     /// The global batch (gradient weight = batch / global_batch).
     pub global_batch: u64,
-    /// Ring order of this step's workers.
+    /// The group this node synchronizes with, in ring order.
     pub ring: Vec<NodeId>,
-    /// A peer that holds model version `step`, when this node may not (it rejoined).
+    /// A peer that holds (or will hold) model version `step`, when this node does not: it
+    /// fetches the version from there before computing.
     pub state_from: Option<NodeId>,
-    /// How the step is synchronized.
-    pub mode: StepMode,
-    /// The collective averaging uses: a ring in `ring` order, or a parameter server
+    /// How steps are synchronized.
+    pub sync: SyncPolicy,
+    /// The collective: a ring in `ring` order, a two-level ring, or a parameter server
     /// (`ring[0]` is the server).
     pub collective: Collective,
     /// For a two-level ring: nodes per group (groups are consecutive in `ring`).
@@ -56,6 +77,52 @@ pub struct Work {
     /// `batch` are the replica's samples, and `ring` is the group of nodes that hold this
     /// stage's layers in every replica.
     pub stage: Option<StageWork>,
+    /// This node writes a checkpoint shard of these layers at each checkpoint version.
+    pub checkpoint: Option<CheckpointDuty>,
+}
+
+/// Which versions a writer checkpoints: a synchronized version `v` with `v >= next`, or the
+/// last (`v == end`) when `at_end`; after each, `next` becomes `v + every`. The coordinator
+/// keeps the same rule, so both sides agree without a message per checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CheckpointDuty {
+    /// Layers of the shard.
+    pub layers: (u32, u32),
+    /// Steps between checkpoints (0: only the last, if `at_end`).
+    pub every: u64,
+    /// The first version due.
+    pub next: u64,
+    /// Also checkpoint the run's last version.
+    pub at_end: bool,
+}
+
+impl CheckpointDuty {
+    /// Whether synchronized version `v` of a run ending at `end` is due.
+    pub fn due(&self, v: u64, end: u64) -> bool {
+        (self.every > 0 && v >= self.next) || (self.at_end && v == end)
+    }
+}
+
+impl Work {
+    /// How step `s` of this epoch is synchronized.
+    pub fn mode(&self, s: u64) -> StepMode {
+        match self.sync {
+            SyncPolicy::EveryStep => StepMode::Sync,
+            SyncPolicy::LocalSgd { local_steps } => {
+                let h = u64::from(local_steps.max(1));
+                if (s + 1 - self.step).is_multiple_of(h) || s + 1 == self.end {
+                    StepMode::Average
+                } else {
+                    StepMode::Local
+                }
+            }
+        }
+    }
+
+    /// The layers this node computes (`None`: the whole model).
+    pub fn layers(&self) -> Option<(u32, u32)> {
+        self.stage.as_ref().map(|s| s.layers)
+    }
 }
 
 /// A node's part in a pipeline step.
@@ -83,6 +150,17 @@ pub struct StageWork {
     /// Layers of model version `step` this node does not hold, and the peer to fetch each
     /// range from before computing (a pipeline re-planned after a loss or a rejoin).
     pub fetch: Vec<(NodeId, (u32, u32))>,
+}
+
+/// A model version a node holds, as it tells the coordinator after a halt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HeldVersion {
+    /// The version (the model after this many steps).
+    pub version: u64,
+    /// Whether every replica agreed on it (a synchronous or averaging step made it).
+    pub synced: bool,
+    /// The layers it is current for (`None`: the whole model).
+    pub layers: Option<(u32, u32)>,
 }
 
 /// What a node measured about itself, reported when it registers (`ravnest run`).
@@ -128,12 +206,54 @@ pub enum Envelope {
         /// One entry per peer that answered.
         links: Vec<(NodeId, f64, f64)>,
     },
-    /// Work for a step.
+    /// (Coordinator → node, `ravnest run`) measure your training throughput now, all nodes at
+    /// once (so the figure includes the contention a real step sees): steps of `batch`
+    /// samples, optimizer included, for about `duration_ms`; answer with
+    /// [`Envelope::Measured`].
+    Measure {
+        /// Samples per measured step.
+        batch: u64,
+        /// How long to measure.
+        duration_ms: u64,
+    },
+    /// (Node → coordinator) what [`Envelope::Measure`] found: a step of b samples takes
+    /// `overhead_s + b · per_sample_s` (fitted on two batch sizes).
+    Measured {
+        /// Samples per second at the batch asked for, optimizer step included.
+        samples_per_s: f64,
+        /// Seconds per sample.
+        per_sample_s: f64,
+        /// Fixed seconds per step.
+        overhead_s: f64,
+    },
+    /// (Coordinator → node) a standing assignment from a step on.
     Work(Box<Work>),
+    /// (Coordinator → node) steps of `epoch` below `until` may be started.
+    Grant {
+        /// The assignment's epoch.
+        epoch: u64,
+        /// The new horizon.
+        until: u64,
+    },
+    /// (Coordinator → node) a node of the group was lost: stop every step of `epoch` and
+    /// earlier (collectives abort), and answer with [`Envelope::Halted`].
+    Halt {
+        /// The newest epoch to stop.
+        epoch: u64,
+    },
+    /// (Node → coordinator) stopped for a [`Envelope::Halt`]; these versions are held.
+    Halted {
+        /// The halt's epoch.
+        epoch: u64,
+        /// Versions held.
+        held: Vec<HeldVersion>,
+    },
     /// (Pipeline) a stage's output activations for micro-batch `micro`, to the next stage.
     Activation {
         /// Epoch of the work.
         epoch: u64,
+        /// Step.
+        step: u64,
         /// Micro-batch.
         micro: u32,
         /// Activations.
@@ -146,6 +266,8 @@ pub enum Envelope {
     ActivationGrad {
         /// Epoch of the work.
         epoch: u64,
+        /// Step.
+        step: u64,
         /// Micro-batch.
         micro: u32,
         /// Gradient.
@@ -161,30 +283,10 @@ pub enum Envelope {
         /// Why.
         reason: String,
     },
-    /// A ring all-reduce chunk.
-    Chunk {
-        /// The chunk.
-        chunk: RingChunk,
-        /// Bytes it stands for.
-        virtual_bytes: u64,
-    },
-    /// (Parameter server) a worker's contribution, to the server.
-    Push {
-        /// Collective epoch.
-        epoch: u64,
-        /// The worker's rank in the group.
-        rank: u32,
-        /// Contribution.
-        data: Vec<f32>,
-        /// Bytes it stands for.
-        virtual_bytes: u64,
-    },
-    /// (Parameter server) the sum, from the server.
-    Pull {
-        /// Collective epoch.
-        epoch: u64,
-        /// The sum.
-        data: Vec<f32>,
+    /// A message of a collective (ring piece, parameter-server push or pull).
+    Coll {
+        /// The message (it names its collective).
+        msg: CollMsg,
         /// Bytes it stands for.
         virtual_bytes: u64,
     },
@@ -196,20 +298,14 @@ pub enum Envelope {
         /// (layer start, layer end, expected digest), one per shard.
         shards: Vec<(u32, u32, u64)>,
     },
-    /// (Coordinator → node) write the shard `layers` of model version `step`.
-    WriteShard {
-        /// Model version.
-        step: u64,
-        /// Layers.
-        layers: (u32, u32),
-    },
     /// (Coordinator → checkpoint) the checkpoint of `step` will not complete.
     CheckpointAbandon {
         /// Model version.
         step: u64,
     },
-    /// (Node → checkpoint) a shard was written. The writer stores it locally; the values ride
-    /// along so the simulator can check the merged model, and are not charged to the network.
+    /// (Node → checkpoint) a shard of a checkpoint version, sent by its writer when it reaches
+    /// the version; the checkpoint actor keeps it until the coordinator opens the round with
+    /// the digest every replica agreed on. Not charged to the simulated network.
     Shard {
         /// Model version.
         step: u64,
@@ -230,11 +326,6 @@ pub enum Envelope {
         digest: u64,
         /// Nanoseconds this node spent computing its share (the coordinator's drift measure).
         compute_ns: u64,
-    },
-    /// The collective of `epoch` cannot complete: drop it.
-    Abort {
-        /// Epoch to abort.
-        epoch: u64,
     },
     /// Send model version `version` to `to` (only the parameters of `layers`, when given).
     StateRequest {
@@ -265,10 +356,8 @@ impl Envelope {
     /// Bytes the network charges for this envelope.
     pub fn wire_bytes(&self) -> u64 {
         match self {
-            Envelope::Chunk { virtual_bytes, .. }
+            Envelope::Coll { virtual_bytes, .. }
             | Envelope::State { virtual_bytes, .. }
-            | Envelope::Push { virtual_bytes, .. }
-            | Envelope::Pull { virtual_bytes, .. }
             | Envelope::Activation { virtual_bytes, .. }
             | Envelope::ActivationGrad { virtual_bytes, .. } => *virtual_bytes + CONTROL_BYTES,
             Envelope::Work(w) => CONTROL_BYTES + 4 * w.ring.len() as u64,
@@ -282,10 +371,8 @@ impl Envelope {
     pub fn is_bulk(&self) -> bool {
         matches!(
             self,
-            Envelope::Chunk { .. }
+            Envelope::Coll { .. }
                 | Envelope::State { .. }
-                | Envelope::Push { .. }
-                | Envelope::Pull { .. }
                 | Envelope::Probe { .. }
                 | Envelope::Activation { .. }
                 | Envelope::ActivationGrad { .. }
@@ -302,17 +389,29 @@ impl Envelope {
             Envelope::Probe { .. } => "probe",
             Envelope::ProbePeers { .. } => "probe-peers",
             Envelope::LinkReport { .. } => "link-report",
+            Envelope::Measure { .. } => "measure",
+            Envelope::Measured { .. } => "measured",
             Envelope::Work(_) => "work",
+            Envelope::Grant { .. } => "grant",
+            Envelope::Halt { .. } => "halt",
+            Envelope::Halted { .. } => "halted",
             Envelope::Activation { .. } => "activation",
             Envelope::ActivationGrad { .. } => "activation-grad",
             Envelope::StepFailed { .. } => "step-failed",
-            Envelope::Chunk { .. } => "chunk",
-            Envelope::Push { .. } => "push",
-            Envelope::Pull { .. } => "pull",
+            Envelope::Coll {
+                msg: CollMsg::Chunk(_),
+                ..
+            } => "chunk",
+            Envelope::Coll {
+                msg: CollMsg::Push { .. },
+                ..
+            } => "push",
+            Envelope::Coll {
+                msg: CollMsg::Pull { .. },
+                ..
+            } => "pull",
             Envelope::StepDone { .. } => "step-done",
-            Envelope::Abort { .. } => "abort",
             Envelope::CheckpointBegin { .. } => "checkpoint-begin",
-            Envelope::WriteShard { .. } => "write-shard",
             Envelope::CheckpointAbandon { .. } => "checkpoint-abandon",
             Envelope::Shard { .. } => "shard",
             Envelope::StateRequest { .. } => "state-request",
@@ -347,14 +446,7 @@ impl Envelope {
                 }
             }
             Envelope::Work(w) => {
-                for x in [
-                    w.epoch,
-                    w.step,
-                    w.offset,
-                    w.batch,
-                    w.global_batch,
-                    w.mode as u64,
-                ] {
+                for x in [w.epoch, w.step, w.until, w.offset, w.batch, w.global_batch] {
                     h.u64(x);
                 }
                 for n in &w.ring {
@@ -371,13 +463,47 @@ impl Envelope {
                     }
                 }
             }
+            Envelope::Grant { epoch, until } => {
+                h.u64(*epoch);
+                h.u64(*until);
+            }
+            Envelope::Measure { batch, duration_ms } => {
+                h.u64(*batch);
+                h.u64(*duration_ms);
+            }
+            Envelope::Measured {
+                samples_per_s,
+                per_sample_s,
+                overhead_s,
+            } => {
+                for x in [samples_per_s, per_sample_s, overhead_s] {
+                    h.u64(x.to_bits());
+                }
+            }
+            Envelope::Halt { epoch } => h.u64(*epoch),
+            Envelope::Halted { epoch, held } => {
+                h.u64(*epoch);
+                for v in held {
+                    h.u64(v.version);
+                    h.u64(u64::from(v.synced));
+                }
+            }
             Envelope::Activation {
-                epoch, micro, data, ..
+                epoch,
+                step,
+                micro,
+                data,
+                ..
             }
             | Envelope::ActivationGrad {
-                epoch, micro, data, ..
+                epoch,
+                step,
+                micro,
+                data,
+                ..
             } => {
                 h.u64(*epoch);
+                h.u64(*step);
                 h.u64(u64::from(*micro));
                 for x in data {
                     h.u64(u64::from(x.to_bits()));
@@ -387,12 +513,17 @@ impl Envelope {
                 h.u64(*epoch);
                 h.bytes(reason.as_bytes());
             }
-            Envelope::Chunk { chunk, .. } => {
-                h.u64(chunk.epoch);
-                h.u64(chunk.step as u64);
-                h.u64(chunk.chunk as u64);
-                h.u64(u64::from(chunk.seg));
-                for x in &chunk.data {
+            Envelope::Coll { msg, .. } => {
+                let id: CollId = msg.id();
+                h.u64(id.epoch);
+                h.u64(id.step);
+                h.u64(u64::from(id.bucket));
+                if let CollMsg::Chunk(c) = msg {
+                    h.u64(c.step as u64);
+                    h.u64(c.chunk as u64);
+                    h.u64(u64::from(c.seg));
+                }
+                for x in msg.data() {
                     h.u64(u64::from(x.to_bits()));
                 }
             }
@@ -407,22 +538,6 @@ impl Envelope {
                 h.u64(*digest);
                 h.u64(*compute_ns);
             }
-            Envelope::Push {
-                epoch, rank, data, ..
-            } => {
-                h.u64(*epoch);
-                h.u64(u64::from(*rank));
-                for x in data {
-                    h.u64(u64::from(x.to_bits()));
-                }
-            }
-            Envelope::Pull { epoch, data, .. } => {
-                h.u64(*epoch);
-                for x in data {
-                    h.u64(u64::from(x.to_bits()));
-                }
-            }
-            Envelope::Abort { epoch } => h.u64(*epoch),
             Envelope::CheckpointBegin { step, shards } => {
                 h.u64(*step);
                 for (a, b, d) in shards {
@@ -430,11 +545,6 @@ impl Envelope {
                     h.u64(u64::from(*b));
                     h.u64(*d);
                 }
-            }
-            Envelope::WriteShard { step, layers } => {
-                h.u64(*step);
-                h.u64(u64::from(layers.0));
-                h.u64(u64::from(layers.1));
             }
             Envelope::CheckpointAbandon { step } => h.u64(*step),
             Envelope::Shard {

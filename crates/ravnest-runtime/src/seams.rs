@@ -44,6 +44,24 @@ pub trait Transport: Clone + Send + Sync + 'static {
     fn send(&self, from: Addr, to: Addr, env: Envelope) -> Result<(), TransportError>;
 }
 
+/// Why a compute backend could not do what it was asked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ComputeError {
+    /// The backend cannot do this at all.
+    #[error("this compute backend does not {0}")]
+    Unsupported(&'static str),
+    /// The inputs do not fit the model (a malformed assignment or message).
+    #[error("{0}")]
+    Shape(String),
+    /// The backend failed (candle's own error, in words).
+    #[error("{0}")]
+    Backend(String),
+}
+
+/// Where a backend hands each finished bucket of a step's gradient sum: (bucket index, values).
+/// Owned, so that a backend may run its compute on a thread of its own.
+pub type BucketSink = Arc<dyn Fn(usize, Vec<f32>) + Send + Sync>;
+
 /// How a node computes one training step and applies an update.
 pub trait Compute: Send + Sync + 'static {
     /// The model every node starts from (the same on every node: seeded).
@@ -54,18 +72,39 @@ pub trait Compute: Send + Sync + 'static {
         0
     }
 
-    /// Apply the optimizer to `model` with the averaged gradient of one step.
-    fn apply_update(&self, model: &mut [f32], mean_gradient: &[f32]);
+    /// How many values at the front of a `model_len`-value model are parameters (a gradient
+    /// has this many); the rest is optimizer state.
+    fn params(&self, model_len: usize) -> usize {
+        model_len
+    }
+
+    /// The buckets a gradient of `params` values is produced in: disjoint ranges covering it,
+    /// in the order [`Compute::gradient_sum`] finishes them (the last layers first, as
+    /// backward runs), so each can be reduced while the rest is still being computed.
+    fn buckets(&self, params: usize) -> Vec<Range<usize>> {
+        std::iter::once(0..params).collect()
+    }
+
+    /// Apply the optimizer to parameters `range` of `model` (and their optimizer state) with
+    /// the averaged gradient of those parameters. A step's update is applied bucket by bucket,
+    /// then [`Compute::end_update`] once.
+    fn apply_update(&self, model: &mut [f32], range: Range<usize>, mean_gradient: &[f32]);
+
+    /// Called once after every part of a step's update was applied (an optimizer's step
+    /// counter advances here).
+    fn end_update(&self, _model: &mut [f32]) {}
 
     /// Forward and backward over the global sample indices `samples` of `step` with model
-    /// `model`; returns the *sum* over those samples of the per-sample gradient.
+    /// `model`. Hands the *sum* over those samples of the per-sample gradient to `ready`, bucket
+    /// by bucket, in the order of [`Compute::buckets`], each as soon as it is known.
     fn gradient_sum(
         &self,
         node: NodeId,
         step: u64,
         samples: Range<u64>,
-        model: &[f32],
-    ) -> impl Future<Output = Vec<f32>> + Send;
+        model: Arc<Vec<f32>>,
+        ready: BucketSink,
+    ) -> impl Future<Output = Result<(), ComputeError>> + Send;
 
     /// Where `layers`' parameters sit in a model vector of `model_len` values. A backend that
     /// does not split its model by layer holds it as one slice.
@@ -90,8 +129,8 @@ pub trait Compute: Send + Sync + 'static {
         _layers: Range<usize>,
         _params: &[f32],
         _input: Option<&[f32]>,
-    ) -> impl Future<Output = Result<Vec<f32>, String>> + Send {
-        std::future::ready(Err(NO_STAGES.to_string()))
+    ) -> impl Future<Output = Result<Vec<f32>, ComputeError>> + Send {
+        std::future::ready(Err(ComputeError::Unsupported(NO_STAGES)))
     }
 
     /// Backward of one micro-batch through `layers`, given the forward's `input` and `output`
@@ -109,10 +148,10 @@ pub trait Compute: Send + Sync + 'static {
         _input: Option<&[f32]>,
         _output: &[f32],
         _grad_out: Option<&[f32]>,
-    ) -> impl Future<Output = Result<(Vec<f32>, Vec<f32>), String>> + Send {
-        std::future::ready(Err(NO_STAGES.to_string()))
+    ) -> impl Future<Output = Result<(Vec<f32>, Vec<f32>), ComputeError>> + Send {
+        std::future::ready(Err(ComputeError::Unsupported(NO_STAGES)))
     }
 }
 
-/// What a backend without pipeline support answers to stage work.
-pub const NO_STAGES: &str = "this compute backend does not run pipeline stages";
+/// What a backend without pipeline support cannot do.
+pub const NO_STAGES: &str = "run pipeline stages";

@@ -5,7 +5,7 @@
 //! frame   = len:u32le  body                  (len = body length, 8 ..= MAX_FRAME)
 //! body    = hlen:u32le header[hlen] payload  (payload length a multiple of 4)
 //! header  = bincode(from: Addr, to: Addr, envelope with its tensor emptied)
-//! payload = the tensor (chunk, push, pull, state, shard or probe data), f32 little-endian
+//! payload = the tensor (collective piece, activations, state, shard or probe data), f32 LE
 //! ```
 //!
 //! Decoding never panics and never trusts a length: a frame longer than the limit is refused
@@ -56,9 +56,10 @@ fn config() -> impl bincode::config::Config {
 /// Where the tensor of an envelope lives, if it has one.
 fn payload_slot(env: &mut Envelope) -> Option<&mut Vec<f32>> {
     match env {
-        Envelope::Chunk { chunk, .. } => Some(&mut chunk.data),
-        Envelope::Push { data, .. } | Envelope::Pull { data, .. } => Some(data),
-        Envelope::Probe { data, .. } => Some(data),
+        Envelope::Coll { msg, .. } => Some(msg.data_mut()),
+        Envelope::Probe { data, .. }
+        | Envelope::Activation { data, .. }
+        | Envelope::ActivationGrad { data, .. } => Some(data),
         Envelope::State { model, .. } | Envelope::Shard { model, .. } => Some(model),
         _ => None,
     }
@@ -238,6 +239,7 @@ pub async fn read_envelope<R: AsyncRead + Unpin>(
 mod tests {
     use super::*;
     use ravnest_core::NodeId;
+    use ravnest_core::collective::{CollId, CollMsg};
     use ravnest_core::ring::{Phase, RingChunk};
 
     use proptest::prelude::*;
@@ -245,16 +247,20 @@ mod tests {
     fn samples() -> Vec<Envelope> {
         vec![
             Envelope::Heartbeat,
-            Envelope::Chunk {
-                chunk: RingChunk {
-                    epoch: 3,
+            Envelope::Coll {
+                msg: CollMsg::Chunk(RingChunk {
+                    id: CollId {
+                        epoch: 3,
+                        step: 11,
+                        bucket: 2,
+                    },
                     level: 1,
                     phase: Phase::AllGather,
                     step: 2,
                     chunk: 1,
                     seg: 4,
                     data: vec![1.5, -2.0, f32::MIN_POSITIVE],
-                },
+                }),
                 virtual_bytes: 12,
             },
             Envelope::State {
@@ -263,12 +269,21 @@ mod tests {
                 virtual_bytes: 4000,
                 layers: Some((2, 5)),
             },
-            Envelope::Abort { epoch: 7 },
-            Envelope::Push {
-                epoch: 1,
-                rank: 2,
-                data: vec![],
+            Envelope::Halt { epoch: 7 },
+            Envelope::Coll {
+                msg: CollMsg::Push {
+                    id: CollId::epoch(1),
+                    rank: 2,
+                    data: vec![],
+                },
                 virtual_bytes: 0,
+            },
+            Envelope::Activation {
+                epoch: 2,
+                step: 5,
+                micro: 1,
+                data: vec![0.5; 33],
+                virtual_bytes: 132,
             },
         ]
     }
@@ -341,7 +356,7 @@ mod tests {
 
         /// Mutating one byte of a valid frame never panics the decoder.
         #[test]
-        fn decode_mutated_frames(which in 0usize..5, pos in any::<usize>(), byte in any::<u8>()) {
+        fn decode_mutated_frames(which in 0usize..6, pos in any::<usize>(), byte in any::<u8>()) {
             let env = &samples()[which];
             let mut frame = encode(Addr::Node(NodeId(0)), Addr::Node(NodeId(1)), env);
             let i = pos % frame.len();
@@ -365,7 +380,7 @@ mod tests {
 
         /// A valid frame with one byte changed, read from a stream: never panics.
         #[test]
-        fn read_mutated_streams(which in 0usize..5, pos in any::<usize>(), byte in any::<u8>()) {
+        fn read_mutated_streams(which in 0usize..6, pos in any::<usize>(), byte in any::<u8>()) {
             let env = &samples()[which];
             let mut frame = encode(Addr::Node(NodeId(0)), Addr::Node(NodeId(1)), env);
             let i = pos % frame.len();

@@ -9,6 +9,7 @@ use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 use ravnest_core::NodeId;
 use ravnest_runtime::Compute;
+use ravnest_runtime::seams::{BucketSink, ComputeError};
 
 use crate::data::Dataset;
 use crate::net::Network;
@@ -29,8 +30,9 @@ pub struct CandleCompute {
     pub slowdown: f64,
     /// Start from this (version, model) instead of the seeded initial weights.
     pub resume: Option<(u64, Vec<f32>)>,
-    perm: Mutex<(u64, Vec<u32>)>,
-    stats: Mutex<Stats>,
+    perm: Arc<Mutex<(u64, Vec<u32>)>>,
+    stats: Arc<Mutex<Stats>>,
+    worker: crate::worker::ComputeThread,
 }
 
 /// What the node's computations saw (for progress lines).
@@ -54,8 +56,9 @@ impl CandleCompute {
             seed,
             slowdown,
             resume: None,
-            perm: Mutex::new((u64::MAX, Vec::new())),
-            stats: Mutex::default(),
+            perm: Arc::new(Mutex::new((u64::MAX, Vec::new()))),
+            stats: Arc::default(),
+            worker: crate::worker::ComputeThread::default(),
         }
     }
 
@@ -74,9 +77,69 @@ impl CandleCompute {
         *self.stats.lock().unwrap()
     }
 
+    /// What computing a gradient needs, detached from `self` (shared, cheap to clone) so that it
+    /// can run on the compute thread.
+    fn job(&self) -> Job {
+        Job {
+            net: self.net.clone(),
+            data: self.data.clone(),
+            seed: self.seed,
+            perm: self.perm.clone(),
+            stats: self.stats.clone(),
+        }
+    }
+
     /// Row of the training set that global sample index `s` reads: each pass over the data
     /// ("epoch") is a seeded permutation.
     pub fn row(&self, s: u64) -> usize {
+        self.job().row(s)
+    }
+
+    /// The batch for global sample indices `samples`: (features, labels).
+    pub fn batch(&self, samples: Range<u64>) -> (Vec<f32>, Vec<u32>) {
+        self.job().batch(samples)
+    }
+
+    /// The gradient sum over `samples`, bucket by bucket to `sink` (see
+    /// [`Network::grad_buckets`]); records the batch's mean loss. Synchronous, CPU-bound.
+    pub fn gradient_buckets(
+        &self,
+        samples: Range<u64>,
+        model: &[f32],
+        sink: &mut dyn FnMut(usize, Vec<f32>),
+    ) -> Result<(), ComputeError> {
+        self.job().gradient_buckets(samples, model, sink)
+    }
+
+    /// The whole gradient sum, synchronously (for tests and the single-node baseline).
+    pub fn gradient_sum_now(&self, samples: Range<u64>, model: &[f32]) -> Vec<f32> {
+        let buckets = self.net.grad_buckets();
+        let mut g = vec![0.0f32; self.params()];
+        self.gradient_buckets(samples, model, &mut |k, v| {
+            g[buckets[k].clone()].copy_from_slice(&v)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        g
+    }
+
+    /// One whole optimizer step with the mean gradient (tests and the single-node baseline).
+    pub fn step_now(&self, model: &mut [f32], mean_gradient: &[f32]) {
+        self.optim.step(model, mean_gradient);
+    }
+}
+
+/// The part of a [`CandleCompute`] a gradient needs, owned.
+#[derive(Debug, Clone)]
+struct Job {
+    net: Network,
+    data: Arc<Dataset>,
+    seed: u64,
+    perm: Arc<Mutex<(u64, Vec<u32>)>>,
+    stats: Arc<Mutex<Stats>>,
+}
+
+impl Job {
+    fn row(&self, s: u64) -> usize {
         let n = self.data.len() as u64;
         let epoch = s / n;
         let mut p = self.perm.lock().unwrap();
@@ -91,8 +154,7 @@ impl CandleCompute {
         p.1[(s % n) as usize] as usize
     }
 
-    /// The batch for global sample indices `samples`: (features, labels).
-    pub fn batch(&self, samples: Range<u64>) -> (Vec<f32>, Vec<u32>) {
+    fn batch(&self, samples: Range<u64>) -> (Vec<f32>, Vec<u32>) {
         let f = self.data.features;
         let mut x = Vec::with_capacity((samples.end - samples.start) as usize * f);
         let mut y = Vec::with_capacity((samples.end - samples.start) as usize);
@@ -104,17 +166,51 @@ impl CandleCompute {
         (x, y)
     }
 
-    /// The gradient sum, synchronously (for tests and the single-node baseline).
-    pub fn gradient_sum_now(&self, samples: Range<u64>, model: &[f32]) -> Vec<f32> {
+    fn gradient_buckets(
+        &self,
+        samples: Range<u64>,
+        model: &[f32],
+        sink: &mut dyn FnMut(usize, Vec<f32>),
+    ) -> Result<(), ComputeError> {
         let (x, y) = self.batch(samples);
-        let (loss, g) = self
+        let loss = self
             .net
-            .loss_and_grad_sum(&model[..self.params()], &x, &y)
-            .unwrap_or_else(|e| panic!("candle forward/backward failed: {e}"));
+            .loss_and_grad_buckets(&model[..self.net.params()], &x, &y, sink)
+            .map_err(|e| ComputeError::Backend(format!("candle forward/backward: {e}")))?;
         let mut s = self.stats.lock().unwrap();
         s.last_loss = loss / y.len().max(1) as f64;
         s.samples += y.len() as u64;
-        g
+        Ok(())
+    }
+
+    /// The gradient with an emulated slower device: each bucket is handed over (k − 1) times
+    /// its compute time later, as a device k times slower would (a precise thread sleep:
+    /// tokio's timer has 1 ms granularity, a large error on steps of a few ms).
+    fn emulated(
+        &self,
+        samples: Range<u64>,
+        model: &[f32],
+        slowdown: f64,
+        ready: &BucketSink,
+    ) -> (Result<(), ComputeError>, Duration) {
+        let slow = slowdown.max(1.0) - 1.0;
+        let mut since = Instant::now();
+        let mut real = Duration::ZERO;
+        let r = self.gradient_buckets(samples, model, &mut |k, v| {
+            let took = since.elapsed();
+            real += took;
+            if slow > 0.0 {
+                std::thread::sleep(took.mul_f64(slow));
+            }
+            since = Instant::now();
+            ready(k, v);
+        });
+        let took = since.elapsed();
+        real += took;
+        if slow > 0.0 {
+            std::thread::sleep(took.mul_f64(slow));
+        }
+        (r, real)
     }
 }
 
@@ -132,8 +228,21 @@ impl Compute for CandleCompute {
         self.resume.as_ref().map_or(0, |r| r.0)
     }
 
-    fn apply_update(&self, model: &mut [f32], mean_gradient: &[f32]) {
-        self.optim.step(model, mean_gradient);
+    fn params(&self, _model_len: usize) -> usize {
+        self.params()
+    }
+
+    fn buckets(&self, _params: usize) -> Vec<Range<usize>> {
+        self.net.grad_buckets()
+    }
+
+    fn apply_update(&self, model: &mut [f32], range: Range<usize>, mean_gradient: &[f32]) {
+        self.optim
+            .step_range(model, self.params(), range, mean_gradient);
+    }
+
+    fn end_update(&self, model: &mut [f32]) {
+        self.optim.end_step(model, self.params());
     }
 
     async fn gradient_sum(
@@ -141,22 +250,29 @@ impl Compute for CandleCompute {
         _node: NodeId,
         _step: u64,
         samples: Range<u64>,
-        model: &[f32],
-    ) -> Vec<f32> {
+        model: Arc<Vec<f32>>,
+        ready: BucketSink,
+    ) -> Result<(), ComputeError> {
         if samples.is_empty() {
-            return vec![0.0; self.params()];
+            for (k, r) in self.net.grad_buckets().into_iter().enumerate() {
+                ready(k, vec![0.0; r.len()]);
+            }
+            return Ok(());
         }
-        let t = Instant::now();
-        // Candle is blocking, CPU-bound work: keep it off the runtime's I/O threads.
-        let g = tokio::task::block_in_place(|| self.gradient_sum_now(samples, model));
-        let took = t.elapsed();
-        self.stats.lock().unwrap().real_compute_s += took.as_secs_f64();
-        if self.slowdown > 1.0 {
-            tokio::time::sleep(Duration::from_secs_f64(
-                took.as_secs_f64() * (self.slowdown - 1.0),
-            ))
-            .await;
-        }
-        g
+        // Candle is blocking, CPU-bound work: it runs on this backend's compute thread, at a
+        // lower CPU priority than the runtime's threads, so that communication is never
+        // starved by compute (the all-reduce of one node waits for its peers' network code).
+        let job = self.job();
+        let slowdown = self.slowdown;
+        let (result, real) = self
+            .worker
+            .run(move || job.emulated(samples, &model, slowdown, &ready))
+            .await
+            .unwrap_or_else(|| {
+                let e = ComputeError::Backend("the compute thread is gone".into());
+                (Err(e), Duration::ZERO)
+            });
+        self.stats.lock().unwrap().real_compute_s += real.as_secs_f64();
+        result
     }
 }

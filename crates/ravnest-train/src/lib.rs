@@ -6,7 +6,9 @@
 pub mod compute;
 pub mod data;
 pub mod measure;
+pub mod mlp;
 pub mod net;
 pub mod optim;
 pub mod process;
 pub mod store;
+pub mod worker;

@@ -4,6 +4,8 @@
 //! ring all-reduce and the checkpoint files agree on). A forward/backward pass wraps slices of
 //! it as candle `Var`s, and flattens the gradients back in the same order.
 
+use std::ops::Range;
+
 use candle_core::{D, DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -38,6 +40,10 @@ pub enum Network {
         hidden: usize,
     },
 }
+
+/// Gradient buckets are merged up to at least this many values (256 KiB): smaller ones would
+/// cost more in per-collective overhead than their overlap saves.
+pub const BUCKET_MIN_PARAMS: usize = 1 << 16;
 
 /// Embedding width of the character model.
 pub const CHAR_EMBED: usize = 24;
@@ -126,6 +132,61 @@ impl Network {
                 p
             })
             .collect()
+    }
+
+    /// Where each layer's parameters sit, for an MLP (empty for other networks).
+    pub fn mlp_slots(&self) -> Vec<crate::mlp::LayerSlots> {
+        let Network::Mlp { dims } = self else {
+            return Vec::new();
+        };
+        let layout = self.layout();
+        let find = |name: String| {
+            layout
+                .iter()
+                .find(|p| p.name == name)
+                .map_or(0..0, |p| p.offset..p.offset + p.len())
+        };
+        (0..dims.len() - 1)
+            .map(|i| crate::mlp::LayerSlots {
+                bias: find(format!("fc{i}.bias")),
+                weight: find(format!("fc{i}.weight")),
+            })
+            .collect()
+    }
+
+    /// The gradient's buckets in the order backward finishes them: an MLP's layers, last first
+    /// (small layers merged up to [`BUCKET_MIN_PARAMS`]); other networks' whole gradient.
+    pub fn grad_buckets(&self) -> Vec<Range<usize>> {
+        match self {
+            Network::Mlp { .. } => crate::mlp::buckets(&self.mlp_slots(), BUCKET_MIN_PARAMS)
+                .into_iter()
+                .map(|b| b.1)
+                .collect(),
+            _ => std::iter::once(0..self.params()).collect(),
+        }
+    }
+
+    /// Σ over the batch of the cross-entropy loss; its gradient goes to `sink` bucket by bucket
+    /// (see [`Network::grad_buckets`]), each as soon as backward has it.
+    pub fn loss_and_grad_buckets(
+        &self,
+        model: &[f32],
+        x: &[f32],
+        y: &[u32],
+        sink: &mut dyn FnMut(usize, Vec<f32>),
+    ) -> candle_core::Result<f64> {
+        match self {
+            Network::Mlp { dims } => {
+                let slots = self.mlp_slots();
+                let buckets = crate::mlp::buckets(&slots, BUCKET_MIN_PARAMS);
+                crate::mlp::loss_and_grad(dims, &slots, &buckets, model, x, y, sink)
+            }
+            _ => {
+                let (loss, g) = self.loss_and_grad_sum(model, x, y)?;
+                sink(0, g);
+                Ok(loss)
+            }
+        }
     }
 
     /// Parameters.

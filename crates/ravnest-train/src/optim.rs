@@ -2,6 +2,8 @@
 //! parameters (`[params | state]`), so it is averaged, checkpointed and handed to a rejoining
 //! node exactly like the weights, and every replica applies bit-identical updates.
 
+use std::ops::Range;
+
 use ravnest_core::Optimizer;
 
 /// An optimizer with its hyper-parameters.
@@ -43,7 +45,18 @@ impl Optim {
     /// One step: `model = [params | state]`, `grad` has `params` elements.
     pub fn step(&self, model: &mut [f32], grad: &[f32]) {
         let p = grad.len();
-        let (w, state) = model.split_at_mut(p);
+        self.step_range(model, p, 0..p, grad);
+        self.end_step(model, p);
+    }
+
+    /// The update of parameters `range` (of `params`) and their state, from their gradient
+    /// `grad` (`range.len()` values). A step is applied range by range (each gradient bucket
+    /// as its all-reduce finishes), then [`Optim::end_step`] once: the result is the same as
+    /// one [`Optim::step`] over the whole vector.
+    pub fn step_range(&self, model: &mut [f32], params: usize, range: Range<usize>, grad: &[f32]) {
+        debug_assert_eq!(range.len(), grad.len());
+        let (w, state) = model.split_at_mut(params);
+        let w = &mut w[range.clone()];
         match self.kind {
             Optimizer::Sgd => {
                 for (w, g) in w.iter_mut().zip(grad) {
@@ -51,19 +64,22 @@ impl Optim {
                 }
             }
             Optimizer::SgdMomentum => {
-                for ((w, v), g) in w.iter_mut().zip(state.iter_mut()).zip(grad) {
+                let v = &mut state[range];
+                for ((w, v), g) in w.iter_mut().zip(v.iter_mut()).zip(grad) {
                     *v = self.momentum * *v + g;
                     *w -= self.lr * *v;
                 }
             }
             Optimizer::Adamw => {
-                let (m, rest) = state.split_at_mut(p);
-                let (v, t) = rest.split_at_mut(p);
-                t[0] += 1.0;
+                let (m, rest) = state.split_at_mut(params);
+                let (v, t) = rest.split_at_mut(params);
+                // The step counter advances in `end_step`: this step is number t + 1.
+                let t = t[0] + 1.0;
                 let b1 = self.momentum;
-                let c1 = 1.0 - b1.powf(t[0]);
-                let c2 = 1.0 - BETA2.powf(t[0]);
-                for i in 0..p {
+                let c1 = 1.0 - b1.powf(t);
+                let c2 = 1.0 - BETA2.powf(t);
+                let (m, v) = (&mut m[range.clone()], &mut v[range]);
+                for i in 0..w.len() {
                     let g = grad[i];
                     m[i] = b1 * m[i] + (1.0 - b1) * g;
                     v[i] = BETA2 * v[i] + (1.0 - BETA2) * g * g;
@@ -73,11 +89,55 @@ impl Optim {
             }
         }
     }
+
+    /// After every range of a step was applied: advance the step counter (AdamW).
+    pub fn end_step(&self, model: &mut [f32], params: usize) {
+        if self.kind == Optimizer::Adamw
+            && let Some(t) = model.get_mut(3 * params)
+        {
+            *t += 1.0;
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Applying a step range by range (in any order of disjoint ranges covering the
+        /// parameters), then ending it, is bit-identical to one whole step.
+        #[test]
+        fn a_step_by_ranges_equals_a_whole_step(
+            kind in 0usize..3,
+            p in 1usize..20,
+            cuts in prop::collection::vec(0usize..20, 0..4),
+            reverse in any::<bool>(),
+            vals in prop::collection::vec(-3.0f32..3.0, 60),
+        ) {
+            let kind = [Optimizer::Sgd, Optimizer::SgdMomentum, Optimizer::Adamw][kind];
+            let o = Optim { kind, lr: 0.1, momentum: 0.9, weight_decay: 0.01 };
+            let mut whole: Vec<f32> = vals[..p].to_vec();
+            whole.resize(p + o.state_len(p), 0.5);
+            let grad: Vec<f32> = vals[20..20 + p].to_vec();
+            let mut parts = whole.clone();
+            for _ in 0..2 {
+                o.step(&mut whole, &grad);
+                let mut bounds: Vec<usize> = cuts.iter().map(|c| c % (p + 1)).collect();
+                bounds.extend([0, p]);
+                bounds.sort_unstable();
+                bounds.dedup();
+                let mut ranges: Vec<Range<usize>> = bounds.windows(2).map(|w| w[0]..w[1]).collect();
+                if reverse { ranges.reverse(); }
+                for r in ranges {
+                    o.step_range(&mut parts, p, r.clone(), &grad[r]);
+                }
+                o.end_step(&mut parts, p);
+                prop_assert_eq!(&whole, &parts);
+            }
+        }
+    }
 
     #[test]
     fn every_optimizer_descends_a_quadratic() {

@@ -20,7 +20,7 @@ use anyhow::{Context, bail};
 use ractor::Actor;
 use ravnest_core::{Link, NodeId, PlannerKind, Scenario};
 use ravnest_runtime::checkpoint::CheckpointActor;
-use ravnest_runtime::coordinator::{CoordMsg, CoordinatorActor, Event, RunLog};
+use ravnest_runtime::coordinator::{Config, CoordinatorActor, Event, RunLog, Tuning};
 use ravnest_runtime::msg::Capabilities;
 use ravnest_runtime::node::{Counters, NodeActor, Start};
 use ravnest_runtime::supervisor::SupervisorActor;
@@ -166,21 +166,31 @@ pub fn optim_for(s: &Scenario) -> Optim {
     }
 }
 
-/// The transport, with `Finish` for this process's node taken out of the node's stream.
+/// The transport, with `Finish` for this process's node taken out of the node's stream, and
+/// the time anything last came from the coordinator (its liveness, as this node sees it).
 #[derive(Clone, Debug)]
 struct Tap {
     inner: TcpTransport,
     finish: Arc<Notify>,
+    /// ms since `t0` of the coordinator's last envelope; `u64::MAX` before the first.
+    heard: Arc<std::sync::atomic::AtomicU64>,
+    t0: Instant,
 }
 
 impl Transport for Tap {
     fn register(&self, addr: Addr, inbox: Inbox) {
-        let finish = self.finish.clone();
+        let (finish, heard, t0) = (self.finish.clone(), self.heard.clone(), self.t0);
         self.inner.register(
             addr,
-            Arc::new(move |from, env| match env {
-                Envelope::Finish => finish.notify_one(),
-                env => inbox(from, env),
+            Arc::new(move |from, env| {
+                if from == Addr::Coordinator {
+                    let ms = t0.elapsed().as_millis() as u64;
+                    heard.store(ms, std::sync::atomic::Ordering::Relaxed);
+                }
+                match env {
+                    Envelope::Finish => finish.notify_one(),
+                    env => inbox(from, env),
+                }
             }),
         );
     }
@@ -360,12 +370,19 @@ async fn setup(opts: &Options, say: &Say) -> anyhow::Result<Setup> {
             / 1e9;
     let model = compute.initial_model();
     let b = u64::from(s.training.global_batch).clamp(1, 512);
-    let _ = compute.gradient_sum(me, 0, 0..b.min(8), &model).await;
+    let model = Arc::new(model);
+    let noop: ravnest_runtime::seams::BucketSink = Arc::new(|_: usize, _: Vec<f32>| {});
+    let _ = compute
+        .gradient_sum(me, 0, 0..b.min(8), model.clone(), noop.clone())
+        .await;
     // The best of three: other processes on the machine may be measuring at the same time.
+    // (The plan uses the in-situ figure every node measures at once after registering.)
     let mut best = f64::INFINITY;
     for _ in 0..3 {
         let t = Instant::now();
-        let _ = compute.gradient_sum(me, 0, 0..b, &model).await;
+        let _ = compute
+            .gradient_sum(me, 0, 0..b, model.clone(), noop.clone())
+            .await;
         best = best.min(t.elapsed().as_secs_f64());
     }
     let solo = b as f64 / best.max(1e-9);
@@ -406,11 +423,14 @@ async fn run_async(opts: Options) -> anyhow::Result<Value> {
     cfg.cluster_file = opts.share.as_deref().map(Arc::from);
     let tcp = TcpTransport::bind(cfg, !opts.json && !opts.quiet).await?;
     let finish = Arc::new(Notify::new());
+    let t0 = Instant::now();
+    let heard = Arc::new(std::sync::atomic::AtomicU64::new(u64::MAX));
     let net = Tap {
         inner: tcp.clone(),
         finish: finish.clone(),
+        heard: heard.clone(),
+        t0,
     };
-    let t0 = Instant::now();
     let counters: Counters = Arc::default();
     let model_bytes = 4 * su.compute.model_len() as u64;
     let grad_bytes = 4 * su.compute.params() as u64;
@@ -479,25 +499,15 @@ async fn run_async(opts: Options) -> anyhow::Result<Value> {
     let report = if is_coord {
         coordinate(&opts, &say, &su, &tcp, &mut reg_rx, &counters, t0).await?
     } else {
-        let lost = Arc::new(Notify::new());
-        let l = lost.clone();
         let coord = coordinator_of(s);
-        tcp.on_peer_down(Arc::new(move |n| {
-            if n == coord {
-                l.notify_one();
-            }
-        }));
-        tokio::select! {
-            _ = finish.notified() => {}
-            _ = lost.notified() => {
-                // The connection may close right after `Finish`: give it a moment to arrive.
-                if tokio::time::timeout(Duration::from_secs(3), finish.notified()).await.is_err() {
-                    progress.abort();
-                    sup.stop(None);
-                    tcp.shutdown();
-                    bail!("lost the coordinator (node `{}`); training cannot go on without it", s.cluster.nodes[coord.index()].name);
-                }
-            }
+        if let Err(why) = watch_coordinator(&opts, &finish, &heard, t0).await {
+            progress.abort();
+            sup.stop(None);
+            tcp.shutdown();
+            bail!(
+                "{why} (coordinator: node `{}`); training cannot go on without it",
+                s.cluster.nodes[coord.index()].name
+            );
         }
         json!({ "role": "worker" })
     };
@@ -516,6 +526,11 @@ async fn run_async(opts: Options) -> anyhow::Result<Value> {
     report["comm_s"] = json!(c.comm_ns as f64 / 1e9);
     report["wall_s"] = json!(wall);
     report["aborted_collectives"] = json!(c.aborted);
+    report["batch"] = json!(c.batch);
+    if let Some((busy, comm)) = c.steady_fractions(warmup_steps(s.run.steps)) {
+        report["steady_busy"] = json!(busy);
+        report["steady_comm"] = json!(comm);
+    }
     report["bytes_sent"] = json!(tcp.bytes_sent());
     report["solo_samples_per_s"] = json!(su.solo_samples_per_s);
     report["last_loss"] = json!(su.compute.stats().last_loss);
@@ -570,6 +585,12 @@ async fn coordinate(
 ) -> anyhow::Result<Value> {
     let s = &opts.scenario;
     let n = s.cluster.nodes.len();
+    let heartbeats = spawn_coordinator_heartbeats(
+        tcp.clone(),
+        s.cluster.ids().filter(|&id| id != su.me).collect(),
+        Duration::from_millis(s.run.heartbeat_ms.max(10)),
+    );
+    let _stop_heartbeats = AbortOnDrop(heartbeats);
     // Registrations.
     let mut caps: BTreeMap<NodeId, Capabilities> = BTreeMap::new();
     let deadline = Instant::now() + opts.register_timeout;
@@ -642,12 +663,35 @@ async fn coordinate(
         })
         .collect();
     say.event(json!({"event": "links", "pairs": pairs}));
+    let model_spec = su.compute.net.model_spec();
     for (id, c) in &caps {
         let node = &mut cluster.nodes[id.index()];
         node.flops = c.flops;
         node.memory_bytes = c.memory_bytes;
     }
-    let model_spec = su.compute.net.model_spec();
+    // Every node measures its training throughput at the same time, at about the batch it will
+    // get: the figures include the contention that real steps see (on a shared machine, a
+    // node measured alone looks faster than it will be), and their sum is the capacity the
+    // run is measured against.
+    let solo = calibrate(s, reg_rx, tcp, &all).await;
+    for (id, m) in &solo {
+        let node = &mut cluster.nodes[id.index()];
+        node.flops = model_spec.train_flops_per_sample() / m.per_sample_s;
+        node.step_overhead_s = m.overhead_s;
+    }
+    say.event(json!({"event": "cluster", "what": format!(
+        "measured together: {}",
+        solo.iter()
+            .map(|(id, m)| format!(
+                "{} {:.0} samples/s ({:.2} ms per step + {:.1} us per sample)",
+                cluster.nodes[id.index()].name,
+                m.samples_per_s,
+                m.overhead_s * 1e3,
+                m.per_sample_s * 1e6
+            ))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )}));
     let registered: Vec<NodeId> = caps.keys().copied().collect();
     // The same policy as the coordinator: data parallel first; a pipeline only when none fits
     // and the backend runs stages.
@@ -708,38 +752,39 @@ async fn coordinate(
     let train_started = Instant::now();
     let coordinator = CoordinatorActor {
         transport: tcp.clone(),
-        cluster: cluster.clone(),
-        model: model_spec.clone(),
-        training: s.training.clone(),
-        planner: opts.planner,
-        steps: s.run.steps,
-        heartbeat_timeout: Duration::from_millis(s.run.heartbeat_timeout_ms),
+        config: Config {
+            cluster: cluster.clone(),
+            model: model_spec.clone(),
+            training: s.training.clone(),
+            planner: opts.planner,
+            steps: s.run.steps,
+            heartbeat_timeout_ms: s.run.heartbeat_timeout_ms,
+            train_flops: model_spec.train_flops_per_sample(),
+            checkpoint_every: s.run.checkpoint_every_steps,
+            checkpoint_at_end: true,
+            start_step,
+            initial_holders: opts.resume.then(|| vec![su.me]),
+            absent: cluster.ids().filter(|id| !caps.contains_key(id)).collect(),
+            allow_pipeline: su.compute.runs_stages(),
+            tuning: Tuning {
+                // Fixed per-step costs dominate the figure of a tiny share.
+                measure_min_batch: 16,
+                ..Tuning::default()
+            },
+        },
         tick: Duration::from_millis(s.run.heartbeat_ms / 2 + 1),
         t0,
         trace: Trace::default(),
         log: log.clone(),
-        train_flops: model_spec.train_flops_per_sample(),
-        checkpoint_every: s.run.checkpoint_every_steps,
-        checkpoint_at_end: true,
-        start_step,
-        initial_holders: opts.resume.then(|| vec![su.me]),
-        measure_min_batch: 16,
-        rebalance_cooldown: 25,
-        allow_pipeline: su.compute.runs_stages(),
     };
     let (coord, _) = Actor::spawn(None, coordinator, done_tx)
         .await
         .map_err(|e| anyhow::anyhow!("cannot start the coordinator: {e}"))?;
-    {
-        let c = coord.clone();
-        tcp.on_peer_down(Arc::new(move |node| {
-            let _ = c.cast(CoordMsg::PeerDown(node));
-        }));
-    }
+    // A lost connection is not a lost node (a peer may reconnect): deaths are the failure
+    // detector's call, on heartbeats. A node that never registered is left out until it joins.
     for id in cluster.ids() {
         if !caps.contains_key(&id) {
-            say.event(json!({"event": "cluster", "what": format!("node `{}` did not register: treated as failed", cluster.nodes[id.index()].name)}));
-            let _ = coord.cast(CoordMsg::PeerDown(id));
+            say.event(json!({"event": "cluster", "what": format!("node `{}` did not register: left out until it joins", cluster.nodes[id.index()].name)}));
         }
     }
     // Relay the coordinator's events as they happen.
@@ -830,10 +875,20 @@ async fn coordinate(
     ck.stop(None);
     let trained = final_step - start_step;
     let samples_per_s = trained as f64 * f64::from(s.training.global_batch) / train_s.max(1e-9);
-    let solo_sum: f64 = caps
-        .values()
-        .map(|c| c.flops / model_spec.train_flops_per_sample())
-        .sum();
+    // The same after the first steps (caches, allocators and the first plan settle there).
+    let skip = warmup_steps(trained) as usize;
+    let steady = match (
+        log.step_done_ns.get(skip.saturating_sub(1)),
+        log.step_done_ns.last(),
+    ) {
+        (Some(a), Some(b)) if b > a && skip > 0 => {
+            (trained as usize - skip) as f64 * f64::from(s.training.global_batch)
+                / ((b - a) as f64 / 1e9)
+        }
+        _ => samples_per_s,
+    };
+    // Each node's solo throughput at the batch it measured (B / n), fixed costs included.
+    let solo_sum: f64 = solo.values().map(|m| m.samples_per_s).sum();
     let checkpoints: Vec<u64> = log
         .events
         .iter()
@@ -848,8 +903,20 @@ async fn coordinate(
         "start_step": start_step,
         "train_s": train_s,
         "samples_per_s": samples_per_s,
+        "steady_samples_per_s": steady,
+        "warmup_steps": skip,
         "solo_sum_samples_per_s": solo_sum,
         "capacity_efficiency": samples_per_s / solo_sum.max(1e-9),
+        "solo_by_node": solo
+            .iter()
+            .map(|(id, m)| (cluster.nodes[id.index()].name.clone(), json!(m.samples_per_s)))
+            .collect::<serde_json::Map<String, Value>>(),
+        "replans": log
+            .events
+            .iter()
+            .filter(|(_, e)| matches!(e, Event::Planned { .. }))
+            .count()
+            .saturating_sub(1),
         "accuracy": accuracy,
         "target_accuracy": s.run.target_accuracy,
         "sample": sample,
@@ -860,6 +927,141 @@ async fn coordinate(
         "events": log.events.iter().map(|(t, e)| json!({"t_s": *t as f64 / 1e9, "what": describe(e, &cluster)})).collect::<Vec<_>>(),
     }))
 }
+
+/// A node's step time, measured with every node measuring at once.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Calibration {
+    /// At the batch asked for.
+    samples_per_s: f64,
+    per_sample_s: f64,
+    overhead_s: f64,
+}
+
+/// A worker waits for `Finish`, watching that the coordinator is there: it must be heard from
+/// within the registration window, and then at least every few heartbeat timeouts (its
+/// process sends heartbeats to every node). A closed connection alone is not a loss: peers
+/// reconnect.
+async fn watch_coordinator(
+    opts: &Options,
+    finish: &Notify,
+    heard: &std::sync::atomic::AtomicU64,
+    t0: Instant,
+) -> Result<(), String> {
+    let s = &opts.scenario;
+    let silence_ms = (3 * s.run.heartbeat_timeout_ms).max(1000);
+    let mut tick = tokio::time::interval(Duration::from_millis(s.run.heartbeat_ms.max(10)));
+    loop {
+        tokio::select! {
+            biased;
+            _ = finish.notified() => return Ok(()),
+            _ = tick.tick() => {}
+        }
+        let now = t0.elapsed().as_millis() as u64;
+        match heard.load(std::sync::atomic::Ordering::Relaxed) {
+            u64::MAX if now > opts.register_timeout.as_millis() as u64 => {
+                return Err(format!(
+                    "no word from the coordinator within {} s",
+                    opts.register_timeout.as_secs()
+                ));
+            }
+            u64::MAX => {}
+            last if now.saturating_sub(last) > silence_ms => {
+                return Err(format!(
+                    "lost the coordinator: silent for {:.1} s",
+                    now.saturating_sub(last) as f64 / 1e3
+                ));
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The coordinator's side of liveness: a heartbeat to every other node each period, so that
+/// workers (idle ones too) know it is there.
+fn spawn_coordinator_heartbeats(
+    tcp: TcpTransport,
+    nodes: Vec<NodeId>,
+    period: Duration,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(period);
+        loop {
+            tick.tick().await;
+            for &n in &nodes {
+                let _ = tcp.send(Addr::Coordinator, Addr::Node(n), Envelope::Heartbeat);
+            }
+        }
+    })
+}
+
+/// Ask every registered node to measure its step time at once; the answers that came within
+/// the time allowed.
+async fn calibrate(
+    s: &Scenario,
+    reg_rx: &mut mpsc::UnboundedReceiver<(Addr, Envelope)>,
+    tcp: &TcpTransport,
+    nodes: &[NodeId],
+) -> BTreeMap<NodeId, Calibration> {
+    let batch = (u64::from(s.training.global_batch) / nodes.len().max(1) as u64).max(1);
+    for &id in nodes {
+        let _ = tcp.send(
+            Addr::Coordinator,
+            Addr::Node(id),
+            Envelope::Measure {
+                batch,
+                duration_ms: CALIBRATE_MS,
+            },
+        );
+    }
+    let mut got = BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_millis(CALIBRATE_MS) + Duration::from_secs(20);
+    while got.len() < nodes.len() {
+        match tokio::time::timeout_at(deadline, reg_rx.recv()).await {
+            Ok(Some((
+                Addr::Node(from),
+                Envelope::Measured {
+                    samples_per_s,
+                    per_sample_s,
+                    overhead_s,
+                },
+            ))) if [samples_per_s, per_sample_s]
+                .iter()
+                .all(|x| x.is_finite() && *x > 0.0)
+                && overhead_s.is_finite()
+                && overhead_s >= 0.0 =>
+            {
+                got.insert(
+                    from,
+                    Calibration {
+                        samples_per_s,
+                        per_sample_s,
+                        overhead_s,
+                    },
+                );
+            }
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => break,
+        }
+    }
+    got
+}
+
+/// Aborts a task when dropped (when the function that started it returns, by any path).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Steps a report leaves out as warm-up: a tenth of the run, at most 20.
+pub fn warmup_steps(steps: u64) -> u64 {
+    (steps / 10).min(20)
+}
+
+/// How long every node measures itself, together, before training.
+pub const CALIBRATE_MS: u64 = 600;
 
 /// A coordinator event in words, with node names.
 pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
@@ -886,15 +1088,24 @@ pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
             format!("step {step} aborted; re-planning without the lost node")
         }
         Event::Rebalanced {
-            node,
-            assumed_s_per_sample,
-            measured_s_per_sample,
+            step,
+            predicted_gain,
+            speeds,
         } => format!(
-            "node `{}` runs at {:.0} samples/s, planned {:.0}: rebalanced",
-            name(node),
-            1.0 / measured_s_per_sample,
-            1.0 / assumed_s_per_sample
+            "after step {step}: measured speeds predict a {:.0}% faster plan ({}): re-planned",
+            100.0 * predicted_gain,
+            speeds
+                .iter()
+                .map(|(n, planned, measured)| format!(
+                    "{} {:.0} samples/s, planned {:.0}",
+                    name(n),
+                    1.0 / measured,
+                    1.0 / planned
+                ))
+                .collect::<Vec<_>>()
+                .join(", ")
         ),
+        Event::Refused(why) => format!("checkpoint shard refused: {why}"),
         Event::Joined { node } => format!("node `{}` joined", name(node)),
         Event::CheckpointComplete { step, .. } => format!("checkpoint of step {step} written"),
         Event::Violation(w) => format!("violation: {w}"),

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use ractor::Actor;
 use ravnest_core::{NodeId, Optimizer, PlannerKind};
-use ravnest_runtime::coordinator::{CoordinatorActor, Event, RunLog};
+use ravnest_runtime::coordinator::{Config, CoordinatorActor, Event, RunLog, Tuning};
 use ravnest_runtime::node::{Counters, NodeActor, Start};
 use ravnest_runtime::supervisor::SupervisorActor;
 use ravnest_runtime::tcp::LoopbackCluster;
@@ -112,24 +112,29 @@ async fn equivalence(net: Network, data: Dataset, sync: &str) {
         None,
         CoordinatorActor {
             transport: net_tcp.clone(),
-            cluster: s.cluster.clone(),
-            model: model.clone(),
-            training: s.training.clone(),
-            planner: PlannerKind::Ravnest,
-            steps: STEPS,
-            heartbeat_timeout: Duration::from_secs(5),
+            config: Config {
+                cluster: s.cluster.clone(),
+                model: model.clone(),
+                training: s.training.clone(),
+                planner: PlannerKind::Ravnest,
+                steps: STEPS,
+                heartbeat_timeout_ms: 5000,
+                train_flops: model.train_flops_per_sample(),
+                checkpoint_every: 0,
+                checkpoint_at_end: false,
+                start_step: 0,
+                initial_holders: None,
+                absent: Vec::new(),
+                allow_pipeline: false,
+                tuning: Tuning {
+                    measure_min_batch: u64::MAX,
+                    ..Tuning::default()
+                },
+            },
             tick: Duration::from_millis(50),
             t0,
             trace: Trace::default(),
             log: log.clone(),
-            train_flops: model.train_flops_per_sample(),
-            checkpoint_every: 0,
-            checkpoint_at_end: false,
-            start_step: 0,
-            initial_holders: None,
-            measure_min_batch: u64::MAX,
-            rebalance_cooldown: 0,
-            allow_pipeline: false,
         },
         done_tx,
     )
@@ -182,7 +187,7 @@ async fn equivalence(net: Network, data: Dataset, sync: &str) {
     for k in 0..STEPS {
         let sum = compute.gradient_sum_now(k * BATCH..(k + 1) * BATCH, &reference);
         let mean: Vec<f32> = sum.iter().map(|g| g / BATCH as f32).collect();
-        compute.apply_update(&mut reference, &mean);
+        compute.step_now(&mut reference, &mean);
     }
     let counters = counters.lock().unwrap();
     for (id, c) in counters.iter() {

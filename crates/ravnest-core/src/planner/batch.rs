@@ -92,30 +92,36 @@ impl Ord for Key {
     }
 }
 
+/// Node i's step time with `b` samples: its fixed cost plus b·t_i, or nothing when it has no
+/// samples (it does not compute).
+fn time_of(b: u64, t: f64, fixed: f64) -> f64 {
+    if b == 0 { 0.0 } else { fixed + b as f64 * t }
+}
+
 /// Move single samples from a slowest node i to the node j where one more sample costs least,
-/// while (b_j+1)·t_j < b_i·t_i. At the fixed point the split minimizes max b_i·t_i over all
-/// integer splits within the caps: if some split b' had a smaller max T' < T, every slowest i
-/// has b'_i < b_i, so some j has b'_j ≥ b_j + 1 and then b'_j·t_j ≥ (b_j+1)·t_j ≥ T. Each move
-/// strictly lowers the sorted time vector, so it terminates.
-pub fn polish_minimax(b: &mut [u64], secs_per_sample: &[f64], caps: &[u64]) {
+/// while f_j(b_j+1) < f_i(b_i), where f_i(b) = `fixed[i]` + b·t_i (0 for b = 0). At the fixed
+/// point the split minimizes max f_i(b_i) over all integer splits within the caps: if some split
+/// b' had a smaller max T' < T, every slowest i has b'_i < b_i, so some j has b'_j ≥ b_j + 1 and
+/// then f_j(b'_j) ≥ f_j(b_j+1) ≥ T (each f_j is nondecreasing). Each move strictly lowers the
+/// sorted time vector, so it terminates.
+pub fn polish_minimax(b: &mut [u64], secs_per_sample: &[f64], fixed: &[f64], caps: &[u64]) {
     let n = b.len();
     if n < 2 {
         return;
     }
+    let f = |i: usize, b: u64| time_of(b, secs_per_sample[i], fixed[i]);
     // Max-heap of current times; min-heap (via Reverse) of next-sample times.
-    let mut cur: BinaryHeap<Key> = (0..n)
-        .map(|i| Key(b[i] as f64 * secs_per_sample[i], i))
-        .collect();
+    let mut cur: BinaryHeap<Key> = (0..n).map(|i| Key(f(i, b[i]), i)).collect();
     let mut next: BinaryHeap<std::cmp::Reverse<Key>> = (0..n)
         .filter(|&i| b[i] < caps[i])
-        .map(|i| std::cmp::Reverse(Key((b[i] + 1) as f64 * secs_per_sample[i], i)))
+        .map(|i| std::cmp::Reverse(Key(f(i, b[i] + 1), i)))
         .collect();
     loop {
         // Drop stale entries.
         let Some(Key(t_max, i)) = cur.peek().map(|k| Key(k.0, k.1)) else {
             return;
         };
-        if t_max != b[i] as f64 * secs_per_sample[i] {
+        if t_max != f(i, b[i]) {
             cur.pop();
             continue;
         }
@@ -124,7 +130,7 @@ pub fn polish_minimax(b: &mut [u64], secs_per_sample: &[f64], caps: &[u64]) {
                 None => return,
                 Some(std::cmp::Reverse(Key(t, j))) => {
                     let j = *j;
-                    if b[j] >= caps[j] || *t != (b[j] + 1) as f64 * secs_per_sample[j] {
+                    if b[j] >= caps[j] || *t != f(j, b[j] + 1) {
                         next.pop();
                         continue;
                     }
@@ -132,24 +138,18 @@ pub fn polish_minimax(b: &mut [u64], secs_per_sample: &[f64], caps: &[u64]) {
                 }
             }
         };
-        let t_next = (b[j] + 1) as f64 * secs_per_sample[j];
+        let t_next = f(j, b[j] + 1);
         if i == j || t_next >= t_max || b[i] == 0 {
             return;
         }
         cur.pop();
         b[i] -= 1;
         b[j] += 1;
-        cur.push(Key(b[i] as f64 * secs_per_sample[i], i));
-        cur.push(Key(b[j] as f64 * secs_per_sample[j], j));
-        next.push(std::cmp::Reverse(Key(
-            (b[i] + 1) as f64 * secs_per_sample[i],
-            i,
-        )));
+        cur.push(Key(f(i, b[i]), i));
+        cur.push(Key(f(j, b[j]), j));
+        next.push(std::cmp::Reverse(Key(f(i, b[i] + 1), i)));
         if b[j] < caps[j] {
-            next.push(std::cmp::Reverse(Key(
-                (b[j] + 1) as f64 * secs_per_sample[j],
-                j,
-            )));
+            next.push(std::cmp::Reverse(Key(f(j, b[j] + 1), j)));
         }
     }
 }
@@ -216,16 +216,24 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn max_time(b: &[u64], t: &[f64]) -> f64 {
-        b.iter()
-            .zip(t)
-            .map(|(&b, &t)| b as f64 * t)
+    fn max_time(b: &[u64], t: &[f64], fixed: &[f64]) -> f64 {
+        (0..b.len())
+            .map(|i| time_of(b[i], t[i], fixed[i]))
             .fold(0.0, f64::max)
     }
 
     /// Oracle: every split of `total` into n capped parts (small instances only).
-    fn brute_minimax(total: u64, t: &[f64], caps: &[u64]) -> Option<f64> {
-        fn go(i: usize, left: u64, t: &[f64], caps: &[u64], cur: f64, best: &mut Option<f64>) {
+    fn brute_minimax(total: u64, t: &[f64], fixed: &[f64], caps: &[u64]) -> Option<f64> {
+        #[allow(clippy::too_many_arguments)]
+        fn go(
+            i: usize,
+            left: u64,
+            t: &[f64],
+            fixed: &[f64],
+            caps: &[u64],
+            cur: f64,
+            best: &mut Option<f64>,
+        ) {
             if i == t.len() {
                 if left == 0 && best.is_none_or(|b| cur < b) {
                     *best = Some(cur);
@@ -233,11 +241,12 @@ mod tests {
                 return;
             }
             for b in 0..=left.min(caps[i]) {
-                go(i + 1, left - b, t, caps, cur.max(b as f64 * t[i]), best);
+                let c = cur.max(time_of(b, t[i], fixed[i]));
+                go(i + 1, left - b, t, fixed, caps, c, best);
             }
         }
         let mut best = None;
-        go(0, total, t, caps, 0.0, &mut best);
+        go(0, total, t, fixed, caps, 0.0, &mut best);
         best
     }
 
@@ -268,19 +277,21 @@ mod tests {
         #[test]
         fn polish_reaches_the_brute_force_minimax(
             total in 0u64..24,
-            nodes in prop::collection::vec((1u32..20, 0u64..16), 1..5),
+            nodes in prop::collection::vec((1u32..20, 0u64..16, 0u32..40), 1..5),
+            with_fixed in any::<bool>(),
         ) {
             let t: Vec<f64> = nodes.iter().map(|n| f64::from(n.0) / 7.0).collect();
+            let fixed: Vec<f64> = nodes.iter().map(|n| if with_fixed { f64::from(n.2) / 9.0 } else { 0.0 }).collect();
             let caps: Vec<u64> = nodes.iter().map(|n| n.1).collect();
             let w: Vec<f64> = t.iter().map(|t| 1.0 / t).collect();
-            let oracle = brute_minimax(total, &t, &caps);
+            let oracle = brute_minimax(total, &t, &fixed, &caps);
             match proportional_split(total, &w, &caps) {
                 None => prop_assert!(oracle.is_none()),
                 Some(mut b) => {
-                    polish_minimax(&mut b, &t, &caps);
+                    polish_minimax(&mut b, &t, &fixed, &caps);
                     prop_assert_eq!(b.iter().sum::<u64>(), total);
                     for i in 0..b.len() { prop_assert!(b[i] <= caps[i]); }
-                    let got = max_time(&b, &t);
+                    let got = max_time(&b, &t, &fixed);
                     prop_assert!((got - oracle.unwrap()).abs() < 1e-9, "got {got}, oracle {:?}", oracle);
                 }
             }

@@ -29,18 +29,14 @@ fn dp_caps(costs: &Costs<'_>, workers: &[NodeId]) -> Vec<u64> {
 /// The heterogeneity-aware split over `workers`: proportional to throughput, capped by memory,
 /// then polished to the minimax optimum. Zero shares are dropped (with their nodes).
 fn ravnest_dp(costs: &Costs<'_>, workers: &[NodeId]) -> Option<(Vec<NodeId>, Vec<u64>)> {
-    let all = costs.all();
     let caps = dp_caps(costs, workers);
     let flops: Vec<f64> = workers
         .iter()
         .map(|&w| costs.cluster.node(w).flops)
         .collect();
     let mut b = batch::proportional_split(u64::from(costs.training.global_batch), &flops, &caps)?;
-    let t: Vec<f64> = workers
-        .iter()
-        .map(|&w| costs.compute_s(w, &all, 1.0))
-        .collect();
-    batch::polish_minimax(&mut b, &t, &caps);
+    let (t, fixed) = costs.step_costs(workers);
+    batch::polish_minimax(&mut b, &t, &fixed, &caps);
     let (w, b): (Vec<NodeId>, Vec<u64>) = workers
         .iter()
         .copied()

@@ -471,6 +471,7 @@ mod tests {
                         bandwidth_gbps: bw,
                         latency_ms: 0.1,
                     },
+                    step_overhead_s: 0.0,
                     address: None,
                 })
                 .collect(),

@@ -54,6 +54,7 @@ fn instance(max_nodes: usize) -> impl Strategy<Value = Instance> {
                                 bandwidth_gbps: bw,
                                 latency_ms: f64::from(lat) / 10.0,
                             },
+                            step_overhead_s: 0.0,
                             address: None,
                         })
                         .collect(),
@@ -201,6 +202,7 @@ fn node(name: &str, tflops: f64, mem_gib: f64) -> NodeSpec {
             bandwidth_gbps: 10.0,
             latency_ms: 0.1,
         },
+        step_overhead_s: 0.0,
         address: None,
     }
 }

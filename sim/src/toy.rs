@@ -12,8 +12,6 @@
 
 use std::ops::Range;
 
-use crate::trace::Fnv;
-
 /// Length of the toy model vector.
 pub const DIM: usize = 16;
 /// Learning rate of the toy SGD. Small, so that an error in any step survives to the end of
@@ -57,11 +55,7 @@ pub fn apply(model: &mut [f32], mean_gradient: &[f32]) {
     }
 }
 
-/// Global sample indices of step `step`: `step·B .. (step+1)·B` (a fixed data order).
-pub fn step_samples(step: u64, global_batch: u64, offset: u64, batch: u64) -> Range<u64> {
-    let start = step * global_batch + offset;
-    start..start + batch
-}
+pub use ravnest_runtime::digest::{digest, sample_range as step_samples};
 
 /// The model after `steps` single-node steps on the whole global batch.
 pub fn reference_model(steps: u64, global_batch: u64) -> Vec<f32> {
@@ -199,68 +193,8 @@ pub fn chain_backward(
     (grad, delta)
 }
 
-/// Digest of a model's exact bits, computed every step on every replica, so it must cost far
-/// less than the step: four independent lanes (the CPU overlaps them) of a multiply-rotate mix
-/// over pairs of words, folded at the end with the length. Each lane update is a bijection of
-/// the word it takes in, so changing any one value always changes that lane.
-pub fn digest(model: &[f32]) -> u64 {
-    const K: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut lanes: [u64; 4] = [
-        0x243F_6A88_85A3_08D3,
-        0x1319_8A2E_0370_7344,
-        0xA409_3822_299F_31D0,
-        0x082E_FA98_EC4E_6C89,
-    ];
-    let word = |a: f32, b: f32| u64::from(a.to_bits()) | (u64::from(b.to_bits()) << 32);
-    let blocks = model.chunks_exact(8);
-    let rest = blocks.remainder();
-    for c in blocks {
-        for (i, lane) in lanes.iter_mut().enumerate() {
-            *lane = (*lane ^ word(c[2 * i], c[2 * i + 1]))
-                .wrapping_mul(K)
-                .rotate_left(29);
-        }
-    }
-    let mut h = Fnv::default();
-    for lane in lanes {
-        h.u64(lane);
-    }
-    for x in rest {
-        h.u64(u64::from(x.to_bits()));
-    }
-    h.u64(model.len() as u64);
-    h.finish()
-}
-
 #[cfg(test)]
 mod tests {
-    use super::digest;
-    use proptest::prelude::*;
-
-    proptest! {
-        /// Changing one value's bits, or the length, changes the digest.
-        #[test]
-        fn one_changed_value_changes_the_digest(
-            model in prop::collection::vec(any::<f32>(), 0..40),
-            at in any::<usize>(),
-            bits in any::<u32>(),
-        ) {
-            let d = digest(&model);
-            prop_assert_eq!(d, digest(&model.clone()));
-            if !model.is_empty() {
-                let i = at % model.len();
-                let mut other = model.clone();
-                other[i] = f32::from_bits(bits);
-                if other[i].to_bits() != model[i].to_bits() {
-                    prop_assert_ne!(d, digest(&other), "changed element {}", i);
-                }
-            }
-            let mut longer = model.clone();
-            longer.push(0.0);
-            prop_assert_ne!(d, digest(&longer));
-        }
-    }
-
     /// The chain's gradient equals a central finite difference of its loss, and a pipeline of
     /// stages (forward through each, backward in reverse) gives the whole chain's gradient.
     #[test]
@@ -320,10 +254,5 @@ mod tests {
             l(&trained),
             l(&first)
         );
-    }
-
-    #[test]
-    fn signed_zeros_differ() {
-        assert_ne!(digest(&[0.0; 9]), digest(&[-0.0; 9]));
     }
 }

@@ -1,0 +1,392 @@
+//! One interface over the three ways a group sums a vector: the flat ring
+//! ([`crate::ring::RingMember`]), the two-level ring ([`crate::ring2d::Ring2dMember`]) and the
+//! parameter server ([`crate::ps::PsMember`]).
+//!
+//! A [`Member`] is one node's side of one collective, named by a [`CollId`]: the plan epoch,
+//! the training step and the gradient bucket. Its driver feeds it [`CollInput`]s and carries out
+//! the [`CollEffect`]s it returns: send a [`CollMsg`] to the member at some rank of the group,
+//! or report the sum (or the abort). The driver never needs to know which algorithm runs, so one
+//! actor serves all three, and many members (the buckets of a step, the next step's first
+//! buckets) can run side by side, told apart by their ids.
+
+use serde::{Deserialize, Serialize};
+
+use crate::planner::sync::Collective;
+use crate::ps::{PsEffect, PsInput, PsMember};
+use crate::ring::{RingChunk, RingEffect, RingInput, RingMember};
+use crate::ring2d::{Ring2dEffect, Ring2dInput, Ring2dMember};
+
+/// Names one collective: which plan epoch, which training step, which gradient bucket.
+/// Messages of one collective never feed another.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
+pub struct CollId {
+    /// Plan epoch (bumped whenever the cluster's assignment changes).
+    pub epoch: u64,
+    /// Training step.
+    pub step: u64,
+    /// Gradient bucket within the step (0 for a single-bucket collective).
+    pub bucket: u32,
+}
+
+impl CollId {
+    /// The single collective of an epoch (step 0, bucket 0): for tests and one-shot rounds.
+    pub fn epoch(epoch: u64) -> CollId {
+        CollId {
+            epoch,
+            step: 0,
+            bucket: 0,
+        }
+    }
+}
+
+/// What travels between members.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum CollMsg {
+    /// A ring piece (flat or two-level); it carries its collective's id.
+    Chunk(RingChunk),
+    /// (Parameter server) a worker's contribution, to the server.
+    Push {
+        /// Collective.
+        id: CollId,
+        /// The worker's rank.
+        rank: u32,
+        /// Contribution.
+        data: Vec<f32>,
+    },
+    /// (Parameter server) the sum, from the server.
+    Pull {
+        /// Collective.
+        id: CollId,
+        /// The sum.
+        data: Vec<f32>,
+    },
+}
+
+impl CollMsg {
+    /// The collective this message belongs to.
+    pub fn id(&self) -> CollId {
+        match self {
+            CollMsg::Chunk(c) => c.id,
+            CollMsg::Push { id, .. } | CollMsg::Pull { id, .. } => *id,
+        }
+    }
+
+    /// The values it carries.
+    pub fn data(&self) -> &[f32] {
+        match self {
+            CollMsg::Chunk(c) => &c.data,
+            CollMsg::Push { data, .. } | CollMsg::Pull { data, .. } => data,
+        }
+    }
+
+    /// Where its values live (the wire moves them out instead of copying).
+    pub fn data_mut(&mut self) -> &mut Vec<f32> {
+        match self {
+            CollMsg::Chunk(c) => &mut c.data,
+            CollMsg::Push { data, .. } | CollMsg::Pull { data, .. } => data,
+        }
+    }
+}
+
+/// Inputs to a member.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CollInput {
+    /// Start with this node's (already weighted) contribution.
+    Start(Vec<f32>),
+    /// A message from another member.
+    Msg(CollMsg),
+    /// A member of the group is gone: the collective cannot complete.
+    PeerLost,
+}
+
+/// What a member asks its driver to do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CollEffect {
+    /// Send `msg` to the member at rank `to` of the group.
+    Send {
+        /// Destination rank (position in the group's order).
+        to: usize,
+        /// The message.
+        msg: CollMsg,
+    },
+    /// Finished: every member ends with the same sum.
+    Done(Vec<f32>),
+    /// Abandoned (a peer was lost).
+    Aborted,
+}
+
+#[derive(Debug, Clone)]
+enum Algo {
+    Ring(RingMember),
+    Ring2d(Box<Ring2dMember>),
+    Ps(PsMember),
+}
+
+/// One node's side of one collective, whichever algorithm runs it.
+#[derive(Debug, Clone)]
+pub struct Member {
+    id: CollId,
+    rank: usize,
+    n: usize,
+    algo: Algo,
+}
+
+impl Member {
+    /// The member at `rank` of a group of `n` summing vectors of `len` elements with
+    /// `collective` (`group_size` nodes per group for a two-level ring; a two-level ring whose
+    /// group size does not divide `n` runs as a flat ring).
+    pub fn new(
+        collective: Collective,
+        group_size: usize,
+        id: CollId,
+        rank: usize,
+        n: usize,
+        len: usize,
+    ) -> Member {
+        assert!(rank < n, "rank {rank} outside a group of {n}");
+        let algo = match collective {
+            Collective::Ring2d if group_size > 0 && n.is_multiple_of(group_size) => Algo::Ring2d(
+                Box::new(Ring2dMember::new(id, rank, n / group_size, group_size, len)),
+            ),
+            Collective::ParamServer => Algo::Ps(PsMember::new(rank, n, len)),
+            _ => Algo::Ring(RingMember::new(id, rank, n, len)),
+        };
+        Member { id, rank, n, algo }
+    }
+
+    /// Its collective.
+    pub fn id(&self) -> CollId {
+        self.id
+    }
+
+    /// Feed one input; returns the effects in order. Messages of another collective, and
+    /// malformed ones, change nothing and return nothing.
+    pub fn handle(&mut self, input: CollInput) -> Vec<CollEffect> {
+        if let CollInput::Msg(m) = &input
+            && m.id() != self.id
+        {
+            return vec![];
+        }
+        let (id, rank, n) = (self.id, self.rank, self.n);
+        match &mut self.algo {
+            Algo::Ring(m) => {
+                let input = match input {
+                    CollInput::Start(v) => RingInput::Start(v),
+                    CollInput::Msg(CollMsg::Chunk(c)) => RingInput::Chunk(c),
+                    CollInput::Msg(_) => return vec![],
+                    CollInput::PeerLost => RingInput::PeerLost,
+                };
+                m.handle(input)
+                    .into_iter()
+                    .map(|e| match e {
+                        RingEffect::Send(c) => CollEffect::Send {
+                            to: (rank + 1) % n,
+                            msg: CollMsg::Chunk(c),
+                        },
+                        RingEffect::Done(v) => CollEffect::Done(v),
+                        RingEffect::Aborted => CollEffect::Aborted,
+                    })
+                    .collect()
+            }
+            Algo::Ring2d(m) => {
+                let input = match input {
+                    CollInput::Start(v) => Ring2dInput::Start(v),
+                    CollInput::Msg(CollMsg::Chunk(c)) => Ring2dInput::Chunk(c),
+                    CollInput::Msg(_) => return vec![],
+                    CollInput::PeerLost => Ring2dInput::PeerLost,
+                };
+                m.handle(input)
+                    .into_iter()
+                    .map(|e| match e {
+                        Ring2dEffect::Send { to, chunk } => CollEffect::Send {
+                            to,
+                            msg: CollMsg::Chunk(chunk),
+                        },
+                        Ring2dEffect::Done(v) => CollEffect::Done(v),
+                        Ring2dEffect::Aborted => CollEffect::Aborted,
+                    })
+                    .collect()
+            }
+            Algo::Ps(m) => {
+                let input = match input {
+                    CollInput::Start(v) => PsInput::Start(v),
+                    CollInput::Msg(CollMsg::Push { rank, data, .. }) => PsInput::FromWorker {
+                        rank: rank as usize,
+                        data,
+                    },
+                    CollInput::Msg(CollMsg::Pull { data, .. }) => PsInput::FromServer(data),
+                    CollInput::Msg(CollMsg::Chunk(_)) => return vec![],
+                    CollInput::PeerLost => PsInput::PeerLost,
+                };
+                let mut out = Vec::new();
+                for e in m.handle(input) {
+                    match e {
+                        PsEffect::Push(data) => out.push(CollEffect::Send {
+                            to: 0,
+                            msg: CollMsg::Push {
+                                id,
+                                rank: rank as u32,
+                                data,
+                            },
+                        }),
+                        PsEffect::Broadcast(data) => {
+                            for to in 1..n {
+                                out.push(CollEffect::Send {
+                                    to,
+                                    msg: CollMsg::Pull {
+                                        id,
+                                        data: data.clone(),
+                                    },
+                                });
+                            }
+                        }
+                        PsEffect::Done(v) => out.push(CollEffect::Done(v)),
+                        PsEffect::Aborted => out.push(CollEffect::Aborted),
+                    }
+                }
+                out
+            }
+        }
+    }
+
+    /// What fraction (1 / the returned number) of the whole vector `msg` stands for, so a
+    /// simulated network can charge each message its share of the bytes the vector stands for:
+    /// a ring piece is one segment of one of n chunks; each level of a two-level ring moves
+    /// about a whole vector in as many chunks as that level has members; a parameter-server
+    /// message is the whole vector.
+    pub fn pieces_of(&self, msg: &CollMsg) -> usize {
+        match (&self.algo, msg) {
+            (Algo::Ring(m), _) => m.segments() * self.n,
+            (Algo::Ring2d(m), CollMsg::Chunk(c)) if c.level == 2 => m.groups(),
+            (Algo::Ring2d(m), _) => m.size(),
+            (Algo::Ps(_), _) => 1,
+        }
+        .max(1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::{BTreeMap, VecDeque};
+
+    /// Drive n members of one collective (and, interleaved, a second collective over the same
+    /// links, to check that ids keep them apart) under an interleaving chosen by `choices`.
+    fn drive(
+        kind: Collective,
+        group: usize,
+        vectors: &[Vec<f32>],
+        choices: &[usize],
+    ) -> Vec<[Option<Vec<f32>>; 2]> {
+        let n = vectors.len();
+        let len = vectors[0].len();
+        let ids = [
+            CollId::epoch(4),
+            CollId {
+                step: 1,
+                ..CollId::epoch(4)
+            },
+        ];
+        let mut m: Vec<[Member; 2]> = (0..n)
+            .map(|r| ids.map(|id| Member::new(kind, group, id, r, n, len)))
+            .collect();
+        let mut links: BTreeMap<(usize, usize), VecDeque<CollMsg>> = BTreeMap::new();
+        let mut started = vec![[false; 2]; n];
+        let mut done: Vec<[Option<Vec<f32>>; 2]> = vec![[None, None]; n];
+        let mut k = 0;
+        loop {
+            let mut ready: Vec<(usize, usize, usize)> = (0..n)
+                .flat_map(|r| (0..2).map(move |c| (usize::MAX, r, c)))
+                .filter(|&(_, r, c)| !started[r][c])
+                .collect();
+            ready.extend(
+                links
+                    .iter()
+                    .filter(|(_, q)| !q.is_empty())
+                    .map(|(&(a, b), _)| (a, b, 0)),
+            );
+            if ready.is_empty() {
+                break;
+            }
+            let pick = ready[choices.get(k).copied().unwrap_or(0) % ready.len()];
+            k += 1;
+            let (at, which, effects) = if pick.0 == usize::MAX {
+                let (r, c) = (pick.1, pick.2);
+                started[r][c] = true;
+                let v: Vec<f32> = vectors[r].iter().map(|x| x * (c as f32 + 1.0)).collect();
+                (r, c, m[r][c].handle(CollInput::Start(v)))
+            } else {
+                let msg = links
+                    .get_mut(&(pick.0, pick.1))
+                    .unwrap()
+                    .pop_front()
+                    .unwrap();
+                let c = usize::from(msg.id() != ids[0]);
+                // Fed to both members: the other one must ignore it.
+                let other = m[pick.1][1 - c].handle(CollInput::Msg(msg.clone()));
+                assert!(other.is_empty(), "a message fed the wrong collective");
+                (pick.1, c, m[pick.1][c].handle(CollInput::Msg(msg)))
+            };
+            for e in effects {
+                match e {
+                    CollEffect::Send { to, msg } => {
+                        links.entry((at, to)).or_default().push_back(msg)
+                    }
+                    CollEffect::Done(v) => done[at][which] = Some(v),
+                    CollEffect::Aborted => {}
+                }
+            }
+        }
+        done
+    }
+
+    proptest! {
+        /// Every algorithm, driven through the one interface, ends with the plain sum on every
+        /// member, bit-identical across members; two collectives over the same links do not mix.
+        #[test]
+        fn every_algorithm_sums_through_one_interface(
+            kind in 0usize..3,
+            n in 1usize..7,
+            len in 0usize..11,
+            vals in prop::collection::vec(-50i32..50, 7 * 11),
+            choices in prop::collection::vec(0usize..1000, 0..600),
+        ) {
+            let (kind, group) = match kind {
+                0 => (Collective::Ring, 0),
+                1 => (Collective::Ring2d, if n % 2 == 0 { 2 } else { 1 }),
+                _ => (Collective::ParamServer, 0),
+            };
+            let vs: Vec<Vec<f32>> = (0..n).map(|r| (0..len).map(|j| vals[r * 11 + j] as f32 / 8.0).collect()).collect();
+            let done = drive(kind, group, &vs, &choices);
+            for c in 0..2 {
+                let oracle: Vec<f32> = (0..len).map(|j| vs.iter().map(|v| v[j] * (c as f32 + 1.0)).sum()).collect();
+                for (r, d) in done.iter().enumerate() {
+                    let d = d[c].as_ref().unwrap_or_else(|| panic!("{kind:?}: rank {r} collective {c} unfinished"));
+                    for j in 0..len { prop_assert!((d[j] - oracle[j]).abs() <= 1e-4 * oracle[j].abs().max(1.0)); }
+                    prop_assert_eq!(d, done[0][c].as_ref().unwrap());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_lost_peer_aborts_and_a_message_of_another_collective_is_ignored() {
+        for kind in [
+            Collective::Ring,
+            Collective::Ring2d,
+            Collective::ParamServer,
+        ] {
+            let mut m = Member::new(kind, 2, CollId::epoch(1), 1, 4, 8);
+            let stale = CollMsg::Push {
+                id: CollId::epoch(0),
+                rank: 2,
+                data: vec![0.0; 8],
+            };
+            assert!(m.handle(CollInput::Msg(stale)).is_empty(), "{kind:?}");
+            assert_eq!(m.handle(CollInput::PeerLost), vec![CollEffect::Aborted]);
+        }
+    }
+}

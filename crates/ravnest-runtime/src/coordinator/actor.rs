@@ -1,0 +1,157 @@
+//! The coordinator actor: a thin shell over [`Coordinator`]. A message becomes an [`Input`]
+//! with the current time; the [`Effect`]s that come back become sends, log lines and trace
+//! entries. No decision is made here.
+
+use std::time::Duration;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ravnest_core::NodeId;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::SharedLog;
+use super::core::{Config, Coordinator, Effect, Input};
+use crate::msg::{Addr, Envelope};
+use crate::seams::Transport;
+use crate::trace::Trace;
+
+/// Read-only configuration of a coordinator actor.
+#[derive(Debug)]
+pub struct CoordinatorActor<T> {
+    /// The network.
+    pub transport: T,
+    /// What the state machine is given.
+    pub config: Config,
+    /// How often the failure detector is consulted.
+    pub tick: Duration,
+    /// Start of time.
+    pub t0: Instant,
+    /// Trace.
+    pub trace: Trace,
+    /// Log.
+    pub log: SharedLog,
+}
+
+/// Messages.
+#[derive(Debug)]
+pub enum CoordMsg {
+    /// An envelope from the network.
+    Net(Addr, Envelope),
+    /// Consult the failure detector.
+    Tick,
+    /// The transport lost its connection to a node: evidence for the detector.
+    PeerDown(NodeId),
+}
+
+/// Mutable state: the state machine, and who to tell when the run ends.
+#[derive(Debug)]
+pub struct CoordState {
+    core: Coordinator,
+    done: Option<oneshot::Sender<()>>,
+    ticker: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl<T: Transport> CoordinatorActor<T> {
+    fn now_ns(&self) -> u64 {
+        self.t0.elapsed().as_nanos() as u64
+    }
+
+    fn execute(&self, st: &mut CoordState, effects: Vec<Effect>) {
+        for e in effects {
+            match e {
+                Effect::Send(to, env) => {
+                    let _ = self.transport.send(Addr::Coordinator, Addr::Node(to), env);
+                }
+                Effect::Checkpoint(env) => {
+                    let _ = self
+                        .transport
+                        .send(Addr::Coordinator, Addr::Checkpoint, env);
+                }
+                Effect::Event(ev) => {
+                    let t = self.now_ns();
+                    self.trace.record(
+                        t,
+                        ev.kind(),
+                        ev.node().map(Addr::Node),
+                        Some(Addr::Coordinator),
+                        0,
+                    );
+                    self.log.lock().unwrap().events.push((t, ev));
+                }
+                Effect::Agreed { step, digest } => {
+                    let t = self.now_ns();
+                    let mut log = self.log.lock().unwrap();
+                    log.step_done_ns.push(t);
+                    if let Some(d) = digest {
+                        log.synced_digest.insert(step + 1, d);
+                    }
+                }
+                Effect::RolledBack { to } => {
+                    let keep = to.saturating_sub(self.config.start_step) as usize;
+                    self.log.lock().unwrap().step_done_ns.truncate(keep);
+                }
+                Effect::Finished => {
+                    self.log.lock().unwrap().local_sgd = st.core.used_local_sgd();
+                    if let Some(tx) = st.done.take() {
+                        let _ = tx.send(());
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl<T: Transport> Actor for CoordinatorActor<T> {
+    type Msg = CoordMsg;
+    type State = CoordState;
+    type Arguments = oneshot::Sender<()>;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<CoordMsg>,
+        done: oneshot::Sender<()>,
+    ) -> Result<CoordState, ActorProcessingErr> {
+        self.transport.register(
+            Addr::Coordinator,
+            crate::seams::mailbox(myself.clone(), CoordMsg::Net),
+        );
+        let now_ms = self.t0.elapsed().as_millis() as u64;
+        let mut st = CoordState {
+            core: Coordinator::new(self.config.clone(), now_ms),
+            done: Some(done),
+            ticker: Some(myself.send_interval(self.tick, || CoordMsg::Tick)),
+        };
+        let effects = st.core.start();
+        self.execute(&mut st, effects);
+        Ok(st)
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<CoordMsg>,
+        st: &mut CoordState,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(t) = st.ticker.take() {
+            t.abort();
+        }
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<CoordMsg>,
+        msg: CoordMsg,
+        st: &mut CoordState,
+    ) -> Result<(), ActorProcessingErr> {
+        let input = match msg {
+            CoordMsg::Tick => Input::Tick,
+            CoordMsg::PeerDown(n) => Input::PeerDown(n),
+            CoordMsg::Net(Addr::Node(from), env) => Input::Net(from, env),
+            CoordMsg::Net(_, _) => return Ok(()),
+        };
+        let now_ms = self.t0.elapsed().as_millis() as u64;
+        let effects = st.core.handle(now_ms, input);
+        self.execute(st, effects);
+        Ok(())
+    }
+}

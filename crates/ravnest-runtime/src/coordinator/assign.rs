@@ -1,0 +1,272 @@
+//! Turning a plan into per-node assignments, and finding where a node fetches the layers it
+//! lacks. Pure functions of the plan, the live nodes and who holds what.
+
+use std::collections::BTreeMap;
+
+use ravnest_core::cost::Costs;
+use ravnest_core::planner::{Layout, Plan, Role};
+use ravnest_core::{ClusterSpec, ModelSpec, NodeId, TrainingSpec};
+
+use crate::msg::StageWork;
+
+/// One node's assignment in an epoch, before it becomes a [`crate::msg::Work`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Assign {
+    /// The node.
+    pub node: NodeId,
+    /// Its samples' offset within each step's global batch.
+    pub offset: u64,
+    /// Its samples per step (a stage: its replica's).
+    pub batch: u64,
+    /// Its sync group in ring order.
+    pub ring: Vec<NodeId>,
+    /// Its stage, in a pipeline.
+    pub stage: Option<StageWork>,
+    /// The share of the model's training FLOPs it computes per sample (1 in data parallel).
+    pub flop_share: f64,
+}
+
+/// A sync group: the layers its members hold and the members in ring order.
+pub type SyncGroup = ((u32, u32), Vec<NodeId>);
+
+/// Layer ranges a node fetches, each from a peer.
+pub type Fetches = Vec<(NodeId, (u32, u32))>;
+
+/// Who holds a model version: node → the layers it holds (`None`: the whole model).
+pub type Holders = BTreeMap<NodeId, Option<(u32, u32)>>;
+
+/// Each node's assignment under plan `p` of the live nodes `live` (`sub`: their cluster, in
+/// `live` order), and the sync groups.
+pub fn assignments(
+    p: &Plan,
+    live: &[NodeId],
+    sub: &ClusterSpec,
+    model: &ModelSpec,
+    training: &TrainingSpec,
+) -> Result<(Vec<Assign>, Vec<SyncGroup>), String> {
+    let all_layers = (0, model.layers.len() as u32);
+    match &p.layout {
+        Layout::DataParallel { .. } => {
+            let workers: Vec<(NodeId, u64)> = p
+                .nodes
+                .iter()
+                .filter(|n| n.batch > 0)
+                .map(|n| (live[n.id.index()], n.batch))
+                .collect();
+            let ring: Vec<NodeId> = match p.sync.groups.first() {
+                Some(g) if g.order.len() == workers.len() => {
+                    g.order.iter().map(|i| live[i.index()]).collect()
+                }
+                _ => workers.iter().map(|w| w.0).collect(),
+            };
+            let mut offset = 0;
+            let assigns = workers
+                .iter()
+                .map(|&(node, batch)| {
+                    offset += batch;
+                    Assign {
+                        node,
+                        offset: offset - batch,
+                        batch,
+                        ring: ring.clone(),
+                        stage: None,
+                        flop_share: 1.0,
+                    }
+                })
+                .collect();
+            Ok((assigns, vec![(all_layers, ring)]))
+        }
+        Layout::Pipeline {
+            stages,
+            replicas,
+            bounds,
+            micro_batch,
+        } => {
+            let (s, r) = (*stages, *replicas);
+            let mut grid: Vec<Vec<Option<NodeId>>> = vec![vec![None; s]; r];
+            let mut samples = vec![0u64; r];
+            for n in &p.nodes {
+                if let Role::Stage { replica, stage } = n.role
+                    && n.batch > 0
+                    && replica < r
+                    && stage < s
+                {
+                    grid[replica][stage] = Some(live[n.id.index()]);
+                    samples[replica] = n.batch;
+                }
+            }
+            let costs = Costs::new(sub, model, training);
+            let whole = costs.train_flops(&costs.all()).max(f64::MIN_POSITIVE);
+            let mut assigns = Vec::new();
+            let mut groups = Vec::new();
+            let used: Vec<usize> = (0..r).filter(|&k| samples[k] > 0).collect();
+            for k in 0..s {
+                let column: Vec<NodeId> = used.iter().filter_map(|&rep| grid[rep][k]).collect();
+                if column.len() != used.len() {
+                    return Err(format!(
+                        "the pipeline plan leaves stage {k} of a replica without a node"
+                    ));
+                }
+                // The plan's ring order for this stage's group, else replica order.
+                let ring: Vec<NodeId> = p
+                    .sync
+                    .groups
+                    .iter()
+                    .map(|g| g.order.iter().map(|i| live[i.index()]).collect::<Vec<_>>())
+                    .find(|o| o.len() == column.len() && column.iter().all(|c| o.contains(c)))
+                    .unwrap_or_else(|| column.clone());
+                let layers = (bounds[k] as u32, bounds[k + 1] as u32);
+                let flop_share = costs.train_flops(&(bounds[k]..bounds[k + 1])) / whole;
+                groups.push((layers, ring.clone()));
+                let mut offset = 0;
+                for rep in 0..r {
+                    offset += samples[rep];
+                    let Some(node) = grid[rep][k].filter(|_| samples[rep] > 0) else {
+                        continue;
+                    };
+                    let at = |j: usize| grid[rep][j];
+                    assigns.push(Assign {
+                        node,
+                        offset: offset - samples[rep],
+                        batch: samples[rep],
+                        ring: ring.clone(),
+                        flop_share,
+                        stage: Some(StageWork {
+                            stage: k as u32,
+                            stages: s as u32,
+                            layers,
+                            prev: k.checked_sub(1).and_then(at),
+                            next: (k + 1 < s).then(|| at(k + 1)).flatten(),
+                            micro_batch: u64::from(*micro_batch),
+                            out_bytes_per_sample: if k + 1 < s {
+                                costs.boundary_bytes_per_sample(bounds[k + 1])
+                            } else {
+                                0
+                            },
+                            in_bytes_per_sample: if k > 0 {
+                                costs.boundary_bytes_per_sample(bounds[k])
+                            } else {
+                                0
+                            },
+                            sync_bytes: costs.grad_bytes(&(bounds[k]..bounds[k + 1])),
+                            fetch: Vec::new(),
+                        }),
+                    });
+                }
+            }
+            Ok((assigns, groups))
+        }
+    }
+}
+
+/// Where `node` fetches the layers of `layers` it does not hold at version `version`: (peer,
+/// layer range) pieces, each from a holder of the whole piece; an error names a layer nobody
+/// holds.
+pub fn fetch_plan(
+    holders: &Holders,
+    node: NodeId,
+    layers: (u32, u32),
+    version: u64,
+) -> Result<Fetches, String> {
+    let holds = |n: NodeId, l: u32| {
+        holders
+            .get(&n)
+            .is_some_and(|h| h.is_none_or(|h| h.0 <= l && l < h.1))
+    };
+    let mut out: Fetches = Vec::new();
+    for l in layers.0..layers.1 {
+        if holds(node, l) {
+            continue;
+        }
+        let source = match out.last() {
+            Some(&(s, (_, end))) if end == l && holds(s, l) => Some(s),
+            _ => holders.keys().copied().find(|&h| h != node && holds(h, l)),
+        };
+        let Some(s) = source else {
+            return Err(format!(
+                "layer {l} of model version {version} was held only by nodes that are gone, so the pipeline cannot go on; restart from the last checkpoint"
+            ));
+        };
+        match out.last_mut() {
+            Some((p, (_, end))) if *p == s && *end == l => *end = l + 1,
+            _ => out.push((s, (l, l + 1))),
+        }
+    }
+    Ok(out)
+}
+
+/// A node's compute cost: (seconds per sample of the whole model, fixed seconds per step).
+pub type StepCost = (f64, f64);
+
+/// The slowest node's compute seconds per step for `assigns` when node n costs `cost(n)`:
+/// what a rebalance compares.
+pub fn compute_bound(assigns: &[Assign], cost: impl Fn(NodeId) -> StepCost) -> f64 {
+    assigns
+        .iter()
+        .map(|a| {
+            let (per_sample, fixed) = cost(a.node);
+            fixed * a.flop_share + a.batch as f64 * a.flop_share * per_sample
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The compute seconds per step of a perfect balance of the same work over the same nodes (a
+/// lower bound on any plan over them): the T at which Σ (T − fixed_i) / per_sample_i covers
+/// the work.
+pub fn balanced_bound(assigns: &[Assign], cost: impl Fn(NodeId) -> StepCost) -> f64 {
+    let work: f64 = assigns.iter().map(|a| a.batch as f64 * a.flop_share).sum();
+    let (mut speed, mut head) = (0.0, 0.0);
+    for a in assigns {
+        let (per_sample, fixed) = cost(a.node);
+        let per_sample = per_sample.max(f64::MIN_POSITIVE);
+        speed += 1.0 / per_sample;
+        head += fixed * a.flop_share / per_sample;
+    }
+    (work + head) / speed.max(f64::MIN_POSITIVE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fetches_come_from_holders_in_runs() {
+        let mut h = Holders::new();
+        h.insert(NodeId(0), Some((0, 4)));
+        h.insert(NodeId(1), Some((4, 8)));
+        h.insert(NodeId(2), Some((2, 6)));
+        assert_eq!(
+            fetch_plan(&h, NodeId(2), (0, 8), 5).unwrap(),
+            vec![(NodeId(0), (0, 2)), (NodeId(1), (6, 8))]
+        );
+        let e = fetch_plan(&h, NodeId(3), (7, 9), 5).unwrap_err();
+        assert!(e.contains("layer 8 of model version 5"), "{e}");
+        let mut whole = Holders::new();
+        whole.insert(NodeId(4), None);
+        assert_eq!(
+            fetch_plan(&whole, NodeId(3), (1, 3), 0).unwrap(),
+            vec![(NodeId(4), (1, 3))]
+        );
+    }
+
+    #[test]
+    fn bounds_of_a_split() {
+        let a = |node: u32, batch: u64| Assign {
+            node: NodeId(node),
+            offset: 0,
+            batch,
+            ring: vec![],
+            stage: None,
+            flop_share: 1.0,
+        };
+        let split = [a(0, 30), a(1, 10)];
+        let cost = |n: NodeId| if n.0 == 0 { (1.0, 0.0) } else { (3.0, 0.0) };
+        assert_eq!(compute_bound(&split, cost), 30.0);
+        // 40 samples over speeds 1 and 1/3: 30 s.
+        assert!((balanced_bound(&split, cost) - 30.0).abs() < 1e-9);
+        // A fixed 4 s on the second node: T − 4 = 3·b₁ and T = b₀ with b₀ + b₁ = 40 → T = 31.
+        let fixed = |n: NodeId| if n.0 == 0 { (1.0, 0.0) } else { (3.0, 4.0) };
+        assert!((balanced_bound(&split, fixed) - 31.0).abs() < 1e-9);
+        assert_eq!(compute_bound(&split, fixed), 34.0);
+    }
+}

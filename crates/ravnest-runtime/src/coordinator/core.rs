@@ -1,0 +1,1007 @@
+//! The coordinator as a pure state machine: inputs in, effects out, time as a parameter.
+//!
+//! [`Coordinator::handle`] takes an [`Input`] (an envelope from a node, a transport's word that
+//! a peer is down, a timer tick) with the current time in ms, and returns the [`Effect`]s to
+//! carry out (envelopes to send, events to log, steps that became agreed). It does no I/O,
+//! reads no clock and holds no randomness, so it is tested without actors and the same code
+//! runs in the simulator and over TCP (the actor in [`super::actor`] is a thin shell).
+//!
+//! **Epochs, not steps.** The coordinator is off the per-step path. A plan becomes an *epoch*:
+//! each node gets a standing [`Work`] (its samples of every step, its ring, its checkpoint
+//! duty) and runs step after step on its own; the collective of each step is the only
+//! synchronization. Nodes report each finished step asynchronously ([`Envelope::StepDone`]:
+//! digest and compute time). A step is *agreed* once every worker of its epoch reported it; the
+//! replicas' digests are compared there.
+//!
+//! **The grant.** Nodes may start steps below a horizon (`until`), which the coordinator moves
+//! `window` steps past the last agreed step as reports come in ([`Envelope::Grant`]). It bounds
+//! how far the cluster runs ahead of what the coordinator knows, so a change (a re-plan for
+//! drift, a joining node) takes effect at an agreed future step, the current horizon, which no
+//! node can have passed: nodes finish the old epoch's steps below it and start the new epoch
+//! there, without a stop.
+//!
+//! **A lost node.** When a worker dies, every worker is halted ([`Envelope::Halt`]); each
+//! answers with the versions it holds ([`Envelope::Halted`]). The new epoch starts from the
+//! newest synchronized version that every survivor holds (nodes keep the last two), so no step
+//! is applied twice and no replica diverges; a node that lacks it fetches it from a holder.
+//!
+//! **Rebalancing** uses smoothed (EWMA) step times and hysteresis: a re-plan happens only when
+//! the plan with measured speeds is predicted to be faster than the current one by a margin,
+//! for several agreed steps in a row, and a while after the last re-plan. Noise is not drift.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use ravnest_core::detector::{DetectorEvent, FailureDetector};
+use ravnest_core::planner::sync::{Collective, SyncMethod};
+use ravnest_core::{
+    ClusterSpec, ModelSpec, NodeId, Plan, PlanOptions, PlannerKind, TrainingSpec, plan_with,
+};
+
+use super::Event;
+use super::assign::{
+    Assign, Holders, StepCost, SyncGroup, assignments, balanced_bound, compute_bound,
+};
+use super::measure::SpeedEstimate;
+use crate::msg::{CheckpointDuty, Envelope, HeldVersion, SyncPolicy, Work};
+
+/// What the coordinator is given.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The whole cluster as configured (speeds: catalog or measured at registration).
+    pub cluster: ClusterSpec,
+    /// The model.
+    pub model: ModelSpec,
+    /// Training settings.
+    pub training: TrainingSpec,
+    /// Planner to use.
+    pub planner: PlannerKind,
+    /// The run ends after this step (model version `steps`).
+    pub steps: u64,
+    /// Heartbeat silence after which a node is dead.
+    pub heartbeat_timeout_ms: u64,
+    /// Training FLOPs per sample of the model (to turn measured seconds into throughput).
+    pub train_flops: f64,
+    /// Checkpoint every this many steps (0: never).
+    pub checkpoint_every: u64,
+    /// Also checkpoint the final model.
+    pub checkpoint_at_end: bool,
+    /// The model version training starts from (a resumed run: the checkpoint's step).
+    pub start_step: u64,
+    /// Nodes that hold version `start_step` at the start (`None`: every node).
+    pub initial_holders: Option<Vec<NodeId>>,
+    /// Nodes that are not there at the start (they never registered): not planned until they
+    /// join.
+    pub absent: Vec<NodeId>,
+    /// Whether the nodes' compute backend runs pipeline stages. When it does, a cluster where
+    /// no data-parallel plan fits is planned as a pipeline; data parallel is preferred
+    /// otherwise (every replica then holds the whole model, which recovery relies on).
+    pub allow_pipeline: bool,
+    /// How the coordinator reacts to measurements.
+    pub tuning: Tuning,
+}
+
+/// Knobs of the grant and of rebalancing.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Tuning {
+    /// Steps nodes may run past the last agreed step.
+    pub window: u64,
+    /// Each node's speed is the median of its last this many per-step figures.
+    pub speed_window: usize,
+    /// A node has drifted when its step times differ from what the plan assumed by this
+    /// fraction (up or down)...
+    pub drift: f64,
+    /// ...and a re-plan must be predicted to shorten the slowest node's compute by this
+    /// fraction...
+    pub min_gain: f64,
+    /// ...for this many agreed steps in a row...
+    pub patience: u32,
+    /// ...at least this many steps after the current epoch started.
+    pub settle_steps: u64,
+    /// Shares smaller than this many samples are not measured (fixed per-step costs would
+    /// dominate the figure).
+    pub measure_min_batch: u64,
+    /// Steps after which a node left out for its measured speed is planned with its catalog
+    /// figure again (and re-measured), so a straggler that recovered comes back.
+    pub probation_steps: u64,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            window: 4,
+            speed_window: 9,
+            drift: 0.5,
+            min_gain: 0.25,
+            patience: 3,
+            settle_steps: 8,
+            measure_min_batch: 0,
+            probation_steps: 20,
+        }
+    }
+}
+
+/// What comes in.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Input {
+    /// Time passed: consult the failure detector.
+    Tick,
+    /// The transport lost its connection to a node (evidence for the detector).
+    PeerDown(NodeId),
+    /// An envelope from a node.
+    Net(NodeId, Envelope),
+}
+
+/// What the driver must do, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Effect {
+    /// Send an envelope to a node.
+    Send(NodeId, Envelope),
+    /// Send an envelope to the checkpoint aggregator.
+    Checkpoint(Envelope),
+    /// Something worth logging happened.
+    Event(Event),
+    /// Step `step` is agreed (every worker finished it); `digest`: the model every replica
+    /// holds after it, when the step was synchronized.
+    Agreed {
+        /// The step.
+        step: u64,
+        /// The agreed digest of a synchronized step (of the first sync group).
+        digest: Option<u64>,
+    },
+    /// Agreed steps from `to` on were undone (a loss inside a local-SGD period rolls the
+    /// cluster back to the last averaged model).
+    RolledBack {
+        /// The first step to be redone.
+        to: u64,
+    },
+    /// The run is over (finished, stalled, or stopped by a violation).
+    Finished,
+}
+
+/// What a plan gives each worker (batches, and layers in a pipeline): a new one is logged.
+type PlanShape = (Vec<(NodeId, u64)>, Vec<Option<(u32, u32)>>);
+
+/// A node's configured (or registered) compute cost.
+fn configured(cfg: &Config, n: NodeId) -> StepCost {
+    let node = cfg.cluster.node(n);
+    (cfg.train_flops / node.flops, node.step_overhead_s.max(0.0))
+}
+
+/// One epoch's assignment, as the coordinator keeps it.
+#[derive(Debug, Clone)]
+struct Era {
+    epoch: u64,
+    from: u64,
+    assigns: Vec<Assign>,
+    groups: Vec<SyncGroup>,
+    policy: SyncPolicy,
+}
+
+impl Era {
+    fn workers(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.assigns.iter().map(|a| a.node)
+    }
+
+    fn has(&self, n: NodeId) -> bool {
+        self.assigns.iter().any(|a| a.node == n)
+    }
+
+    /// Whether step `s` of this epoch is synchronized (every replica agrees after it).
+    fn synchronized(&self, s: u64, end: u64) -> bool {
+        match self.policy {
+            SyncPolicy::EveryStep => true,
+            SyncPolicy::LocalSgd { local_steps } => {
+                (s + 1 - self.from).is_multiple_of(u64::from(local_steps.max(1))) || s + 1 == end
+            }
+        }
+    }
+
+    /// Who holds the version after this epoch's steps, with their layers.
+    fn holders(&self) -> Holders {
+        self.assigns
+            .iter()
+            .map(|a| (a.node, a.stage.as_ref().map(|s| s.layers)))
+            .collect()
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Report {
+    digest: u64,
+    compute_ns: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Halting {
+    epoch: u64,
+    waiting: BTreeSet<NodeId>,
+    held: BTreeMap<NodeId, Vec<HeldVersion>>,
+}
+
+/// The coordinator's state machine.
+#[derive(Debug)]
+pub struct Coordinator {
+    cfg: Config,
+    detector: FailureDetector,
+    epoch: u64,
+    /// Epochs whose steps are not all agreed, oldest first; the last is the current one.
+    eras: Vec<Era>,
+    /// The current epoch's grant: steps below it may be started.
+    until: u64,
+    /// Every step below this is agreed.
+    agreed: u64,
+    /// The last version every replica agreed on.
+    last_sync: u64,
+    reports: BTreeMap<u64, BTreeMap<NodeId, Report>>,
+    halting: Option<Halting>,
+    /// Who holds version `start_step` before the first epoch.
+    initial: Holders,
+    next_checkpoint: u64,
+    pending_checkpoint: Option<(u64, Vec<NodeId>)>,
+    /// Per node: its measured step times ÷ what the plan's figures predict, smoothed.
+    measured: BTreeMap<NodeId, SpeedEstimate>,
+    /// Per node: the (seconds per sample of the whole model, fixed seconds per step) the
+    /// planner is given (configured figures until a rebalance).
+    assumed: BTreeMap<NodeId, StepCost>,
+    /// Live nodes the current plan leaves out, and since which step.
+    left_out: BTreeMap<NodeId, u64>,
+    /// Nodes that joined and wait for the next epoch.
+    joiners: BTreeSet<NodeId>,
+    /// Agreed steps in a row whose measurements predicted a worthwhile re-plan.
+    over: u32,
+    last_planned: Option<PlanShape>,
+    plan_cache: Option<(Vec<u64>, Vec<NodeId>, Plan)>,
+    local_sgd: bool,
+    finished: bool,
+    out: Vec<Effect>,
+}
+
+impl Coordinator {
+    /// A coordinator watching every node of the cluster from `now_ms`.
+    pub fn new(cfg: Config, now_ms: u64) -> Coordinator {
+        let mut detector = FailureDetector::new(cfg.heartbeat_timeout_ms.max(1));
+        for id in cfg.cluster.ids() {
+            if !cfg.absent.contains(&id) {
+                detector.watch(id, now_ms);
+            }
+        }
+        let holding: Vec<NodeId> = match &cfg.initial_holders {
+            Some(h) => h.clone(),
+            None => cfg.cluster.ids().collect(),
+        };
+        let initial: Holders = holding
+            .into_iter()
+            .filter(|n| !cfg.absent.contains(n))
+            .map(|n| (n, None))
+            .collect();
+        let assumed = cfg
+            .cluster
+            .ids()
+            .map(|i| (i, configured(&cfg, i)))
+            .collect();
+        Coordinator {
+            detector,
+            epoch: 0,
+            eras: Vec::new(),
+            until: cfg.start_step,
+            agreed: cfg.start_step,
+            last_sync: cfg.start_step,
+            reports: BTreeMap::new(),
+            halting: None,
+            initial,
+            next_checkpoint: cfg.start_step + cfg.checkpoint_every,
+            pending_checkpoint: None,
+            measured: BTreeMap::new(),
+            assumed,
+            left_out: BTreeMap::new(),
+            joiners: BTreeSet::new(),
+            over: 0,
+            last_planned: None,
+            plan_cache: None,
+            local_sgd: false,
+            finished: false,
+            out: Vec::new(),
+            cfg,
+        }
+    }
+
+    /// Plan the first epoch and hand it out.
+    pub fn start(&mut self) -> Vec<Effect> {
+        if self.cfg.steps <= self.cfg.start_step {
+            self.finish(Event::Finished);
+        } else {
+            let holders = self.initial.clone();
+            self.begin_epoch(self.cfg.start_step, &holders);
+        }
+        std::mem::take(&mut self.out)
+    }
+
+    /// Feed one input at `now_ms`; returns the effects to carry out, in order.
+    pub fn handle(&mut self, now_ms: u64, input: Input) -> Vec<Effect> {
+        if self.finished {
+            return Vec::new();
+        }
+        match input {
+            Input::Tick => {
+                for DetectorEvent::Dead { node, silent_ms } in self.detector.tick(now_ms) {
+                    self.on_dead(node, silent_ms);
+                }
+            }
+            Input::PeerDown(node) => {
+                if let Some(DetectorEvent::Dead { node, silent_ms }) =
+                    self.detector.peer_down(node, now_ms)
+                {
+                    self.on_dead(node, silent_ms);
+                }
+            }
+            Input::Net(from, env) => self.on_net(now_ms, from, env),
+        }
+        std::mem::take(&mut self.out)
+    }
+
+    /// Every step below this is agreed.
+    pub fn agreed(&self) -> u64 {
+        self.agreed
+    }
+
+    /// The current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Whether any epoch ran local SGD.
+    pub fn used_local_sgd(&self) -> bool {
+        self.local_sgd
+    }
+
+    /// Whether the run is over.
+    pub fn is_finished(&self) -> bool {
+        self.finished
+    }
+
+    fn emit(&mut self, e: Event) {
+        self.out.push(Effect::Event(e));
+    }
+
+    fn send(&mut self, to: NodeId, env: Envelope) {
+        self.out.push(Effect::Send(to, env));
+    }
+
+    fn finish(&mut self, e: Event) {
+        self.emit(e);
+        self.finished = true;
+        self.out.push(Effect::Finished);
+    }
+
+    fn on_net(&mut self, now_ms: u64, from: NodeId, env: Envelope) {
+        if from.index() >= self.cfg.cluster.nodes.len() {
+            return;
+        }
+        // A node heard from after it was declared dead (a healed partition) rejoins as a new
+        // incarnation: its model may be stale.
+        let rejoin = matches!(env, Envelope::Join) || !self.detector.is_alive(from);
+        self.detector.heard(from, now_ms);
+        if rejoin {
+            self.detector.watch(from, now_ms);
+            return self.on_join(from);
+        }
+        match env {
+            Envelope::StepDone {
+                epoch,
+                step,
+                digest,
+                compute_ns,
+            } => self.on_report(from, epoch, step, Report { digest, compute_ns }),
+            Envelope::Halted { epoch, held } => self.on_halted(from, epoch, held),
+            Envelope::StepFailed { epoch, reason }
+                if epoch >= self.eras.first().map_or(u64::MAX, |e| e.epoch) =>
+            {
+                let name = self.cfg.cluster.node(from).name.clone();
+                self.finish(Event::Stalled(format!(
+                    "`{name}` cannot compute its work: {reason}"
+                )));
+            }
+            _ => {}
+        }
+    }
+
+    // ---- the steady state ------------------------------------------------------------------
+
+    fn era_of(&self, step: u64) -> Option<&Era> {
+        self.eras.iter().rev().find(|e| e.from <= step)
+    }
+
+    fn on_report(&mut self, from: NodeId, epoch: u64, step: u64, r: Report) {
+        if self.halting.is_some() || step < self.agreed {
+            return;
+        }
+        // The report must come from a worker of the epoch that covers the step.
+        let Some(era) = self.era_of(step) else { return };
+        if era.epoch != epoch || !era.has(from) {
+            return;
+        }
+        self.reports.entry(step).or_default().insert(from, r);
+        self.settle();
+    }
+
+    /// Agree every step whose reports are complete, in order; then move the grant and see
+    /// whether a re-plan is due.
+    fn settle(&mut self) {
+        let before = self.agreed;
+        while !self.finished && self.halting.is_none() {
+            let s = self.agreed;
+            let Some(era) = self.era_of(s) else { break };
+            let complete = self
+                .reports
+                .get(&s)
+                .is_some_and(|r| era.workers().all(|w| r.contains_key(&w)));
+            if !complete {
+                break;
+            }
+            self.agree(s);
+        }
+        if self.agreed > before && !self.finished {
+            self.extend_grant();
+            self.admit_joiners();
+            self.consider_replan();
+        }
+    }
+
+    /// Step `s` is finished on every worker that reported it.
+    fn agree(&mut self, s: u64) {
+        let Some(era) = self.era_of(s).cloned() else {
+            return;
+        };
+        let reports = self.reports.remove(&s).unwrap_or_default();
+        let synchronized = era.synchronized(s, self.cfg.steps);
+        // Every member of a sync group must hold the same parameters after a synchronized step
+        // (data parallel: one group; a pipeline: one per stage). A disagreement stops the run
+        // here, not hundreds of steps later.
+        let mut group_digests: Vec<Option<u64>> = Vec::new();
+        for (layers, members) in &era.groups {
+            let distinct: BTreeSet<u64> = members
+                .iter()
+                .filter_map(|m| reports.get(m).map(|r| r.digest))
+                .collect();
+            if synchronized && distinct.len() > 1 {
+                let what = if era.groups.len() > 1 {
+                    format!("the replicas of layers {}..{}", layers.0, layers.1)
+                } else {
+                    "replicas".into()
+                };
+                return self.finish(Event::Violation(format!(
+                    "{what} disagree after step {s}: {} distinct models",
+                    distinct.len()
+                )));
+            }
+            group_digests.push(distinct.first().copied());
+        }
+        self.measure(&era, &reports);
+        let version = s + 1;
+        if synchronized {
+            self.last_sync = version;
+            self.open_checkpoint(version, &era, &group_digests);
+        }
+        self.out.push(Effect::Agreed {
+            step: s,
+            digest: group_digests
+                .first()
+                .copied()
+                .flatten()
+                .filter(|_| synchronized),
+        });
+        self.agreed = version;
+        while self.eras.len() > 1 && self.eras[1].from <= self.agreed {
+            self.eras.remove(0);
+        }
+        if self.agreed >= self.cfg.steps {
+            self.finish(Event::Finished);
+        }
+    }
+
+    fn measure(&mut self, era: &Era, reports: &BTreeMap<NodeId, Report>) {
+        for a in &era.assigns {
+            let Some(r) = reports.get(&a.node) else {
+                continue;
+            };
+            if a.batch == 0
+                || a.batch < self.cfg.tuning.measure_min_batch
+                || r.compute_ns == 0
+                || a.flop_share <= 0.0
+            {
+                continue;
+            }
+            // How much longer (or shorter) than the plan's figures predict: a factor on both
+            // the node's fixed and per-sample costs (their ratio is what was measured when
+            // it registered), so small shares, whose time is mostly fixed cost, do not look
+            // faster or slower per sample than they are.
+            let (per_sample, fixed) = self.assumed.get(&a.node).copied().unwrap_or((0.0, 0.0));
+            let predicted = (fixed + a.batch as f64 * per_sample) * a.flop_share;
+            if predicted <= 0.0 {
+                continue;
+            }
+            let ratio = r.compute_ns as f64 / 1e9 / predicted;
+            let window = self.cfg.tuning.speed_window;
+            self.measured
+                .entry(a.node)
+                .or_insert_with(|| SpeedEstimate::new(1.0, window))
+                .add(ratio);
+        }
+    }
+
+    /// Move the current epoch's horizon `window` steps past the last agreed step, in hops of
+    /// half a window (fewer messages; nodes never wait while reports keep coming).
+    fn extend_grant(&mut self) {
+        let Some(cur) = self.eras.last() else { return };
+        let window = self.cfg.tuning.window.max(1);
+        let until = (self.agreed + window).min(self.cfg.steps);
+        if until <= self.until
+            || (until < self.cfg.steps && until < self.until + window.div_ceil(2))
+        {
+            return;
+        }
+        self.until = until;
+        let (epoch, workers): (u64, Vec<NodeId>) = (cur.epoch, cur.workers().collect());
+        for w in workers {
+            self.send(w, Envelope::Grant { epoch, until });
+        }
+    }
+
+    /// Open a checkpoint round for synchronized version `version` when one is due: one shard
+    /// per sync group, written by its first member (its [`CheckpointDuty`] follows the same
+    /// rule), with the digest every replica agreed on.
+    fn open_checkpoint(&mut self, version: u64, era: &Era, digests: &[Option<u64>]) {
+        let rule = CheckpointDuty {
+            layers: (0, 0),
+            every: self.cfg.checkpoint_every,
+            next: self.next_checkpoint,
+            at_end: self.cfg.checkpoint_at_end,
+        };
+        if !rule.due(version, self.cfg.steps) {
+            return;
+        }
+        let shards: Option<Vec<(u32, u32, u64, NodeId)>> = era
+            .groups
+            .iter()
+            .zip(digests)
+            .map(|((layers, members), d)| Some((layers.0, layers.1, (*d)?, *members.first()?)))
+            .collect();
+        let Some(shards) = shards else { return };
+        self.next_checkpoint = version + self.cfg.checkpoint_every;
+        self.out.push(Effect::Checkpoint(Envelope::CheckpointBegin {
+            step: version,
+            shards: shards.iter().map(|&(a, b, d, _)| (a, b, d)).collect(),
+        }));
+        self.pending_checkpoint = Some((version, shards.iter().map(|s| s.3).collect()));
+    }
+
+    // ---- planning --------------------------------------------------------------------------
+
+    /// The plan for the live nodes at the speeds the planner is given (cached: planning is a
+    /// pure function of the live set and the speeds).
+    fn plan_live(&mut self, live: &[NodeId]) -> Result<(Plan, ClusterSpec), String> {
+        let mut sub = self.cfg.cluster.subset(live);
+        for (k, id) in live.iter().enumerate() {
+            if let Some(&(per_sample, fixed)) = self.assumed.get(id) {
+                sub.nodes[k].flops = self.cfg.train_flops / per_sample;
+                sub.nodes[k].step_overhead_s = fixed;
+            }
+        }
+        let key: Vec<u64> = sub
+            .nodes
+            .iter()
+            .flat_map(|n| [n.flops.to_bits(), n.step_overhead_s.to_bits()])
+            .collect();
+        if let Some((k, l, p)) = &self.plan_cache
+            && *k == key
+            && l == live
+        {
+            return Ok((p.clone(), sub));
+        }
+        // Data parallel first; a pipeline when none fits (and the backend runs stages).
+        let (cfg, model, training) = (&self.cfg, &self.cfg.model, &self.cfg.training);
+        let dp = PlanOptions {
+            allow_pipeline: false,
+        };
+        let p = plan_with(cfg.planner, &sub, model, training, dp)
+            .or_else(|e| {
+                if !cfg.allow_pipeline {
+                    return Err(e);
+                }
+                let pipe = PlanOptions {
+                    allow_pipeline: true,
+                };
+                plan_with(cfg.planner, &sub, model, training, pipe)
+            })
+            .map_err(|e| format!("no plan for the live nodes: {e}"))?;
+        self.plan_cache = Some((key, live.to_vec(), p.clone()));
+        Ok((p, sub))
+    }
+
+    /// Plan the live nodes and start a new epoch at step `from`, where `holders` hold version
+    /// `from`. Nodes that do not hold it fetch it (whole, or the layers they lack).
+    fn begin_epoch(&mut self, from: u64, holders: &Holders) {
+        let live = self.detector.alive();
+        if live.is_empty() {
+            return self.finish(Event::Stalled("no live nodes".into()));
+        }
+        if !holders.keys().any(|h| self.detector.is_alive(*h)) {
+            return self.finish(Event::Stalled("no live node holds the latest model".into()));
+        }
+        let holders: Holders = holders
+            .iter()
+            .filter(|(h, _)| self.detector.is_alive(**h))
+            .map(|(h, l)| (*h, *l))
+            .collect();
+        let (p, sub) = match self.plan_live(&live) {
+            Ok(x) => x,
+            Err(why) => return self.finish(Event::Stalled(why)),
+        };
+        let (mut assigns, groups) =
+            match assignments(&p, &live, &sub, &self.cfg.model, &self.cfg.training) {
+                Ok(a) => a,
+                Err(why) => return self.finish(Event::Stalled(why)),
+            };
+        for a in &mut assigns {
+            if let Some(sw) = &mut a.stage {
+                match super::assign::fetch_plan(&holders, a.node, sw.layers, from) {
+                    Ok(f) => sw.fetch = f,
+                    Err(why) => return self.finish(Event::Stalled(why)),
+                }
+            }
+        }
+        let whole_holder = holders.iter().find(|(_, l)| l.is_none()).map(|(h, _)| *h);
+        if assigns
+            .iter()
+            .any(|a| a.stage.is_none() && !holders.contains_key(&a.node))
+            && whole_holder.is_none()
+        {
+            return self.finish(Event::Stalled(
+                "no live node holds the whole latest model for a data-parallel plan".into(),
+            ));
+        }
+        let (policy, collective) = match p.sync.method {
+            SyncMethod::LocalSgd {
+                local_steps,
+                collective,
+            } => {
+                self.local_sgd = true;
+                (SyncPolicy::LocalSgd { local_steps }, collective)
+            }
+            SyncMethod::EveryStep { collective } => (SyncPolicy::EveryStep, collective),
+            SyncMethod::None => (SyncPolicy::EveryStep, Collective::Ring),
+        };
+        let group_size = p.sync.groups.first().map_or(0, |g| g.group_size);
+        for &n in &live {
+            if assigns.iter().any(|a| a.node == n) {
+                self.left_out.remove(&n);
+            } else {
+                self.left_out.entry(n).or_insert(from);
+            }
+        }
+        self.epoch += 1;
+        let planned: Vec<(NodeId, u64)> = assigns.iter().map(|a| (a.node, a.batch)).collect();
+        let layers: Vec<Option<(u32, u32)>> = assigns
+            .iter()
+            .map(|a| a.stage.as_ref().map(|s| s.layers))
+            .collect();
+        if self.last_planned.as_ref() != Some(&(planned.clone(), layers.clone())) {
+            self.emit(Event::Planned {
+                step: from,
+                workers: planned.clone(),
+            });
+            self.last_planned = Some((planned, layers));
+        }
+        let until = (from + self.cfg.tuning.window.max(1)).min(self.cfg.steps);
+        let writers: BTreeMap<NodeId, (u32, u32)> = groups
+            .iter()
+            .filter_map(|(layers, members)| Some((*members.first()?, *layers)))
+            .collect();
+        for a in &assigns {
+            let work = Work {
+                epoch: self.epoch,
+                step: from,
+                until,
+                end: self.cfg.steps,
+                offset: a.offset,
+                batch: a.batch,
+                global_batch: u64::from(self.cfg.training.global_batch),
+                ring: a.ring.clone(),
+                state_from: (a.stage.is_none() && !holders.contains_key(&a.node))
+                    .then_some(whole_holder)
+                    .flatten(),
+                sync: policy,
+                collective,
+                group_size,
+                stage: a.stage.clone(),
+                checkpoint: writers.get(&a.node).map(|&layers| CheckpointDuty {
+                    layers,
+                    every: self.cfg.checkpoint_every,
+                    next: self.next_checkpoint,
+                    at_end: self.cfg.checkpoint_at_end,
+                }),
+            };
+            self.send(a.node, Envelope::Work(Box::new(work)));
+        }
+        self.eras.push(Era {
+            epoch: self.epoch,
+            from,
+            assigns,
+            groups,
+            policy,
+        });
+        self.until = until;
+        self.over = 0;
+    }
+
+    /// Re-plan at the next step no node can have started yet (the current horizon; under
+    /// local SGD, the next averaging step from there), without stopping anyone.
+    fn switch(&mut self) {
+        let Some(cur) = self.eras.last().cloned() else {
+            return;
+        };
+        let mut at = self.until.max(cur.from + 1);
+        if let SyncPolicy::LocalSgd { local_steps } = cur.policy {
+            let h = u64::from(local_steps.max(1));
+            at = cur.from + (at - cur.from).div_ceil(h) * h;
+        }
+        if at >= self.cfg.steps {
+            return;
+        }
+        if at > self.until {
+            // The old epoch runs to the averaging step first.
+            for w in cur.workers() {
+                self.send(
+                    w,
+                    Envelope::Grant {
+                        epoch: cur.epoch,
+                        until: at,
+                    },
+                );
+            }
+        }
+        self.begin_epoch(at, &cur.holders());
+    }
+
+    /// Whether measurements say a re-plan is worth it (see the module's notes on noise), and
+    /// whether a node left out for its measured speed is due another chance.
+    fn consider_replan(&mut self) {
+        if self.halting.is_some() || self.eras.len() != 1 || self.finished {
+            return;
+        }
+        if self.probation_due() {
+            return self.switch();
+        }
+        let cur = self.eras[0].clone();
+        let t = self.cfg.tuning;
+        if self.agreed < cur.from + t.settle_steps {
+            return;
+        }
+        // Each node's cost as measured: the plan's figures times its smoothed ratio.
+        let measured: BTreeMap<NodeId, StepCost> = self
+            .assumed
+            .iter()
+            .map(|(n, &(per_sample, fixed))| {
+                let k = self.measured.get(n).map_or(1.0, SpeedEstimate::get);
+                (*n, (per_sample * k, fixed * k))
+            })
+            .collect();
+        let cost = |n: NodeId| measured.get(&n).copied().unwrap_or((1.0, 0.0));
+        let drifted = cur.workers().any(|n| {
+            let k = self.measured.get(&n).map_or(1.0, SpeedEstimate::get);
+            k.ln().abs() >= t.drift.ln_1p()
+        });
+        let now = compute_bound(&cur.assigns, cost);
+        if !drifted || now <= balanced_bound(&cur.assigns, cost) * (1.0 + t.min_gain) {
+            self.over = 0;
+            return;
+        }
+        // The plan the measurements ask for, and what it would gain.
+        let live = self.detector.alive();
+        let saved = std::mem::replace(&mut self.assumed, measured.clone());
+        let gain = self
+            .plan_live(&live)
+            .ok()
+            .and_then(|(p, sub)| {
+                let (assigns, _) =
+                    assignments(&p, &live, &sub, &self.cfg.model, &self.cfg.training).ok()?;
+                Some(now / compute_bound(&assigns, cost).max(f64::MIN_POSITIVE))
+            })
+            .unwrap_or(1.0)
+            - 1.0;
+        self.over = if gain >= t.min_gain { self.over + 1 } else { 0 };
+        if self.over < t.patience {
+            self.assumed = saved;
+            return;
+        }
+        let speeds = cur
+            .workers()
+            .map(|n| {
+                let before = saved.get(&n).map_or(0.0, |c| c.0);
+                (n, before, cost(n).0)
+            })
+            .collect();
+        self.measured.clear();
+        self.emit(Event::Rebalanced {
+            step: self.agreed,
+            predicted_gain: gain,
+            speeds,
+        });
+        self.switch();
+    }
+
+    /// A node left out for its measured speed for long enough is planned with its configured
+    /// figures again (and re-measured): whether any is due.
+    fn probation_due(&mut self) -> bool {
+        let due: Vec<NodeId> = self
+            .left_out
+            .iter()
+            .filter(|(n, since)| {
+                self.agreed >= **since + self.cfg.tuning.probation_steps
+                    && self.detector.is_alive(**n)
+                    && self.assumed.get(n) != Some(&configured(&self.cfg, **n))
+            })
+            .map(|(n, _)| *n)
+            .collect();
+        for n in &due {
+            self.assumed.insert(*n, configured(&self.cfg, *n));
+            self.measured.remove(n);
+            self.left_out.insert(*n, self.agreed);
+        }
+        !due.is_empty()
+    }
+
+    // ---- membership ------------------------------------------------------------------------
+
+    fn involved(&self) -> BTreeSet<NodeId> {
+        self.eras.iter().flat_map(|e| e.workers()).collect()
+    }
+
+    fn on_dead(&mut self, node: NodeId, silent_ms: u64) {
+        self.emit(Event::Detected { node, silent_ms });
+        // A writer lost before its shard arrived: that round cannot complete; the next
+        // checkpoint is due at the next synchronized version.
+        if let Some((version, writers)) = &self.pending_checkpoint
+            && writers.contains(&node)
+        {
+            let version = *version;
+            self.out
+                .push(Effect::Checkpoint(Envelope::CheckpointAbandon {
+                    step: version,
+                }));
+            self.pending_checkpoint = None;
+            self.next_checkpoint = version;
+        }
+        self.initial.remove(&node);
+        self.lost_worker(node);
+    }
+
+    /// A worker of a running epoch is gone (dead, or restarted without its state): halt.
+    fn lost_worker(&mut self, node: NodeId) {
+        if let Some(h) = &mut self.halting {
+            h.waiting.remove(&node);
+            h.held.remove(&node);
+            return self.try_resume();
+        }
+        if !self.involved().contains(&node) {
+            return;
+        }
+        self.emit(Event::Aborted { step: self.agreed });
+        let waiting: BTreeSet<NodeId> = self
+            .involved()
+            .into_iter()
+            .filter(|&n| n != node && self.detector.is_alive(n))
+            .collect();
+        let epoch = self.epoch;
+        for &n in &waiting {
+            self.send(n, Envelope::Halt { epoch });
+        }
+        self.halting = Some(Halting {
+            epoch,
+            waiting,
+            held: BTreeMap::new(),
+        });
+        self.try_resume();
+    }
+
+    fn on_halted(&mut self, from: NodeId, epoch: u64, held: Vec<HeldVersion>) {
+        let Some(h) = &mut self.halting else { return };
+        if h.epoch != epoch || !h.waiting.remove(&from) {
+            return;
+        }
+        h.held.insert(from, held);
+        self.try_resume();
+    }
+
+    /// Every halted worker answered: continue from the newest synchronized version all of
+    /// them hold.
+    fn try_resume(&mut self) {
+        let Some(h) = &self.halting else { return };
+        if !h.waiting.is_empty() {
+            return;
+        }
+        let h = self.halting.take().expect("checked");
+        let newest_synced =
+            |vs: &[HeldVersion]| vs.iter().filter(|v| v.synced).map(|v| v.version).max();
+        let Some(v) = h.held.values().filter_map(|vs| newest_synced(vs)).min() else {
+            return self.finish(Event::Stalled("no live node holds the latest model".into()));
+        };
+        // Steps below v were finished by every survivor (their reports came before their
+        // answers); the lost node's reports will not come.
+        while self.agreed < v && !self.finished {
+            self.agree_partial(self.agreed);
+        }
+        if self.finished {
+            return;
+        }
+        if v < self.agreed {
+            // A loss inside a local-SGD period: back to the last averaged model.
+            self.agreed = v;
+            self.out.push(Effect::RolledBack { to: v });
+        }
+        self.reports.clear();
+        self.eras.clear();
+        self.joiners.clear();
+        let holders: Holders = h
+            .held
+            .iter()
+            .filter_map(|(n, vs)| {
+                let hv = vs.iter().find(|x| x.version == v)?;
+                Some((*n, hv.layers))
+            })
+            .collect();
+        self.begin_epoch(v, &holders);
+    }
+
+    /// Agree step `s` with the reports that came (the lost node's are missing).
+    fn agree_partial(&mut self, s: u64) {
+        let Some(era) = self.era_of(s).cloned() else {
+            self.agreed = s + 1;
+            return;
+        };
+        let reports = self.reports.entry(s).or_default();
+        for w in era.workers() {
+            reports.entry(w).or_insert(Report {
+                digest: u64::MAX,
+                compute_ns: 0,
+            });
+        }
+        // The lost node's placeholder must not count as a disagreeing replica.
+        let known: BTreeMap<NodeId, Report> = reports
+            .iter()
+            .filter(|(_, r)| r.digest != u64::MAX)
+            .map(|(n, r)| (*n, *r))
+            .collect();
+        let mut era = era;
+        for (_, members) in &mut era.groups {
+            members.retain(|m| known.contains_key(m));
+        }
+        era.assigns.retain(|a| known.contains_key(&a.node));
+        self.reports.insert(s, known);
+        if let Some(e) = self.eras.iter_mut().rev().find(|e| e.from <= s) {
+            *e = era;
+        }
+        self.agree(s);
+    }
+
+    fn on_join(&mut self, node: NodeId) {
+        self.emit(Event::Joined { node });
+        self.initial.remove(&node);
+        if self.involved().contains(&node) {
+            // A worker that restarted has lost its state: the epoch cannot go on as planned.
+            return self.lost_worker(node);
+        }
+        self.joiners.insert(node);
+        self.admit_joiners();
+    }
+
+    /// Joined nodes take part from the next boundary no node has passed, once no other change
+    /// is pending (one switch at a time: every node then has at most one epoch waiting).
+    fn admit_joiners(&mut self) {
+        if self.halting.is_some() || self.eras.len() != 1 || self.joiners.is_empty() {
+            return;
+        }
+        self.joiners.clear();
+        self.switch();
+    }
+}

@@ -1,0 +1,76 @@
+//! A node's measured speed, smoothed so that noise is not mistaken for drift: the median of its
+//! last few per-step figures. On a shared machine one step in five can take twice as long (the
+//! scheduler, another process); the median ignores such outliers, yet follows a real change
+//! (a node that turns 3x slower) within half a window.
+
+use std::collections::VecDeque;
+
+/// The last `window` figures of one node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpeedEstimate {
+    window: usize,
+    recent: VecDeque<f64>,
+}
+
+impl SpeedEstimate {
+    /// An estimate that starts from `first` (the figure the plan used), over `window` figures.
+    pub fn new(first: f64, window: usize) -> Self {
+        let mut recent = VecDeque::with_capacity(window.max(1));
+        recent.push_back(first);
+        SpeedEstimate {
+            window: window.max(1),
+            recent,
+        }
+    }
+
+    /// Add one step's figure.
+    pub fn add(&mut self, x: f64) {
+        if !x.is_finite() {
+            return;
+        }
+        if self.recent.len() == self.window {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(x);
+    }
+
+    /// The median of the figures kept.
+    pub fn get(&self) -> f64 {
+        let mut v: Vec<f64> = self.recent.iter().copied().collect();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            0.5 * (v[n / 2 - 1] + v[n / 2])
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// One outlier in a steady stream moves the estimate by nothing; a lasting change is
+        /// followed within half a window.
+        #[test]
+        fn ignores_outliers_and_follows_a_change(
+            base in 0.1f64..10.0,
+            factor in 2.0f64..5.0,
+            window in 3usize..12,
+            at in 0usize..12,
+        ) {
+            let mut e = SpeedEstimate::new(base, window);
+            for k in 0..window + 3 {
+                e.add(if k == at { base * 50.0 } else { base });
+            }
+            prop_assert_eq!(e.get(), base);
+            for _ in 0..window / 2 + 1 {
+                e.add(base * factor);
+            }
+            prop_assert!((e.get() - base * factor).abs() < 1e-9 * base, "{} vs {}", e.get(), base * factor);
+        }
+    }
+}

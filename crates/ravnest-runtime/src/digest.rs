@@ -1,0 +1,88 @@
+//! What every node computes the same way: which global samples a share of a step covers, and
+//! the digest of a model version that replicas compare after every synchronized step.
+
+use std::ops::Range;
+
+use crate::trace::Fnv;
+
+/// Global sample indices of `batch` samples at `offset` within step `step` of a global batch
+/// of `global_batch`: `step·B + offset ..`. Every node and the single-node reference read the
+/// same indices, so a distributed step covers exactly the samples of a single-node step.
+pub fn sample_range(step: u64, global_batch: u64, offset: u64, batch: u64) -> Range<u64> {
+    let start = step * global_batch + offset;
+    start..start + batch
+}
+
+/// Digest of a model's exact bits, computed every step on every replica, so it must cost far
+/// less than the step: four independent lanes (the CPU overlaps them) of a multiply-rotate mix
+/// over pairs of words, folded at the end with the length. Each lane update is a bijection of
+/// the word it takes in, so changing any one value always changes that lane.
+pub fn digest(model: &[f32]) -> u64 {
+    const K: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut lanes: [u64; 4] = [
+        0x243F_6A88_85A3_08D3,
+        0x1319_8A2E_0370_7344,
+        0xA409_3822_299F_31D0,
+        0x082E_FA98_EC4E_6C89,
+    ];
+    let word = |a: f32, b: f32| u64::from(a.to_bits()) | (u64::from(b.to_bits()) << 32);
+    let blocks = model.chunks_exact(8);
+    let rest = blocks.remainder();
+    for c in blocks {
+        for (i, lane) in lanes.iter_mut().enumerate() {
+            *lane = (*lane ^ word(c[2 * i], c[2 * i + 1]))
+                .wrapping_mul(K)
+                .rotate_left(29);
+        }
+    }
+    let mut h = Fnv::default();
+    for lane in lanes {
+        h.u64(lane);
+    }
+    for x in rest {
+        h.u64(u64::from(x.to_bits()));
+    }
+    h.u64(model.len() as u64);
+    h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Changing one value's bits, or the length, changes the digest.
+        #[test]
+        fn one_changed_value_changes_the_digest(
+            model in prop::collection::vec(any::<f32>(), 0..40),
+            at in any::<usize>(),
+            bits in any::<u32>(),
+        ) {
+            let d = digest(&model);
+            prop_assert_eq!(d, digest(&model.clone()));
+            if !model.is_empty() {
+                let i = at % model.len();
+                let mut other = model.clone();
+                other[i] = f32::from_bits(bits);
+                if other[i].to_bits() != model[i].to_bits() {
+                    prop_assert_ne!(d, digest(&other), "changed element {}", i);
+                }
+            }
+            let mut longer = model.clone();
+            longer.push(0.0);
+            prop_assert_ne!(d, digest(&longer));
+        }
+    }
+
+    #[test]
+    fn shares_of_a_step_tile_its_samples() {
+        assert_eq!(sample_range(3, 10, 0, 4), 30..34);
+        assert_eq!(sample_range(3, 10, 4, 6), 34..40);
+    }
+
+    #[test]
+    fn signed_zeros_differ() {
+        assert_ne!(digest(&[0.0; 9]), digest(&[-0.0; 9]));
+    }
+}

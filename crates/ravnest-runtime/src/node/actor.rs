@@ -1,0 +1,557 @@
+//! The node actor's message handling: epochs arrive and switch at their first step, grants move
+//! the horizon, a halt stops everything and reports the versions held, peers ask for versions.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ravnest_core::NodeId;
+
+use super::step::{Pipe, Running};
+use super::versions::{Version, Versions};
+use super::{NodeActor, ProbeWaiters, Start, spawn_link_probes};
+use crate::collective::{CollectiveActor, CollectiveMsg, Group, Outcome};
+use crate::msg::{Addr, Envelope, Work};
+use crate::seams::{Compute, Transport};
+
+/// Messages a node actor handles.
+#[derive(Debug)]
+pub enum NodeMsg {
+    /// An envelope from the network.
+    Net(Addr, Envelope),
+    /// The node's collective actor finished (or abandoned) a collective.
+    Collective(Outcome),
+    /// Go on with the next step (sent to itself after each step, so that messages that came
+    /// in meanwhile, a halt or a new epoch, are seen first).
+    Advance,
+}
+
+/// An activation or gradient that arrived before its step started here.
+#[derive(Debug)]
+pub(super) struct EarlyInput {
+    pub epoch: u64,
+    pub step: u64,
+    pub is_grad: bool,
+    pub micro: u32,
+    pub data: Vec<f32>,
+}
+
+/// A model version being fetched from peers before an epoch can start here: the whole model
+/// (`missing` empty, `whole`), or some layers on top of this node's own copy.
+#[derive(Debug)]
+pub(super) struct Fetch {
+    pub version: u64,
+    pub model: Vec<f32>,
+    pub missing: BTreeSet<(u32, u32)>,
+    pub whole: bool,
+}
+
+/// A peer's request for a version: (version, who, layers).
+pub(super) type Request = (u64, NodeId, Option<(u32, u32)>);
+
+/// Requests for versions this node has not made yet, kept at most.
+const REQUESTS_MAX: usize = 64;
+
+/// A node's mutable state.
+#[derive(Debug, Default)]
+pub struct NodeState {
+    pub(super) me: Option<ActorRef<NodeMsg>>,
+    /// The newest epoch seen.
+    pub(super) epoch: u64,
+    /// The epoch being run.
+    pub(super) work: Option<Work>,
+    /// The next epoch, from a step this node has not reached yet.
+    pub(super) next_work: Option<Work>,
+    /// Stopped by a halt until the next epoch arrives.
+    pub(super) halted: bool,
+    pub(super) versions: Versions,
+    /// The data-parallel step in progress.
+    pub(super) running: Option<Running>,
+    /// The pipeline stage step in progress.
+    pub(super) pipe: Option<Pipe>,
+    pub(super) early_pipe: Vec<EarlyInput>,
+    pub(super) fetching: Option<Fetch>,
+    /// Versions asked for before this node had them.
+    pub(super) requests: Vec<Request>,
+    pub(super) collective: Option<ActorRef<CollectiveMsg>>,
+    /// The sync group of the current epoch.
+    pub(super) group: Option<(u64, Arc<Group>)>,
+    pub(super) probes: ProbeWaiters,
+    pub(super) probe_seq: u64,
+}
+
+impl<T: Transport, C: Compute> NodeActor<T, C> {
+    pub(super) fn me(&self) -> Addr {
+        Addr::Node(self.id)
+    }
+
+    pub(super) fn send(&self, to: Addr, env: Envelope) {
+        // A send can only fail for an unknown address or a downed sender; both mean this node
+        // is being torn down or the cluster changed under it, and the detector handles it.
+        let _ = self.transport.send(self.me(), to, env);
+    }
+
+    pub(super) fn count(&self, f: impl FnOnce(&mut super::NodeCounters)) {
+        f(self.counters.lock().unwrap().entry(self.id).or_default());
+    }
+
+    /// A new epoch. A node still running the previous one finishes that epoch's steps below
+    /// the new one's first step, then switches; any other node switches now.
+    async fn on_work(&self, st: &mut NodeState, w: Work) {
+        if w.epoch <= st.epoch {
+            return;
+        }
+        st.epoch = w.epoch;
+        let latest = st.versions.latest();
+        let will_reach = !st.halted
+            && st.work.as_ref().is_some_and(|c| c.until >= w.step)
+            && latest.is_some_and(|l| l < w.step);
+        if will_reach {
+            st.next_work = Some(w);
+        } else {
+            self.drop_step(st);
+            st.next_work = None;
+            st.halted = false;
+            self.activate(st, w);
+        }
+        self.advance(st).await;
+    }
+
+    /// Abandon a step in progress (its epoch is over).
+    fn drop_step(&self, st: &mut NodeState) {
+        if st.running.take().is_some() || st.pipe.take().is_some() {
+            self.count(|c| c.aborted += 1);
+        }
+    }
+
+    /// Make `w` the epoch being run: from its first step's version, which this node holds, or
+    /// fetches (whole, or the layers it lacks).
+    pub(super) fn activate(&self, st: &mut NodeState, w: Work) {
+        st.versions.truncate_after(w.step);
+        st.fetching = None;
+        st.early_pipe
+            .retain(|e| e.epoch > w.epoch || (e.epoch == w.epoch && e.step >= w.step));
+        if let Some(c) = &st.collective {
+            let _ = c.cast(CollectiveMsg::Halt(w.epoch.saturating_sub(1)));
+        }
+        let fetch = w
+            .stage
+            .as_ref()
+            .map(|s| s.fetch.clone())
+            .unwrap_or_default();
+        if !fetch.is_empty() {
+            let model = st
+                .versions
+                .get(w.step)
+                .map_or_else(|| self.compute.initial_model(), |v| (*v.model).clone());
+            for &(peer, layers) in &fetch {
+                self.ask_state(peer, w.step, Some(layers));
+            }
+            st.fetching = Some(Fetch {
+                version: w.step,
+                model,
+                missing: fetch.iter().map(|f| f.1).collect(),
+                whole: false,
+            });
+        } else if st.versions.get(w.step).is_none()
+            && let Some(peer) = w.state_from
+        {
+            self.ask_state(peer, w.step, None);
+            st.fetching = Some(Fetch {
+                version: w.step,
+                model: Vec::new(),
+                missing: BTreeSet::new(),
+                whole: true,
+            });
+        }
+        st.work = Some(w);
+    }
+
+    fn ask_state(&self, peer: NodeId, version: u64, layers: Option<(u32, u32)>) {
+        self.send(
+            Addr::Node(peer),
+            Envelope::StateRequest {
+                version,
+                to: self.id,
+                layers,
+            },
+        );
+    }
+
+    /// Start the next step if the epoch allows it: switch to the next epoch at its first step,
+    /// stop at the grant or the run's end.
+    pub(super) async fn advance(&self, st: &mut NodeState) {
+        if st.running.is_some() || st.pipe.is_some() || st.fetching.is_some() || st.halted {
+            return;
+        }
+        let Some(latest) = st.versions.latest() else {
+            return;
+        };
+        if st.next_work.as_ref().is_some_and(|n| n.step <= latest)
+            && let Some(w) = st.next_work.take()
+        {
+            self.activate(st, w);
+            if st.fetching.is_some() {
+                return;
+            }
+        }
+        let Some(w) = &st.work else { return };
+        let s = st.versions.latest().unwrap_or(latest);
+        if s < w.step || s >= w.until || s >= w.end {
+            return;
+        }
+        self.run_step(st, s).await;
+    }
+
+    /// This node's training step time as a function of its batch: steps of `batch` and of a
+    /// quarter of it, alternating, the optimizer applied to a scratch copy, for about
+    /// `duration_ms` after a warm-up step; a line through the two means gives the fixed cost
+    /// per step and the cost per sample.
+    async fn calibrate(&self, st: &NodeState, batch: u64, duration_ms: u64) -> Envelope {
+        let model = st
+            .versions
+            .latest()
+            .and_then(|v| st.versions.get(v))
+            .map_or_else(
+                || Arc::new(self.compute.initial_model()),
+                |v| v.model.clone(),
+            );
+        let scratch = Arc::new(std::sync::Mutex::new((*model).clone()));
+        let params = self.compute.params(model.len());
+        let buckets = self.compute.buckets(params);
+        let apply: crate::seams::BucketSink = {
+            let (scratch, compute) = (scratch.clone(), self.compute.clone());
+            Arc::new(move |k: usize, g: Vec<f32>| {
+                if let Some(r) = buckets.get(k) {
+                    compute.apply_update(&mut scratch.lock().unwrap(), r.clone(), &g);
+                }
+            })
+        };
+        let sizes = [batch.max(1), (batch / 4).max(1)];
+        let _ = self
+            .compute
+            .gradient_sum(self.id, 0, 0..sizes[0], model.clone(), apply.clone())
+            .await;
+        let start = tokio::time::Instant::now();
+        let mut spent = [0.0f64; 2];
+        let mut runs = [0u32; 2];
+        let mut k = 0;
+        while k < 6 || (start.elapsed().as_millis() < u128::from(duration_ms) && k < 10_000) {
+            let which = k % 2;
+            let t = tokio::time::Instant::now();
+            let _ = self
+                .compute
+                .gradient_sum(
+                    self.id,
+                    k as u64,
+                    0..sizes[which],
+                    model.clone(),
+                    apply.clone(),
+                )
+                .await;
+            self.compute.end_update(&mut scratch.lock().unwrap());
+            spent[which] += t.elapsed().as_secs_f64();
+            runs[which] += 1;
+            k += 1;
+        }
+        let mean = |i: usize| spent[i] / f64::from(runs[i].max(1));
+        let (t1, t2) = (mean(0), mean(1));
+        let (b1, b2) = (sizes[0] as f64, sizes[1] as f64);
+        let slope = if b1 > b2 { (t1 - t2) / (b1 - b2) } else { 0.0 };
+        let (per_sample_s, overhead_s) = if slope > 0.0 && t1 - slope * b1 >= 0.0 {
+            (slope, t1 - slope * b1)
+        } else {
+            // Noise hid the fixed cost: call it all per-sample.
+            (t1 / b1, 0.0)
+        };
+        Envelope::Measured {
+            samples_per_s: b1 / t1.max(1e-12),
+            per_sample_s,
+            overhead_s,
+        }
+    }
+
+    /// Stop every step of `epoch` and earlier, and tell the coordinator what is held.
+    fn on_halt(&self, st: &mut NodeState, epoch: u64) {
+        self.drop_step(st);
+        st.halted = true;
+        st.next_work = None;
+        st.fetching = None;
+        if let Some(c) = &st.collective {
+            let _ = c.cast(CollectiveMsg::Halt(epoch));
+        }
+        self.send(
+            Addr::Coordinator,
+            Envelope::Halted {
+                epoch,
+                held: st.versions.held(),
+            },
+        );
+    }
+
+    fn on_grant(&self, st: &mut NodeState, epoch: u64, until: u64) {
+        for w in [&mut st.work, &mut st.next_work].into_iter().flatten() {
+            if w.epoch == epoch {
+                w.until = w.until.max(until);
+            }
+        }
+    }
+
+    /// A peer asks for a version: send it, or keep the request until this node makes it.
+    pub(super) fn on_state_request(
+        &self,
+        st: &mut NodeState,
+        version: u64,
+        to: NodeId,
+        layers: Option<(u32, u32)>,
+    ) {
+        let Some(v) = st.versions.get(version) else {
+            if st.versions.latest().is_none_or(|l| version > l) && st.requests.len() < REQUESTS_MAX
+            {
+                st.requests.push((version, to, layers));
+            }
+            return;
+        };
+        let model = &v.model;
+        let range = match layers {
+            Some((a, b)) => self
+                .compute
+                .param_range(a as usize..b as usize, model.len()),
+            None => 0..model.len(),
+        };
+        if let Some(part) = model.get(range) {
+            self.send(
+                Addr::Node(to),
+                Envelope::State {
+                    version,
+                    model: part.to_vec(),
+                    virtual_bytes: self.model_bytes * part.len() as u64 / model.len().max(1) as u64,
+                    layers,
+                },
+            );
+        }
+    }
+
+    /// Serve the requests waiting for a version this node just made.
+    pub(super) fn serve_requests(&self, st: &mut NodeState) {
+        let Some(latest) = st.versions.latest() else {
+            return;
+        };
+        let (now, later): (Vec<_>, Vec<_>) = std::mem::take(&mut st.requests)
+            .into_iter()
+            .partition(|r| r.0 <= latest);
+        st.requests = later;
+        for (version, to, layers) in now {
+            self.on_state_request(st, version, to, layers);
+        }
+    }
+
+    /// A version (or some layers of one) from a peer.
+    async fn on_state(
+        &self,
+        st: &mut NodeState,
+        version: u64,
+        model: Vec<f32>,
+        layers: Option<(u32, u32)>,
+    ) {
+        let Some(f) = st.fetching.as_mut() else {
+            return;
+        };
+        if f.version != version {
+            return;
+        }
+        match layers {
+            None if f.whole => f.model = model,
+            Some(l) if !f.whole => {
+                let range = self
+                    .compute
+                    .param_range(l.0 as usize..l.1 as usize, f.model.len());
+                if range.len() != model.len() || range.end > f.model.len() || !f.missing.remove(&l)
+                {
+                    return;
+                }
+                f.model[range].copy_from_slice(&model);
+                if !f.missing.is_empty() {
+                    return;
+                }
+            }
+            _ => return,
+        }
+        let Some(f) = st.fetching.take() else { return };
+        let layers = st.work.as_ref().and_then(Work::layers);
+        st.versions.truncate_after(f.version);
+        st.versions.insert(
+            f.version,
+            Version {
+                model: Arc::new(f.model),
+                synced: true,
+                layers,
+            },
+        );
+        self.advance(st).await;
+    }
+
+    async fn on_net(&self, st: &mut NodeState, from: Addr, env: Envelope) {
+        match env {
+            Envelope::Work(w) => self.on_work(st, *w).await,
+            Envelope::Grant { epoch, until } => {
+                self.on_grant(st, epoch, until);
+                self.advance(st).await;
+            }
+            Envelope::Halt { epoch } => self.on_halt(st, epoch),
+            Envelope::Measure { batch, duration_ms } => {
+                let measured = self.calibrate(st, batch, duration_ms).await;
+                self.send(Addr::Coordinator, measured);
+            }
+            Envelope::Coll { msg, .. } => {
+                if let Some(c) = &st.collective {
+                    let _ = c.cast(CollectiveMsg::Net(msg));
+                }
+            }
+            Envelope::Activation {
+                epoch,
+                step,
+                micro,
+                data,
+                ..
+            } => {
+                self.on_stage_input(st, epoch, step, false, micro, data)
+                    .await
+            }
+            Envelope::ActivationGrad {
+                epoch,
+                step,
+                micro,
+                data,
+                ..
+            } => {
+                self.on_stage_input(st, epoch, step, true, micro, data)
+                    .await
+            }
+            Envelope::StateRequest {
+                version,
+                to,
+                layers,
+            } => self.on_state_request(st, version, to, layers),
+            Envelope::State {
+                version,
+                model,
+                layers,
+                ..
+            } => self.on_state(st, version, model, layers).await,
+            Envelope::ProbePeers { peers } => {
+                // Ids unique to this node: its id in the high bits.
+                let first = (u64::from(self.id.0) << 40) + st.probe_seq;
+                st.probe_seq += 6 * peers.len() as u64 + 1;
+                spawn_link_probes(
+                    self.transport.clone(),
+                    self.id,
+                    peers,
+                    st.probes.clone(),
+                    first,
+                );
+            }
+            Envelope::Probe {
+                id, echo: false, ..
+            } => {
+                if let Some(tx) = st.probes.lock().unwrap().remove(&id) {
+                    let _ = tx.send(());
+                }
+            }
+            Envelope::Probe {
+                id,
+                data,
+                echo: true,
+            } => self.send(
+                from,
+                Envelope::Probe {
+                    id,
+                    data,
+                    echo: false,
+                },
+            ),
+            // Addressed to the coordinator or the checkpoint actor, not to a node: ignore.
+            _ => {}
+        }
+    }
+}
+
+impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
+    type Msg = NodeMsg;
+    type State = NodeState;
+    type Arguments = Start;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<NodeMsg>,
+        start: Start,
+    ) -> Result<NodeState, ActorProcessingErr> {
+        let outcomes = {
+            let me = myself.clone();
+            Arc::new(move |o| {
+                let _ = me.cast(NodeMsg::Collective(o));
+            })
+        };
+        let (collective, _) = Actor::spawn_linked(
+            None,
+            CollectiveActor {
+                id: self.id,
+                transport: self.transport.clone(),
+                outcomes,
+            },
+            (),
+            myself.get_cell(),
+        )
+        .await?;
+        // Collective traffic goes straight to the collective actor; the rest to the node.
+        {
+            let (node, coll) = (myself.clone(), collective.clone());
+            self.transport.register(
+                self.me(),
+                Arc::new(move |from, env| match env {
+                    Envelope::Coll { msg, .. } => {
+                        let _ = coll.cast(CollectiveMsg::Net(msg));
+                    }
+                    env => {
+                        let _ = node.cast(NodeMsg::Net(from, env));
+                    }
+                }),
+            );
+        }
+        let mut st = NodeState {
+            me: Some(myself),
+            collective: Some(collective),
+            ..NodeState::default()
+        };
+        match start {
+            Start::Fresh => {
+                let v = self.compute.initial_version();
+                st.versions.insert(
+                    v,
+                    Version {
+                        model: Arc::new(self.compute.initial_model()),
+                        synced: true,
+                        layers: None,
+                    },
+                );
+            }
+            Start::Rejoin => self.send(Addr::Coordinator, Envelope::Join),
+            Start::Empty => {}
+        }
+        Ok(st)
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<NodeMsg>,
+        msg: NodeMsg,
+        st: &mut NodeState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            NodeMsg::Net(from, env) => self.on_net(st, from, env).await,
+            NodeMsg::Collective(outcome) => self.on_outcome(st, outcome),
+            NodeMsg::Advance => self.advance(st).await,
+        }
+        Ok(())
+    }
+}

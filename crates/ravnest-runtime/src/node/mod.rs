@@ -1,0 +1,214 @@
+//! The node actor: runs its standing assignment step after step, hands each gradient bucket to
+//! its collective actor as backward produces it, applies what comes back, reports each step
+//! asynchronously, and keeps model versions for peers that need them.
+//!
+//! A thin shell: work arrives as a [`Work`] (an epoch), gradients come from the [`Compute`]
+//! seam, synchronization runs in the node's [`crate::collective::CollectiveActor`], and the
+//! version bookkeeping is [`versions::Versions`]. [`actor`] holds the message handling and the
+//! epoch switches, [`step`] one step's work (data parallel or a pipeline stage).
+
+pub mod actor;
+pub mod step;
+pub mod versions;
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ravnest_core::NodeId;
+use tokio::time::Instant;
+
+use crate::msg::{Addr, Envelope};
+use crate::seams::Transport;
+
+pub use actor::{NodeMsg, NodeState};
+
+/// What a node was doing during a [`Span`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpanKind {
+    /// Computing a step.
+    Compute,
+    /// Waiting for a step's collectives after its compute (communication not hidden).
+    Comm,
+}
+
+/// An interval of activity, ns since the start of the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    /// Start.
+    pub start_ns: u64,
+    /// End.
+    pub end_ns: u64,
+    /// Activity.
+    pub kind: SpanKind,
+}
+
+/// Per-node counters, shared with whoever reports.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NodeCounters {
+    /// Ns spent computing.
+    pub compute_ns: u64,
+    /// Ns between the end of a step's compute and the end of its collectives: communication
+    /// that backward did not hide.
+    pub comm_ns: u64,
+    /// Steps this node applied.
+    pub steps: u64,
+    /// Samples per step of its current assignment.
+    pub batch: u64,
+    /// Steps abandoned under it (a halt).
+    pub aborted: u64,
+    /// The latest model version this node holds, and the version number.
+    pub model: (u64, Arc<Vec<f32>>),
+    /// The part of `model` that version applies to (a pipeline stage keeps only its layers
+    /// current; the rest is stale).
+    pub model_range: Range<usize>,
+    /// Gradient values copied per step outside the compute backend and the collectives (the
+    /// weighting is applied in place; this counts the copy of the previous version that the
+    /// update is applied to).
+    pub copied_per_step: u64,
+    /// Activity intervals, in order (for timelines).
+    pub spans: Vec<Span>,
+    /// After each step: (version made, `compute_ns`, `comm_ns`, ns since the start), so a
+    /// report can leave out the first steps (warm-up) of a run.
+    pub history: Vec<(u64, u64, u64, u64)>,
+}
+
+impl NodeCounters {
+    /// (busy, comm) fractions of the wall time between making version `from` and the last
+    /// step, or `None` when that span is not in the history.
+    pub fn steady_fractions(&self, from: u64) -> Option<(f64, f64)> {
+        let start = self.history.iter().find(|h| h.0 == from)?;
+        let end = self.history.last()?;
+        let wall = end.3.checked_sub(start.3).filter(|w| *w > 0)? as f64;
+        Some((
+            (end.1 - start.1) as f64 / wall,
+            (end.2 - start.2) as f64 / wall,
+        ))
+    }
+}
+
+/// Counters of every node.
+pub type Counters = Arc<Mutex<BTreeMap<NodeId, NodeCounters>>>;
+
+/// A node actor (read-only configuration; mutable state lives in [`NodeState`]).
+#[derive(Debug)]
+pub struct NodeActor<T, C> {
+    /// This node.
+    pub id: NodeId,
+    /// The network.
+    pub transport: T,
+    /// The compute backend.
+    pub compute: Arc<C>,
+    /// Bytes one full gradient stands for (buckets are charged their share).
+    pub grad_bytes: u64,
+    /// Bytes one model copy stands for.
+    pub model_bytes: u64,
+    /// Counters.
+    pub counters: Counters,
+    /// Start of the run (spans are measured from it).
+    pub t0: Instant,
+}
+
+/// Whether the node starts with the initial model or must fetch state (it restarted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// First start: the seeded initial model is version 0.
+    Fresh,
+    /// Restart after a crash: no state; ask the coordinator to join.
+    Rejoin,
+    /// Start without state and wait for work naming a peer to fetch it from (a resumed run,
+    /// where only the coordinator's host read the checkpoint).
+    Empty,
+}
+
+pub(crate) type ProbeWaiters = Arc<Mutex<BTreeMap<u64, tokio::sync::oneshot::Sender<()>>>>;
+
+/// Elements of the small probe (latency) and of the large one (bandwidth: 1 MiB).
+pub const PROBE_SMALL: usize = 16;
+/// See [`PROBE_SMALL`].
+pub const PROBE_LARGE: usize = 1 << 18;
+
+/// A link's (latency ms, bandwidth Gbit/s) from the best round trips of a small and a large
+/// echo probe ([`PROBE_SMALL`], [`PROBE_LARGE`] elements): latency is half the small round
+/// trip; the large one carries 2 x 1 MiB more than the small one in its extra time.
+pub fn link_from_round_trips(small_s: f64, large_s: f64) -> (f64, f64) {
+    let extra_bits = 2.0 * 4.0 * (PROBE_LARGE - PROBE_SMALL) as f64 * 8.0;
+    let gbps = (extra_bits / (large_s - small_s).max(1e-6) / 1e9).min(400.0);
+    (small_s / 2.0 * 1e3, gbps)
+}
+
+/// Measure the links from `me` to `peers` (best of three round trips each) and report them
+/// to the coordinator. Runs beside the actor, which routes the echoes back by id.
+pub(crate) fn spawn_link_probes<T: Transport>(
+    transport: T,
+    me: NodeId,
+    peers: Vec<NodeId>,
+    waiters: ProbeWaiters,
+    first_id: u64,
+) {
+    tokio::spawn(async move {
+        let mut id = first_id;
+        let mut links = Vec::new();
+        for peer in peers {
+            let mut best = [f64::INFINITY; 2];
+            for (k, len) in [(0, PROBE_SMALL), (1, PROBE_LARGE)] {
+                for _ in 0..3 {
+                    id += 1;
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    waiters.lock().unwrap().insert(id, tx);
+                    let t = Instant::now();
+                    let sent = transport.send(
+                        Addr::Node(me),
+                        Addr::Node(peer),
+                        Envelope::Probe {
+                            id,
+                            data: vec![0.0; len],
+                            echo: true,
+                        },
+                    );
+                    if sent.is_ok()
+                        && matches!(
+                            tokio::time::timeout(Duration::from_secs(5), rx).await,
+                            Ok(Ok(()))
+                        )
+                    {
+                        best[k] = best[k].min(t.elapsed().as_secs_f64());
+                    }
+                    waiters.lock().unwrap().remove(&id);
+                }
+            }
+            if best.iter().all(|b| b.is_finite()) {
+                let (lat, gbps) = link_from_round_trips(best[0], best[1]);
+                links.push((peer, lat, gbps));
+            }
+        }
+        let _ = transport.send(
+            Addr::Node(me),
+            Addr::Coordinator,
+            Envelope::LinkReport { links },
+        );
+    });
+}
+
+/// A node process's heartbeat: a task beside the actor (so a long compute does not silence
+/// it), sending to the coordinator every `period`.
+pub fn spawn_heartbeat<T: Transport>(
+    transport: T,
+    id: NodeId,
+    period: Duration,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if transport
+                .send(Addr::Node(id), Addr::Coordinator, Envelope::Heartbeat)
+                .is_err()
+            {
+                return;
+            }
+        }
+    })
+}

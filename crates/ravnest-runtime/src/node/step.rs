@@ -1,0 +1,729 @@
+//! One step of a node's epoch: compute, hand each gradient bucket to the collective actor as
+//! backward finishes it, apply each reduced bucket as it comes back, and record the new version.
+//!
+//! Data parallel: the backend hands the gradient sum bucket by bucket (last layers first); each
+//! bucket is weighted by b_i / B in place and starts its own collective at once, so the ring of
+//! the last layers runs while backward computes the first ones. Each bucket's sum is applied to
+//! its parameters as it arrives. A pipeline stage runs its micro-batches in 1F1B order as
+//! activations and gradients arrive, then reduces its layers' gradient with its sync group.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+use ravnest_core::collective::CollId;
+use ravnest_core::pipeline::{Ready, StageRun, micro_batches};
+use tokio::time::Instant;
+
+use super::actor::{EarlyInput, NodeMsg, NodeState};
+use super::versions::Version;
+use super::{NodeActor, Span, SpanKind};
+use crate::collective::{CollectiveMsg, Group, Outcome};
+use crate::digest::{digest, sample_range};
+use crate::msg::{Addr, Envelope, StageWork, StepMode, Work};
+use crate::seams::{BucketSink, Compute, ComputeError, Transport};
+
+/// Buckets collected from a backend: (index, values).
+type Parts = Arc<Mutex<Vec<(usize, Vec<f32>)>>>;
+
+/// Steps of history kept per node (a few MB at most).
+const HISTORY_MAX: usize = 1 << 18;
+
+/// A step whose collectives are running.
+#[derive(Debug)]
+pub(crate) struct Running {
+    epoch: u64,
+    step: u64,
+    mode: StepMode,
+    base: Arc<Vec<f32>>,
+    /// The part of the model this node keeps current (digested, reported).
+    range: Range<usize>,
+    layers: Option<(u32, u32)>,
+    /// Where each collective's result goes: parameter ranges (a gradient), or the model range
+    /// (an averaged model).
+    targets: Vec<Range<usize>>,
+    next: Option<Vec<f32>>,
+    pending: usize,
+    /// When the compute ended (the collectives may still run).
+    computed: Option<Instant>,
+    compute_ns: u64,
+}
+
+/// A pipeline stage's step in progress.
+#[derive(Debug)]
+pub(crate) struct Pipe {
+    epoch: u64,
+    step: u64,
+    global_batch: u64,
+    sw: StageWork,
+    run: StageRun,
+    /// Global sample ranges of the micro-batches.
+    micros: Vec<Range<u64>>,
+    /// Model version `step`.
+    model: Arc<Vec<f32>>,
+    /// This stage's layers, and where their parameters sit in `model`.
+    layers: Range<usize>,
+    range: Range<usize>,
+    /// Forward input and output per micro-batch awaiting its backward.
+    saved: BTreeMap<u32, (Option<Vec<f32>>, Vec<f32>)>,
+    /// Σ of the layers' parameter gradients so far.
+    grad: Vec<f32>,
+    compute_ns: u64,
+}
+
+fn feed(run: &mut StageRun, is_grad: bool, micro: u32, data: Vec<f32>) -> bool {
+    let r = if is_grad {
+        run.gradient(micro, data)
+    } else {
+        run.activation(micro, data)
+    };
+    r.is_ok()
+}
+
+impl<T: Transport, C: Compute> NodeActor<T, C> {
+    fn span(&self, since: Instant, kind: SpanKind) -> Span {
+        Span {
+            start_ns: since.duration_since(self.t0).as_nanos() as u64,
+            end_ns: self.t0.elapsed().as_nanos() as u64,
+            kind,
+        }
+    }
+
+    /// Record compute since `since` (adjacent compute spans merge: a pipeline stage computes
+    /// many short micro-batches). Returns its ns.
+    fn computed(&self, since: Instant) -> u64 {
+        let span = self.span(since, SpanKind::Compute);
+        let ns = since.elapsed().as_nanos() as u64;
+        self.count(|c| {
+            c.compute_ns += ns;
+            match c.spans.last_mut() {
+                Some(last) if last.kind == span.kind && last.end_ns == span.start_ns => {
+                    last.end_ns = span.end_ns;
+                }
+                _ => c.spans.push(span),
+            }
+        });
+        ns
+    }
+
+    fn fail(&self, epoch: u64, reason: String) {
+        self.send(Addr::Coordinator, Envelope::StepFailed { epoch, reason });
+    }
+
+    /// The epoch's sync group (built once per epoch, shared by its collectives).
+    fn group(&self, st: &mut NodeState, w: &Work) -> Arc<Group> {
+        match &st.group {
+            Some((e, g)) if *e == w.epoch => g.clone(),
+            _ => {
+                let g = Arc::new(Group {
+                    ring: w.ring.clone(),
+                    collective: w.collective,
+                    group_size: w.group_size,
+                });
+                st.group = Some((w.epoch, g.clone()));
+                g
+            }
+        }
+    }
+
+    fn start_collective(&self, st: &NodeState, id: CollId, group: Arc<Group>, data: Vec<f32>) {
+        let virtual_bytes = self.grad_bytes;
+        if let Some(c) = &st.collective {
+            let _ = c.cast(CollectiveMsg::Start {
+                id,
+                group,
+                data,
+                virtual_bytes,
+            });
+        }
+    }
+
+    /// Run step `s` of the current epoch (this node holds version `s`).
+    pub(super) async fn run_step(&self, st: &mut NodeState, s: u64) {
+        let Some(w) = st.work.clone() else { return };
+        let Some(base) = st.versions.get(s).map(|v| v.model.clone()) else {
+            return;
+        };
+        self.count(|c| c.batch = w.batch);
+        if let Some(sw) = w.stage.clone() {
+            return self.start_stage(st, &w, sw, s, base).await;
+        }
+        match w.mode(s) {
+            StepMode::Sync => self.sync_step(st, &w, s, base).await,
+            mode => self.local_step(st, &w, s, base, mode).await,
+        }
+    }
+
+    /// A synchronous data-parallel step: buckets enter their collectives as backward makes them.
+    async fn sync_step(&self, st: &mut NodeState, w: &Work, s: u64, base: Arc<Vec<f32>>) {
+        let params = self.compute.params(base.len());
+        let buckets = self.compute.buckets(params);
+        let group = self.group(st, w);
+        st.running = Some(Running {
+            epoch: w.epoch,
+            step: s,
+            mode: StepMode::Sync,
+            range: 0..base.len(),
+            layers: None,
+            targets: buckets.clone(),
+            next: None,
+            pending: buckets.len(),
+            computed: None,
+            compute_ns: 0,
+            base: base.clone(),
+        });
+        // Weight b_i / B, applied once, in place: the group's sum is the mean gradient of the
+        // whole global batch.
+        let scale = 1.0 / w.global_batch.max(1) as f32;
+        let (grad_bytes, coll, epoch) = (self.grad_bytes, st.collective.clone(), w.epoch);
+        let sink: BucketSink = Arc::new(move |k: usize, mut data: Vec<f32>| {
+            for x in &mut data {
+                *x *= scale;
+            }
+            let virtual_bytes = grad_bytes * data.len() as u64 / params.max(1) as u64;
+            let id = CollId {
+                epoch,
+                step: s,
+                bucket: k as u32,
+            };
+            if let Some(c) = &coll {
+                let _ = c.cast(CollectiveMsg::Start {
+                    id,
+                    group: group.clone(),
+                    data,
+                    virtual_bytes,
+                });
+            }
+        });
+        let t = Instant::now();
+        let samples = sample_range(s, w.global_batch, w.offset, w.batch);
+        let result = self
+            .compute
+            .gradient_sum(self.id, s, samples, base, sink)
+            .await;
+        let ns = self.computed(t);
+        self.after_compute(st, w.epoch, ns, result);
+    }
+
+    fn after_compute(
+        &self,
+        st: &mut NodeState,
+        epoch: u64,
+        ns: u64,
+        result: Result<(), ComputeError>,
+    ) {
+        if let Err(e) = result {
+            st.running = None;
+            return self.fail(epoch, e.to_string());
+        }
+        if let Some(r) = st.running.as_mut() {
+            r.computed = Some(Instant::now());
+            r.compute_ns = ns;
+        }
+        self.try_finish(st);
+    }
+
+    /// A local-SGD step: apply this node's own mean gradient; on an averaging step, then average
+    /// the models (weighted by batch share) with the group.
+    async fn local_step(
+        &self,
+        st: &mut NodeState,
+        w: &Work,
+        s: u64,
+        base: Arc<Vec<f32>>,
+        mode: StepMode,
+    ) {
+        let params = self.compute.params(base.len());
+        let parts: Parts = Arc::default();
+        let sink: BucketSink = {
+            let parts = parts.clone();
+            Arc::new(move |k: usize, data: Vec<f32>| parts.lock().unwrap().push((k, data)))
+        };
+        let t = Instant::now();
+        let samples = sample_range(s, w.global_batch, w.offset, w.batch);
+        let result = self
+            .compute
+            .gradient_sum(self.id, s, samples, base.clone(), sink)
+            .await;
+        if let Err(e) = result {
+            self.computed(t);
+            return self.fail(w.epoch, e.to_string());
+        }
+        let buckets = self.compute.buckets(params);
+        let mut mean = vec![0.0f32; params];
+        let inv = 1.0 / w.batch.max(1) as f32;
+        let parts = std::mem::take(&mut *parts.lock().unwrap());
+        for (k, data) in parts {
+            if let Some(r) = buckets.get(k).filter(|r| r.len() == data.len()) {
+                for (m, g) in mean[r.clone()].iter_mut().zip(&data) {
+                    *m = g * inv;
+                }
+            }
+        }
+        let mut local = (*base).clone();
+        self.compute.apply_update(&mut local, 0..params, &mean);
+        self.compute.end_update(&mut local);
+        let ns = self.computed(t);
+        let range = 0..base.len();
+        if mode == StepMode::Local {
+            return self.finish_step(st, w.epoch, s, local, range, None, false, ns);
+        }
+        self.average(st, w, s, base, local, range, None, ns);
+    }
+
+    /// Start averaging `local` (this node's model after a local step) over `range` with the
+    /// group, weighted by this node's batch share.
+    #[allow(clippy::too_many_arguments)]
+    fn average(
+        &self,
+        st: &mut NodeState,
+        w: &Work,
+        s: u64,
+        base: Arc<Vec<f32>>,
+        local: Vec<f32>,
+        range: Range<usize>,
+        layers: Option<(u32, u32)>,
+        ns: u64,
+    ) {
+        let share = w.batch as f32 / w.global_batch.max(1) as f32;
+        let contribution: Vec<f32> = local[range.clone()].iter().map(|x| x * share).collect();
+        let group = self.group(st, w);
+        st.running = Some(Running {
+            epoch: w.epoch,
+            step: s,
+            mode: StepMode::Average,
+            range: range.clone(),
+            layers,
+            targets: vec![range],
+            next: Some(local),
+            pending: 1,
+            computed: Some(Instant::now()),
+            compute_ns: ns,
+            base,
+        });
+        let id = CollId {
+            epoch: w.epoch,
+            step: s,
+            bucket: 0,
+        };
+        self.start_collective(st, id, group, contribution);
+    }
+
+    /// A collective ended.
+    pub(super) fn on_outcome(&self, st: &mut NodeState, outcome: Outcome) {
+        let id = match &outcome {
+            Outcome::Done { id, .. } | Outcome::Aborted { id } => *id,
+        };
+        let Some(r) = st
+            .running
+            .as_mut()
+            .filter(|r| r.epoch == id.epoch && r.step == id.step)
+        else {
+            return;
+        };
+        let Outcome::Done { sum, .. } = outcome else {
+            // Its epoch was halted: the coordinator re-plans.
+            st.running = None;
+            self.count(|c| c.aborted += 1);
+            return;
+        };
+        let Some(target) = r.targets.get(id.bucket as usize).cloned() else {
+            return;
+        };
+        let next = r.next.get_or_insert_with(|| (*r.base).clone());
+        if target.len() != sum.len() || target.end > next.len() {
+            return;
+        }
+        match r.mode {
+            StepMode::Average => next[target].copy_from_slice(&sum),
+            _ => self.compute.apply_update(next, target, &sum),
+        }
+        r.pending = r.pending.saturating_sub(1);
+        self.try_finish(st);
+    }
+
+    /// Finish the running step once its compute ended and every collective came back.
+    fn try_finish(&self, st: &mut NodeState) {
+        if !st
+            .running
+            .as_ref()
+            .is_some_and(|r| r.pending == 0 && r.computed.is_some())
+        {
+            return;
+        }
+        let Some(r) = st.running.take() else { return };
+        let mut next = r.next.unwrap_or_else(|| (*r.base).clone());
+        if r.mode == StepMode::Sync {
+            self.compute.end_update(&mut next);
+        }
+        if let Some(since) = r.computed {
+            let span = self.span(since, SpanKind::Comm);
+            self.count(|c| {
+                c.comm_ns += since.elapsed().as_nanos() as u64;
+                c.copied_per_step = r.base.len() as u64;
+                c.spans.push(span);
+            });
+        }
+        self.finish_step(
+            st,
+            r.epoch,
+            r.step,
+            next,
+            r.range,
+            r.layers,
+            true,
+            r.compute_ns,
+        );
+    }
+
+    /// Record model version `step + 1`, report it, write a checkpoint shard when one is due,
+    /// serve peers waiting for it, and go on.
+    #[allow(clippy::too_many_arguments)]
+    fn finish_step(
+        &self,
+        st: &mut NodeState,
+        epoch: u64,
+        step: u64,
+        model: Vec<f32>,
+        range: Range<usize>,
+        layers: Option<(u32, u32)>,
+        synced: bool,
+        compute_ns: u64,
+    ) {
+        let v = step + 1;
+        let d = digest(&model[range.clone()]);
+        // Versions are shared, not copied: the counters and the version store hold one buffer.
+        let model = Arc::new(model);
+        let snapshot = model.clone();
+        let now_ns = self.t0.elapsed().as_nanos() as u64;
+        self.count(|c| {
+            c.model = (v, snapshot);
+            c.model_range = range.clone();
+            c.steps += 1;
+            if c.history.len() < HISTORY_MAX {
+                c.history.push((v, c.compute_ns, c.comm_ns, now_ns));
+            }
+        });
+        st.versions.insert(
+            v,
+            Version {
+                model: model.clone(),
+                synced,
+                layers,
+            },
+        );
+        self.send(
+            Addr::Coordinator,
+            Envelope::StepDone {
+                epoch,
+                step,
+                digest: d,
+                compute_ns,
+            },
+        );
+        if synced {
+            self.write_shard(st, v, &model);
+        }
+        self.serve_requests(st);
+        if let Some(me) = &st.me {
+            let _ = me.cast(NodeMsg::Advance);
+        }
+    }
+
+    /// The writer of a sync group sends its shard of a checkpoint version when it makes it.
+    fn write_shard(&self, st: &mut NodeState, v: u64, model: &[f32]) {
+        let Some(w) = st.work.as_mut() else { return };
+        let Some(duty) = w.checkpoint.as_mut() else {
+            return;
+        };
+        if !duty.due(v, w.end) {
+            return;
+        }
+        duty.next = v + duty.every;
+        let (a, b) = duty.layers;
+        let range = self
+            .compute
+            .param_range(a as usize..b as usize, model.len());
+        if let Some(shard) = model.get(range) {
+            self.send(
+                Addr::Checkpoint,
+                Envelope::Shard {
+                    step: v,
+                    layers: (a, b),
+                    digest: digest(shard),
+                    model: shard.to_vec(),
+                },
+            );
+        }
+    }
+
+    // ---- pipeline stages ------------------------------------------------------------------
+
+    /// Begin a pipeline stage's step: its micro-batches run in 1F1B order as their inputs
+    /// arrive ([`NodeActor::pump`]).
+    async fn start_stage(
+        &self,
+        st: &mut NodeState,
+        w: &Work,
+        sw: StageWork,
+        s: u64,
+        model: Arc<Vec<f32>>,
+    ) {
+        let layers = sw.layers.0 as usize..sw.layers.1 as usize;
+        let range = self.compute.param_range(layers.clone(), model.len());
+        if sw.stage >= sw.stages || layers.is_empty() || range.end > model.len() {
+            return self.fail(
+                w.epoch,
+                format!(
+                    "malformed stage work: stage {} of {}, layers {}..{}, parameters {}..{} of a {}-value model",
+                    sw.stage,
+                    sw.stages,
+                    layers.start,
+                    layers.end,
+                    range.start,
+                    range.end,
+                    model.len()
+                ),
+            );
+        }
+        let first = sample_range(s, w.global_batch, w.offset, w.batch).start;
+        let micros: Vec<Range<u64>> = micro_batches(w.batch, sw.micro_batch)
+            .into_iter()
+            .map(|r| first + r.start..first + r.end)
+            .collect();
+        let mut run = StageRun::new(sw.stages as usize, sw.stage as usize, micros.len() as u32);
+        let (mine, later): (Vec<EarlyInput>, Vec<EarlyInput>) = std::mem::take(&mut st.early_pipe)
+            .into_iter()
+            .partition(|e| e.epoch == w.epoch && e.step == s);
+        st.early_pipe = later;
+        for e in mine {
+            // An input the schedule refuses (duplicate, out of range) is dropped: the step then
+            // waits, and the coordinator's halt ends it.
+            feed(&mut run, e.is_grad, e.micro, e.data);
+        }
+        st.pipe = Some(Pipe {
+            epoch: w.epoch,
+            step: s,
+            global_batch: w.global_batch,
+            grad: vec![0.0; range.len()],
+            sw,
+            run,
+            micros,
+            model,
+            layers,
+            range,
+            saved: BTreeMap::new(),
+            compute_ns: 0,
+        });
+        self.pump(st).await;
+    }
+
+    /// One forward or backward of the stage's schedule; `Err` says why the step cannot go on.
+    async fn stage_op(&self, p: &mut Pipe, ready: Ready) -> Result<(), String> {
+        let params = &p.model[p.range.clone()];
+        match ready {
+            Ready::Forward { micro, input } => {
+                let samples = p.micros[micro as usize].clone();
+                let n = samples.end - samples.start;
+                let out = self
+                    .compute
+                    .stage_forward(
+                        self.id,
+                        p.step,
+                        samples,
+                        p.layers.clone(),
+                        params,
+                        input.as_deref(),
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if let Some(next) = p.sw.next {
+                    self.send(
+                        Addr::Node(next),
+                        Envelope::Activation {
+                            epoch: p.epoch,
+                            step: p.step,
+                            micro,
+                            data: out.clone(),
+                            virtual_bytes: p.sw.out_bytes_per_sample * n,
+                        },
+                    );
+                }
+                p.saved.insert(micro, (input, out));
+                Ok(())
+            }
+            Ready::Backward { micro, grad } => {
+                let samples = p.micros[micro as usize].clone();
+                let n = samples.end - samples.start;
+                let (input, output) = p.saved.remove(&micro).unwrap_or_default();
+                let (g, grad_in) = self
+                    .compute
+                    .stage_backward(
+                        self.id,
+                        p.step,
+                        samples,
+                        p.layers.clone(),
+                        params,
+                        input.as_deref(),
+                        &output,
+                        grad.as_deref(),
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if g.len() != p.grad.len() {
+                    return Err(format!(
+                        "the backward of layers {}..{} gave {} gradient values for {} parameters",
+                        p.layers.start,
+                        p.layers.end,
+                        g.len(),
+                        p.grad.len()
+                    ));
+                }
+                for (a, b) in p.grad.iter_mut().zip(&g) {
+                    *a += b;
+                }
+                if let Some(prev) = p.sw.prev {
+                    self.send(
+                        Addr::Node(prev),
+                        Envelope::ActivationGrad {
+                            epoch: p.epoch,
+                            step: p.step,
+                            micro,
+                            data: grad_in,
+                            virtual_bytes: p.sw.in_bytes_per_sample * n,
+                        },
+                    );
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Run every operation of the stage's schedule whose input is here, in order; when the
+    /// schedule is done, hand the layers' gradient to the stage's sync group.
+    async fn pump(&self, st: &mut NodeState) {
+        while let Some(p) = st.pipe.as_mut() {
+            let Some(ready) = p.run.next_ready() else {
+                break;
+            };
+            let t = Instant::now();
+            let result = self.stage_op(p, ready).await;
+            p.compute_ns += self.computed(t);
+            if let Err(reason) = result {
+                let epoch = p.epoch;
+                st.pipe = None;
+                return self.fail(epoch, reason);
+            }
+        }
+        if st.pipe.as_ref().is_some_and(|p| p.run.done())
+            && let Some(p) = st.pipe.take()
+        {
+            self.stage_done(st, p);
+        }
+    }
+
+    /// The stage's schedule is done: reduce its layers' gradient (or, under local SGD, apply
+    /// it and maybe average the layers).
+    fn stage_done(&self, st: &mut NodeState, p: Pipe) {
+        let Some(w) = st.work.clone() else { return };
+        let layers = Some(p.sw.layers);
+        match w.mode(p.step) {
+            StepMode::Sync => {
+                let scale = 1.0 / p.global_batch.max(1) as f32;
+                let contribution: Vec<f32> = p.grad.iter().map(|x| x * scale).collect();
+                let group = self.group(st, &w);
+                st.running = Some(Running {
+                    epoch: p.epoch,
+                    step: p.step,
+                    mode: StepMode::Sync,
+                    range: p.range.clone(),
+                    layers,
+                    targets: vec![p.range.clone()],
+                    next: None,
+                    pending: 1,
+                    computed: Some(Instant::now()),
+                    compute_ns: p.compute_ns,
+                    base: p.model.clone(),
+                });
+                let id = CollId {
+                    epoch: p.epoch,
+                    step: p.step,
+                    bucket: 0,
+                };
+                // A stage's gradient stands for its layers' bytes, not the whole model's.
+                let virtual_bytes = p.sw.sync_bytes;
+                if let Some(c) = &st.collective {
+                    let _ = c.cast(CollectiveMsg::Start {
+                        id,
+                        group,
+                        data: contribution,
+                        virtual_bytes,
+                    });
+                }
+            }
+            mode => {
+                let inv = 1.0 / w.batch.max(1) as f32;
+                let mean: Vec<f32> = p.grad.iter().map(|x| x * inv).collect();
+                let mut local = (*p.model).clone();
+                self.compute
+                    .apply_update(&mut local, p.range.clone(), &mean);
+                self.compute.end_update(&mut local);
+                if mode == StepMode::Local {
+                    return self.finish_step(
+                        st,
+                        p.epoch,
+                        p.step,
+                        local,
+                        p.range,
+                        layers,
+                        false,
+                        p.compute_ns,
+                    );
+                }
+                self.average(
+                    st,
+                    &w,
+                    p.step,
+                    p.model,
+                    local,
+                    p.range,
+                    layers,
+                    p.compute_ns,
+                );
+            }
+        }
+    }
+
+    /// An activation or gradient from a neighbouring stage.
+    pub(super) async fn on_stage_input(
+        &self,
+        st: &mut NodeState,
+        epoch: u64,
+        step: u64,
+        is_grad: bool,
+        micro: u32,
+        data: Vec<f32>,
+    ) {
+        if let Some(p) = st.pipe.as_mut()
+            && p.epoch == epoch
+            && p.step == step
+        {
+            if feed(&mut p.run, is_grad, micro, data) {
+                self.pump(st).await;
+            }
+            return;
+        }
+        // Its step has not started here yet (the neighbour is ahead, or its epoch's work is
+        // still on its way): keep it. Older epochs and steps are void.
+        let behind = st.versions.latest().is_some_and(|l| step < l);
+        if epoch >= st.epoch && !behind && st.early_pipe.len() < 1 << 16 {
+            st.early_pipe.push(EarlyInput {
+                epoch,
+                step,
+                is_grad,
+                micro,
+                data,
+            });
+        }
+    }
+}

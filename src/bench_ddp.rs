@@ -1,0 +1,287 @@
+//! `ravnest bench ddp`: ravnest against PyTorch DDP on the same job, side by side.
+//!
+//! Two processes with one compute thread each, one of them emulating a device k times slower
+//! (each gradient bucket handed over (k − 1) times its compute time late: the same rule on
+//! both sides), the same MLP, data (Fashion-MNIST IDX files), global batch, optimizer and
+//! steps. Four runs per round, rounds interleaved so that the machine's drift hits every run
+//! alike: ravnest heterogeneous, ravnest with the equal split, DDP with the equal split, and
+//! DDP with the split a person would choose by hand (in proportion to speed). Each side
+//! measures its own solo throughput in situ (both processes computing at once, without
+//! synchronizing) for its capacity efficiency. The PyTorch side is `benches/ddp_compare.py`,
+//! embedded in the binary; without an importable torch it is skipped, and said so.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+/// The PyTorch side, written to a temporary file when run.
+const DDP_SCRIPT: &str = include_str!("../benches/ddp_compare.py");
+
+/// What to compare.
+#[derive(Debug, Clone)]
+pub struct DdpArgs {
+    /// Fashion-MNIST training images (IDX, gzipped or not); labels beside it.
+    pub data: PathBuf,
+    /// Interleaved rounds.
+    pub rounds: usize,
+    /// Timed steps per run.
+    pub steps: u64,
+    /// Untimed steps before them.
+    pub warmup: u64,
+    /// MLP widths.
+    pub dims: Vec<usize>,
+    /// Global batch.
+    pub batch: u64,
+    /// How much slower the second process is.
+    pub slowdown: f64,
+    /// Python with torch (default: `RAVNEST_PYTHON`, else `python3`).
+    pub python: Option<String>,
+}
+
+/// One run's figures.
+#[derive(Debug, Clone, Default)]
+struct Figures {
+    samples_per_s: f64,
+    efficiency: f64,
+    /// Per node: (name, batch, busy, comm, idle).
+    nodes: Vec<(String, u64, f64, f64, f64)>,
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// The cluster file of the ravnest side.
+fn cluster_file(a: &DdpArgs) -> Result<String> {
+    let dims: Vec<String> = a.dims.iter().map(|d| d.to_string()).collect();
+    Ok(format!(
+        "[cluster]\nname = \"bench-ddp\"\nsecret = \"bench-ddp\"\n\n\
+         [[node]]\nname = \"fast\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{}\"\n\n\
+         [[node]]\nname = \"slow\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{}\"\nemulate_slowdown = {:.3}\n\n\
+         [model]\nkind = \"mlp\"\ndims = [{}]\n\n\
+         [training]\nglobal_batch = {}\noptimizer = \"sgd-momentum\"\nsync = \"ring\"\n\n\
+         [run]\nsteps = {}\nlearning_rate = 0.05\nmomentum = 0.9\nseed = 1\ndataset = {:?}\n\
+         checkpoint_every_steps = 0\n",
+        free_port()?,
+        free_port()?,
+        a.slowdown,
+        dims.join(", "),
+        a.batch,
+        a.warmup + a.steps,
+        a.data.display().to_string(),
+    ))
+}
+
+/// One ravnest run (`ravnest run FILE --json`) with `planner`, in a fresh folder under `dir`.
+fn ravnest_run(a: &DdpArgs, planner: &str, dir: &Path, round: usize) -> Result<Figures> {
+    let dir = dir.join(format!("{planner}-{round}"));
+    std::fs::create_dir_all(&dir)?;
+    let file = dir.join("cluster.toml");
+    std::fs::write(&file, cluster_file(a)?)?;
+    let out = Command::new(std::env::current_exe()?)
+        .arg("run")
+        .arg(&file)
+        .args(["--json", "--planner", planner, "--out"])
+        .arg(dir.join("out"))
+        .stderr(Stdio::inherit())
+        .output()
+        .context("cannot start `ravnest run`")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let summary = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["event"] == "summary")
+        .with_context(|| format!("`ravnest run` ({planner}) gave no summary ({})", out.status))?;
+    let c = &summary["coordinator"];
+    let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(0.0);
+    let nodes = summary["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|n| {
+            let r = &n["report"];
+            let (busy, comm) = (f(r, "steady_busy"), f(r, "steady_comm"));
+            (
+                n["node"].as_str().unwrap_or("?").to_string(),
+                r["batch"].as_u64().unwrap_or(0),
+                busy.min(1.0),
+                comm.min(1.0),
+                (1.0 - busy - comm).max(0.0),
+            )
+        })
+        .collect();
+    Ok(Figures {
+        samples_per_s: f(c, "steady_samples_per_s"),
+        efficiency: f(c, "steady_samples_per_s") / f(c, "solo_sum_samples_per_s").max(1e-9),
+        nodes,
+    })
+}
+
+/// One PyTorch DDP run with `split`; `Err(why)` inside when torch is not importable.
+fn ddp_run(
+    a: &DdpArgs,
+    python: &str,
+    script: &Path,
+    split: &str,
+) -> Result<Result<Figures, String>> {
+    let dims: Vec<String> = a.dims.iter().map(|d| d.to_string()).collect();
+    let out = Command::new(python)
+        .arg(script)
+        .args(["--world", "2", "--split", split, "--threads", "1"])
+        .args(["--slowdown", &format!("1,{}", a.slowdown)])
+        .args(["--dims", &dims.join(",")])
+        .args(["--global-batch", &a.batch.to_string()])
+        .args(["--steps", &a.steps.to_string()])
+        .args(["--warmup", &a.warmup.to_string()])
+        .arg("--data")
+        .arg(&a.data)
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("cannot start `{python}`"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let Some(v) = text
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str::<Value>(l).ok())
+    else {
+        bail!("benches/ddp_compare.py gave no result ({})", out.status);
+    };
+    if let Some(why) = v["skipped"].as_str() {
+        return Ok(Err(why.to_string()));
+    }
+    let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(0.0);
+    let nodes = v["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|n| {
+            (
+                format!("rank {}", n["rank"]),
+                n["batch"].as_u64().unwrap_or(0),
+                f(n, "busy"),
+                f(n, "comm"),
+                f(n, "idle"),
+            )
+        })
+        .collect();
+    Ok(Ok(Figures {
+        samples_per_s: f(&v, "samples_per_s"),
+        efficiency: f(&v, "capacity_efficiency"),
+        nodes,
+    }))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
+    }
+}
+
+/// Run the comparison; the table.
+pub fn ddp(a: &DdpArgs) -> Result<String> {
+    if !a.data.exists() {
+        bail!(
+            "{}: no such file (Fashion-MNIST comes from Debian's `dataset-fashion-mnist`; or pass --data)",
+            a.data.display()
+        );
+    }
+    let python = a
+        .python
+        .clone()
+        .or_else(|| std::env::var("RAVNEST_PYTHON").ok())
+        .unwrap_or_else(|| "python3".into());
+    let dir = std::env::temp_dir().join(format!("ravnest-bench-ddp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let script = dir.join("ddp_compare.py");
+    std::fs::write(&script, DDP_SCRIPT)?;
+    let k = a.slowdown.max(1.0);
+    let fast = (a.batch as f64 * k / (k + 1.0)).round() as u64;
+    let by_hand = format!("{fast},{}", a.batch - fast);
+    let names = [
+        "ravnest heterogeneous".to_string(),
+        "ravnest --planner uniform".to_string(),
+        "PyTorch DDP, equal split".to_string(),
+        format!("PyTorch DDP, split by hand {by_hand}"),
+    ];
+    let mut runs: Vec<Vec<Figures>> = vec![Vec::new(); 4];
+    let mut skipped = None;
+    for round in 0..a.rounds {
+        eprintln!("[bench ddp] round {}/{}", round + 1, a.rounds);
+        runs[0].push(ravnest_run(a, "ravnest", &dir, round)?);
+        runs[1].push(ravnest_run(a, "uniform", &dir, round)?);
+        if skipped.is_none() {
+            for (i, split) in [(2, "equal"), (3, by_hand.as_str())] {
+                match ddp_run(a, &python, &script, split)? {
+                    Ok(f) => runs[i].push(f),
+                    Err(why) => skipped = Some(why),
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(table(a, &names, &runs, skipped))
+}
+
+fn table(a: &DdpArgs, names: &[String], runs: &[Vec<Figures>], skipped: Option<String>) -> String {
+    let dims: Vec<String> = a.dims.iter().map(|d| d.to_string()).collect();
+    let mut out = format!(
+        "2 processes x 1 thread, MLP {}, {}, global batch {}, the second process {}x slower; \
+         {} timed steps after {}; {} interleaved rounds (median)\n\n",
+        dims.join("-"),
+        a.data
+            .file_name()
+            .and_then(|f| f.to_str())
+            .unwrap_or("data"),
+        a.batch,
+        a.slowdown,
+        a.steps,
+        a.warmup,
+        a.rounds
+    );
+    let base = median(runs[2].iter().map(|f| f.samples_per_s).collect());
+    out += "run                                  samples/s   vs DDP equal   capacity eff.   per node: batch busy/comm/idle\n";
+    for (name, figs) in names.iter().zip(runs) {
+        if figs.is_empty() {
+            out += &format!("{name:<36} {:>9}\n", "-");
+            continue;
+        }
+        let sps = median(figs.iter().map(|f| f.samples_per_s).collect());
+        let eff = median(figs.iter().map(|f| f.efficiency).collect());
+        let last = figs.last().expect("non-empty");
+        let nodes: Vec<String> = last
+            .nodes
+            .iter()
+            .map(|(n, b, busy, comm, idle)| {
+                format!(
+                    "{n} {b}: {:.0}/{:.0}/{:.0}%",
+                    100.0 * busy,
+                    100.0 * comm,
+                    100.0 * idle
+                )
+            })
+            .collect();
+        let ratio = if base.is_finite() && base > 0.0 {
+            format!("{:.2}x", sps / base)
+        } else {
+            "-".into()
+        };
+        out += &format!(
+            "{name:<36} {sps:>9.0} {ratio:>14} {eff:>15.2}   {}\n",
+            nodes.join(", ")
+        );
+    }
+    if let Some(why) = skipped {
+        out += &format!(
+            "\nPyTorch side skipped: {why} (install torch into a virtualenv, `pip install torch numpy`, and point RAVNEST_PYTHON at its python)\n"
+        );
+    }
+    out += "\nbusy: computing (the emulated slowdown included); comm: waiting for the all-reduce after compute; idle: the rest. Per-node figures are from the last round.\n";
+    out
+}
