@@ -112,3 +112,6 @@ pub struct RunLog {
 
 /// Shared handle on the log.
 pub type SharedLog = Arc<Mutex<RunLog>>;
+
+#[cfg(test)]
+mod tests;
