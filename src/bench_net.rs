@@ -272,6 +272,7 @@ pub fn overhead(steps: u64, rounds: usize) -> Result<String> {
             planner: ravnest_core::PlannerKind::Ravnest,
             quiet: true,
             share: None,
+            spans: false,
         })?;
         best.1 = best.1.min(report["train_s"].as_f64().unwrap_or(f64::NAN));
     }

@@ -98,6 +98,13 @@ enum Command {
         /// Planner: ravnest, or uniform (the equal split of DDP-style frameworks) to compare.
         #[arg(long, default_value = "ravnest")]
         planner: String,
+        /// Write a timeline picture (SVG) of the run to this file: per node, computing,
+        /// waiting for the all-reduce, idle (a local cluster, started without --node).
+        #[arg(long)]
+        timeline: Option<PathBuf>,
+        /// (Set by the local launcher) put this node's activity spans in its report.
+        #[arg(long, hide = true)]
+        report_spans: bool,
     },
     /// Benchmarks that print a table.
     Bench {
@@ -361,8 +368,15 @@ fn run(cli: Cli) -> Result<()> {
             steps,
             json,
             planner,
+            timeline,
+            report_spans,
         } => {
             parse_planner(&planner)?;
+            if timeline.is_some() && node.is_some() {
+                bail!(
+                    "--timeline draws a local cluster (started without --node): each node's activity is on its own machine"
+                );
+            }
             let seed = join.as_deref().filter(|a| !a.is_empty());
             let (origin, text, steps) = match (&file, seed) {
                 (Some(p), Some(a)) => bail!(
@@ -398,6 +412,8 @@ fn run(cli: Cli) -> Result<()> {
                 json,
                 steps,
                 planner,
+                timeline,
+                spans: report_spans,
             })
         }
         Command::Bench {

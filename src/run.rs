@@ -34,6 +34,10 @@ pub struct RunArgs {
     pub steps: Option<u64>,
     /// Planner name.
     pub planner: String,
+    /// Write a timeline picture (SVG) of the run here (local clusters).
+    pub timeline: Option<PathBuf>,
+    /// Include this node's activity spans in its report (set by the local launcher).
+    pub spans: bool,
 }
 
 fn default_out(s: &Scenario) -> PathBuf {
@@ -70,6 +74,7 @@ pub fn run(args: RunArgs) -> Result<()> {
                     &args.text,
                     steps,
                 )),
+                spans: args.spans,
             })?;
             if !args.json && report["role"] == "coordinator" {
                 eprintln!("{}", coordinator_summary(&report));
@@ -125,6 +130,9 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
             cmd.arg("--resume");
         }
         cmd.args(["--planner", &args.planner]);
+        if args.timeline.is_some() {
+            cmd.arg("--report-spans");
+        }
         // Several processes share this machine's cores: one compute thread each.
         if std::env::var_os("RAYON_NUM_THREADS").is_none() {
             cmd.env("RAYON_NUM_THREADS", "1");
@@ -235,6 +243,15 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
         "nodes": children.iter().zip(&reports).map(|((name, _), r)| json!({"node": name, "report": r})).collect::<Vec<_>>(),
         "failed": failed,
     });
+    if let Some(path) = &args.timeline {
+        let t = timeline(&merged);
+        std::fs::write(
+            path,
+            ravnest_sim::timeline::svg(&t, &format!("ravnest run: {}", s.cluster.name)),
+        )
+        .with_context(|| format!("cannot write `{}`", path.display()))?;
+        eprintln!("timeline written to {}", path.display());
+    }
     if args.json {
         say(true, merged);
     } else {
@@ -247,6 +264,87 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
             "the coordinator did not finish (failed: {})",
             failed.join(", ")
         ),
+    }
+}
+
+/// The timeline of a local run from its nodes' reports: one lane per node on the clock all
+/// the processes share, with the coordinator's events as markers.
+fn timeline(m: &Value) -> ravnest_sim::timeline::Timeline {
+    use ravnest_runtime::node::SpanKind;
+    use ravnest_sim::timeline::{Lane, Timeline};
+    let nodes: Vec<(&str, &Value)> = m["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|n| (n["node"].as_str().unwrap_or("?"), &n["report"]))
+        .collect();
+    let abs = |r: &Value, ns: u64| r["t0_unix_ns"].as_u64().unwrap_or(0) + ns;
+    let first = |r: &Value| {
+        r["spans"]
+            .as_array()
+            .and_then(|a| a.first())
+            .and_then(|s| s[0].as_u64())
+            .map(|ns| abs(r, ns))
+    };
+    let origin = nodes
+        .iter()
+        .filter_map(|(_, r)| first(r))
+        .min()
+        .unwrap_or(0);
+    let mut end = 0;
+    let lanes = nodes
+        .iter()
+        .map(|(name, r)| {
+            let spans: Vec<(u64, u64, SpanKind)> = r["spans"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|s| {
+                    let (a, b) = (s[0].as_u64()?, s[1].as_u64()?);
+                    let kind = if s[2] == "comm" {
+                        SpanKind::Comm
+                    } else {
+                        SpanKind::Compute
+                    };
+                    Some((
+                        abs(r, a).saturating_sub(origin),
+                        abs(r, b).saturating_sub(origin),
+                        kind,
+                    ))
+                })
+                .collect();
+            end = end.max(spans.last().map_or(0, |s| s.1));
+            Lane {
+                name: name.to_string(),
+                spans,
+                down: Vec::new(),
+            }
+        })
+        .collect();
+    let coord = nodes
+        .iter()
+        .find(|(_, r)| r["role"] == "coordinator")
+        .map(|n| n.1);
+    let markers = coord
+        .map(|c| {
+            m["coordinator"]["events"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|e| {
+                    let what = e["what"].as_str()?;
+                    let at = abs(c, (e["t_s"].as_f64()? * 1e9) as u64).checked_sub(origin)?;
+                    let fault = what.contains("lost") || what.contains("aborted");
+                    let worth = fault || what.contains("planned") || what.contains("joined");
+                    worth.then(|| (at, what.to_string(), fault))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Timeline {
+        end_ns: end,
+        lanes,
+        markers,
     }
 }
 

@@ -183,8 +183,9 @@ impl<T: Transport> Actor for CheckpointActor<T> {
                 } else if st.agg.last_complete().is_none_or(|c| step > c) {
                     // Before its round: keep it for when the replicas have agreed on the version.
                     st.early.entry(step).or_default().push((meta, model));
+                    // Too many waiting: the newest goes (the oldest opens next).
                     while st.early.len() > EARLY_VERSIONS {
-                        st.early.pop_first();
+                        st.early.pop_last();
                     }
                 }
             }

@@ -30,6 +30,11 @@ pub struct CandleCompute {
     pub slowdown: f64,
     /// Start from this (version, model) instead of the seeded initial weights.
     pub resume: Option<(u64, Vec<f32>)>,
+    /// Extra slowdowns over time (a cluster file's `slowdown` faults for this node):
+    /// (from s, to s, factor), seconds since training started here ([`CandleCompute::started`]).
+    pub schedule: Vec<(f64, f64, f64)>,
+    /// When training started on this node (set when its first work arrives).
+    pub started: Arc<std::sync::OnceLock<Instant>>,
     perm: Arc<Mutex<(u64, Vec<u32>)>>,
     stats: Arc<Mutex<Stats>>,
     worker: crate::worker::ComputeThread,
@@ -56,6 +61,8 @@ impl CandleCompute {
             seed,
             slowdown,
             resume: None,
+            schedule: Vec::new(),
+            started: Arc::default(),
             perm: Arc::new(Mutex::new((u64::MAX, Vec::new()))),
             stats: Arc::default(),
             worker: crate::worker::ComputeThread::default(),
@@ -120,6 +127,18 @@ impl CandleCompute {
         })
         .unwrap_or_else(|e| panic!("{e}"));
         g
+    }
+
+    /// The emulated slowdown now: the node's own, times any scheduled one that is active.
+    pub fn slowdown_now(&self) -> f64 {
+        let Some(t) = self.started.get() else {
+            return self.slowdown;
+        };
+        let s = t.elapsed().as_secs_f64();
+        self.schedule
+            .iter()
+            .filter(|(from, to, _)| (*from..*to).contains(&s))
+            .fold(self.slowdown, |k, (_, _, f)| k * f)
     }
 
     /// One whole optimizer step with the mean gradient (tests and the single-node baseline).
@@ -263,7 +282,7 @@ impl Compute for CandleCompute {
         // lower CPU priority than the runtime's threads, so that communication is never
         // starved by compute (the all-reduce of one node waits for its peers' network code).
         let job = self.job();
-        let slowdown = self.slowdown;
+        let slowdown = self.slowdown_now();
         let (result, real) = self
             .worker
             .run(move || job.emulated(samples, &model, slowdown, &ready))

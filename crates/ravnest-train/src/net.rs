@@ -48,6 +48,29 @@ pub const BUCKET_MIN_PARAMS: usize = 1 << 16;
 /// Embedding width of the character model.
 pub const CHAR_EMBED: usize = 24;
 
+/// A name's sort key where runs of digits compare as numbers: `fc2.bias` < `fc10.bias`.
+fn natural_key(name: &str) -> Vec<(String, u64)> {
+    let mut out = Vec::new();
+    let mut text = String::new();
+    let mut digits = String::new();
+    for c in name.chars() {
+        if c.is_ascii_digit() {
+            digits.push(c);
+        } else {
+            if !digits.is_empty() {
+                out.push((
+                    std::mem::take(&mut text),
+                    digits.parse().unwrap_or(u64::MAX),
+                ));
+                digits.clear();
+            }
+            text.push(c);
+        }
+    }
+    out.push((text, digits.parse().unwrap_or(0)));
+    out
+}
+
 /// One tensor of the flat model.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Param {
@@ -118,7 +141,9 @@ impl Network {
                 ]
             }
         };
-        raw.sort_by(|a, b| a.0.cmp(&b.0));
+        // Natural order (`fc2` before `fc10`): each layer's tensors are adjacent and layers
+        // come in order, which gradient buckets (ranges of whole layers) rely on.
+        raw.sort_by_key(|a| natural_key(&a.0));
         let mut offset = 0;
         raw.into_iter()
             .map(|(name, shape, fan_in)| {
@@ -503,6 +528,32 @@ mod tests {
                     g[k]
                 );
             }
+        }
+    }
+
+    /// Twelve layers: `fc10` and `fc11` come after `fc9`, so each layer's tensors are adjacent
+    /// and the hand-written step's buckets tile the model.
+    #[test]
+    fn deep_mlps_keep_layers_in_order() {
+        let dims: Vec<usize> = [6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 3].to_vec();
+        let net = Network::Mlp { dims: dims.clone() };
+        let names: Vec<String> = net.layout().iter().map(|p| p.name.clone()).collect();
+        let want: Vec<String> = (0..12)
+            .flat_map(|i| [format!("fc{i}.bias"), format!("fc{i}.weight")])
+            .collect();
+        assert_eq!(names, want);
+        let w = net.init(4);
+        let x: Vec<f32> = (0..2 * dims[0]).map(|i| i as f32 / 9.0).collect();
+        let y = [1u32, 2];
+        let (_, want) = net.loss_and_grad_sum(&w, &x, &y).unwrap();
+        let buckets = net.grad_buckets();
+        let mut got = vec![f32::NAN; w.len()];
+        net.loss_and_grad_buckets(&w, &x, &y, &mut |k, v| {
+            got[buckets[k].clone()].copy_from_slice(&v)
+        })
+        .unwrap();
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-4 * b.abs().max(1.0), "{a} vs {b}");
         }
     }
 

@@ -62,6 +62,8 @@ pub struct Options {
     /// The cluster file as handed to a joiner (`ravnest run --join HOST:PORT`); see
     /// [`share_document`].
     pub share: Option<String>,
+    /// Put this node's activity spans in its report (for `run --timeline`).
+    pub spans: bool,
 }
 
 /// What a node hands a joiner: the cluster file's text and the command-line overrides.
@@ -175,11 +177,14 @@ struct Tap {
     /// ms since `t0` of the coordinator's last envelope; `u64::MAX` before the first.
     heard: Arc<std::sync::atomic::AtomicU64>,
     t0: Instant,
+    /// Set when the first work arrives: training started here.
+    started: Arc<std::sync::OnceLock<std::time::Instant>>,
 }
 
 impl Transport for Tap {
     fn register(&self, addr: Addr, inbox: Inbox) {
         let (finish, heard, t0) = (self.finish.clone(), self.heard.clone(), self.t0);
+        let started = self.started.clone();
         self.inner.register(
             addr,
             Arc::new(move |from, env| {
@@ -189,7 +194,12 @@ impl Transport for Tap {
                 }
                 match env {
                     Envelope::Finish => finish.notify_one(),
-                    env => inbox(from, env),
+                    env => {
+                        if matches!(env, Envelope::Work(_)) {
+                            let _ = started.set(std::time::Instant::now());
+                        }
+                        inbox(from, env)
+                    }
                 }
             }),
         );
@@ -346,6 +356,20 @@ async fn setup(opts: &Options, say: &Say) -> anyhow::Result<Setup> {
         .copied()
         .unwrap_or(1.0);
     let mut compute = CandleCompute::new(net.clone(), Arc::new(train), optim, s.run.seed, slowdown);
+    // A cluster file's `slowdown` faults for this node happen for real: seconds from the moment
+    // training starts here. (Crashes, partitions and link faults are the simulator's.)
+    for f in &s.faults {
+        if let ravnest_core::config::Fault::Slowdown {
+            node,
+            factor,
+            from_s,
+            to_s,
+        } = f
+            && *node == me
+        {
+            compute.schedule.push((*from_s, *to_s, *factor));
+        }
+    }
     let files = CheckpointFiles {
         dir: opts.out_dir.join("checkpoints"),
         net,
@@ -430,6 +454,7 @@ async fn run_async(opts: Options) -> anyhow::Result<Value> {
         finish: finish.clone(),
         heard: heard.clone(),
         t0,
+        started: su.compute.started.clone(),
     };
     let counters: Counters = Arc::default();
     let model_bytes = 4 * su.compute.model_len() as u64;
@@ -527,6 +552,27 @@ async fn run_async(opts: Options) -> anyhow::Result<Value> {
     report["wall_s"] = json!(wall);
     report["aborted_collectives"] = json!(c.aborted);
     report["batch"] = json!(c.batch);
+    if opts.spans {
+        // Times on a clock every process on the machine shares: ns since the Unix epoch.
+        let origin = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            .saturating_sub(t0.elapsed().as_nanos() as u64);
+        report["t0_unix_ns"] = json!(origin);
+        report["spans"] = json!(
+            c.spans
+                .iter()
+                .map(|sp| json!([
+                    sp.start_ns,
+                    sp.end_ns,
+                    match sp.kind {
+                        ravnest_runtime::node::SpanKind::Compute => "compute",
+                        ravnest_runtime::node::SpanKind::Comm => "comm",
+                    }
+                ]))
+                .collect::<Vec<_>>()
+        );
+    }
     if let Some((busy, comm)) = c.steady_fractions(warmup_steps(s.run.steps)) {
         report["steady_busy"] = json!(busy);
         report["steady_comm"] = json!(comm);
@@ -1106,6 +1152,10 @@ pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
                 .join(", ")
         ),
         Event::Refused(why) => format!("checkpoint shard refused: {why}"),
+        Event::Resync { step, silent_ms } => format!(
+            "no step agreed for {:.1} s though every node is alive (a message was lost): step {step} and on redone from what every node holds",
+            *silent_ms as f64 / 1e3
+        ),
         Event::Joined { node } => format!("node `{}` joined", name(node)),
         Event::CheckpointComplete { step, .. } => format!("checkpoint of step {step} written"),
         Event::Violation(w) => format!("violation: {w}"),

@@ -25,9 +25,10 @@
 //! newest synchronized version that every survivor holds (nodes keep the last two), so no step
 //! is applied twice and no replica diverges; a node that lacks it fetches it from a holder.
 //!
-//! **Rebalancing** uses smoothed (EWMA) step times and hysteresis: a re-plan happens only when
+//! **Rebalancing** uses smoothed step times (per node, the median of its last few measured ÷
+//! predicted ratios) and hysteresis: a re-plan happens only when some node is off by a margin,
 //! the plan with measured speeds is predicted to be faster than the current one by a margin,
-//! for several agreed steps in a row, and a while after the last re-plan. Noise is not drift.
+//! for several agreed steps in a row, and some steps into the epoch. Noise is not drift.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -175,6 +176,9 @@ struct Era {
     assigns: Vec<Assign>,
     groups: Vec<SyncGroup>,
     policy: SyncPolicy,
+    /// Nodes outside the epoch that some of its workers fetch state from: their loss stalls
+    /// it as a worker's would.
+    sources: BTreeSet<NodeId>,
 }
 
 impl Era {
@@ -253,6 +257,18 @@ pub struct Coordinator {
     plan_cache: Option<(Vec<u64>, Vec<NodeId>, Plan)>,
     local_sgd: bool,
     finished: bool,
+    /// When something last moved (a step agreed, an epoch begun, a halted node answered).
+    last_progress_ms: u64,
+    /// Agreement intervals, ms (median of the last few): what "too long" means.
+    step_ms: SpeedEstimate,
+    /// The time of the last agreement.
+    last_agreed_ms: u64,
+    /// The current plan's predicted time between synchronizations, ms.
+    predicted_step_ms: f64,
+    /// Resyncs since the last agreed step: each one doubles the patience of the next.
+    resyncs: u32,
+    /// The time `handle` was last called with.
+    now_ms: u64,
     out: Vec<Effect>,
 }
 
@@ -300,6 +316,12 @@ impl Coordinator {
             plan_cache: None,
             local_sgd: false,
             finished: false,
+            last_progress_ms: now_ms,
+            step_ms: SpeedEstimate::new(0.0, 9),
+            last_agreed_ms: now_ms,
+            predicted_step_ms: 0.0,
+            resyncs: 0,
+            now_ms,
             out: Vec::new(),
             cfg,
         }
@@ -321,11 +343,13 @@ impl Coordinator {
         if self.finished {
             return Vec::new();
         }
+        self.now_ms = self.now_ms.max(now_ms);
         match input {
             Input::Tick => {
                 for DetectorEvent::Dead { node, silent_ms } in self.detector.tick(now_ms) {
                     self.on_dead(node, silent_ms);
                 }
+                self.watchdog();
             }
             Input::PeerDown(node) => {
                 if let Some(DetectorEvent::Dead { node, silent_ms }) =
@@ -383,6 +407,10 @@ impl Coordinator {
         self.detector.heard(from, now_ms);
         if rejoin {
             self.detector.watch(from, now_ms);
+            // Whatever epoch it still runs is over: stop it before it gets a new one (control
+            // envelopes arrive in order, so the halt comes first).
+            let epoch = self.epoch;
+            self.send(from, Envelope::Halt { epoch });
             return self.on_join(from);
         }
         match env {
@@ -412,7 +440,9 @@ impl Coordinator {
     }
 
     fn on_report(&mut self, from: NodeId, epoch: u64, step: u64, r: Report) {
-        if self.halting.is_some() || step < self.agreed {
+        // Reports that come during a halt are kept (the steps every survivor finished are
+        // agreed with them when the halt completes); settling waits for the halt to end.
+        if step < self.agreed {
             return;
         }
         // The report must come from a worker of the epoch that covers the step.
@@ -482,6 +512,11 @@ impl Coordinator {
             self.last_sync = version;
             self.open_checkpoint(version, &era, &group_digests);
         }
+        let since = self.now_ms.saturating_sub(self.last_agreed_ms);
+        self.step_ms.add(since as f64);
+        self.last_agreed_ms = self.now_ms;
+        self.last_progress_ms = self.now_ms;
+        self.resyncs = 0;
         self.out.push(Effect::Agreed {
             step: s,
             digest: group_digests
@@ -650,7 +685,18 @@ impl Coordinator {
                 }
             }
         }
-        let whole_holder = holders.iter().find(|(_, l)| l.is_none()).map(|(h, _)| *h);
+        // A node that lacks the version fetches it from a holder the new epoch keeps (a holder
+        // left out could go away unnoticed), else from any holder.
+        let whole: Vec<NodeId> = holders
+            .iter()
+            .filter(|(_, l)| l.is_none())
+            .map(|(h, _)| *h)
+            .collect();
+        let whole_holder = whole
+            .iter()
+            .copied()
+            .find(|h| assigns.iter().any(|a| a.node == *h))
+            .or_else(|| whole.first().copied());
         if assigns
             .iter()
             .any(|a| a.stage.is_none() && !holders.contains_key(&a.node))
@@ -723,15 +769,36 @@ impl Coordinator {
             };
             self.send(a.node, Envelope::Work(Box::new(work)));
         }
+        let mut sources: BTreeSet<NodeId> = assigns
+            .iter()
+            .filter_map(|a| a.stage.as_ref())
+            .flat_map(|sw| sw.fetch.iter().map(|f| f.0))
+            .collect();
+        if assigns
+            .iter()
+            .any(|a| a.stage.is_none() && !holders.contains_key(&a.node))
+        {
+            sources.extend(whole_holder);
+        }
+        sources.retain(|n| !assigns.iter().any(|a| a.node == *n));
         self.eras.push(Era {
             epoch: self.epoch,
             from,
             assigns,
             groups,
             policy,
+            sources,
         });
         self.until = until;
         self.over = 0;
+        // Under local SGD the nodes synchronize once a period: that is the step to wait for.
+        let period = match policy {
+            SyncPolicy::LocalSgd { local_steps } => f64::from(local_steps.max(1)),
+            SyncPolicy::EveryStep => 1.0,
+        };
+        self.predicted_step_ms = p.step.step_s * 1e3 * period;
+        self.last_progress_ms = self.now_ms;
+        self.last_agreed_ms = self.now_ms;
     }
 
     /// Re-plan at the next step no node can have started yet (the current horizon; under
@@ -853,8 +920,12 @@ impl Coordinator {
 
     // ---- membership ------------------------------------------------------------------------
 
+    /// Nodes whose loss stalls a running epoch: its workers and the nodes they fetch from.
     fn involved(&self) -> BTreeSet<NodeId> {
-        self.eras.iter().flat_map(|e| e.workers()).collect()
+        self.eras
+            .iter()
+            .flat_map(|e| e.workers().chain(e.sources.iter().copied()))
+            .collect()
     }
 
     fn on_dead(&mut self, node: NodeId, silent_ms: u64) {
@@ -887,10 +958,15 @@ impl Coordinator {
             return;
         }
         self.emit(Event::Aborted { step: self.agreed });
+        self.halt(Some(node));
+    }
+
+    /// Halt every live node of the running epochs (but `lost`); they answer with what they hold.
+    fn halt(&mut self, lost: Option<NodeId>) {
         let waiting: BTreeSet<NodeId> = self
             .involved()
             .into_iter()
-            .filter(|&n| n != node && self.detector.is_alive(n))
+            .filter(|&n| Some(n) != lost && self.detector.is_alive(n))
             .collect();
         let epoch = self.epoch;
         for &n in &waiting {
@@ -901,7 +977,39 @@ impl Coordinator {
             waiting,
             held: BTreeMap::new(),
         });
+        self.last_progress_ms = self.now_ms;
         self.try_resume();
+    }
+
+    /// Nothing moved for much longer than a step takes: some message was lost on a live link
+    /// (a connection reset drops what it had in flight). Halt and resume from what every node
+    /// holds, which redoes the step in flight consistently everywhere; during a halt, ask the
+    /// nodes that have not answered again.
+    fn watchdog(&mut self) {
+        // Ten times the longest recent interval between agreed steps (or the plan's time between
+        // synchronizations), at least twice the heartbeat timeout, doubled after each resync
+        // that did not help (a slow step is not a lost message).
+        let step = self.step_ms.max().max(self.predicted_step_ms);
+        let limit =
+            (2 * self.cfg.heartbeat_timeout_ms).max((10.0 * step) as u64) << self.resyncs.min(8);
+        if self.eras.is_empty() || self.now_ms.saturating_sub(self.last_progress_ms) <= limit {
+            return;
+        }
+        self.last_progress_ms = self.now_ms;
+        if let Some(h) = &self.halting {
+            let (epoch, waiting): (u64, Vec<NodeId>) =
+                (h.epoch, h.waiting.iter().copied().collect());
+            for n in waiting {
+                self.send(n, Envelope::Halt { epoch });
+            }
+            return;
+        }
+        self.resyncs += 1;
+        self.emit(Event::Resync {
+            step: self.agreed,
+            silent_ms: limit,
+        });
+        self.halt(None);
     }
 
     fn on_halted(&mut self, from: NodeId, epoch: u64, held: Vec<HeldVersion>) {
@@ -910,6 +1018,7 @@ impl Coordinator {
             return;
         }
         h.held.insert(from, held);
+        self.last_progress_ms = self.now_ms;
         self.try_resume();
     }
 
@@ -923,7 +1032,16 @@ impl Coordinator {
         let h = self.halting.take().expect("checked");
         let newest_synced =
             |vs: &[HeldVersion]| vs.iter().filter(|v| v.synced).map(|v| v.version).max();
-        let Some(v) = h.held.values().filter_map(|vs| newest_synced(vs)).min() else {
+        // A node that had not reached the running epochs' start (it was still fetching it)
+        // holds only older versions: it does not drag the others back.
+        let start = self.eras.first().map_or(0, |e| e.from);
+        let Some(v) = h
+            .held
+            .values()
+            .filter_map(|vs| newest_synced(vs))
+            .filter(|&v| v >= start)
+            .min()
+        else {
             return self.finish(Event::Stalled("no live node holds the latest model".into()));
         };
         // Steps below v were finished by every survivor (their reports came before their
@@ -953,34 +1071,18 @@ impl Coordinator {
         self.begin_epoch(v, &holders);
     }
 
-    /// Agree step `s` with the reports that came (the lost node's are missing).
+    /// Agree step `s` with the reports that came (the lost node's are missing): the epoch's
+    /// groups shrink to the members that reported.
     fn agree_partial(&mut self, s: u64) {
-        let Some(era) = self.era_of(s).cloned() else {
+        let Some(e) = self.eras.iter_mut().rev().find(|e| e.from <= s) else {
             self.agreed = s + 1;
             return;
         };
-        let reports = self.reports.entry(s).or_default();
-        for w in era.workers() {
-            reports.entry(w).or_insert(Report {
-                digest: u64::MAX,
-                compute_ns: 0,
-            });
+        let reported = self.reports.get(&s).cloned().unwrap_or_default();
+        for (_, members) in &mut e.groups {
+            members.retain(|m| reported.contains_key(m));
         }
-        // The lost node's placeholder must not count as a disagreeing replica.
-        let known: BTreeMap<NodeId, Report> = reports
-            .iter()
-            .filter(|(_, r)| r.digest != u64::MAX)
-            .map(|(n, r)| (*n, *r))
-            .collect();
-        let mut era = era;
-        for (_, members) in &mut era.groups {
-            members.retain(|m| known.contains_key(m));
-        }
-        era.assigns.retain(|a| known.contains_key(&a.node));
-        self.reports.insert(s, known);
-        if let Some(e) = self.eras.iter_mut().rev().find(|e| e.from <= s) {
-            *e = era;
-        }
+        e.assigns.retain(|a| reported.contains_key(&a.node));
         self.agree(s);
     }
 

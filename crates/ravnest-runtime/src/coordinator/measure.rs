@@ -34,6 +34,14 @@ impl SpeedEstimate {
         self.recent.push_back(x);
     }
 
+    /// The largest figure kept.
+    pub fn max(&self) -> f64 {
+        self.recent
+            .iter()
+            .copied()
+            .fold(f64::NEG_INFINITY, f64::max)
+    }
+
     /// The median of the figures kept.
     pub fn get(&self) -> f64 {
         let mut v: Vec<f64> = self.recent.iter().copied().collect();

@@ -38,6 +38,14 @@ pub enum Event {
         /// The first step not yet agreed.
         step: u64,
     },
+    /// No step was agreed for `silent_ms` though every node is alive (a message was lost on a
+    /// live link): the running epoch is halted and resumed from what every node holds.
+    Resync {
+        /// The first step not yet agreed.
+        step: u64,
+        /// How long nothing moved, ms.
+        silent_ms: u64,
+    },
     /// Measured speeds differ enough from the plan's that a re-plan is predicted to be
     /// faster: re-planned with measured figures.
     Rebalanced {
@@ -78,6 +86,7 @@ impl Event {
             Event::Planned { .. } => "planned",
             Event::Detected { .. } => "detected-dead",
             Event::Aborted { .. } => "aborted",
+            Event::Resync { .. } => "resync",
             Event::Joined { .. } => "joined",
             Event::Rebalanced { .. } => "rebalanced",
             Event::CheckpointComplete { .. } => "checkpoint",

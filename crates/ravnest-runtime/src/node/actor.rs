@@ -102,7 +102,12 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return;
         }
         st.epoch = w.epoch;
-        let latest = st.versions.latest();
+        // Where this node is headed: the version it fetches, else the newest it holds.
+        let latest = st
+            .fetching
+            .as_ref()
+            .map(|f| f.version)
+            .or(st.versions.latest());
         let will_reach = !st.halted
             && st.work.as_ref().is_some_and(|c| c.until >= w.step)
             && latest.is_some_and(|l| l < w.step);
@@ -156,6 +161,9 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         } else if st.versions.get(w.step).is_none()
             && let Some(peer) = w.state_from
         {
+            // What this node holds is older than the epoch's start: stale. Reporting it after a
+            // halt would pull the whole cluster back to it.
+            st.versions = Default::default();
             self.ask_state(peer, w.step, None);
             st.fetching = Some(Fetch {
                 version: w.step,

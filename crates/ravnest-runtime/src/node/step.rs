@@ -126,8 +126,14 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         }
     }
 
-    fn start_collective(&self, st: &NodeState, id: CollId, group: Arc<Group>, data: Vec<f32>) {
-        let virtual_bytes = self.grad_bytes;
+    fn start_collective(
+        &self,
+        st: &NodeState,
+        id: CollId,
+        group: Arc<Group>,
+        data: Vec<f32>,
+        virtual_bytes: u64,
+    ) {
         if let Some(c) = &st.collective {
             let _ = c.cast(CollectiveMsg::Start {
                 id,
@@ -306,7 +312,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             step: s,
             bucket: 0,
         };
-        self.start_collective(st, id, group, contribution);
+        self.start_collective(st, id, group, contribution, self.grad_bytes);
     }
 
     /// A collective ended.
@@ -322,17 +328,32 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return;
         };
         let Outcome::Done { sum, .. } = outcome else {
-            // Its epoch was halted: the coordinator re-plans.
+            // A halt drops the running step before its collectives report their abort: this
+            // one failed on its own (it could not start), and waiting would wait forever.
             st.running = None;
             self.count(|c| c.aborted += 1);
-            return;
+            return self.fail(
+                id.epoch,
+                format!(
+                    "the collective of step {} bucket {} could not run",
+                    id.step, id.bucket
+                ),
+            );
         };
         let Some(target) = r.targets.get(id.bucket as usize).cloned() else {
             return;
         };
         let next = r.next.get_or_insert_with(|| (*r.base).clone());
         if target.len() != sum.len() || target.end > next.len() {
-            return;
+            let reason = format!(
+                "the collective of step {} bucket {} gave {} values for {}",
+                id.step,
+                id.bucket,
+                sum.len(),
+                target.len()
+            );
+            st.running = None;
+            return self.fail(id.epoch, reason);
         }
         match r.mode {
             StepMode::Average => next[target].copy_from_slice(&sum),
@@ -651,15 +672,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                     bucket: 0,
                 };
                 // A stage's gradient stands for its layers' bytes, not the whole model's.
-                let virtual_bytes = p.sw.sync_bytes;
-                if let Some(c) = &st.collective {
-                    let _ = c.cast(CollectiveMsg::Start {
-                        id,
-                        group,
-                        data: contribution,
-                        virtual_bytes,
-                    });
-                }
+                self.start_collective(st, id, group, contribution, p.sw.sync_bytes);
             }
             mode => {
                 let inv = 1.0 / w.batch.max(1) as f32;
@@ -714,9 +727,12 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return;
         }
         // Its step has not started here yet (the neighbour is ahead, or its epoch's work is
-        // still on its way): keep it. Older epochs and steps are void.
+        // still on its way): keep it. Epochs older than the one being run (not the newest one
+        // seen: a node finishes its epoch's steps below the next epoch's start) are void, and
+        // so are steps already done.
+        let running = st.work.as_ref().map_or(0, |w| w.epoch);
         let behind = st.versions.latest().is_some_and(|l| step < l);
-        if epoch >= st.epoch && !behind && st.early_pipe.len() < 1 << 16 {
+        if epoch >= running && !behind && st.early_pipe.len() < 1 << 16 {
             st.early_pipe.push(EarlyInput {
                 epoch,
                 step,
