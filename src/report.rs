@@ -524,6 +524,9 @@ pub fn sim_text(origin: &str, r: &ravnest_sim::SimReport) -> String {
                 }
                 (None, _) => line.push_str(": no step completed after it"),
             }
+            if let Some(k) = f.replanned_after_steps {
+                let _ = write!(line, "; re-planned for measured speeds {k} steps later");
+            }
             let _ = writeln!(out, "{line}");
         }
     }

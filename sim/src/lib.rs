@@ -121,6 +121,9 @@ pub struct FaultReport {
     pub resumed_after_s: Option<f64>,
     /// For a restart: seconds until the coordinator took the node back.
     pub rejoined_after_s: Option<f64>,
+    /// For a slowdown: steps agreed between the fault and the re-plan that measurements
+    /// asked for.
+    pub replanned_after_steps: Option<u64>,
 }
 
 /// The result of a run.
@@ -717,7 +720,20 @@ fn report(
                 }),
                 _ => None,
             };
+            let replanned = match f {
+                Fault::Slowdown { .. } => log.events.iter().find_map(|(t, e)| match e {
+                    Event::Rebalanced { .. } if *t >= at_ns => Some(
+                        log.step_done_ns
+                            .iter()
+                            .filter(|&&d| d >= at_ns && d <= *t)
+                            .count() as u64,
+                    ),
+                    _ => None,
+                }),
+                _ => None,
+            };
             FaultReport {
+                replanned_after_steps: replanned,
                 rejoined_after_s: rejoined,
                 fault: describe(s, f),
                 at_s: fault_at(f),

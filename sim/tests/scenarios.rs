@@ -217,6 +217,9 @@ fn a_straggler_is_rebalanced_with_measured_speed() {
     assert!(r.plans >= 3, "plans {}", r.plans);
     // Without rebalancing the slow minute costs ~60 steps at 3x: 189 s on this seed.
     assert!(r.sim_time_s < 175.0, "{}", r.sim_time_s);
+    // The re-plan comes within 10 steps of the slowdown.
+    let k = r.faults[0].replanned_after_steps.expect("re-planned");
+    assert!(k <= 10, "re-planned {k} steps after the slowdown");
 }
 
 #[test]

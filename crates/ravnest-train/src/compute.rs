@@ -49,6 +49,8 @@ pub struct Stats {
     pub samples: u64,
     /// Seconds of real (not emulated) compute.
     pub real_compute_s: f64,
+    /// The emulated slowdown of the last step, and the step it changed at last.
+    pub slowdown: (f64, u64),
 }
 
 impl CandleCompute {
@@ -267,7 +269,7 @@ impl Compute for CandleCompute {
     async fn gradient_sum(
         &self,
         _node: NodeId,
-        _step: u64,
+        step: u64,
         samples: Range<u64>,
         model: Arc<Vec<f32>>,
         ready: BucketSink,
@@ -283,6 +285,12 @@ impl Compute for CandleCompute {
         // starved by compute (the all-reduce of one node waits for its peers' network code).
         let job = self.job();
         let slowdown = self.slowdown_now();
+        {
+            let mut st = self.stats.lock().unwrap();
+            if st.slowdown.0 != slowdown {
+                st.slowdown = (slowdown, step);
+            }
+        }
         let (result, real) = self
             .worker
             .run(move || job.emulated(samples, &model, slowdown, &ready))

@@ -580,6 +580,8 @@ async fn run_async(opts: Options) -> anyhow::Result<Value> {
     report["bytes_sent"] = json!(tcp.bytes_sent());
     report["solo_samples_per_s"] = json!(su.solo_samples_per_s);
     report["last_loss"] = json!(su.compute.stats().last_loss);
+    let (factor, since) = su.compute.stats().slowdown;
+    report["slowdown"] = json!({"factor": factor, "since_step": since});
     say.event(report.clone());
     sup.stop(None);
     tcp.shutdown();

@@ -113,7 +113,7 @@ impl Default for Tuning {
             speed_window: 9,
             drift: 0.5,
             min_gain: 0.25,
-            patience: 3,
+            patience: 2,
             settle_steps: 8,
             measure_min_batch: 0,
             probation_steps: 20,
@@ -161,6 +161,10 @@ pub enum Effect {
 
 /// What a plan gives each worker (batches, and layers in a pipeline): a new one is logged.
 type PlanShape = (Vec<(NodeId, u64)>, Vec<Option<(u32, u32)>>);
+
+/// How many times its measurements' spread a node's smoothed ratio must be off before it counts
+/// as drift.
+const NOISE_MARGIN: f64 = 2.5;
 
 /// A node's configured (or registered) compute cost.
 fn configured(cfg: &Config, n: NodeId) -> StepCost {
@@ -253,6 +257,8 @@ pub struct Coordinator {
     joiners: BTreeSet<NodeId>,
     /// Agreed steps in a row whose measurements predicted a worthwhile re-plan.
     over: u32,
+    /// The steps at which measurements re-planned.
+    rebalanced_at: Vec<u64>,
     last_planned: Option<PlanShape>,
     plan_cache: Option<(Vec<u64>, Vec<NodeId>, Plan)>,
     local_sgd: bool,
@@ -312,6 +318,7 @@ impl Coordinator {
             left_out: BTreeMap::new(),
             joiners: BTreeSet::new(),
             over: 0,
+            rebalanced_at: Vec::new(),
             last_planned: None,
             plan_cache: None,
             local_sgd: false,
@@ -841,9 +848,17 @@ impl Coordinator {
         }
         let cur = self.eras[0].clone();
         let t = self.cfg.tuning;
+        // Each re-plan in the last hundred steps makes the next wait longer: a node's new share
+        // shows how the old figures were off, and chasing that error is what oscillates.
+        let recent = self
+            .rebalanced_at
+            .iter()
+            .filter(|&&at| at + 100 > self.agreed)
+            .count() as u64;
         if self.agreed < cur.from + t.settle_steps {
             return;
         }
+        let settled = self.agreed >= cur.from + t.settle_steps * (1 + 2 * recent);
         // Each node's cost as measured: the plan's figures times its smoothed ratio.
         let measured: BTreeMap<NodeId, StepCost> = self
             .assumed
@@ -854,10 +869,17 @@ impl Coordinator {
             })
             .collect();
         let cost = |n: NodeId| measured.get(&n).copied().unwrap_or((1.0, 0.0));
-        let drifted = cur.workers().any(|n| {
-            let k = self.measured.get(&n).map_or(1.0, SpeedEstimate::get);
-            k.ln().abs() >= t.drift.ln_1p()
-        });
+        // Drifted: off by the margin, and by more than this node's own noise (on a shared
+        // machine a step can take twice as long now and then; a median of nine still moves).
+        let threshold = |m: &SpeedEstimate| t.drift.ln_1p().max(NOISE_MARGIN * m.log_spread());
+        let off = |n: NodeId| {
+            self.measured
+                .get(&n)
+                .map_or(0.0, |m| m.get().ln().abs() / threshold(m))
+        };
+        let drifted = cur.workers().any(|n| off(n) >= 1.0);
+        // Twice the margin on both counts (a node that turned 3x slower): no need to wait.
+        let glaring = cur.workers().any(|n| off(n) >= 2.0);
         let now = compute_bound(&cur.assigns, cost);
         if !drifted || now <= balanced_bound(&cur.assigns, cost) * (1.0 + t.min_gain) {
             self.over = 0;
@@ -877,7 +899,10 @@ impl Coordinator {
             .unwrap_or(1.0)
             - 1.0;
         self.over = if gain >= t.min_gain { self.over + 1 } else { 0 };
-        if self.over < t.patience {
+        // A glaring drift does not wait for patience, nor for the longer settling that recent
+        // re-plans ask of a smaller one.
+        let sure = glaring && gain >= 2.0 * t.min_gain;
+        if !sure && (self.over < t.patience || !settled) {
             self.assumed = saved;
             return;
         }
@@ -889,6 +914,7 @@ impl Coordinator {
             })
             .collect();
         self.measured.clear();
+        self.rebalanced_at.push(self.agreed);
         self.emit(Event::Rebalanced {
             step: self.agreed,
             predicted_gain: gain,

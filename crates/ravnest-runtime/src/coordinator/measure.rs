@@ -34,6 +34,14 @@ impl SpeedEstimate {
         self.recent.push_back(x);
     }
 
+    /// The spread of the figures' logarithms (1.4826 x their median absolute deviation: the
+    /// standard deviation for normal noise, robust to outliers), for figures that are ratios.
+    pub fn log_spread(&self) -> f64 {
+        let logs: Vec<f64> = self.recent.iter().map(|x| x.max(1e-12).ln()).collect();
+        let m = median(logs.clone());
+        1.4826 * median(logs.iter().map(|x| (x - m).abs()).collect())
+    }
+
     /// The largest figure kept.
     pub fn max(&self) -> f64 {
         self.recent
@@ -44,14 +52,17 @@ impl SpeedEstimate {
 
     /// The median of the figures kept.
     pub fn get(&self) -> f64 {
-        let mut v: Vec<f64> = self.recent.iter().copied().collect();
-        v.sort_by(f64::total_cmp);
-        let n = v.len();
-        if n % 2 == 1 {
-            v[n / 2]
-        } else {
-            0.5 * (v[n / 2 - 1] + v[n / 2])
-        }
+        median(self.recent.iter().copied().collect())
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => 0.0,
+        _ if n % 2 == 1 => v[n / 2],
+        _ => 0.5 * (v[n / 2 - 1] + v[n / 2]),
     }
 }
 
