@@ -459,6 +459,16 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             what: BenchWhat::Overhead { steps, rounds },
         } => {
+            // One compute thread on both sides (candle reads RAYON_NUM_THREADS at each product;
+            // PyTorch is told set_num_threads(1)): run again with it set, if it is not.
+            if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+                let status = std::process::Command::new(std::env::current_exe()?)
+                    .args(std::env::args_os().skip(1))
+                    .env("RAYON_NUM_THREADS", "1")
+                    .status()
+                    .context("cannot restart with RAYON_NUM_THREADS=1")?;
+                std::process::exit(status.code().unwrap_or(2));
+            }
             emit(&bench_net::overhead(steps.max(1), rounds.max(1))?);
             Ok(())
         }

@@ -94,6 +94,10 @@ pub trait Compute: Send + Sync + 'static {
     /// counter advances here).
     fn end_update(&self, _model: &mut [f32]) {}
 
+    /// A gradient bucket's buffer, done with: a backend may reuse it for the next step's
+    /// buckets (memory it already has mapped, allocated and freed on its own thread).
+    fn recycle(&self, _buffer: Vec<f32>) {}
+
     /// Forward and backward over the global sample indices `samples` of `step` with model
     /// `model`. Hands the *sum* over those samples of the per-sample gradient to `ready`, bucket
     /// by bucket, in the order of [`Compute::buckets`], each as soon as it is known.

@@ -38,6 +38,8 @@ pub struct CandleCompute {
     perm: Arc<Mutex<(u64, Vec<u32>)>>,
     stats: Arc<Mutex<Stats>>,
     worker: crate::worker::ComputeThread,
+    /// Gradient buffers handed back after use, for the next step's buckets.
+    spare: Arc<Mutex<Vec<Vec<f32>>>>,
 }
 
 /// What the node's computations saw (for progress lines).
@@ -68,6 +70,7 @@ impl CandleCompute {
             perm: Arc::new(Mutex::new((u64::MAX, Vec::new()))),
             stats: Arc::default(),
             worker: crate::worker::ComputeThread::default(),
+            spare: Arc::default(),
         }
     }
 
@@ -95,6 +98,7 @@ impl CandleCompute {
             seed: self.seed,
             perm: self.perm.clone(),
             stats: self.stats.clone(),
+            spare: self.spare.clone(),
         }
     }
 
@@ -157,7 +161,11 @@ struct Job {
     seed: u64,
     perm: Arc<Mutex<(u64, Vec<u32>)>>,
     stats: Arc<Mutex<Stats>>,
+    spare: Arc<Mutex<Vec<Vec<f32>>>>,
 }
+
+/// Gradient buffers kept for reuse, at most.
+const SPARE_BUFFERS: usize = 16;
 
 impl Job {
     fn row(&self, s: u64) -> usize {
@@ -194,9 +202,16 @@ impl Job {
         sink: &mut dyn FnMut(usize, Vec<f32>),
     ) -> Result<(), ComputeError> {
         let (x, y) = self.batch(samples);
+        let spare = &self.spare;
+        let mut zeroed = |n: usize| {
+            let mut buf = spare.lock().unwrap().pop().unwrap_or_default();
+            buf.clear();
+            buf.resize(n, 0.0);
+            buf
+        };
         let loss = self
             .net
-            .loss_and_grad_buckets(&model[..self.net.params()], &x, &y, sink)
+            .loss_and_grad_buckets_into(&model[..self.net.params()], &x, &y, sink, &mut zeroed)
             .map_err(|e| ComputeError::Backend(format!("candle forward/backward: {e}")))?;
         let mut s = self.stats.lock().unwrap();
         s.last_loss = loss / y.len().max(1) as f64;
@@ -264,6 +279,13 @@ impl Compute for CandleCompute {
 
     fn end_update(&self, model: &mut [f32]) {
         self.optim.end_step(model, self.params());
+    }
+
+    fn recycle(&self, buffer: Vec<f32>) {
+        let mut spare = self.spare.lock().unwrap();
+        if spare.len() < SPARE_BUFFERS {
+            spare.push(buffer);
+        }
     }
 
     async fn gradient_sum(

@@ -64,6 +64,7 @@ pub fn loss_and_grad(
     x: &[f32],
     y: &[u32],
     sink: &mut dyn FnMut(usize, Vec<f32>),
+    zeroed: &mut dyn FnMut(usize) -> Vec<f32>,
 ) -> candle_core::Result<f64> {
     let dev = Device::Cpu;
     let b = y.len();
@@ -123,7 +124,7 @@ pub fn loss_and_grad(
         let (layers, range) = &buckets[kb];
         if kb != bucket {
             bucket = kb;
-            buf = vec![0.0; range.len()];
+            buf = zeroed(range.len());
         }
         let dw = g.t()?.matmul(&acts[i])?;
         with_values(&dw, |d| {
@@ -199,10 +200,19 @@ mod tests {
             let bk = buckets(&s, min);
             let mut got = vec![f32::NAN; w.len()];
             let mut order = Vec::new();
-            let loss = loss_and_grad(&dims, &s, &bk, &w, &x, &y, &mut |k, v| {
-                order.push(k);
-                got[bk[k].1.clone()].copy_from_slice(&v);
-            })
+            let loss = loss_and_grad(
+                &dims,
+                &s,
+                &bk,
+                &w,
+                &x,
+                &y,
+                &mut |k, v| {
+                    order.push(k);
+                    got[bk[k].1.clone()].copy_from_slice(&v);
+                },
+                &mut |n| vec![0.0; n],
+            )
             .unwrap();
             assert_eq!(order, (0..bk.len()).collect::<Vec<_>>(), "{dims:?}");
             assert!((loss - want_loss).abs() < 1e-4 * want_loss.abs().max(1.0));

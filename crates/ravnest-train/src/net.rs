@@ -200,11 +200,24 @@ impl Network {
         y: &[u32],
         sink: &mut dyn FnMut(usize, Vec<f32>),
     ) -> candle_core::Result<f64> {
+        self.loss_and_grad_buckets_into(model, x, y, sink, &mut |n| vec![0.0; n])
+    }
+
+    /// [`Network::loss_and_grad_buckets`], taking each bucket's buffer from `zeroed` (a
+    /// zero-filled vector of the length asked for).
+    pub fn loss_and_grad_buckets_into(
+        &self,
+        model: &[f32],
+        x: &[f32],
+        y: &[u32],
+        sink: &mut dyn FnMut(usize, Vec<f32>),
+        zeroed: &mut dyn FnMut(usize) -> Vec<f32>,
+    ) -> candle_core::Result<f64> {
         match self {
             Network::Mlp { dims } => {
                 let slots = self.mlp_slots();
                 let buckets = crate::mlp::buckets(&slots, BUCKET_MIN_PARAMS);
-                crate::mlp::loss_and_grad(dims, &slots, &buckets, model, x, y, sink)
+                crate::mlp::loss_and_grad(dims, &slots, &buckets, model, x, y, sink, zeroed)
             }
             _ => {
                 let (loss, g) = self.loss_and_grad_sum(model, x, y)?;

@@ -26,6 +26,10 @@ use crate::seams::{BucketSink, Compute, ComputeError, Transport};
 /// Buckets collected from a backend: (index, values).
 type Parts = Arc<Mutex<Vec<(usize, Vec<f32>)>>>;
 
+/// Models at least this large are copied beside the compute (smaller ones, the simulator's,
+/// when the first bucket comes back: no thread, no wall-clock time in a simulation).
+const COPY_BESIDE_MIN: usize = 1 << 16;
+
 /// Steps of history kept per node (a few MB at most).
 const HISTORY_MAX: usize = 1 << 18;
 
@@ -203,12 +207,41 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         });
         let t = Instant::now();
         let samples = sample_range(s, w.global_batch, w.offset, w.batch);
-        let result = self
-            .compute
-            .gradient_sum(self.id, s, samples, base, sink)
-            .await;
+        // The copy of version s that the update is applied to is made while the backend
+        // computes (on another thread: it is a model's worth of memory traffic per step).
+        let copy = self.copy_beside(st, &base);
+        let (result, next) = tokio::join!(
+            self.compute.gradient_sum(self.id, s, samples, base, sink),
+            copy
+        );
+        if let Some(r) = st.running.as_mut()
+            && r.next.is_none()
+        {
+            r.next = next;
+        }
         let ns = self.computed(t);
         self.after_compute(st, w.epoch, ns, result);
+    }
+
+    /// A copy of `base` made on a blocking thread (into a retired buffer), for large models;
+    /// `None` for small ones (the copy is made when the first bucket comes back).
+    fn copy_beside(
+        &self,
+        st: &mut NodeState,
+        base: &Arc<Vec<f32>>,
+    ) -> impl std::future::Future<Output = Option<Vec<f32>>> + use<T, C> {
+        let job = (base.len() >= COPY_BESIDE_MIN).then(|| (st.versions.spare(), base.clone()));
+        async move {
+            let (buf, base) = job?;
+            tokio::task::spawn_blocking(move || {
+                let mut buf = buf;
+                buf.clear();
+                buf.extend_from_slice(&base);
+                buf
+            })
+            .await
+            .ok()
+        }
     }
 
     fn after_compute(
@@ -343,7 +376,11 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let Some(target) = r.targets.get(id.bucket as usize).cloned() else {
             return;
         };
-        let next = r.next.get_or_insert_with(|| (*r.base).clone());
+        if r.next.is_none() {
+            r.next = Some(st.versions.copy_of(&r.base));
+        }
+        let Some(r) = st.running.as_mut() else { return };
+        let next = r.next.as_mut().expect("just set");
         if target.len() != sum.len() || target.end > next.len() {
             let reason = format!(
                 "the collective of step {} bucket {} gave {} values for {}",
@@ -359,6 +396,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             StepMode::Average => next[target].copy_from_slice(&sum),
             _ => self.compute.apply_update(next, target, &sum),
         }
+        self.compute.recycle(sum);
         r.pending = r.pending.saturating_sub(1);
         self.try_finish(st);
     }
