@@ -42,6 +42,17 @@ pub fn buckets(slots: &[LayerSlots], min_params: usize) -> Vec<(Range<usize>, Ra
     out
 }
 
+/// An MLP as its hand-written step sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape<'a> {
+    /// Layer widths.
+    pub dims: &'a [usize],
+    /// Where each layer's parameters sit.
+    pub slots: &'a [LayerSlots],
+    /// The gradient's buckets ([`buckets`]).
+    pub buckets: &'a [(Range<usize>, Range<usize>)],
+}
+
 /// Run `f` on a contiguous f32 CPU tensor's values, without copying them.
 fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
     let (storage, layout) = t.storage_and_layout();
@@ -57,15 +68,18 @@ fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Resul
 /// gradient sum to `sink` bucket by bucket: `sink(k, values)` for bucket k of `buckets`
 /// (from [`buckets`]), in order. `x` holds `y.len()` rows of `dims[0]` values.
 pub fn loss_and_grad(
-    dims: &[usize],
-    slots: &[LayerSlots],
-    buckets: &[(Range<usize>, Range<usize>)],
+    shape: &Shape<'_>,
     model: &[f32],
     x: &[f32],
     y: &[u32],
     sink: &mut dyn FnMut(usize, Vec<f32>),
     zeroed: &mut dyn FnMut(usize) -> Vec<f32>,
 ) -> candle_core::Result<f64> {
+    let Shape {
+        dims,
+        slots,
+        buckets,
+    } = *shape;
     let dev = Device::Cpu;
     let b = y.len();
     let n = dims.len() - 1;
@@ -200,10 +214,13 @@ mod tests {
             let bk = buckets(&s, min);
             let mut got = vec![f32::NAN; w.len()];
             let mut order = Vec::new();
+            let shape = Shape {
+                dims: &dims,
+                slots: &s,
+                buckets: &bk,
+            };
             let loss = loss_and_grad(
-                &dims,
-                &s,
-                &bk,
+                &shape,
                 &w,
                 &x,
                 &y,

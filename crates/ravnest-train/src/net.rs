@@ -217,7 +217,12 @@ impl Network {
             Network::Mlp { dims } => {
                 let slots = self.mlp_slots();
                 let buckets = crate::mlp::buckets(&slots, BUCKET_MIN_PARAMS);
-                crate::mlp::loss_and_grad(dims, &slots, &buckets, model, x, y, sink, zeroed)
+                let shape = crate::mlp::Shape {
+                    dims,
+                    slots: &slots,
+                    buckets: &buckets,
+                };
+                crate::mlp::loss_and_grad(&shape, model, x, y, sink, zeroed)
             }
             _ => {
                 let (loss, g) = self.loss_and_grad_sum(model, x, y)?;
