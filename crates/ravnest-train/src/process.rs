@@ -1109,7 +1109,7 @@ pub fn warmup_steps(steps: u64) -> u64 {
 }
 
 /// How long every node measures itself, together, before training.
-pub const CALIBRATE_MS: u64 = 600;
+pub const CALIBRATE_MS: u64 = 800;
 
 /// A coordinator event in words, with node names.
 pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
