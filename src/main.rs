@@ -3,6 +3,7 @@
 
 mod bench_ddp;
 mod bench_net;
+mod chaos;
 mod report;
 mod run;
 mod scenarios;
@@ -53,7 +54,7 @@ enum Command {
         #[arg(long)]
         seed: Option<u64>,
         /// Steps to simulate (default: the scenario's `[sim] steps`).
-        #[arg(long)]
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
         steps: Option<u64>,
         /// Planner: ravnest, uniform, param-count or exhaustive.
         #[arg(long, default_value = "ravnest")]
@@ -90,7 +91,7 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
         /// Override the file's `[run] steps`.
-        #[arg(long)]
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
         steps: Option<u64>,
         /// JSON lines on stdout instead of text.
         #[arg(long)]
@@ -160,6 +161,27 @@ enum BenchWhat {
         /// Python with torch (default: RAVNEST_PYTHON, else python3).
         #[arg(long)]
         python: Option<String>,
+    },
+    /// Real 3-process clusters on loopback under seeded schedules of network faults (kill -9
+    /// and rejoin, frozen processes, connection resets and delays through a proxy, forged
+    /// connections, corrupted frames, a port in use). Each run must end as its schedule says,
+    /// lose no checkpoint, and end with the model of a single-node run of the same steps. A
+    /// failing seed is printed with the command that replays it.
+    ///
+    /// Example: ravnest bench chaos --schedules 500
+    Chaos {
+        /// Schedules to run.
+        #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..))]
+        schedules: u64,
+        /// The first schedule's seed (the others follow).
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Keep the runs' folders here (default: a temporary folder, removed when all hold).
+        #[arg(long)]
+        keep: Option<PathBuf>,
+        /// Print the schedules without running them.
+        #[arg(long)]
+        list: bool,
     },
     /// Ring all-reduce over loopback TCP: algorithm and bus bandwidth for 2, 3 and 4 ranks.
     Allreduce {
@@ -372,6 +394,13 @@ fn run(cli: Cli) -> Result<()> {
             report_spans,
         } => {
             parse_planner(&planner)?;
+            if let Some(pid) = std::env::var(ravnest_train::process::LAUNCHER_PID)
+                .ok()
+                .and_then(|p| p.parse().ok())
+                .filter(|_| node.is_some())
+            {
+                ravnest_train::process::die_with_launcher(pid);
+            }
             if timeline.is_some() && node.is_some() {
                 bail!(
                     "--timeline draws a local cluster (started without --node): each node's activity is on its own machine"
@@ -470,6 +499,24 @@ fn run(cli: Cli) -> Result<()> {
                 std::process::exit(status.code().unwrap_or(2));
             }
             emit(&bench_net::overhead(steps.max(1), rounds.max(1))?);
+            Ok(())
+        }
+        Command::Bench {
+            what:
+                BenchWhat::Chaos {
+                    schedules,
+                    seed,
+                    keep,
+                    list,
+                },
+        } => {
+            if list {
+                for s in seed..seed + schedules {
+                    emit(&format!("seed {s}: {:?}\n", chaos::schedule(s)));
+                }
+                return Ok(());
+            }
+            emit(&chaos::bench(seed, schedules, keep)?);
             Ok(())
         }
         Command::Catalog => {

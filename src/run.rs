@@ -137,6 +137,11 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
         if std::env::var_os("RAYON_NUM_THREADS").is_none() {
             cmd.env("RAYON_NUM_THREADS", "1");
         }
+        // The child dies with this process (`kill -9` of the launcher leaves nothing behind).
+        cmd.env(
+            ravnest_train::process::LAUNCHER_PID,
+            std::process::id().to_string(),
+        );
         let mut child = cmd
             .spawn()
             .with_context(|| format!("cannot start node `{}`", n.name))?;
@@ -182,6 +187,26 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
         let Ok((i, msg)) = rx.recv() else { break };
         let Some(v) = msg else {
             open -= 1;
+            // A node that exits with an error before its report failed to start or to go on
+            // (a port in use, a bad dataset): the run cannot do what was asked; stop the others
+            // now rather than let them wait. A node killed by a signal is a lost node, which
+            // the cluster survives (and which may rejoin with `--join`).
+            if reports[i].is_none() {
+                let status = children[i].1.wait()?;
+                if status.code().is_some_and(|c| c != 0) {
+                    for (_, c) in children.iter_mut() {
+                        let _ = c.kill();
+                        let _ = c.wait();
+                    }
+                    for b in &node_bars {
+                        b.abandon();
+                    }
+                    bail!(
+                        "node `{}` failed ({status}); see its message above",
+                        children[i].0
+                    );
+                }
+            }
             continue;
         };
         match v["event"].as_str() {
@@ -256,7 +281,8 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
         say(true, merged);
     } else {
         eprintln!();
-        println!("{}", summary_text(&merged));
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout().lock(), "{}", summary_text(&merged));
     }
     match coordinator {
         Some(_) => Ok(()),
@@ -350,7 +376,8 @@ fn timeline(m: &Value) -> ravnest_sim::timeline::Timeline {
 
 fn say(json: bool, v: Value) {
     if json {
-        println!("{v}");
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout().lock(), "{v}");
     } else if v["event"] != "spawned" {
         eprintln!("{}", human(&v));
     }

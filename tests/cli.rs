@@ -565,3 +565,102 @@ fn error_run_join_address_problems_are_named() {
         "{e}"
     );
 }
+
+#[test]
+fn error_run_out_of_range_numbers_are_refused_when_read() {
+    for args in [
+        &["run", "--steps", "0", "--out", "target/none"][..],
+        &["sim", "--steps", "0"][..],
+    ] {
+        let out = ravnest(args);
+        let e = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {e}");
+        assert!(!e.contains("panicked"), "{e}");
+        assert!(e.contains("--steps"), "{e}");
+    }
+}
+
+#[test]
+fn error_two_nodes_at_one_address_and_listen_without_address() {
+    let two = "[[node]]\nname = \"a\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:7000\"\n[[node]]\nname = \"b\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:7000\"\n[model]\npreset = \"mlp-digits\"\n[training]\nglobal_batch = 64\n";
+    let p = temp_file("same-address.toml", two);
+    expect_error(
+        &["plan", p.to_str().unwrap()],
+        &[
+            "same-address.toml:",
+            "node `b` has the same address as node `a`",
+        ],
+    );
+    let listen = "[[node]]\nname = \"a\"\ndevice = \"cpu\"\nlisten = \"0.0.0.0:7000\"\n[model]\npreset = \"mlp-digits\"\n[training]\nglobal_batch = 64\n";
+    let p = temp_file("listen-alone.toml", listen);
+    expect_error(&["plan", p.to_str().unwrap()], &["`listen`", "`address`"]);
+}
+
+/// Another program holds a node's port: the run stops at once with a non-zero exit and names
+/// the port, instead of waiting for the node and training without it.
+#[test]
+fn a_port_in_use_fails_the_run_fast_and_names_the_port() {
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port();
+    let text = std::fs::read_to_string(root().join("scenarios/local-digits.toml"))
+        .unwrap()
+        .replace("127.0.0.1:47702", &format!("127.0.0.1:{port}"))
+        .replace("47701", "47731")
+        .replace("47703", "47733");
+    let p = temp_file("port-in-use.toml", &text);
+    let t0 = std::time::Instant::now();
+    let out = ravnest(&["run", p.to_str().unwrap(), "--out", "target/port-in-use"]);
+    let e = stderr(&out);
+    assert!(!out.status.success(), "{e}");
+    assert!(e.contains(&port.to_string()), "{e}");
+    assert!(!e.contains("panicked"), "{e}");
+    // Generous for a shared machine; by hand it takes well under a second.
+    assert!(t0.elapsed().as_secs() < 30, "{:?}", t0.elapsed());
+}
+
+/// `kill -9` of the local launcher takes its node processes with it.
+#[test]
+#[cfg(target_os = "linux")]
+fn the_nodes_die_with_their_launcher() {
+    use std::io::BufRead;
+    let text = std::fs::read_to_string(root().join("scenarios/local-digits.toml"))
+        .unwrap()
+        .replace("477", "478");
+    let p = temp_file("launcher.toml", &text);
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ravnest"))
+        .args(["run", p.to_str().unwrap(), "--json", "--steps", "100000"])
+        .args(["--out", "target/launcher-kill"])
+        .current_dir(root())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut pids = Vec::new();
+    for line in std::io::BufReader::new(child.stdout.take().unwrap()).lines() {
+        let v: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap_or_default();
+        if let Some(p) = v["pid"].as_u64() {
+            pids.push(p);
+        }
+        if v["event"] == "progress" && v["step"].as_u64() > Some(0) {
+            break;
+        }
+    }
+    assert_eq!(pids.len(), 3);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let alive = |pid: u64| {
+        std::path::Path::new(&format!("/proc/{pid}")).exists()
+            && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .unwrap_or_default()
+                .contains(") Z ")
+    };
+    let t0 = std::time::Instant::now();
+    while pids.iter().any(|&p| alive(p)) && t0.elapsed().as_secs() < 5 {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let left: Vec<u64> = pids.iter().copied().filter(|&p| alive(p)).collect();
+    assert!(
+        left.is_empty(),
+        "still running 5 s after the launcher: {left:?}"
+    );
+}

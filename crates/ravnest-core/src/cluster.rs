@@ -59,6 +59,9 @@ pub struct NodeSpec {
     pub link: Link,
     /// Address for `ravnest run` (`host:port`), if given.
     pub address: Option<String>,
+    /// Where this node binds, when that differs from the `address` peers dial (behind NAT, a
+    /// proxy or a port forward; `0.0.0.0:PORT` on a cloud machine). Default: `address`.
+    pub listen: Option<String>,
 }
 
 /// How gradients are synchronized; `Auto` lets the planner choose.

@@ -142,6 +142,9 @@ pub struct RunSettings {
     pub heartbeat_ms: u64,
     /// Heartbeat silence after which a node is declared dead, ms.
     pub heartbeat_timeout_ms: u64,
+    /// Nodes that must register before training starts (`None`: every node of the file); a
+    /// run with fewer fails at the end of the registration window.
+    pub min_nodes: Option<u64>,
 }
 
 impl Default for RunSettings {
@@ -163,6 +166,7 @@ impl Default for RunSettings {
             target_accuracy: 0.9,
             heartbeat_ms: 100,
             heartbeat_timeout_ms: 1500,
+            min_nodes: None,
         }
     }
 }
@@ -238,6 +242,7 @@ struct NodeToml {
     bandwidth_gbps: Option<Spanned<f64>>,
     latency_ms: Option<Spanned<f64>>,
     address: Option<Spanned<String>>,
+    listen: Option<Spanned<String>>,
     emulate_slowdown: Option<Spanned<f64>>,
 }
 
@@ -300,6 +305,7 @@ struct RunToml {
     target_accuracy: Option<Spanned<f64>>,
     heartbeat_ms: Option<Spanned<u64>>,
     heartbeat_timeout_ms: Option<Spanned<u64>>,
+    min_nodes: Option<Spanned<u64>>,
 }
 
 const NETWORKS: &[&str] = &["mlp", "cnn", "char"];
@@ -571,12 +577,35 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
         if let Some(x) = &n.latency_ms {
             link.latency_ms = ctx.non_negative(x, "latency_ms")?;
         }
+        if let Some(listen) = &n.listen
+            && (n.address.is_none() || count > 1)
+        {
+            return Err(ctx.err(
+                Some(&listen.span()),
+                "`listen` (the local address to bind) goes with one node's `address` (the one peers dial)",
+            ));
+        }
         if let Some(address) = &n.address
             && count > 1
         {
             return Err(ctx.err(
                 Some(&address.span()),
                 "`address` names one machine; it cannot go with `count` > 1",
+            ));
+        }
+        if let Some(address) = &n.address
+            && let Some(other) = nodes
+                .iter()
+                .find(|o: &&NodeSpec| o.address.as_deref() == Some(address.get_ref().as_str()))
+        {
+            return Err(ctx.err(
+                Some(&address.span()),
+                format!(
+                    "node `{}` has the same address as node `{}` ({}): each node listens on its own",
+                    n.name.get_ref(),
+                    other.name,
+                    address.get_ref()
+                ),
             ));
         }
         let base = n.name.get_ref().trim();
@@ -604,6 +633,7 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
                 link,
                 step_overhead_s: 0.0,
                 address: n.address.as_ref().map(|a| a.get_ref().clone()),
+                listen: n.listen.as_ref().map(|a| a.get_ref().clone()),
             });
             slowdown.push(emulate);
         }
@@ -722,6 +752,16 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
         }
         if let Some(x) = &r.heartbeat_timeout_ms {
             run.heartbeat_timeout_ms = ctx.positive(x, "heartbeat_timeout_ms")?;
+        }
+        if let Some(x) = &r.min_nodes {
+            let n = ctx.positive(x, "min_nodes")?;
+            if n > nodes.len() as u64 {
+                return Err(ctx.err(
+                    Some(&x.span()),
+                    format!("`min_nodes` is {n}, but the file has {} nodes", nodes.len()),
+                ));
+            }
+            run.min_nodes = Some(n);
         }
     }
 

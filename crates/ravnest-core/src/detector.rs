@@ -33,6 +33,11 @@ struct Peer {
 pub struct FailureDetector {
     timeout_ms: u64,
     peers: BTreeMap<NodeId, Peer>,
+    /// Ticks further apart than this mean the detector itself was not running (its process
+    /// frozen, swapped out, suspended): nobody could be heard meanwhile, so that time is not
+    /// counted as anyone's silence. `None`: every gap counts.
+    stall_ms: Option<u64>,
+    last_tick_ms: Option<u64>,
 }
 
 impl FailureDetector {
@@ -42,7 +47,16 @@ impl FailureDetector {
         FailureDetector {
             timeout_ms,
             peers: BTreeMap::new(),
+            stall_ms: None,
+            last_tick_ms: None,
         }
+    }
+
+    /// The same, for a driver that ticks at least every `stall_ms`: a longer gap between two
+    /// ticks is the detector's own stall, and is not counted as silence of the peers.
+    pub fn with_stall_limit(mut self, stall_ms: u64) -> Self {
+        self.stall_ms = Some(stall_ms);
+        self
     }
 
     /// The timeout.
@@ -90,6 +104,13 @@ impl FailureDetector {
 
     /// Declare every peer silent for more than the timeout dead (in node order).
     pub fn tick(&mut self, now_ms: u64) -> Vec<DetectorEvent> {
+        let gap = self.last_tick_ms.map_or(0, |t| now_ms.saturating_sub(t));
+        self.last_tick_ms = Some(now_ms);
+        if self.stall_ms.is_some_and(|limit| gap > limit) {
+            for p in self.peers.values_mut() {
+                p.last_heard_ms = (p.last_heard_ms + gap).min(now_ms);
+            }
+        }
         let mut out = Vec::new();
         for (&node, p) in &mut self.peers {
             let silent = now_ms.saturating_sub(p.last_heard_ms);
@@ -184,6 +205,76 @@ mod tests {
                 for i in 0..4u32 { prop_assert_eq!(d.is_alive(NodeId(i)), !dead[i as usize]); }
             }
         }
+    }
+
+    proptest! {
+        /// With a stall limit, a gap between two ticks longer than the limit is credited to
+        /// every peer (the detector was not running; nobody could be heard): a peer is dead
+        /// once its silence, less those gaps, passes the timeout.
+        #[test]
+        fn the_detectors_own_stall_is_not_silence(
+            ops in prop::collection::vec(op(), 0..200),
+        ) {
+            let (timeout, limit) = (300, 150);
+            let mut d = FailureDetector::new(timeout).with_stall_limit(limit);
+            let mut now = 0u64;
+            let mut last_tick = 0u64;
+            // Oracle: when each peer was last heard, moved later by the stalls since.
+            let mut last = [0u64; 4];
+            let mut dead = [false; 4];
+            for i in 0..4 { d.watch(NodeId(i), 0); }
+            d.tick(0);
+            for o in ops {
+                match o {
+                    Op::Advance(dt) => now += dt,
+                    Op::Heard(i) => last[i as usize] = now,
+                    Op::Down(_) => continue,
+                    Op::Tick => {}
+                }
+                if let Op::Heard(i) = o { d.heard(NodeId(i), now); continue; }
+                if !matches!(o, Op::Tick) { continue; }
+                let gap = now - last_tick;
+                last_tick = now;
+                if gap > limit {
+                    for l in &mut last { *l = (*l + gap).min(now); }
+                }
+                let events = d.tick(now);
+                for i in 0..4usize {
+                    let should = !dead[i] && now - last[i] > timeout;
+                    let did = events.iter().any(|e| matches!(e, DetectorEvent::Dead { node, .. } if node.0 as usize == i));
+                    prop_assert_eq!(should, did, "peer {} at {}", i, now);
+                    if did { dead[i] = true; }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_frozen_detector_does_not_declare_everyone_dead_when_it_wakes() {
+        let mut d = FailureDetector::new(300).with_stall_limit(150);
+        d.watch(NodeId(1), 0);
+        d.watch(NodeId(2), 0);
+        for t in (0..=200).step_by(50) {
+            d.heard(NodeId(1), t);
+            assert!(d.tick(t).is_empty());
+        }
+        // Node 2 has been silent 200 ms when this process freezes for 2 s.
+        assert!(d.tick(2200).is_empty(), "a stall is nobody's silence");
+        d.heard(NodeId(1), 2210);
+        // Node 2's silence before the freeze still counts: 200 + 101 > 300.
+        assert_eq!(
+            d.tick(2301),
+            vec![DetectorEvent::Dead {
+                node: NodeId(2),
+                silent_ms: 301
+            }]
+        );
+        // Without the limit, the same wake-up declares both.
+        let mut plain = FailureDetector::new(300);
+        plain.watch(NodeId(1), 0);
+        plain.watch(NodeId(2), 0);
+        plain.heard(NodeId(1), 200);
+        assert_eq!(plain.tick(2200).len(), 2);
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! Time comes from tokio's clock (paused and virtual in the simulator); randomness never comes
 //! from here: it lives in the seams' implementations, seeded.
 
+pub mod chaos;
 pub mod checkpoint;
 pub mod collective;
 pub mod conformance;

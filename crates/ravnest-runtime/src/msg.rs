@@ -81,25 +81,38 @@ pub struct Work {
     pub checkpoint: Option<CheckpointDuty>,
 }
 
-/// Which versions a writer checkpoints: a synchronized version `v` with `v >= next`, or the
-/// last (`v == end`) when `at_end`; after each, `next` becomes `v + every`. The coordinator
-/// keeps the same rule, so both sides agree without a message per checkpoint.
+/// Which versions a writer checkpoints: the first synchronized version at or past each
+/// multiple of `every` (so 50, 100, 150 when every step is synchronized), the first one at or
+/// past `catch_up` (a round whose writer was lost), and the last (`v == end`) when `at_end`.
+/// The rule depends only on the versions, and the coordinator keeps the same one, so both sides
+/// agree without a message per checkpoint, across re-plans and resumptions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CheckpointDuty {
     /// Layers of the shard.
     pub layers: (u32, u32),
     /// Steps between checkpoints (0: only the last, if `at_end`).
     pub every: u64,
-    /// The first version due.
-    pub next: u64,
+    /// A version from which the next synchronized one is due (`u64::MAX`: none).
+    pub catch_up: u64,
     /// Also checkpoint the run's last version.
     pub at_end: bool,
+    /// The previous synchronized version (the epoch's first, until it makes one).
+    pub last: u64,
 }
 
 impl CheckpointDuty {
     /// Whether synchronized version `v` of a run ending at `end` is due.
     pub fn due(&self, v: u64, end: u64) -> bool {
-        (self.every > 0 && v >= self.next) || (self.at_end && v == end)
+        (self.every > 0 && (v / self.every > self.last / self.every || v >= self.catch_up))
+            || (self.at_end && v == end)
+    }
+
+    /// Synchronized version `v` was made (and checkpointed if `due`).
+    pub fn advance(&mut self, v: u64, end: u64) {
+        if self.due(v, end) && v >= self.catch_up {
+            self.catch_up = u64::MAX;
+        }
+        self.last = v;
     }
 }
 

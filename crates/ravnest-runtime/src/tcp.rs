@@ -36,7 +36,7 @@ use crate::seams::{Inbox, Transport, TransportError};
 use crate::wire;
 
 /// Wire protocol version; peers with another version are refused.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 const MAGIC: &[u8; 4] = b"RVN1";
 /// A joiner asking for the cluster file (`ravnest run --join HOST:PORT`).
@@ -50,14 +50,23 @@ const OK: u8 = 0;
 const BAD_VERSION: u8 = 1;
 const UNKNOWN_NODE: u8 = 2;
 const BAD_SECRET: u8 = 3;
+const DUPLICATE: u8 = 4;
+
+/// A connection from a node is live while something arrived on it this recently: a second
+/// connection claiming the same node is then refused (it cannot be the node: that one is
+/// talking to us). A restarted node's old connection is closed by its kernel at once; a silent
+/// one is let go after this long.
+pub const LIVE_MS: u64 = 3000;
 
 /// A process's view of the cluster's network.
 #[derive(Debug, Clone)]
 pub struct TcpConfig {
     /// This process's node.
     pub me: NodeId,
-    /// Every node's listening address (this node's included).
+    /// Every node's address, the one peers dial (this node's included).
     pub peers: BTreeMap<NodeId, SocketAddr>,
+    /// Where this node binds, if not its address in `peers` (behind NAT or a proxy).
+    pub listen: Option<SocketAddr>,
     /// The node whose process hosts the coordinator and the checkpoint actor.
     pub coordinator: NodeId,
     /// The cluster secret (HMAC key).
@@ -71,7 +80,7 @@ pub struct TcpConfig {
     pub cluster_file: Option<Arc<str>>,
 }
 
-/// Called with the peer whose connection was lost.
+/// Called with a peer that could not be reached within the connect window.
 pub type PeerDownHook = Arc<dyn Fn(NodeId) + Send + Sync>;
 
 /// TCP transport (cheap to clone: a handle).
@@ -95,6 +104,8 @@ struct Inner {
     cfg: TcpConfig,
     local: SocketAddr,
     inboxes: Mutex<BTreeMap<Addr, Inbox>>,
+    /// Envelopes that came for an address before its inbox was registered.
+    early: Mutex<BTreeMap<Addr, Vec<(Addr, Envelope)>>>,
     /// Outgoing queue per peer, with a generation number (a replaced link does not remove its
     /// successor when it ends).
     links: Mutex<BTreeMap<NodeId, Link>>,
@@ -111,6 +122,76 @@ struct Inner {
     incarnation: u64,
     /// The latest incarnation seen of each peer.
     incarnations: Mutex<BTreeMap<NodeId, u64>>,
+    /// Per peer, its current accepted connection and what of its session was delivered.
+    incoming: Mutex<BTreeMap<NodeId, InState>>,
+    /// Per peer, our outgoing session: frames written and not yet acknowledged.
+    sessions: Mutex<BTreeMap<NodeId, Session>>,
+    next_conn: AtomicU64,
+    started: std::time::Instant,
+}
+
+/// A peer's current accepted connection.
+struct InState {
+    /// Connection number (a newer connection from the peer replaces it).
+    conn: u64,
+    /// Whether it is still open.
+    open: bool,
+    /// When something last arrived on it (ms since `started`).
+    last: Arc<AtomicU64>,
+    /// The peer's incarnation on it.
+    incarnation: u64,
+    /// Frames delivered so far of the sessions of the peer's latest incarnations (over all
+    /// their connections): one that claims the id with another incarnation does not reset the
+    /// real one's count.
+    delivered: Vec<(u64, u64)>,
+}
+
+/// Envelopes kept per address not yet registered.
+const EARLY_MAIL: usize = 4096;
+
+/// Incarnations per peer whose delivered counts are kept.
+const KEPT_INCARNATIONS: usize = 4;
+
+impl InState {
+    fn count(&mut self) -> &mut u64 {
+        let inc = self.incarnation;
+        let i = match self.delivered.iter().position(|&(x, _)| x == inc) {
+            Some(i) => i,
+            None => {
+                if self.delivered.len() >= KEPT_INCARNATIONS {
+                    self.delivered.remove(0);
+                }
+                self.delivered.push((inc, 0));
+                self.delivered.len() - 1
+            }
+        };
+        &mut self.delivered[i].1
+    }
+}
+
+/// Our side of the session with one peer: a peer's process keeps one session with us across
+/// connections, so a connection that closes loses nothing: frames are numbered by their place
+/// in the session, the peer acknowledges how many it delivered, and a new connection starts
+/// with what came after.
+#[derive(Default)]
+struct Session {
+    /// The peer's incarnation the session is with.
+    incarnation: Option<u64>,
+    /// Frames the peer acknowledged.
+    acked: u64,
+    /// Frames after those, in order (written or not).
+    unacked: std::collections::VecDeque<Arc<wire::Frame>>,
+    /// Whether a connection carries the session now.
+    connected: bool,
+}
+
+impl Session {
+    /// The peer has delivered `n` frames in all.
+    fn trim(&mut self, n: u64) {
+        while self.acked < n && self.unacked.pop_front().is_some() {
+            self.acked += 1;
+        }
+    }
 }
 
 type HmacSha256 = Hmac<Sha256>;
@@ -164,6 +245,9 @@ pub enum HandshakeError {
     /// The peer is not a node of this cluster.
     #[error("{0}: not a node of this cluster")]
     Unknown(String),
+    /// A connection from that node is already open and live.
+    #[error("{0}: that node is already connected (a second connection claiming it is refused)")]
+    Duplicate(String),
     /// Not a ravnest peer, or the connection failed.
     #[error("{0}")]
     Io(String),
@@ -213,13 +297,14 @@ async fn hello(
     Ok((nc, status[0]))
 }
 
-/// The dialer's side. Returns when the listener has accepted us.
+/// The dialer's side. Returns, once the listener has accepted us, its incarnation and how many
+/// frames of our session with it it has delivered.
 async fn handshake_dial(
     s: &mut TcpStream,
     cfg: &TcpConfig,
     peer: NodeId,
     incarnation: u64,
-) -> Result<u64, HandshakeError> {
+) -> Result<(u64, u64), HandshakeError> {
     let who = format!("node {} at {}", peer.0, cfg.peers[&peer]);
     let (nc, status) = hello(s, MAGIC, cfg.me.0, &who).await?;
     match status {
@@ -254,29 +339,35 @@ async fn handshake_dial(
     timed(s.read_exact(&mut status), &who).await?;
     match status[0] {
         OK => {
-            let mut theirs = [0u8; 8];
+            let mut theirs = [0u8; 16];
             timed(s.read_exact(&mut theirs), &who).await?;
-            Ok(u64::from_le_bytes(theirs))
+            Ok((
+                u64::from_le_bytes(theirs[..8].try_into().expect("8 bytes")),
+                u64::from_le_bytes(theirs[8..].try_into().expect("8 bytes")),
+            ))
         }
         BAD_SECRET => Err(HandshakeError::Secret(who)),
+        DUPLICATE => Err(HandshakeError::Duplicate(who)),
         _ => Err(HandshakeError::Io(format!("{who}: not a ravnest peer"))),
     }
 }
 
 /// What an accepted connection turned out to be.
 enum Accepted {
-    /// An authenticated peer node and its incarnation.
-    Node(NodeId, u64),
+    /// An authenticated peer node, its incarnation, and the connection's number.
+    Node(NodeId, u64, u64),
     /// A joiner that was handed the cluster file (the connection is done).
     ClusterFileSent,
 }
 
-/// The listener's side. Returns the authenticated peer.
+/// The listener's side. Returns the authenticated peer; `admit` says whether an
+/// authenticated node may connect now (not while its live connection is open).
 async fn handshake_accept(
     s: &mut TcpStream,
     cfg: &TcpConfig,
     remote: SocketAddr,
     incarnation: u64,
+    admit: impl Fn(NodeId, u64) -> Option<(u64, u64)>,
 ) -> Result<Accepted, HandshakeError> {
     let who = format!("connection from {remote}");
     let mut hello = [0u8; 44];
@@ -322,11 +413,18 @@ async fn handshake_accept(
         let _ = s.write_all(&[BAD_SECRET]).await;
         return Err(HandshakeError::Secret(who));
     }
+    let theirs = u64::from_le_bytes(answer[32..].try_into().expect("8 bytes"));
+    let Some((conn, delivered)) = admit(NodeId(id), theirs) else {
+        let _ = s.write_all(&[DUPLICATE]).await;
+        return Err(HandshakeError::Duplicate(who));
+    };
+    // OK, our incarnation, and how many frames of this dialer's session we have delivered
+    // (it sends again what came after).
     let mut ok = vec![OK];
     ok.extend_from_slice(&incarnation.to_le_bytes());
+    ok.extend_from_slice(&delivered.to_le_bytes());
     timed(s.write_all(&ok), &who).await?;
-    let theirs = u64::from_le_bytes(answer[32..].try_into().expect("8 bytes"));
-    Ok(Accepted::Node(NodeId(id), theirs))
+    Ok(Accepted::Node(NodeId(id), theirs, conn))
 }
 
 /// MAC over the cluster file, bound to both nonces.
@@ -457,12 +555,15 @@ pub async fn fetch_cluster_file(addr: SocketAddr, secret: &[u8]) -> Result<Strin
 impl TcpTransport {
     /// Bind this node's address and start accepting peers.
     pub async fn bind(cfg: TcpConfig, verbose: bool) -> std::io::Result<TcpTransport> {
-        let addr = *cfg.peers.get(&cfg.me).ok_or_else(|| {
-            std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!("node {} has no address", cfg.me.0),
-            )
-        })?;
+        let addr = match cfg.listen {
+            Some(a) => a,
+            None => *cfg.peers.get(&cfg.me).ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("node {} has no address", cfg.me.0),
+                )
+            })?,
+        };
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}")))?;
@@ -472,6 +573,7 @@ impl TcpTransport {
                 cfg,
                 local,
                 inboxes: Mutex::default(),
+                early: Mutex::default(),
                 links: Mutex::default(),
                 next_link: AtomicU64::new(0),
                 hooks: Mutex::default(),
@@ -483,6 +585,10 @@ impl TcpTransport {
                 verbose,
                 incarnation: rand::random(),
                 incarnations: Mutex::default(),
+                incoming: Mutex::default(),
+                sessions: Mutex::default(),
+                next_conn: AtomicU64::new(0),
+                started: std::time::Instant::now(),
             }),
         };
         let me = t.clone();
@@ -506,7 +612,8 @@ impl TcpTransport {
         self.inner.local
     }
 
-    /// Call `hook` whenever a connection to or from a peer is lost.
+    /// Call `hook` when a peer cannot be reached: no connection to it within the connect window
+    /// (a connection that merely closes is not that; the next envelope dials again).
     pub fn on_peer_down(&self, hook: PeerDownHook) {
         self.inner.hooks.lock().unwrap().push(hook);
     }
@@ -516,12 +623,23 @@ impl TcpTransport {
         self.inner.bytes_sent.load(Ordering::Relaxed)
     }
 
-    /// Wait until every queued frame has been written to its socket (or dropped with a lost
-    /// link), at most `limit`. Returns whether everything went out. A process that is about to
+    /// Wait until every queued frame has been written and every peer we are connected to has
+    /// acknowledged what we sent it (frames for an unreachable peer are not waited for), at
+    /// most `limit`. Returns whether everything went out. A process that is about to
     /// exit calls this so its last words (`Finish`) are not lost with it.
     pub async fn drain(&self, limit: Duration) -> bool {
         let deadline = tokio::time::Instant::now() + limit;
-        while self.inner.unsent.load(Ordering::SeqCst) > 0 {
+        let pending = || {
+            self.inner.unsent.load(Ordering::SeqCst) > 0
+                || self
+                    .inner
+                    .sessions
+                    .lock()
+                    .unwrap()
+                    .values()
+                    .any(|s| s.connected && !s.unacked.is_empty())
+        };
+        while pending() {
             if tokio::time::Instant::now() >= deadline {
                 return false;
             }
@@ -539,6 +657,7 @@ impl TcpTransport {
     pub fn shutdown(&self) {
         self.inner.down.store(true, Ordering::SeqCst);
         self.inner.links.lock().unwrap().clear();
+        self.inner.sessions.lock().unwrap().clear();
         for t in self.inner.tasks.lock().unwrap().drain(..) {
             t.abort();
         }
@@ -598,37 +717,96 @@ impl TcpTransport {
         if self.inner.down.load(Ordering::SeqCst) {
             return;
         }
-        let inbox = self.inner.inboxes.lock().unwrap().get(&to).cloned();
-        if let Some(inbox) = inbox {
-            inbox(from, env);
-        }
+        let inbox = {
+            let inboxes = self.inner.inboxes.lock().unwrap();
+            match inboxes.get(&to) {
+                Some(i) => i.clone(),
+                None => {
+                    // Not registered yet (a peer can be faster than this process's start):
+                    // kept for the inbox, in order, instead of lost.
+                    let mut early = self.inner.early.lock().unwrap();
+                    let q = early.entry(to).or_default();
+                    if q.len() < EARLY_MAIL {
+                        q.push((from, env));
+                    }
+                    return;
+                }
+            }
+        };
+        inbox(from, env);
     }
 
-    /// An accepted connection: authenticate, then read frames until it ends.
+    fn now_ms(&self) -> u64 {
+        self.inner.started.elapsed().as_millis() as u64
+    }
+
+    /// Whether an authenticated `peer` (as `incarnation`) may connect now: not while a live
+    /// connection from it is open (a second one claiming it is not the node that is talking to
+    /// us). If admitted, its connection becomes the current one; returns the connection's
+    /// number and how many frames of that incarnation's session were already delivered.
+    fn admit(&self, peer: NodeId, incarnation: u64) -> Option<(u64, u64)> {
+        let mut incoming = self.inner.incoming.lock().unwrap();
+        let now = self.now_ms();
+        if let Some(s) = incoming.get(&peer)
+            && s.open
+            && now.saturating_sub(s.last.load(Ordering::Relaxed)) <= LIVE_MS
+        {
+            return None;
+        }
+        let conn = self.inner.next_conn.fetch_add(1, Ordering::Relaxed);
+        let kept = incoming
+            .remove(&peer)
+            .map_or_else(Vec::new, |s| s.delivered);
+        let mut state = InState {
+            conn,
+            open: true,
+            last: Arc::new(AtomicU64::new(now)),
+            incarnation,
+            delivered: kept,
+        };
+        let delivered = *state.count();
+        incoming.insert(peer, state);
+        Some((conn, delivered))
+    }
+
+    /// An accepted connection: authenticate, then read frames until it ends, acknowledging
+    /// what was delivered. Its end is not a peer's death (the failure detector decides that on
+    /// heartbeats): the peer dials again and sends what we had not delivered.
     async fn serve(&self, mut stream: TcpStream, remote: SocketAddr) {
-        let peer =
-            match handshake_accept(&mut stream, &self.inner.cfg, remote, self.inner.incarnation)
-                .await
-            {
-                Ok(Accepted::Node(p, incarnation)) => {
-                    self.saw_incarnation(p, incarnation);
-                    p
-                }
-                Ok(Accepted::ClusterFileSent) => {
-                    self.log(format!("sent the cluster file to a joiner at {remote}"));
-                    return;
-                }
-                Err(e) => {
-                    self.log(format!("refused {e}"));
-                    return;
-                }
-            };
-        let mut stream = BufReader::with_capacity(1 << 16, stream);
+        let accepted = handshake_accept(
+            &mut stream,
+            &self.inner.cfg,
+            remote,
+            self.inner.incarnation,
+            |p, inc| self.admit(p, inc),
+        )
+        .await;
+        let (peer, conn) = match accepted {
+            Ok(Accepted::Node(p, incarnation, conn)) => {
+                self.saw_incarnation(p, incarnation);
+                (p, conn)
+            }
+            Ok(Accepted::ClusterFileSent) => {
+                self.log(format!("sent the cluster file to a joiner at {remote}"));
+                return;
+            }
+            Err(e) => {
+                self.log(format!("refused {e}"));
+                return;
+            }
+        };
+        let last = match self.inner.incoming.lock().unwrap().get(&peer) {
+            Some(s) if s.conn == conn => s.last.clone(),
+            _ => return,
+        };
+        let (read, mut write) = stream.into_split();
+        let mut read = BufReader::with_capacity(1 << 16, read);
         let reason = loop {
-            match wire::read_envelope(&mut stream, self.inner.cfg.max_frame).await {
+            match wire::read_envelope(&mut read, self.inner.cfg.max_frame).await {
                 Ok(None) => break None,
                 Err(e) => break Some(e.to_string()),
                 Ok(Some((from, to, env))) => {
+                    last.store(self.now_ms(), Ordering::Relaxed);
                     // The header must not lie about who sent it or where it goes.
                     if self.host(from) != Some(peer) {
                         break Some(format!("claimed to send as {from:?}"));
@@ -636,17 +814,35 @@ impl TcpTransport {
                     if self.host(to) != Some(self.inner.cfg.me) {
                         break Some(format!("sent to {to:?}, which is not here"));
                     }
+                    // Count it, unless a newer connection from the peer took over.
+                    let delivered = {
+                        let mut incoming = self.inner.incoming.lock().unwrap();
+                        match incoming.get_mut(&peer) {
+                            Some(s) if s.conn == conn => {
+                                *s.count() += 1;
+                                *s.count()
+                            }
+                            _ => break Some("replaced by a newer connection".into()),
+                        }
+                    };
                     self.deliver(from, to, env);
+                    // Acknowledge once what has arrived so far is delivered.
+                    if read.buffer().is_empty()
+                        && write.write_all(&delivered.to_le_bytes()).await.is_err()
+                    {
+                        break None;
+                    }
                 }
             }
         };
         if let Some(r) = reason {
             self.log(format!("dropped the connection from node {}: {r}", peer.0));
         }
-        // The peer's process is gone or restarting: our connection to it is stale too. Drop it,
-        // so the next envelope dials afresh instead of vanishing into a dead socket.
-        self.inner.links.lock().unwrap().remove(&peer);
-        self.peer_down(peer);
+        if let Some(s) = self.inner.incoming.lock().unwrap().get_mut(&peer)
+            && s.conn == conn
+        {
+            s.open = false;
+        }
     }
 
     fn link(&self, peer: NodeId) -> Link {
@@ -672,7 +868,9 @@ impl TcpTransport {
         }
     }
 
-    async fn dial(&self, peer: NodeId) -> Option<TcpStream> {
+    /// Connect and authenticate to `peer`; its incarnation and how many frames of our session
+    /// it has delivered.
+    async fn dial(&self, peer: NodeId) -> Option<(TcpStream, u64, u64)> {
         let addr = self.inner.cfg.peers[&peer];
         let deadline = tokio::time::Instant::now() + self.inner.cfg.connect_window;
         let mut backoff = Duration::from_millis(20);
@@ -683,9 +881,9 @@ impl TcpTransport {
                     match handshake_dial(&mut s, &self.inner.cfg, peer, self.inner.incarnation)
                         .await
                     {
-                        Ok(incarnation) => {
+                        Ok((incarnation, delivered)) => {
                             self.saw_incarnation_dialed(peer, incarnation);
-                            return Some(s);
+                            return Some((s, incarnation, delivered));
                         }
                         Err(
                             e @ (HandshakeError::Secret(_)
@@ -704,12 +902,43 @@ impl TcpTransport {
                     return None;
                 }
             }
-            if tokio::time::Instant::now() >= deadline {
+            if tokio::time::Instant::now() >= deadline || self.inner.down.load(Ordering::SeqCst) {
                 return None;
             }
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_millis(500));
         }
+    }
+
+    /// Start (or resume) our session with `peer` on a new connection: frames it delivered are
+    /// done; the rest are to be written again, in order. A restarted peer (another
+    /// incarnation) starts a new session: what was meant for the old process is dropped.
+    fn resume_session(
+        &self,
+        peer: NodeId,
+        incarnation: u64,
+        delivered: u64,
+    ) -> Vec<Arc<wire::Frame>> {
+        let mut sessions = self.inner.sessions.lock().unwrap();
+        let s = sessions.entry(peer).or_default();
+        let same = s.incarnation == Some(incarnation);
+        if !same || delivered < s.acked || delivered - s.acked > s.unacked.len() as u64 {
+            if same {
+                self.log(format!(
+                    "node {} reports {delivered} frames delivered of {}: session restarted",
+                    peer.0,
+                    s.acked + s.unacked.len() as u64
+                ));
+            }
+            s.unacked.clear();
+            s.incarnation = Some(incarnation);
+            s.acked = delivered;
+            s.connected = true;
+            return Vec::new();
+        }
+        s.trim(delivered);
+        s.connected = true;
+        s.unacked.iter().cloned().collect()
     }
 
     async fn write_loop(
@@ -718,59 +947,109 @@ impl TcpTransport {
         generation: u64,
         mut rx: mpsc::UnboundedReceiver<wire::Frame>,
     ) {
-        let Some(stream) = self.dial(peer).await else {
+        let Some((stream, incarnation, delivered)) = self.dial(peer).await else {
+            // Unreachable for the whole connect window: what was queued for it is lost.
             self.unlink(peer, generation);
             rx.close();
             self.forget_queued(&mut rx);
+            let dropped = self.inner.sessions.lock().unwrap().remove(&peer);
+            if let Some(d) = dropped
+                && !d.unacked.is_empty()
+            {
+                self.log(format!(
+                    "gave up {} frames for node {}",
+                    d.unacked.len(),
+                    peer.0
+                ));
+            }
             self.peer_down(peer);
             return;
         };
-        let (mut read, write) = stream.into_split();
+        let again = self.resume_session(peer, incarnation, delivered);
+        let (read, write) = stream.into_split();
+        let mut read = BufReader::with_capacity(64, read);
         let mut w = BufWriter::with_capacity(1 << 16, write);
-        let mut probe = [0u8; 1];
-        loop {
-            // The listener never writes on this connection after the handshake: a readable
-            // end means the peer's process closed it (killed, or gone), and we know at once
-            // instead of losing the next envelopes into a dead socket.
+        let mut failed = false;
+        for f in &again {
+            if w.write_all(&f.head).await.is_err() || w.write_all(f.payload_bytes()).await.is_err()
+            {
+                failed = true;
+                break;
+            }
+        }
+        failed = failed || w.flush().await.is_err();
+        let mut ack = [0u8; 8];
+        while !failed {
+            // The listener writes only acknowledgements on this connection: the count of our
+            // frames it has delivered. Its end means the connection closed.
             let frame = tokio::select! {
                 biased;
-                _ = read.read(&mut probe) => break,
+                r = read.read_exact(&mut ack) => {
+                    if r.is_err() {
+                        break;
+                    }
+                    let n = u64::from_le_bytes(ack);
+                    self.inner.sessions.lock().unwrap().entry(peer).or_default().trim(n);
+                    continue;
+                }
                 f = rx.recv() => match f {
                     Some(f) => f,
                     None => break,
                 },
             };
             let mut next = Some(frame);
-            let mut failed = false;
             let mut taken = 0;
             // Write what is queued, then flush once.
             while let Some(f) = next {
                 taken += 1;
+                let f = Arc::new(f);
+                self.inner
+                    .sessions
+                    .lock()
+                    .unwrap()
+                    .entry(peer)
+                    .or_default()
+                    .unacked
+                    .push_back(f.clone());
                 if w.write_all(&f.head).await.is_err()
                     || w.write_all(f.payload_bytes()).await.is_err()
                 {
                     failed = true;
-                    break;
                 }
                 self.inner
                     .bytes_sent
                     .fetch_add(f.len() as u64, Ordering::Relaxed);
-                next = rx.try_recv().ok();
+                next = if failed { None } else { rx.try_recv().ok() };
             }
-            let flushed = !failed && w.flush().await.is_ok();
+            failed = failed || w.flush().await.is_err();
             self.inner.unsent.fetch_sub(taken, Ordering::SeqCst);
-            if !flushed {
-                break;
-            }
         }
-        // Closed by us (shutdown, or the link was replaced) is not a loss.
-        let lost = !rx.is_closed();
-        rx.close();
-        self.forget_queued(&mut rx);
+        // A connection that closes is not a dead peer (a reset on the path, a proxy, a peer
+        // that restarted). What was queued joins the session's unacknowledged frames, and a new
+        // connection sends them again: nothing is lost. Closed by us (shutdown, or the link was
+        // replaced): nothing to do.
+        let closed_by_peer = !rx.is_closed();
+        let pending = {
+            let mut sessions = self.inner.sessions.lock().unwrap();
+            rx.close();
+            let s = sessions.entry(peer).or_default();
+            s.connected = false;
+            while let Ok(f) = rx.try_recv() {
+                self.inner.unsent.fetch_sub(1, Ordering::SeqCst);
+                s.unacked.push_back(Arc::new(f));
+            }
+            !s.unacked.is_empty()
+        };
         self.unlink(peer, generation);
-        if lost {
-            self.log(format!("lost the connection to node {}", peer.0));
-            self.peer_down(peer);
+        if closed_by_peer && !self.inner.down.load(Ordering::SeqCst) {
+            self.log(format!(
+                "the connection to node {} closed; dialing again",
+                peer.0
+            ));
+            if pending {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                self.link(peer);
+            }
         }
     }
 }
@@ -786,7 +1065,12 @@ impl TcpTransport {
 
 impl Transport for TcpTransport {
     fn register(&self, addr: Addr, inbox: Inbox) {
-        self.inner.inboxes.lock().unwrap().insert(addr, inbox);
+        let mut inboxes = self.inner.inboxes.lock().unwrap();
+        let early = self.inner.early.lock().unwrap().remove(&addr);
+        for (from, env) in early.unwrap_or_default() {
+            inbox(from, env);
+        }
+        inboxes.insert(addr, inbox);
     }
 
     fn send(&self, from: Addr, to: Addr, env: Envelope) -> Result<(), TransportError> {
@@ -801,14 +1085,21 @@ impl Transport for TcpTransport {
             self.deliver(from, to, env);
             return Ok(());
         }
-        let frame = wire::Frame::new(from, to, env);
-        let (generation, tx) = self.link(host);
-        // Counted before it is queued, so the writer never takes away what was not added.
-        self.inner.unsent.fetch_add(1, Ordering::SeqCst);
-        if tx.send(frame).is_err() {
-            self.inner.unsent.fetch_sub(1, Ordering::SeqCst);
-            // The link ended between lookup and send: the envelope is lost, as on a network.
-            self.unlink(host, generation);
+        let mut frame = wire::Frame::new(from, to, env);
+        // A link that ends between lookup and send is replaced: its writer has moved what it
+        // held into the session, and this frame follows it on the next connection.
+        for _ in 0..3 {
+            let (generation, tx) = self.link(host);
+            // Counted before it is queued, so the writer never takes away what was not added.
+            self.inner.unsent.fetch_add(1, Ordering::SeqCst);
+            match tx.send(frame) {
+                Ok(()) => return Ok(()),
+                Err(back) => {
+                    self.inner.unsent.fetch_sub(1, Ordering::SeqCst);
+                    self.unlink(host, generation);
+                    frame = back.0;
+                }
+            }
         }
         Ok(())
     }
@@ -836,6 +1127,7 @@ impl LoopbackCluster {
             let cfg = TcpConfig {
                 me: NodeId(i),
                 peers: peers.clone(),
+                listen: None,
                 coordinator: NodeId(0),
                 secret: secret.to_vec(),
                 max_frame: wire::MAX_FRAME,
@@ -875,4 +1167,29 @@ impl crate::conformance::TestNet for LoopbackCluster {
             t.shutdown();
         }
     }
+}
+
+/// Dial the node `listener` at `addr` claiming to be node `claim`, as any holder of the cluster
+/// `secret` can, and return the authenticated connection (or why it was refused). The chaos
+/// suite's forged peer: what it then writes must never disturb the real node `claim`.
+pub async fn dial_as(
+    addr: SocketAddr,
+    listener: NodeId,
+    claim: NodeId,
+    secret: &[u8],
+) -> Result<TcpStream, HandshakeError> {
+    let cfg = TcpConfig {
+        me: claim,
+        peers: BTreeMap::from([(listener, addr)]),
+        listen: None,
+        coordinator: listener,
+        secret: secret.to_vec(),
+        max_frame: wire::MAX_FRAME,
+        connect_window: Duration::ZERO,
+        cluster_file: None,
+    };
+    let who = format!("node {} at {addr}", listener.0);
+    let mut s = timed(TcpStream::connect(addr), &who).await?;
+    handshake_dial(&mut s, &cfg, listener, rand::random()).await?;
+    Ok(s)
 }

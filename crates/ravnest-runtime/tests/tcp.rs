@@ -2,12 +2,13 @@
 //! handshake (a wrong secret is refused on both sides), peer-down events, and hostile bytes.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ravnest_core::NodeId;
 use ravnest_runtime::conformance;
-use ravnest_runtime::tcp::{LoopbackCluster, TcpConfig, TcpTransport};
+use ravnest_runtime::tcp::{self, LoopbackCluster, TcpConfig, TcpTransport};
 use ravnest_runtime::{Addr, Envelope, Transport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -58,6 +59,7 @@ async fn pair(secret_a: &[u8], secret_b: &[u8]) -> (TcpTransport, TcpTransport) 
     let cfg = |me: u32, secret: &[u8]| TcpConfig {
         me: NodeId(me),
         peers: peers.clone(),
+        listen: None,
         coordinator: NodeId(0),
         secret: secret.to_vec(),
         max_frame: 1 << 20,
@@ -106,7 +108,7 @@ async fn wrong_secret_is_refused_on_both_sides() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn right_secret_delivers_and_loss_is_a_peer_down_event() {
+async fn right_secret_delivers_and_an_unreachable_peer_is_a_peer_down_event() {
     let (a, b) = pair(b"same", b"same").await;
     let got = listen(&a, Addr::Coordinator);
     let downs: Arc<Mutex<Vec<NodeId>>> = Arc::default();
@@ -122,7 +124,181 @@ async fn right_secret_delivers_and_loss_is_a_peer_down_event() {
     assert_eq!(got.lock().unwrap().len(), 1);
     b.shutdown();
     tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        downs.lock().unwrap().is_empty(),
+        "a closed connection is not a dead peer"
+    );
+    // Nobody listens at b's address any more: after the connect window, b is unreachable.
+    a.send(
+        Addr::Coordinator,
+        Addr::Node(NodeId(1)),
+        Envelope::Heartbeat,
+    )
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(downs.lock().unwrap().as_slice(), &[NodeId(1)]);
+}
+
+/// Two transports whose node 0 is reached through a fault-injecting proxy.
+async fn proxied_pair() -> (TcpTransport, TcpTransport, ravnest_runtime::chaos::Proxy) {
+    let real = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let proxy = ravnest_runtime::chaos::Proxy::start("127.0.0.1:0".parse().unwrap(), real)
+        .await
+        .unwrap();
+    let b_addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let peers = BTreeMap::from([(NodeId(0), proxy.addr()), (NodeId(1), b_addr)]);
+    let cfg = |me: u32, listen: Option<SocketAddr>| TcpConfig {
+        me: NodeId(me),
+        peers: peers.clone(),
+        listen,
+        coordinator: NodeId(0),
+        secret: b"s".to_vec(),
+        max_frame: 1 << 20,
+        connect_window: Duration::from_secs(2),
+        cluster_file: None,
+    };
+    let a = TcpTransport::bind(cfg(0, Some(real)), false).await.unwrap();
+    let b = TcpTransport::bind(cfg(1, None), false).await.unwrap();
+    (a, b, proxy)
+}
+
+/// A connection reset on the path (here by a proxy) loses what was in flight on it, but the
+/// peer is not declared down: the next envelope dials again and arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_connection_is_dialed_again_and_is_not_a_death() {
+    let (a, b, proxy) = proxied_pair().await;
+    assert_ne!(
+        a.local_addr(),
+        proxy.addr(),
+        "a binds `listen`, not its address"
+    );
+    let got = listen(&a, Addr::Coordinator);
+    let downs: Arc<Mutex<Vec<NodeId>>> = Arc::default();
+    for t in [&a, &b] {
+        let d = downs.clone();
+        t.on_peer_down(Arc::new(move |n| d.lock().unwrap().push(n)));
+    }
+    let beat = || {
+        b.send(
+            Addr::Node(NodeId(1)),
+            Addr::Coordinator,
+            Envelope::Heartbeat,
+        )
+        .unwrap()
+    };
+    beat();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(got.lock().unwrap().len(), 1);
+    for round in 0..3 {
+        proxy.reset();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        beat();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(got.lock().unwrap().len(), 2 + round, "after reset {round}");
+    }
+    proxy.set_delay(Duration::from_millis(50));
+    beat();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        got.lock().unwrap().len(),
+        5,
+        "a delayed link still delivers"
+    );
+    assert!(
+        downs.lock().unwrap().is_empty(),
+        "{:?}",
+        downs.lock().unwrap()
+    );
+    let log = b.log_lines().join("\n");
+    assert!(log.contains("closed; dialing again"), "{log}");
+    // Frames sent while connections are being reset all arrive, once each, in order.
+    proxy.set_delay(Duration::ZERO);
+    for i in 0..400u64 {
+        b.send(
+            Addr::Node(NodeId(1)),
+            Addr::Coordinator,
+            Envelope::Probe {
+                id: i,
+                data: vec![i as f32; 1000],
+                echo: false,
+            },
+        )
+        .unwrap();
+        if i % 50 == 25 {
+            proxy.reset();
+        }
+        if i % 10 == 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+    assert!(
+        b.drain(Duration::from_secs(5)).await,
+        "everything acknowledged"
+    );
+    let seqs: Vec<u64> = got
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|(_, e)| match e {
+            Envelope::Probe { id, .. } => Some(*id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(seqs, (0..400).collect::<Vec<_>>());
+    assert!(downs.lock().unwrap().is_empty());
+}
+
+/// The handshake binds a node id to a connection: while node 1 talks to node 0, a second
+/// connection that claims to be node 1 (its dialer holds the secret) is refused, and what it
+/// would have sent never disturbs the real node 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_connection_claiming_a_live_node_is_refused() {
+    let (a, b) = pair(b"s", b"s").await;
+    let got = listen(&a, Addr::Coordinator);
+    let beat = || {
+        b.send(
+            Addr::Node(NodeId(1)),
+            Addr::Coordinator,
+            Envelope::Heartbeat,
+        )
+        .unwrap()
+    };
+    beat();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let forged = tcp::dial_as(a.local_addr(), NodeId(0), NodeId(1), b"s").await;
+    match forged {
+        Err(tcp::HandshakeError::Duplicate(_)) => {}
+        other => panic!("a forged second connection as node 1: {other:?}"),
+    }
+    beat();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        got.lock().unwrap().len(),
+        2,
+        "the real node still gets through"
+    );
+    let log = a.log_lines().join("\n");
+    assert!(log.contains("already connected"), "{log}");
+    // Silent for longer than a live connection is, the id is free again (a node that
+    // restarted behind a half-open connection is not locked out).
+    tokio::time::sleep(Duration::from_millis(tcp::LIVE_MS + 200)).await;
+    let mut s = tcp::dial_as(a.local_addr(), NodeId(0), NodeId(1), b"s")
+        .await
+        .expect("admitted once the old connection went quiet");
+    // It then sends a well-formed header with a huge payload length: that connection is
+    // dropped, nothing else.
+    s.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
+    s.write_all(&[0u8; 16]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    beat();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(got.lock().unwrap().len(), 3);
 }
 
 /// A peer that authenticates and then sends garbage, or a frame that lies about its length,
@@ -175,6 +351,7 @@ async fn sharing(file: Option<&str>) -> TcpTransport {
         TcpConfig {
             me: NodeId(0),
             peers,
+            listen: None,
             coordinator: NodeId(0),
             secret: b"right".to_vec(),
             max_frame: 1 << 20,

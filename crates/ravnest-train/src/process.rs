@@ -66,6 +66,25 @@ pub struct Options {
     pub spans: bool,
 }
 
+/// The environment variable through which the local launcher tells its children its pid.
+pub const LAUNCHER_PID: &str = "RAVNEST_LAUNCHER_PID";
+
+/// A node process started by the local launcher dies with it (a parent-death signal, so that
+/// `kill -9` of the launcher leaves no node training on its own); if the launcher is already
+/// gone, this process exits now.
+pub fn die_with_launcher(launcher: u32) {
+    #[cfg(target_os = "linux")]
+    {
+        use rustix::process::{Signal, getppid, set_parent_process_death_signal};
+        let _ = set_parent_process_death_signal(Some(Signal::KILL));
+        if getppid().map(|p| p.as_raw_nonzero().get() as u32) != Some(launcher) {
+            std::process::exit(3);
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = launcher;
+}
+
 /// What a node hands a joiner: the cluster file's text and the command-line overrides.
 pub fn share_document(origin: &str, text: &str, steps: u64) -> String {
     json!({"origin": origin, "text": text, "steps": steps}).to_string()
@@ -224,10 +243,12 @@ impl Say {
             return;
         }
         v["node"] = json!(self.node);
+        // A closed stdout or stderr (the reader is gone) is not a reason to panic.
+        use std::io::Write;
         if self.json {
-            println!("{v}");
+            let _ = writeln!(std::io::stdout().lock(), "{v}");
         } else {
-            eprintln!("[{}] {}", self.node, human(&v));
+            let _ = writeln!(std::io::stderr().lock(), "[{}] {}", self.node, human(&v));
         }
     }
 }
@@ -296,9 +317,25 @@ pub fn tcp_config(s: &Scenario, origin: &str, me: NodeId) -> anyhow::Result<TcpC
             })?;
         peers.insert(NodeId(i as u32), sa);
     }
+    let node = &s.cluster.nodes[me.index()];
+    let listen = match node.listen.as_deref() {
+        None => None,
+        Some(l) => Some(
+            std::net::ToSocketAddrs::to_socket_addrs(l)
+                .ok()
+                .and_then(|mut it| it.next())
+                .with_context(|| {
+                    format!(
+                        "{origin}: node `{}`: cannot resolve listen address `{l}`",
+                        node.name
+                    )
+                })?,
+        ),
+    };
     Ok(TcpConfig {
         me,
         peers,
+        listen,
         coordinator: coordinator_of(s),
         secret: s
             .run
@@ -445,7 +482,8 @@ async fn run_async(opts: Options) -> anyhow::Result<Value> {
     let s = &opts.scenario;
     let mut cfg = tcp_config(s, &opts.origin, su.me)?;
     cfg.cluster_file = opts.share.as_deref().map(Arc::from);
-    let tcp = TcpTransport::bind(cfg, !opts.json && !opts.quiet).await?;
+    let verbose = (!opts.json && !opts.quiet) || std::env::var_os("RAVNEST_LOG_NET").is_some();
+    let tcp = TcpTransport::bind(cfg, verbose).await?;
     let finish = Arc::new(Notify::new());
     let t0 = Instant::now();
     let heard = Arc::new(std::sync::atomic::AtomicU64::new(u64::MAX));
@@ -652,8 +690,29 @@ async fn coordinate(
             Ok(None) | Err(_) => break,
         }
     }
-    if caps.is_empty() {
-        bail!("no node registered within {:?}", opts.register_timeout);
+    let need = s.run.min_nodes.unwrap_or(n as u64) as usize;
+    if caps.len() < need.max(1) {
+        let missing: Vec<String> = s
+            .cluster
+            .ids()
+            .filter(|id| !caps.contains_key(id))
+            .map(|id| {
+                let node = &s.cluster.nodes[id.index()];
+                format!(
+                    "`{}` ({})",
+                    node.name,
+                    node.address.as_deref().unwrap_or("no address")
+                )
+            })
+            .collect();
+        bail!(
+            "{}: {} of {} nodes registered within {} s; missing: {} (start them with `ravnest run FILE --node NAME`, or allow fewer with [run] min_nodes)",
+            opts.origin,
+            caps.len(),
+            n,
+            opts.register_timeout.as_secs(),
+            missing.join(", ")
+        );
     }
     // Link probes: every node (this one too) echo-probes the peers after it and reports, so
     // each pair is measured once, by the same code everywhere.
@@ -997,7 +1056,12 @@ async fn watch_coordinator(
 ) -> Result<(), String> {
     let s = &opts.scenario;
     let silence_ms = (3 * s.run.heartbeat_timeout_ms).max(1000);
-    let mut tick = tokio::time::interval(Duration::from_millis(s.run.heartbeat_ms.max(10)));
+    let period = s.run.heartbeat_ms.max(10);
+    let mut tick = tokio::time::interval(Duration::from_millis(period));
+    // Time this process spent not running (frozen, swapped out) is nobody's silence: the
+    // last word, as counted, moves later by such a stall.
+    let mut last_tick = 0u64;
+    let mut counted_from = 0u64;
     loop {
         tokio::select! {
             biased;
@@ -1005,6 +1069,8 @@ async fn watch_coordinator(
             _ = tick.tick() => {}
         }
         let now = t0.elapsed().as_millis() as u64;
+        let gap = now.saturating_sub(last_tick);
+        last_tick = now;
         match heard.load(std::sync::atomic::Ordering::Relaxed) {
             u64::MAX if now > opts.register_timeout.as_millis() as u64 => {
                 return Err(format!(
@@ -1013,13 +1079,19 @@ async fn watch_coordinator(
                 ));
             }
             u64::MAX => {}
-            last if now.saturating_sub(last) > silence_ms => {
-                return Err(format!(
-                    "lost the coordinator: silent for {:.1} s",
-                    now.saturating_sub(last) as f64 / 1e3
-                ));
+            last => {
+                counted_from = counted_from.max(last);
+                if gap > (silence_ms / 3).max(4 * period) {
+                    counted_from = (counted_from + gap).min(now);
+                }
+                let silent = now.saturating_sub(counted_from);
+                if silent > silence_ms {
+                    return Err(format!(
+                        "lost the coordinator: silent for {:.1} s",
+                        silent as f64 / 1e3
+                    ));
+                }
             }
-            _ => {}
         }
     }
 }

@@ -473,6 +473,7 @@ mod tests {
                     },
                     step_overhead_s: 0.0,
                     address: None,
+                    listen: None,
                 })
                 .collect(),
             pair_links: pairs

@@ -56,6 +56,7 @@ fn instance(max_nodes: usize) -> impl Strategy<Value = Instance> {
                             },
                             step_overhead_s: 0.0,
                             address: None,
+                            listen: None,
                         })
                         .collect(),
                     pair_links: pairs
@@ -204,6 +205,7 @@ fn node(name: &str, tflops: f64, mem_gib: f64) -> NodeSpec {
         },
         step_overhead_s: 0.0,
         address: None,
+        listen: None,
     }
 }
 

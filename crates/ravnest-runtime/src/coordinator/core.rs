@@ -244,7 +244,10 @@ pub struct Coordinator {
     halting: Option<Halting>,
     /// Who holds version `start_step` before the first epoch.
     initial: Holders,
-    next_checkpoint: u64,
+    /// The checkpoint rule's state (see [`CheckpointDuty`]): a version from which the next
+    /// synchronized one is due after a lost writer, and the last synchronized version.
+    catch_up: u64,
+    last_synced: u64,
     pending_checkpoint: Option<(u64, Vec<NodeId>)>,
     /// Per node: its measured step times ÷ what the plan's figures predict, smoothed.
     measured: BTreeMap<NodeId, SpeedEstimate>,
@@ -281,7 +284,10 @@ pub struct Coordinator {
 impl Coordinator {
     /// A coordinator watching every node of the cluster from `now_ms`.
     pub fn new(cfg: Config, now_ms: u64) -> Coordinator {
-        let mut detector = FailureDetector::new(cfg.heartbeat_timeout_ms.max(1));
+        // Ticks come many times per timeout; a gap of a third of it between two is this
+        // process's own stall (frozen, swapped out), not the silence of every node.
+        let mut detector = FailureDetector::new(cfg.heartbeat_timeout_ms.max(1))
+            .with_stall_limit((cfg.heartbeat_timeout_ms / 3).max(1));
         for id in cfg.cluster.ids() {
             if !cfg.absent.contains(&id) {
                 detector.watch(id, now_ms);
@@ -311,7 +317,8 @@ impl Coordinator {
             reports: BTreeMap::new(),
             halting: None,
             initial,
-            next_checkpoint: cfg.start_step + cfg.checkpoint_every,
+            catch_up: u64::MAX,
+            last_synced: cfg.start_step,
             pending_checkpoint: None,
             measured: BTreeMap::new(),
             assumed,
@@ -593,13 +600,17 @@ impl Coordinator {
     /// per sync group, written by its first member (its [`CheckpointDuty`] follows the same
     /// rule), with the digest every replica agreed on.
     fn open_checkpoint(&mut self, version: u64, era: &Era, digests: &[Option<u64>]) {
-        let rule = CheckpointDuty {
+        let mut rule = CheckpointDuty {
             layers: (0, 0),
             every: self.cfg.checkpoint_every,
-            next: self.next_checkpoint,
+            catch_up: self.catch_up,
             at_end: self.cfg.checkpoint_at_end,
+            last: self.last_synced,
         };
-        if !rule.due(version, self.cfg.steps) {
+        let due = rule.due(version, self.cfg.steps);
+        rule.advance(version, self.cfg.steps);
+        (self.catch_up, self.last_synced) = (rule.catch_up, rule.last);
+        if !due {
             return;
         }
         let shards: Option<Vec<(u32, u32, u64, NodeId)>> = era
@@ -609,7 +620,6 @@ impl Coordinator {
             .map(|((layers, members), d)| Some((layers.0, layers.1, (*d)?, *members.first()?)))
             .collect();
         let Some(shards) = shards else { return };
-        self.next_checkpoint = version + self.cfg.checkpoint_every;
         self.out.push(Effect::Checkpoint(Envelope::CheckpointBegin {
             step: version,
             shards: shards.iter().map(|&(a, b, d, _)| (a, b, d)).collect(),
@@ -770,8 +780,9 @@ impl Coordinator {
                 checkpoint: writers.get(&a.node).map(|&layers| CheckpointDuty {
                     layers,
                     every: self.cfg.checkpoint_every,
-                    next: self.next_checkpoint,
+                    catch_up: self.catch_up,
                     at_end: self.cfg.checkpoint_at_end,
+                    last: from,
                 }),
             };
             self.send(a.node, Envelope::Work(Box::new(work)));
@@ -967,7 +978,7 @@ impl Coordinator {
                     step: version,
                 }));
             self.pending_checkpoint = None;
-            self.next_checkpoint = version;
+            self.catch_up = self.catch_up.min(version);
         }
         self.initial.remove(&node);
         self.lost_worker(node);
@@ -1083,6 +1094,8 @@ impl Coordinator {
             self.agreed = v;
             self.out.push(Effect::RolledBack { to: v });
         }
+        // The versions after v are made again: the checkpoint rule goes on from v.
+        self.last_synced = v;
         self.reports.clear();
         self.eras.clear();
         self.joiners.clear();

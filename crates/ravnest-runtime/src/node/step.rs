@@ -495,10 +495,11 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let Some(duty) = w.checkpoint.as_mut() else {
             return;
         };
-        if !duty.due(v, w.end) {
+        let due = duty.due(v, w.end);
+        duty.advance(v, w.end);
+        if !due {
             return;
         }
-        duty.next = v + duty.every;
         let (a, b) = duty.layers;
         let range = self
             .compute

@@ -1,0 +1,662 @@
+//! `ravnest bench chaos`: real clusters of processes on loopback under seeded schedules of
+//! real-network faults, each run checked against what it must do whatever happened.
+//!
+//! Every node sits behind a fault-injecting proxy (its `address` is the proxy, its `listen` the
+//! real port), so connections can be reset and delayed on the path. A schedule is a few faults,
+//! each fired when the cluster reaches a step: `kill -9` of a worker (and its rejoin with
+//! `--join`), a frozen process (SIGSTOP, then SIGCONT), a reset of every connection to a node, a
+//! delayed link, a forged connection that claims a live node id, a forged connection that sends
+//! a corrupted or oversized frame after authenticating, and a port in use at the start. After
+//! each run: the exit code is the one the schedule calls for; every checkpoint is there and
+//! readable; the final model equals, within float tolerance, a single-node run of the same steps
+//! (every step applies the whole global batch, whoever computed it).
+//!
+//! The schedule is a pure function of its seed ([`schedule`]); a failing one prints the seed and
+//! the command that replays it. The coordinator's own process is frozen but never killed: its
+//! fail-over is another issue's work.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use ravnest_core::NodeId;
+use ravnest_runtime::chaos::Proxy;
+use ravnest_runtime::tcp;
+use serde_json::Value;
+
+/// Steps of every chaos run (checkpoints every [`EVERY`]).
+const STEPS: u64 = 150;
+const EVERY: u64 = 50;
+/// Faults fire within this long after the plan (training takes about a second undisturbed).
+const WINDOW_MS: u64 = 1200;
+const NODES: [&str; 3] = ["lead", "peer", "slow"];
+const SECRET: &str = "chaos-secret";
+/// Largest relative difference (per tensor, Euclidean) between the final model and the
+/// single-node replay. Measured on this job: float rounding (the ring sums in another order
+/// than one node does) leaves 5e-5; one step skipped or applied twice is 4.7e-3; one node's
+/// share of one step (about 12%) would be about 6e-4.
+const TOLERANCE: f64 = 3e-4;
+
+/// One injected fault.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Fault {
+    /// `kill -9` of a worker; restarted with `--join` after `rejoin_ms` if given.
+    Kill { node: usize, rejoin_ms: Option<u64> },
+    /// SIGSTOP of a node's process, SIGCONT after `ms`.
+    Freeze { node: usize, ms: u64 },
+    /// Every connection to the node is reset on the path.
+    Reset { node: usize },
+    /// What travels to the node is held `ms` per chunk, for `for_ms`.
+    Delay { node: usize, ms: u64, for_ms: u64 },
+    /// A holder of the secret connects to `target` claiming the live node `claim`.
+    Duplicate { target: usize, claim: usize },
+    /// A holder of the secret connects to `target` as `claim` and, if let in, sends a frame
+    /// whose header announces a huge payload (`huge`) or random bytes.
+    Corrupt {
+        target: usize,
+        claim: usize,
+        huge: bool,
+    },
+}
+
+/// A fault and when it fires: this long after the coordinator printed its plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Timed {
+    pub at_ms: u64,
+    pub fault: Fault,
+}
+
+/// What one seed does.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Schedule {
+    /// Another program holds a node's port: the run must fail fast, naming the port.
+    PortInUse { node: usize },
+    /// Train under these faults: the run must finish with exit 0.
+    Faults(Vec<Timed>),
+}
+
+/// A small deterministic generator (SplitMix64): the schedule is a pure function of the seed.
+struct Mix(u64);
+
+impl Mix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
+}
+
+/// The schedule of `seed`.
+pub fn schedule(seed: u64) -> Schedule {
+    let mut r = Mix(seed);
+    if r.below(12) == 0 {
+        return Schedule::PortInUse {
+            node: r.below(3) as usize,
+        };
+    }
+    let n = r.range(1, 3);
+    let mut faults = Vec::new();
+    let mut killed = false;
+    for _ in 0..n {
+        let at_ms = r.range(0, WINDOW_MS);
+        let any = r.below(3) as usize;
+        let worker = r.range(1, 2) as usize;
+        let fault = match r.below(6) {
+            // One kill per schedule: two lost workers leave one node, a different test.
+            0 if !killed => {
+                killed = true;
+                Fault::Kill {
+                    node: worker,
+                    rejoin_ms: (r.below(3) != 0).then(|| r.range(200, 1500)),
+                }
+            }
+            0 | 1 => Fault::Freeze {
+                node: any,
+                ms: r.range(100, 2500),
+            },
+            2 => Fault::Reset { node: any },
+            3 => Fault::Delay {
+                node: any,
+                ms: r.range(5, 60),
+                for_ms: r.range(200, 1500),
+            },
+            4 => Fault::Duplicate {
+                target: 0,
+                claim: worker,
+            },
+            _ => Fault::Corrupt {
+                target: worker,
+                claim: 3 - worker,
+                huge: r.below(2) == 0,
+            },
+        };
+        faults.push(Timed { at_ms, fault });
+    }
+    faults.sort_by_key(|t| t.at_ms);
+    // A forged second connection claims a node that is alive throughout.
+    if let Some(k) = faults.iter().find_map(|t| match t.fault {
+        Fault::Kill { node, .. } => Some(node),
+        _ => None,
+    }) {
+        for t in &mut faults {
+            if let Fault::Duplicate { claim, .. } = &mut t.fault {
+                *claim = 3 - k;
+            }
+        }
+    }
+    Schedule::Faults(faults)
+}
+
+/// The cluster file: `addresses` are what peers dial, `listens` where the nodes bind.
+fn cluster_text(addresses: &[SocketAddr], listens: &[SocketAddr]) -> String {
+    let mut t = format!("[cluster]\nname = \"chaos\"\nsecret = \"{SECRET}\"\n\n");
+    for (i, name) in NODES.iter().enumerate().take(addresses.len()) {
+        let slow = if *name == "slow" { 2.0 } else { 1.0 };
+        t += &format!(
+            "[[node]]\nname = \"{name}\"\ndevice = \"cpu\"\naddress = \"{}\"\nlisten = \"{}\"\nemulate_slowdown = {slow:.1}\n\n",
+            addresses[i], listens[i]
+        );
+    }
+    t + &format!(
+        "[model]\nkind = \"mlp\"\ndims = [64, 512, 512, 10]\n\n[training]\nglobal_batch = 384\noptimizer = \"sgd-momentum\"\nsync = \"ring\"\n\n[run]\nsteps = {STEPS}\nlearning_rate = 0.02\nmomentum = 0.9\nseed = 5\ncheckpoint_every_steps = {EVERY}\nheartbeat_ms = 100\nheartbeat_timeout_ms = 1500\n"
+    )
+}
+
+fn free_addr() -> Result<SocketAddr> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+/// A safetensors file's float tensors (name -> values), optimizer state left out.
+fn weights(path: &Path) -> Result<BTreeMap<String, Vec<f32>>> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let n = u64::from_le_bytes(
+        bytes
+            .get(..8)
+            .context("shorter than a safetensors header")?
+            .try_into()?,
+    ) as usize;
+    let header: Value = serde_json::from_slice(bytes.get(8..8 + n).context("cut header")?)?;
+    let data = &bytes[8 + n..];
+    let mut out = BTreeMap::new();
+    for (k, v) in header.as_object().context("header is not an object")? {
+        if k == "__metadata__" || k.starts_with("optim") {
+            continue;
+        }
+        let at = |i: usize| v["data_offsets"][i].as_u64().unwrap_or(0) as usize;
+        let raw = data.get(at(0)..at(1)).context("tensor outside the file")?;
+        out.insert(
+            k.clone(),
+            raw.chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect(),
+        );
+    }
+    Ok(out)
+}
+
+/// The largest relative difference between two models, tensor by tensor:
+/// |a - b| / |b| (Euclidean norms).
+fn worst_difference(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f64 {
+    if a.keys().ne(b.keys()) {
+        return f64::INFINITY;
+    }
+    let mut worst = 0f64;
+    for (k, x) in a {
+        let y = &b[k];
+        if x.len() != y.len() {
+            return f64::INFINITY;
+        }
+        let (mut d, mut n) = (0f64, 0f64);
+        for (p, q) in x.iter().zip(y) {
+            d += (*p as f64 - *q as f64).powi(2);
+            n += (*q as f64).powi(2);
+        }
+        let r = d.sqrt() / n.sqrt().max(1e-12);
+        worst = if r.is_nan() {
+            f64::INFINITY
+        } else {
+            worst.max(r)
+        };
+    }
+    worst
+}
+
+/// Every checkpoint a run of [`STEPS`] writes, present and readable; the final one's weights.
+fn checkpoints(out: &Path) -> Result<BTreeMap<String, Vec<f32>>> {
+    let dir = out.join("checkpoints");
+    let mut last = None;
+    for step in (EVERY..=STEPS).step_by(EVERY as usize) {
+        let f = dir.join(format!("step-{step:08}.safetensors"));
+        last = Some(weights(&f).with_context(|| format!("checkpoint of step {step}"))?);
+    }
+    last.context("no checkpoint")
+}
+
+/// Single-node training of the same file and steps: the model every chaos run must end with.
+fn reference(exe: &Path, root: &Path) -> Result<BTreeMap<String, Vec<f32>>> {
+    let dir = root.join("reference");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    // The first node alone (it is not the slow one).
+    let a = free_addr()?;
+    let one = cluster_text(&[a], &[a]);
+    let file = dir.join("one.toml");
+    std::fs::write(&file, one)?;
+    let out = dir.join("out");
+    let st = Command::new(exe)
+        .args(["run", file.to_str().context("path")?, "--json", "--out"])
+        .arg(&out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()?;
+    if !st.success() {
+        bail!("the single-node reference run failed ({st})");
+    }
+    checkpoints(&out)
+}
+
+/// Something a fault leaves to do later.
+enum Later {
+    Cont(u32),
+    Undelay(usize),
+    Rejoin(usize),
+}
+
+/// One schedule's outcome.
+#[derive(Debug)]
+pub struct Outcome {
+    pub seed: u64,
+    pub ok: bool,
+    pub what: String,
+    pub secs: f64,
+}
+
+fn signal(pid: u32, sig: &str) {
+    let _ = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// Launch the cluster (the local launcher, `--json`) and stream its events.
+fn launch(
+    exe: &Path,
+    file: &Path,
+    out: &Path,
+    log: &Path,
+) -> Result<(Child, mpsc::Receiver<Value>)> {
+    let mut child = Command::new(exe)
+        .args(["run", file.to_str().context("path")?, "--json", "--out"])
+        .arg(out)
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(log)?)
+        .spawn()?;
+    let stdout = child.stdout.take().context("stdout")?;
+    let (tx, rx) = mpsc::channel();
+    let mut events = std::fs::File::create(log.with_extension("jsonl"))?;
+    std::thread::spawn(move || {
+        use std::io::Write;
+        for line in BufReader::new(stdout).lines().map_while(|l| l.ok()) {
+            let _ = writeln!(events, "{line}");
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                let _ = tx.send(v);
+            }
+        }
+    });
+    Ok((child, rx))
+}
+
+/// Run schedule `seed` under `root`; `want` is the single-node model.
+fn run_one(
+    rt: &tokio::runtime::Runtime,
+    exe: &Path,
+    root: &Path,
+    seed: u64,
+    want: &BTreeMap<String, Vec<f32>>,
+) -> Result<String> {
+    let dir = root.join(format!("seed-{seed}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    // The nodes' ports stay held until the proxies have theirs, so that no proxy takes one.
+    let held = (0..3)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let listens = held
+        .iter()
+        .map(|l| l.local_addr())
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let proxies = listens
+        .iter()
+        .map(|&l| rt.block_on(Proxy::start("127.0.0.1:0".parse().expect("addr"), l)))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let addresses: Vec<SocketAddr> = proxies.iter().map(|p| p.addr()).collect();
+    drop(held);
+    let file = dir.join("cluster.toml");
+    std::fs::write(&file, cluster_text(&addresses, &listens))?;
+    let out = dir.join("out");
+    let log = dir.join("stderr.log");
+    let faults = match schedule(seed) {
+        Schedule::PortInUse { node } => {
+            let _hold = std::net::TcpListener::bind(listens[node])?;
+            let t0 = Instant::now();
+            let (mut child, _rx) = launch(exe, &file, &out, &log)?;
+            let status = wait_for(&mut child, Duration::from_secs(20))?;
+            let secs = t0.elapsed().as_secs_f64();
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let port = listens[node].port().to_string();
+            if status.is_none_or(|s| s.success()) || secs > 5.0 || !text.contains(&port) {
+                bail!(
+                    "port {port} in use: exit {status:?} after {secs:.1} s; the message {} the port",
+                    if text.contains(&port) {
+                        "names"
+                    } else {
+                        "does not name"
+                    }
+                );
+            }
+            return Ok(format!("port in use: exit {status:?} in {secs:.1} s"));
+        }
+        Schedule::Faults(f) => f,
+    };
+    let (mut child, rx) = launch(exe, &file, &out, &log)?;
+    let deadline = Instant::now() + Duration::from_secs(150);
+    let mut pids: BTreeMap<String, u32> = BTreeMap::new();
+    let mut step = 0u64;
+    let mut planned: Option<Instant> = None;
+    let mut pending = faults.clone().into_iter().peekable();
+    let mut later: Vec<(Instant, Later)> = Vec::new();
+    let mut joined: Vec<Child> = Vec::new();
+    let mut forged: Vec<tokio::task::JoinHandle<Result<(), String>>> = Vec::new();
+    let mut summary = None;
+    let rejoin = |node: usize| -> Result<Child> {
+        let jlog = std::fs::File::create(dir.join(format!("{}-rejoin.log", NODES[node])))?;
+        Ok(Command::new(exe)
+            .args([
+                "run",
+                "--join",
+                &addresses[0].to_string(),
+                "--node",
+                NODES[node],
+            ])
+            .args(["--json", "--out"])
+            .arg(&out)
+            .env("RAVNEST_SECRET", SECRET)
+            .stdout(Stdio::null())
+            .stderr(jlog)
+            .spawn()?)
+    };
+    loop {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            bail!(
+                "no end within 150 s (at step {step}); see {}",
+                log.display()
+            );
+        }
+        let now = Instant::now();
+        let (due, rest): (Vec<_>, Vec<_>) = later.into_iter().partition(|(t, _)| *t <= now);
+        later = rest;
+        for (_, l) in due {
+            match l {
+                Later::Cont(pid) => signal(pid, "-CONT"),
+                Later::Undelay(node) => proxies[node].set_delay(Duration::ZERO),
+                Later::Rejoin(node) => joined.push(rejoin(node)?),
+            }
+        }
+        match rx.recv_timeout(Duration::from_millis(20)) {
+            Ok(v) => match v["event"].as_str() {
+                Some("spawned") => {
+                    if let (Some(n), Some(p)) = (v["node"].as_str(), v["pid"].as_u64()) {
+                        pids.insert(n.to_string(), p as u32);
+                    }
+                }
+                Some("progress") => step = step.max(v["step"].as_u64().unwrap_or(0)),
+                Some("plan") if planned.is_none() => planned = Some(Instant::now()),
+                Some("summary") => summary = Some(v),
+                _ => {}
+            },
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        let since = planned.map_or(0, |p: Instant| p.elapsed().as_millis() as u64);
+        while let Some(t) = pending.next_if(|t| planned.is_some() && t.at_ms <= since) {
+            let pid = |i: usize| pids.get(NODES[i]).copied();
+            match t.fault {
+                Fault::Kill { node, rejoin_ms } => {
+                    if let Some(p) = pid(node) {
+                        signal(p, "-KILL");
+                    }
+                    if let Some(ms) = rejoin_ms {
+                        later.push((at(ms), Later::Rejoin(node)));
+                    }
+                }
+                Fault::Freeze { node, ms } => {
+                    if let Some(p) = pid(node) {
+                        signal(p, "-STOP");
+                        later.push((at(ms), Later::Cont(p)));
+                    }
+                }
+                Fault::Reset { node } => proxies[node].reset(),
+                Fault::Delay { node, ms, for_ms } => {
+                    proxies[node].set_delay(Duration::from_millis(ms));
+                    later.push((at(for_ms), Later::Undelay(node)));
+                }
+                // Forged peers run beside the schedule (a frozen target would hold them).
+                Fault::Duplicate { target, claim } => {
+                    let addr = listens[target];
+                    forged.push(rt.spawn(async move {
+                        match tcp::dial_as(
+                            addr,
+                            NodeId(target as u32),
+                            NodeId(claim as u32),
+                            SECRET.as_bytes(),
+                        )
+                        .await
+                        {
+                            Ok(_) => Err(format!(
+                                "a second connection claiming the live node `{}` was let in",
+                                NODES[claim]
+                            )),
+                            // Refused as a duplicate, or the target frozen or restarting:
+                            // nothing was let in.
+                            Err(_) => Ok(()),
+                        }
+                    }));
+                }
+                Fault::Corrupt {
+                    target,
+                    claim,
+                    huge,
+                } => {
+                    let addr = listens[target];
+                    let bytes: Vec<u8> = if huge {
+                        let mut b = u32::MAX.to_le_bytes().to_vec();
+                        b.extend([0u8; 16]);
+                        b
+                    } else {
+                        let mut r = Mix(seed ^ 0x5eed);
+                        (0..4096).map(|_| r.next() as u8).collect()
+                    };
+                    forged.push(rt.spawn(async move {
+                        use tokio::io::AsyncWriteExt;
+                        if let Ok(mut s) = tcp::dial_as(
+                            addr,
+                            NodeId(target as u32),
+                            NodeId(claim as u32),
+                            SECRET.as_bytes(),
+                        )
+                        .await
+                        {
+                            let _ = s.write_all(&bytes).await;
+                            let _ = s.flush().await;
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                        }
+                        Ok(())
+                    }));
+                }
+            }
+        }
+    }
+    for (_, l) in later {
+        if let Later::Cont(pid) = l {
+            signal(pid, "-CONT");
+        }
+    }
+    let status = wait_for(&mut child, Duration::from_secs(20))?;
+    for f in forged {
+        rt.block_on(f)?.map_err(anyhow::Error::msg)?;
+    }
+    for mut j in joined {
+        let _ = wait_for(&mut j, Duration::from_secs(20));
+    }
+    if status.is_none_or(|s| !s.success()) {
+        bail!("the run ended with {status:?}; see {}", log.display());
+    }
+    let s = summary.context("no summary")?;
+    let steps = s["coordinator"]["steps"].as_u64();
+    if steps != Some(STEPS) {
+        bail!("the run trained {steps:?} steps, not {STEPS}");
+    }
+    let got = checkpoints(&out)?;
+    let worst = worst_difference(&got, want);
+    if worst > TOLERANCE {
+        bail!("the final model differs from the single-node replay by {worst:.2e} (relative)");
+    }
+    Ok(format!("equal to the replay within {worst:.1e}"))
+}
+
+fn at(ms: u64) -> Instant {
+    Instant::now() + Duration::from_millis(ms)
+}
+
+fn wait_for(child: &mut Child, limit: Duration) -> Result<Option<std::process::ExitStatus>> {
+    let end = Instant::now() + limit;
+    loop {
+        if let Some(s) = child.try_wait()? {
+            return Ok(Some(s));
+        }
+        if Instant::now() > end {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Run `count` schedules from `first`; print one line each and a total. Err if any failed.
+pub fn bench(first: u64, count: u64, root: Option<PathBuf>) -> Result<String> {
+    let exe = std::env::current_exe().context("cannot find this program's path")?;
+    let temporary = root.is_none();
+    let root = root.unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("ravnest-chaos-{}", std::process::id()))
+    });
+    std::fs::create_dir_all(&root)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let want = reference(&exe, &root)?;
+    let mut failed = Vec::new();
+    let t0 = Instant::now();
+    for seed in first..first + count {
+        let t = Instant::now();
+        let got = run_one(&rt, &exe, &root, seed, &want);
+        let o = Outcome {
+            seed,
+            ok: got.is_ok(),
+            what: match &got {
+                Ok(w) => w.clone(),
+                Err(e) => format!("{e:#}"),
+            },
+            secs: t.elapsed().as_secs_f64(),
+        };
+        eprintln!(
+            "seed {:>5} {:>5.1} s  {}  {:?}: {}",
+            o.seed,
+            o.secs,
+            if o.ok { "ok  " } else { "FAIL" },
+            schedule(seed),
+            o.what
+        );
+        if o.ok {
+            let _ = std::fs::remove_dir_all(root.join(format!("seed-{seed}")));
+        } else {
+            failed.push(o);
+        }
+    }
+    let mut text = format!(
+        "chaos: {} of {count} schedules held ({:.0} s)\n",
+        count - failed.len() as u64,
+        t0.elapsed().as_secs_f64()
+    );
+    for f in &failed {
+        text += &format!(
+            "FAILED seed {}: {}\n  replay: ravnest bench chaos --seed {} --schedules 1 --keep DIR\n",
+            f.seed, f.what, f.seed
+        );
+    }
+    if failed.is_empty() {
+        if temporary {
+            let _ = std::fs::remove_dir_all(&root);
+        }
+        Ok(text)
+    } else {
+        bail!("{text}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_schedule_is_a_function_of_its_seed_and_uses_every_fault_kind() {
+        let mut kinds = std::collections::BTreeSet::new();
+        for seed in 0..500 {
+            assert_eq!(schedule(seed), schedule(seed));
+            match schedule(seed) {
+                Schedule::PortInUse { .. } => {
+                    kinds.insert("port");
+                }
+                Schedule::Faults(f) => {
+                    assert!(!f.is_empty() && f.len() <= 3);
+                    assert!(f.windows(2).all(|w| w[0].at_ms <= w[1].at_ms));
+                    for t in f {
+                        kinds.insert(match t.fault {
+                            Fault::Kill { node, .. } => {
+                                assert_ne!(node, 0, "the coordinator is never killed");
+                                "kill"
+                            }
+                            Fault::Freeze { .. } => "freeze",
+                            Fault::Reset { .. } => "reset",
+                            Fault::Delay { .. } => "delay",
+                            Fault::Duplicate { claim, .. } => {
+                                assert_ne!(claim, 0);
+                                "duplicate"
+                            }
+                            Fault::Corrupt { target, claim, .. } => {
+                                assert_ne!(target, claim);
+                                "corrupt"
+                            }
+                        });
+                    }
+                }
+            }
+        }
+        assert_eq!(kinds.len(), 7, "{kinds:?}");
+    }
+}
