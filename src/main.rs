@@ -208,6 +208,14 @@ enum BenchWhat {
         /// Steps per run.
         #[arg(long, default_value_t = 100)]
         steps: u64,
+        /// Instead of the table: sweep this many seeds over the fault scenarios (flaky-3090,
+        /// partition, straggler, memory-limited), each seed with 1-3 connection resets of its
+        /// own, every run checked; parallel over the machine's cores.
+        #[arg(long)]
+        seeds: Option<u64>,
+        /// The sweep's first seed.
+        #[arg(long, default_value_t = 0)]
+        first: u64,
     },
 }
 
@@ -354,8 +362,17 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Bench {
-            what: BenchWhat::Sim { files, steps },
+            what:
+                BenchWhat::Sim {
+                    files,
+                    steps,
+                    seeds,
+                    first,
+                },
         } => {
+            if let Some(count) = seeds {
+                return sim_sweep(first, count);
+            }
             // The 1,000-node scenario takes about half a minute: run it by naming it.
             let inputs = bench_inputs(&files, &["large-1000"])?;
             let mut rows = Vec::new();
@@ -523,6 +540,56 @@ fn run(cli: Cli) -> Result<()> {
             emit(&report::catalog_text());
             Ok(())
         }
+    }
+}
+
+/// `bench sim --seeds N`: the seed sweep with checkers, resets added per seed.
+fn sim_sweep(first: u64, count: u64) -> Result<()> {
+    let mut cases = Vec::new();
+    for (name, steps) in [
+        ("flaky-3090", 170),
+        ("partition", 80),
+        ("straggler", 60),
+        ("memory-limited", 45),
+    ] {
+        let text = scenarios::SHIPPED
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, t)| *t)
+            .context("a shipped scenario")?;
+        let s = ravnest_core::parse(text, &format!("scenarios/{name}.toml"))?;
+        cases.push(ravnest_sim::sweep::SweepCase::new(name, s, steps).map_err(anyhow::Error::msg)?);
+    }
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let t0 = Instant::now();
+    let r = ravnest_sim::sweep::sweep(&cases, first, count, threads);
+    let secs = t0.elapsed().as_secs_f64();
+    let mut text = format!(
+        "sim sweep: seeds {first}..{} ({}), {} connection resets injected, {} threads, {secs:.0} s\n",
+        first + count,
+        r.per_case
+            .iter()
+            .map(|(n, k)| format!("{n} {k}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        r.resets,
+        threads
+    );
+    text += &format!(
+        "violations or incomplete runs: {} of {count}\n",
+        r.failures.len()
+    );
+    for f in &r.failures {
+        text += &format!(
+            "FAILED seed {} ({}): {}\n  replay: ravnest bench sim --seeds 1 --first {}\n",
+            f.seed, f.scenario, f.what, f.seed
+        );
+    }
+    if r.failures.is_empty() {
+        emit(&text);
+        Ok(())
+    } else {
+        bail!("{text}")
     }
 }
 

@@ -10,6 +10,7 @@
 pub mod compute;
 pub mod net;
 pub mod rng;
+pub mod sweep;
 pub mod timeline;
 pub mod toy;
 
@@ -200,6 +201,7 @@ enum Action {
     Restore(NodeId, NodeId),
     Partition(Vec<Vec<NodeId>>),
     Heal(Vec<Vec<NodeId>>),
+    Reset(NodeId, NodeId),
 }
 
 fn schedule(faults: &[Fault]) -> Vec<(f64, usize, Action)> {
@@ -227,6 +229,7 @@ fn schedule(faults: &[Fault]) -> Vec<(f64, usize, Action)> {
                 v.push((*from_s, i, Action::Degrade(*a, *b, *link)));
                 v.push((*to_s, i, Action::Restore(*a, *b)));
             }
+            Fault::Reset { a, b, at_s } => v.push((*at_s, i, Action::Reset(*a, *b))),
             Fault::Partition {
                 groups,
                 from_s,
@@ -263,12 +266,15 @@ fn describe(s: &Scenario, f: &Fault) -> String {
         Fault::Partition { groups, to_s, .. } => {
             format!("partition into {} groups until {to_s} s", groups.len())
         }
+        Fault::Reset { a, b, .. } => format!("reset {}-{}", name(a), name(b)),
     }
 }
 
 fn fault_at(f: &Fault) -> f64 {
     match f {
-        Fault::Crash { at_s, .. } | Fault::Restart { at_s, .. } => *at_s,
+        Fault::Crash { at_s, .. } | Fault::Restart { at_s, .. } | Fault::Reset { at_s, .. } => {
+            *at_s
+        }
         Fault::Slowdown { from_s, .. }
         | Fault::LinkDegraded { from_s, .. }
         | Fault::Partition { from_s, .. } => *from_s,
@@ -500,6 +506,10 @@ async fn simulate(
             Action::Heal(g) => {
                 trace.record(t_ns, "heal", None, None, g.len() as u64);
                 net.heal(&g);
+            }
+            Action::Reset(a, b) => {
+                trace.record(t_ns, "reset", Some(Addr::Node(a)), Some(Addr::Node(b)), 0);
+                net.reset(a, b);
             }
         }
     }

@@ -83,15 +83,15 @@ impl Queue {
     }
 
     /// The earliest message, if it arrives by `now`.
-    fn pop_due(&mut self, now: u64) -> Option<(u64, Queued)> {
-        let &Reverse((t, _, i)) = self.heap.peek()?;
+    fn pop_due(&mut self, now: u64) -> Option<(u64, u64, Queued)> {
+        let &Reverse((t, seq, i)) = self.heap.peek()?;
         if t > now {
             return None;
         }
         self.heap.pop();
         self.free.push(i);
         let q = self.slab[i as usize].take().expect("queued");
-        Some((t, q))
+        Some((t, seq, q))
     }
 }
 
@@ -135,6 +135,8 @@ struct State {
     seq: u64,
     bytes_sent: Vec<u64>,
     dropped: u64,
+    /// Connection resets: (lower end, higher end, first sequence number sent after it).
+    resets: Vec<(NodeId, NodeId, u64)>,
 }
 
 /// The simulated network (cheap to clone: a handle).
@@ -212,6 +214,7 @@ impl SimNet {
                 armed_at: u64::MAX,
                 seq: 0,
                 dropped: 0,
+                resets: Vec::new(),
             })),
             wake: Arc::new(Notify::new()),
         }
@@ -249,10 +252,15 @@ impl SimNet {
         {
             let mut s = self.state.lock().unwrap();
             let now = s.now_ns();
-            while let Some((t, (from, to, env))) = s.queue.pop_due(now) {
+            while let Some((t, seq, (from, to, env))) = s.queue.pop_due(now) {
                 let (a, b) = (host_of(s.host, from), host_of(s.host, to));
                 let inbox = s.inboxes.get(&to).cloned();
-                if a != b && !s.reachable(a, b) || inbox.is_none() {
+                let key = (a.min(b), a.max(b));
+                let cut = s
+                    .resets
+                    .iter()
+                    .any(|&(x, y, bound)| (x, y) == key && seq < bound);
+                if a != b && (!s.reachable(a, b) || cut) || inbox.is_none() {
                     s.dropped += 1;
                     s.trace
                         .record(t, "drop", Some(from), Some(to), env.digest());
@@ -278,6 +286,14 @@ impl SimNet {
     /// Bring a crashed node's links back (its process re-registers its inbox).
     pub fn restart(&self, node: NodeId) {
         self.state.lock().unwrap().down.remove(&node);
+    }
+
+    /// Reset the connection between `a` and `b`: what is in flight between them, either way,
+    /// is lost (a transport without sessions, or a session that had to restart).
+    pub fn reset(&self, a: NodeId, b: NodeId) {
+        let mut s = self.state.lock().unwrap();
+        let bound = s.seq;
+        s.resets.push((a.min(b), a.max(b), bound));
     }
 
     /// Start a partition (groups of nodes that cannot reach each other).

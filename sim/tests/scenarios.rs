@@ -1,7 +1,7 @@
 //! Simulated runs of the shipped scenarios: determinism, fault handling, a seed sweep.
 //!
-//! The sweep's size is `RAVNEST_SWEEP_SEEDS` (default 50): `RAVNEST_SWEEP_SEEDS=2000 cargo test
-//! -p ravnest-sim --release sweep` is the long local sweep. A failing seed prints its replay line.
+//! The sweep's size is `RAVNEST_SWEEP_SEEDS` (default 200); `ravnest bench sim --seeds 10000` is
+//! the long one. A failing seed prints its replay line.
 
 use ravnest_core::config::Scenario;
 use ravnest_sim::{SimError, SimOptions, run};
@@ -264,26 +264,29 @@ fn a_parameter_server_round_trains_the_same_model() {
 
 #[test]
 fn seed_sweep_with_checkers() {
+    // Each seed runs one of the fault scenarios with 1-3 connection resets of its own (what was
+    // in flight is lost; the watchdog must redo the step), every checker on.
     let seeds: u64 = std::env::var("RAVNEST_SWEEP_SEEDS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(50);
-    for (name, steps) in [
+        .unwrap_or(200);
+    let cases: Vec<ravnest_sim::sweep::SweepCase> = [
         ("flaky-3090", 170),
         ("partition", 80),
         ("straggler", 60),
         ("memory-limited", 45),
-    ] {
-        let s = scenario(name);
-        for seed in 0..seeds {
-            let r = run(&s, &opts(&s, seed, steps)).unwrap();
-            assert!(
-                r.violations.is_empty() && r.steps_completed == steps,
-                "{name} seed {seed}: {:?}\nreplay: cargo run --release -- sim scenarios/{name}.toml --seed {seed} --steps {steps}",
-                r.violations
-            );
-        }
-    }
+    ]
+    .iter()
+    .map(|&(name, steps)| ravnest_sim::sweep::SweepCase::new(name, scenario(name), steps).unwrap())
+    .collect();
+    let r = ravnest_sim::sweep::sweep(&cases, 0, seeds, 2);
+    assert!(r.resets >= seeds, "{r:?}");
+    assert!(r.per_case.iter().all(|(_, k)| *k > 0), "{r:?}");
+    assert!(
+        r.failures.is_empty(),
+        "{:?}\nreplay: cargo run --release -- bench sim --seeds 1 --first SEED",
+        r.failures
+    );
 }
 
 #[test]

@@ -83,6 +83,16 @@ pub enum Fault {
         /// End, virtual seconds.
         to_s: f64,
     },
+    /// The connection between two nodes is reset at `at_s`: what was in flight on it, in both
+    /// directions, is lost (both nodes stay up; the protocol must notice and redo).
+    Reset {
+        /// One end.
+        a: NodeId,
+        /// Other end.
+        b: NodeId,
+        /// Virtual seconds.
+        at_s: f64,
+    },
     /// No messages cross between groups between `from_s` and `to_s`.
     Partition {
         /// Disjoint groups of nodes.
@@ -333,7 +343,7 @@ struct FaultToml {
     latency_ms: Option<Spanned<f64>>,
 }
 
-const FAULT_KINDS: &[&str] = &["crash", "restart", "slowdown", "link", "partition"];
+const FAULT_KINDS: &[&str] = &["crash", "restart", "slowdown", "link", "reset", "partition"];
 const MODEL_KINDS: &[&str] = &["gpt", "mlp", "custom"];
 
 /// Default access link when `[links]` says nothing: 10 Gbit/s Ethernet, 0.1 ms.
@@ -986,6 +996,25 @@ fn resolve_fault(
                 factor,
                 from_s,
                 to_s,
+            }
+        }
+        "reset" => {
+            let Some(between) = &f.between else {
+                return Err(ctx.err(
+                    Some(&span),
+                    "fault kind = \"reset\" needs `between = [a, b]`",
+                ));
+            };
+            if between.get_ref().len() != 2 {
+                return Err(ctx.err(
+                    Some(&between.span()),
+                    "`between` takes exactly two node names",
+                ));
+            }
+            Fault::Reset {
+                a: lookup_node(&between.get_ref()[0])?,
+                b: lookup_node(&between.get_ref()[1])?,
+                at_s: need_f(&f.at_s, "at_s")?,
             }
         }
         "link" => {
