@@ -399,7 +399,17 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             _ => return,
         }
         let Some(f) = st.fetching.take() else { return };
-        let layers = st.work.as_ref().and_then(Work::layers);
+        let new = st.work.as_ref().and_then(Work::layers);
+        // The layers this node held at that version are still valid in it (the fetched ones
+        // were copied in beside them): keep saying so, so that a fetch from here that is lost
+        // (a reset, a halt) can be made again after a resync instead of finding no holder.
+        let layers = match (st.versions.get(f.version).map(|v| v.layers), new) {
+            (Some(None), _) => None,
+            (Some(Some(o)), Some(n)) if o.0 <= n.1 && n.0 <= o.1 => {
+                Some((o.0.min(n.0), o.1.max(n.1)))
+            }
+            _ => new,
+        };
         st.versions.truncate_after(f.version);
         st.versions.insert(
             f.version,
