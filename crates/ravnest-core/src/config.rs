@@ -963,6 +963,25 @@ fn resolve_fault(
             None => Err(ctx.err(Some(&span), format!("fault kind = \"{kind}\" needs `node`"))),
         }
     };
+    // `between = [a, b]`: exactly two node names.
+    let need_pair = || -> Result<(NodeId, NodeId), ConfigError> {
+        let Some(between) = &f.between else {
+            return Err(ctx.err(
+                Some(&span),
+                format!("fault kind = \"{kind}\" needs `between = [a, b]`"),
+            ));
+        };
+        if between.get_ref().len() != 2 {
+            return Err(ctx.err(
+                Some(&between.span()),
+                "`between` takes exactly two node names",
+            ));
+        }
+        Ok((
+            lookup_node(&between.get_ref()[0])?,
+            lookup_node(&between.get_ref()[1])?,
+        ))
+    };
     let window = || -> Result<(f64, f64), ConfigError> {
         let (a, b) = (need_f(&f.from_s, "from_s")?, need_f(&f.to_s, "to_s")?);
         if b <= a {
@@ -999,39 +1018,15 @@ fn resolve_fault(
             }
         }
         "reset" => {
-            let Some(between) = &f.between else {
-                return Err(ctx.err(
-                    Some(&span),
-                    "fault kind = \"reset\" needs `between = [a, b]`",
-                ));
-            };
-            if between.get_ref().len() != 2 {
-                return Err(ctx.err(
-                    Some(&between.span()),
-                    "`between` takes exactly two node names",
-                ));
-            }
+            let (a, b) = need_pair()?;
             Fault::Reset {
-                a: lookup_node(&between.get_ref()[0])?,
-                b: lookup_node(&between.get_ref()[1])?,
+                a,
+                b,
                 at_s: need_f(&f.at_s, "at_s")?,
             }
         }
         "link" => {
-            let Some(between) = &f.between else {
-                return Err(ctx.err(
-                    Some(&span),
-                    "fault kind = \"link\" needs `between = [a, b]`",
-                ));
-            };
-            if between.get_ref().len() != 2 {
-                return Err(ctx.err(
-                    Some(&between.span()),
-                    "`between` takes exactly two node names",
-                ));
-            }
-            let a = lookup_node(&between.get_ref()[0])?;
-            let b = lookup_node(&between.get_ref()[1])?;
+            let (a, b) = need_pair()?;
             let bandwidth_gbps = match &f.bandwidth_gbps {
                 Some(x) => ctx.positive(x, "bandwidth_gbps")?,
                 None => {
