@@ -280,6 +280,8 @@ pub fn overhead(steps: u64, rounds: usize) -> Result<String> {
             quiet: true,
             share: None,
             spans: false,
+            advertise: None,
+            overwrite: true,
         })?;
         // Per step after warm-up, scaled to the whole run (as the bare loop's).
         let steady = report["steady_samples_per_s"].as_f64().unwrap_or(f64::NAN);

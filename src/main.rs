@@ -26,7 +26,16 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[command(
     name = "ravnest",
     version,
-    about = "Train neural networks on heterogeneous clusters"
+    about = "Train neural networks on heterogeneous clusters",
+    after_help = "Examples:
+  ravnest run                                   train on a local 3-process cluster (embedded default)
+  ravnest run cluster.toml --node a             be node `a` of a cluster of several machines
+  ravnest plan cluster.toml                     what each node would do, next to an equal split
+  ravnest sim                                   a simulated cluster where a 3090 crashes and comes back
+  ravnest bench ddp                             ravnest vs PyTorch DDP on the same job
+
+Docs: docs/ in the repository (README.md, docs/multi-machine.md, docs/cluster-format.md,
+docs/checkpoints.md, docs/reading-reports.md); `ravnest <command> --help` for each command."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -36,6 +45,12 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Show what ravnest would do on each node, next to an equal split.
+    #[command(after_help = "Examples:
+  ravnest plan                                  the embedded 2x RTX 4090 + 2x RTX 3060 scenario
+  ravnest plan scenarios/slow-link.toml --planner uniform
+  ravnest plan scenarios/large-1000.toml --json
+
+File format: docs/cluster-format.md. Reading the output: docs/reading-reports.md.")]
     Plan {
         /// Cluster or scenario file (TOML). Without it, the embedded `mixed-4090-3060` scenario.
         file: Option<PathBuf>,
@@ -47,6 +62,13 @@ enum Command {
         json: bool,
     },
     /// Replay a scenario on a simulated cluster: the real actors, virtual time, injected faults.
+    #[command(after_help = "Examples:
+  ravnest sim                                   flaky-3090: a 3090 crashes at 60 s and comes back
+  ravnest sim --timeline run.svg                the same, with a picture of every node's time
+  ravnest sim scenarios/mixed-4090-3060.toml --steps 100 --compare uniform
+  ravnest sim scenarios/memory-limited.toml --seed 7 --json
+
+Same seed, same trace hash. Reading the output: docs/reading-reports.md.")]
     Sim {
         /// Scenario file (TOML). Without it, the embedded `flaky-3090` scenario.
         file: Option<PathBuf>,
@@ -59,8 +81,9 @@ enum Command {
         /// Planner: ravnest, uniform, param-count or exhaustive.
         #[arg(long, default_value = "ravnest")]
         planner: String,
-        /// Run a second planner on the same seed and print both side by side.
-        #[arg(long)]
+        /// Run a second planner on the same seed and print both side by side: ravnest,
+        /// uniform, param-count or exhaustive.
+        #[arg(long, value_name = "PLANNER")]
         compare: Option<String>,
         /// Print JSON instead of text.
         #[arg(long)]
@@ -72,6 +95,17 @@ enum Command {
     /// Train for real over TCP. Without --node: start every node of the file as a local
     /// process (the embedded default: three processes on loopback, one emulating a 3x slower
     /// device). With --node NAME: be that node (the same command on every machine).
+    #[command(after_help = "Examples:
+  ravnest run                                   the embedded local-digits cluster (3 processes)
+  ravnest run --resume                          continue from its latest checkpoint
+  ravnest run --overwrite                       start again, replacing its checkpoints
+  ravnest run scenarios/local-text.toml --out runs/text
+  ravnest run cluster.toml --node a             on machine a (the coordinator)
+  ravnest run cluster.toml --node b --bind 0.0.0.0:47702 --advertise 203.0.113.7:47702
+  RAVNEST_SECRET=... ravnest run --join 10.0.0.5:47701 --node b   rejoin with only an address
+
+Output goes to ravnest-out/<cluster>/: checkpoints/ (docs/checkpoints.md), events.jsonl.
+Several machines: docs/multi-machine.md. File format: docs/cluster-format.md.")]
     Run {
         /// Cluster file (TOML) with an `address` per node. Without it, the embedded
         /// `local-digits` cluster.
@@ -85,8 +119,24 @@ enum Command {
         #[arg(long, value_name = "HOST:PORT", num_args = 0..=1, default_missing_value = "")]
         join: Option<String>,
         /// Continue from the latest checkpoint in the output directory.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "overwrite")]
         resume: bool,
+        /// Delete the checkpoints already in the output directory and start from step 0 (a
+        /// run refuses to write over another run's checkpoints without it).
+        #[arg(long)]
+        overwrite: bool,
+        /// Seconds the coordinator waits for nodes to register, and a worker for the
+        /// coordinator (default: the file's `[run] register_timeout_s`, else 60).
+        #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
+        wait: Option<u64>,
+        /// (With --node) the local address to listen on, e.g. 0.0.0.0:47701 (default: the
+        /// node's `listen`, else its `address`).
+        #[arg(long, value_name = "HOST:PORT", requires = "node")]
+        bind: Option<String>,
+        /// (With --node) the address peers dial to reach this node, when the file's is not
+        /// it (NAT, a cloud's public address); the coordinator passes it on to the others.
+        #[arg(long, value_name = "HOST:PORT", requires = "node")]
+        advertise: Option<String>,
         /// Output directory (checkpoints); default `ravnest-out/<cluster name>`.
         #[arg(long)]
         out: Option<PathBuf>,
@@ -108,17 +158,31 @@ enum Command {
         report_spans: bool,
     },
     /// Benchmarks that print a table.
+    #[command(after_help = "Examples:
+  ravnest bench ddp                             ravnest vs PyTorch DDP, side by side (needs torch)
+  ravnest bench overhead                        one node: ravnest vs a bare loop vs PyTorch
+  ravnest bench allreduce --sizes 1,64          ring all-reduce over loopback TCP
+  ravnest bench planners                        every planner on every shipped scenario
+  ravnest bench sim --seeds 1000                the simulator's fault sweep
+  ravnest bench chaos --schedules 20            real processes under injected network faults
+
+Reading the tables: docs/reading-reports.md.")]
     Bench {
         #[command(subcommand)]
         what: BenchWhat,
     },
     /// List the device catalog and the model presets.
+    #[command(after_help = "Example:
+  ravnest catalog
+
+The figures and their sources: docs/cost-model.md.")]
     Catalog,
 }
 
 #[derive(Subcommand, Debug)]
 enum BenchWhat {
     /// One node through ravnest against a bare candle training loop: the framework's overhead.
+    #[command(after_help = "Example:\n  ravnest bench overhead --steps 200 --rounds 3")]
     Overhead {
         /// Steps per run.
         #[arg(long, default_value_t = 100)]
@@ -184,6 +248,7 @@ enum BenchWhat {
         list: bool,
     },
     /// Ring all-reduce over loopback TCP: algorithm and bus bandwidth for 2, 3 and 4 ranks.
+    #[command(after_help = "Example:\n  ravnest bench allreduce --sizes 1,16,64 --nodes 2,4")]
     Allreduce {
         /// Sizes in MiB.
         #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
@@ -196,12 +261,16 @@ enum BenchWhat {
         reps: usize,
     },
     /// Predicted samples/s of every planner on every shipped scenario (or the given files).
+    #[command(after_help = "Example:\n  ravnest bench planners scenarios/slow-link.toml")]
     Planners {
         /// Scenario files; default: every scenario shipped in `scenarios/` (embedded).
         files: Vec<PathBuf>,
     },
     /// Simulated samples/s and capacity efficiency of ravnest, uniform and param-count on every
     /// shipped scenario the simulator runs (or the given files), with simulator speed.
+    #[command(
+        after_help = "Examples:\n  ravnest bench sim --steps 200\n  ravnest bench sim --seeds 1000 --first 5000"
+    )]
     Sim {
         /// Scenario files; default: the shipped scenarios except `large-1000` (run it by name).
         files: Vec<PathBuf>,
@@ -305,6 +374,7 @@ fn run(cli: Cli) -> Result<()> {
                 );
                 std::fs::write(path, ravnest_sim::timeline::svg(&r.timeline, &title))
                     .with_context(|| format!("cannot write `{}`", path.display()))?;
+                eprintln!("timeline written to {}", path.display());
             }
             let mut compare_error = None;
             if let Some(other) = compare {
@@ -403,6 +473,10 @@ fn run(cli: Cli) -> Result<()> {
             node,
             join,
             resume,
+            overwrite,
+            wait,
+            bind,
+            advertise,
             out,
             steps,
             json,
@@ -454,6 +528,10 @@ fn run(cli: Cli) -> Result<()> {
                 node,
                 join: join.is_some(),
                 resume,
+                overwrite,
+                wait,
+                bind,
+                advertise,
                 out,
                 json,
                 steps,
@@ -655,4 +733,88 @@ fn load(path: Option<&Path>) -> Result<(String, Scenario)> {
     };
     let scenario = ravnest_core::parse(&text, &origin)?;
     Ok((origin, scenario))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `ravnest` command lines in the shell blocks of README.md and docs/*.md, as argument
+    /// lists (environment assignments, comments and `cargo run --release --` left out).
+    fn documented_commands() -> Vec<(String, Vec<String>)> {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut files = vec![root.join("README.md")];
+        let mut docs: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "md"))
+            .collect();
+        docs.sort();
+        files.extend(docs);
+        let mut out = Vec::new();
+        for f in files {
+            let text = std::fs::read_to_string(&f).unwrap();
+            let mut in_sh = false;
+            for (i, line) in text.lines().enumerate() {
+                let t = line.trim();
+                if t.starts_with("```") {
+                    in_sh = !in_sh && (t == "```sh" || t == "```bash");
+                    continue;
+                }
+                if !in_sh {
+                    continue;
+                }
+                let code = match t.find(" #") {
+                    Some(k) => &t[..k],
+                    None => t,
+                };
+                let code = code.replace("cargo run --release --", "ravnest");
+                let words: Vec<&str> = code
+                    .split_whitespace()
+                    .skip_while(|w| w.contains('=') && !w.starts_with('-'))
+                    .collect();
+                if words.first() != Some(&"ravnest") {
+                    continue;
+                }
+                let at = format!("{}:{}", f.display(), i + 1);
+                out.push((at, words.iter().map(|w| w.to_string()).collect()));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_documented_command_parses() {
+        let commands = documented_commands();
+        assert!(commands.len() >= 20, "{commands:?}");
+        for (at, args) in &commands {
+            if let Err(e) = Cli::try_parse_from(args) {
+                panic!("{at}: `{}` does not parse:\n{e}", args.join(" "));
+            }
+        }
+    }
+
+    #[test]
+    fn every_subcommand_has_an_example_in_its_help() {
+        use clap::CommandFactory;
+        let cli = Cli::command();
+        let mut all: Vec<&clap::Command> = cli.get_subcommands().collect();
+        let nested: Vec<&clap::Command> = all.iter().flat_map(|c| c.get_subcommands()).collect();
+        all.extend(nested);
+        for sub in all {
+            let help = sub
+                .get_after_help()
+                .map(|h| h.to_string())
+                .unwrap_or_default()
+                + &sub
+                    .get_long_about()
+                    .map(|h| h.to_string())
+                    .unwrap_or_default();
+            assert!(
+                help.contains("Example") && help.contains("ravnest "),
+                "`ravnest {} --help` has no example",
+                sub.get_name()
+            );
+        }
+    }
 }

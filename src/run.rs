@@ -26,6 +26,14 @@ pub struct RunArgs {
     pub join: bool,
     /// Continue from the latest checkpoint.
     pub resume: bool,
+    /// Replace the checkpoints already in the output directory.
+    pub overwrite: bool,
+    /// The registration window, s (overrides `[run] register_timeout_s`).
+    pub wait: Option<u64>,
+    /// This node's listen address (overrides its `listen`).
+    pub bind: Option<String>,
+    /// The address peers dial for this node (overrides its `address`).
+    pub advertise: Option<String>,
     /// Output directory.
     pub out: Option<PathBuf>,
     /// JSON lines.
@@ -50,14 +58,49 @@ pub fn run(args: RunArgs) -> Result<()> {
     if let Some(n) = args.steps {
         scenario.run.steps = n;
     }
+    if let Some(w) = args.wait {
+        scenario.run.register_timeout_s = w;
+    }
     let steps = scenario.run.steps;
     let out = args.out.clone().unwrap_or_else(|| default_out(&scenario));
     if args.join && args.node.is_none() {
         bail!("--join restarts one node: name it with --node NAME");
     }
+    if let Some(node) = &args.node {
+        let i = scenario
+            .cluster
+            .nodes
+            .iter()
+            .position(|n| &n.name == node)
+            .with_context(|| {
+                format!(
+                    "{}: no node named `{node}` (nodes: {})",
+                    args.origin,
+                    scenario
+                        .cluster
+                        .nodes
+                        .iter()
+                        .map(|n| n.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            })?;
+        if let Some(b) = &args.bind {
+            scenario.cluster.nodes[i].listen = Some(b.clone());
+        }
+        if let Some(a) = &args.advertise {
+            scenario.cluster.nodes[i].address = Some(a.clone());
+        }
+    } else if ravnest_train::store::guard(&out.join("checkpoints"), args.resume, args.overwrite)? {
+        eprintln!(
+            "--overwrite: removed the previous checkpoints in {}",
+            out.join("checkpoints").display()
+        );
+    }
+    let register_timeout = Duration::from_secs(scenario.run.register_timeout_s);
     match &args.node {
         Some(node) => {
-            let report = ravnest_train::process::run(Options {
+            ravnest_train::process::run(Options {
                 scenario,
                 origin: args.origin.clone(),
                 node: node.clone(),
@@ -65,7 +108,9 @@ pub fn run(args: RunArgs) -> Result<()> {
                 resume: args.resume,
                 join: args.join,
                 json: args.json,
-                register_timeout: Duration::from_secs(60),
+                register_timeout,
+                advertise: args.advertise.clone(),
+                overwrite: args.overwrite,
                 planner: ravnest_core::PlannerKind::parse(&args.planner)
                     .with_context(|| format!("unknown planner `{}`", args.planner))?,
                 quiet: false,
@@ -76,9 +121,6 @@ pub fn run(args: RunArgs) -> Result<()> {
                 )),
                 spans: args.spans,
             })?;
-            if !args.json && report["role"] == "coordinator" {
-                eprintln!("{}", coordinator_summary(&report));
-            }
             Ok(())
         }
         None => local_cluster(&args, &scenario, &out),
@@ -128,6 +170,9 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
         }
         if args.resume {
             cmd.arg("--resume");
+        }
+        if let Some(w) = args.wait {
+            cmd.args(["--wait", &w.to_string()]);
         }
         cmd.args(["--planner", &args.planner]);
         if args.timeline.is_some() {
@@ -227,6 +272,8 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
                 node_bars[i].finish_with_message("done");
                 reports[i] = Some(v);
             }
+            // The launcher merges the reports itself (it has every node's spans).
+            Some("summary") => {}
             _ => {
                 if args.json {
                     say(true, v);
@@ -261,15 +308,15 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
         .flatten()
         .find(|r| r["role"] == "coordinator")
         .cloned();
-    let merged = json!({
-        "event": "summary",
-        "cluster": s.cluster.name,
-        "coordinator": coordinator,
-        "nodes": children.iter().zip(&reports).map(|((name, _), r)| json!({"node": name, "report": r})).collect::<Vec<_>>(),
-        "failed": failed,
-    });
+    let nodes: Vec<(String, Option<Value>)> = children
+        .iter()
+        .zip(&reports)
+        .map(|((name, _), r)| (name.clone(), r.clone()))
+        .collect();
+    let merged =
+        ravnest_train::summary::merge(&s.cluster.name, coordinator.clone(), &nodes, &failed);
     if let Some(path) = &args.timeline {
-        let t = timeline(&merged);
+        let t = timeline(&merged, &out.join("events.jsonl"));
         std::fs::write(
             path,
             ravnest_sim::timeline::svg(&t, &format!("ravnest run: {}", s.cluster.name)),
@@ -282,7 +329,11 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
     } else {
         eprintln!();
         use std::io::Write;
-        let _ = writeln!(std::io::stdout().lock(), "{}", summary_text(&merged));
+        let _ = writeln!(
+            std::io::stdout().lock(),
+            "{}",
+            ravnest_train::summary::text(&merged)
+        );
     }
     match coordinator {
         Some(_) => Ok(()),
@@ -295,7 +346,7 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
 
 /// The timeline of a local run from its nodes' reports: one lane per node on the clock all
 /// the processes share, with the coordinator's events as markers.
-fn timeline(m: &Value) -> ravnest_sim::timeline::Timeline {
+fn timeline(m: &Value, events: &Path) -> ravnest_sim::timeline::Timeline {
     use ravnest_runtime::node::SpanKind;
     use ravnest_sim::timeline::{Lane, Timeline};
     let nodes: Vec<(&str, &Value)> = m["nodes"]
@@ -351,12 +402,15 @@ fn timeline(m: &Value) -> ravnest_sim::timeline::Timeline {
         .iter()
         .find(|(_, r)| r["role"] == "coordinator")
         .map(|n| n.1);
+    let events: Vec<Value> = std::fs::read_to_string(events)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
     let markers = coord
         .map(|c| {
-            m["coordinator"]["events"]
-                .as_array()
-                .into_iter()
-                .flatten()
+            events
+                .iter()
                 .filter_map(|e| {
                     let what = e["what"].as_str()?;
                     let at = abs(c, (e["t_s"].as_f64()? * 1e9) as u64).checked_sub(origin)?;
@@ -381,129 +435,6 @@ fn say(json: bool, v: Value) {
     } else if v["event"] != "spawned" {
         eprintln!("{}", human(&v));
     }
-}
-
-fn coordinator_summary(c: &Value) -> String {
-    let f = |k: &str| c[k].as_f64().unwrap_or(0.0);
-    let acc = f("accuracy");
-    let target = f("target_accuracy");
-    let sample = match (
-        c["sample"]["prompt"].as_str(),
-        c["sample"]["continuation"].as_str(),
-    ) {
-        (Some(p), Some(more)) => format!(
-            "\nthe model continues the first test context: {:?} → {:?}",
-            p, more
-        ),
-        _ => String::new(),
-    };
-    let body = format!(
-        "trained steps {}..{} in {:.1} s: {:.0} samples/s\n\
-         accuracy on the held-out split: {:.3} (target {:.2}: {})\n\
-         capacity efficiency: {:.2} (achieved ÷ {:.0} samples/s, the sum of each node's measured solo throughput)\n\
-         checkpoints: steps {} in {} (final: {})",
-        c["start_step"],
-        c["steps"],
-        f("train_s"),
-        f("samples_per_s"),
-        acc,
-        target,
-        if acc >= target {
-            "reached"
-        } else {
-            "NOT reached"
-        },
-        f("capacity_efficiency"),
-        f("solo_sum_samples_per_s"),
-        c["checkpoints"]
-            .as_array()
-            .map(|a| a
-                .iter()
-                .map(|x| x.to_string())
-                .collect::<Vec<_>>()
-                .join(", "))
-            .unwrap_or_default(),
-        c["checkpoint_dir"].as_str().unwrap_or(""),
-        c["final_checkpoint"].as_str().unwrap_or("")
-    );
-    body + &sample
-}
-
-/// The final report of a local cluster run.
-fn summary_text(m: &Value) -> String {
-    let mut out = format!("ravnest run: {}\n", m["cluster"].as_str().unwrap_or(""));
-    let Some(c) = m["coordinator"]
-        .as_object()
-        .map(|o| Value::Object(o.clone()))
-    else {
-        return out + "the coordinator did not report\n";
-    };
-    out += &coordinator_summary(&c);
-    out += "\n\nnode          role          steps   busy   comm   idle   solo samples/s     sent\n";
-    let wall = c["train_s"].as_f64().unwrap_or(1.0).max(1e-9);
-    for n in m["nodes"].as_array().into_iter().flatten() {
-        let r = &n["report"];
-        if r.is_null() {
-            out += &format!(
-                "{:<13} (no report: the process ended early)\n",
-                n["node"].as_str().unwrap_or("?")
-            );
-            continue;
-        }
-        let busy = r["compute_s"].as_f64().unwrap_or(0.0) / wall;
-        let comm = r["comm_s"].as_f64().unwrap_or(0.0) / wall;
-        out += &format!(
-            "{:<13} {:<12} {:>6} {:>5.0}% {:>5.0}% {:>5.0}% {:>16.0} {:>7.1} MB\n",
-            n["node"].as_str().unwrap_or("?"),
-            r["role"].as_str().unwrap_or("?"),
-            r["steps_applied"],
-            100.0 * busy.min(1.0),
-            100.0 * comm.min(1.0),
-            100.0 * (1.0 - busy - comm).max(0.0),
-            c["solo_by_node"][n["node"].as_str().unwrap_or("?")]
-                .as_f64()
-                .unwrap_or(0.0),
-            r["bytes_sent"].as_f64().unwrap_or(0.0) / 1e6
-        );
-    }
-    let all: Vec<&str> = c["events"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|e| e["what"].as_str())
-        .collect();
-    let plans = all.iter().filter(|w| w.contains(": planned ")).count();
-    let rebalanced = all.iter().filter(|w| w.ends_with("re-planned")).count();
-    out += &format!(
-        "
-{plans} distinct plan(s); {rebalanced} re-plan(s) for measured speeds\n"
-    );
-    let events: Vec<&str> = all
-        .into_iter()
-        .filter(|w| {
-            w.contains("lost")
-                || w.contains("aborted")
-                || w.contains("joined")
-                || w.starts_with("violation")
-                || w.starts_with("stalled")
-        })
-        .collect();
-    if !events.is_empty() {
-        out += "\nevents:\n";
-        for e in events {
-            out += &format!("  {e}\n");
-        }
-    }
-    if let Some(f) = m["failed"].as_array().filter(|f| !f.is_empty()) {
-        out += &format!(
-            "\nprocesses that failed: {}\n",
-            f.iter()
-                .filter_map(|x| x.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-    }
-    out
 }
 
 /// `--join HOST:PORT`: the cluster file from a running node, authenticated with the secret in

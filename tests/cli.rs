@@ -629,7 +629,7 @@ fn the_nodes_die_with_their_launcher() {
     let p = temp_file("launcher.toml", &text);
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ravnest"))
         .args(["run", p.to_str().unwrap(), "--json", "--steps", "100000"])
-        .args(["--out", "target/launcher-kill"])
+        .args(["--out", "target/launcher-kill", "--overwrite"])
         .current_dir(root())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())

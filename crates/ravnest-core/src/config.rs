@@ -155,6 +155,9 @@ pub struct RunSettings {
     /// Nodes that must register before training starts (`None`: every node of the file); a
     /// run with fewer fails at the end of the registration window.
     pub min_nodes: Option<u64>,
+    /// How long the coordinator waits for nodes to register, and a worker for the
+    /// coordinator's first word, s.
+    pub register_timeout_s: u64,
 }
 
 impl Default for RunSettings {
@@ -177,6 +180,7 @@ impl Default for RunSettings {
             heartbeat_ms: 100,
             heartbeat_timeout_ms: 1500,
             min_nodes: None,
+            register_timeout_s: 60,
         }
     }
 }
@@ -316,6 +320,7 @@ struct RunToml {
     heartbeat_ms: Option<Spanned<u64>>,
     heartbeat_timeout_ms: Option<Spanned<u64>>,
     min_nodes: Option<Spanned<u64>>,
+    register_timeout_s: Option<Spanned<u64>>,
 }
 
 const NETWORKS: &[&str] = &["mlp", "cnn", "char"];
@@ -762,6 +767,9 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
         }
         if let Some(x) = &r.heartbeat_timeout_ms {
             run.heartbeat_timeout_ms = ctx.positive(x, "heartbeat_timeout_ms")?;
+        }
+        if let Some(x) = &r.register_timeout_s {
+            run.register_timeout_s = ctx.positive(x, "register_timeout_s")?;
         }
         if let Some(x) = &r.min_nodes {
             let n = ctx.positive(x, "min_nodes")?;

@@ -360,6 +360,19 @@ pub enum Envelope {
         /// The layers `model` holds (`None`: the whole model).
         layers: Option<(u32, u32)>,
     },
+    /// (`ravnest run`, handled by the TCP transport) peers reach `node` at `addr` (a node
+    /// started with `--advertise` says so to the coordinator's host, which passes it on).
+    Address {
+        /// The node.
+        node: NodeId,
+        /// host:port.
+        addr: String,
+    },
+    /// (Worker → coordinator, `ravnest run`, after `Finish`) this node's report, as JSON.
+    Report(String),
+    /// (Coordinator → workers, `ravnest run`) the run's final report, as JSON: every node
+    /// prints the same table.
+    Summary(String),
 }
 
 /// Bytes of a control message on the wire (header, ids, small fields).
@@ -429,6 +442,9 @@ impl Envelope {
             Envelope::Shard { .. } => "shard",
             Envelope::StateRequest { .. } => "state-request",
             Envelope::State { .. } => "state",
+            Envelope::Address { .. } => "address",
+            Envelope::Report(_) => "report",
+            Envelope::Summary(_) => "summary",
         }
     }
 
@@ -598,6 +614,11 @@ impl Envelope {
                     h.u64(u64::from(x.to_bits()));
                 }
             }
+            Envelope::Address { node, addr } => {
+                h.u64(u64::from(node.0));
+                h.bytes(addr.as_bytes());
+            }
+            Envelope::Report(text) | Envelope::Summary(text) => h.bytes(text.as_bytes()),
         }
         h.finish()
     }

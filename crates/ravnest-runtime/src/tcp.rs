@@ -36,7 +36,7 @@ use crate::seams::{Inbox, Transport, TransportError};
 use crate::wire;
 
 /// Wire protocol version; peers with another version are refused.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 const MAGIC: &[u8; 4] = b"RVN1";
 /// A joiner asking for the cluster file (`ravnest run --join HOST:PORT`).
@@ -117,6 +117,8 @@ struct Inner {
     /// Frames queued on links and not yet written and flushed (or dropped with their link).
     unsent: AtomicU64,
     log: Mutex<Vec<String>>,
+    /// Lines printed so far by shape (digits left out), for printing a repeated one once.
+    printed: Mutex<BTreeMap<String, u64>>,
     verbose: bool,
     /// This process's incarnation (random per start), exchanged in the handshake.
     incarnation: u64,
@@ -128,6 +130,9 @@ struct Inner {
     sessions: Mutex<BTreeMap<NodeId, Session>>,
     next_conn: AtomicU64,
     started: std::time::Instant,
+    /// Where each peer is dialed: its address in the config, until it advertises another
+    /// ([`Envelope::Address`]).
+    dial_addrs: Mutex<BTreeMap<NodeId, SocketAddr>>,
 }
 
 /// A peer's current accepted connection.
@@ -230,7 +235,9 @@ fn verify(
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HandshakeError {
     /// The other side does not hold the same cluster secret.
-    #[error("{0}: wrong cluster secret (the two sides' secrets differ)")]
+    #[error(
+        "{0}: wrong cluster secret (check RAVNEST_SECRET or `[cluster] secret` on both sides; or another cluster owns that port)"
+    )]
     Secret(String),
     /// Protocol versions differ.
     #[error("{peer}: protocol version {theirs}, this node speaks {ours}")]
@@ -305,7 +312,10 @@ async fn handshake_dial(
     peer: NodeId,
     incarnation: u64,
 ) -> Result<(u64, u64), HandshakeError> {
-    let who = format!("node {} at {}", peer.0, cfg.peers[&peer]);
+    let who = match s.peer_addr() {
+        Ok(a) => format!("node {} at {a}", peer.0),
+        Err(_) => format!("node {}", peer.0),
+    };
     let (nc, status) = hello(s, MAGIC, cfg.me.0, &who).await?;
     match status {
         OK => {}
@@ -570,7 +580,6 @@ impl TcpTransport {
         let local = listener.local_addr()?;
         let t = TcpTransport {
             inner: Arc::new(Inner {
-                cfg,
                 local,
                 inboxes: Mutex::default(),
                 early: Mutex::default(),
@@ -582,6 +591,7 @@ impl TcpTransport {
                 bytes_sent: AtomicU64::new(0),
                 unsent: AtomicU64::new(0),
                 log: Mutex::default(),
+                printed: Mutex::default(),
                 verbose,
                 incarnation: rand::random(),
                 incarnations: Mutex::default(),
@@ -589,6 +599,8 @@ impl TcpTransport {
                 sessions: Mutex::default(),
                 next_conn: AtomicU64::new(0),
                 started: std::time::Instant::now(),
+                dial_addrs: Mutex::new(cfg.peers.clone()),
+                cfg,
             }),
         };
         let me = t.clone();
@@ -663,12 +675,35 @@ impl TcpTransport {
         }
     }
 
+    /// Keep a line in the log without printing it.
+    fn record(&self, line: String) {
+        let mut log = self.inner.log.lock().unwrap();
+        if log.len() < 10_000 {
+            log.push(line);
+        }
+    }
+
     fn log(&self, line: String) {
         let line = format!("node {}: {line}", self.inner.cfg.me.0);
         if self.inner.verbose {
-            eprintln!("ravnest: {line}");
+            // A line that repeats (a peer dialing again and again) prints once, then with a
+            // count at the 10th, 100th, ... time.
+            let shape: String = line.chars().filter(|c| !c.is_ascii_digit()).collect();
+            let n = {
+                let mut printed = self.inner.printed.lock().unwrap();
+                let n = printed.entry(shape).or_insert(0);
+                *n += 1;
+                *n
+            };
+            // Console lines stay under 300 characters.
+            let short: String = line.chars().take(240).collect();
+            if n == 1 {
+                eprintln!("ravnest: {short}");
+            } else if [10, 100, 1000, 10_000].contains(&n) {
+                eprintln!("ravnest: {short} ({n} times so far)");
+            }
         }
-        self.inner.log.lock().unwrap().push(line);
+        self.record(line);
     }
 
     fn peer_down(&self, peer: NodeId) {
@@ -717,6 +752,10 @@ impl TcpTransport {
         if self.inner.down.load(Ordering::SeqCst) {
             return;
         }
+        if let Envelope::Address { node, addr } = env {
+            self.advertised(from, node, &addr);
+            return;
+        }
         let inbox = {
             let inboxes = self.inner.inboxes.lock().unwrap();
             match inboxes.get(&to) {
@@ -734,6 +773,56 @@ impl TcpTransport {
             }
         };
         inbox(from, env);
+    }
+
+    /// Where a peer is dialed now.
+    pub fn dial_addr(&self, peer: NodeId) -> Option<SocketAddr> {
+        self.inner.dial_addrs.lock().unwrap().get(&peer).copied()
+    }
+
+    /// `node` is reached at `addr` (said by the node itself, or passed on by the coordinator's
+    /// host): dial it there from now on. The coordinator's host passes what a node says of
+    /// itself on to every other peer.
+    fn advertised(&self, from: Addr, node: NodeId, addr: &str) {
+        let cfg = &self.inner.cfg;
+        let trusted = from == Addr::Node(node) || from == Addr::Coordinator;
+        if !trusted || node == cfg.me || !cfg.peers.contains_key(&node) {
+            self.log(format!(
+                "ignored an address for node {} from {from:?}",
+                node.0
+            ));
+            return;
+        }
+        let Some(sa) = std::net::ToSocketAddrs::to_socket_addrs(addr)
+            .ok()
+            .and_then(|mut it| it.next())
+        else {
+            self.log(format!(
+                "node {} advertised `{addr}`, which does not resolve",
+                node.0
+            ));
+            return;
+        };
+        let old = self.inner.dial_addrs.lock().unwrap().insert(node, sa);
+        if old != Some(sa) {
+            self.log(format!("node {} is reached at {sa}", node.0));
+            // A link dialed to the old address leads nowhere: the next envelope dials again.
+            self.inner.links.lock().unwrap().remove(&node);
+        }
+        if from == Addr::Node(node) && cfg.coordinator == cfg.me {
+            for &p in cfg.peers.keys() {
+                if p != cfg.me && p != node {
+                    let _ = self.send(
+                        Addr::Coordinator,
+                        Addr::Node(p),
+                        Envelope::Address {
+                            node,
+                            addr: sa.to_string(),
+                        },
+                    );
+                }
+            }
+        }
     }
 
     fn now_ms(&self) -> u64 {
@@ -871,10 +960,10 @@ impl TcpTransport {
     /// Connect and authenticate to `peer`; its incarnation and how many frames of our session
     /// it has delivered.
     async fn dial(&self, peer: NodeId) -> Option<(TcpStream, u64, u64)> {
-        let addr = self.inner.cfg.peers[&peer];
         let deadline = tokio::time::Instant::now() + self.inner.cfg.connect_window;
         let mut backoff = Duration::from_millis(20);
         loop {
+            let addr = self.dial_addr(peer)?;
             match TcpStream::connect(addr).await {
                 Ok(mut s) => {
                     let _ = s.set_nodelay(true);
@@ -1041,14 +1130,21 @@ impl TcpTransport {
             !s.unacked.is_empty()
         };
         self.unlink(peer, generation);
+        // With nothing in flight, the next envelope dials again (a peer that finished and
+        // exited is not news).
         if closed_by_peer && !self.inner.down.load(Ordering::SeqCst) {
-            self.log(format!(
-                "the connection to node {} closed; dialing again",
-                peer.0
-            ));
             if pending {
+                self.log(format!(
+                    "the connection to node {} closed; dialing again (frames in flight)",
+                    peer.0
+                ));
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 self.link(peer);
+            } else {
+                self.record(format!(
+                    "node {}: the connection to node {} closed; dialing again at the next envelope",
+                    self.inner.cfg.me.0, peer.0
+                ));
             }
         }
     }

@@ -11,4 +11,5 @@ pub mod net;
 pub mod optim;
 pub mod process;
 pub mod store;
+pub mod summary;
 pub mod worker;

@@ -453,6 +453,33 @@ impl Network {
         Ok(ids.split_off(prompt.len()))
     }
 
+    /// The network's configuration as checkpoint metadata records it: `kind` and its sizes
+    /// (enough to build the equivalent `torch.nn` module; see `docs/checkpoints.md`).
+    pub fn config_json(&self) -> serde_json::Value {
+        match self {
+            Network::Mlp { dims } => serde_json::json!({"kind": "mlp", "dims": dims}),
+            Network::Cnn { side, classes } => serde_json::json!({
+                "kind": "cnn", "side": side, "classes": classes, "channels": [C1, C2],
+            }),
+            Network::Char {
+                context,
+                vocab,
+                embed,
+                hidden,
+            } => serde_json::json!({
+                "kind": "char", "context": context, "vocab": vocab, "embed": embed, "hidden": hidden,
+            }),
+        }
+    }
+
+    /// The network's outputs (logits, row-major) for `rows` inputs.
+    pub fn logits(&self, model: &[f32], x: &[f32], rows: usize) -> candle_core::Result<Vec<f32>> {
+        let dev = Device::Cpu;
+        let ts = self.tensors(model, &dev)?;
+        let xb = Tensor::from_slice(x, (rows, self.inputs()), &dev)?;
+        self.forward(&ts, &xb)?.flatten_all()?.to_vec1::<f32>()
+    }
+
     /// Fraction of rows classified correctly.
     pub fn accuracy(&self, model: &[f32], x: &[f32], y: &[u32]) -> candle_core::Result<f64> {
         if y.is_empty() {

@@ -64,6 +64,12 @@ pub struct Options {
     pub share: Option<String>,
     /// Put this node's activity spans in its report (for `run --timeline`).
     pub spans: bool,
+    /// The address peers dial for this node, when not the file's (`--advertise`); the
+    /// coordinator's host passes it on.
+    pub advertise: Option<String>,
+    /// Delete the checkpoints already in `out_dir` (otherwise a run refuses to write over
+    /// them, unless it resumes from them).
+    pub overwrite: bool,
 }
 
 /// The environment variable through which the local launcher tells its children its pid.
@@ -198,12 +204,15 @@ struct Tap {
     t0: Instant,
     /// Set when the first work arrives: training started here.
     started: Arc<std::sync::OnceLock<std::time::Instant>>,
+    /// The run's final report, when the coordinator's host sends it.
+    summary: mpsc::UnboundedSender<String>,
 }
 
 impl Transport for Tap {
     fn register(&self, addr: Addr, inbox: Inbox) {
         let (finish, heard, t0) = (self.finish.clone(), self.heard.clone(), self.t0);
         let started = self.started.clone();
+        let summary = self.summary.clone();
         self.inner.register(
             addr,
             Arc::new(move |from, env| {
@@ -213,6 +222,9 @@ impl Transport for Tap {
                 }
                 match env {
                     Envelope::Finish => finish.notify_one(),
+                    Envelope::Summary(text) => {
+                        let _ = summary.send(text);
+                    }
                     env => {
                         if matches!(env, Envelope::Work(_)) {
                             let _ = started.set(std::time::Instant::now());
@@ -247,8 +259,10 @@ impl Say {
         use std::io::Write;
         if self.json {
             let _ = writeln!(std::io::stdout().lock(), "{v}");
-        } else {
-            let _ = writeln!(std::io::stderr().lock(), "[{}] {}", self.node, human(&v));
+        } else if v["event"] != "report" {
+            // (A node's report is printed as the run's table: see `crate::summary`.)
+            let text = crate::summary::clip_lines(&format!("[{}] {}", self.node, human(&v)));
+            let _ = writeln!(std::io::stderr().lock(), "{text}");
         }
     }
 }
@@ -287,7 +301,8 @@ pub fn human(v: &Value) -> String {
             f("samples_per_s").as_f64().unwrap_or(0.0)
         ),
         "cluster" => f("what").as_str().unwrap_or("").to_string(),
-        "report" => format!("report: {v}"),
+        "report" => format!("report of node `{}`", f("node").as_str().unwrap_or("?")),
+        "waiting" => f("what").as_str().unwrap_or("").to_string(),
         _ => v.to_string(),
     }
 }
@@ -298,6 +313,19 @@ fn coordinator_of(s: &Scenario) -> NodeId {
 
 /// The handshake key of a cluster file without `[cluster] secret`.
 pub const DEFAULT_SECRET: &str = "ravnest-default-secret";
+
+/// The environment variable that holds the cluster secret (it takes precedence over the
+/// file's `[cluster] secret`, so a file shared between machines need not hold it).
+pub const SECRET_ENV: &str = "RAVNEST_SECRET";
+
+/// The cluster secret: `RAVNEST_SECRET`, else the file's, else the default.
+pub fn secret(s: &Scenario) -> String {
+    std::env::var(SECRET_ENV)
+        .ok()
+        .filter(|v| !v.is_empty())
+        .or_else(|| s.run.secret.clone())
+        .unwrap_or_else(|| DEFAULT_SECRET.into())
+}
 
 /// The TCP view of a scenario for node `me`, or why `run` cannot use it.
 pub fn tcp_config(s: &Scenario, origin: &str, me: NodeId) -> anyhow::Result<TcpConfig> {
@@ -337,12 +365,7 @@ pub fn tcp_config(s: &Scenario, origin: &str, me: NodeId) -> anyhow::Result<TcpC
         peers,
         listen,
         coordinator: coordinator_of(s),
-        secret: s
-            .run
-            .secret
-            .clone()
-            .unwrap_or_else(|| DEFAULT_SECRET.into())
-            .into_bytes(),
+        secret: secret(s).into_bytes(),
         max_frame: ravnest_runtime::wire::MAX_FRAME,
         connect_window: Duration::from_secs(30),
         cluster_file: None,
@@ -411,11 +434,31 @@ async fn setup(opts: &Options, say: &Say) -> anyhow::Result<Setup> {
         dir: opts.out_dir.join("checkpoints"),
         net,
         optim,
+        meta: BTreeMap::from([
+            ("seed".to_string(), s.run.seed.to_string()),
+            ("dataset".to_string(), s.run.dataset.clone()),
+            ("cluster".to_string(), s.cluster.name.clone()),
+            ("ravnest".to_string(), env!("CARGO_PKG_VERSION").to_string()),
+        ]),
     };
+    // Only the coordinator's host writes checkpoints: never over another run's by accident.
+    if me == coordinator_of(s)
+        && !opts.join
+        && crate::store::guard(&files.dir, opts.resume, opts.overwrite)?
+    {
+        say.event(json!({"event": "cluster", "what": format!(
+            "--overwrite: removed the previous checkpoints in {}",
+            files.dir.display()
+        )}));
+    }
     if opts.resume && me == coordinator_of(s) {
         match files.latest()? {
             Some(step) => {
                 let flat = files.load(step)?;
+                say.event(json!({"event": "cluster", "what": format!(
+                    "resuming from the checkpoint of step {step} ({})",
+                    files.path(step).display()
+                )}));
                 compute.resume = Some((step, flat));
             }
             None => bail!(
@@ -487,12 +530,14 @@ async fn run_async(opts: Options) -> anyhow::Result<Value> {
     let finish = Arc::new(Notify::new());
     let t0 = Instant::now();
     let heard = Arc::new(std::sync::atomic::AtomicU64::new(u64::MAX));
+    let (summary_tx, mut summary_rx) = mpsc::unbounded_channel();
     let net = Tap {
         inner: tcp.clone(),
         finish: finish.clone(),
         heard: heard.clone(),
         t0,
         started: su.compute.started.clone(),
+        summary: summary_tx,
     };
     let counters: Counters = Arc::default();
     let model_bytes = 4 * su.compute.model_len() as u64;
@@ -539,6 +584,18 @@ async fn run_async(opts: Options) -> anyhow::Result<Value> {
         trace: Trace::default(),
         t0,
     };
+    // An address of our own for peers to dial (`--advertise`): said to the coordinator's host
+    // first (the same connection carries it before anything else), which passes it on.
+    if let Some(addr) = opts.advertise.as_ref().filter(|_| !is_coord) {
+        let _ = net.send(
+            Addr::Node(su.me),
+            Addr::Coordinator,
+            Envelope::Address {
+                node: su.me,
+                addr: addr.clone(),
+            },
+        );
+    }
     let (sup, _) = Actor::spawn(None, supervisor, ())
         .await
         .map_err(|e| anyhow::anyhow!("cannot start the node actor: {e}"))?;
@@ -551,25 +608,56 @@ async fn run_async(opts: Options) -> anyhow::Result<Value> {
     }
 
     // Progress lines, the same for every role.
+    let coord = coordinator_of(s);
     let progress = spawn_progress(
         say.clone(),
-        counters.clone(),
-        su.compute.clone(),
-        su.me,
-        s.run.steps,
-        u64::from(s.training.global_batch),
+        Progress {
+            counters: counters.clone(),
+            compute: su.compute.clone(),
+            me: su.me,
+            steps: s.run.steps,
+            global_batch: u64::from(s.training.global_batch),
+            coordinator: (!is_coord).then(|| {
+                let n = &s.cluster.nodes[coord.index()];
+                format!(
+                    "coordinator `{}` at {}",
+                    n.name,
+                    n.address.as_deref().unwrap_or("?")
+                )
+            }),
+            heard: heard.clone(),
+            t0,
+            wait_s: opts.register_timeout.as_secs(),
+        },
     );
+    let mut collect = None;
     let report = if is_coord {
-        coordinate(&opts, &say, &su, &tcp, &mut reg_rx, &counters, t0).await?
+        let (report, reports, expected) =
+            coordinate(&opts, &say, &su, &tcp, &mut reg_rx, &counters, t0).await?;
+        collect = Some((reports, expected));
+        report
     } else {
         let coord = coordinator_of(s);
         if let Err(why) = watch_coordinator(&opts, &finish, &heard, t0).await {
             progress.abort();
             sup.stop(None);
             tcp.shutdown();
+            let c = &s.cluster.nodes[coord.index()];
             bail!(
-                "{why} (coordinator: node `{}`); training cannot go on without it",
-                s.cluster.nodes[coord.index()].name
+                "{why}: coordinator `{}` at {}; training cannot go on without it{}",
+                c.name,
+                c.address.as_deref().unwrap_or("?"),
+                if tcp
+                    .log_lines()
+                    .iter()
+                    .any(|l| l.contains("wrong cluster secret"))
+                {
+                    "\n  help: its port answered with another cluster secret: check RAVNEST_SECRET or `[cluster] secret`; another cluster's node may own that port"
+                } else if why.starts_with("no word") {
+                    "\n  help: is it started, and is its port reachable from here? (wait longer with `[run] register_timeout_s` or --wait SECS)"
+                } else {
+                    ""
+                }
             );
         }
         json!({ "role": "worker" })
@@ -584,6 +672,7 @@ async fn run_async(opts: Options) -> anyhow::Result<Value> {
         .unwrap_or_default();
     let wall = t0.elapsed().as_secs_f64();
     report["event"] = json!("report");
+    report["node"] = json!(opts.node);
     report["steps_applied"] = json!(c.steps);
     report["compute_s"] = json!(c.compute_ns as f64 / 1e9);
     report["comm_s"] = json!(c.comm_ns as f64 / 1e9);
@@ -621,38 +710,155 @@ async fn run_async(opts: Options) -> anyhow::Result<Value> {
     let (factor, since) = su.compute.stats().slowdown;
     report["slowdown"] = json!({"factor": factor, "since_step": since});
     say.event(report.clone());
+    // One report for the run, the same on every node: the coordinator's host collects every
+    // worker's report and sends the whole back; each prints it.
+    let mut wire_report = report.clone();
+    if let Some(o) = wire_report.as_object_mut() {
+        o.remove("spans");
+    }
+    let summary = match collect {
+        Some((mut reports, expected)) => {
+            let mut got: BTreeMap<NodeId, Value> = BTreeMap::new();
+            let deadline = Instant::now() + Duration::from_secs(3);
+            while !expected.iter().all(|id| got.contains_key(id)) {
+                match tokio::time::timeout_at(deadline, reports.recv()).await {
+                    Ok(Some((Addr::Node(from), Envelope::Report(text)))) => {
+                        if let Ok(v) = serde_json::from_str::<Value>(&text) {
+                            got.insert(from, v);
+                        }
+                    }
+                    Ok(Some(_)) => {}
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            // Every node that is still in the run, or answered, gets the whole.
+            let recipients: std::collections::BTreeSet<NodeId> =
+                expected.iter().chain(got.keys()).copied().collect();
+            let nodes: Vec<(String, Option<Value>)> = s
+                .cluster
+                .ids()
+                .map(|id| {
+                    let r = if id == su.me {
+                        Some(wire_report.clone())
+                    } else {
+                        got.remove(&id)
+                    };
+                    (s.cluster.nodes[id.index()].name.clone(), r)
+                })
+                .collect();
+            let merged =
+                crate::summary::merge(&s.cluster.name, Some(wire_report.clone()), &nodes, &[]);
+            for &id in &recipients {
+                let _ = tcp.send(
+                    Addr::Coordinator,
+                    Addr::Node(id),
+                    Envelope::Summary(merged.to_string()),
+                );
+            }
+            let _ = tcp.drain(Duration::from_secs(3)).await;
+            Some(merged)
+        }
+        None => {
+            let _ = net.send(
+                Addr::Node(su.me),
+                Addr::Coordinator,
+                Envelope::Report(wire_report.to_string()),
+            );
+            match tokio::time::timeout(Duration::from_secs(10), summary_rx.recv()).await {
+                Ok(Some(text)) => serde_json::from_str::<Value>(&text).ok(),
+                _ => None,
+            }
+        }
+    };
+    if let Some(m) = &summary
+        && !opts.quiet
+    {
+        use std::io::Write;
+        if opts.json {
+            let _ = writeln!(std::io::stdout().lock(), "{m}");
+        } else {
+            let _ = writeln!(std::io::stdout().lock(), "{}", crate::summary::text(m));
+        }
+    }
     sup.stop(None);
     tcp.shutdown();
     Ok(report)
 }
 
-fn spawn_progress(
-    say: Say,
+/// What the progress lines watch.
+struct Progress {
     counters: Counters,
     compute: Arc<CandleCompute>,
     me: NodeId,
     steps: u64,
     global_batch: u64,
-) -> tokio::task::JoinHandle<()> {
+    /// For a worker: "coordinator `a` at ADDR", what it waits for before training.
+    coordinator: Option<String>,
+    /// ms since `t0` the coordinator was last heard from (`u64::MAX`: never).
+    heard: Arc<std::sync::atomic::AtomicU64>,
+    t0: Instant,
+    /// The registration window, s.
+    wait_s: u64,
+}
+
+/// Progress lines: nothing about training before it starts here (a worker says what it waits
+/// for instead, every few seconds); then the step, loss and the cluster's samples/s over the
+/// last interval, counted from the steps this node applied (a node that joins and fetches the
+/// model at step 500 did not train 500 steps in half a second).
+fn spawn_progress(say: Say, p: Progress) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_millis(500));
-        let mut last: Option<(Instant, u64)> = None;
+        // Every half second for scripts (JSON), every two for people.
+        let period = if say.json { 500 } else { 2000 };
+        let mut tick = tokio::time::interval(Duration::from_millis(period));
+        let mut last: Option<(std::time::Instant, u64)> = None;
+        let mut next_wait = 5u64;
+        let mut printed: Option<u64> = None;
         loop {
             tick.tick().await;
-            let step = counters.lock().unwrap().get(&me).map_or(0, |c| c.model.0);
-            let now = Instant::now();
-            let rate = match last {
-                Some((t, s)) if step >= s => {
-                    (step - s) as f64 * global_batch as f64 / (now - t).as_secs_f64()
+            if p.compute.started.get().is_none() {
+                let waited = p.t0.elapsed().as_secs();
+                if let Some(c) = &p.coordinator
+                    && waited >= next_wait
+                {
+                    next_wait = waited + 5;
+                    let what = match p.heard.load(std::sync::atomic::Ordering::Relaxed) {
+                        u64::MAX => format!(
+                            "waiting for {c} ({waited} s of {} s; the window is `[run] register_timeout_s`, or `--wait SECS`)",
+                            p.wait_s
+                        ),
+                        _ => format!(
+                            "registered with {c}; waiting for training to start ({waited} s)"
+                        ),
+                    };
+                    say.event(json!({"event": "waiting", "what": what}));
                 }
-                _ => 0.0,
+                continue;
+            }
+            let (step, applied) = p
+                .counters
+                .lock()
+                .unwrap()
+                .get(&p.me)
+                .map_or((0, 0), |c| (c.model.0, c.steps));
+            let now = std::time::Instant::now();
+            // The first interval starts when training started here.
+            let (t, a) = last.unwrap_or_else(|| (*p.compute.started.get().expect("started"), 0));
+            let rate = if applied >= a && now > t {
+                (applied - a) as f64 * p.global_batch as f64 / (now - t).as_secs_f64()
+            } else {
+                0.0
             };
-            last = Some((now, step));
+            last = Some((now, applied));
+            // People get a line when something moved; scripts get every tick.
+            if !say.json && printed == Some(step) {
+                continue;
+            }
+            printed = Some(step);
             say.event(json!({
                 "event": "progress",
                 "step": step,
-                "steps": steps,
-                "loss": compute.stats().last_loss,
+                "steps": p.steps,
+                "loss": p.compute.stats().last_loss,
                 "samples_per_s": rate,
             }));
         }
@@ -668,7 +874,11 @@ async fn coordinate(
     reg_rx: &mut mpsc::UnboundedReceiver<(Addr, Envelope)>,
     counters: &Counters,
     t0: Instant,
-) -> anyhow::Result<Value> {
+) -> anyhow::Result<(
+    Value,
+    mpsc::UnboundedReceiver<(Addr, Envelope)>,
+    Vec<NodeId>,
+)> {
     let s = &opts.scenario;
     let n = s.cluster.nodes.len();
     let heartbeats = spawn_coordinator_heartbeats(
@@ -679,34 +889,37 @@ async fn coordinate(
     let _stop_heartbeats = AbortOnDrop(heartbeats);
     // Registrations.
     let mut caps: BTreeMap<NodeId, Capabilities> = BTreeMap::new();
-    let deadline = Instant::now() + opts.register_timeout;
+    let waiting_since = Instant::now();
+    let deadline = waiting_since + opts.register_timeout;
+    let mut next_word = waiting_since + Duration::from_secs(5);
     while caps.len() < n {
-        match tokio::time::timeout_at(deadline, reg_rx.recv()).await {
+        match tokio::time::timeout_at(deadline.min(next_word), reg_rx.recv()).await {
             Ok(Some((Addr::Node(from), Envelope::Register(c)))) => {
                 say.event(json!({"event": "cluster", "what": format!("node `{}` registered: {}", s.cluster.nodes[from.index()].name, c.device)}));
                 caps.insert(from, c);
             }
             Ok(Some(_)) => {}
-            Ok(None) | Err(_) => break,
+            Ok(None) => break,
+            Err(_) if Instant::now() >= deadline => break,
+            Err(_) => {
+                // Say what we wait for, every few seconds.
+                next_word += Duration::from_secs(5);
+                let missing = unregistered(s, &caps);
+                say.event(json!({"event": "waiting", "what": format!(
+                    "waiting for {} of {n} nodes to register: {} ({} s of {} s; the window is `[run] register_timeout_s`, or `--wait SECS`)",
+                    missing.len(),
+                    missing.join(", "),
+                    waiting_since.elapsed().as_secs(),
+                    opts.register_timeout.as_secs()
+                )}));
+            }
         }
     }
     let need = s.run.min_nodes.unwrap_or(n as u64) as usize;
     if caps.len() < need.max(1) {
-        let missing: Vec<String> = s
-            .cluster
-            .ids()
-            .filter(|id| !caps.contains_key(id))
-            .map(|id| {
-                let node = &s.cluster.nodes[id.index()];
-                format!(
-                    "`{}` ({})",
-                    node.name,
-                    node.address.as_deref().unwrap_or("no address")
-                )
-            })
-            .collect();
+        let missing = unregistered(s, &caps);
         bail!(
-            "{}: {} of {} nodes registered within {} s; missing: {} (start them with `ravnest run FILE --node NAME`, or allow fewer with [run] min_nodes)",
+            "{}: {} of {} nodes registered within {} s; missing: {} (start them with `ravnest run FILE --node NAME`; wait longer with `[run] register_timeout_s` or --wait SECS, or allow fewer with [run] min_nodes)",
             opts.origin,
             caps.len(),
             n,
@@ -894,18 +1107,22 @@ async fn coordinate(
             say.event(json!({"event": "cluster", "what": format!("node `{}` did not register: left out until it joins", cluster.nodes[id.index()].name)}));
         }
     }
-    // Relay the coordinator's events as they happen.
+    // Relay the coordinator's events as they happen, to the console and to `events.jsonl`.
+    let events_path = opts.out_dir.join("events.jsonl");
+    let sink = Arc::new(Mutex::new(EventSink::open(
+        &events_path,
+        opts.resume,
+        start_step,
+        say.clone(),
+        cluster.clone(),
+    )));
     let relay = {
-        let (log, say, cluster) = (log.clone(), say.clone(), cluster.clone());
+        let (log, sink) = (log.clone(), sink.clone());
         tokio::spawn(async move {
-            let mut seen = 0;
             loop {
                 tokio::time::sleep(Duration::from_millis(100)).await;
-                let new: Vec<(u64, Event)> = log.lock().unwrap().events[seen..].to_vec();
-                seen += new.len();
-                for (t, e) in new {
-                    say.event(json!({"event": "cluster", "t_s": t as f64 / 1e9, "what": describe(&e, &cluster)}));
-                }
+                let log = log.lock().unwrap().clone();
+                sink.lock().unwrap().flush(&log);
             }
         })
     };
@@ -924,6 +1141,7 @@ async fn coordinate(
     tokio::time::sleep(Duration::from_millis(150)).await;
     relay.abort();
     let log = log.lock().unwrap().clone();
+    sink.lock().unwrap().flush(&log);
     for (t, e) in &log.events {
         let _ = t;
         if let Event::Stalled(why) | Event::Violation(why) = e {
@@ -967,6 +1185,27 @@ async fn coordinate(
         }
         _ => None,
     };
+    // The nodes still in the run, which will report back after `Finish`.
+    let mut expected: std::collections::BTreeSet<NodeId> = caps.keys().copied().collect();
+    for (_, e) in &log.events {
+        match e {
+            Event::Detected { node, .. } => {
+                expected.remove(node);
+            }
+            Event::Joined { node } => {
+                expected.insert(*node);
+            }
+            _ => {}
+        }
+    }
+    expected.remove(&su.me);
+    let (reports_tx, reports_rx) = mpsc::unbounded_channel();
+    tcp.register(
+        Addr::Coordinator,
+        Arc::new(move |from, env| {
+            let _ = reports_tx.send((from, env));
+        }),
+    );
     for id in cluster.ids() {
         if id != su.me {
             let _ = tcp.send(Addr::Coordinator, Addr::Node(id), Envelope::Finish);
@@ -1004,7 +1243,19 @@ async fn coordinate(
             _ => None,
         })
         .collect();
-    Ok(json!({
+    let said: Vec<String> = log
+        .events
+        .iter()
+        .map(|(_, e)| describe(e, &cluster))
+        .collect();
+    let mut notable: Vec<&String> = said.iter().filter(|w| crate::summary::notable(w)).collect();
+    let more = notable.len().saturating_sub(20);
+    notable.truncate(20);
+    let mut notable: Vec<String> = notable.into_iter().cloned().collect();
+    if more > 0 {
+        notable.push(format!("... and {more} more"));
+    }
+    let report = json!({
         "role": "coordinator",
         "steps": final_step,
         "start_step": start_step,
@@ -1031,8 +1282,100 @@ async fn coordinate(
         "checkpoint_dir": su.files.dir.display().to_string(),
         "final_checkpoint": su.files.path(s.run.steps).display().to_string(),
         "optimizer": s.training.optimizer.as_str(),
-        "events": log.events.iter().map(|(t, e)| json!({"t_s": *t as f64 / 1e9, "what": describe(e, &cluster)})).collect::<Vec<_>>(),
-    }))
+        "plans": said.iter().filter(|w| w.contains(": planned ")).count(),
+        "rebalances": said.iter().filter(|w| w.ends_with("re-planned")).count(),
+        "notable_events": notable,
+        "events_file": events_path.display().to_string(),
+    });
+    Ok((report, reports_rx, expected.into_iter().collect()))
+}
+
+/// Where the coordinator's events go as they happen: the console (as `cluster` events) and
+/// `events.jsonl` in the output folder, one JSON object per line (`t_s`, `what`), after a
+/// first line that says where the run started.
+struct EventSink {
+    seen: usize,
+    file: Option<std::fs::File>,
+    say: Say,
+    cluster: ravnest_core::ClusterSpec,
+}
+
+impl EventSink {
+    fn open(
+        path: &std::path::Path,
+        append: bool,
+        start_step: u64,
+        say: Say,
+        cluster: ravnest_core::ClusterSpec,
+    ) -> EventSink {
+        let file = path
+            .parent()
+            .map(std::fs::create_dir_all)
+            .transpose()
+            .and_then(|_| {
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(append)
+                    .write(true)
+                    .truncate(!append)
+                    .open(path)
+            });
+        let mut file = match file {
+            Ok(f) => Some(f),
+            Err(e) => {
+                say.event(json!({"event": "cluster", "what": format!("cannot write {}: {e}", path.display())}));
+                None
+            }
+        };
+        if let Some(f) = &mut file {
+            use std::io::Write;
+            let unix = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            let _ = writeln!(
+                f,
+                "{}",
+                json!({"t_s": 0.0, "what": format!("run started at step {start_step}"), "unix_s": unix})
+            );
+        }
+        EventSink {
+            seen: 0,
+            file,
+            say,
+            cluster,
+        }
+    }
+
+    /// Pass on the events of `log` not passed on yet.
+    fn flush(&mut self, log: &RunLog) {
+        use std::io::Write;
+        for (t, e) in log.events.iter().skip(self.seen) {
+            let v = json!({"t_s": *t as f64 / 1e9, "what": describe(e, &self.cluster)});
+            if let Some(f) = &mut self.file {
+                let _ = writeln!(f, "{v}");
+            }
+            let mut c = v;
+            c["event"] = json!("cluster");
+            self.say.event(c);
+        }
+        self.seen = log.events.len();
+    }
+}
+
+/// The nodes of the file that have not registered, as "`name` (address)".
+fn unregistered(s: &Scenario, caps: &BTreeMap<NodeId, Capabilities>) -> Vec<String> {
+    s.cluster
+        .ids()
+        .filter(|id| !caps.contains_key(id))
+        .map(|id| {
+            let node = &s.cluster.nodes[id.index()];
+            format!(
+                "`{}` ({})",
+                node.name,
+                node.address.as_deref().unwrap_or("no address")
+            )
+        })
+        .collect()
 }
 
 /// A node's step time, measured with every node measuring at once.

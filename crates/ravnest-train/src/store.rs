@@ -1,13 +1,17 @@
-//! Checkpoint files: the merged model and optimizer state as one safetensors file per
-//! checkpoint, a JSON manifest beside it, and a `latest` pointer, each written atomically
-//! (temporary file, fsync, rename, fsync of the directory), so a crash at any moment leaves
-//! either the previous checkpoint or the new one, never a torn file.
+//! Checkpoint files, as the ecosystem expects them: per checkpoint, the model's weights in one
+//! safetensors file (`step-N.safetensors`, the network's own tensor names, JSON metadata),
+//! the optimizer state in its own file beside it (`step-N.optim.safetensors`), a JSON manifest
+//! (`step-N.json`) and a `latest` pointer. Each is written atomically (temporary file, fsync,
+//! rename, fsync of the directory), and `latest` last, so a crash at any moment leaves either
+//! the previous checkpoint or the new one, never a torn one.
 //!
-//! Tensor names: the network's own (`fc0.weight`, …), and the optimizer state as
-//! `optim.<state>.<name>` plus `optim.step` (AdamW). Metadata records the step, network and
-//! optimizer.
+//! The weights file loads with `safetensors.torch.load_file` straight into the equivalent
+//! `torch.nn` module (`load_state_dict(strict=True)`); its metadata (`__metadata__`) holds
+//! `format` (`pt`), `step`, `model` (the network's configuration as JSON), `optimizer`,
+//! `learning_rate`, `seed` and `dataset`. The optimizer file holds `<state>.<name>` per tensor
+//! (`momentum.fc0.weight`, AdamW's `m.` and `v.`) and `step` (AdamW's step count).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -27,6 +31,8 @@ pub struct CheckpointFiles {
     pub net: Network,
     /// The optimizer (its state's names and length).
     pub optim: Optim,
+    /// What else the weights file's metadata records (seed, dataset, ...).
+    pub meta: BTreeMap<String, String>,
 }
 
 /// A checkpoint could not be read.
@@ -59,19 +65,122 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     Ok(())
 }
 
+/// (name, shape, offset, len) of a tensor in the flat vector.
+type Entry = (String, Vec<usize>, usize, usize);
+
+/// Serialize `entries` of `flat` as one safetensors file.
+fn serialize(
+    entries: &[Entry],
+    flat: &[f32],
+    meta: HashMap<String, String>,
+) -> std::io::Result<Vec<u8>> {
+    let bytes: Vec<(&str, &[usize], Vec<u8>)> = entries
+        .iter()
+        .map(|(name, shape, off, len)| {
+            let raw = flat[*off..off + len]
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect();
+            (name.as_str(), shape.as_slice(), raw)
+        })
+        .collect();
+    let views = bytes
+        .iter()
+        .map(|(n, shape, raw)| {
+            safetensors::tensor::TensorView::new(Dtype::F32, shape.to_vec(), raw)
+                .map(|v| (n.to_string(), v))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(std::io::Error::other)?;
+    safetensors::serialize(views, Some(meta)).map_err(std::io::Error::other)
+}
+
+/// Read `entries` from the safetensors file at `path` into `flat`, checking every tensor.
+fn read_into(
+    path: &Path,
+    entries: &[Entry],
+    flat: &mut [f32],
+    what: &str,
+) -> Result<(), LoadError> {
+    let err = |m: String| LoadError {
+        path: path.display().to_string(),
+        message: m,
+    };
+    let bytes = std::fs::read(path).map_err(|e| err(e.to_string()))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| err(e.to_string()))?;
+    for (name, shape, off, len) in entries {
+        let t = st.tensor(name).map_err(|_| {
+            err(format!(
+                "no tensor `{name}` (the checkpoint is of another {what})"
+            ))
+        })?;
+        if t.dtype() != Dtype::F32 || t.shape() != shape.as_slice() {
+            return Err(err(format!(
+                "`{name}` is {:?} {:?}, expected F32 {shape:?}",
+                t.dtype(),
+                t.shape()
+            )));
+        }
+        for (dst, b) in flat[*off..off + len]
+            .iter_mut()
+            .zip(t.data().chunks_exact(4))
+        {
+            *dst = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+    }
+    Ok(())
+}
+
+/// A run is about to write checkpoints into `dir`: never over another run's by accident. With
+/// `resume` they are the starting point; with `overwrite` they are deleted first (returns
+/// whether anything was). Otherwise a folder that holds checkpoints is an error that says
+/// what to do.
+pub fn guard(dir: &Path, resume: bool, overwrite: bool) -> anyhow::Result<bool> {
+    let held = match std::fs::read_dir(dir) {
+        Err(_) => return Ok(false),
+        Ok(rd) => rd
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .any(|n| n == "latest" || n.ends_with(".safetensors")),
+    };
+    if !held || resume {
+        return Ok(false);
+    }
+    if overwrite {
+        std::fs::remove_dir_all(dir)
+            .map_err(|e| anyhow::anyhow!("--overwrite: cannot remove `{}`: {e}", dir.display()))?;
+        return Ok(true);
+    }
+    let latest = std::fs::read_to_string(dir.join("latest"))
+        .ok()
+        .map(|s| format!(" (latest: step {})", s.trim()))
+        .unwrap_or_default();
+    anyhow::bail!(
+        "`{}` already holds the checkpoints of an earlier run{latest}; this run would write over them\n  \
+         help: continue that run with --resume, write elsewhere with --out DIR, or replace them with --overwrite",
+        dir.display()
+    )
+}
+
 impl CheckpointFiles {
-    /// (name, shape, offset, len) of every tensor in the flat vector, in flat order.
-    fn entries(&self) -> Vec<(String, Vec<usize>, usize, usize)> {
-        let layout = self.net.layout();
-        let p = self.net.params();
-        let mut out: Vec<_> = layout
+    /// The weights' tensors, in flat order.
+    fn weight_entries(&self) -> Vec<Entry> {
+        self.net
+            .layout()
             .iter()
             .map(|t| (t.name.clone(), t.shape.clone(), t.offset, t.len()))
-            .collect();
+            .collect()
+    }
+
+    /// The optimizer state's tensors, in flat order (empty for plain SGD).
+    fn optim_entries(&self) -> Vec<Entry> {
+        let layout = self.net.layout();
+        let p = self.net.params();
+        let mut out = Vec::new();
         for (k, state) in self.optim.state_names().iter().enumerate() {
             for t in &layout {
                 out.push((
-                    format!("optim.{state}.{}", t.name),
+                    format!("{state}.{}", t.name),
                     t.shape.clone(),
                     p * (k + 1) + t.offset,
                     t.len(),
@@ -80,7 +189,7 @@ impl CheckpointFiles {
         }
         if self.optim.state_len(p) > self.optim.state_names().len() * p {
             out.push((
-                "optim.step".into(),
+                "step".into(),
                 vec![1],
                 p * (1 + self.optim.state_names().len()),
                 1,
@@ -89,44 +198,38 @@ impl CheckpointFiles {
         out
     }
 
-    /// Path of the checkpoint of `step`.
+    /// Path of the weights of `step`.
     pub fn path(&self, step: u64) -> PathBuf {
         self.dir.join(format!("step-{step:08}.safetensors"))
+    }
+
+    /// Path of the optimizer state of `step`.
+    pub fn optim_path(&self, step: u64) -> PathBuf {
+        self.dir.join(format!("step-{step:08}.optim.safetensors"))
     }
 
     /// Write the checkpoint of `step` (flat model = parameters then optimizer state).
     pub fn write(&self, step: u64, flat: &[f32], manifest_json: &str) -> std::io::Result<PathBuf> {
         std::fs::create_dir_all(&self.dir)?;
-        let entries = self.entries();
-        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = entries
-            .into_iter()
-            .map(|(name, shape, off, len)| {
-                let raw = flat[off..off + len]
-                    .iter()
-                    .flat_map(|x| x.to_le_bytes())
-                    .collect();
-                (name, shape, raw)
-            })
-            .collect();
-        let views = bytes
-            .iter()
-            .map(|(n, shape, raw)| {
-                safetensors::tensor::TensorView::new(Dtype::F32, shape.clone(), raw)
-                    .map(|v| (n.clone(), v))
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(std::io::Error::other)?;
-        let meta = HashMap::from([
-            ("step".to_string(), step.to_string()),
-            ("network".to_string(), format!("{:?}", self.net)),
-            (
-                "optimizer".to_string(),
-                self.optim.kind.as_str().to_string(),
-            ),
-        ]);
-        let file = safetensors::serialize(views, Some(meta)).map_err(std::io::Error::other)?;
+        let optim = self.optim_entries();
+        if !optim.is_empty() {
+            let meta = HashMap::from([
+                ("step".to_string(), step.to_string()),
+                (
+                    "optimizer".to_string(),
+                    self.optim.kind.as_str().to_string(),
+                ),
+            ]);
+            write_atomic(&self.optim_path(step), &serialize(&optim, flat, meta)?)?;
+        }
+        let mut meta: HashMap<String, String> = self.meta.clone().into_iter().collect();
+        meta.insert("format".into(), "pt".into());
+        meta.insert("step".into(), step.to_string());
+        meta.insert("model".into(), self.net.config_json().to_string());
+        meta.insert("optimizer".into(), self.optim.kind.as_str().to_string());
+        meta.insert("learning_rate".into(), self.optim.lr.to_string());
         let path = self.path(step);
-        write_atomic(&path, &file)?;
+        write_atomic(&path, &serialize(&self.weight_entries(), flat, meta)?)?;
         write_atomic(
             &self.dir.join(format!("step-{step:08}.json")),
             manifest_json.as_bytes(),
@@ -147,36 +250,20 @@ impl CheckpointFiles {
         }
     }
 
-    /// Read the checkpoint of `step` back into a flat vector, checking every tensor.
+    /// Read the checkpoint of `step` back into a flat vector (weights, then the optimizer
+    /// state from its file), checking every tensor.
     pub fn load(&self, step: u64) -> Result<Vec<f32>, LoadError> {
-        let path = self.path(step);
-        let err = |m: String| LoadError {
-            path: path.display().to_string(),
-            message: m,
-        };
-        let bytes = std::fs::read(&path).map_err(|e| err(e.to_string()))?;
-        let st = SafeTensors::deserialize(&bytes).map_err(|e| err(e.to_string()))?;
         let p = self.net.params();
         let mut flat = vec![0.0f32; p + self.optim.state_len(p)];
-        for (name, shape, off, len) in self.entries() {
-            let t = st.tensor(&name).map_err(|_| {
-                err(format!(
-                    "no tensor `{name}` (the checkpoint is of another network or optimizer)"
-                ))
-            })?;
-            if t.dtype() != Dtype::F32 || t.shape() != shape.as_slice() {
-                return Err(err(format!(
-                    "`{name}` is {:?} {:?}, expected F32 {shape:?}",
-                    t.dtype(),
-                    t.shape()
-                )));
-            }
-            for (dst, b) in flat[off..off + len]
-                .iter_mut()
-                .zip(t.data().chunks_exact(4))
-            {
-                *dst = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
+        read_into(
+            &self.path(step),
+            &self.weight_entries(),
+            &mut flat,
+            "network",
+        )?;
+        let optim = self.optim_entries();
+        if !optim.is_empty() {
+            read_into(&self.optim_path(step), &optim, &mut flat, "optimizer")?;
         }
         Ok(flat)
     }
@@ -242,6 +329,7 @@ mod tests {
                     momentum: 0.9,
                     weight_decay: 0.0,
                 },
+                meta: BTreeMap::new(),
             };
             let p = files.net.params();
             let flat: Vec<f32> = (0..p + files.optim.state_len(p))
@@ -276,6 +364,7 @@ mod tests {
                 dims: vec![3, 4, 2],
             },
             optim: o,
+            meta: BTreeMap::new(),
         };
         a.write(1, &vec![0.0; a.net.params()], "{}").unwrap();
         let b = CheckpointFiles {
