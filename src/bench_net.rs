@@ -157,36 +157,53 @@ try:
     import torch
 except Exception as e:
     print("skipped", e); sys.exit(0)
-torch.set_num_threads(1)
 dims = [int(x) for x in sys.argv[1].split(",")]
 b, steps, rounds = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+dev = sys.argv[5] if len(sys.argv) > 5 else "cpu"
+if dev == "cpu":
+    torch.set_num_threads(1)
+elif not torch.cuda.is_available():
+    print("skipped: torch sees no CUDA device"); sys.exit(0)
+sync = torch.cuda.synchronize if dev != "cpu" else (lambda: None)
 layers = []
 for i in range(len(dims) - 1):
     layers.append(torch.nn.Linear(dims[i], dims[i + 1]))
     if i + 2 < len(dims):
         layers.append(torch.nn.ReLU())
-m = torch.nn.Sequential(*layers)
+m = torch.nn.Sequential(*layers).to(dev)
 opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-x = torch.rand(b, dims[0]); y = torch.randint(0, dims[-1], (b,))
+x = torch.rand(b, dims[0], device=dev); y = torch.randint(0, dims[-1], (b,), device=dev)
 loss = torch.nn.CrossEntropyLoss(reduction="sum")
 best = float("inf")
 for _ in range(rounds):
-    t = time.perf_counter()
+    sync(); t = time.perf_counter()
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
         loss(m(x), y).backward()
         opt.step()
-    best = min(best, time.perf_counter() - t)
+    sync(); best = min(best, time.perf_counter() - t)
 print(best, torch.__version__)
 "#;
 
 /// PyTorch's best seconds for `steps` steps, or why not.
 fn torch_seconds(dims: &[usize], batch: u64, steps: u64, rounds: usize) -> Result<f64, String> {
+    torch_seconds_on("cpu", dims, batch, steps, rounds)
+}
+
+/// The same on `device` (`cpu`, or `cuda` for PyTorch's first GPU).
+fn torch_seconds_on(
+    device: &str,
+    dims: &[usize],
+    batch: u64,
+    steps: u64,
+    rounds: usize,
+) -> Result<f64, String> {
     let python = std::env::var("RAVNEST_PYTHON").unwrap_or_else(|_| "python3".into());
     let dims: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
     let out = std::process::Command::new(&python)
         .args(["-c", TORCH_LOOP, &dims.join(",")])
         .args([batch.to_string(), steps.to_string(), rounds.to_string()])
+        .arg(device)
         .env("OMP_NUM_THREADS", "1")
         .output()
         .map_err(|e| format!("cannot start {python}: {e}"))?;
@@ -195,6 +212,43 @@ fn torch_seconds(dims: &[usize], batch: u64, steps: u64, rounds: usize) -> Resul
         Some(Ok(s)) => Ok(s),
         _ => Err(text.trim().to_string()),
     }
+}
+
+/// A real one-node `ravnest run` (TCP transport, actors, coordinator, a checkpoint at the end)
+/// of an MLP on the digits, on `device`, quiet; its report.
+fn one_node_run(
+    dims: &[usize],
+    batch: u64,
+    steps: u64,
+    device: &str,
+    out: &std::path::Path,
+) -> Result<serde_json::Value> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let widths: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
+    let text = format!(
+        "[cluster]\nname = \"bench\"\n[[node]]\nname = \"solo\"\ndevice = \"{device}\"\naddress = \"127.0.0.1:{port}\"\n[model]\nkind = \"mlp\"\ndims = [{}]\n[training]\nglobal_batch = {batch}\noptimizer = \"sgd-momentum\"\nsync = \"ring\"\n[run]\nsteps = {steps}\nlearning_rate = 0.05\nseed = 1\ncheckpoint_every_steps = 0\n",
+        widths.join(", ")
+    );
+    let scenario = ravnest_core::parse(&text, "bench")?;
+    ravnest_train::process::run(ravnest_train::process::Options {
+        scenario,
+        origin: "bench".into(),
+        node: "solo".into(),
+        out_dir: out.to_path_buf(),
+        resume: false,
+        join: false,
+        json: false,
+        register_timeout: Duration::from_secs(10),
+        planner: ravnest_core::PlannerKind::Ravnest,
+        quiet: true,
+        share: None,
+        spans: false,
+        advertise: None,
+        overwrite: true,
+        device: Some(device.to_string()),
+    })
 }
 
 /// `ravnest bench overhead`: one node training through ravnest (a real `run` process: TCP
@@ -260,29 +314,7 @@ pub fn overhead(steps: u64, rounds: usize) -> Result<String> {
         autograd = autograd.min(t.elapsed().as_secs_f64());
 
         // The same through ravnest, one node.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
-        let text = format!(
-            "[cluster]\nname = \"overhead\"\n[[node]]\nname = \"solo\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{port}\"\n[model]\nkind = \"mlp\"\ndims = [64, 512, 512, 10]\n[training]\nglobal_batch = {batch}\noptimizer = \"sgd-momentum\"\nsync = \"ring\"\n[run]\nsteps = {steps}\nlearning_rate = 0.05\nseed = 1\ncheckpoint_every_steps = 0\n"
-        );
-        let scenario = ravnest_core::parse(&text, "overhead")?;
-        let report = ravnest_train::process::run(ravnest_train::process::Options {
-            scenario,
-            origin: "overhead".into(),
-            node: "solo".into(),
-            out_dir: out.clone(),
-            resume: false,
-            join: false,
-            json: false,
-            register_timeout: Duration::from_secs(10),
-            planner: ravnest_core::PlannerKind::Ravnest,
-            quiet: true,
-            share: None,
-            spans: false,
-            advertise: None,
-            overwrite: true,
-        })?;
+        let report = one_node_run(&dims, batch, steps, "cpu", &out)?;
         // Per step after warm-up, scaled to the whole run (as the bare loop's).
         let steady = report["steady_samples_per_s"].as_f64().unwrap_or(f64::NAN);
         best.1 = best.1.min((steps * batch) as f64 / steady);
@@ -314,6 +346,92 @@ pub fn overhead(steps: u64, rounds: usize) -> Result<String> {
                 t / best.0,
                 t / best.1,
                 t / autograd
+            );
+        }
+        Err(why) => text += &format!("PyTorch: skipped ({why})\n"),
+    }
+    Ok(text)
+}
+
+/// `ravnest bench gpu`: one node on the first CUDA GPU, through ravnest (a real one-node `run`:
+/// transport, actors, checkpoint at the end) and as a bare candle loop, against PyTorch on the
+/// same GPU with the same MLP, batch, optimizer and steps. Needs a build with `--features cuda`.
+pub fn gpu(dims: &[usize], batch: u64, steps: u64, rounds: usize) -> Result<String> {
+    use ravnest_runtime::Compute;
+    use ravnest_train::compute::CandleCompute;
+    use ravnest_train::data::Dataset;
+    use ravnest_train::device::RunDevice;
+    use ravnest_train::net::Network;
+    use ravnest_train::optim::Optim;
+    use std::sync::Arc;
+
+    let dev = ravnest_train::device::select(RunDevice::Cuda(0))?;
+    let data = Dataset::load("digits")?;
+    if dims.first() != Some(&data.features) {
+        anyhow::bail!(
+            "--dims must start with {} (the digits' inputs)",
+            data.features
+        );
+    }
+    let out = std::env::temp_dir().join(format!("ravnest-gpu-{}", std::process::id()));
+    let (mut bare, mut through) = (f64::INFINITY, f64::INFINITY);
+    let skip = ravnest_train::process::warmup_steps(steps);
+    for _ in 0..rounds {
+        let optim = Optim {
+            kind: ravnest_core::Optimizer::SgdMomentum,
+            lr: 0.05,
+            momentum: 0.9,
+            weight_decay: 0.0,
+        };
+        let c = CandleCompute::new(
+            Network::Mlp {
+                dims: dims.to_vec(),
+            },
+            Arc::new(data.split().0),
+            optim,
+            1,
+            1.0,
+        );
+        let mut model = c.initial_model();
+        let mut t = Instant::now();
+        for k in 0..steps {
+            if k == skip {
+                ravnest_train::device::synchronize(&dev);
+                t = Instant::now();
+            }
+            let g = c.gradient_sum_now(k * batch..(k + 1) * batch, &model);
+            let mean: Vec<f32> = g.iter().map(|x| x / batch as f32).collect();
+            c.step_now(&mut model, &mean);
+        }
+        ravnest_train::device::synchronize(&dev);
+        bare = bare.min(t.elapsed().as_secs_f64() * steps as f64 / (steps - skip) as f64);
+
+        let report = one_node_run(dims, batch, steps, "cuda:0", &out)?;
+        let steady = report["steady_samples_per_s"].as_f64().unwrap_or(f64::NAN);
+        through = through.min((steps * batch) as f64 / steady);
+    }
+    let _ = std::fs::remove_dir_all(&out);
+    let rate = |secs: f64| (steps * batch) as f64 / secs;
+    let widths: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
+    let mut text = format!(
+        "one node on cuda:0, MLP {}, batch {batch}, {steps} steps, f32 (best of {rounds}; each timed after the first {skip} steps, scaled to the whole run)\n\n\
+         bare candle loop           {:>8.3} s {:>10.0} samples/s\n\
+         through ravnest            {:>8.3} s {:>10.0} samples/s\n",
+        widths.join("-"),
+        bare,
+        rate(bare),
+        through,
+        rate(through),
+    );
+    match torch_seconds_on("cuda", dims, batch, steps, rounds) {
+        Ok(t) => {
+            text += &format!(
+                "PyTorch on the same GPU    {:>8.3} s {:>10.0} samples/s\n\n\
+                 ravnest / PyTorch: {:.2}x through ravnest, {:.2}x bare loop (goal >= 0.8x)\n",
+                t,
+                rate(t),
+                t / through,
+                t / bare
             );
         }
         Err(why) => text += &format!("PyTorch: skipped ({why})\n"),

@@ -101,6 +101,7 @@ Same seed, same trace hash. Reading the output: docs/reading-reports.md.")]
   ravnest run --overwrite                       start again, replacing its checkpoints
   ravnest run scenarios/local-text.toml --out runs/text
   ravnest run cluster.toml --node a             on machine a (the coordinator)
+  ravnest run cluster.toml --node g --device cuda:1   node g on its second GPU (--features cuda)
   ravnest run cluster.toml --node b --bind 0.0.0.0:47702 --advertise 203.0.113.7:47702
   RAVNEST_SECRET=... ravnest run --join 10.0.0.5:47701 --node b   rejoin with only an address
 
@@ -137,6 +138,10 @@ Several machines: docs/multi-machine.md. File format: docs/cluster-format.md.")]
         /// it (NAT, a cloud's public address); the coordinator passes it on to the others.
         #[arg(long, value_name = "HOST:PORT", requires = "node")]
         advertise: Option<String>,
+        /// Compute on this device instead of each node's `device`: cpu, cuda, or cuda:N (a GPU
+        /// needs a build with `--features cuda`: docs/gpu.md).
+        #[arg(long, value_name = "cpu|cuda[:N]")]
+        device: Option<String>,
         /// Output directory (checkpoints); default `ravnest-out/<cluster name>`.
         #[arg(long)]
         out: Option<PathBuf>,
@@ -246,6 +251,26 @@ enum BenchWhat {
         /// Print the schedules without running them.
         #[arg(long)]
         list: bool,
+    },
+    /// One node on the first CUDA GPU: ravnest (through a real one-node run, and as a bare
+    /// candle loop) against PyTorch on the same GPU, same MLP, batch and optimizer. Needs a
+    /// build with `--features cuda` (docs/gpu.md) and, for the PyTorch side, torch with CUDA.
+    #[command(
+        after_help = "Example:\n  ravnest bench gpu --dims 64,4096,4096,10 --batch 2048 --steps 200"
+    )]
+    Gpu {
+        /// MLP widths (the first is the digits' 64 inputs).
+        #[arg(long, value_delimiter = ',', default_value = "64,4096,4096,10")]
+        dims: Vec<usize>,
+        /// Batch.
+        #[arg(long, default_value_t = 2048)]
+        batch: u64,
+        /// Timed steps per run.
+        #[arg(long, default_value_t = 200)]
+        steps: u64,
+        /// Rounds (each side keeps its best).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
     },
     /// Ring all-reduce over loopback TCP: algorithm and bus bandwidth for 2, 3 and 4 ranks.
     #[command(after_help = "Example:\n  ravnest bench allreduce --sizes 1,16,64 --nodes 2,4")]
@@ -477,6 +502,7 @@ fn run(cli: Cli) -> Result<()> {
             wait,
             bind,
             advertise,
+            device,
             out,
             steps,
             json,
@@ -532,6 +558,7 @@ fn run(cli: Cli) -> Result<()> {
                 wait,
                 bind,
                 advertise,
+                device,
                 out,
                 json,
                 steps,
@@ -539,6 +566,23 @@ fn run(cli: Cli) -> Result<()> {
                 timeline,
                 spans: report_spans,
             })
+        }
+        Command::Bench {
+            what:
+                BenchWhat::Gpu {
+                    dims,
+                    batch,
+                    steps,
+                    rounds,
+                },
+        } => {
+            if dims.len() < 2 || batch == 0 || steps < 2 || rounds == 0 {
+                bail!(
+                    "--dims at least two widths, --batch at least 1, --steps at least 2, --rounds at least 1"
+                );
+            }
+            emit(&bench_net::gpu(&dims, batch, steps, rounds)?);
+            Ok(())
         }
         Command::Bench {
             what: BenchWhat::Allreduce { sizes, nodes, reps },
@@ -768,7 +812,14 @@ mod tests {
                     Some(k) => &t[..k],
                     None => t,
                 };
-                let code = code.replace("cargo run --release --", "ravnest");
+                // `cargo run --release [--features F] -- ARGS` is `ravnest ARGS`.
+                let code = match code.find("cargo run").map(|i| code.split_at(i)) {
+                    Some((env, cargo)) => match cargo.split_once(" -- ") {
+                        Some((_, args)) => format!("{env}ravnest {args}"),
+                        None => continue,
+                    },
+                    None => code.to_string(),
+                };
                 let words: Vec<&str> = code
                     .split_whitespace()
                     .skip_while(|w| w.contains('=') && !w.starts_with('-'))

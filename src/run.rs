@@ -34,6 +34,8 @@ pub struct RunArgs {
     pub bind: Option<String>,
     /// The address peers dial for this node (overrides its `address`).
     pub advertise: Option<String>,
+    /// Compute on this device (overrides the nodes' `device`).
+    pub device: Option<String>,
     /// Output directory.
     pub out: Option<PathBuf>,
     /// JSON lines.
@@ -111,6 +113,7 @@ pub fn run(args: RunArgs) -> Result<()> {
                 register_timeout,
                 advertise: args.advertise.clone(),
                 overwrite: args.overwrite,
+                device: args.device.clone(),
                 planner: ravnest_core::PlannerKind::parse(&args.planner)
                     .with_context(|| format!("unknown planner `{}`", args.planner))?,
                 quiet: false,
@@ -150,6 +153,17 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
             ),
         }
     }
+    // Devices this binary cannot use fail here, once, rather than in every child.
+    for (i, n) in s.cluster.nodes.iter().enumerate() {
+        let raw = args
+            .device
+            .clone()
+            .or_else(|| s.run.devices.get(i).cloned())
+            .unwrap_or_else(|| "cpu".into());
+        ravnest_train::device::RunDevice::parse(&raw)
+            .and_then(|d| d.check())
+            .map_err(|e| anyhow::anyhow!("{}: node `{}`: {e}", args.origin, n.name))?;
+    }
     std::fs::create_dir_all(out).with_context(|| format!("cannot create `{}`", out.display()))?;
     let file = out.join("cluster.toml");
     std::fs::write(&file, &args.text)
@@ -173,6 +187,9 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
         }
         if let Some(w) = args.wait {
             cmd.args(["--wait", &w.to_string()]);
+        }
+        if let Some(d) = &args.device {
+            cmd.args(["--device", d]);
         }
         cmd.args(["--planner", &args.planner]);
         if args.timeline.is_some() {

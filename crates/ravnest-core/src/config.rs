@@ -124,6 +124,9 @@ pub struct RunSettings {
     pub coordinator: Option<NodeId>,
     /// Per-node compute slowdown to emulate a slower device (1.0 = none), by node index.
     pub emulate_slowdown: Vec<f64>,
+    /// Each node's `device` as written (`cpu`, `cuda:1`, `rtx3090`), by node index: where
+    /// `ravnest run` computes (the catalog id in [`NodeSpec::device`] is what the planner uses).
+    pub devices: Vec<String>,
     /// Training steps.
     pub steps: u64,
     /// Learning rate.
@@ -166,6 +169,7 @@ impl Default for RunSettings {
             secret: None,
             coordinator: None,
             emulate_slowdown: Vec::new(),
+            devices: Vec::new(),
             steps: 300,
             learning_rate: 0.05,
             momentum: 0.9,
@@ -532,6 +536,7 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
         ));
     }
     let mut nodes: Vec<NodeSpec> = Vec::new();
+    let mut raw_devices: Vec<String> = Vec::new();
     let mut slowdown = Vec::new();
     let mut index: BTreeMap<String, NodeId> = BTreeMap::new();
     for n in &file.node {
@@ -651,6 +656,7 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
                 listen: n.listen.as_ref().map(|a| a.get_ref().clone()),
             });
             slowdown.push(emulate);
+            raw_devices.push(dev_name.clone());
         }
     }
 
@@ -714,6 +720,7 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
         secret: file.cluster.as_ref().and_then(|c| c.secret.clone()),
         coordinator,
         emulate_slowdown: slowdown,
+        devices: raw_devices,
         ..RunSettings::default()
     };
     if let Some(r) = &file.run {

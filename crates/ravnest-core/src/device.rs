@@ -156,6 +156,17 @@ pub static CATALOG: &[DeviceSpec] = &[
         Some(312.0),
         sailor("A100-80", 0.167_382, 8),
     ),
+    // `cuda` (also `cuda:N`) is a placeholder for planning, like `cpu`: a GPU that `ravnest run`
+    // measures (matmul rate and free memory on the device). Figures of a mid-range 24 GB card.
+    dev(
+        "cuda",
+        "CUDA GPU (generic; `ravnest run` measures it)",
+        24.0,
+        35.6,
+        Some(71.0),
+        Some(71.0),
+        Assumed(0.35),
+    ),
     // `cpu` is a placeholder for planning: `ravnest run` measures a real CPU's matmul rate.
     dev(
         "cpu",
@@ -325,7 +336,14 @@ pub static CATALOG: &[DeviceSpec] = &[
 /// Look a device up by catalog id. Case-insensitive, and `-`/`_`/spaces are ignored, so
 /// `RTX 3090`, `rtx_3090` and `rtx3090` all name the same card.
 pub fn lookup(name: &str) -> Option<&'static DeviceSpec> {
-    let key = normalize(name);
+    let mut key = normalize(name);
+    // `cuda:N` names a device ordinal for `ravnest run`; the catalog entry is `cuda`.
+    if let Some(n) = key.strip_prefix("cuda:")
+        && !n.is_empty()
+        && n.chars().all(|c| c.is_ascii_digit())
+    {
+        key = "cuda".into();
+    }
     CATALOG.iter().find(|d| normalize(d.id) == key).or_else(|| {
         // Aliases people type: vendor prefixes.
         let stripped = key

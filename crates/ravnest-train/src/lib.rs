@@ -5,6 +5,7 @@
 
 pub mod compute;
 pub mod data;
+pub mod device;
 pub mod measure;
 pub mod mlp;
 pub mod net;

@@ -2,20 +2,26 @@
 
 use std::time::{Duration, Instant};
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 
-/// Dense f32 matmul throughput of candle on this machine (FLOP/s), over about `budget`.
+/// Matrix-product throughput (FLOP/s) of candle in f32 on the device this process computes on
+/// (see [`crate::device`]), measured for about `budget`.
 pub fn matmul_flops(budget: Duration) -> f64 {
-    let n = 256usize;
-    let dev = Device::Cpu;
+    matmul_flops_in(budget, candle_core::DType::F32)
+}
+
+/// The same in `dtype` (bf16 or f16 on a GPU, where models would use them).
+pub fn matmul_flops_in(budget: Duration, dtype: candle_core::DType) -> f64 {
+    let dev = crate::device::current();
+    // Big enough to keep a GPU busy; a CPU's figure settles at small sizes.
+    let n = if dev.is_cpu() { 256usize } else { 4096 };
     let data: Vec<f32> = (0..n * n).map(|i| (i % 13) as f32 * 0.01).collect();
-    let (Ok(a), Ok(b)) = (
-        Tensor::from_slice(&data, (n, n), &dev),
-        Tensor::from_slice(&data, (n, n), &dev),
-    ) else {
+    let make = || Tensor::from_slice(&data, (n, n), &dev).and_then(|t| t.to_dtype(dtype));
+    let (Ok(a), Ok(b)) = (make(), make()) else {
         return 0.0;
     };
     let _ = a.matmul(&b); // warm up
+    crate::device::synchronize(&dev);
     let t = Instant::now();
     let mut reps = 0u64;
     while t.elapsed() < budget || reps < 3 {
@@ -23,7 +29,12 @@ pub fn matmul_flops(budget: Duration) -> f64 {
             return 0.0;
         }
         reps += 1;
+        if !dev.is_cpu() && reps.is_multiple_of(8) {
+            // Kernels are queued: the clock must see them run.
+            crate::device::synchronize(&dev);
+        }
     }
+    crate::device::synchronize(&dev);
     2.0 * (n * n * n) as f64 * reps as f64 / t.elapsed().as_secs_f64()
 }
 

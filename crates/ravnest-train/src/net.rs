@@ -214,7 +214,8 @@ impl Network {
         zeroed: &mut dyn FnMut(usize) -> Vec<f32>,
     ) -> candle_core::Result<f64> {
         match self {
-            Network::Mlp { dims } => {
+            // The hand-written backward reads values on the CPU; on a GPU, candle's autograd.
+            Network::Mlp { dims } if crate::device::on_cpu() => {
                 let slots = self.mlp_slots();
                 let buckets = crate::mlp::buckets(&slots, BUCKET_MIN_PARAMS);
                 let shape = crate::mlp::Shape {
@@ -226,7 +227,9 @@ impl Network {
             }
             _ => {
                 let (loss, g) = self.loss_and_grad_sum(model, x, y)?;
-                sink(0, g);
+                for (k, r) in self.grad_buckets().into_iter().enumerate() {
+                    sink(k, g[r].to_vec());
+                }
                 Ok(loss)
             }
         }
@@ -396,7 +399,18 @@ impl Network {
         x: &[f32],
         y: &[u32],
     ) -> candle_core::Result<(f64, Vec<f32>)> {
-        let dev = Device::Cpu;
+        self.loss_and_grad_sum_on(&crate::device::current(), model, x, y)
+    }
+
+    /// [`Network::loss_and_grad_sum`] computed on `dev`.
+    pub fn loss_and_grad_sum_on(
+        &self,
+        dev: &Device,
+        model: &[f32],
+        x: &[f32],
+        y: &[u32],
+    ) -> candle_core::Result<(f64, Vec<f32>)> {
+        let dev = dev.clone();
         let vars: Vec<Var> = self
             .tensors(model, &dev)?
             .into_iter()
@@ -435,7 +449,7 @@ impl Network {
         if prompt.len() < *context {
             return Ok(Vec::new());
         }
-        let dev = Device::Cpu;
+        let dev = crate::device::current();
         let ts = self.tensors(model, &dev)?;
         let mut ids = prompt.to_vec();
         for _ in 0..n {
@@ -474,7 +488,18 @@ impl Network {
 
     /// The network's outputs (logits, row-major) for `rows` inputs.
     pub fn logits(&self, model: &[f32], x: &[f32], rows: usize) -> candle_core::Result<Vec<f32>> {
-        let dev = Device::Cpu;
+        self.logits_on(&crate::device::current(), model, x, rows)
+    }
+
+    /// [`Network::logits`] computed on `dev`.
+    pub fn logits_on(
+        &self,
+        dev: &Device,
+        model: &[f32],
+        x: &[f32],
+        rows: usize,
+    ) -> candle_core::Result<Vec<f32>> {
+        let dev = dev.clone();
         let ts = self.tensors(model, &dev)?;
         let xb = Tensor::from_slice(x, (rows, self.inputs()), &dev)?;
         self.forward(&ts, &xb)?.flatten_all()?.to_vec1::<f32>()
@@ -485,7 +510,7 @@ impl Network {
         if y.is_empty() {
             return Ok(0.0);
         }
-        let dev = Device::Cpu;
+        let dev = crate::device::current();
         let ts = self.tensors(model, &dev)?;
         let xb = Tensor::from_slice(x, (y.len(), self.inputs()), &dev)?;
         let pred = self

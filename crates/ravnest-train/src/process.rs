@@ -70,6 +70,8 @@ pub struct Options {
     /// Delete the checkpoints already in `out_dir` (otherwise a run refuses to write over
     /// them, unless it resumes from them).
     pub overwrite: bool,
+    /// Compute here instead of the node's `device` (`run --device cpu|cuda[:N]`).
+    pub device: Option<String>,
 }
 
 /// The environment variable through which the local launcher tells its children its pid.
@@ -272,8 +274,13 @@ pub fn human(v: &Value) -> String {
     let f = |k: &str| v.get(k).cloned().unwrap_or(Value::Null);
     match v["event"].as_str().unwrap_or("") {
         "measured" => format!(
-            "measured: {:.1} GFLOP/s candle matmul, {:.0} samples/s on the model, {:.1} GiB free{}",
+            "measured on {}: {:.1} GFLOP/s candle matmul{}, {:.0} samples/s on the model, {:.1} GiB free{}",
+            f("device").as_str().unwrap_or("cpu"),
             f("matmul_gflops").as_f64().unwrap_or(0.0),
+            match f("matmul_bf16_gflops").as_f64() {
+                Some(g) => format!(" ({g:.1} in bf16)"),
+                None => String::new(),
+            },
             f("samples_per_s").as_f64().unwrap_or(0.0),
             f("memory_gib").as_f64().unwrap_or(0.0),
             match f("slowdown").as_f64() {
@@ -405,6 +412,15 @@ async fn setup(opts: &Options, say: &Say) -> anyhow::Result<Setup> {
                 names.join(", ")
             )
         })?;
+    // The device first: everything this process computes is made there.
+    let raw = opts
+        .device
+        .clone()
+        .or_else(|| s.run.devices.get(me.index()).cloned())
+        .unwrap_or_else(|| "cpu".into());
+    let run_device = crate::device::RunDevice::parse(&raw)
+        .and_then(|d| crate::device::select(d).map(|_| d))
+        .map_err(|e| anyhow::anyhow!("{}: node `{}`: {e}", opts.origin, opts.node))?;
     let data = load_dataset(s, &opts.origin)?;
     let (train, test) = data.split();
     let net = network_for(s, &opts.origin, &data)?;
@@ -472,6 +488,13 @@ async fn setup(opts: &Options, say: &Say) -> anyhow::Result<Setup> {
     let gflops =
         tokio::task::block_in_place(|| crate::measure::matmul_flops(Duration::from_millis(150)))
             / 1e9;
+    let dev = crate::device::current();
+    // On a GPU, half precision too (what larger models train in).
+    let bf16_gflops = (!dev.is_cpu()).then(|| {
+        tokio::task::block_in_place(|| {
+            crate::measure::matmul_flops_in(Duration::from_millis(150), candle_core::DType::BF16)
+        }) / 1e9
+    });
     let model = compute.initial_model();
     let b = u64::from(s.training.global_batch).clamp(1, 512);
     let model = Arc::new(model);
@@ -490,17 +513,21 @@ async fn setup(opts: &Options, say: &Say) -> anyhow::Result<Setup> {
         best = best.min(t.elapsed().as_secs_f64());
     }
     let solo = b as f64 / best.max(1e-9);
-    let memory =
-        crate::measure::available_memory().unwrap_or(s.cluster.nodes[me.index()].memory_bytes);
+    // Free memory where the model lives: the GPU's, or the machine's.
+    let memory = crate::device::free_memory(&dev)
+        .or_else(crate::measure::available_memory)
+        .unwrap_or(s.cluster.nodes[me.index()].memory_bytes);
     let train_flops = compute.net.model_spec().train_flops_per_sample();
     let caps = Capabilities {
         flops: solo * train_flops,
         memory_bytes: memory,
-        device: format!("cpu (candle matmul {gflops:.1} GFLOP/s, {solo:.0} samples/s)"),
+        device: format!("{run_device} (candle matmul {gflops:.1} GFLOP/s, {solo:.0} samples/s)"),
     };
     say.event(json!({
         "event": "measured",
+        "device": run_device.to_string(),
         "matmul_gflops": gflops,
+        "matmul_bf16_gflops": bf16_gflops,
         "samples_per_s": solo,
         "memory_gib": memory as f64 / (1u64 << 30) as f64,
         "slowdown": slowdown,

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The GPU checks of ravnest, in two halves, so that the build can happen where the GPU is not.
+#
+#   bash scripts/gpu-check.sh pack   # any Linux machine, no GPU needed: build with CUDA (the
+#                                    # toolkit from PyPI, scripts/cuda-env.sh) into target/cuda and
+#                                    # put the binary and the CPU/GPU comparison test, gzipped
+#                                    # (about 27 MB), in target/gpu-kit/
+#   bash scripts/gpu-check.sh run    # on the machine with the GPU: run them
+#   bash scripts/gpu-check.sh        # both, on a machine with a GPU and a Rust toolchain
+#
+# `run` needs an NVIDIA driver for CUDA 13.0 or later and CUDA 13 libraries (cudart, cublas,
+# cublasLt, curand, nvrtc) on LD_LIBRARY_PATH; it finds PyTorch's (pip's nvidia/cu13/lib) or
+# /usr/local/cuda's by itself. It prints the CPU/GPU comparison of every network and
+# `ravnest bench gpu` (ravnest vs PyTorch on the same GPU). CUDA_COMPUTE_CAP picks the GPU
+# generation the kernels are built for (default 90: H100/H200; 86 for RTX 30xx, 89 for 40xx).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+kit=target/gpu-kit
+
+pack() {
+    # shellcheck source=/dev/null
+    source scripts/cuda-env.sh
+    # Its own target folder: the CPU build in target/release stays as it is.
+    export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target/cuda}"
+    cargo build --release --features cuda
+    local test
+    test=$(cargo test --release --features cuda -p ravnest-train --test cuda --no-run \
+        --message-format=json 2>/dev/null \
+        | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda":
+        print(m["executable"])' | tail -1)
+    mkdir -p "$kit"
+    cp "$CARGO_TARGET_DIR/release/ravnest" "$kit/ravnest"
+    cp "$test" "$kit/cuda-test"
+    strip "$kit/ravnest" "$kit/cuda-test" 2>/dev/null || true
+    # Compressed (the kernels' PTX compresses 4x): what a remote GPU machine is sent.
+    gzip -9 -f "$kit/ravnest" "$kit/cuda-test"
+    ls -la "$kit"
+}
+
+run() {
+    local lib f
+    for f in ravnest cuda-test; do
+        if [ -e "$kit/$f.gz" ] && [ ! -x "$kit/$f" ]; then
+            gunzip -c "$kit/$f.gz" > "$kit/$f" && chmod +x "$kit/$f"
+        fi
+    done
+    for lib in \
+        "$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null || true)" \
+        /usr/local/cuda/lib64; do
+        if [ -n "$lib" ] && [ -d "$lib" ]; then
+            export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        fi
+    done
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    echo "== every network on the GPU against the CPU (tests/cuda.rs)"
+    "$kit/cuda-test" --nocapture --test-threads 1
+    echo "== ravnest vs PyTorch on the same GPU"
+    RAVNEST_PYTHON="${RAVNEST_PYTHON:-python3}" "$kit/ravnest" bench gpu "$@"
+}
+
+case "${1:-all}" in
+    pack) pack ;;
+    run) shift; run "$@" ;;
+    all) pack; run ;;
+    *) echo "usage: $0 [pack|run [bench gpu options]]" >&2; exit 2 ;;
+esac
