@@ -1,7 +1,9 @@
 //! The checkpoint actor: a thin shell over [`ravnest_core::checkpoint::Aggregator`]. Writers
 //! send their shard when they reach a checkpoint version; the coordinator opens the round once
 //! every replica reported that version, with the digest they agreed on. Shards that arrive
-//! first wait here for their round. A shard whose digest is not the agreed one is refused (the
+//! first wait here for their round. A shard is checked twice: its values must have the digest it
+//! claims (recomputed here: a shard corrupted on the way, or by its writer, is refused), and
+//! that digest must be the one the replicas agreed on. A refused shard changes nothing (the
 //! previous checkpoint stays the latest); on completion the merged model goes to a [`Store`]
 //! (files in `ravnest run`, memory in the simulator) and the completion is logged.
 
@@ -172,6 +174,21 @@ impl<T: Transport> Actor for CheckpointActor<T> {
                 let Addr::Node(node) = from else {
                     return Ok(());
                 };
+                // The values must be what their digest says, whatever round they are for.
+                let actual = crate::digest::digest(&model);
+                if actual != digest {
+                    self.record(
+                        now,
+                        "shard-refused",
+                        Some(from),
+                        step,
+                        Some(Event::Refused(format!(
+                            "step {step}, layers {}..{} from node {}: its values have digest {actual:016x}, not the {digest:016x} it claims (corrupted)",
+                            layers.0, layers.1, node.0
+                        ))),
+                    );
+                    return Ok(());
+                }
                 let meta = ShardMeta {
                     node,
                     layers: layers.0 as usize..layers.1 as usize,
@@ -192,5 +209,100 @@ impl<T: Transport> Actor for CheckpointActor<T> {
             _ => {}
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use ravnest_core::NodeId;
+
+    use super::*;
+    use crate::digest::digest;
+    use crate::seams::{Inbox, TransportError};
+
+    /// Delivers nothing anywhere; keeps the checkpoint actor's inbox for the test to call.
+    #[derive(Clone, Default)]
+    struct Net(Arc<Mutex<Option<Inbox>>>);
+
+    impl Transport for Net {
+        fn register(&self, _: Addr, inbox: Inbox) {
+            *self.0.lock().unwrap() = Some(inbox);
+        }
+        fn send(&self, _: Addr, _: Addr, _: Envelope) -> Result<(), TransportError> {
+            Ok(())
+        }
+    }
+
+    /// Keeps the steps committed.
+    #[derive(Default)]
+    struct Mem(Mutex<Vec<(u64, Vec<f32>)>>);
+
+    impl Store for Mem {
+        fn commit(&self, m: &Manifest, shards: &[Vec<f32>]) -> Result<(), String> {
+            self.0.lock().unwrap().push((m.step, shards.concat()));
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_corrupted_shard_is_refused_and_the_previous_checkpoint_stays() {
+        let net = Net::default();
+        let store = Arc::new(Mem::default());
+        let log: SharedLog = Arc::default();
+        let actor = CheckpointActor {
+            transport: net.clone(),
+            store: store.clone(),
+            log: log.clone(),
+            trace: Trace::default(),
+            t0: Instant::now(),
+            bytes_per_elem: 4,
+        };
+        let (me, handle) = Actor::spawn(None, actor, ()).await.unwrap();
+        let inbox = net.0.lock().unwrap().clone().unwrap();
+        let node = Addr::Node(NodeId(1));
+        let round = |step: u64, good: &[f32], sent: Vec<f32>| {
+            inbox(
+                Addr::Coordinator,
+                Envelope::CheckpointBegin {
+                    step,
+                    shards: vec![(0, 2, digest(good))],
+                },
+            );
+            inbox(
+                node,
+                Envelope::Shard {
+                    step,
+                    layers: (0, 2),
+                    digest: digest(good),
+                    model: sent,
+                },
+            );
+        };
+        let v10: Vec<f32> = vec![1.0, 2.0, 3.0, 4.0];
+        round(10, &v10, v10.clone());
+        let v20: Vec<f32> = vec![1.5, 2.5, 3.5, 4.5];
+        let mut bad = v20.clone();
+        bad[2] = f32::from_bits(bad[2].to_bits() ^ 1);
+        round(20, &v20, bad);
+        // The actor stops once it has handled what is in its mailbox.
+        me.drain().unwrap();
+        handle.await.unwrap();
+        assert_eq!(*store.0.lock().unwrap(), vec![(10, v10)]);
+        let events = &log.lock().unwrap().events;
+        assert!(
+            events.iter().any(|(_, e)| matches!(
+                e,
+                Event::Refused(w) if w.contains("step 20") && w.contains("corrupted")
+            )),
+            "{events:?}"
+        );
+        assert!(
+            !events
+                .iter()
+                .any(|(_, e)| matches!(e, Event::CheckpointComplete { step: 20, .. })),
+            "{events:?}"
+        );
     }
 }
