@@ -156,6 +156,16 @@ pub static CATALOG: &[DeviceSpec] = &[
         Some(312.0),
         sailor("A100-80", 0.167_382, 8),
     ),
+    // `cpu` is a placeholder for planning: `ravnest run` measures a real CPU's matmul rate.
+    dev(
+        "cpu",
+        "CPU (generic, 8 cores AVX2)",
+        16.0,
+        1.0,
+        None,
+        None,
+        Assumed(0.3),
+    ),
     // `cuda` (also `cuda:N`) is a placeholder for planning, like `cpu`: a GPU that `ravnest run`
     // measures (matmul rate and free memory on the device). Figures of a mid-range 24 GB card.
     dev(
@@ -166,16 +176,6 @@ pub static CATALOG: &[DeviceSpec] = &[
         Some(71.0),
         Some(71.0),
         Assumed(0.35),
-    ),
-    // `cpu` is a placeholder for planning: `ravnest run` measures a real CPU's matmul rate.
-    dev(
-        "cpu",
-        "CPU (generic, 8 cores AVX2)",
-        16.0,
-        1.0,
-        None,
-        None,
-        Assumed(0.3),
     ),
     dev(
         "gh200",
