@@ -294,6 +294,47 @@ fn error_zero_and_negative_figures() {
     );
 }
 
+/// Infinite, not-a-number and absurd figures are refused with their field and line, and
+/// numbers print in human units (no 300-digit numbers).
+#[test]
+fn error_non_finite_and_absurd_figures() {
+    let with = |extra: &str| {
+        GOOD.replace(
+            "device = \"rtx3060\"",
+            &format!("device = \"rtx3060\"\n{extra}"),
+        )
+    };
+    plan_text(
+        "inf-tflops.toml",
+        &with("tflops = inf"),
+        &["inf-tflops.toml:9:10", "`tflops` must be a finite number"],
+    );
+    plan_text(
+        "nan-latency.toml",
+        &with("latency_ms = nan"),
+        &[
+            "nan-latency.toml:9:14",
+            "`latency_ms` must be 0 or more, got NaN",
+        ],
+    );
+    let text = with("tflops = 1e300");
+    let p = temp_file("huge-tflops.toml", &text);
+    let out = ravnest(&["plan", p.to_str().unwrap()]);
+    let e = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("huge-tflops.toml:9:10")
+            && e.contains("`tflops` = 1.000e300 is beyond any real cluster"),
+        "{e}"
+    );
+    assert!(e.lines().all(|l| l.len() < 300), "{e}");
+    plan_text(
+        "huge-mem.toml",
+        &with("memory_gib = 1e12"),
+        &["`memory_gib` = 1.000e12 is beyond any real cluster (at most 1048576)"],
+    );
+}
+
 #[test]
 fn error_missing_file() {
     expect_error(
