@@ -251,16 +251,48 @@ fn one_node_run(
     })
 }
 
+/// A bare candle training loop on the digits, on this process's device: ravnest's own
+/// forward/backward and optimizer, nothing else. Returns the seconds for `steps` steps (timed
+/// after the warm-up steps a run's steady figure leaves out, scaled to the whole run) and the
+/// compute, for more loops on the same data.
+fn bare_loop(
+    dims: &[usize],
+    batch: u64,
+    steps: u64,
+) -> Result<(f64, ravnest_train::compute::CandleCompute)> {
+    use ravnest_runtime::Compute;
+    let data = std::sync::Arc::new(ravnest_train::data::Dataset::load("digits")?.split().0);
+    let optim = ravnest_train::optim::Optim {
+        kind: ravnest_core::Optimizer::SgdMomentum,
+        lr: 0.05,
+        momentum: 0.9,
+        weight_decay: 0.0,
+    };
+    let net = ravnest_train::net::Network::Mlp {
+        dims: dims.to_vec(),
+    };
+    let c = ravnest_train::compute::CandleCompute::new(net, data, optim, 1, 1.0);
+    let mut model = c.initial_model();
+    let skip = ravnest_train::process::warmup_steps(steps);
+    let mut t = Instant::now();
+    for k in 0..steps {
+        if k == skip {
+            t = Instant::now();
+        }
+        // (The gradient comes back to the host: a GPU's queued work is done by then.)
+        let g = c.gradient_sum_now(k * batch..(k + 1) * batch, &model);
+        let mean: Vec<f32> = g.iter().map(|x| x / batch as f32).collect();
+        c.step_now(&mut model, &mean);
+    }
+    let secs = t.elapsed().as_secs_f64() * steps as f64 / (steps - skip) as f64;
+    Ok((secs, c))
+}
+
 /// `ravnest bench overhead`: one node training through ravnest (a real `run` process: TCP
 /// transport, actors, coordinator, checkpoint at the end) against a bare candle loop on the
 /// same model, data and steps. Alternates the two `rounds` times and keeps each one's best.
 pub fn overhead(steps: u64, rounds: usize) -> Result<String> {
     use ravnest_runtime::Compute;
-    use ravnest_train::compute::CandleCompute;
-    use ravnest_train::data::Dataset;
-    use ravnest_train::net::Network;
-    use ravnest_train::optim::Optim;
-    use std::sync::Arc;
 
     let batch = 384u64;
     let dims = [64usize, 512, 512, 10];
@@ -269,37 +301,8 @@ pub fn overhead(steps: u64, rounds: usize) -> Result<String> {
     let mut best = (f64::INFINITY, f64::INFINITY);
     for _ in 0..rounds {
         // Bare candle: forward/backward on the same rows, our optimizer, nothing else.
-        let data = Arc::new(Dataset::load("digits")?.split().0);
-        let optim = Optim {
-            kind: ravnest_core::Optimizer::SgdMomentum,
-            lr: 0.05,
-            momentum: 0.9,
-            weight_decay: 0.0,
-        };
-        let c = CandleCompute::new(
-            Network::Mlp {
-                dims: dims.to_vec(),
-            },
-            data,
-            optim,
-            1,
-            1.0,
-        );
-        let mut model = c.initial_model();
-        // Timed after the same warm-up steps ravnest's steady figure leaves out.
-        let skip = ravnest_train::process::warmup_steps(steps);
-        let mut t = Instant::now();
-        for k in 0..steps {
-            if k == skip {
-                t = Instant::now();
-            }
-            let g = c.gradient_sum_now(k * batch..(k + 1) * batch, &model);
-            let mean: Vec<f32> = g.iter().map(|x| x / batch as f32).collect();
-            c.step_now(&mut model, &mean);
-        }
-        best.0 = best
-            .0
-            .min(t.elapsed().as_secs_f64() * steps as f64 / (steps - skip) as f64);
+        let (secs, c) = bare_loop(&dims, batch, steps)?;
+        best.0 = best.0.min(secs);
 
         // The same step through candle's autograd (what ravnest used before its own backward).
         let mut model = c.initial_model();
@@ -357,16 +360,10 @@ pub fn overhead(steps: u64, rounds: usize) -> Result<String> {
 /// transport, actors, checkpoint at the end) and as a bare candle loop, against PyTorch on the
 /// same GPU with the same MLP, batch, optimizer and steps. Needs a build with `--features cuda`.
 pub fn gpu(dims: &[usize], batch: u64, steps: u64, rounds: usize) -> Result<String> {
-    use ravnest_runtime::Compute;
-    use ravnest_train::compute::CandleCompute;
-    use ravnest_train::data::Dataset;
     use ravnest_train::device::RunDevice;
-    use ravnest_train::net::Network;
-    use ravnest_train::optim::Optim;
-    use std::sync::Arc;
 
-    let dev = ravnest_train::device::select(RunDevice::Cuda(0))?;
-    let data = Dataset::load("digits")?;
+    ravnest_train::device::select(RunDevice::Cuda(0))?;
+    let data = ravnest_train::data::Dataset::load("digits")?;
     if dims.first() != Some(&data.features) {
         anyhow::bail!(
             "--dims must start with {} (the digits' inputs)",
@@ -377,34 +374,7 @@ pub fn gpu(dims: &[usize], batch: u64, steps: u64, rounds: usize) -> Result<Stri
     let (mut bare, mut through) = (f64::INFINITY, f64::INFINITY);
     let skip = ravnest_train::process::warmup_steps(steps);
     for _ in 0..rounds {
-        let optim = Optim {
-            kind: ravnest_core::Optimizer::SgdMomentum,
-            lr: 0.05,
-            momentum: 0.9,
-            weight_decay: 0.0,
-        };
-        let c = CandleCompute::new(
-            Network::Mlp {
-                dims: dims.to_vec(),
-            },
-            Arc::new(data.split().0),
-            optim,
-            1,
-            1.0,
-        );
-        let mut model = c.initial_model();
-        let mut t = Instant::now();
-        for k in 0..steps {
-            if k == skip {
-                ravnest_train::device::synchronize(&dev);
-                t = Instant::now();
-            }
-            let g = c.gradient_sum_now(k * batch..(k + 1) * batch, &model);
-            let mean: Vec<f32> = g.iter().map(|x| x / batch as f32).collect();
-            c.step_now(&mut model, &mean);
-        }
-        ravnest_train::device::synchronize(&dev);
-        bare = bare.min(t.elapsed().as_secs_f64() * steps as f64 / (steps - skip) as f64);
+        bare = bare.min(bare_loop(dims, batch, steps)?.0);
 
         let report = one_node_run(dims, batch, steps, "cuda:0", &out)?;
         let steady = report["steady_samples_per_s"].as_f64().unwrap_or(f64::NAN);

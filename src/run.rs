@@ -68,36 +68,18 @@ pub fn run(args: RunArgs) -> Result<()> {
     if args.join && args.node.is_none() {
         bail!("--join restarts one node: name it with --node NAME");
     }
-    if let Some(node) = &args.node {
-        let i = scenario
-            .cluster
-            .nodes
-            .iter()
-            .position(|n| &n.name == node)
-            .with_context(|| {
-                format!(
-                    "{}: no node named `{node}` (nodes: {})",
-                    args.origin,
-                    scenario
-                        .cluster
-                        .nodes
-                        .iter()
-                        .map(|n| n.name.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            })?;
+    // (A name not in the file is the node process's error, which lists the names.)
+    if let Some(i) = args
+        .node
+        .as_ref()
+        .and_then(|node| scenario.cluster.nodes.iter().position(|n| &n.name == node))
+    {
         if let Some(b) = &args.bind {
             scenario.cluster.nodes[i].listen = Some(b.clone());
         }
         if let Some(a) = &args.advertise {
             scenario.cluster.nodes[i].address = Some(a.clone());
         }
-    } else if ravnest_train::store::guard(&out.join("checkpoints"), args.resume, args.overwrite)? {
-        eprintln!(
-            "--overwrite: removed the previous checkpoints in {}",
-            out.join("checkpoints").display()
-        );
     }
     let register_timeout = Duration::from_secs(scenario.run.register_timeout_s);
     match &args.node {
@@ -153,14 +135,16 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
             ),
         }
     }
+    // Another run's checkpoints are not written over (a `--node` process checks for itself).
+    if ravnest_train::store::guard(&out.join("checkpoints"), args.resume, args.overwrite)? {
+        eprintln!(
+            "--overwrite: removed the previous checkpoints in {}",
+            out.join("checkpoints").display()
+        );
+    }
     // Devices this binary cannot use fail here, once, rather than in every child.
     for (i, n) in s.cluster.nodes.iter().enumerate() {
-        let raw = args
-            .device
-            .clone()
-            .or_else(|| s.run.devices.get(i).cloned())
-            .unwrap_or_else(|| "cpu".into());
-        ravnest_train::device::RunDevice::parse(&raw)
+        ravnest_train::device::of_node(s, i, args.device.as_deref())
             .and_then(|d| d.check())
             .map_err(|e| anyhow::anyhow!("{}: node `{}`: {e}", args.origin, n.name))?;
     }

@@ -112,6 +112,18 @@ impl RunDevice {
     }
 }
 
+/// Where node `index` of `s` computes: `over` (`run --device`) if given, else its `device`.
+pub fn of_node(
+    s: &ravnest_core::Scenario,
+    index: usize,
+    over: Option<&str>,
+) -> Result<RunDevice, DeviceError> {
+    let raw = over
+        .or_else(|| s.run.devices.get(index).map(String::as_str))
+        .unwrap_or("cpu");
+    RunDevice::parse(raw)
+}
+
 static CURRENT: OnceLock<Device> = OnceLock::new();
 
 /// Compute on `device` from now on in this process (the first choice stays: one process is

@@ -413,12 +413,7 @@ async fn setup(opts: &Options, say: &Say) -> anyhow::Result<Setup> {
             )
         })?;
     // The device first: everything this process computes is made there.
-    let raw = opts
-        .device
-        .clone()
-        .or_else(|| s.run.devices.get(me.index()).cloned())
-        .unwrap_or_else(|| "cpu".into());
-    let run_device = crate::device::RunDevice::parse(&raw)
+    let run_device = crate::device::of_node(s, me.index(), opts.device.as_deref())
         .and_then(|d| crate::device::select(d).map(|_| d))
         .map_err(|e| anyhow::anyhow!("{}: node `{}`: {e}", opts.origin, opts.node))?;
     let data = load_dataset(s, &opts.origin)?;
@@ -1148,7 +1143,6 @@ async fn coordinate(
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(Duration::from_millis(100)).await;
-                let log = log.lock().unwrap().clone();
                 sink.lock().unwrap().flush(&log);
             }
         })
@@ -1167,8 +1161,8 @@ async fn coordinate(
     }
     tokio::time::sleep(Duration::from_millis(150)).await;
     relay.abort();
-    let log = log.lock().unwrap().clone();
     sink.lock().unwrap().flush(&log);
+    let log = log.lock().unwrap().clone();
     for (t, e) in &log.events {
         let _ = t;
         if let Event::Stalled(why) | Event::Violation(why) = e {
@@ -1275,12 +1269,10 @@ async fn coordinate(
         .iter()
         .map(|(_, e)| describe(e, &cluster))
         .collect();
-    let mut notable: Vec<&String> = said.iter().filter(|w| crate::summary::notable(w)).collect();
-    let more = notable.len().saturating_sub(20);
-    notable.truncate(20);
-    let mut notable: Vec<String> = notable.into_iter().cloned().collect();
-    if more > 0 {
-        notable.push(format!("... and {more} more"));
+    let all_notable: Vec<&String> = said.iter().filter(|w| crate::summary::notable(w)).collect();
+    let mut notable: Vec<String> = all_notable.iter().take(20).map(|w| w.to_string()).collect();
+    if all_notable.len() > 20 {
+        notable.push(format!("... and {} more", all_notable.len() - 20));
     }
     let report = json!({
         "role": "coordinator",
@@ -1373,10 +1365,16 @@ impl EventSink {
         }
     }
 
-    /// Pass on the events of `log` not passed on yet.
-    fn flush(&mut self, log: &RunLog) {
+    /// Pass on the events of `log` not passed on yet (copying only those, and writing them
+    /// with the log unlocked: the coordinator keeps appending).
+    fn flush(&mut self, log: &Mutex<RunLog>) {
         use std::io::Write;
-        for (t, e) in log.events.iter().skip(self.seen) {
+        let new: Vec<(u64, Event)> = {
+            let log = log.lock().unwrap();
+            log.events.get(self.seen..).unwrap_or_default().to_vec()
+        };
+        self.seen += new.len();
+        for (t, e) in &new {
             let v = json!({"t_s": *t as f64 / 1e9, "what": describe(e, &self.cluster)});
             if let Some(f) = &mut self.file {
                 let _ = writeln!(f, "{v}");
@@ -1385,7 +1383,6 @@ impl EventSink {
             c["event"] = json!("cluster");
             self.say.event(c);
         }
-        self.seen = log.events.len();
     }
 }
 
