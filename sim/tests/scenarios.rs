@@ -316,3 +316,44 @@ fn a_two_level_ring_on_a_latency_bound_cluster_trains_the_same_model() {
     assert_eq!(r.steps_completed, 12);
     assert!(r.max_model_error < 1e-5);
 }
+
+/// Every shipped scenario at seed 1, pinned: a refactor that changes a trace must say why (and
+/// regenerate with `UPDATE_GOLDEN=1`). `large-1000` runs 3 steps (its full run is 13 M trace
+/// entries); the others run their own step count.
+#[test]
+fn golden_trace_hashes_of_every_shipped_scenario_at_seed_1() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../scenarios");
+    let golden = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden-trace-hashes.txt");
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| {
+            let p = e.ok()?.path();
+            (p.extension()? == "toml").then(|| p.file_stem()?.to_str().map(String::from))?
+        })
+        .collect();
+    names.sort();
+    let mut got = String::new();
+    for name in &names {
+        let text = std::fs::read_to_string(format!("{dir}/{name}.toml")).unwrap();
+        let s = ravnest_core::parse(&text, name).unwrap();
+        let mut o = SimOptions::for_scenario(&s);
+        o.seed = 1;
+        if name == "large-1000" {
+            o.steps = 3;
+        }
+        let r = run(&s, &o).unwrap();
+        got.push_str(&format!(
+            "{name} steps={} trace={} hash={:016x}\n",
+            o.steps, r.trace_len, r.trace_hash
+        ));
+    }
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        std::fs::write(golden, &got).unwrap();
+        return;
+    }
+    let want = std::fs::read_to_string(golden).unwrap_or_default();
+    assert_eq!(
+        want, got,
+        "trace hashes moved; if the change is meant, say why in the commit and rerun with UPDATE_GOLDEN=1"
+    );
+}
