@@ -549,9 +549,63 @@ pub fn parse(text: &str, origin: &str) -> Result<Scenario, ConfigError> {
 }
 
 fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
-    // Links.
+    let default_link = resolve_default_link(ctx, file.links.as_ref())?;
+    // Training (needed before nodes: precision decides throughput, reserve decides memory).
+    let (training, reserve_gib) = resolve_training(ctx, file.training.as_ref())?;
+    let defaults = NodeDefaults {
+        precision: training.precision,
+        reserve_gib,
+        link: default_link,
+    };
+    let Nodes {
+        specs: nodes,
+        raw_devices,
+        slowdown,
+        index,
+    } = resolve_nodes(ctx, &file.node, &defaults)?;
+    let lookup_node = |s: &Spanned<String>| find_node(ctx, &index, s);
+    let pair_links = resolve_pair_links(ctx, file.links.as_ref(), default_link, &lookup_node)?;
+
+    let cluster_name = cluster_name(ctx, file.cluster.as_ref());
+    let coordinator = match file.cluster.as_ref().and_then(|c| c.coordinator.as_ref()) {
+        Some(c) => Some(lookup_node(c)?),
+        None => None,
+    };
+    let run = RunSettings {
+        secret: file.cluster.as_ref().and_then(|c| c.secret.clone()),
+        coordinator,
+        emulate_slowdown: slowdown,
+        devices: raw_devices,
+        ..RunSettings::default()
+    };
+    let run = resolve_run(ctx, file.run.as_ref(), run, nodes.len())?;
+
+    let model = resolve_model(ctx, file.model.as_ref())?;
+    let sim = resolve_sim(ctx, file.sim.as_ref())?;
+
+    let mut faults = Vec::new();
+    for f in &file.fault {
+        faults.push(resolve_fault(ctx, f, &lookup_node)?);
+    }
+
+    Ok(Scenario {
+        cluster: ClusterSpec {
+            name: cluster_name,
+            nodes,
+            pair_links,
+        },
+        model,
+        training,
+        run,
+        sim,
+        faults,
+    })
+}
+
+/// The access link of nodes that name none: `[links]`'s figures over [`DEFAULT_LINK`].
+fn resolve_default_link(ctx: &Ctx<'_>, links: Option<&LinksToml>) -> Result<Link, ConfigError> {
     let mut default_link = DEFAULT_LINK;
-    if let Some(l) = &file.links {
+    if let Some(l) = links {
         if let Some(b) = &l.bandwidth_gbps {
             default_link.bandwidth_gbps = ctx.positive(b, "bandwidth_gbps")?;
         }
@@ -559,11 +613,17 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
             default_link.latency_ms = ctx.non_negative(x, "latency_ms")?;
         }
     }
+    Ok(default_link)
+}
 
-    // Training (needed before nodes: precision decides throughput, reserve decides memory).
+/// The `[training]` table over [`TrainingSpec::default`], and the memory reserve (GiB).
+fn resolve_training(
+    ctx: &Ctx<'_>,
+    t: Option<&TrainingToml>,
+) -> Result<(TrainingSpec, f64), ConfigError> {
     let mut training = TrainingSpec::default();
     let mut reserve_gib = DEFAULT_MEMORY_RESERVE_GIB;
-    if let Some(t) = &file.training {
+    if let Some(t) = t {
         if let Some(b) = &t.global_batch {
             training.global_batch = ctx.positive(b, "global_batch")?;
         }
@@ -586,152 +646,249 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
             reserve_gib = ctx.non_negative(r, "memory_reserve_gib")?;
         }
     }
+    Ok((training, reserve_gib))
+}
 
-    // Nodes.
-    if file.node.is_empty() {
+/// What every `[[node]]` takes from the rest of the file.
+struct NodeDefaults {
+    /// Training precision: decides a catalog device's throughput.
+    precision: Precision,
+    /// Memory kept back on every node, GiB.
+    reserve_gib: f64,
+    /// Access link of a node that names none.
+    link: Link,
+}
+
+/// The nodes of the file, each `count` expanded, in id order.
+struct Nodes {
+    /// The nodes.
+    specs: Vec<NodeSpec>,
+    /// Each node's `device` as written, by node index.
+    raw_devices: Vec<String>,
+    /// Each node's `emulate_slowdown`, by node index.
+    slowdown: Vec<f64>,
+    /// Node ids by name.
+    index: BTreeMap<String, NodeId>,
+}
+
+/// One `[[node]]` table's figures, before its `count` is expanded.
+struct NodeFigures {
+    dev: &'static device::DeviceSpec,
+    count: u32,
+    memory_gib: f64,
+    flops: f64,
+    emulate: f64,
+    link: Link,
+}
+
+/// The `[[node]]` tables, checked and expanded.
+fn resolve_nodes(
+    ctx: &Ctx<'_>,
+    tables: &[Spanned<NodeToml>],
+    defaults: &NodeDefaults,
+) -> Result<Nodes, ConfigError> {
+    if tables.is_empty() {
         return Err(with_help(
             ctx.err(None, "the cluster has no nodes"),
             Some("add at least one [[node]] table with `name` and `device`".into()),
         ));
     }
-    let mut nodes: Vec<NodeSpec> = Vec::new();
-    let mut raw_devices: Vec<String> = Vec::new();
-    let mut slowdown = Vec::new();
-    let mut index: BTreeMap<String, NodeId> = BTreeMap::new();
-    for n in &file.node {
-        let span = n.span();
+    let mut out = Nodes {
+        specs: Vec::new(),
+        raw_devices: Vec::new(),
+        slowdown: Vec::new(),
+        index: BTreeMap::new(),
+    };
+    for n in tables {
+        let figures = node_figures(ctx, n, defaults)?;
         let n = n.get_ref();
-        let dev_name = n.device.get_ref();
-        let dev = device::lookup(dev_name).ok_or_else(|| {
+        check_addresses(ctx, n, figures.count, &out.specs)?;
+        push_nodes(ctx, n, &figures, defaults.reserve_gib, &mut out)?;
+    }
+    Ok(out)
+}
+
+/// A `[[node]]` table's device, count, memory, throughput, slowdown and link.
+fn node_figures(
+    ctx: &Ctx<'_>,
+    n: &Spanned<NodeToml>,
+    defaults: &NodeDefaults,
+) -> Result<NodeFigures, ConfigError> {
+    let span = n.span();
+    let n = n.get_ref();
+    let reserve_gib = defaults.reserve_gib;
+    let dev_name = n.device.get_ref();
+    let dev = device::lookup(dev_name).ok_or_else(|| {
+        with_help(
+            ctx.err(
+                Some(&n.device.span()),
+                format!("unknown device `{dev_name}`"),
+            ),
+            Some(did_you_mean(dev_name, device::ids())),
+        )
+    })?;
+    let count = match &n.count {
+        Some(c) => ctx.positive(c, "count")?,
+        None => 1,
+    };
+    let memory_gib = match &n.memory_gib {
+        Some(m) => ctx.positive(m, "memory_gib")?,
+        None => dev.memory_gib,
+    };
+    if memory_gib <= reserve_gib {
+        return Err(ctx.err(
+            Some(&span),
+            format!(
+                "node `{}` has {memory_gib} GiB, not more than the {reserve_gib} GiB reserve \
+                 (`memory_reserve_gib` in [training])",
+                n.name.get_ref()
+            ),
+        ));
+    }
+    let flops = match &n.tflops {
+        Some(t) => ctx.positive(t, "tflops")? * 1e12,
+        None => dev.effective_flops(defaults.precision).ok_or_else(|| {
             with_help(
                 ctx.err(
                     Some(&n.device.span()),
-                    format!("unknown device `{dev_name}`"),
-                ),
-                Some(did_you_mean(dev_name, device::ids())),
-            )
-        })?;
-        let count = match &n.count {
-            Some(c) => ctx.positive(c, "count")?,
-            None => 1,
-        };
-        let memory_gib = match &n.memory_gib {
-            Some(m) => ctx.positive(m, "memory_gib")?,
-            None => dev.memory_gib,
-        };
-        if memory_gib <= reserve_gib {
-            return Err(ctx.err(
-                Some(&span),
-                format!(
-                    "node `{}` has {memory_gib} GiB, not more than the {reserve_gib} GiB reserve \
-                     (`memory_reserve_gib` in [training])",
-                    n.name.get_ref()
-                ),
-            ));
-        }
-        let flops = match &n.tflops {
-            Some(t) => ctx.positive(t, "tflops")? * 1e12,
-            None => dev.effective_flops(training.precision).ok_or_else(|| {
-                with_help(
-                    ctx.err(
-                        Some(&n.device.span()),
-                        format!(
-                            "device `{}` has no {} support",
-                            dev.id,
-                            training.precision.as_str()
-                        ),
+                    format!(
+                        "device `{}` has no {} support",
+                        dev.id,
+                        defaults.precision.as_str()
                     ),
-                    Some("use precision = \"fp32\" (or \"fp16\" on pre-Ampere GPUs), or set `tflops` for this node".into()),
-                )
-            })?,
-        };
-        let emulate = match &n.emulate_slowdown {
-            Some(e) => ctx.positive(e, "emulate_slowdown")?,
-            None => 1.0,
-        };
-        let mut link = default_link;
-        if let Some(b) = &n.bandwidth_gbps {
-            link.bandwidth_gbps = ctx.positive(b, "bandwidth_gbps")?;
-        }
-        if let Some(x) = &n.latency_ms {
-            link.latency_ms = ctx.non_negative(x, "latency_ms")?;
-        }
-        if let Some(listen) = &n.listen
-            && (n.address.is_none() || count > 1)
-        {
-            return Err(ctx.err(
-                Some(&listen.span()),
-                "`listen` (the local address to bind) goes with one node's `address` (the one peers dial)",
-            ));
-        }
-        if let Some(address) = &n.address
-            && count > 1
-        {
-            return Err(ctx.err(
-                Some(&address.span()),
-                "`address` names one machine; it cannot go with `count` > 1",
-            ));
-        }
-        if let Some(address) = &n.address
-            && let Some(other) = nodes
-                .iter()
-                .find(|o: &&NodeSpec| o.address.as_deref() == Some(address.get_ref().as_str()))
-        {
-            return Err(ctx.err(
-                Some(&address.span()),
-                format!(
-                    "node `{}` has the same address as node `{}` ({}): each node listens on its own",
-                    n.name.get_ref(),
-                    other.name,
-                    address.get_ref()
                 ),
+                Some("use precision = \"fp32\" (or \"fp16\" on pre-Ampere GPUs), or set `tflops` for this node".into()),
+            )
+        })?,
+    };
+    let emulate = match &n.emulate_slowdown {
+        Some(e) => ctx.positive(e, "emulate_slowdown")?,
+        None => 1.0,
+    };
+    let mut link = defaults.link;
+    if let Some(b) = &n.bandwidth_gbps {
+        link.bandwidth_gbps = ctx.positive(b, "bandwidth_gbps")?;
+    }
+    if let Some(x) = &n.latency_ms {
+        link.latency_ms = ctx.non_negative(x, "latency_ms")?;
+    }
+    Ok(NodeFigures {
+        dev,
+        count,
+        memory_gib,
+        flops,
+        emulate,
+        link,
+    })
+}
+
+/// A `[[node]]` table's `listen` and `address`: one machine each, no address taken twice.
+fn check_addresses(
+    ctx: &Ctx<'_>,
+    n: &NodeToml,
+    count: u32,
+    earlier: &[NodeSpec],
+) -> Result<(), ConfigError> {
+    if let Some(listen) = &n.listen
+        && (n.address.is_none() || count > 1)
+    {
+        return Err(ctx.err(
+            Some(&listen.span()),
+            "`listen` (the local address to bind) goes with one node's `address` (the one peers dial)",
+        ));
+    }
+    if let Some(address) = &n.address
+        && count > 1
+    {
+        return Err(ctx.err(
+            Some(&address.span()),
+            "`address` names one machine; it cannot go with `count` > 1",
+        ));
+    }
+    if let Some(address) = &n.address
+        && let Some(other) = earlier
+            .iter()
+            .find(|o: &&NodeSpec| o.address.as_deref() == Some(address.get_ref().as_str()))
+    {
+        return Err(ctx.err(
+            Some(&address.span()),
+            format!(
+                "node `{}` has the same address as node `{}` ({}): each node listens on its own",
+                n.name.get_ref(),
+                other.name,
+                address.get_ref()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Add a `[[node]]` table's `count` nodes (`name`, or `name-0`, `name-1`, ..) to `out`.
+fn push_nodes(
+    ctx: &Ctx<'_>,
+    n: &NodeToml,
+    figures: &NodeFigures,
+    reserve_gib: f64,
+    out: &mut Nodes,
+) -> Result<(), ConfigError> {
+    let count = figures.count;
+    let base = n.name.get_ref().trim();
+    if base.is_empty() {
+        return Err(ctx.err(Some(&n.name.span()), "node `name` is empty"));
+    }
+    for i in 0..count {
+        let name = if count == 1 {
+            base.to_string()
+        } else {
+            format!("{base}-{i}")
+        };
+        let id = NodeId(out.specs.len() as u32);
+        if out.index.insert(name.clone(), id).is_some() {
+            return Err(ctx.err(
+                Some(&n.name.span()),
+                format!("duplicate node name `{name}`"),
             ));
         }
-        let base = n.name.get_ref().trim();
-        if base.is_empty() {
-            return Err(ctx.err(Some(&n.name.span()), "node `name` is empty"));
-        }
-        for i in 0..count {
-            let name = if count == 1 {
-                base.to_string()
-            } else {
-                format!("{base}-{i}")
-            };
-            let id = NodeId(nodes.len() as u32);
-            if index.insert(name.clone(), id).is_some() {
-                return Err(ctx.err(
-                    Some(&n.name.span()),
-                    format!("duplicate node name `{name}`"),
-                ));
-            }
-            nodes.push(NodeSpec {
-                name,
-                device: dev.id.to_string(),
-                memory_bytes: ((memory_gib - reserve_gib) * GIB) as u64,
-                flops: flops / emulate,
-                link,
-                step_overhead_s: 0.0,
-                address: n.address.as_ref().map(|a| a.get_ref().clone()),
-                listen: n.listen.as_ref().map(|a| a.get_ref().clone()),
-            });
-            slowdown.push(emulate);
-            raw_devices.push(dev_name.clone());
-        }
+        out.specs.push(NodeSpec {
+            name,
+            device: figures.dev.id.to_string(),
+            memory_bytes: ((figures.memory_gib - reserve_gib) * GIB) as u64,
+            flops: figures.flops / figures.emulate,
+            link: figures.link,
+            step_overhead_s: 0.0,
+            address: n.address.as_ref().map(|a| a.get_ref().clone()),
+            listen: n.listen.as_ref().map(|a| a.get_ref().clone()),
+        });
+        out.slowdown.push(figures.emulate);
+        out.raw_devices.push(n.device.get_ref().clone());
     }
+    Ok(())
+}
 
-    let lookup_node = |s: &Spanned<String>| -> Result<NodeId, ConfigError> {
-        index.get(s.get_ref().as_str()).copied().ok_or_else(|| {
-            with_help(
-                ctx.err(Some(&s.span()), format!("unknown node `{}`", s.get_ref())),
-                nearest(s.get_ref(), index.keys().map(String::as_str))
-                    .map(|n| format!("did you mean `{n}`?")),
-            )
-        })
-    };
+/// The id of the node a name refers to, or an error suggesting the nearest name.
+fn find_node(
+    ctx: &Ctx<'_>,
+    index: &BTreeMap<String, NodeId>,
+    s: &Spanned<String>,
+) -> Result<NodeId, ConfigError> {
+    index.get(s.get_ref().as_str()).copied().ok_or_else(|| {
+        with_help(
+            ctx.err(Some(&s.span()), format!("unknown node `{}`", s.get_ref())),
+            nearest(s.get_ref(), index.keys().map(String::as_str))
+                .map(|n| format!("did you mean `{n}`?")),
+        )
+    })
+}
 
-    // Pair links.
+/// The `[[links.pair]]` tables: links between two nodes, over the default link.
+fn resolve_pair_links(
+    ctx: &Ctx<'_>,
+    links: Option<&LinksToml>,
+    default_link: Link,
+    lookup_node: &dyn Fn(&Spanned<String>) -> Result<NodeId, ConfigError>,
+) -> Result<BTreeMap<(NodeId, NodeId), Link>, ConfigError> {
     let mut pair_links = BTreeMap::new();
-    if let Some(l) = &file.links {
+    if let Some(l) = links {
         for p in &l.pair {
             let p = p.get_ref();
             let ends = p.between.get_ref();
@@ -758,130 +915,114 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
             pair_links.insert((a.min(b), a.max(b)), link);
         }
     }
+    Ok(pair_links)
+}
 
-    let cluster_name = file
-        .cluster
-        .as_ref()
-        .and_then(|c| c.name.clone())
-        .unwrap_or_else(|| {
-            ctx.origin
-                .rsplit('/')
-                .next()
-                .unwrap_or("cluster")
-                .trim_end_matches(".toml")
-                .to_string()
-        });
-    let coordinator = match file.cluster.as_ref().and_then(|c| c.coordinator.as_ref()) {
-        Some(c) => Some(lookup_node(c)?),
-        None => None,
-    };
-    let mut run = RunSettings {
-        secret: file.cluster.as_ref().and_then(|c| c.secret.clone()),
-        coordinator,
-        emulate_slowdown: slowdown,
-        devices: raw_devices,
-        ..RunSettings::default()
-    };
-    if let Some(r) = &file.run {
-        if let Some(x) = &r.steps {
-            run.steps = ctx.positive(x, "steps")?;
-        }
-        if let Some(x) = &r.learning_rate {
-            run.learning_rate = ctx.positive(x, "learning_rate")?;
-        }
-        if let Some(x) = &r.momentum {
-            run.momentum = ctx.non_negative(x, "momentum")?;
-            if run.momentum >= 1.0 {
-                return Err(ctx.err(Some(&x.span()), "`momentum` must be below 1"));
-            }
-        }
-        if let Some(x) = &r.weight_decay {
-            run.weight_decay = ctx.non_negative(x, "weight_decay")?;
-        }
-        if let Some(x) = r.seed {
-            run.seed = x;
-        }
-        if let Some(x) = &r.dataset {
-            run.dataset = x.clone();
-        }
-        if let Some(x) = &r.network {
-            if !NETWORKS.contains(&x.get_ref().as_str()) {
-                return Err(with_help(
-                    ctx.err(
-                        Some(&x.span()),
-                        format!("unknown network `{}`", x.get_ref()),
-                    ),
-                    Some(did_you_mean(x.get_ref(), NETWORKS.iter().copied())),
-                ));
-            }
-            run.network = x.get_ref().clone();
-        }
-        if let Some(x) = &r.context_chars {
-            run.context_chars = ctx.positive(x, "context_chars")?;
-        }
-        if let Some(x) = &r.char_hidden {
-            run.char_hidden = ctx.positive(x, "char_hidden")?;
-        }
-        if let Some(x) = r.checkpoint_every_steps {
-            run.checkpoint_every_steps = x;
-        }
-        if let Some(x) = &r.target_accuracy {
-            run.target_accuracy = ctx.positive(x, "target_accuracy")?;
-        }
-        if let Some(x) = &r.heartbeat_ms {
-            run.heartbeat_ms = ctx.positive(x, "heartbeat_ms")?;
-        }
-        if let Some(x) = &r.heartbeat_timeout_ms {
-            run.heartbeat_timeout_ms = ctx.positive(x, "heartbeat_timeout_ms")?;
-        }
-        if let Some(x) = &r.register_timeout_s {
-            run.register_timeout_s = ctx.positive(x, "register_timeout_s")?;
-        }
-        if let Some(x) = &r.min_nodes {
-            let n = ctx.positive(x, "min_nodes")?;
-            if n > nodes.len() as u64 {
-                return Err(ctx.err(
-                    Some(&x.span()),
-                    format!("`min_nodes` is {n}, but the file has {} nodes", nodes.len()),
-                ));
-            }
-            run.min_nodes = Some(n);
-        }
-    }
-
-    let model = resolve_model(ctx, file.model.as_ref())?;
-
-    let sim = match &file.sim {
-        None => None,
-        Some(s) => Some(SimSettings {
-            seed: s.seed.unwrap_or(0),
-            steps: match &s.steps {
-                Some(x) => ctx.positive(x, "steps")?,
-                None => 100,
-            },
-            checkpoint_every_steps: s
-                .checkpoint_every_steps
-                .unwrap_or(DEFAULT_CHECKPOINT_EVERY_STEPS),
-        }),
-    };
-
-    let mut faults = Vec::new();
-    for f in &file.fault {
-        faults.push(resolve_fault(ctx, f, &lookup_node)?);
-    }
-
-    Ok(Scenario {
-        cluster: ClusterSpec {
-            name: cluster_name,
-            nodes,
-            pair_links,
-        },
-        model,
-        training,
-        run,
-        sim,
-        faults,
+/// `[cluster] name`, else the file name without its directory and `.toml`.
+fn cluster_name(ctx: &Ctx<'_>, cluster: Option<&ClusterToml>) -> String {
+    cluster.and_then(|c| c.name.clone()).unwrap_or_else(|| {
+        ctx.origin
+            .rsplit('/')
+            .next()
+            .unwrap_or("cluster")
+            .trim_end_matches(".toml")
+            .to_string()
     })
+}
+
+/// The `[run]` table over `run` (defaults and what the cluster section gave); `node_count`
+/// bounds `min_nodes`.
+fn resolve_run(
+    ctx: &Ctx<'_>,
+    r: Option<&RunToml>,
+    mut run: RunSettings,
+    node_count: usize,
+) -> Result<RunSettings, ConfigError> {
+    let Some(r) = r else {
+        return Ok(run);
+    };
+    if let Some(x) = &r.steps {
+        run.steps = ctx.positive(x, "steps")?;
+    }
+    if let Some(x) = &r.learning_rate {
+        run.learning_rate = ctx.positive(x, "learning_rate")?;
+    }
+    if let Some(x) = &r.momentum {
+        run.momentum = ctx.non_negative(x, "momentum")?;
+        if run.momentum >= 1.0 {
+            return Err(ctx.err(Some(&x.span()), "`momentum` must be below 1"));
+        }
+    }
+    if let Some(x) = &r.weight_decay {
+        run.weight_decay = ctx.non_negative(x, "weight_decay")?;
+    }
+    if let Some(x) = r.seed {
+        run.seed = x;
+    }
+    if let Some(x) = &r.dataset {
+        run.dataset = x.clone();
+    }
+    if let Some(x) = &r.network {
+        if !NETWORKS.contains(&x.get_ref().as_str()) {
+            return Err(with_help(
+                ctx.err(
+                    Some(&x.span()),
+                    format!("unknown network `{}`", x.get_ref()),
+                ),
+                Some(did_you_mean(x.get_ref(), NETWORKS.iter().copied())),
+            ));
+        }
+        run.network = x.get_ref().clone();
+    }
+    if let Some(x) = &r.context_chars {
+        run.context_chars = ctx.positive(x, "context_chars")?;
+    }
+    if let Some(x) = &r.char_hidden {
+        run.char_hidden = ctx.positive(x, "char_hidden")?;
+    }
+    if let Some(x) = r.checkpoint_every_steps {
+        run.checkpoint_every_steps = x;
+    }
+    if let Some(x) = &r.target_accuracy {
+        run.target_accuracy = ctx.positive(x, "target_accuracy")?;
+    }
+    if let Some(x) = &r.heartbeat_ms {
+        run.heartbeat_ms = ctx.positive(x, "heartbeat_ms")?;
+    }
+    if let Some(x) = &r.heartbeat_timeout_ms {
+        run.heartbeat_timeout_ms = ctx.positive(x, "heartbeat_timeout_ms")?;
+    }
+    if let Some(x) = &r.register_timeout_s {
+        run.register_timeout_s = ctx.positive(x, "register_timeout_s")?;
+    }
+    if let Some(x) = &r.min_nodes {
+        let n = ctx.positive(x, "min_nodes")?;
+        if n > node_count as u64 {
+            return Err(ctx.err(
+                Some(&x.span()),
+                format!("`min_nodes` is {n}, but the file has {node_count} nodes"),
+            ));
+        }
+        run.min_nodes = Some(n);
+    }
+    Ok(run)
+}
+
+/// The `[sim]` table, when the file has one.
+fn resolve_sim(ctx: &Ctx<'_>, s: Option<&SimToml>) -> Result<Option<SimSettings>, ConfigError> {
+    let Some(s) = s else {
+        return Ok(None);
+    };
+    Ok(Some(SimSettings {
+        seed: s.seed.unwrap_or(0),
+        steps: match &s.steps {
+            Some(x) => ctx.positive(x, "steps")?,
+            None => 100,
+        },
+        checkpoint_every_steps: s
+            .checkpoint_every_steps
+            .unwrap_or(DEFAULT_CHECKPOINT_EVERY_STEPS),
+    }))
 }
 
 fn resolve_model(ctx: &Ctx<'_>, m: Option<&Spanned<ModelToml>>) -> Result<ModelSpec, ConfigError> {
@@ -919,87 +1060,9 @@ fn resolve_model(ctx: &Ctx<'_>, m: Option<&Spanned<ModelToml>>) -> Result<ModelS
             })?
             .build(),
         (None, Some(k)) => match k.get_ref().as_str() {
-            "gpt" => {
-                let need = |v: &Option<Spanned<u64>>, what: &str| -> Result<u64, ConfigError> {
-                    match v {
-                        Some(x) => ctx.positive(x, what),
-                        None => {
-                            Err(ctx.err(Some(&k.span()), format!("kind = \"gpt\" needs `{what}`")))
-                        }
-                    }
-                };
-                let layers = match &m.layers {
-                    Some(x) => ctx.positive(x, "layers")?,
-                    None => return Err(ctx.err(Some(&k.span()), "kind = \"gpt\" needs `layers`")),
-                };
-                let hidden = need(&m.hidden, "hidden")?;
-                let heads = need(&m.heads, "heads")?;
-                if hidden % heads != 0 {
-                    return Err(ctx.err(
-                        Some(&m.heads.as_ref().unwrap().span()),
-                        format!("`hidden` ({hidden}) must be a multiple of `heads` ({heads})"),
-                    ));
-                }
-                model::gpt_spec(
-                    "gpt",
-                    layers,
-                    hidden,
-                    heads,
-                    need(&m.seq_len, "seq_len")?,
-                    need(&m.vocab, "vocab")?,
-                    m.flash_attention.unwrap_or(false),
-                )
-            }
-            "mlp" => {
-                let Some(d) = &m.dims else {
-                    return Err(ctx.err(
-                        Some(&k.span()),
-                        "kind = \"mlp\" needs `dims = [in, hidden.., out]`",
-                    ));
-                };
-                if d.get_ref().len() < 2 || d.get_ref().contains(&0) {
-                    return Err(ctx.err(
-                        Some(&d.span()),
-                        "`dims` needs at least two sizes, all greater than 0",
-                    ));
-                }
-                model::mlp_spec("mlp", d.get_ref())
-            }
-            "custom" => {
-                if m.layer.is_empty() {
-                    return Err(ctx.err(
-                        Some(&k.span()),
-                        "kind = \"custom\" needs [[model.layer]] tables",
-                    ));
-                }
-                let mut layers = Vec::new();
-                for l in &m.layer {
-                    let l = l.get_ref();
-                    let flops =
-                        ctx.non_negative(&l.fwd_flops_per_sample, "fwd_flops_per_sample")?;
-                    let repeat = match &l.repeat {
-                        Some(r) => ctx.positive(r, "repeat")?,
-                        None => 1,
-                    };
-                    for i in 0..repeat {
-                        layers.push(LayerSpec {
-                            name: if repeat == 1 {
-                                l.name.clone()
-                            } else {
-                                format!("{}{i}", l.name)
-                            },
-                            params: l.params,
-                            fwd_flops_per_sample: flops,
-                            activation_elems_per_sample: l.activation_elems_per_sample,
-                            output_elems_per_sample: l.output_elems_per_sample,
-                        });
-                    }
-                }
-                ModelSpec {
-                    name: "custom".into(),
-                    layers,
-                }
-            }
+            "gpt" => resolve_gpt(ctx, m, k)?,
+            "mlp" => resolve_mlp(ctx, m, k)?,
+            "custom" => resolve_custom(ctx, m, k)?,
             other => {
                 return Err(with_help(
                     ctx.err(Some(&k.span()), format!("unknown model kind `{other}`")),
@@ -1014,153 +1077,135 @@ fn resolve_model(ctx: &Ctx<'_>, m: Option<&Spanned<ModelToml>>) -> Result<ModelS
     Ok(spec)
 }
 
+/// A `kind = "gpt"` model; `k` is the `kind` field, where a missing size is reported.
+fn resolve_gpt(
+    ctx: &Ctx<'_>,
+    m: &ModelToml,
+    k: &Spanned<String>,
+) -> Result<ModelSpec, ConfigError> {
+    let need = |v: &Option<Spanned<u64>>, what: &str| -> Result<u64, ConfigError> {
+        match v {
+            Some(x) => ctx.positive(x, what),
+            None => Err(ctx.err(Some(&k.span()), format!("kind = \"gpt\" needs `{what}`"))),
+        }
+    };
+    let layers = match &m.layers {
+        Some(x) => ctx.positive(x, "layers")?,
+        None => return Err(ctx.err(Some(&k.span()), "kind = \"gpt\" needs `layers`")),
+    };
+    let hidden = need(&m.hidden, "hidden")?;
+    let heads = need(&m.heads, "heads")?;
+    if hidden % heads != 0 {
+        return Err(ctx.err(
+            Some(&m.heads.as_ref().unwrap().span()),
+            format!("`hidden` ({hidden}) must be a multiple of `heads` ({heads})"),
+        ));
+    }
+    Ok(model::gpt_spec(
+        "gpt",
+        layers,
+        hidden,
+        heads,
+        need(&m.seq_len, "seq_len")?,
+        need(&m.vocab, "vocab")?,
+        m.flash_attention.unwrap_or(false),
+    ))
+}
+
+/// A `kind = "mlp"` model: its `dims`.
+fn resolve_mlp(
+    ctx: &Ctx<'_>,
+    m: &ModelToml,
+    k: &Spanned<String>,
+) -> Result<ModelSpec, ConfigError> {
+    let Some(d) = &m.dims else {
+        return Err(ctx.err(
+            Some(&k.span()),
+            "kind = \"mlp\" needs `dims = [in, hidden.., out]`",
+        ));
+    };
+    if d.get_ref().len() < 2 || d.get_ref().contains(&0) {
+        return Err(ctx.err(
+            Some(&d.span()),
+            "`dims` needs at least two sizes, all greater than 0",
+        ));
+    }
+    Ok(model::mlp_spec("mlp", d.get_ref()))
+}
+
+/// A `kind = "custom"` model: its `[[model.layer]]` tables, each `repeat` expanded.
+fn resolve_custom(
+    ctx: &Ctx<'_>,
+    m: &ModelToml,
+    k: &Spanned<String>,
+) -> Result<ModelSpec, ConfigError> {
+    if m.layer.is_empty() {
+        return Err(ctx.err(
+            Some(&k.span()),
+            "kind = \"custom\" needs [[model.layer]] tables",
+        ));
+    }
+    let mut layers = Vec::new();
+    for l in &m.layer {
+        let l = l.get_ref();
+        let flops = ctx.non_negative(&l.fwd_flops_per_sample, "fwd_flops_per_sample")?;
+        let repeat = match &l.repeat {
+            Some(r) => ctx.positive(r, "repeat")?,
+            None => 1,
+        };
+        for i in 0..repeat {
+            layers.push(LayerSpec {
+                name: if repeat == 1 {
+                    l.name.clone()
+                } else {
+                    format!("{}{i}", l.name)
+                },
+                params: l.params,
+                fwd_flops_per_sample: flops,
+                activation_elems_per_sample: l.activation_elems_per_sample,
+                output_elems_per_sample: l.output_elems_per_sample,
+            });
+        }
+    }
+    Ok(ModelSpec {
+        name: "custom".into(),
+        layers,
+    })
+}
+
 fn resolve_fault(
     ctx: &Ctx<'_>,
     f: &Spanned<FaultToml>,
     lookup_node: &dyn Fn(&Spanned<String>) -> Result<NodeId, ConfigError>,
 ) -> Result<Fault, ConfigError> {
-    let span = f.span();
-    let f = f.get_ref();
-    let kind = f.kind.get_ref().as_str();
-    let need_f = |v: &Option<Spanned<f64>>, what: &str| -> Result<f64, ConfigError> {
-        match v {
-            Some(x) => ctx.non_negative(x, what),
-            None => Err(ctx.err(
-                Some(&span),
-                format!("fault kind = \"{kind}\" needs `{what}`"),
-            )),
-        }
+    let r = FaultReader {
+        ctx,
+        span: f.span(),
+        f: f.get_ref(),
+        kind: f.get_ref().kind.get_ref().as_str(),
+        lookup_node,
     };
-    let need_node = || -> Result<NodeId, ConfigError> {
-        match &f.node {
-            Some(n) => lookup_node(n),
-            None => Err(ctx.err(Some(&span), format!("fault kind = \"{kind}\" needs `node`"))),
-        }
-    };
-    // `between = [a, b]`: exactly two node names.
-    let need_pair = || -> Result<(NodeId, NodeId), ConfigError> {
-        let Some(between) = &f.between else {
-            return Err(ctx.err(
-                Some(&span),
-                format!("fault kind = \"{kind}\" needs `between = [a, b]`"),
-            ));
-        };
-        if between.get_ref().len() != 2 {
-            return Err(ctx.err(
-                Some(&between.span()),
-                "`between` takes exactly two node names",
-            ));
-        }
-        Ok((
-            lookup_node(&between.get_ref()[0])?,
-            lookup_node(&between.get_ref()[1])?,
-        ))
-    };
-    let window = || -> Result<(f64, f64), ConfigError> {
-        let (a, b) = (need_f(&f.from_s, "from_s")?, need_f(&f.to_s, "to_s")?);
-        if b <= a {
-            return Err(ctx.err(
-                Some(&f.to_s.as_ref().unwrap().span()),
-                format!("`to_s` ({b}) must be after `from_s` ({a})"),
-            ));
-        }
-        Ok((a, b))
-    };
-    Ok(match kind {
+    let f = r.f;
+    Ok(match r.kind {
         "crash" => Fault::Crash {
-            node: need_node()?,
-            at_s: need_f(&f.at_s, "at_s")?,
+            node: r.need_node()?,
+            at_s: r.need_f(&f.at_s, "at_s")?,
         },
         "restart" => Fault::Restart {
-            node: need_node()?,
-            at_s: need_f(&f.at_s, "at_s")?,
+            node: r.need_node()?,
+            at_s: r.need_f(&f.at_s, "at_s")?,
         },
-        "slowdown" => {
-            let factor = match &f.factor {
-                Some(x) => ctx.positive(x, "factor")?,
-                None => {
-                    return Err(ctx.err(Some(&span), "fault kind = \"slowdown\" needs `factor`"));
-                }
-            };
-            let node = need_node()?;
-            let (from_s, to_s) = window()?;
-            Fault::Slowdown {
-                node,
-                factor,
-                from_s,
-                to_s,
-            }
-        }
+        "slowdown" => r.slowdown()?,
         "reset" => {
-            let (a, b) = need_pair()?;
+            let (a, b) = r.need_pair()?;
             Fault::Reset {
                 a,
                 b,
-                at_s: need_f(&f.at_s, "at_s")?,
+                at_s: r.need_f(&f.at_s, "at_s")?,
             }
         }
-        "link" => {
-            let (a, b) = need_pair()?;
-            let bandwidth_gbps = match &f.bandwidth_gbps {
-                Some(x) => ctx.positive(x, "bandwidth_gbps")?,
-                None => {
-                    return Err(
-                        ctx.err(Some(&span), "fault kind = \"link\" needs `bandwidth_gbps`")
-                    );
-                }
-            };
-            let latency_ms = match &f.latency_ms {
-                Some(x) => ctx.non_negative(x, "latency_ms")?,
-                None => DEFAULT_LINK.latency_ms,
-            };
-            let (from_s, to_s) = window()?;
-            Fault::LinkDegraded {
-                a,
-                b,
-                link: Link {
-                    bandwidth_gbps,
-                    latency_ms,
-                },
-                from_s,
-                to_s,
-            }
-        }
-        "partition" => {
-            let Some(groups) = &f.groups else {
-                return Err(ctx.err(
-                    Some(&span),
-                    "fault kind = \"partition\" needs `groups = [[..], [..]]`",
-                ));
-            };
-            let mut seen = BTreeSet::new();
-            let mut out = Vec::new();
-            for g in groups.get_ref() {
-                let mut ids = Vec::new();
-                for n in g {
-                    let id = lookup_node(n)?;
-                    if !seen.insert(id) {
-                        return Err(ctx.err(
-                            Some(&n.span()),
-                            format!("node `{}` is in two partition groups", n.get_ref()),
-                        ));
-                    }
-                    ids.push(id);
-                }
-                out.push(ids);
-            }
-            if out.len() < 2 {
-                return Err(ctx.err(
-                    Some(&groups.span()),
-                    "a partition needs at least two groups",
-                ));
-            }
-            let (from_s, to_s) = window()?;
-            Fault::Partition {
-                groups: out,
-                from_s,
-                to_s,
-            }
-        }
+        "link" => r.link()?,
+        "partition" => r.partition()?,
         other => {
             return Err(with_help(
                 ctx.err(
@@ -1171,6 +1216,163 @@ fn resolve_fault(
             ));
         }
     })
+}
+
+/// One `[[fault]]` table being read: its fields, its `kind`, and how to find its nodes.
+struct FaultReader<'a> {
+    ctx: &'a Ctx<'a>,
+    /// The whole table, where a missing field is reported.
+    span: Range<usize>,
+    f: &'a FaultToml,
+    kind: &'a str,
+    lookup_node: &'a dyn Fn(&Spanned<String>) -> Result<NodeId, ConfigError>,
+}
+
+impl FaultReader<'_> {
+    /// A required time (0 or more).
+    fn need_f(&self, v: &Option<Spanned<f64>>, what: &str) -> Result<f64, ConfigError> {
+        match v {
+            Some(x) => self.ctx.non_negative(x, what),
+            None => Err(self.ctx.err(
+                Some(&self.span),
+                format!("fault kind = \"{}\" needs `{what}`", self.kind),
+            )),
+        }
+    }
+
+    /// The required `node`.
+    fn need_node(&self) -> Result<NodeId, ConfigError> {
+        match &self.f.node {
+            Some(n) => (self.lookup_node)(n),
+            None => Err(self.ctx.err(
+                Some(&self.span),
+                format!("fault kind = \"{}\" needs `node`", self.kind),
+            )),
+        }
+    }
+
+    /// `between = [a, b]`: exactly two node names.
+    fn need_pair(&self) -> Result<(NodeId, NodeId), ConfigError> {
+        let Some(between) = &self.f.between else {
+            return Err(self.ctx.err(
+                Some(&self.span),
+                format!("fault kind = \"{}\" needs `between = [a, b]`", self.kind),
+            ));
+        };
+        if between.get_ref().len() != 2 {
+            return Err(self.ctx.err(
+                Some(&between.span()),
+                "`between` takes exactly two node names",
+            ));
+        }
+        Ok((
+            (self.lookup_node)(&between.get_ref()[0])?,
+            (self.lookup_node)(&between.get_ref()[1])?,
+        ))
+    }
+
+    /// The required `from_s` .. `to_s`, `to_s` after `from_s`.
+    fn window(&self) -> Result<(f64, f64), ConfigError> {
+        let f = self.f;
+        let (a, b) = (
+            self.need_f(&f.from_s, "from_s")?,
+            self.need_f(&f.to_s, "to_s")?,
+        );
+        if b <= a {
+            return Err(self.ctx.err(
+                Some(&f.to_s.as_ref().unwrap().span()),
+                format!("`to_s` ({b}) must be after `from_s` ({a})"),
+            ));
+        }
+        Ok((a, b))
+    }
+
+    /// `kind = "slowdown"`.
+    fn slowdown(&self) -> Result<Fault, ConfigError> {
+        let factor = match &self.f.factor {
+            Some(x) => self.ctx.positive(x, "factor")?,
+            None => {
+                return Err(self
+                    .ctx
+                    .err(Some(&self.span), "fault kind = \"slowdown\" needs `factor`"));
+            }
+        };
+        let node = self.need_node()?;
+        let (from_s, to_s) = self.window()?;
+        Ok(Fault::Slowdown {
+            node,
+            factor,
+            from_s,
+            to_s,
+        })
+    }
+
+    /// `kind = "link"`.
+    fn link(&self) -> Result<Fault, ConfigError> {
+        let (a, b) = self.need_pair()?;
+        let bandwidth_gbps = match &self.f.bandwidth_gbps {
+            Some(x) => self.ctx.positive(x, "bandwidth_gbps")?,
+            None => {
+                return Err(self.ctx.err(
+                    Some(&self.span),
+                    "fault kind = \"link\" needs `bandwidth_gbps`",
+                ));
+            }
+        };
+        let latency_ms = match &self.f.latency_ms {
+            Some(x) => self.ctx.non_negative(x, "latency_ms")?,
+            None => DEFAULT_LINK.latency_ms,
+        };
+        let (from_s, to_s) = self.window()?;
+        Ok(Fault::LinkDegraded {
+            a,
+            b,
+            link: Link {
+                bandwidth_gbps,
+                latency_ms,
+            },
+            from_s,
+            to_s,
+        })
+    }
+
+    /// `kind = "partition"`: at least two disjoint groups.
+    fn partition(&self) -> Result<Fault, ConfigError> {
+        let Some(groups) = &self.f.groups else {
+            return Err(self.ctx.err(
+                Some(&self.span),
+                "fault kind = \"partition\" needs `groups = [[..], [..]]`",
+            ));
+        };
+        let mut seen = BTreeSet::new();
+        let mut out = Vec::new();
+        for g in groups.get_ref() {
+            let mut ids = Vec::new();
+            for n in g {
+                let id = (self.lookup_node)(n)?;
+                if !seen.insert(id) {
+                    return Err(self.ctx.err(
+                        Some(&n.span()),
+                        format!("node `{}` is in two partition groups", n.get_ref()),
+                    ));
+                }
+                ids.push(id);
+            }
+            out.push(ids);
+        }
+        if out.len() < 2 {
+            return Err(self.ctx.err(
+                Some(&groups.span()),
+                "a partition needs at least two groups",
+            ));
+        }
+        let (from_s, to_s) = self.window()?;
+        Ok(Fault::Partition {
+            groups: out,
+            from_s,
+            to_s,
+        })
+    }
 }
 
 #[cfg(test)]
