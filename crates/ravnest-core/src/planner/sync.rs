@@ -228,25 +228,68 @@ pub fn choose_sync(
     let cluster = costs.cluster;
     let pref = costs.training.sync;
     if groups.iter().all(|(g, _)| g.len() <= 1) {
-        return SyncPlan {
-            method: SyncMethod::None,
-            groups: groups
-                .iter()
-                .map(|(g, b)| SyncGroup {
-                    order: g.clone(),
-                    bytes: *b,
-                    round_s: 0.0,
-                    bottleneck_gbps: 0.0,
-                    group_size: 0,
-                })
-                .collect(),
-            round_s: 0.0,
-            per_step_s: 0.0,
-            reason: "one replica: nothing to synchronize".into(),
-        };
+        return no_sync(groups);
     }
     let smart = freedom == SyncFreedom::Choose;
-    let ring_groups: Vec<SyncGroup> = groups
+    let ring_groups = ring_candidates(cluster, groups, smart);
+    let ps_groups = param_server_candidates(cluster, groups, smart);
+    let (ring_s, ps_s) = (worst(&ring_groups), worst(&ps_groups));
+
+    let ring2d_groups: Option<Vec<SyncGroup>> = if smart && pref != SyncPreference::ParamServer {
+        ring2d_candidates(cluster, &ring_groups)
+    } else {
+        None
+    };
+    let ring = best_ring(ring_groups, ring_s, ring2d_groups);
+    let chosen = choose_collective(pref, smart, ring, ps_groups, ps_s);
+    let ratio = if compute_s > 0.0 {
+        chosen.round_s / compute_s
+    } else {
+        f64::INFINITY
+    };
+    let local = match pref {
+        SyncPreference::LocalSgd => true,
+        SyncPreference::Auto => smart && ratio > costs.training.local_sgd_threshold,
+        _ => false,
+    };
+    if local {
+        return local_sgd(costs, chosen, compute_s, ratio);
+    }
+    every_step(chosen, overlap_s)
+}
+
+/// One replica per group: nothing to synchronize.
+fn no_sync(groups: &[(Vec<NodeId>, u64)]) -> SyncPlan {
+    SyncPlan {
+        method: SyncMethod::None,
+        groups: groups
+            .iter()
+            .map(|(g, b)| SyncGroup {
+                order: g.clone(),
+                bytes: *b,
+                round_s: 0.0,
+                bottleneck_gbps: 0.0,
+                group_size: 0,
+            })
+            .collect(),
+        round_s: 0.0,
+        per_step_s: 0.0,
+        reason: "one replica: nothing to synchronize".into(),
+    }
+}
+
+/// The slowest group's round, seconds.
+fn worst(gs: &[SyncGroup]) -> f64 {
+    gs.iter().map(|g| g.round_s).fold(0.0, f64::max)
+}
+
+/// A flat ring per group: the best order when `smart`, else rank order.
+fn ring_candidates(
+    cluster: &ClusterSpec,
+    groups: &[(Vec<NodeId>, u64)],
+    smart: bool,
+) -> Vec<SyncGroup> {
+    groups
         .iter()
         .map(|(g, bytes)| {
             let order = if smart {
@@ -269,8 +312,16 @@ pub fn choose_sync(
                 group_size: 0,
             }
         })
-        .collect();
-    let ps_groups: Vec<SyncGroup> = groups
+        .collect()
+}
+
+/// A parameter server per group: the best-connected member when `smart`, else the lowest id.
+fn param_server_candidates(
+    cluster: &ClusterSpec,
+    groups: &[(Vec<NodeId>, u64)],
+    smart: bool,
+) -> Vec<SyncGroup> {
+    groups
         .iter()
         .map(|(g, bytes)| {
             let server = if smart {
@@ -293,36 +344,50 @@ pub fn choose_sync(
                 group_size: 0,
             }
         })
-        .collect();
-    let worst = |gs: &[SyncGroup]| gs.iter().map(|g| g.round_s).fold(0.0, f64::max);
-    let (ring_s, ps_s) = (worst(&ring_groups), worst(&ps_groups));
+        .collect()
+}
 
-    // The two-level ring moves the same bytes as a flat ring but waits through 2(k-1)+2(g-1)
-    // hops instead of 2(n-1): a candidate for every group with a divisor near √n. Its links are
-    // taken to be those of the flat ring's order (the column rings cross the same kind of links).
-    let ring2d_groups: Option<Vec<SyncGroup>> = if smart && pref != SyncPreference::ParamServer {
-        ring_groups
-            .iter()
-            .map(|g| {
-                let n = g.order.len();
-                let k = crate::ring2d::group_size(n)?;
-                let (bw, lat) = ring_links(cluster, &g.order);
-                let hops = 2 * (k - 1) + 2 * (n / k - 1);
-                let t = 2.0 * (n as f64 - 1.0) / n as f64 * g.bytes as f64 * 8.0 / (bw * 1e9)
-                    + hops as f64 * lat / 1e3;
-                Some(SyncGroup {
-                    round_s: t,
-                    order: g.order.clone(),
-                    bytes: g.bytes,
-                    bottleneck_gbps: bw,
-                    group_size: k as u32,
-                })
+/// A two-level ring per group, or `None` when a group has no divisor near √n.
+///
+/// The two-level ring moves the same bytes as a flat ring but waits through 2(k-1)+2(g-1)
+/// hops instead of 2(n-1). Its links are taken to be those of the flat ring's order (the
+/// column rings cross the same kind of links).
+fn ring2d_candidates(cluster: &ClusterSpec, ring_groups: &[SyncGroup]) -> Option<Vec<SyncGroup>> {
+    ring_groups
+        .iter()
+        .map(|g| {
+            let n = g.order.len();
+            let k = crate::ring2d::group_size(n)?;
+            let (bw, lat) = ring_links(cluster, &g.order);
+            let hops = 2 * (k - 1) + 2 * (n / k - 1);
+            let t = 2.0 * (n as f64 - 1.0) / n as f64 * g.bytes as f64 * 8.0 / (bw * 1e9)
+                + hops as f64 * lat / 1e3;
+            Some(SyncGroup {
+                round_s: t,
+                order: g.order.clone(),
+                bytes: g.bytes,
+                bottleneck_gbps: bw,
+                group_size: k as u32,
             })
-            .collect()
-    } else {
-        None
-    };
-    let (ring_collective, ring_groups, ring_s, ring_name) = match ring2d_groups {
+        })
+        .collect()
+}
+
+/// A collective for the groups, its slowest round, and why (or, for a ring, its name).
+struct Chosen {
+    collective: Collective,
+    groups: Vec<SyncGroup>,
+    round_s: f64,
+    reason: String,
+}
+
+/// The flat ring, or the two-level ring when it is faster.
+fn best_ring(
+    ring_groups: Vec<SyncGroup>,
+    ring_s: f64,
+    ring2d_groups: Option<Vec<SyncGroup>>,
+) -> Chosen {
+    let (collective, groups, round_s, reason) = match ring2d_groups {
         Some(r2) if worst(&r2) < ring_s => {
             let k = r2.first().map_or(0, |g| g.group_size);
             let n = r2.first().map_or(0, |g| g.order.len());
@@ -340,7 +405,29 @@ pub fn choose_sync(
             "ring all-reduce".to_string(),
         ),
     };
-    let (collective, chosen, round_s, mut reason) = match pref {
+    Chosen {
+        collective,
+        groups,
+        round_s,
+        reason,
+    }
+}
+
+/// Ring or parameter server, as `sync` asks or, when free to choose, whichever is faster.
+fn choose_collective(
+    pref: SyncPreference,
+    smart: bool,
+    ring: Chosen,
+    ps_groups: Vec<SyncGroup>,
+    ps_s: f64,
+) -> Chosen {
+    let Chosen {
+        collective: ring_collective,
+        groups: ring_groups,
+        round_s: ring_s,
+        reason: ring_name,
+    } = ring;
+    let (collective, groups, round_s, reason) = match pref {
         SyncPreference::Ring => (
             ring_collective,
             ring_groups,
@@ -380,44 +467,58 @@ pub fn choose_sync(
             "ring all-reduce in rank order, every step (what DDP does)".to_string(),
         ),
     };
-    let ratio = if compute_s > 0.0 {
-        round_s / compute_s
-    } else {
-        f64::INFINITY
-    };
-    let local = match pref {
-        SyncPreference::LocalSgd => true,
-        SyncPreference::Auto => smart && ratio > costs.training.local_sgd_threshold,
-        _ => false,
-    };
-    if local {
-        let h = local_steps_for(round_s, compute_s);
-        let why = if pref == SyncPreference::LocalSgd {
-            "`sync = \"local-sgd\"` asks for it".to_string()
-        } else {
-            format!(
-                "communication / compute = {ratio:.2} exceeds local_sgd_threshold = {}",
-                costs.training.local_sgd_threshold
-            )
-        };
-        reason = format!(
-            "local SGD with {h} local steps per averaging round: one round takes {} against {} of \
-             compute per step ({why}); averaging by {reason}. Local SGD is not step-for-step \
-             equal to synchronous SGD: set `sync = \"ring\"` for exact updates",
-            secs(round_s),
-            secs(compute_s),
-        );
-        return SyncPlan {
-            method: SyncMethod::LocalSgd {
-                collective,
-                local_steps: h,
-            },
-            groups: chosen,
-            round_s,
-            per_step_s: round_s / f64::from(h),
-            reason,
-        };
+    Chosen {
+        collective,
+        groups,
+        round_s,
+        reason,
     }
+}
+
+/// Local SGD over the chosen collective; `ratio` is communication / compute.
+fn local_sgd(costs: &Costs<'_>, chosen: Chosen, compute_s: f64, ratio: f64) -> SyncPlan {
+    let Chosen {
+        collective,
+        groups,
+        round_s,
+        reason,
+    } = chosen;
+    let h = local_steps_for(round_s, compute_s);
+    let why = if costs.training.sync == SyncPreference::LocalSgd {
+        "`sync = \"local-sgd\"` asks for it".to_string()
+    } else {
+        format!(
+            "communication / compute = {ratio:.2} exceeds local_sgd_threshold = {}",
+            costs.training.local_sgd_threshold
+        )
+    };
+    let reason = format!(
+        "local SGD with {h} local steps per averaging round: one round takes {} against {} of \
+         compute per step ({why}); averaging by {reason}. Local SGD is not step-for-step \
+         equal to synchronous SGD: set `sync = \"ring\"` for exact updates",
+        secs(round_s),
+        secs(compute_s),
+    );
+    SyncPlan {
+        method: SyncMethod::LocalSgd {
+            collective,
+            local_steps: h,
+        },
+        groups,
+        round_s,
+        per_step_s: round_s / f64::from(h),
+        reason,
+    }
+}
+
+/// Every-step synchronization over the chosen collective, `overlap_s` of each round hidden.
+fn every_step(chosen: Chosen, overlap_s: f64) -> SyncPlan {
+    let Chosen {
+        collective,
+        groups,
+        round_s,
+        mut reason,
+    } = chosen;
     let exposed = (round_s - overlap_s).max(0.0);
     if overlap_s > 0.0 {
         reason = format!(
@@ -429,7 +530,7 @@ pub fn choose_sync(
     }
     SyncPlan {
         method: SyncMethod::EveryStep { collective },
-        groups: chosen,
+        groups,
         round_s,
         per_step_s: exposed,
         reason,
