@@ -6,7 +6,7 @@ use crate::cost::Costs;
 use crate::device::GIB;
 
 use super::layers::Bounds;
-use super::sync::{SyncFreedom, choose_sync};
+use super::sync::{SyncFreedom, SyncPlan, choose_sync};
 use super::{Layout, NodePlan, Plan, PlannerKind, Role, StepPrediction};
 
 // ---------------------------------------------------------------------------------------------
@@ -119,56 +119,16 @@ pub(super) fn evaluate(
 ) -> Result<Plan, Rejected> {
     let cluster = costs.cluster;
     let b_total = u64::from(costs.training.global_batch);
-    let all = costs.all();
     let mut nodes: Vec<Option<NodePlan>> = vec![None; cluster.nodes.len()];
-    let (layout, sync, compute_max, notes);
-    match c {
+    let (shaped, note) = match c {
         Candidate::Data {
             workers,
             batch,
             note,
-        } => {
-            let state = costs.state_bytes(&all);
-            let act = costs.activation_bytes_per_sample(&all);
-            let mut cmax: f64 = 0.0;
-            for (&w, &b) in workers.iter().zip(batch) {
-                let node = cluster.node(w);
-                let mem = state + act * b;
-                if mem > node.memory_bytes {
-                    return Err(NoFit(w, mem, node.memory_bytes).into());
-                }
-                let compute = costs.compute_s(w, &all, b as f64);
-                cmax = cmax.max(compute);
-                nodes[w.index()] = Some(NodePlan {
-                    id: w,
-                    name: String::new(),
-                    device: String::new(),
-                    role: Role::Worker,
-                    batch: b,
-                    micro_batches: u64::from(b > 0),
-                    layers: Some(all.clone()),
-                    grad_weight: b as f64 / b_total as f64,
-                    memory_bytes: mem,
-                    memory_limit_bytes: node.memory_bytes,
-                    compute_s: compute,
-                    comm_s: 0.0,
-                    idle_s: 0.0,
-                });
-            }
-            // Every-step rounds overlap the slowest worker's backward pass (2/3 of its compute).
-            sync = choose_sync(
-                costs,
-                &[(workers.clone(), costs.grad_bytes(&all))],
-                cmax,
-                cmax * crate::cost::BACKWARD_SHARE,
-                freedom,
-            );
-            layout = Layout::DataParallel {
-                workers: workers.len(),
-            };
-            compute_max = cmax;
-            notes = note.iter().cloned().collect::<Vec<_>>();
-        }
+        } => (
+            evaluate_data(costs, workers, batch, freedom, &mut nodes)?,
+            note,
+        ),
         Candidate::Pipe {
             grid,
             bounds,
@@ -176,121 +136,26 @@ pub(super) fn evaluate(
             samples,
             note,
         } => {
-            let stages = bounds.len() - 1;
-            let m = u64::from(costs.training.micro_batch);
-            let mut cmax: f64 = 0.0;
-            let mut per_node_p2p = vec![0.0; cluster.nodes.len()];
-            for (r, row) in grid.iter().enumerate() {
-                let k_mb = micro[r];
-                let mut bottleneck: f64 = 0.0;
-                let mut stage_t = Vec::with_capacity(stages);
-                for k in 0..stages {
-                    let id = row[k];
-                    let node = cluster.node(id);
-                    let range = bounds[k]..bounds[k + 1];
-                    let in_flight = (stages - k) as u64 * m;
-                    let mem = costs.memory_bytes(&range, in_flight);
-                    if mem > node.memory_bytes {
-                        return Err(NoFit(id, mem, node.memory_bytes).into());
-                    }
-                    let compute = costs.compute_s(id, &range, m as f64);
-                    let p2p = if k + 1 < stages {
-                        let bytes = (costs.boundary_bytes_per_sample(bounds[k + 1]) * m) as f64;
-                        2.0 * costs.link(id, row[k + 1]).transfer_s(bytes)
-                    } else {
-                        0.0
-                    };
-                    stage_t.push((compute, p2p));
-                    bottleneck = bottleneck.max(compute + p2p);
-                    nodes[id.index()] = Some(NodePlan {
-                        id,
-                        name: String::new(),
-                        device: String::new(),
-                        role: Role::Stage {
-                            replica: r,
-                            stage: k,
-                        },
-                        batch: samples[r],
-                        micro_batches: k_mb,
-                        layers: Some(range),
-                        grad_weight: samples[r] as f64 / b_total as f64,
-                        memory_bytes: mem,
-                        memory_limit_bytes: node.memory_bytes,
-                        compute_s: compute * k_mb as f64,
-                        comm_s: 0.0,
-                        idle_s: 0.0,
-                    });
-                    per_node_p2p[id.index()] = p2p * k_mb as f64;
-                }
-                let replica_s = if k_mb > 0 {
-                    (k_mb + stages as u64 - 1) as f64 * bottleneck
-                } else {
-                    0.0
-                };
-                cmax = cmax.max(replica_s);
-            }
-            for (i, n) in nodes.iter_mut().enumerate() {
-                if let Some(n) = n {
-                    n.comm_s = per_node_p2p[i];
-                }
-            }
-            let groups: Vec<(Vec<NodeId>, u64)> = (0..stages)
-                .map(|k| {
-                    (
-                        grid.iter().map(|row| row[k]).collect(),
-                        costs.grad_bytes(&(bounds[k]..bounds[k + 1])),
-                    )
-                })
-                .collect();
-            // Stage gradients are reduced after the pipeline drains: no overlap is assumed.
-            sync = choose_sync(costs, &groups, cmax, 0.0, freedom);
-            layout = Layout::Pipeline {
-                stages,
-                replicas: grid.len(),
-                bounds: bounds.clone(),
-                micro_batch: costs.training.micro_batch,
+            let pipe = PipeShape {
+                grid,
+                bounds,
+                micro,
+                samples,
             };
-            compute_max = cmax;
-            notes = note.iter().cloned().collect::<Vec<_>>();
+            (evaluate_pipe(costs, &pipe, freedom, &mut nodes)?, note)
         }
-    }
+    };
+    let Shaped {
+        layout,
+        sync,
+        compute_max,
+    } = shaped;
+    let notes = note.iter().cloned().collect::<Vec<_>>();
     let step_s = compute_max + sync.per_step_s;
     if step_s >= beat {
         return Err(Rejected::NotFaster);
     }
-    let nodes: Vec<NodePlan> = cluster
-        .ids()
-        .map(|id| match nodes[id.index()].take() {
-            Some(mut n) => {
-                let node = cluster.node(id);
-                n.name = node.name.clone();
-                n.device = node.device.clone();
-                n.comm_s += sync.per_step_s;
-                n.idle_s = (step_s - n.compute_s - n.comm_s).max(0.0);
-                n
-            }
-            None => {
-                let node = cluster.node(id);
-                NodePlan {
-                    id,
-                    name: node.name.clone(),
-                    device: node.device.clone(),
-                    role: Role::Idle {
-                        reason: idle_reason(costs, &layout, id),
-                    },
-                    batch: 0,
-                    micro_batches: 0,
-                    layers: None,
-                    grad_weight: 0.0,
-                    memory_bytes: 0,
-                    memory_limit_bytes: node.memory_bytes,
-                    compute_s: 0.0,
-                    comm_s: 0.0,
-                    idle_s: step_s,
-                }
-            }
-        })
-        .collect();
+    let nodes = finish_nodes(costs, nodes, &layout, sync.per_step_s, step_s);
     Ok(Plan {
         planner: PlannerKind::Ravnest,
         model: costs.model.name.clone(),
@@ -310,6 +175,229 @@ pub(super) fn evaluate(
         sync,
         notes,
     })
+}
+
+/// A candidate's shape, its synchronization and its slowest compute path (seconds).
+struct Shaped {
+    layout: Layout,
+    sync: SyncPlan,
+    compute_max: f64,
+}
+
+/// The pipeline of a [`Candidate::Pipe`].
+struct PipeShape<'a> {
+    /// grid[r][k] = node of stage k in replica r.
+    grid: &'a [Vec<NodeId>],
+    bounds: &'a Bounds,
+    /// Micro-batches per replica.
+    micro: &'a [u64],
+    /// Samples per replica.
+    samples: &'a [u64],
+}
+
+/// Place the workers of a data-parallel candidate in `nodes`, and choose their sync.
+fn evaluate_data(
+    costs: &Costs<'_>,
+    workers: &[NodeId],
+    batch: &[u64],
+    freedom: SyncFreedom,
+    nodes: &mut [Option<NodePlan>],
+) -> Result<Shaped, Rejected> {
+    let cluster = costs.cluster;
+    let b_total = u64::from(costs.training.global_batch);
+    let all = costs.all();
+    let state = costs.state_bytes(&all);
+    let act = costs.activation_bytes_per_sample(&all);
+    let mut cmax: f64 = 0.0;
+    for (&w, &b) in workers.iter().zip(batch) {
+        let node = cluster.node(w);
+        let mem = state + act * b;
+        if mem > node.memory_bytes {
+            return Err(NoFit(w, mem, node.memory_bytes).into());
+        }
+        let compute = costs.compute_s(w, &all, b as f64);
+        cmax = cmax.max(compute);
+        nodes[w.index()] = Some(NodePlan {
+            id: w,
+            name: String::new(),
+            device: String::new(),
+            role: Role::Worker,
+            batch: b,
+            micro_batches: u64::from(b > 0),
+            layers: Some(all.clone()),
+            grad_weight: b as f64 / b_total as f64,
+            memory_bytes: mem,
+            memory_limit_bytes: node.memory_bytes,
+            compute_s: compute,
+            comm_s: 0.0,
+            idle_s: 0.0,
+        });
+    }
+    // Every-step rounds overlap the slowest worker's backward pass (2/3 of its compute).
+    let sync = choose_sync(
+        costs,
+        &[(workers.to_vec(), costs.grad_bytes(&all))],
+        cmax,
+        cmax * crate::cost::BACKWARD_SHARE,
+        freedom,
+    );
+    Ok(Shaped {
+        layout: Layout::DataParallel {
+            workers: workers.len(),
+        },
+        sync,
+        compute_max: cmax,
+    })
+}
+
+/// Place the stages of a pipeline candidate in `nodes`, and choose each stage group's sync.
+fn evaluate_pipe(
+    costs: &Costs<'_>,
+    pipe: &PipeShape<'_>,
+    freedom: SyncFreedom,
+    nodes: &mut [Option<NodePlan>],
+) -> Result<Shaped, Rejected> {
+    let (grid, bounds) = (pipe.grid, pipe.bounds);
+    let stages = bounds.len() - 1;
+    let mut cmax: f64 = 0.0;
+    let mut per_node_p2p = vec![0.0; costs.cluster.nodes.len()];
+    for r in 0..grid.len() {
+        let replica_s = place_replica(costs, pipe, r, nodes, &mut per_node_p2p)?;
+        cmax = cmax.max(replica_s);
+    }
+    for (i, n) in nodes.iter_mut().enumerate() {
+        if let Some(n) = n {
+            n.comm_s = per_node_p2p[i];
+        }
+    }
+    let groups: Vec<(Vec<NodeId>, u64)> = (0..stages)
+        .map(|k| {
+            (
+                grid.iter().map(|row| row[k]).collect(),
+                costs.grad_bytes(&(bounds[k]..bounds[k + 1])),
+            )
+        })
+        .collect();
+    // Stage gradients are reduced after the pipeline drains: no overlap is assumed.
+    let sync = choose_sync(costs, &groups, cmax, 0.0, freedom);
+    Ok(Shaped {
+        layout: Layout::Pipeline {
+            stages,
+            replicas: grid.len(),
+            bounds: bounds.clone(),
+            micro_batch: costs.training.micro_batch,
+        },
+        sync,
+        compute_max: cmax,
+    })
+}
+
+/// Place replica `r`'s stages in `nodes` and their transfer seconds in `per_node_p2p`; the
+/// replica's seconds per step: (micro-batches + stages - 1) × its slowest stage.
+fn place_replica(
+    costs: &Costs<'_>,
+    pipe: &PipeShape<'_>,
+    r: usize,
+    nodes: &mut [Option<NodePlan>],
+    per_node_p2p: &mut [f64],
+) -> Result<f64, Rejected> {
+    let cluster = costs.cluster;
+    let b_total = u64::from(costs.training.global_batch);
+    let (row, bounds, samples) = (&pipe.grid[r], pipe.bounds, pipe.samples);
+    let stages = bounds.len() - 1;
+    let m = u64::from(costs.training.micro_batch);
+    let k_mb = pipe.micro[r];
+    let mut bottleneck: f64 = 0.0;
+    let mut stage_t = Vec::with_capacity(stages);
+    for k in 0..stages {
+        let id = row[k];
+        let node = cluster.node(id);
+        let range = bounds[k]..bounds[k + 1];
+        let in_flight = (stages - k) as u64 * m;
+        let mem = costs.memory_bytes(&range, in_flight);
+        if mem > node.memory_bytes {
+            return Err(NoFit(id, mem, node.memory_bytes).into());
+        }
+        let compute = costs.compute_s(id, &range, m as f64);
+        let p2p = if k + 1 < stages {
+            let bytes = (costs.boundary_bytes_per_sample(bounds[k + 1]) * m) as f64;
+            2.0 * costs.link(id, row[k + 1]).transfer_s(bytes)
+        } else {
+            0.0
+        };
+        stage_t.push((compute, p2p));
+        bottleneck = bottleneck.max(compute + p2p);
+        nodes[id.index()] = Some(NodePlan {
+            id,
+            name: String::new(),
+            device: String::new(),
+            role: Role::Stage {
+                replica: r,
+                stage: k,
+            },
+            batch: samples[r],
+            micro_batches: k_mb,
+            layers: Some(range),
+            grad_weight: samples[r] as f64 / b_total as f64,
+            memory_bytes: mem,
+            memory_limit_bytes: node.memory_bytes,
+            compute_s: compute * k_mb as f64,
+            comm_s: 0.0,
+            idle_s: 0.0,
+        });
+        per_node_p2p[id.index()] = p2p * k_mb as f64;
+    }
+    let replica_s = if k_mb > 0 {
+        (k_mb + stages as u64 - 1) as f64 * bottleneck
+    } else {
+        0.0
+    };
+    Ok(replica_s)
+}
+
+/// Every node's plan: names, the sync charged per step and idle time for the placed ones, an
+/// idle role (and why) for the rest.
+fn finish_nodes(
+    costs: &Costs<'_>,
+    mut nodes: Vec<Option<NodePlan>>,
+    layout: &Layout,
+    sync_s: f64,
+    step_s: f64,
+) -> Vec<NodePlan> {
+    let cluster = costs.cluster;
+    cluster
+        .ids()
+        .map(|id| match nodes[id.index()].take() {
+            Some(mut n) => {
+                let node = cluster.node(id);
+                n.name = node.name.clone();
+                n.device = node.device.clone();
+                n.comm_s += sync_s;
+                n.idle_s = (step_s - n.compute_s - n.comm_s).max(0.0);
+                n
+            }
+            None => {
+                let node = cluster.node(id);
+                NodePlan {
+                    id,
+                    name: node.name.clone(),
+                    device: node.device.clone(),
+                    role: Role::Idle {
+                        reason: idle_reason(costs, layout, id),
+                    },
+                    batch: 0,
+                    micro_batches: 0,
+                    layers: None,
+                    grad_weight: 0.0,
+                    memory_bytes: 0,
+                    memory_limit_bytes: node.memory_bytes,
+                    compute_s: 0.0,
+                    comm_s: 0.0,
+                    idle_s: step_s,
+                }
+            }
+        })
+        .collect()
 }
 
 /// Keep `p` in `best` when it is faster.

@@ -200,56 +200,12 @@ fn node_orders(cluster: &ClusterSpec) -> Vec<Vec<NodeId>> {
     vec![by_mem, by_speed]
 }
 
+/// ravnest's candidate layouts, the fastest kept: data parallel over tiers of the nodes that
+/// hold the model, then (when allowed) pipelines of every stage count.
 pub(super) fn ravnest_search(costs: &Costs<'_>, opts: PlanOptions) -> Option<Plan> {
     let cluster = costs.cluster;
     let mut best: Option<Plan> = None;
-    let all = costs.all();
-    // Data parallel over the nodes that can hold the model, and over subsets that leave out the
-    // slowest links (one candidate per access-bandwidth tier).
-    let fit: Vec<NodeId> = cluster
-        .ids()
-        .filter(|&i| costs.memory_bytes(&all, 1) <= cluster.node(i).memory_bytes)
-        .collect();
-    if !fit.is_empty() {
-        // Tiers of access bandwidth (leave out the slowest links) and of throughput (leave out
-        // the slowest devices: a share too small to pay for the ring's extra hops).
-        type Key = fn(&crate::cluster::NodeSpec) -> f64;
-        let by: [(Key, &str); 2] = [
-            (|n| n.link.bandwidth_gbps, "links below {} Gbit/s"),
-            (|n| n.flops / 1e12, "devices below {} TFLOP/s"),
-        ];
-        for (key, what) in by {
-            let mut tiers: Vec<f64> = fit.iter().map(|&i| key(cluster.node(i))).collect();
-            tiers.sort_by(f64::total_cmp);
-            tiers.dedup();
-            for (t, &tier) in tiers.iter().enumerate().take(8) {
-                let workers: Vec<NodeId> = fit
-                    .iter()
-                    .copied()
-                    .filter(|&i| key(cluster.node(i)) >= tier)
-                    .collect();
-                let Some((w, b)) = ravnest_dp(costs, &workers) else {
-                    continue;
-                };
-                let note = (t > 0).then(|| {
-                    format!(
-                        "left out the {} node(s) with {}: their share does not pay for the slower ring",
-                        fit.len() - workers.len(),
-                        what.replace("{}", &format!("{tier:.1}"))
-                    )
-                });
-                let c = Candidate::Data {
-                    workers: w,
-                    batch: b,
-                    note,
-                };
-                let beat = best.as_ref().map_or(f64::INFINITY, |b| b.step.step_s);
-                if let Ok(p) = evaluate(costs, &c, SyncFreedom::Choose, beat) {
-                    keep_best(&mut best, p);
-                }
-            }
-        }
-    }
+    data_parallel_tiers(costs, &mut best);
     if !opts.allow_pipeline {
         return best;
     }
@@ -264,86 +220,185 @@ pub(super) fn ravnest_search(costs: &Costs<'_>, opts: PlanOptions) -> Option<Pla
     let orders = node_orders(cluster);
     let rank: Vec<NodeId> = cluster.ids().collect();
     let params: Vec<u64> = costs.model.layers.iter().map(|x| x.params).collect();
-    let m = u64::from(costs.training.micro_batch);
     for s in 2..=n.min(costs.layers()) {
-        let need_orders: Vec<Vec<usize>> = [
-            layers::equal_params(&params, s),
-            layers::equal_layers(costs.layers(), s),
-        ]
-        .iter()
-        .map(|b| {
-            let need: Vec<u64> = (0..s)
-                .map(|k| costs.memory_bytes(&(b[k]..b[k + 1]), (s - k) as u64 * m))
-                .collect();
-            let mut neediest: Vec<usize> = (0..s).collect();
-            neediest.sort_by_key(|&k| (std::cmp::Reverse(need[k]), k));
-            neediest
-        })
-        .collect();
-        let grid_for = |kind: usize, r: usize| -> Vec<Vec<NodeId>> {
-            match kind {
-                0 | 1 => (0..r)
-                    .map(|rep| (0..s).map(|k| orders[kind][k * r + rep]).collect())
-                    .collect(),
-                2 => (0..r)
-                    .map(|rep| (0..s).map(|k| rank[rep * s + k]).collect())
-                    .collect(),
-                _ => {
-                    let mut grid = vec![vec![NodeId(0); s]; r];
-                    for (g, &k) in need_orders[kind - 3].iter().enumerate() {
-                        for (rep, row) in grid.iter_mut().enumerate() {
-                            row[k] = orders[0][g * r + rep];
-                        }
-                    }
-                    grid
-                }
-            }
+        let dealer = Dealer {
+            s,
+            orders: &orders,
+            rank: &rank,
+            need_orders: need_orders(costs, &params, s),
         };
-        let r_max = n / s;
-        let mut seen: Vec<Vec<Vec<NodeId>>> = Vec::new();
-        for kind in 0..3 + need_orders.len() {
-            // Halving R keeps only the larger / faster part of each order.
-            let mut rs = vec![r_max];
-            while *rs.last().unwrap() > 1 {
-                rs.push(rs.last().unwrap() / 2);
-            }
-            // Memory feasibility only (the layer DP under each stage group's smallest memory):
-            // cheap, so the binary search does not evaluate whole plans.
-            let fits = |r: usize| {
-                layers::optimal_split(costs.layers(), s, &stage_cost_fn(costs, &grid_for(kind, r)))
-                    .is_some()
+        pipelines_of(costs, &dealer, n / s, &mut best);
+    }
+    best
+}
+
+/// Data parallel over the nodes that can hold the model, and over subsets that leave out the
+/// slowest links (one candidate per access-bandwidth tier); the fastest is kept in `best`.
+fn data_parallel_tiers(costs: &Costs<'_>, best: &mut Option<Plan>) {
+    let cluster = costs.cluster;
+    let all = costs.all();
+    let fit: Vec<NodeId> = cluster
+        .ids()
+        .filter(|&i| costs.memory_bytes(&all, 1) <= cluster.node(i).memory_bytes)
+        .collect();
+    if fit.is_empty() {
+        return;
+    }
+    // Tiers of access bandwidth (leave out the slowest links) and of throughput (leave out
+    // the slowest devices: a share too small to pay for the ring's extra hops).
+    type Key = fn(&crate::cluster::NodeSpec) -> f64;
+    let by: [(Key, &str); 2] = [
+        (|n| n.link.bandwidth_gbps, "links below {} Gbit/s"),
+        (|n| n.flops / 1e12, "devices below {} TFLOP/s"),
+    ];
+    for (key, what) in by {
+        let mut tiers: Vec<f64> = fit.iter().map(|&i| key(cluster.node(i))).collect();
+        tiers.sort_by(f64::total_cmp);
+        tiers.dedup();
+        for (t, &tier) in tiers.iter().enumerate().take(8) {
+            let workers: Vec<NodeId> = fit
+                .iter()
+                .copied()
+                .filter(|&i| key(cluster.node(i)) >= tier)
+                .collect();
+            let Some((w, b)) = ravnest_dp(costs, &workers) else {
+                continue;
             };
-            if r_max >= 2 && !fits(r_max) {
-                let (mut lo, mut hi, mut found) = (1, r_max - 1, None);
-                while lo <= hi {
-                    let mid = (lo + hi) / 2;
-                    if fits(mid) {
-                        found = Some(mid);
-                        lo = mid + 1;
-                    } else {
-                        hi = mid - 1;
-                    }
-                }
-                rs.extend(found);
-            }
-            for r in rs {
-                let grid = grid_for(kind, r);
-                if seen.contains(&grid) {
-                    continue;
-                }
-                seen.push(grid.clone());
-                if let Some(b) = &best
-                    && super::eval::perfect_balance_s(costs, &grid) >= b.step.step_s
-                {
-                    continue;
-                }
-                let mut cands = Vec::new();
-                pipe_candidates(costs, grid, false, &mut cands);
-                search_into(costs, &cands, &mut best);
+            let note = (t > 0).then(|| {
+                format!(
+                    "left out the {} node(s) with {}: their share does not pay for the slower ring",
+                    fit.len() - workers.len(),
+                    what.replace("{}", &format!("{tier:.1}"))
+                )
+            });
+            let c = Candidate::Data {
+                workers: w,
+                batch: b,
+                note,
+            };
+            let beat = best.as_ref().map_or(f64::INFINITY, |b| b.step.step_s);
+            if let Ok(p) = evaluate(costs, &c, SyncFreedom::Choose, beat) {
+                keep_best(best, p);
             }
         }
     }
-    best
+}
+
+/// Stage indices from the neediest (most memory) to the least, under each baseline split of
+/// `s` stages (equal parameters, equal layers).
+fn need_orders(costs: &Costs<'_>, params: &[u64], s: usize) -> Vec<Vec<usize>> {
+    let m = u64::from(costs.training.micro_batch);
+    [
+        layers::equal_params(params, s),
+        layers::equal_layers(costs.layers(), s),
+    ]
+    .iter()
+    .map(|b| {
+        let need: Vec<u64> = (0..s)
+            .map(|k| costs.memory_bytes(&(b[k]..b[k + 1]), (s - k) as u64 * m))
+            .collect();
+        let mut neediest: Vec<usize> = (0..s).collect();
+        neediest.sort_by_key(|&k| (std::cmp::Reverse(need[k]), k));
+        neediest
+    })
+    .collect()
+}
+
+/// The ways ravnest deals nodes into grids of `s` stages: kinds 0 and 1 deal the node orders
+/// (by memory, by speed), kind 2 is rank order, and kinds 3.. match the largest-memory nodes
+/// to the neediest stages of one baseline split each.
+struct Dealer<'a> {
+    s: usize,
+    orders: &'a [Vec<NodeId>],
+    rank: &'a [NodeId],
+    need_orders: Vec<Vec<usize>>,
+}
+
+impl Dealer<'_> {
+    /// How many kinds of grid there are.
+    fn kinds(&self) -> usize {
+        3 + self.need_orders.len()
+    }
+
+    /// The grid of `kind` with `r` replicas: grid[rep][k] = node of stage k in replica rep.
+    fn grid(&self, kind: usize, r: usize) -> Vec<Vec<NodeId>> {
+        let (s, orders, rank) = (self.s, self.orders, self.rank);
+        match kind {
+            0 | 1 => (0..r)
+                .map(|rep| (0..s).map(|k| orders[kind][k * r + rep]).collect())
+                .collect(),
+            2 => (0..r)
+                .map(|rep| (0..s).map(|k| rank[rep * s + k]).collect())
+                .collect(),
+            _ => {
+                let mut grid = vec![vec![NodeId(0); s]; r];
+                for (g, &k) in self.need_orders[kind - 3].iter().enumerate() {
+                    for (rep, row) in grid.iter_mut().enumerate() {
+                        row[k] = orders[0][g * r + rep];
+                    }
+                }
+                grid
+            }
+        }
+    }
+}
+
+/// Search the pipelines of `dealer.s` stages (up to `r_max` replicas), keeping the fastest in
+/// `best`.
+fn pipelines_of(costs: &Costs<'_>, dealer: &Dealer<'_>, r_max: usize, best: &mut Option<Plan>) {
+    let mut seen: Vec<Vec<Vec<NodeId>>> = Vec::new();
+    for kind in 0..dealer.kinds() {
+        for r in replica_counts(costs, dealer, kind, r_max) {
+            let grid = dealer.grid(kind, r);
+            if seen.contains(&grid) {
+                continue;
+            }
+            seen.push(grid.clone());
+            if let Some(b) = best.as_ref()
+                && super::eval::perfect_balance_s(costs, &grid) >= b.step.step_s
+            {
+                continue;
+            }
+            let mut cands = Vec::new();
+            pipe_candidates(costs, grid, false, &mut cands);
+            search_into(costs, &cands, best);
+        }
+    }
+}
+
+/// The replica counts to try for grids of `kind`: `r_max` halved down to 1, and, when `r_max`
+/// does not fit, the largest count that does (binary search).
+fn replica_counts(costs: &Costs<'_>, dealer: &Dealer<'_>, kind: usize, r_max: usize) -> Vec<usize> {
+    let s = dealer.s;
+    // Halving R keeps only the larger / faster part of each order.
+    let mut rs = vec![r_max];
+    while *rs.last().unwrap() > 1 {
+        rs.push(rs.last().unwrap() / 2);
+    }
+    // Memory feasibility only (the layer DP under each stage group's smallest memory):
+    // cheap, so the binary search does not evaluate whole plans.
+    let fits = |r: usize| {
+        layers::optimal_split(
+            costs.layers(),
+            s,
+            &stage_cost_fn(costs, &dealer.grid(kind, r)),
+        )
+        .is_some()
+    };
+    if r_max >= 2 && !fits(r_max) {
+        let (mut lo, mut hi, mut found) = (1, r_max - 1, None);
+        while lo <= hi {
+            let mid = (lo + hi) / 2;
+            if fits(mid) {
+                found = Some(mid);
+                lo = mid + 1;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        rs.extend(found);
+    }
+    rs
 }
 
 /// The largest stage count to try: none (1) when pipelines are not allowed.
