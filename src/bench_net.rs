@@ -222,7 +222,7 @@ fn one_node_run(
     steps: u64,
     device: &str,
     out: &std::path::Path,
-) -> Result<serde_json::Value> {
+) -> Result<f64> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
@@ -232,7 +232,7 @@ fn one_node_run(
         widths.join(", ")
     );
     let scenario = ravnest_core::parse(&text, "bench")?;
-    ravnest_train::process::run(ravnest_train::process::Options {
+    let report = ravnest_train::process::run(ravnest_train::process::Options {
         scenario,
         origin: "bench".into(),
         node: "solo".into(),
@@ -248,7 +248,11 @@ fn one_node_run(
         advertise: None,
         overwrite: true,
         device: Some(device.to_string()),
-    })
+    })?;
+    // Per step after warm-up.
+    Ok(report
+        .coordinator
+        .map_or(f64::NAN, |c| c.steady_samples_per_s))
 }
 
 /// A bare candle training loop on the digits, on this process's device: ravnest's own
@@ -317,9 +321,8 @@ pub fn overhead(steps: u64, rounds: usize) -> Result<String> {
         autograd = autograd.min(t.elapsed().as_secs_f64());
 
         // The same through ravnest, one node.
-        let report = one_node_run(&dims, batch, steps, "cpu", &out)?;
         // Per step after warm-up, scaled to the whole run (as the bare loop's).
-        let steady = report["steady_samples_per_s"].as_f64().unwrap_or(f64::NAN);
+        let steady = one_node_run(&dims, batch, steps, "cpu", &out)?;
         best.1 = best.1.min((steps * batch) as f64 / steady);
     }
     let _ = std::fs::remove_dir_all(&out);
@@ -376,8 +379,7 @@ pub fn gpu(dims: &[usize], batch: u64, steps: u64, rounds: usize) -> Result<Stri
     for _ in 0..rounds {
         bare = bare.min(bare_loop(dims, batch, steps)?.0);
 
-        let report = one_node_run(dims, batch, steps, "cuda:0", &out)?;
-        let steady = report["steady_samples_per_s"].as_f64().unwrap_or(f64::NAN);
+        let steady = one_node_run(dims, batch, steps, "cuda:0", &out)?;
         through = through.min((steps * batch) as f64 / steady);
     }
     let _ = std::fs::remove_dir_all(&out);

@@ -350,24 +350,7 @@ fn run_one(
     let log = dir.join("stderr.log");
     let faults = match schedule(seed) {
         Schedule::PortInUse { node } => {
-            let _hold = std::net::TcpListener::bind(listens[node])?;
-            let t0 = Instant::now();
-            let (mut child, _rx) = launch(exe, &file, &out, &log)?;
-            let status = wait_for(&mut child, Duration::from_secs(20))?;
-            let secs = t0.elapsed().as_secs_f64();
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
-            let port = listens[node].port().to_string();
-            if status.is_none_or(|s| s.success()) || secs > 5.0 || !text.contains(&port) {
-                bail!(
-                    "port {port} in use: exit {status:?} after {secs:.1} s; the message {} the port",
-                    if text.contains(&port) {
-                        "names"
-                    } else {
-                        "does not name"
-                    }
-                );
-            }
-            return Ok(format!("port in use: exit {status:?} in {secs:.1} s"));
+            return port_in_use(exe, &file, &out, &log, listens[node]);
         }
         Schedule::Faults(f) => f,
     };
@@ -381,23 +364,6 @@ fn run_one(
     let mut joined: Vec<Child> = Vec::new();
     let mut forged: Vec<tokio::task::JoinHandle<Result<(), String>>> = Vec::new();
     let mut summary = None;
-    let rejoin = |node: usize| -> Result<Child> {
-        let jlog = std::fs::File::create(dir.join(format!("{}-rejoin.log", NODES[node])))?;
-        Ok(Command::new(exe)
-            .args([
-                "run",
-                "--join",
-                &addresses[0].to_string(),
-                "--node",
-                NODES[node],
-            ])
-            .args(["--json", "--out"])
-            .arg(&out)
-            .env("RAVNEST_SECRET", SECRET)
-            .stdout(Stdio::null())
-            .stderr(jlog)
-            .spawn()?)
-    };
     loop {
         if Instant::now() > deadline {
             let _ = child.kill();
@@ -413,7 +379,7 @@ fn run_one(
             match l {
                 Later::Cont(pid) => signal(pid, "-CONT"),
                 Later::Undelay(node) => proxies[node].set_delay(Duration::ZERO),
-                Later::Rejoin(node) => joined.push(rejoin(node)?),
+                Later::Rejoin(node) => joined.push(rejoin(exe, &dir, &out, addresses[0], node)?),
             }
         }
         match rx.recv_timeout(Duration::from_millis(20)) {
@@ -433,80 +399,12 @@ fn run_one(
         }
         let since = planned.map_or(0, |p: Instant| p.elapsed().as_millis() as u64);
         while let Some(t) = pending.next_if(|t| planned.is_some() && t.at_ms <= since) {
-            let pid = |i: usize| pids.get(NODES[i]).copied();
             match t.fault {
-                Fault::Kill { node, rejoin_ms } => {
-                    if let Some(p) = pid(node) {
-                        signal(p, "-KILL");
-                    }
-                    if let Some(ms) = rejoin_ms {
-                        later.push((at(ms), Later::Rejoin(node)));
-                    }
-                }
-                Fault::Freeze { node, ms } => {
-                    if let Some(p) = pid(node) {
-                        signal(p, "-STOP");
-                        later.push((at(ms), Later::Cont(p)));
-                    }
-                }
-                Fault::Reset { node } => proxies[node].reset(),
-                Fault::Delay { node, ms, for_ms } => {
-                    proxies[node].set_delay(Duration::from_millis(ms));
-                    later.push((at(for_ms), Later::Undelay(node)));
-                }
                 // Forged peers run beside the schedule (a frozen target would hold them).
-                Fault::Duplicate { target, claim } => {
-                    let addr = listens[target];
-                    forged.push(rt.spawn(async move {
-                        match tcp::dial_as(
-                            addr,
-                            NodeId(target as u32),
-                            NodeId(claim as u32),
-                            SECRET.as_bytes(),
-                        )
-                        .await
-                        {
-                            Ok(_) => Err(format!(
-                                "a second connection claiming the live node `{}` was let in",
-                                NODES[claim]
-                            )),
-                            // Refused as a duplicate, or the target frozen or restarting:
-                            // nothing was let in.
-                            Err(_) => Ok(()),
-                        }
-                    }));
+                f @ (Fault::Duplicate { .. } | Fault::Corrupt { .. }) => {
+                    forged.push(forge(rt, &f, &listens, seed));
                 }
-                Fault::Corrupt {
-                    target,
-                    claim,
-                    huge,
-                } => {
-                    let addr = listens[target];
-                    let bytes: Vec<u8> = if huge {
-                        let mut b = u32::MAX.to_le_bytes().to_vec();
-                        b.extend([0u8; 16]);
-                        b
-                    } else {
-                        let mut r = Mix(seed ^ 0x5eed);
-                        (0..4096).map(|_| r.next() as u8).collect()
-                    };
-                    forged.push(rt.spawn(async move {
-                        use tokio::io::AsyncWriteExt;
-                        if let Ok(mut s) = tcp::dial_as(
-                            addr,
-                            NodeId(target as u32),
-                            NodeId(claim as u32),
-                            SECRET.as_bytes(),
-                        )
-                        .await
-                        {
-                            let _ = s.write_all(&bytes).await;
-                            let _ = s.flush().await;
-                            tokio::time::sleep(Duration::from_millis(200)).await;
-                        }
-                        Ok(())
-                    }));
-                }
+                f => later.extend(inject(f, &pids, &proxies)),
             }
         }
     }
@@ -522,6 +420,154 @@ fn run_one(
     for mut j in joined {
         let _ = wait_for(&mut j, Duration::from_secs(20));
     }
+    judge(status, summary, &out, &log, want)
+}
+
+/// A fault on a node or its link, now; what is to be undone later (and when).
+fn inject(
+    fault: Fault,
+    pids: &BTreeMap<String, u32>,
+    proxies: &[Proxy],
+) -> Option<(Instant, Later)> {
+    let pid = |i: usize| pids.get(NODES[i]).copied();
+    match fault {
+        Fault::Kill { node, rejoin_ms } => {
+            if let Some(p) = pid(node) {
+                signal(p, "-KILL");
+            }
+            rejoin_ms.map(|ms| (at(ms), Later::Rejoin(node)))
+        }
+        Fault::Freeze { node, ms } => pid(node).map(|p| {
+            signal(p, "-STOP");
+            (at(ms), Later::Cont(p))
+        }),
+        Fault::Reset { node } => {
+            proxies[node].reset();
+            None
+        }
+        Fault::Delay { node, ms, for_ms } => {
+            proxies[node].set_delay(Duration::from_millis(ms));
+            Some((at(for_ms), Later::Undelay(node)))
+        }
+        Fault::Duplicate { .. } | Fault::Corrupt { .. } => None,
+    }
+}
+
+/// A killed node starts again with `--join` (the first node's address, the secret).
+fn rejoin(exe: &Path, dir: &Path, out: &Path, seed: SocketAddr, node: usize) -> Result<Child> {
+    let jlog = std::fs::File::create(dir.join(format!("{}-rejoin.log", NODES[node])))?;
+    Ok(Command::new(exe)
+        .args(["run", "--join", &seed.to_string(), "--node", NODES[node]])
+        .args(["--json", "--out"])
+        .arg(out)
+        .env("RAVNEST_SECRET", SECRET)
+        .stdout(Stdio::null())
+        .stderr(jlog)
+        .spawn()?)
+}
+
+/// Schedule "port in use": with node's port held, the run must fail fast, naming the port.
+fn port_in_use(
+    exe: &Path,
+    file: &Path,
+    out: &Path,
+    log: &Path,
+    listen: SocketAddr,
+) -> Result<String> {
+    let _hold = std::net::TcpListener::bind(listen)?;
+    let t0 = Instant::now();
+    let (mut child, _rx) = launch(exe, file, out, log)?;
+    let status = wait_for(&mut child, Duration::from_secs(20))?;
+    let secs = t0.elapsed().as_secs_f64();
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let port = listen.port().to_string();
+    if status.is_none_or(|s| s.success()) || secs > 5.0 || !text.contains(&port) {
+        bail!(
+            "port {port} in use: exit {status:?} after {secs:.1} s; the message {} the port",
+            if text.contains(&port) {
+                "names"
+            } else {
+                "does not name"
+            }
+        );
+    }
+    Ok(format!("port in use: exit {status:?} in {secs:.1} s"))
+}
+
+/// A forged peer, beside the run: a duplicate of a live node (it must be refused) or garbage
+/// after a good handshake (it must be survived).
+fn forge(
+    rt: &tokio::runtime::Runtime,
+    fault: &Fault,
+    listens: &[SocketAddr],
+    seed: u64,
+) -> tokio::task::JoinHandle<Result<(), String>> {
+    match *fault {
+        Fault::Duplicate { target, claim } => {
+            let addr = listens[target];
+            rt.spawn(async move {
+                match tcp::dial_as(
+                    addr,
+                    NodeId(target as u32),
+                    NodeId(claim as u32),
+                    SECRET.as_bytes(),
+                )
+                .await
+                {
+                    Ok(_) => Err(format!(
+                        "a second connection claiming the live node `{}` was let in",
+                        NODES[claim]
+                    )),
+                    // Refused as a duplicate, or the target frozen or restarting:
+                    // nothing was let in.
+                    Err(_) => Ok(()),
+                }
+            })
+        }
+        Fault::Corrupt {
+            target,
+            claim,
+            huge,
+        } => {
+            let addr = listens[target];
+            let bytes: Vec<u8> = if huge {
+                let mut b = u32::MAX.to_le_bytes().to_vec();
+                b.extend([0u8; 16]);
+                b
+            } else {
+                let mut r = Mix(seed ^ 0x5eed);
+                (0..4096).map(|_| r.next() as u8).collect()
+            };
+            rt.spawn(async move {
+                use tokio::io::AsyncWriteExt;
+                if let Ok(mut s) = tcp::dial_as(
+                    addr,
+                    NodeId(target as u32),
+                    NodeId(claim as u32),
+                    SECRET.as_bytes(),
+                )
+                .await
+                {
+                    let _ = s.write_all(&bytes).await;
+                    let _ = s.flush().await;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Ok(())
+            })
+        }
+        _ => rt.spawn(async { Ok(()) }),
+    }
+}
+
+/// The run's end: it succeeded, trained every step, and its final model equals the
+/// single-node replay.
+fn judge(
+    status: Option<std::process::ExitStatus>,
+    summary: Option<Value>,
+    out: &Path,
+    log: &Path,
+    want: &BTreeMap<String, Vec<f32>>,
+) -> Result<String> {
     if status.is_none_or(|s| !s.success()) {
         bail!("the run ended with {status:?}; see {}", log.display());
     }
@@ -530,7 +576,7 @@ fn run_one(
     if steps != Some(STEPS) {
         bail!("the run trained {steps:?} steps, not {STEPS}");
     }
-    let got = checkpoints(&out)?;
+    let got = checkpoints(out)?;
     let worst = worst_difference(&got, want);
     if worst > TOLERANCE {
         bail!("the final model differs from the single-node replay by {worst:.2e} (relative)");

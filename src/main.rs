@@ -69,29 +69,7 @@ File format: docs/cluster-format.md. Reading the output: docs/reading-reports.md
   ravnest sim scenarios/memory-limited.toml --seed 7 --json
 
 Same seed, same trace hash. Reading the output: docs/reading-reports.md.")]
-    Sim {
-        /// Scenario file (TOML). Without it, the embedded `flaky-3090` scenario.
-        file: Option<PathBuf>,
-        /// Seed (default: the scenario's `[sim] seed`).
-        #[arg(long)]
-        seed: Option<u64>,
-        /// Steps to simulate (default: the scenario's `[sim] steps`).
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-        steps: Option<u64>,
-        /// Planner: ravnest, uniform, param-count or exhaustive.
-        #[arg(long, default_value = "ravnest")]
-        planner: String,
-        /// Run a second planner on the same seed and print both side by side: ravnest,
-        /// uniform, param-count or exhaustive.
-        #[arg(long, value_name = "PLANNER")]
-        compare: Option<String>,
-        /// Print JSON instead of text.
-        #[arg(long)]
-        json: bool,
-        /// Write a timeline picture (SVG) of the run to this file.
-        #[arg(long)]
-        timeline: Option<PathBuf>,
-    },
+    Sim(SimCmd),
     /// Train for real over TCP. Without --node: start every node of the file as a local
     /// process (the embedded default: three processes on loopback, one emulating a 3x slower
     /// device). With --node NAME: be that node (the same command on every machine).
@@ -107,61 +85,7 @@ Same seed, same trace hash. Reading the output: docs/reading-reports.md.")]
 
 Output goes to ravnest-out/<cluster>/: checkpoints/ (docs/checkpoints.md), events.jsonl.
 Several machines: docs/multi-machine.md. File format: docs/cluster-format.md.")]
-    Run {
-        /// Cluster file (TOML) with an `address` per node. Without it, the embedded
-        /// `local-digits` cluster.
-        file: Option<PathBuf>,
-        /// Be this node of the file (otherwise start them all locally).
-        #[arg(long)]
-        node: Option<String>,
-        /// Rejoin a running cluster (a restarted node). With HOST:PORT (any running node's
-        /// address) and no FILE: fetch the cluster file from that node, authenticated with the
-        /// secret in RAVNEST_SECRET.
-        #[arg(long, value_name = "HOST:PORT", num_args = 0..=1, default_missing_value = "")]
-        join: Option<String>,
-        /// Continue from the latest checkpoint in the output directory.
-        #[arg(long, conflicts_with = "overwrite")]
-        resume: bool,
-        /// Delete the checkpoints already in the output directory and start from step 0 (a
-        /// run refuses to write over another run's checkpoints without it).
-        #[arg(long)]
-        overwrite: bool,
-        /// Seconds the coordinator waits for nodes to register, and a worker for the
-        /// coordinator (default: the file's `[run] register_timeout_s`, else 60).
-        #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
-        wait: Option<u64>,
-        /// (With --node) the local address to listen on, e.g. 0.0.0.0:47701 (default: the
-        /// node's `listen`, else its `address`).
-        #[arg(long, value_name = "HOST:PORT", requires = "node")]
-        bind: Option<String>,
-        /// (With --node) the address peers dial to reach this node, when the file's is not
-        /// it (NAT, a cloud's public address); the coordinator passes it on to the others.
-        #[arg(long, value_name = "HOST:PORT", requires = "node")]
-        advertise: Option<String>,
-        /// Compute on this device instead of each node's `device`: cpu, cuda, or cuda:N (a GPU
-        /// needs a build with `--features cuda`: docs/gpu.md).
-        #[arg(long, value_name = "cpu|cuda[:N]")]
-        device: Option<String>,
-        /// Output directory (checkpoints); default `ravnest-out/<cluster name>`.
-        #[arg(long)]
-        out: Option<PathBuf>,
-        /// Override the file's `[run] steps`.
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-        steps: Option<u64>,
-        /// JSON lines on stdout instead of text.
-        #[arg(long)]
-        json: bool,
-        /// Planner: ravnest, or uniform (the equal split of DDP-style frameworks) to compare.
-        #[arg(long, default_value = "ravnest")]
-        planner: String,
-        /// Write a timeline picture (SVG) of the run to this file: per node, computing,
-        /// waiting for the all-reduce, idle (a local cluster, started without --node).
-        #[arg(long)]
-        timeline: Option<PathBuf>,
-        /// (Set by the local launcher) put this node's activity spans in its report.
-        #[arg(long, hide = true)]
-        report_spans: bool,
-    },
+    Run(RunCmd),
     /// Benchmarks that print a table.
     #[command(after_help = "Examples:
   ravnest bench ddp                             ravnest vs PyTorch DDP, side by side (needs torch)
@@ -182,6 +106,90 @@ Reading the tables: docs/reading-reports.md.")]
 
 The figures and their sources: docs/cost-model.md.")]
     Catalog,
+}
+
+/// `ravnest sim`'s arguments.
+#[derive(clap::Args, Debug)]
+struct SimCmd {
+    /// Scenario file (TOML). Without it, the embedded `flaky-3090` scenario.
+    file: Option<PathBuf>,
+    /// Seed (default: the scenario's `[sim] seed`).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Steps to simulate (default: the scenario's `[sim] steps`).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    steps: Option<u64>,
+    /// Planner: ravnest, uniform, param-count or exhaustive.
+    #[arg(long, default_value = "ravnest")]
+    planner: String,
+    /// Run a second planner on the same seed and print both side by side: ravnest,
+    /// uniform, param-count or exhaustive.
+    #[arg(long, value_name = "PLANNER")]
+    compare: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Write a timeline picture (SVG) of the run to this file.
+    #[arg(long)]
+    timeline: Option<PathBuf>,
+}
+
+/// `ravnest run`'s arguments.
+#[derive(clap::Args, Debug)]
+struct RunCmd {
+    /// Cluster file (TOML) with an `address` per node. Without it, the embedded
+    /// `local-digits` cluster.
+    file: Option<PathBuf>,
+    /// Be this node of the file (otherwise start them all locally).
+    #[arg(long)]
+    node: Option<String>,
+    /// Rejoin a running cluster (a restarted node). With HOST:PORT (any running node's
+    /// address) and no FILE: fetch the cluster file from that node, authenticated with the
+    /// secret in RAVNEST_SECRET.
+    #[arg(long, value_name = "HOST:PORT", num_args = 0..=1, default_missing_value = "")]
+    join: Option<String>,
+    /// Continue from the latest checkpoint in the output directory.
+    #[arg(long, conflicts_with = "overwrite")]
+    resume: bool,
+    /// Delete the checkpoints already in the output directory and start from step 0 (a
+    /// run refuses to write over another run's checkpoints without it).
+    #[arg(long)]
+    overwrite: bool,
+    /// Seconds the coordinator waits for nodes to register, and a worker for the
+    /// coordinator (default: the file's `[run] register_timeout_s`, else 60).
+    #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
+    wait: Option<u64>,
+    /// (With --node) the local address to listen on, e.g. 0.0.0.0:47701 (default: the
+    /// node's `listen`, else its `address`).
+    #[arg(long, value_name = "HOST:PORT", requires = "node")]
+    bind: Option<String>,
+    /// (With --node) the address peers dial to reach this node, when the file's is not
+    /// it (NAT, a cloud's public address); the coordinator passes it on to the others.
+    #[arg(long, value_name = "HOST:PORT", requires = "node")]
+    advertise: Option<String>,
+    /// Compute on this device instead of each node's `device`: cpu, cuda, or cuda:N (a GPU
+    /// needs a build with `--features cuda`: docs/gpu.md).
+    #[arg(long, value_name = "cpu|cuda[:N]")]
+    device: Option<String>,
+    /// Output directory (checkpoints); default `ravnest-out/<cluster name>`.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Override the file's `[run] steps`.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    steps: Option<u64>,
+    /// JSON lines on stdout instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Planner: ravnest, or uniform (the equal split of DDP-style frameworks) to compare.
+    #[arg(long, default_value = "ravnest")]
+    planner: String,
+    /// Write a timeline picture (SVG) of the run to this file: per node, computing,
+    /// waiting for the all-reduce, idle (a local cluster, started without --node).
+    #[arg(long)]
+    timeline: Option<PathBuf>,
+    /// (Set by the local launcher) put this node's activity spans in its report.
+    #[arg(long, hide = true)]
+    report_spans: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -314,6 +322,7 @@ enum BenchWhat {
 }
 
 fn main() -> ExitCode {
+    init_logs();
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
@@ -324,257 +333,241 @@ fn main() -> ExitCode {
     }
 }
 
+/// Library logs (`tracing`, targets `ravnest::*`) go to stderr as plain lines; other crates'
+/// (ractor's) stay quiet.
+fn init_logs() {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{Layer, filter, fmt};
+    let lines = fmt::layer()
+        .without_time()
+        .with_level(false)
+        .with_target(false)
+        .with_ansi(false)
+        .with_writer(std::io::stderr)
+        .with_filter(filter::filter_fn(|m| m.target().starts_with("ravnest")));
+    let _ = tracing_subscriber::registry().with(lines).try_init();
+}
+
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Plan {
             file,
             planner,
             json,
-        } => {
-            let kind = parse_planner(&planner)?;
-            let (origin, scenario) = load(file.as_deref())?;
-            let ours = plan(kind, &scenario.cluster, &scenario.model, &scenario.training)
-                .with_context(|| format!("{origin}: planner `{kind}`"))?;
-            let baseline = (kind != PlannerKind::Uniform).then(|| {
-                plan(
-                    PlannerKind::Uniform,
-                    &scenario.cluster,
-                    &scenario.model,
-                    &scenario.training,
-                )
-            });
-            if json {
-                emit(&format!(
-                    "{}\n",
-                    report::plan_json(&scenario, &ours, baseline.as_ref())?
-                ));
-            } else {
-                emit(&report::plan_text(
-                    &origin,
-                    &scenario,
-                    &ours,
-                    baseline.as_ref(),
-                ));
-            }
+        } => plan_command(file.as_deref(), &planner, json),
+        Command::Sim(cmd) => sim_command(cmd),
+        Command::Run(cmd) => run_command(cmd),
+        Command::Bench { what } => bench_command(what),
+        Command::Catalog => {
+            emit(&report::catalog_text());
             Ok(())
         }
-        Command::Sim {
-            file,
-            seed,
+    }
+}
+
+/// `ravnest plan`.
+fn plan_command(file: Option<&std::path::Path>, planner: &str, json: bool) -> Result<()> {
+    let kind = parse_planner(planner)?;
+    let (origin, scenario) = load(file)?;
+    let ours = plan(kind, &scenario.cluster, &scenario.model, &scenario.training)
+        .with_context(|| format!("{origin}: planner `{kind}`"))?;
+    let baseline = (kind != PlannerKind::Uniform).then(|| {
+        plan(
+            PlannerKind::Uniform,
+            &scenario.cluster,
+            &scenario.model,
+            &scenario.training,
+        )
+    });
+    if json {
+        emit(&format!(
+            "{}\n",
+            report::plan_json(&scenario, &ours, baseline.as_ref())?
+        ));
+    } else {
+        emit(&report::plan_text(
+            &origin,
+            &scenario,
+            &ours,
+            baseline.as_ref(),
+        ));
+    }
+    Ok(())
+}
+
+/// `ravnest sim`.
+fn sim_command(cmd: SimCmd) -> Result<()> {
+    let SimCmd {
+        file,
+        seed,
+        steps,
+        planner,
+        compare,
+        json,
+        timeline,
+    } = cmd;
+    let (origin, scenario) = match &file {
+        Some(_) => load(file.as_deref())?,
+        None => {
+            let (name, text) = scenarios::SIM_DEFAULT;
+            (name.to_string(), ravnest_core::parse(text, name)?)
+        }
+    };
+    let mut opts = ravnest_sim::SimOptions::for_scenario(&scenario);
+    if let Some(s) = seed {
+        opts.seed = s;
+    }
+    if let Some(n) = steps {
+        opts.steps = n;
+    }
+    opts.planner = parse_planner(&planner)?;
+    opts.progress = !json && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let mut reports = vec![ravnest_sim::run(&scenario, &opts).with_context(|| origin.clone())?];
+    if let Some(path) = &timeline {
+        let r = &reports[0];
+        let title = format!(
+            "{} · planner {} · seed {} · {}/{} steps in {:.1} s · trace {:016x}",
+            r.scenario,
+            r.planner,
+            r.seed,
+            r.steps_completed,
+            r.steps_requested,
+            r.sim_time_s,
+            r.trace_hash
+        );
+        std::fs::write(path, ravnest_sim::timeline::svg(&r.timeline, &title))
+            .with_context(|| format!("cannot write `{}`", path.display()))?;
+        eprintln!("timeline written to {}", path.display());
+    }
+    let mut compare_error = None;
+    if let Some(other) = compare {
+        let mut o = opts.clone();
+        o.planner = parse_planner(&other)?;
+        match ravnest_sim::run(&scenario, &o) {
+            Ok(r) => reports.push(r),
+            // The baseline not fitting is a result, not a failure of the command.
+            Err(e) => compare_error = Some(format!("{other} cannot run this scenario: {e}")),
+        }
+    }
+    if json {
+        emit(&format!("{}\n", serde_json::to_string_pretty(&reports)?));
+    } else {
+        for r in &reports {
+            emit(&format!("{}\n", report::sim_text(&origin, r)));
+        }
+        if reports.len() == 2 {
+            emit(&report::sim_compare(&reports[0], &reports[1]));
+        }
+        if let Some(e) = &compare_error {
+            emit(&format!("{e}\n"));
+        }
+    }
+    if reports.iter().any(|r| !r.violations.is_empty()) {
+        bail!(
+            "checkers failed; replay with: ravnest sim {origin} --seed {} --steps {}",
+            opts.seed,
+            opts.steps
+        );
+    }
+    Ok(())
+}
+
+/// `ravnest run`: the cluster file (from a path, a running node, or the embedded default),
+/// then the local launcher or this process's node.
+fn run_command(cmd: RunCmd) -> Result<()> {
+    let RunCmd {
+        file,
+        node,
+        join,
+        resume,
+        overwrite,
+        wait,
+        bind,
+        advertise,
+        device,
+        out,
+        steps,
+        json,
+        planner,
+        timeline,
+        report_spans,
+    } = cmd;
+    parse_planner(&planner)?;
+    if let Some(pid) = std::env::var(ravnest_train::process::LAUNCHER_PID)
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .filter(|_| node.is_some())
+    {
+        ravnest_train::process::die_with_launcher(pid);
+    }
+    if timeline.is_some() && node.is_some() {
+        bail!(
+            "--timeline draws a local cluster (started without --node): each node's activity is on its own machine"
+        );
+    }
+    let seed = join.as_deref().filter(|a| !a.is_empty());
+    let (origin, text, steps) = match (&file, seed) {
+        (Some(p), Some(a)) => bail!(
+            "give a cluster file or --join {a}, not both (`{}` and the file fetched from {a} could differ)",
+            p.display()
+        ),
+        (None, Some(a)) => {
+            if node.is_none() {
+                bail!("--join {a}: name the node this process is with --node NAME");
+            }
+            let (origin, text, n) = run::fetch_cluster_file(a)?;
+            (origin, text, Some(steps.unwrap_or(n)))
+        }
+        (None, None) => (
+            scenarios::RUN_DEFAULT.0.to_string(),
+            scenarios::RUN_DEFAULT.1.to_string(),
             steps,
-            planner,
-            compare,
-            json,
-            timeline,
-        } => {
-            let (origin, scenario) = match &file {
-                Some(_) => load(file.as_deref())?,
-                None => {
-                    let (name, text) = scenarios::SIM_DEFAULT;
-                    (name.to_string(), ravnest_core::parse(text, name)?)
-                }
-            };
-            let mut opts = ravnest_sim::SimOptions::for_scenario(&scenario);
-            if let Some(s) = seed {
-                opts.seed = s;
-            }
-            if let Some(n) = steps {
-                opts.steps = n;
-            }
-            opts.planner = parse_planner(&planner)?;
-            opts.progress = !json && std::io::IsTerminal::is_terminal(&std::io::stderr());
-            let mut reports =
-                vec![ravnest_sim::run(&scenario, &opts).with_context(|| origin.clone())?];
-            if let Some(path) = &timeline {
-                let r = &reports[0];
-                let title = format!(
-                    "{} · planner {} · seed {} · {}/{} steps in {:.1} s · trace {:016x}",
-                    r.scenario,
-                    r.planner,
-                    r.seed,
-                    r.steps_completed,
-                    r.steps_requested,
-                    r.sim_time_s,
-                    r.trace_hash
-                );
-                std::fs::write(path, ravnest_sim::timeline::svg(&r.timeline, &title))
-                    .with_context(|| format!("cannot write `{}`", path.display()))?;
-                eprintln!("timeline written to {}", path.display());
-            }
-            let mut compare_error = None;
-            if let Some(other) = compare {
-                let mut o = opts.clone();
-                o.planner = parse_planner(&other)?;
-                match ravnest_sim::run(&scenario, &o) {
-                    Ok(r) => reports.push(r),
-                    // The baseline not fitting is a result, not a failure of the command.
-                    Err(e) => {
-                        compare_error = Some(format!("{other} cannot run this scenario: {e}"))
-                    }
-                }
-            }
-            if json {
-                emit(&format!("{}\n", serde_json::to_string_pretty(&reports)?));
-            } else {
-                for r in &reports {
-                    emit(&format!("{}\n", report::sim_text(&origin, r)));
-                }
-                if reports.len() == 2 {
-                    emit(&report::sim_compare(&reports[0], &reports[1]));
-                }
-                if let Some(e) = &compare_error {
-                    emit(&format!("{e}\n"));
-                }
-            }
-            if reports.iter().any(|r| !r.violations.is_empty()) {
-                bail!(
-                    "checkers failed; replay with: ravnest sim {origin} --seed {} --steps {}",
-                    opts.seed,
-                    opts.steps
-                );
-            }
-            Ok(())
-        }
-        Command::Bench {
-            what: BenchWhat::Planners { files },
-        } => {
-            let inputs = bench_inputs(&files, &[])?;
-            let mut rows = Vec::new();
-            for (name, s) in &inputs {
-                for kind in PlannerKind::ALL {
-                    let t0 = Instant::now();
-                    let p = plan(kind, &s.cluster, &s.model, &s.training);
-                    rows.push(report::BenchRow {
-                        scenario: name.clone(),
-                        nodes: s.cluster.nodes.len(),
-                        planner: kind,
-                        result: p,
-                        plan_ms: t0.elapsed().as_secs_f64() * 1e3,
-                    });
-                }
-            }
-            emit(&report::bench_table(&rows));
-            Ok(())
-        }
-        Command::Bench {
-            what:
-                BenchWhat::Sim {
-                    files,
-                    steps,
-                    seeds,
-                    first,
-                },
-        } => {
-            if let Some(count) = seeds {
-                return sim_sweep(first, count);
-            }
-            // The 1,000-node scenario takes about half a minute: run it by naming it.
-            let inputs = bench_inputs(&files, &["large-1000"])?;
-            let mut rows = Vec::new();
-            for (name, s) in &inputs {
-                for kind in [
-                    PlannerKind::Ravnest,
-                    PlannerKind::Uniform,
-                    PlannerKind::ParamCount,
-                ] {
-                    let mut o = ravnest_sim::SimOptions::for_scenario(s);
-                    o.planner = kind;
-                    o.steps = steps;
-                    let t0 = Instant::now();
-                    let r = ravnest_sim::run(s, &o);
-                    rows.push(report::SimBenchRow {
-                        scenario: name.clone(),
-                        planner: kind,
-                        result: r.map_err(|e| e.to_string()),
-                        wall_s: t0.elapsed().as_secs_f64(),
-                    });
-                }
-            }
-            emit(&report::sim_bench_table(&rows));
-            Ok(())
-        }
-        Command::Run {
-            file,
-            node,
-            join,
-            resume,
-            overwrite,
-            wait,
-            bind,
-            advertise,
-            device,
-            out,
+        ),
+        (Some(p), None) => (
+            p.display().to_string(),
+            std::fs::read_to_string(p).with_context(|| format!("cannot read `{}`", p.display()))?,
             steps,
-            json,
-            planner,
-            timeline,
-            report_spans,
-        } => {
-            parse_planner(&planner)?;
-            if let Some(pid) = std::env::var(ravnest_train::process::LAUNCHER_PID)
-                .ok()
-                .and_then(|p| p.parse().ok())
-                .filter(|_| node.is_some())
-            {
-                ravnest_train::process::die_with_launcher(pid);
-            }
-            if timeline.is_some() && node.is_some() {
-                bail!(
-                    "--timeline draws a local cluster (started without --node): each node's activity is on its own machine"
-                );
-            }
-            let seed = join.as_deref().filter(|a| !a.is_empty());
-            let (origin, text, steps) = match (&file, seed) {
-                (Some(p), Some(a)) => bail!(
-                    "give a cluster file or --join {a}, not both (`{}` and the file fetched from {a} could differ)",
-                    p.display()
-                ),
-                (None, Some(a)) => {
-                    if node.is_none() {
-                        bail!("--join {a}: name the node this process is with --node NAME");
-                    }
-                    let (origin, text, n) = run::fetch_cluster_file(a)?;
-                    (origin, text, Some(steps.unwrap_or(n)))
-                }
-                (None, None) => (
-                    scenarios::RUN_DEFAULT.0.to_string(),
-                    scenarios::RUN_DEFAULT.1.to_string(),
-                    steps,
-                ),
-                (Some(p), None) => (
-                    p.display().to_string(),
-                    std::fs::read_to_string(p)
-                        .with_context(|| format!("cannot read `{}`", p.display()))?,
-                    steps,
-                ),
-            };
-            run::run(run::RunArgs {
-                origin,
-                text,
-                node,
-                join: join.is_some(),
-                resume,
-                overwrite,
-                wait,
-                bind,
-                advertise,
-                device,
-                out,
-                json,
-                steps,
-                planner,
-                timeline,
-                spans: report_spans,
-            })
-        }
-        Command::Bench {
-            what:
-                BenchWhat::Gpu {
-                    dims,
-                    batch,
-                    steps,
-                    rounds,
-                },
+        ),
+    };
+    run::run(run::RunArgs {
+        origin,
+        text,
+        node,
+        join: join.is_some(),
+        resume,
+        overwrite,
+        wait,
+        bind,
+        advertise,
+        device,
+        out,
+        json,
+        steps,
+        planner,
+        timeline,
+        spans: report_spans,
+    })
+}
+
+/// `ravnest bench ...`.
+fn bench_command(what: BenchWhat) -> Result<()> {
+    match what {
+        BenchWhat::Planners { files } => bench_planners(&files),
+        BenchWhat::Sim {
+            files,
+            steps,
+            seeds,
+            first,
+        } => match seeds {
+            Some(count) => sim_sweep(first, count),
+            None => bench_sim(&files, steps),
+        },
+        BenchWhat::Gpu {
+            dims,
+            batch,
+            steps,
+            rounds,
         } => {
             if dims.len() < 2 || batch == 0 || steps < 2 || rounds == 0 {
                 bail!(
@@ -584,9 +577,7 @@ fn run(cli: Cli) -> Result<()> {
             emit(&bench_net::gpu(&dims, batch, steps, rounds)?);
             Ok(())
         }
-        Command::Bench {
-            what: BenchWhat::Allreduce { sizes, nodes, reps },
-        } => {
+        BenchWhat::Allreduce { sizes, nodes, reps } => {
             if nodes.iter().any(|&n| n < 2) || reps == 0 {
                 bail!("--nodes must be 2 or more and --reps at least 1");
             }
@@ -594,18 +585,15 @@ fn run(cli: Cli) -> Result<()> {
             emit(&bench_net::table(&rows));
             Ok(())
         }
-        Command::Bench {
-            what:
-                BenchWhat::Ddp {
-                    data,
-                    rounds,
-                    steps,
-                    warmup,
-                    dims,
-                    batch,
-                    slowdown,
-                    python,
-                },
+        BenchWhat::Ddp {
+            data,
+            rounds,
+            steps,
+            warmup,
+            dims,
+            batch,
+            slowdown,
+            python,
         } => {
             if rounds == 0 || steps == 0 || batch < 2 || dims.len() < 2 || slowdown < 1.0 {
                 bail!(
@@ -624,9 +612,7 @@ fn run(cli: Cli) -> Result<()> {
             })?);
             Ok(())
         }
-        Command::Bench {
-            what: BenchWhat::Overhead { steps, rounds },
-        } => {
+        BenchWhat::Overhead { steps, rounds } => {
             // One compute thread on both sides (candle reads RAYON_NUM_THREADS at each product;
             // PyTorch is told set_num_threads(1)): run again with it set, if it is not.
             if std::env::var_os("RAYON_NUM_THREADS").is_none() {
@@ -640,14 +626,11 @@ fn run(cli: Cli) -> Result<()> {
             emit(&bench_net::overhead(steps.max(1), rounds.max(1))?);
             Ok(())
         }
-        Command::Bench {
-            what:
-                BenchWhat::Chaos {
-                    schedules,
-                    seed,
-                    keep,
-                    list,
-                },
+        BenchWhat::Chaos {
+            schedules,
+            seed,
+            keep,
+            list,
         } => {
             if list {
                 for s in seed..seed + schedules {
@@ -658,11 +641,56 @@ fn run(cli: Cli) -> Result<()> {
             emit(&chaos::bench(seed, schedules, keep)?);
             Ok(())
         }
-        Command::Catalog => {
-            emit(&report::catalog_text());
-            Ok(())
+    }
+}
+
+/// `bench planners`: every planner on every input, with its planning time.
+fn bench_planners(files: &[PathBuf]) -> Result<()> {
+    let inputs = bench_inputs(files, &[])?;
+    let mut rows = Vec::new();
+    for (name, s) in &inputs {
+        for kind in PlannerKind::ALL {
+            let t0 = Instant::now();
+            let p = plan(kind, &s.cluster, &s.model, &s.training);
+            rows.push(report::BenchRow {
+                scenario: name.clone(),
+                nodes: s.cluster.nodes.len(),
+                planner: kind,
+                result: p,
+                plan_ms: t0.elapsed().as_secs_f64() * 1e3,
+            });
         }
     }
+    emit(&report::bench_table(&rows));
+    Ok(())
+}
+
+/// `bench sim`: every scenario under three planners.
+fn bench_sim(files: &[PathBuf], steps: u64) -> Result<()> {
+    // The 1,000-node scenario takes about half a minute: run it by naming it.
+    let inputs = bench_inputs(files, &["large-1000"])?;
+    let mut rows = Vec::new();
+    for (name, s) in &inputs {
+        for kind in [
+            PlannerKind::Ravnest,
+            PlannerKind::Uniform,
+            PlannerKind::ParamCount,
+        ] {
+            let mut o = ravnest_sim::SimOptions::for_scenario(s);
+            o.planner = kind;
+            o.steps = steps;
+            let t0 = Instant::now();
+            let r = ravnest_sim::run(s, &o);
+            rows.push(report::SimBenchRow {
+                scenario: name.clone(),
+                planner: kind,
+                result: r.map_err(|e| e.to_string()),
+                wall_s: t0.elapsed().as_secs_f64(),
+            });
+        }
+    }
+    emit(&report::sim_bench_table(&rows));
+    Ok(())
 }
 
 /// `bench sim --seeds N`: the seed sweep with checkers, resets added per seed.

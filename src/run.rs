@@ -10,8 +10,10 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use ravnest_core::Scenario;
-use ravnest_train::process::{Options, human};
-use serde_json::{Value, json};
+use ravnest_train::events::RunEvent;
+use ravnest_train::process::Options;
+use ravnest_train::summary::{NodeReport, NodeRow, RunReport};
+use serde_json::Value;
 
 /// What the user asked for.
 #[derive(Debug)]
@@ -118,6 +120,47 @@ fn is_local(addr: &str) -> bool {
 
 /// Start one child process per node and show their progress; the final report merges theirs.
 fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
+    check_local(args, s, out)?;
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create `{}`", out.display()))?;
+    let file = out.join("cluster.toml");
+    std::fs::write(&file, &args.text)
+        .with_context(|| format!("cannot write `{}`", file.display()))?;
+    let exe = std::env::current_exe().context("cannot find this program's path")?;
+    let (tx, rx) = mpsc::channel::<(usize, Option<RunEvent>)>();
+    let mut children: Vec<(String, Child)> = Vec::new();
+    for (i, n) in s.cluster.nodes.iter().enumerate() {
+        let mut child = node_command(args, &exe, &file, out, &n.name)
+            .spawn()
+            .with_context(|| format!("cannot start node `{}`", n.name))?;
+        let stdout = child.stdout.take().expect("piped");
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(|l| l.ok()) {
+                if let Ok(e) = serde_json::from_str::<RunEvent>(&line) {
+                    let _ = tx.send((i, Some(e)));
+                }
+            }
+            let _ = tx.send((i, None));
+        });
+        say(
+            args.json,
+            &RunEvent::Spawned {
+                node: n.name.clone(),
+                pid: child.id(),
+            },
+        );
+        children.push((n.name.clone(), child));
+    }
+    drop(tx);
+    let bars = Bars::new(args.json, s.run.steps, &children);
+    let reports = watch(args, &rx, &mut children, &bars)?;
+    bars.done();
+    finish(args, s, out, &mut children, &reports)
+}
+
+/// Before starting anything: every node is on this machine, no earlier run's checkpoints are
+/// in the way, and this binary can use every node's device.
+fn check_local(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
     for n in &s.cluster.nodes {
         match &n.address {
             Some(a) if is_local(a) => {}
@@ -148,95 +191,112 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
             .and_then(|d| d.check())
             .map_err(|e| anyhow::anyhow!("{}: node `{}`: {e}", args.origin, n.name))?;
     }
-    std::fs::create_dir_all(out).with_context(|| format!("cannot create `{}`", out.display()))?;
-    let file = out.join("cluster.toml");
-    std::fs::write(&file, &args.text)
-        .with_context(|| format!("cannot write `{}`", file.display()))?;
-    let exe = std::env::current_exe().context("cannot find this program's path")?;
-    let (tx, rx) = mpsc::channel::<(usize, Option<Value>)>();
-    let mut children: Vec<(String, Child)> = Vec::new();
-    for (i, n) in s.cluster.nodes.iter().enumerate() {
-        let mut cmd = Command::new(&exe);
-        cmd.arg("run")
-            .arg(&file)
-            .args(["--node", &n.name, "--json", "--out"])
-            .arg(out)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        if let Some(k) = args.steps {
-            cmd.args(["--steps", &k.to_string()]);
+    Ok(())
+}
+
+/// The command that starts node `name` as a child process that speaks JSON lines.
+fn node_command(args: &RunArgs, exe: &Path, file: &Path, out: &Path, name: &str) -> Command {
+    let mut cmd = Command::new(exe);
+    cmd.arg("run")
+        .arg(file)
+        .args(["--node", name, "--json", "--out"])
+        .arg(out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    if let Some(k) = args.steps {
+        cmd.args(["--steps", &k.to_string()]);
+    }
+    if args.resume {
+        cmd.arg("--resume");
+    }
+    if let Some(w) = args.wait {
+        cmd.args(["--wait", &w.to_string()]);
+    }
+    if let Some(d) = &args.device {
+        cmd.args(["--device", d]);
+    }
+    cmd.args(["--planner", &args.planner]);
+    if args.timeline.is_some() {
+        cmd.arg("--report-spans");
+    }
+    // Several processes share this machine's cores: one compute thread each.
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        cmd.env("RAYON_NUM_THREADS", "1");
+    }
+    // The child dies with this process (`kill -9` of the launcher leaves nothing behind).
+    cmd.env(
+        ravnest_train::process::LAUNCHER_PID,
+        std::process::id().to_string(),
+    );
+    cmd
+}
+
+/// One progress bar per node (indicatif draws only on a terminal); events print above them.
+struct Bars {
+    all: MultiProgress,
+    nodes: Vec<ProgressBar>,
+}
+
+impl Bars {
+    fn new(json: bool, steps: u64, children: &[(String, Child)]) -> Bars {
+        let all = MultiProgress::new();
+        if json {
+            all.set_draw_target(ProgressDrawTarget::hidden());
         }
-        if args.resume {
-            cmd.arg("--resume");
+        let style = ProgressStyle::with_template(
+            "{prefix:>10} [{bar:30.cyan/blue}] {pos:>5}/{len:5} {msg}",
+        )
+        .expect("a valid template")
+        .progress_chars("#>-");
+        let nodes = children
+            .iter()
+            .map(|(name, _)| {
+                let b = all.add(ProgressBar::new(steps));
+                b.set_style(style.clone());
+                b.set_prefix(name.clone());
+                b.set_message("starting");
+                b
+            })
+            .collect();
+        Bars { all, nodes }
+    }
+
+    /// A line above the bars (or on stderr when they are hidden).
+    fn println(&self, line: String) {
+        if self.all.is_hidden() {
+            eprintln!("{line}");
+        } else {
+            let _ = self.all.println(line);
         }
-        if let Some(w) = args.wait {
-            cmd.args(["--wait", &w.to_string()]);
-        }
-        if let Some(d) = &args.device {
-            cmd.args(["--device", d]);
-        }
-        cmd.args(["--planner", &args.planner]);
-        if args.timeline.is_some() {
-            cmd.arg("--report-spans");
-        }
-        // Several processes share this machine's cores: one compute thread each.
-        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-            cmd.env("RAYON_NUM_THREADS", "1");
-        }
-        // The child dies with this process (`kill -9` of the launcher leaves nothing behind).
-        cmd.env(
-            ravnest_train::process::LAUNCHER_PID,
-            std::process::id().to_string(),
-        );
-        let mut child = cmd
-            .spawn()
-            .with_context(|| format!("cannot start node `{}`", n.name))?;
-        let stdout = child.stdout.take().expect("piped");
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(|l| l.ok()) {
-                if let Ok(v) = serde_json::from_str::<Value>(&line) {
-                    let _ = tx.send((i, Some(v)));
-                }
+    }
+
+    /// Leave the bars of nodes that did not finish as they are.
+    fn done(&self) {
+        for b in &self.nodes {
+            if !b.is_finished() {
+                b.abandon();
             }
-            let _ = tx.send((i, None));
-        });
-        say(
-            args.json,
-            json!({"event": "spawned", "node": n.name, "pid": child.id()}),
-        );
-        children.push((n.name.clone(), child));
+        }
     }
-    drop(tx);
-    // One progress bar per node (indicatif draws only on a terminal); events print above them.
-    let bars = MultiProgress::new();
-    if args.json {
-        bars.set_draw_target(ProgressDrawTarget::hidden());
-    }
-    let style =
-        ProgressStyle::with_template("{prefix:>10} [{bar:30.cyan/blue}] {pos:>5}/{len:5} {msg}")
-            .expect("a valid template")
-            .progress_chars("#>-");
-    let node_bars: Vec<ProgressBar> = children
-        .iter()
-        .map(|(name, _)| {
-            let b = bars.add(ProgressBar::new(s.run.steps));
-            b.set_style(style.clone());
-            b.set_prefix(name.clone());
-            b.set_message("starting");
-            b
-        })
-        .collect();
-    let mut reports: Vec<Option<Value>> = vec![None; children.len()];
+}
+
+/// Follow the nodes' JSON lines until every node's output ends: progress moves its bar,
+/// reports are kept, events are shown. A node that exits with an error before its report
+/// failed to start or to go on (a port in use, a bad dataset): the run cannot do what was
+/// asked, so the others are stopped now rather than left waiting. A node killed by a signal is
+/// a lost node, which the cluster survives (and which may rejoin with `--join`).
+fn watch(
+    args: &RunArgs,
+    rx: &mpsc::Receiver<(usize, Option<RunEvent>)>,
+    children: &mut [(String, Child)],
+    bars: &Bars,
+) -> Result<Vec<Option<NodeReport>>> {
+    let mut reports: Vec<Option<NodeReport>> = vec![None; children.len()];
     let mut open = children.len();
     while open > 0 {
         let Ok((i, msg)) = rx.recv() else { break };
         let Some(v) = msg else {
             open -= 1;
-            // A node that exits with an error before its report failed to start or to go on
-            // (a port in use, a bad dataset): the run cannot do what was asked; stop the others
-            // now rather than let them wait. A node killed by a signal is a lost node, which
-            // the cluster survives (and which may rejoin with `--join`).
             if reports[i].is_none() {
                 let status = children[i].1.wait()?;
                 if status.code().is_some_and(|c| c != 0) {
@@ -244,7 +304,7 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
                         let _ = c.kill();
                         let _ = c.wait();
                     }
-                    for b in &node_bars {
+                    for b in &bars.nodes {
                         b.abandon();
                     }
                     bail!(
@@ -255,50 +315,67 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
             }
             continue;
         };
-        match v["event"].as_str() {
-            Some("progress") => {
-                if args.json {
-                    say(true, v.clone());
-                }
-                let b = &node_bars[i];
-                b.set_length(v["steps"].as_u64().unwrap_or(s.run.steps));
-                b.set_position(v["step"].as_u64().unwrap_or(0));
-                b.set_message(format!(
-                    "{:>7.0} samples/s  loss {:.3}",
-                    v["samples_per_s"].as_f64().unwrap_or(0.0),
-                    v["loss"].as_f64().unwrap_or(f64::NAN)
-                ));
+        if let Some(r) = show(args, bars, i, v) {
+            reports[i] = Some(r);
+        }
+    }
+    Ok(reports)
+}
+
+/// One line of node `i`'s output on the console; its report, when that is what it is.
+fn show(args: &RunArgs, bars: &Bars, i: usize, e: RunEvent) -> Option<NodeReport> {
+    match e {
+        RunEvent::Progress {
+            step,
+            steps,
+            loss,
+            samples_per_s,
+            ..
+        } => {
+            let b = &bars.nodes[i];
+            b.set_length(steps);
+            b.set_position(step);
+            b.set_message(format!(
+                "{samples_per_s:>7.0} samples/s  loss {:.3}",
+                loss.unwrap_or(f64::NAN)
+            ));
+            if args.json {
+                say(true, &e);
             }
-            Some("report") => {
-                node_bars[i].finish_with_message("done");
-                reports[i] = Some(v);
-            }
-            // The launcher merges the reports itself (it has every node's spans).
-            Some("summary") => {}
-            _ => {
-                if args.json {
-                    say(true, v);
-                } else if matches!(
-                    v["event"].as_str(),
-                    Some("plan" | "links" | "cluster" | "measured")
-                ) {
-                    let line = format!("[{}] {}", v["node"].as_str().unwrap_or("?"), human(&v));
-                    if bars.is_hidden() {
-                        eprintln!("{line}");
-                    } else {
-                        let _ = bars.println(line);
-                    }
-                }
+        }
+        RunEvent::Report(r) => {
+            bars.nodes[i].finish_with_message("done");
+            return Some(r);
+        }
+        // The launcher merges the reports itself (it has every node's spans).
+        RunEvent::Summary(_) => {}
+        RunEvent::Plan { .. }
+        | RunEvent::Links { .. }
+        | RunEvent::Cluster { .. }
+        | RunEvent::Measured { .. }
+            if !args.json =>
+        {
+            bars.println(format!("[{}] {}", e.node().unwrap_or("?"), e.human()));
+        }
+        _ => {
+            if args.json {
+                say(true, &e);
             }
         }
     }
-    for b in &node_bars {
-        if !b.is_finished() {
-            b.abandon();
-        }
-    }
+    None
+}
+
+/// Wait for every node, merge their reports into the run's (and its timeline), print it.
+fn finish(
+    args: &RunArgs,
+    s: &Scenario,
+    out: &Path,
+    children: &mut [(String, Child)],
+    reports: &[Option<NodeReport>],
+) -> Result<()> {
     let mut failed = Vec::new();
-    for (name, child) in &mut children {
+    for (name, child) in children.iter_mut() {
         let status = child.wait()?;
         if !status.success() {
             failed.push(format!("{name} ({status})"));
@@ -307,15 +384,23 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
     let coordinator = reports
         .iter()
         .flatten()
-        .find(|r| r["role"] == "coordinator")
+        .find(|r| r.coordinator.is_some())
         .cloned();
-    let nodes: Vec<(String, Option<Value>)> = children
+    let nodes: Vec<NodeRow> = children
         .iter()
-        .zip(&reports)
-        .map(|((name, _), r)| (name.clone(), r.clone()))
+        .zip(reports)
+        .map(|((name, _), r)| NodeRow {
+            node: name.clone(),
+            report: r.clone(),
+        })
         .collect();
-    let merged =
-        ravnest_train::summary::merge(&s.cluster.name, coordinator.clone(), &nodes, &failed);
+    let finished = coordinator.is_some();
+    let merged = RunReport {
+        cluster: s.cluster.name.clone(),
+        coordinator,
+        nodes,
+        failed: failed.clone(),
+    };
     if let Some(path) = &args.timeline {
         let t = timeline(&merged, &out.join("events.jsonl"));
         std::fs::write(
@@ -326,89 +411,73 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
         eprintln!("timeline written to {}", path.display());
     }
     if args.json {
-        say(true, merged);
+        say(true, &RunEvent::Summary(merged));
     } else {
         eprintln!();
         use std::io::Write;
-        let _ = writeln!(
-            std::io::stdout().lock(),
-            "{}",
-            ravnest_train::summary::text(&merged)
-        );
+        let _ = writeln!(std::io::stdout().lock(), "{}", merged.text());
     }
-    match coordinator {
-        Some(_) => Ok(()),
-        None => bail!(
+    if !finished {
+        bail!(
             "the coordinator did not finish (failed: {})",
             failed.join(", ")
-        ),
+        );
     }
+    Ok(())
 }
 
 /// The timeline of a local run from its nodes' reports: one lane per node on the clock all
 /// the processes share, with the coordinator's events as markers.
-fn timeline(m: &Value, events: &Path) -> ravnest_sim::timeline::Timeline {
+fn timeline(m: &RunReport, events: &Path) -> ravnest_sim::timeline::Timeline {
     use ravnest_runtime::node::SpanKind;
     use ravnest_sim::timeline::{Lane, Timeline};
-    let nodes: Vec<(&str, &Value)> = m["nodes"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|n| (n["node"].as_str().unwrap_or("?"), &n["report"]))
-        .collect();
-    let abs = |r: &Value, ns: u64| r["t0_unix_ns"].as_u64().unwrap_or(0) + ns;
-    let first = |r: &Value| {
-        r["spans"]
-            .as_array()
-            .and_then(|a| a.first())
-            .and_then(|s| s[0].as_u64())
-            .map(|ns| abs(r, ns))
-    };
-    let origin = nodes
+    let abs = |r: &NodeReport, ns: u64| r.t0_unix_ns.unwrap_or(0) + ns;
+    let origin = m
+        .nodes
         .iter()
-        .filter_map(|(_, r)| first(r))
+        .filter_map(|n| n.report.as_ref())
+        .filter_map(|r| r.spans.first().map(|s| abs(r, s.0)))
         .min()
         .unwrap_or(0);
     let mut end = 0;
-    let lanes = nodes
+    let lanes = m
+        .nodes
         .iter()
-        .map(|(name, r)| {
-            let spans: Vec<(u64, u64, SpanKind)> = r["spans"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|s| {
-                    let (a, b) = (s[0].as_u64()?, s[1].as_u64()?);
-                    let kind = if s[2] == "comm" {
+        .map(|n| {
+            let spans: Vec<(u64, u64, SpanKind)> = n
+                .report
+                .iter()
+                .flat_map(|r| r.spans.iter().map(move |s| (r, s)))
+                .map(|(r, (a, b, kind))| {
+                    let kind = if kind == "comm" {
                         SpanKind::Comm
                     } else {
                         SpanKind::Compute
                     };
-                    Some((
-                        abs(r, a).saturating_sub(origin),
-                        abs(r, b).saturating_sub(origin),
+                    (
+                        abs(r, *a).saturating_sub(origin),
+                        abs(r, *b).saturating_sub(origin),
                         kind,
-                    ))
+                    )
                 })
                 .collect();
             end = end.max(spans.last().map_or(0, |s| s.1));
             Lane {
-                name: name.to_string(),
+                name: n.node.clone(),
                 spans,
                 down: Vec::new(),
             }
         })
         .collect();
-    let coord = nodes
-        .iter()
-        .find(|(_, r)| r["role"] == "coordinator")
-        .map(|n| n.1);
+    // The coordinator's events, from `events.jsonl` (`t_s` on its host's clock).
     let events: Vec<Value> = std::fs::read_to_string(events)
         .unwrap_or_default()
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect();
-    let markers = coord
+    let markers = m
+        .coordinator
+        .as_ref()
         .map(|c| {
             events
                 .iter()
@@ -429,12 +498,14 @@ fn timeline(m: &Value, events: &Path) -> ravnest_sim::timeline::Timeline {
     }
 }
 
-fn say(json: bool, v: Value) {
+/// An event of the launcher's: a JSON line on stdout, or text on stderr (`spawned` only as
+/// JSON).
+fn say(json: bool, e: &RunEvent) {
     if json {
         use std::io::Write;
-        let _ = writeln!(std::io::stdout().lock(), "{v}");
-    } else if v["event"] != "spawned" {
-        eprintln!("{}", human(&v));
+        let _ = writeln!(std::io::stdout().lock(), "{}", e.json());
+    } else if !matches!(e, RunEvent::Spawned { .. }) {
+        eprintln!("{}", e.human());
     }
 }
 

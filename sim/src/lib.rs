@@ -18,15 +18,14 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ractor::Actor;
 use ravnest_core::config::{Fault, Scenario};
 use ravnest_core::cost::Costs;
 use ravnest_core::{NodeId, PlannerKind};
-use ravnest_runtime::checkpoint::{CheckpointActor, Store};
-use ravnest_runtime::coordinator::{Config, CoordinatorActor, Event, RunLog, Tuning};
-use ravnest_runtime::node::{Counters, NodeActor};
-use ravnest_runtime::supervisor::{NodeFactory, SupMsg, SupervisorActor};
-use ravnest_runtime::{Addr, Trace};
+use ravnest_runtime::checkpoint::{Store, StoreError};
+use ravnest_runtime::coordinator::{Config, Event, Note, RunLog, SharedLog, Tuning};
+use ravnest_runtime::node::Counters;
+use ravnest_runtime::supervisor::SupMsg;
+use ravnest_runtime::{Addr, Launch, Nodes, Trace};
 use serde::Serialize;
 use tokio::time::Instant;
 
@@ -174,18 +173,14 @@ pub struct SimReport {
 pub struct MemStore(Mutex<Option<(ravnest_core::checkpoint::Manifest, Vec<f32>)>>);
 
 impl Store for MemStore {
+    /// Merge shards in layer order into one model (data parallel: one shard). The checkpoint
+    /// actor has checked each shard's digest already.
     fn commit(
         &self,
         manifest: &ravnest_core::checkpoint::Manifest,
         shards: &[Vec<f32>],
-    ) -> Result<(), String> {
-        // Merge shards in layer order into one model (data parallel: one shard).
+    ) -> Result<(), StoreError> {
         let merged: Vec<f32> = shards.iter().flatten().copied().collect();
-        if crate::toy::digest(&merged) != manifest.shards.first().map_or(0, |m| m.digest)
-            && shards.len() == 1
-        {
-            return Err("shard contents do not match their digest".into());
-        }
         *self.0.lock().unwrap() = Some((manifest.clone(), merged));
         Ok(())
     }
@@ -319,6 +314,178 @@ pub fn run(s: &Scenario, opts: &SimOptions) -> Result<SimReport, SimError> {
     rt.block_on(simulate(s, opts, host, layered, &first_plan))
 }
 
+/// The simulated compute: each node's seconds per sample, per layer when the plan may be a
+/// pipeline.
+fn sim_compute(costs: &Costs, secs_per_sample: &[f64], seed: u64, layered: bool) -> SimCompute {
+    let compute = SimCompute::new(secs_per_sample.to_vec(), seed);
+    if !layered {
+        return compute;
+    }
+    let layer_flops: Vec<f64> = costs
+        .all()
+        .map(|l| costs.train_flops(&(l..l + 1)))
+        .collect();
+    compute.layered(&layer_flops)
+}
+
+/// The coordinator's configuration for a simulated run.
+fn config(s: &Scenario, opts: &SimOptions, train_flops: f64, layered: bool) -> Config {
+    Config {
+        cluster: s.cluster.clone(),
+        model: s.model.clone(),
+        training: s.training.clone(),
+        planner: opts.planner,
+        steps: opts.steps,
+        heartbeat_timeout_ms: opts.timeout.as_millis() as u64,
+        train_flops,
+        checkpoint_every: opts.checkpoint_every,
+        checkpoint_at_end: false,
+        start_step: 0,
+        initial_holders: None,
+        absent: Vec::new(),
+        allow_pipeline: layered,
+        tuning: Tuning::default(),
+    }
+}
+
+/// The run's bound, virtual seconds: every step at the slowest node's full-batch time, plus
+/// sync over the slowest link, twenty times over, plus the fault schedule. A run that needs
+/// longer is a bug.
+fn bound_s(
+    s: &Scenario,
+    opts: &SimOptions,
+    secs_per_sample: &[f64],
+    grad_bytes: u64,
+    last_fault: f64,
+) -> f64 {
+    let worst_step = secs_per_sample.iter().copied().fold(0.0, f64::max)
+        * f64::from(s.training.global_batch)
+        + s.cluster
+            .nodes
+            .iter()
+            .map(|n| n.link.transfer_s(2.0 * grad_bytes as f64))
+            .fold(0.0, f64::max);
+    20.0 * worst_step * opts.steps as f64 + last_fault + 60.0
+}
+
+/// What the fault schedule acts on.
+struct World<'a> {
+    trace: &'a Trace,
+    net: &'a SimNet,
+    sup: &'a ractor::ActorRef<SupMsg>,
+    compute: &'a SimCompute,
+    t0: Instant,
+}
+
+/// Downtime per node: closed (start, end) intervals, and the start of an open one.
+type Downtime = (Vec<Vec<(u64, u64)>>, Vec<Option<u64>>);
+
+/// Play the fault schedule at its virtual times, until it ends or the run finishes first
+/// (then true). Returns that, and each node's downtime.
+async fn play(
+    w: &World<'_>,
+    n: usize,
+    actions: Vec<(f64, usize, Action)>,
+    done_rx: &mut tokio::sync::oneshot::Receiver<()>,
+) -> (bool, Vec<Vec<(u64, u64)>>, Vec<Option<u64>>) {
+    let mut down: Downtime = (vec![Vec::new(); n], vec![None; n]);
+    for (at_s, _, action) in actions {
+        let when = w.t0 + Duration::from_secs_f64(at_s);
+        tokio::select! {
+            biased;
+            _ = &mut *done_rx => return (true, down.0, down.1),
+            _ = tokio::time::sleep_until(when) => {}
+        }
+        apply(w, action, &mut down);
+    }
+    (false, down.0, down.1)
+}
+
+/// One fault, now: recorded in the trace, then done to the network, a node or its compute.
+fn apply(w: &World<'_>, action: Action, (down, down_since): &mut Downtime) {
+    let t_ns = w.t0.elapsed().as_nanos() as u64;
+    match action {
+        Action::Crash(n) => {
+            w.trace.record(t_ns, "crash", Some(Addr::Node(n)), None, 0);
+            w.net.crash(n);
+            down_since[n.index()].get_or_insert(t_ns);
+            let _ = w.sup.cast(SupMsg::Crash(n));
+        }
+        Action::Restart(n) => {
+            w.trace
+                .record(t_ns, "restart", Some(Addr::Node(n)), None, 0);
+            if let Some(since) = down_since[n.index()].take() {
+                down[n.index()].push((since, t_ns));
+                w.net.restart(n);
+                let _ = w.sup.cast(SupMsg::Restart(n));
+            }
+        }
+        Action::Slow(n, k) => {
+            w.trace
+                .record(t_ns, "slowdown", Some(Addr::Node(n)), None, k.to_bits());
+            w.compute.set_slowdown(n, k);
+        }
+        Action::Degrade(a, b, l) => {
+            w.trace.record(
+                t_ns,
+                "link-degraded",
+                Some(Addr::Node(a)),
+                Some(Addr::Node(b)),
+                l.bandwidth_gbps.to_bits(),
+            );
+            w.net.degrade(a, b, l);
+        }
+        Action::Restore(a, b) => {
+            w.trace.record(
+                t_ns,
+                "link-restored",
+                Some(Addr::Node(a)),
+                Some(Addr::Node(b)),
+                0,
+            );
+            w.net.restore(a, b);
+        }
+        Action::Partition(g) => {
+            w.trace
+                .record(t_ns, "partition", None, None, g.len() as u64);
+            w.net.partition(g);
+        }
+        Action::Heal(g) => {
+            w.trace.record(t_ns, "heal", None, None, g.len() as u64);
+            w.net.heal(&g);
+        }
+        Action::Reset(a, b) => {
+            w.trace
+                .record(t_ns, "reset", Some(Addr::Node(a)), Some(Addr::Node(b)), 0);
+            w.net.reset(a, b);
+        }
+    }
+}
+
+/// The progress line on stderr, every 5% of the steps (it reads the journal only: the trace is
+/// the same with or without it).
+fn spawn_progress(log: &SharedLog, total: u64, t0: Instant) -> tokio::task::JoinHandle<()> {
+    let mut notes = log.subscribe();
+    let started = std::time::Instant::now();
+    tokio::spawn(async move {
+        let mut shown = 0;
+        while let Some(note) = notes.recv().await {
+            let Note::Agreed { steps } = note else {
+                continue;
+            };
+            let done = steps as u64;
+            if total > 0 && done * 20 / total > shown {
+                shown = done * 20 / total;
+                eprint!(
+                    "\r[sim] step {done}/{total}, {:.0} virtual s, {:.1} wall s   ",
+                    t0.elapsed().as_secs_f64(),
+                    started.elapsed().as_secs_f64()
+                );
+            }
+        }
+    })
+}
+
 async fn simulate(
     s: &Scenario,
     opts: &SimOptions,
@@ -337,182 +504,44 @@ async fn simulate(
         .ids()
         .map(|i| costs.compute_s(i, &all, 1.0))
         .collect();
-    let mut compute = SimCompute::new(secs_per_sample.clone(), opts.seed);
-    if layered {
-        let layer_flops: Vec<f64> = all
-            .clone()
-            .map(|l| costs.train_flops(&(l..l + 1)))
-            .collect();
-        compute = compute.layered(&layer_flops);
-    }
+    let compute = sim_compute(&costs, &secs_per_sample, opts.seed, layered);
     let toy = compute.toy();
     let compute = Arc::new(compute);
     let grad_bytes = costs.grad_bytes(&all);
     let counters: Counters = Arc::default();
-    let log: Arc<Mutex<RunLog>> = Arc::default();
-
-    let make_node: NodeFactory<SimNet, SimCompute> = {
-        let (net, compute, counters) = (net.clone(), compute.clone(), counters.clone());
-        Arc::new(move |id: NodeId| NodeActor {
-            id,
-            transport: net.clone(),
-            compute: compute.clone(),
-            grad_bytes,
-            model_bytes: grad_bytes,
-            counters: counters.clone(),
-            t0,
-        })
-    };
-    let supervisor = SupervisorActor {
-        make_node,
-        transport: net.clone(),
-        heartbeat: opts.heartbeat,
-        nodes: cluster.ids().collect(),
-        first_start: ravnest_runtime::node::Start::Fresh,
-        trace: trace.clone(),
-        t0,
-    };
-    let (sup, _) = Actor::spawn(None, supervisor, ())
-        .await
-        .map_err(|e| SimError::Unsupported(format!("spawn supervisor: {e}")))?;
-    let (done_tx, mut done_rx) = tokio::sync::oneshot::channel();
-    let coordinator = CoordinatorActor {
-        transport: net.clone(),
-        config: Config {
-            cluster: cluster.clone(),
-            model: s.model.clone(),
-            training: s.training.clone(),
-            planner: opts.planner,
-            steps: opts.steps,
-            heartbeat_timeout_ms: opts.timeout.as_millis() as u64,
-            train_flops: costs.train_flops(&all),
-            checkpoint_every: opts.checkpoint_every,
-            checkpoint_at_end: false,
-            start_step: 0,
-            initial_holders: None,
-            absent: Vec::new(),
-            allow_pipeline: layered,
-            tuning: Tuning::default(),
-        },
-        tick: opts.heartbeat / 2,
-        t0,
-        trace: trace.clone(),
-        log: log.clone(),
-    };
+    let launch = Launch::new(net.clone()).at(t0).traced(trace.clone());
+    let log = launch.journal();
+    let spawned = |e: ravnest_runtime::LaunchError| SimError::Unsupported(e.to_string());
+    let nodes = Nodes::new(compute.clone(), cluster.ids().collect(), grad_bytes)
+        .heartbeat(opts.heartbeat)
+        .counters(counters.clone());
+    let sup = launch.nodes(nodes).await.map_err(spawned)?;
+    let config = config(s, opts, costs.train_flops(&all), layered);
     let store = Arc::new(MemStore::default());
-    let checkpointer = CheckpointActor {
-        transport: net.clone(),
-        store: store.clone(),
-        log: log.clone(),
-        trace: trace.clone(),
-        t0,
-        bytes_per_elem: s.training.precision.element_bytes(),
-    };
-    let (ck, _) = Actor::spawn(None, checkpointer, ())
+    let ck = launch
+        .checkpoints(store.clone(), s.training.precision.element_bytes())
         .await
-        .map_err(|e| SimError::Unsupported(format!("spawn checkpoint actor: {e}")))?;
-    let (coord, _) = Actor::spawn(None, coordinator, done_tx)
+        .map_err(spawned)?;
+    let (coord, mut done_rx) = launch
+        .coordinator(config, opts.heartbeat / 2)
         .await
-        .map_err(|e| SimError::Unsupported(format!("spawn coordinator: {e}")))?;
+        .map_err(spawned)?;
 
-    // Bound: every step at the slowest node's full-batch time, plus sync over the slowest link,
-    // twenty times over, plus the fault schedule. A run that needs longer is a bug.
-    let worst_step = secs_per_sample.iter().copied().fold(0.0, f64::max)
-        * f64::from(s.training.global_batch)
-        + cluster
-            .nodes
-            .iter()
-            .map(|n| n.link.transfer_s(2.0 * grad_bytes as f64))
-            .fold(0.0, f64::max);
     let actions = schedule(&s.faults);
     let last_fault = actions.last().map_or(0.0, |a| a.0);
-    let bound_s = 20.0 * worst_step * opts.steps as f64 + last_fault + 60.0;
+    let bound_s = bound_s(s, opts, &secs_per_sample, grad_bytes, last_fault);
     let deadline = t0 + Duration::from_secs_f64(bound_s);
 
-    let progress = opts.progress.then(|| {
-        let log = log.clone();
-        let total = opts.steps;
-        let started = std::time::Instant::now();
-        tokio::spawn(async move {
-            let mut shown = 0;
-            loop {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                let done = log.lock().unwrap().step_done_ns.len() as u64;
-                if total > 0 && done * 20 / total > shown {
-                    shown = done * 20 / total;
-                    eprint!(
-                        "\r[sim] step {done}/{total}, {:.0} virtual s, {:.1} wall s   ",
-                        t0.elapsed().as_secs_f64(),
-                        started.elapsed().as_secs_f64()
-                    );
-                }
-            }
-        })
-    });
-    let mut down: Vec<Vec<(u64, u64)>> = vec![Vec::new(); cluster.nodes.len()];
-    let mut down_since: Vec<Option<u64>> = vec![None; cluster.nodes.len()];
-    let mut finished = false;
-    for (at_s, _, action) in actions {
-        let when = t0 + Duration::from_secs_f64(at_s);
-        tokio::select! {
-            biased;
-            _ = &mut done_rx => { finished = true; break; }
-            _ = tokio::time::sleep_until(when) => {}
-        }
-        let t_ns = t0.elapsed().as_nanos() as u64;
-        match action {
-            Action::Crash(n) => {
-                trace.record(t_ns, "crash", Some(Addr::Node(n)), None, 0);
-                net.crash(n);
-                down_since[n.index()].get_or_insert(t_ns);
-                let _ = sup.cast(SupMsg::Crash(n));
-            }
-            Action::Restart(n) => {
-                trace.record(t_ns, "restart", Some(Addr::Node(n)), None, 0);
-                if let Some(since) = down_since[n.index()].take() {
-                    down[n.index()].push((since, t_ns));
-                    net.restart(n);
-                    let _ = sup.cast(SupMsg::Restart(n));
-                }
-            }
-            Action::Slow(n, k) => {
-                trace.record(t_ns, "slowdown", Some(Addr::Node(n)), None, k.to_bits());
-                compute.set_slowdown(n, k);
-            }
-            Action::Degrade(a, b, l) => {
-                trace.record(
-                    t_ns,
-                    "link-degraded",
-                    Some(Addr::Node(a)),
-                    Some(Addr::Node(b)),
-                    l.bandwidth_gbps.to_bits(),
-                );
-                net.degrade(a, b, l);
-            }
-            Action::Restore(a, b) => {
-                trace.record(
-                    t_ns,
-                    "link-restored",
-                    Some(Addr::Node(a)),
-                    Some(Addr::Node(b)),
-                    0,
-                );
-                net.restore(a, b);
-            }
-            Action::Partition(g) => {
-                trace.record(t_ns, "partition", None, None, g.len() as u64);
-                net.partition(g);
-            }
-            Action::Heal(g) => {
-                trace.record(t_ns, "heal", None, None, g.len() as u64);
-                net.heal(&g);
-            }
-            Action::Reset(a, b) => {
-                trace.record(t_ns, "reset", Some(Addr::Node(a)), Some(Addr::Node(b)), 0);
-                net.reset(a, b);
-            }
-        }
-    }
+    let progress = opts.progress.then(|| spawn_progress(&log, opts.steps, t0));
+    let world = World {
+        trace: &trace,
+        net: &net,
+        sup: &sup,
+        compute: &compute,
+        t0,
+    };
+    let (finished, mut down, down_since) =
+        play(&world, cluster.nodes.len(), actions, &mut done_rx).await;
     let mut violations = Vec::new();
     if !finished {
         tokio::select! {
@@ -538,7 +567,7 @@ async fn simulate(
         eprintln!();
     }
 
-    let log = log.lock().unwrap().clone();
+    let log = log.snapshot();
     let counters = counters.lock().unwrap().clone();
     let mut r = report(
         s,
@@ -607,28 +636,9 @@ fn picture(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn report(
-    s: &Scenario,
-    opts: &SimOptions,
-    toy: crate::toy::Toy,
-    first_plan: &ravnest_core::Plan,
-    log: &RunLog,
-    counters: &BTreeMap<NodeId, ravnest_runtime::node::NodeCounters>,
-    net: &SimNet,
-    trace: &Trace,
-    end_ns: u64,
-    secs_per_sample: &[f64],
-    mut violations: Vec<String>,
-) -> SimReport {
-    let end_s = end_ns as f64 / 1e9;
-    let steps_completed = log.step_done_ns.len() as u64;
-    let samples_per_s = if end_s > 0.0 {
-        steps_completed as f64 * f64::from(s.training.global_batch) / end_s
-    } else {
-        0.0
-    };
-    let solo: f64 = secs_per_sample.iter().map(|t| 1.0 / t).sum();
+/// Every completed checkpoint's step; one that does not hold the agreed model is a
+/// violation, as are the coordinator's own violations and stalls.
+fn checked_checkpoints(log: &RunLog, violations: &mut Vec<String>) -> Vec<u64> {
     let mut checkpoints = Vec::new();
     for (_, e) in &log.events {
         match e {
@@ -645,8 +655,19 @@ fn report(
             _ => {}
         }
     }
-    // The model every live replica ends with must equal single-node training on the same data.
-    // (A pipeline stage holds its layers only: compare those.)
+    checkpoints
+}
+
+/// The largest difference of the final model (every live replica's, or each stage's layers)
+/// from single-node training on the same data; an incomplete or differing model is a
+/// violation.
+fn model_error(
+    s: &Scenario,
+    toy: &crate::toy::Toy,
+    counters: &BTreeMap<NodeId, ravnest_runtime::node::NodeCounters>,
+    steps_completed: u64,
+    violations: &mut Vec<String>,
+) -> f64 {
     let reference = toy.reference_model(steps_completed, u64::from(s.training.global_batch));
     let mut max_err: f64 = 0.0;
     let mut covered = vec![false; reference.len()];
@@ -674,9 +695,19 @@ fn report(
             "final model differs from single-node training by {max_err:.2e}"
         ));
     }
+    max_err
+}
+
+/// Per node: its first role, memory, time split and traffic.
+fn node_reports(
+    s: &Scenario,
+    first_plan: &ravnest_core::Plan,
+    counters: &BTreeMap<NodeId, ravnest_runtime::node::NodeCounters>,
+    net: &SimNet,
+    end_ns: u64,
+) -> Vec<NodeReport> {
     let bytes = net.bytes_sent();
-    let nodes = s
-        .cluster
+    s.cluster
         .ids()
         .map(|id| {
             let n = s.cluster.node(id);
@@ -706,52 +737,79 @@ fn report(
                 aborted: c.aborted,
             }
         })
-        .collect();
-    let faults = s
-        .faults
-        .iter()
-        .map(|f| {
-            let at_ns = (fault_at(f) * 1e9) as u64;
-            let detected = match f {
-                Fault::Crash { node, .. } => log.events.iter().find_map(|(t, e)| match e {
-                    Event::Detected { node: n, .. } if n == node && *t >= at_ns => Some(*t),
-                    _ => None,
-                }),
-                _ => None,
-            };
-            let after = detected.unwrap_or(at_ns);
-            let resumed = log.step_done_ns.iter().copied().find(|&t| t >= after);
-            let rejoined = match f {
-                Fault::Restart { node, .. } => log.events.iter().find_map(|(t, e)| match e {
-                    Event::Joined { node: n } if n == node && *t >= at_ns => {
-                        Some((*t - at_ns) as f64 / 1e9)
-                    }
-                    _ => None,
-                }),
-                _ => None,
-            };
-            let replanned = match f {
-                Fault::Slowdown { .. } => log.events.iter().find_map(|(t, e)| match e {
-                    Event::Rebalanced { .. } if *t >= at_ns => Some(
-                        log.step_done_ns
-                            .iter()
-                            .filter(|&&d| d >= at_ns && d <= *t)
-                            .count() as u64,
-                    ),
-                    _ => None,
-                }),
-                _ => None,
-            };
-            FaultReport {
-                replanned_after_steps: replanned,
-                rejoined_after_s: rejoined,
-                fault: describe(s, f),
-                at_s: fault_at(f),
-                detected_after_s: detected.map(|t| (t - at_ns) as f64 / 1e9),
-                resumed_after_s: resumed.map(|t| (t - at_ns) as f64 / 1e9),
+        .collect()
+}
+
+/// A fault, and how the run answered it: detected, resumed, rejoined, re-planned after.
+fn fault_report(s: &Scenario, log: &RunLog, f: &Fault) -> FaultReport {
+    let at_ns = (fault_at(f) * 1e9) as u64;
+    let detected = match f {
+        Fault::Crash { node, .. } => log.events.iter().find_map(|(t, e)| match e {
+            Event::Detected { node: n, .. } if n == node && *t >= at_ns => Some(*t),
+            _ => None,
+        }),
+        _ => None,
+    };
+    let after = detected.unwrap_or(at_ns);
+    let resumed = log.step_done_ns.iter().copied().find(|&t| t >= after);
+    let rejoined = match f {
+        Fault::Restart { node, .. } => log.events.iter().find_map(|(t, e)| match e {
+            Event::Joined { node: n } if n == node && *t >= at_ns => {
+                Some((*t - at_ns) as f64 / 1e9)
             }
-        })
-        .collect();
+            _ => None,
+        }),
+        _ => None,
+    };
+    let replanned = match f {
+        Fault::Slowdown { .. } => log.events.iter().find_map(|(t, e)| match e {
+            Event::Rebalanced { .. } if *t >= at_ns => Some(
+                log.step_done_ns
+                    .iter()
+                    .filter(|&&d| d >= at_ns && d <= *t)
+                    .count() as u64,
+            ),
+            _ => None,
+        }),
+        _ => None,
+    };
+    FaultReport {
+        replanned_after_steps: replanned,
+        rejoined_after_s: rejoined,
+        fault: describe(s, f),
+        at_s: fault_at(f),
+        detected_after_s: detected.map(|t| (t - at_ns) as f64 / 1e9),
+        resumed_after_s: resumed.map(|t| (t - at_ns) as f64 / 1e9),
+    }
+}
+
+/// The run's report: throughput, checkers, per-node and per-fault figures.
+#[allow(clippy::too_many_arguments)]
+fn report(
+    s: &Scenario,
+    opts: &SimOptions,
+    toy: crate::toy::Toy,
+    first_plan: &ravnest_core::Plan,
+    log: &RunLog,
+    counters: &BTreeMap<NodeId, ravnest_runtime::node::NodeCounters>,
+    net: &SimNet,
+    trace: &Trace,
+    end_ns: u64,
+    secs_per_sample: &[f64],
+    mut violations: Vec<String>,
+) -> SimReport {
+    let end_s = end_ns as f64 / 1e9;
+    let steps_completed = log.step_done_ns.len() as u64;
+    let samples_per_s = if end_s > 0.0 {
+        steps_completed as f64 * f64::from(s.training.global_batch) / end_s
+    } else {
+        0.0
+    };
+    let solo: f64 = secs_per_sample.iter().map(|t| 1.0 / t).sum();
+    let checkpoints = checked_checkpoints(log, &mut violations);
+    let max_err = model_error(s, &toy, counters, steps_completed, &mut violations);
+    let nodes = node_reports(s, first_plan, counters, net, end_ns);
+    let faults = s.faults.iter().map(|f| fault_report(s, log, f)).collect();
     SimReport {
         scenario: s.cluster.name.clone(),
         planner: opts.planner.as_str().to_string(),

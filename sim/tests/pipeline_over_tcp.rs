@@ -3,17 +3,15 @@
 //! `ActivationGrad` envelopes on the wire), computing with the simulator's layered toy model
 //! at near-zero compute times. The stages must end with the layers single-node training gives.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use ractor::Actor;
 use ravnest_core::cost::Costs;
 use ravnest_core::{NodeId, PlannerKind};
-use ravnest_runtime::coordinator::{Config, CoordinatorActor, Event, RunLog, Tuning};
-use ravnest_runtime::node::{Counters, NodeActor, Start};
-use ravnest_runtime::supervisor::SupervisorActor;
+use ravnest_runtime::coordinator::{Config, Event, Tuning};
+use ravnest_runtime::node::Counters;
 use ravnest_runtime::tcp::LoopbackCluster;
-use ravnest_runtime::{Compute, Trace};
+use ravnest_runtime::{Compute, Launch, Nodes};
 use ravnest_sim::compute::SimCompute;
 
 const STEPS: u64 = 6;
@@ -42,67 +40,34 @@ fn a_pipeline_trains_over_real_tcp() {
         let net = LoopbackCluster::start(4, b"tcp-pipeline").await.unwrap();
         let t0 = tokio::time::Instant::now();
         let counters: Counters = Arc::default();
-        let make_node = {
-            let (t, c, k) = (net.clone(), compute.clone(), counters.clone());
-            Arc::new(move |id: NodeId| NodeActor {
-                id,
-                transport: t.clone(),
-                compute: c.clone(),
-                grad_bytes: 1 << 20,
-                model_bytes: 1 << 20,
-                counters: k.clone(),
-                t0,
-            })
+        let launch = Launch::new(net.clone()).at(t0);
+        let nodes = Nodes::new(compute.clone(), (0..4).map(NodeId).collect(), 1 << 20)
+            .heartbeat(Duration::from_millis(50))
+            .counters(counters.clone());
+        let sup = launch.nodes(nodes).await.unwrap();
+        let config = Config {
+            cluster: s.cluster.clone(),
+            model: s.model.clone(),
+            training: s.training.clone(),
+            planner: PlannerKind::Ravnest,
+            steps: STEPS,
+            heartbeat_timeout_ms: 5000,
+            train_flops: costs.train_flops(&costs.all()),
+            checkpoint_every: 0,
+            checkpoint_at_end: false,
+            start_step: 0,
+            initial_holders: None,
+            absent: Vec::new(),
+            allow_pipeline: compute.runs_stages(),
+            tuning: Tuning {
+                measure_min_batch: u64::MAX,
+                ..Tuning::default()
+            },
         };
-        let (sup, _) = Actor::spawn(
-            None,
-            SupervisorActor {
-                make_node,
-                transport: net.clone(),
-                heartbeat: Duration::from_millis(50),
-                nodes: (0..4).map(NodeId).collect(),
-                first_start: Start::Fresh,
-                trace: Trace::default(),
-                t0,
-            },
-            (),
-        )
-        .await
-        .unwrap();
-        let log: Arc<Mutex<RunLog>> = Arc::default();
-        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-        let (coord, _) = Actor::spawn(
-            None,
-            CoordinatorActor {
-                transport: net.clone(),
-                config: Config {
-                    cluster: s.cluster.clone(),
-                    model: s.model.clone(),
-                    training: s.training.clone(),
-                    planner: PlannerKind::Ravnest,
-                    steps: STEPS,
-                    heartbeat_timeout_ms: 5000,
-                    train_flops: costs.train_flops(&costs.all()),
-                    checkpoint_every: 0,
-                    checkpoint_at_end: false,
-                    start_step: 0,
-                    initial_holders: None,
-                    absent: Vec::new(),
-                    allow_pipeline: compute.runs_stages(),
-                    tuning: Tuning {
-                        measure_min_batch: u64::MAX,
-                        ..Tuning::default()
-                    },
-                },
-                tick: Duration::from_millis(50),
-                t0,
-                trace: Trace::default(),
-                log: log.clone(),
-            },
-            done_tx,
-        )
-        .await
-        .unwrap();
+        let (coord, done_rx) = launch
+            .coordinator(config, Duration::from_millis(50))
+            .await
+            .unwrap();
         tokio::time::timeout(Duration::from_secs(60), done_rx)
             .await
             .expect("training finished within 60 s")
@@ -113,7 +78,7 @@ fn a_pipeline_trains_over_real_tcp() {
         for t in net.nodes.values() {
             t.shutdown();
         }
-        let log = log.lock().unwrap().clone();
+        let log = launch.journal().snapshot();
         for (_, e) in &log.events {
             assert!(
                 !matches!(e, Event::Violation(_) | Event::Stalled(_)),

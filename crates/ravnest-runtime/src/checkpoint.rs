@@ -20,10 +20,32 @@ use crate::msg::{Addr, Envelope};
 use crate::seams::Transport;
 use crate::trace::Trace;
 
+/// Why a complete checkpoint could not be stored.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The shards do not add up to the model the store expects.
+    #[error("the shards hold {got} values; the model and optimizer state have {want}")]
+    Size {
+        /// Values in the shards.
+        got: usize,
+        /// Values expected.
+        want: usize,
+    },
+    /// Writing failed.
+    #[error("{}: {source}", path.display())]
+    Write {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
 /// Where complete checkpoints go.
 pub trait Store: Send + Sync + 'static {
     /// Commit a complete checkpoint: `shards[i]` holds the values of `manifest.shards[i]`.
-    fn commit(&self, manifest: &Manifest, shards: &[Vec<f32>]) -> Result<(), String>;
+    fn commit(&self, manifest: &Manifest, shards: &[Vec<f32>]) -> Result<(), StoreError>;
 }
 
 /// The checkpoint actor's configuration.
@@ -72,7 +94,7 @@ impl<T: Transport> CheckpointActor<T> {
         self.trace
             .record(now, what, from, Some(Addr::Checkpoint), step);
         if let Some(e) = event {
-            self.log.lock().unwrap().events.push((now, e));
+            self.log.event(now, e);
         }
     }
 
@@ -240,7 +262,7 @@ mod tests {
     struct Mem(Mutex<Vec<(u64, Vec<f32>)>>);
 
     impl Store for Mem {
-        fn commit(&self, m: &Manifest, shards: &[Vec<f32>]) -> Result<(), String> {
+        fn commit(&self, m: &Manifest, shards: &[Vec<f32>]) -> Result<(), StoreError> {
             self.0.lock().unwrap().push((m.step, shards.concat()));
             Ok(())
         }
@@ -250,16 +272,9 @@ mod tests {
     async fn a_corrupted_shard_is_refused_and_the_previous_checkpoint_stays() {
         let net = Net::default();
         let store = Arc::new(Mem::default());
-        let log: SharedLog = Arc::default();
-        let actor = CheckpointActor {
-            transport: net.clone(),
-            store: store.clone(),
-            log: log.clone(),
-            trace: Trace::default(),
-            t0: Instant::now(),
-            bytes_per_elem: 4,
-        };
-        let (me, handle) = Actor::spawn(None, actor, ()).await.unwrap();
+        let launch = crate::Launch::new(net.clone());
+        let log = launch.journal();
+        let me = launch.checkpoints(store.clone(), 4).await.unwrap();
         let inbox = net.0.lock().unwrap().clone().unwrap();
         let node = Addr::Node(NodeId(1));
         let round = |step: u64, good: &[f32], sent: Vec<f32>| {
@@ -287,8 +302,7 @@ mod tests {
         bad[2] = f32::from_bits(bad[2].to_bits() ^ 1);
         round(20, &v20, bad);
         // The actor stops once it has handled what is in its mailbox.
-        me.drain().unwrap();
-        handle.await.unwrap();
+        me.drain_and_wait(None).await.unwrap();
         assert_eq!(*store.0.lock().unwrap(), vec![(10, v10)]);
         let events = &log.lock().unwrap().events;
         assert!(

@@ -3,7 +3,35 @@
 
 use std::ops::Range;
 
-use crate::trace::Fnv;
+/// FNV-1a, 64 bits: small, stable across platforms and Rust versions (unlike `DefaultHasher`).
+#[derive(Debug, Clone, Copy)]
+pub struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    /// Fold bytes in.
+    pub fn bytes(&mut self, b: &[u8]) {
+        for x in b {
+            self.0 ^= u64::from(*x);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    /// Fold a u64 in (little-endian).
+    pub fn u64(&mut self, x: u64) {
+        self.bytes(&x.to_le_bytes());
+    }
+
+    /// The hash.
+    pub fn finish(&self) -> u64 {
+        self.0
+    }
+}
 
 /// Global sample indices of `batch` samples at `offset` within step `step` of a global batch
 /// of `global_batch`: `step·B + offset ..`. Every node and the single-node reference read the

@@ -17,6 +17,7 @@ pub mod collective;
 pub mod conformance;
 pub mod coordinator;
 pub mod digest;
+pub mod launch;
 pub mod msg;
 pub mod node;
 pub mod seams;
@@ -25,6 +26,7 @@ pub mod tcp;
 pub mod trace;
 pub mod wire;
 
+pub use launch::{Launch, LaunchError, Nodes};
 pub use msg::{Addr, Envelope};
 pub use seams::{Compute, Inbox, Transport, TransportError};
 pub use trace::Trace;

@@ -4,6 +4,8 @@ use ravnest_core::NodeId;
 use ravnest_core::collective::{CollId, CollMsg};
 use ravnest_core::planner::sync::Collective;
 
+use crate::digest::Fnv;
+
 /// Where an envelope goes. The coordinator lives in one node's process (its host).
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
@@ -450,7 +452,15 @@ impl Envelope {
 
     /// A digest of the payload for the trace (FNV-1a over the fields that matter).
     pub fn digest(&self) -> u64 {
-        let mut h = crate::trace::Fnv::default();
+        let mut h = Fnv::default();
+        let _ = self.digest_control(&mut h)
+            || self.digest_training(&mut h)
+            || self.digest_state(&mut h);
+        h.finish()
+    }
+
+    /// Digest the fields of registration, probes, measurement, grants, halts and reports; false for any other envelope.
+    fn digest_control(&self, h: &mut Fnv) -> bool {
         match self {
             Envelope::Heartbeat | Envelope::Join | Envelope::Finish => {}
             Envelope::Register(c) => {
@@ -472,24 +482,6 @@ impl Envelope {
                     h.u64(u64::from(p.0));
                     h.u64(lat.to_bits());
                     h.u64(bw.to_bits());
-                }
-            }
-            Envelope::Work(w) => {
-                for x in [w.epoch, w.step, w.until, w.offset, w.batch, w.global_batch] {
-                    h.u64(x);
-                }
-                for n in &w.ring {
-                    h.u64(u64::from(n.0));
-                }
-                if let Some(sw) = &w.stage {
-                    for x in [
-                        u64::from(sw.stage),
-                        u64::from(sw.layers.0),
-                        u64::from(sw.layers.1),
-                        sw.micro_batch,
-                    ] {
-                        h.u64(x);
-                    }
                 }
             }
             Envelope::Grant { epoch, until } => {
@@ -515,6 +507,37 @@ impl Envelope {
                 for v in held {
                     h.u64(v.version);
                     h.u64(u64::from(v.synced));
+                }
+            }
+            Envelope::Address { node, addr } => {
+                h.u64(u64::from(node.0));
+                h.bytes(addr.as_bytes());
+            }
+            Envelope::Report(text) | Envelope::Summary(text) => h.bytes(text.as_bytes()),
+            _ => return false,
+        }
+        true
+    }
+
+    /// Digest the fields of work, activations, collectives and step reports; false for any other envelope.
+    fn digest_training(&self, h: &mut Fnv) -> bool {
+        match self {
+            Envelope::Work(w) => {
+                for x in [w.epoch, w.step, w.until, w.offset, w.batch, w.global_batch] {
+                    h.u64(x);
+                }
+                for n in &w.ring {
+                    h.u64(u64::from(n.0));
+                }
+                if let Some(sw) = &w.stage {
+                    for x in [
+                        u64::from(sw.stage),
+                        u64::from(sw.layers.0),
+                        u64::from(sw.layers.1),
+                        sw.micro_batch,
+                    ] {
+                        h.u64(x);
+                    }
                 }
             }
             Envelope::Activation {
@@ -567,6 +590,14 @@ impl Envelope {
                 h.u64(*digest);
                 h.u64(*compute_ns);
             }
+            _ => return false,
+        }
+        true
+    }
+
+    /// Digest the fields of checkpoints and model state; false for any other envelope.
+    fn digest_state(&self, h: &mut Fnv) -> bool {
+        match self {
             Envelope::CheckpointBegin { step, shards } => {
                 h.u64(*step);
                 for (a, b, d) in shards {
@@ -614,12 +645,8 @@ impl Envelope {
                     h.u64(u64::from(x.to_bits()));
                 }
             }
-            Envelope::Address { node, addr } => {
-                h.u64(u64::from(node.0));
-                h.bytes(addr.as_bytes());
-            }
-            Envelope::Report(text) | Envelope::Summary(text) => h.bytes(text.as_bytes()),
+            _ => return false,
         }
-        h.finish()
+        true
     }
 }

@@ -116,6 +116,8 @@ struct Inner {
     bytes_sent: AtomicU64,
     /// Frames queued on links and not yet written and flushed (or dropped with their link).
     unsent: AtomicU64,
+    /// Told whenever frames leave the queues or are acknowledged (what `drain` waits on).
+    settled: tokio::sync::Notify,
     log: Mutex<Vec<String>>,
     /// Lines printed so far by shape (digits left out), for printing a repeated one once.
     printed: Mutex<BTreeMap<String, u64>>,
@@ -590,6 +592,7 @@ impl TcpTransport {
                 down: AtomicBool::new(false),
                 bytes_sent: AtomicU64::new(0),
                 unsent: AtomicU64::new(0),
+                settled: tokio::sync::Notify::new(),
                 log: Mutex::default(),
                 printed: Mutex::default(),
                 verbose,
@@ -651,13 +654,18 @@ impl TcpTransport {
                     .values()
                     .any(|s| s.connected && !s.unacked.is_empty())
         };
-        while pending() {
-            if tokio::time::Instant::now() >= deadline {
-                return false;
+        loop {
+            // Listen before looking, so that a change in between is not missed.
+            let settled = self.inner.settled.notified();
+            tokio::pin!(settled);
+            settled.as_mut().enable();
+            if !pending() {
+                return true;
             }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            if tokio::time::timeout_at(deadline, settled).await.is_err() {
+                return !pending();
+            }
         }
-        true
     }
 
     /// What the transport logged (refused handshakes, dropped connections).
@@ -698,9 +706,9 @@ impl TcpTransport {
             // Console lines stay under 300 characters.
             let short: String = line.chars().take(240).collect();
             if n == 1 {
-                eprintln!("ravnest: {short}");
+                tracing::warn!(target: "ravnest::net", "ravnest: {short}");
             } else if [10, 100, 1000, 10_000].contains(&n) {
-                eprintln!("ravnest: {short} ({n} times so far)");
+                tracing::warn!(target: "ravnest::net", "ravnest: {short} ({n} times so far)");
             }
         }
         self.record(line);
@@ -1023,10 +1031,12 @@ impl TcpTransport {
             s.incarnation = Some(incarnation);
             s.acked = delivered;
             s.connected = true;
+            self.inner.settled.notify_waiters();
             return Vec::new();
         }
         s.trim(delivered);
         s.connected = true;
+        self.inner.settled.notify_waiters();
         s.unacked.iter().cloned().collect()
     }
 
@@ -1079,6 +1089,7 @@ impl TcpTransport {
                     }
                     let n = u64::from_le_bytes(ack);
                     self.inner.sessions.lock().unwrap().entry(peer).or_default().trim(n);
+                    self.inner.settled.notify_waiters();
                     continue;
                 }
                 f = rx.recv() => match f {
@@ -1112,6 +1123,7 @@ impl TcpTransport {
             }
             failed = failed || w.flush().await.is_err();
             self.inner.unsent.fetch_sub(taken, Ordering::SeqCst);
+            self.inner.settled.notify_waiters();
         }
         // A connection that closes is not a dead peer (a reset on the path, a proxy, a peer
         // that restarted). What was queued joins the session's unacknowledged frames, and a new
@@ -1127,6 +1139,7 @@ impl TcpTransport {
                 self.inner.unsent.fetch_sub(1, Ordering::SeqCst);
                 s.unacked.push_back(Arc::new(f));
             }
+            self.inner.settled.notify_waiters();
             !s.unacked.is_empty()
         };
         self.unlink(peer, generation);
@@ -1156,6 +1169,7 @@ impl TcpTransport {
         while rx.try_recv().is_ok() {
             self.inner.unsent.fetch_sub(1, Ordering::SeqCst);
         }
+        self.inner.settled.notify_waiters();
     }
 }
 
@@ -1192,6 +1206,7 @@ impl Transport for TcpTransport {
                 Ok(()) => return Ok(()),
                 Err(back) => {
                     self.inner.unsent.fetch_sub(1, Ordering::SeqCst);
+                    self.inner.settled.notify_waiters();
                     self.unlink(host, generation);
                     frame = back.0;
                 }

@@ -3,37 +3,8 @@
 
 use std::sync::{Arc, Mutex};
 
+pub use crate::digest::Fnv;
 use crate::msg::Addr;
-
-/// FNV-1a, 64 bits: small, stable across platforms and Rust versions (unlike `DefaultHasher`).
-#[derive(Debug, Clone, Copy)]
-pub struct Fnv(u64);
-
-impl Default for Fnv {
-    fn default() -> Self {
-        Fnv(0xcbf2_9ce4_8422_2325)
-    }
-}
-
-impl Fnv {
-    /// Fold bytes in.
-    pub fn bytes(&mut self, b: &[u8]) {
-        for x in b {
-            self.0 ^= u64::from(*x);
-            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-
-    /// Fold a u64 in (little-endian).
-    pub fn u64(&mut self, x: u64) {
-        self.bytes(&x.to_le_bytes());
-    }
-
-    /// The hash.
-    pub fn finish(&self) -> u64 {
-        self.0
-    }
-}
 
 /// One trace line.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,4 +1,4 @@
-//! The wire format of [`crate::tcp`]: length-prefixed frames, each a small bincode header plus
+//! The wire format of the TCP transport: length-prefixed frames, each a small bincode header plus
 //! the envelope's tensor as raw little-endian `f32` bytes.
 //!
 //! ```text

@@ -6,6 +6,7 @@
 pub mod compute;
 pub mod data;
 pub mod device;
+pub mod events;
 pub mod measure;
 pub mod mlp;
 pub mod net;

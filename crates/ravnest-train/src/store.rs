@@ -16,7 +16,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use ravnest_core::checkpoint::Manifest;
-use ravnest_runtime::checkpoint::Store;
+use ravnest_runtime::checkpoint::{Store, StoreError};
 use safetensors::{Dtype, SafeTensors};
 
 use crate::net::Network;
@@ -131,11 +131,39 @@ fn read_into(
     Ok(())
 }
 
+/// A run may not write its checkpoints where it was asked to.
+#[derive(Debug, thiserror::Error)]
+pub enum GuardError {
+    /// The folder holds an earlier run's checkpoints, and the run neither resumes nor
+    /// overwrites them.
+    #[error(
+        "`{}` already holds the checkpoints of an earlier run{}; this run would write over them\n  \
+         help: continue that run with --resume, write elsewhere with --out DIR, or replace them with --overwrite",
+        dir.display(),
+        latest.map(|s| format!(" (latest: step {s})")).unwrap_or_default()
+    )]
+    Held {
+        /// The folder.
+        dir: PathBuf,
+        /// Its latest step, if it says.
+        latest: Option<u64>,
+    },
+    /// `--overwrite` could not remove them.
+    #[error("--overwrite: cannot remove `{}`: {source}", dir.display())]
+    Remove {
+        /// The folder.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
 /// A run is about to write checkpoints into `dir`: never over another run's by accident. With
 /// `resume` they are the starting point; with `overwrite` they are deleted first (returns
 /// whether anything was). Otherwise a folder that holds checkpoints is an error that says
 /// what to do.
-pub fn guard(dir: &Path, resume: bool, overwrite: bool) -> anyhow::Result<bool> {
+pub fn guard(dir: &Path, resume: bool, overwrite: bool) -> Result<bool, GuardError> {
     let held = match std::fs::read_dir(dir) {
         Err(_) => return Ok(false),
         Ok(rd) => rd
@@ -147,19 +175,19 @@ pub fn guard(dir: &Path, resume: bool, overwrite: bool) -> anyhow::Result<bool> 
         return Ok(false);
     }
     if overwrite {
-        std::fs::remove_dir_all(dir)
-            .map_err(|e| anyhow::anyhow!("--overwrite: cannot remove `{}`: {e}", dir.display()))?;
+        std::fs::remove_dir_all(dir).map_err(|source| GuardError::Remove {
+            dir: dir.to_path_buf(),
+            source,
+        })?;
         return Ok(true);
     }
     let latest = std::fs::read_to_string(dir.join("latest"))
         .ok()
-        .map(|s| format!(" (latest: step {})", s.trim()))
-        .unwrap_or_default();
-    anyhow::bail!(
-        "`{}` already holds the checkpoints of an earlier run{latest}; this run would write over them\n  \
-         help: continue that run with --resume, write elsewhere with --out DIR, or replace them with --overwrite",
-        dir.display()
-    )
+        .and_then(|s| s.trim().parse().ok());
+    Err(GuardError::Held {
+        dir: dir.to_path_buf(),
+        latest,
+    })
 }
 
 impl CheckpointFiles {
@@ -291,20 +319,19 @@ fn manifest_json(m: &Manifest, file: &Path) -> String {
 }
 
 impl Store for CheckpointFiles {
-    fn commit(&self, manifest: &Manifest, shards: &[Vec<f32>]) -> Result<(), String> {
+    fn commit(&self, manifest: &Manifest, shards: &[Vec<f32>]) -> Result<(), StoreError> {
         let flat: Vec<f32> = shards.concat();
         let p = self.net.params();
         if flat.len() != p + self.optim.state_len(p) {
-            return Err(format!(
-                "the shards hold {} values; the model and optimizer state have {}",
-                flat.len(),
-                p + self.optim.state_len(p)
-            ));
+            return Err(StoreError::Size {
+                got: flat.len(),
+                want: p + self.optim.state_len(p),
+            });
         }
         let path = self.path(manifest.step);
         self.write(manifest.step, &flat, &manifest_json(manifest, &path))
             .map(|_| ())
-            .map_err(|e| format!("{}: {e}", path.display()))
+            .map_err(|source| StoreError::Write { path, source })
     }
 }
 

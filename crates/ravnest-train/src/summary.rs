@@ -1,10 +1,14 @@
 //! The report of a `ravnest run`, the same in every mode: the coordinator's figures, then one
 //! row per node. A local run (the launcher) and a `--node` run (the coordinator's host, which
 //! collects every worker's report and sends the whole back to them) print the same text.
+//! [`NodeReport`] and [`RunReport`] are also the JSON of `--json` (`report` and `summary`
+//! events).
 //!
 //! Console lines stay short: the full event list is in the output folder's `events.jsonl`.
 
-use serde_json::{Value, json};
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
 
 /// The longest line the console gets; longer text is cut with a pointer to the full record.
 pub const MAX_LINE: usize = 300;
@@ -24,144 +28,247 @@ pub fn clip_lines(text: &str) -> String {
         .join("\n")
 }
 
-/// The run's summary document: the coordinator's report, each node's (by name, `null` for a
-/// node that did not report), and the processes that failed.
-pub fn merge(
-    cluster: &str,
-    coordinator: Option<Value>,
-    nodes: &[(String, Option<Value>)],
-    failed: &[String],
-) -> Value {
-    json!({
-        "event": "summary",
-        "cluster": cluster,
-        "coordinator": coordinator,
-        "nodes": nodes.iter().map(|(name, r)| json!({"node": name, "report": r})).collect::<Vec<_>>(),
-        "failed": failed,
-    })
+/// What one node did, at the end of the run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeReport {
+    /// The node.
+    pub node: String,
+    /// `coordinator` (its host) or `worker`.
+    pub role: String,
+    /// The run's figures, on the coordinator's host.
+    #[serde(flatten, default, skip_serializing_if = "Option::is_none")]
+    pub coordinator: Option<CoordinatorReport>,
+    /// Steps this node applied.
+    pub steps_applied: u64,
+    /// Seconds computing.
+    pub compute_s: f64,
+    /// Seconds in collectives (waiting included).
+    pub comm_s: f64,
+    /// Seconds since the process started its transport.
+    pub wall_s: f64,
+    /// Collectives abandoned (a lost peer, a halt).
+    pub aborted_collectives: u64,
+    /// Its last batch share.
+    pub batch: u64,
+    /// With `--timeline`: the start of its clock, ns since the Unix epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub t0_unix_ns: Option<u64>,
+    /// With `--timeline`: (start ns, end ns, `compute` or `comm`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub spans: Vec<(u64, u64, String)>,
+    /// Fraction of the steady steps spent computing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steady_busy: Option<f64>,
+    /// Fraction of the steady steps spent in collectives.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steady_comm: Option<f64>,
+    /// Bytes it sent.
+    pub bytes_sent: u64,
+    /// Its samples/s alone, measured before training.
+    pub solo_samples_per_s: f64,
+    /// Its last batch's mean loss.
+    pub last_loss: Option<f64>,
+    /// The emulated slowdown at the end.
+    pub slowdown: Slowdown,
 }
 
-/// The coordinator's figures in words.
-pub fn coordinator_text(c: &Value) -> String {
-    let f = |k: &str| c[k].as_f64().unwrap_or(0.0);
-    let acc = f("accuracy");
-    let target = f("target_accuracy");
-    let sample = match (
-        c["sample"]["prompt"].as_str(),
-        c["sample"]["continuation"].as_str(),
-    ) {
-        (Some(p), Some(more)) => format!(
-            "\nthe model continues the first test context: {:?} → {:?}",
-            p, more
-        ),
-        _ => String::new(),
-    };
-    let resumed = match c["start_step"].as_u64() {
-        Some(s) if s > 0 => format!(" (resumed from the checkpoint of step {s})"),
-        _ => String::new(),
-    };
-    let body = format!(
-        "trained steps {}..{} in {:.1} s: {:.0} samples/s{resumed}\n\
-         accuracy on the held-out split: {:.3} (target {:.2}: {})\n\
-         capacity efficiency: {:.2} (achieved ÷ {:.0} samples/s, the sum of each node's measured solo throughput)\n\
-         checkpoints: steps {} in {} (final: {})",
-        c["start_step"],
-        c["steps"],
-        f("train_s"),
-        f("samples_per_s"),
-        acc,
-        target,
-        if acc >= target {
-            "reached"
-        } else {
-            "NOT reached"
-        },
-        f("capacity_efficiency"),
-        f("solo_sum_samples_per_s"),
-        c["checkpoints"]
-            .as_array()
-            .map(|a| a
-                .iter()
-                .map(|x| x.to_string())
-                .collect::<Vec<_>>()
-                .join(", "))
-            .unwrap_or_default(),
-        c["checkpoint_dir"].as_str().unwrap_or(""),
-        c["final_checkpoint"].as_str().unwrap_or("")
-    );
-    body + &sample
+/// An emulated slowdown.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Slowdown {
+    /// Times slower (1: none).
+    pub factor: f64,
+    /// The step it last changed at.
+    pub since_step: u64,
 }
 
-/// The whole report of a run (a [`merge`] document) as text.
-pub fn text(m: &Value) -> String {
-    let mut out = format!("ravnest run: {}\n", m["cluster"].as_str().unwrap_or(""));
-    let Some(c) = m["coordinator"]
-        .as_object()
-        .map(|o| Value::Object(o.clone()))
-    else {
-        return out + "the coordinator did not report\n";
-    };
-    out += &coordinator_text(&c);
-    out += &format!(
-        "\n\n{:<13} {:<12} {:>6} {:>6} {:>6} {:>6} {:>16} {:>10}\n",
-        "node", "role", "steps", "busy", "comm", "idle", "solo samples/s", "sent"
-    );
-    let wall = c["train_s"].as_f64().unwrap_or(1.0).max(1e-9);
-    for n in m["nodes"].as_array().into_iter().flatten() {
-        let name = n["node"].as_str().unwrap_or("?");
-        let r = &n["report"];
-        if r.is_null() {
-            out += &format!("{name:<13} (no report: the process ended early or left)\n");
-            continue;
-        }
-        let busy = r["compute_s"].as_f64().unwrap_or(0.0) / wall;
-        let comm = r["comm_s"].as_f64().unwrap_or(0.0) / wall;
+/// The run as the coordinator saw it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CoordinatorReport {
+    /// The last step trained.
+    pub steps: u64,
+    /// The step it started from (a resumed run: its checkpoint's).
+    pub start_step: u64,
+    /// Seconds of training.
+    pub train_s: f64,
+    /// Samples/s over the whole training.
+    pub samples_per_s: f64,
+    /// Samples/s after the warm-up steps.
+    pub steady_samples_per_s: f64,
+    /// Steps left out as warm-up.
+    pub warmup_steps: u64,
+    /// The sum of every node's solo samples/s, measured together.
+    pub solo_sum_samples_per_s: f64,
+    /// Achieved samples/s ÷ that sum.
+    pub capacity_efficiency: f64,
+    /// Each node's solo samples/s.
+    pub solo_by_node: BTreeMap<String, f64>,
+    /// Plans after the first.
+    pub replans: u64,
+    /// Accuracy of the final model on the held-out split.
+    pub accuracy: f64,
+    /// The file's target.
+    pub target_accuracy: f64,
+    /// The character model's continuation of a test context.
+    pub sample: Option<Sample>,
+    /// Steps of the checkpoints written.
+    pub checkpoints: Vec<u64>,
+    /// Where they are.
+    pub checkpoint_dir: String,
+    /// The final checkpoint's file.
+    pub final_checkpoint: String,
+    /// The optimizer.
+    pub optimizer: String,
+    /// Distinct plans.
+    pub plans: u64,
+    /// Re-plans for measured speeds.
+    pub rebalances: u64,
+    /// Faults, membership, refusals (at most 20, then a count).
+    pub notable_events: Vec<String>,
+    /// Every event: `events.jsonl`.
+    pub events_file: String,
+}
+
+/// Text the character model wrote.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// The first test context.
+    pub prompt: String,
+    /// Its greedy continuation.
+    pub continuation: String,
+}
+
+/// One node's row of the run's report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeRow {
+    /// The node.
+    pub node: String,
+    /// Its report (`null`: the process ended early or left).
+    pub report: Option<NodeReport>,
+}
+
+/// The run's report: the coordinator's, each node's, and the processes that failed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunReport {
+    /// The cluster's name.
+    pub cluster: String,
+    /// The coordinator's host's report.
+    pub coordinator: Option<NodeReport>,
+    /// Every node of the file, in order.
+    pub nodes: Vec<NodeRow>,
+    /// Processes that failed (the local launcher's view).
+    #[serde(default)]
+    pub failed: Vec<String>,
+}
+
+impl RunReport {
+    /// The coordinator's figures (and its host's report), if it reported.
+    pub fn coordinator(&self) -> Option<(&NodeReport, &CoordinatorReport)> {
+        let host = self.coordinator.as_ref()?;
+        Some((host, host.coordinator.as_ref()?))
+    }
+
+    /// The whole report as text.
+    pub fn text(&self) -> String {
+        let mut out = format!("ravnest run: {}\n", self.cluster);
+        let Some((host, c)) = self.coordinator() else {
+            return out + "the coordinator did not report\n";
+        };
+        out += &c.text();
         out += &format!(
+            "\n\n{:<13} {:<12} {:>6} {:>6} {:>6} {:>6} {:>16} {:>10}\n",
+            "node", "role", "steps", "busy", "comm", "idle", "solo samples/s", "sent"
+        );
+        let wall = c.train_s.max(1e-9);
+        for n in &self.nodes {
+            out += &n.text(c, wall);
+        }
+        out += &format!(
+            "\n{} distinct plan(s); {} re-plan(s) for measured speeds\n",
+            c.plans, c.rebalances
+        );
+        if !c.notable_events.is_empty() {
+            out += "\nevents:\n";
+            for e in &c.notable_events {
+                out += &format!("  {e}\n");
+            }
+        }
+        if !c.events_file.is_empty() {
+            out += &format!(
+                "every event: {} (on `{}`'s machine)\n",
+                c.events_file, host.node
+            );
+        }
+        if !self.failed.is_empty() {
+            out += &format!("\nprocesses that failed: {}\n", self.failed.join(", "));
+        }
+        clip_lines(&out)
+    }
+}
+
+impl NodeRow {
+    /// Its row of the table (`wall`: the training's seconds).
+    fn text(&self, c: &CoordinatorReport, wall: f64) -> String {
+        let Some(r) = &self.report else {
+            return format!(
+                "{:<13} (no report: the process ended early or left)\n",
+                self.node
+            );
+        };
+        let busy = r.compute_s / wall;
+        let comm = r.comm_s / wall;
+        format!(
             "{:<13} {:<12} {:>6} {:>5.0}% {:>5.0}% {:>5.0}% {:>16.0} {:>7.1} MB\n",
-            name,
-            r["role"].as_str().unwrap_or("?"),
-            // (A JSON value's Display ignores the width: the number itself.)
-            r["steps_applied"].as_u64().unwrap_or(0),
+            self.node,
+            r.role,
+            r.steps_applied,
             100.0 * busy.min(1.0),
             100.0 * comm.min(1.0),
             100.0 * (1.0 - busy - comm).max(0.0),
-            c["solo_by_node"][name].as_f64().unwrap_or(0.0),
-            r["bytes_sent"].as_f64().unwrap_or(0.0) / 1e6
+            c.solo_by_node.get(&self.node).copied().unwrap_or(0.0),
+            r.bytes_sent as f64 / 1e6
+        )
+    }
+}
+
+impl CoordinatorReport {
+    /// The coordinator's figures in words.
+    pub fn text(&self) -> String {
+        let sample = match &self.sample {
+            Some(s) => format!(
+                "\nthe model continues the first test context: {:?} → {:?}",
+                s.prompt, s.continuation
+            ),
+            None => String::new(),
+        };
+        let resumed = match self.start_step {
+            0 => String::new(),
+            s => format!(" (resumed from the checkpoint of step {s})"),
+        };
+        let checkpoints: Vec<String> = self.checkpoints.iter().map(u64::to_string).collect();
+        let body = format!(
+            "trained steps {}..{} in {:.1} s: {:.0} samples/s{resumed}\n\
+             accuracy on the held-out split: {:.3} (target {:.2}: {})\n\
+             capacity efficiency: {:.2} (achieved ÷ {:.0} samples/s, the sum of each node's measured solo throughput)\n\
+             checkpoints: steps {} in {} (final: {})",
+            self.start_step,
+            self.steps,
+            self.train_s,
+            self.samples_per_s,
+            self.accuracy,
+            self.target_accuracy,
+            if self.accuracy >= self.target_accuracy {
+                "reached"
+            } else {
+                "NOT reached"
+            },
+            self.capacity_efficiency,
+            self.solo_sum_samples_per_s,
+            checkpoints.join(", "),
+            self.checkpoint_dir,
+            self.final_checkpoint
         );
+        body + &sample
     }
-    out += &format!(
-        "\n{} distinct plan(s); {} re-plan(s) for measured speeds\n",
-        c["plans"].as_u64().unwrap_or(0),
-        c["rebalances"].as_u64().unwrap_or(0)
-    );
-    let notable: Vec<&str> = c["notable_events"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|e| e.as_str())
-        .collect();
-    if !notable.is_empty() {
-        out += "\nevents:\n";
-        for e in notable {
-            out += &format!("  {e}\n");
-        }
-    }
-    if let Some(f) = c["events_file"].as_str() {
-        match c["node"].as_str() {
-            Some(n) => out += &format!("every event: {f} (on `{n}`'s machine)\n"),
-            None => out += &format!("every event: {f}\n"),
-        }
-    }
-    if let Some(f) = m["failed"].as_array().filter(|f| !f.is_empty()) {
-        out += &format!(
-            "\nprocesses that failed: {}\n",
-            f.iter()
-                .filter_map(|x| x.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-    }
-    clip_lines(&out)
 }
 
 /// Whether an event (in words) belongs in the printed report: faults, membership, resumes.
@@ -179,11 +286,37 @@ pub fn notable(what: &str) -> bool {
 mod tests {
     use super::*;
 
+    fn report() -> RunReport {
+        let c = CoordinatorReport {
+            train_s: 1.0,
+            steps: 10,
+            solo_by_node: BTreeMap::from([("fast-a".to_string(), 1234.0)]),
+            ..CoordinatorReport::default()
+        };
+        let r = NodeReport {
+            node: "fast-a".into(),
+            role: "coordinator".into(),
+            coordinator: Some(c),
+            steps_applied: 10,
+            compute_s: 0.5,
+            comm_s: 0.25,
+            bytes_sent: 2_500_000,
+            ..NodeReport::default()
+        };
+        RunReport {
+            cluster: "x".into(),
+            coordinator: Some(r.clone()),
+            nodes: vec![NodeRow {
+                node: "fast-a".into(),
+                report: Some(r),
+            }],
+            failed: Vec::new(),
+        }
+    }
+
     #[test]
     fn the_table_header_lines_up_with_its_rows() {
-        let c = json!({"train_s": 1.0, "solo_by_node": {"fast-a": 1234.0}, "steps": 10, "start_step": 0});
-        let r = json!({"role": "coordinator", "steps_applied": 10, "compute_s": 0.5, "comm_s": 0.25, "bytes_sent": 2.5e6});
-        let t = text(&merge("x", Some(c), &[("fast-a".into(), Some(r))], &[]));
+        let t = report().text();
         let lines: Vec<&str> = t.lines().collect();
         let h = lines.iter().position(|l| l.starts_with("node ")).unwrap();
         let (head, row) = (lines[h], lines[h + 1]);
@@ -196,6 +329,24 @@ mod tests {
                 "{title}:\n{head}\n{row}"
             );
         }
+    }
+
+    #[test]
+    fn a_report_reads_back_from_its_json_with_the_coordinator_figures_flat() {
+        let r = report();
+        let v = serde_json::to_value(&r).unwrap();
+        // The coordinator's figures sit beside the node's own, as scripts read them.
+        assert_eq!(v["coordinator"]["steps"], 10);
+        assert_eq!(v["coordinator"]["steps_applied"], 10);
+        assert_eq!(serde_json::from_value::<RunReport>(v).unwrap(), r);
+        // A worker's report has no coordinator figures.
+        let w = NodeReport {
+            node: "b".into(),
+            role: "worker".into(),
+            ..NodeReport::default()
+        };
+        let back: NodeReport = serde_json::from_str(&serde_json::to_string(&w).unwrap()).unwrap();
+        assert_eq!(back, w);
     }
 
     #[test]

@@ -4,16 +4,14 @@
 //! global batch within 1e-5. Run for the MLP and the character model over the ring, and for
 //! the MLP through the parameter server.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use ractor::Actor;
 use ravnest_core::{NodeId, Optimizer, PlannerKind};
-use ravnest_runtime::coordinator::{Config, CoordinatorActor, Event, RunLog, Tuning};
-use ravnest_runtime::node::{Counters, NodeActor, Start};
-use ravnest_runtime::supervisor::SupervisorActor;
+use ravnest_runtime::coordinator::{Config, Event, Tuning};
+use ravnest_runtime::node::Counters;
 use ravnest_runtime::tcp::LoopbackCluster;
-use ravnest_runtime::{Compute, Trace};
+use ravnest_runtime::{Compute, Launch, Nodes};
 use ravnest_train::compute::CandleCompute;
 use ravnest_train::data::Dataset;
 use ravnest_train::net::Network;
@@ -78,68 +76,37 @@ async fn equivalence(net: Network, data: Dataset, sync: &str) {
     let net_tcp = LoopbackCluster::start(3, b"equivalence").await.unwrap();
     let t0 = tokio::time::Instant::now();
     let counters: Counters = Arc::default();
-    let make_node = {
-        let (t, c, k) = (net_tcp.clone(), compute.clone(), counters.clone());
-        Arc::new(move |id: NodeId| NodeActor {
-            id,
-            transport: t.clone(),
-            compute: c.clone(),
-            grad_bytes: 4 * c.params() as u64,
-            model_bytes: 4 * c.model_len() as u64,
-            counters: k.clone(),
-            t0,
-        })
-    };
-    let (sup, _) = Actor::spawn(
-        None,
-        SupervisorActor {
-            make_node,
-            transport: net_tcp.clone(),
-            heartbeat: Duration::from_millis(50),
-            nodes: vec![NodeId(0), NodeId(1), NodeId(2)],
-            first_start: Start::Fresh,
-            trace: Trace::default(),
-            t0,
-        },
-        (),
-    )
-    .await
-    .unwrap();
-    let log: Arc<Mutex<RunLog>> = Arc::default();
-    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    let launch = Launch::new(net_tcp.clone()).at(t0);
+    let ids = vec![NodeId(0), NodeId(1), NodeId(2)];
+    let nodes = Nodes::new(compute.clone(), ids, 4 * compute.model_len() as u64)
+        .grad_bytes(4 * compute.params() as u64)
+        .heartbeat(Duration::from_millis(50))
+        .counters(counters.clone());
+    let sup = launch.nodes(nodes).await.unwrap();
     let model = net.model_spec();
-    let (coord, _) = Actor::spawn(
-        None,
-        CoordinatorActor {
-            transport: net_tcp.clone(),
-            config: Config {
-                cluster: s.cluster.clone(),
-                model: model.clone(),
-                training: s.training.clone(),
-                planner: PlannerKind::Ravnest,
-                steps: STEPS,
-                heartbeat_timeout_ms: 5000,
-                train_flops: model.train_flops_per_sample(),
-                checkpoint_every: 0,
-                checkpoint_at_end: false,
-                start_step: 0,
-                initial_holders: None,
-                absent: Vec::new(),
-                allow_pipeline: false,
-                tuning: Tuning {
-                    measure_min_batch: u64::MAX,
-                    ..Tuning::default()
-                },
-            },
-            tick: Duration::from_millis(50),
-            t0,
-            trace: Trace::default(),
-            log: log.clone(),
+    let config = Config {
+        cluster: s.cluster.clone(),
+        model: model.clone(),
+        training: s.training.clone(),
+        planner: PlannerKind::Ravnest,
+        steps: STEPS,
+        heartbeat_timeout_ms: 5000,
+        train_flops: model.train_flops_per_sample(),
+        checkpoint_every: 0,
+        checkpoint_at_end: false,
+        start_step: 0,
+        initial_holders: None,
+        absent: Vec::new(),
+        allow_pipeline: false,
+        tuning: Tuning {
+            measure_min_batch: u64::MAX,
+            ..Tuning::default()
         },
-        done_tx,
-    )
-    .await
-    .unwrap();
+    };
+    let (coord, done_rx) = launch
+        .coordinator(config, Duration::from_millis(50))
+        .await
+        .unwrap();
     tokio::time::timeout(Duration::from_secs(60), done_rx)
         .await
         .expect("training finished")
@@ -166,7 +133,7 @@ async fn equivalence(net: Network, data: Dataset, sync: &str) {
         assert!(hi < 1.5 * lo, "a ring spreads the traffic: {sent:?}");
     }
 
-    let log = log.lock().unwrap().clone();
+    let log = launch.journal().snapshot();
     let split = log
         .events
         .iter()

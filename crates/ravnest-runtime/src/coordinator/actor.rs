@@ -76,15 +76,10 @@ impl<T: Transport> CoordinatorActor<T> {
                         Some(Addr::Coordinator),
                         0,
                     );
-                    self.log.lock().unwrap().events.push((t, ev));
+                    self.log.event(t, ev);
                 }
                 Effect::Agreed { step, digest } => {
-                    let t = self.now_ns();
-                    let mut log = self.log.lock().unwrap();
-                    log.step_done_ns.push(t);
-                    if let Some(d) = digest {
-                        log.synced_digest.insert(step + 1, d);
-                    }
+                    self.log.agreed(self.now_ns(), step, digest);
                 }
                 Effect::RolledBack { to } => {
                     let keep = to.saturating_sub(self.config.start_step) as usize;

@@ -44,118 +44,151 @@ pub fn assignments(
     model: &ModelSpec,
     training: &TrainingSpec,
 ) -> Result<(Vec<Assign>, Vec<SyncGroup>), String> {
-    let all_layers = (0, model.layers.len() as u32);
     match &p.layout {
-        Layout::DataParallel { .. } => {
-            let workers: Vec<(NodeId, u64)> = p
-                .nodes
-                .iter()
-                .filter(|n| n.batch > 0)
-                .map(|n| (live[n.id.index()], n.batch))
-                .collect();
-            let ring: Vec<NodeId> = match p.sync.groups.first() {
-                Some(g) if g.order.len() == workers.len() => {
-                    g.order.iter().map(|i| live[i.index()]).collect()
-                }
-                _ => workers.iter().map(|w| w.0).collect(),
-            };
-            let mut offset = 0;
-            let assigns = workers
-                .iter()
-                .map(|&(node, batch)| {
-                    offset += batch;
-                    Assign {
-                        node,
-                        offset: offset - batch,
-                        batch,
-                        ring: ring.clone(),
-                        stage: None,
-                        flop_share: 1.0,
-                    }
-                })
-                .collect();
-            Ok((assigns, vec![(all_layers, ring)]))
-        }
+        Layout::DataParallel { .. } => Ok(data_parallel(p, live, model.layers.len() as u32)),
         Layout::Pipeline {
             stages,
             replicas,
             bounds,
             micro_batch,
         } => {
-            let (s, r) = (*stages, *replicas);
-            let mut grid: Vec<Vec<Option<NodeId>>> = vec![vec![None; s]; r];
-            let mut samples = vec![0u64; r];
-            for n in &p.nodes {
-                if let Role::Stage { replica, stage } = n.role
-                    && n.batch > 0
-                    && replica < r
-                    && stage < s
-                {
-                    grid[replica][stage] = Some(live[n.id.index()]);
-                    samples[replica] = n.batch;
-                }
-            }
             let costs = Costs::new(sub, model, training);
-            let whole = costs.train_flops(&costs.all()).max(f64::MIN_POSITIVE);
-            let mut assigns = Vec::new();
-            let mut groups = Vec::new();
-            let used: Vec<usize> = (0..r).filter(|&k| samples[k] > 0).collect();
-            for k in 0..s {
-                let column: Vec<NodeId> = used.iter().filter_map(|&rep| grid[rep][k]).collect();
-                if column.len() != used.len() {
-                    return Err(format!(
-                        "the pipeline plan leaves stage {k} of a replica without a node"
-                    ));
-                }
-                // The plan's ring order for this stage's group, else replica order.
-                let ring: Vec<NodeId> = p
-                    .sync
-                    .groups
-                    .iter()
-                    .map(|g| g.order.iter().map(|i| live[i.index()]).collect::<Vec<_>>())
-                    .find(|o| o.len() == column.len() && column.iter().all(|c| o.contains(c)))
-                    .unwrap_or_else(|| column.clone());
-                let layers = (bounds[k] as u32, bounds[k + 1] as u32);
-                let flop_share = costs.train_flops(&(bounds[k]..bounds[k + 1])) / whole;
-                groups.push((layers, ring.clone()));
-                let mut offset = 0;
-                for rep in 0..r {
-                    offset += samples[rep];
-                    let Some(node) = grid[rep][k].filter(|_| samples[rep] > 0) else {
-                        continue;
-                    };
-                    let at = |j: usize| grid[rep][j];
-                    assigns.push(Assign {
-                        node,
-                        offset: offset - samples[rep],
-                        batch: samples[rep],
-                        ring: ring.clone(),
-                        flop_share,
-                        stage: Some(StageWork {
-                            stage: k as u32,
-                            stages: s as u32,
-                            layers,
-                            prev: k.checked_sub(1).and_then(at),
-                            next: (k + 1 < s).then(|| at(k + 1)).flatten(),
-                            micro_batch: u64::from(*micro_batch),
-                            out_bytes_per_sample: if k + 1 < s {
-                                costs.boundary_bytes_per_sample(bounds[k + 1])
-                            } else {
-                                0
-                            },
-                            in_bytes_per_sample: if k > 0 {
-                                costs.boundary_bytes_per_sample(bounds[k])
-                            } else {
-                                0
-                            },
-                            sync_bytes: costs.grad_bytes(&(bounds[k]..bounds[k + 1])),
-                            fetch: Vec::new(),
-                        }),
-                    });
-                }
-            }
-            Ok((assigns, groups))
+            let shape = Shape {
+                stages: *stages,
+                bounds,
+                micro_batch: u64::from(*micro_batch),
+            };
+            pipeline(p, live, &costs, &shape, *replicas)
         }
+    }
+}
+
+/// Data parallel: every worker holds every layer, in one ring (the plan's order).
+fn data_parallel(p: &Plan, live: &[NodeId], layers: u32) -> (Vec<Assign>, Vec<SyncGroup>) {
+    let workers: Vec<(NodeId, u64)> = p
+        .nodes
+        .iter()
+        .filter(|n| n.batch > 0)
+        .map(|n| (live[n.id.index()], n.batch))
+        .collect();
+    let ring: Vec<NodeId> = match p.sync.groups.first() {
+        Some(g) if g.order.len() == workers.len() => {
+            g.order.iter().map(|i| live[i.index()]).collect()
+        }
+        _ => workers.iter().map(|w| w.0).collect(),
+    };
+    let mut offset = 0;
+    let assigns = workers
+        .iter()
+        .map(|&(node, batch)| {
+            offset += batch;
+            Assign {
+                node,
+                offset: offset - batch,
+                batch,
+                ring: ring.clone(),
+                stage: None,
+                flop_share: 1.0,
+            }
+        })
+        .collect();
+    (assigns, vec![((0, layers), ring)])
+}
+
+/// A pipeline's shape: its stages, their layer bounds, the micro-batch.
+struct Shape<'a> {
+    stages: usize,
+    bounds: &'a [usize],
+    micro_batch: u64,
+}
+
+/// Pipelines: each replica's stages in a grid (replica × stage), and one sync group per stage
+/// across the replicas that train.
+fn pipeline(
+    p: &Plan,
+    live: &[NodeId],
+    costs: &Costs,
+    shape: &Shape<'_>,
+    r: usize,
+) -> Result<(Vec<Assign>, Vec<SyncGroup>), String> {
+    let (s, bounds) = (shape.stages, shape.bounds);
+    let mut grid: Vec<Vec<Option<NodeId>>> = vec![vec![None; s]; r];
+    let mut samples = vec![0u64; r];
+    for n in &p.nodes {
+        if let Role::Stage { replica, stage } = n.role
+            && n.batch > 0
+            && replica < r
+            && stage < s
+        {
+            grid[replica][stage] = Some(live[n.id.index()]);
+            samples[replica] = n.batch;
+        }
+    }
+    let whole = costs.train_flops(&costs.all()).max(f64::MIN_POSITIVE);
+    let mut assigns = Vec::new();
+    let mut groups = Vec::new();
+    let used: Vec<usize> = (0..r).filter(|&k| samples[k] > 0).collect();
+    for k in 0..s {
+        let column: Vec<NodeId> = used.iter().filter_map(|&rep| grid[rep][k]).collect();
+        if column.len() != used.len() {
+            return Err(format!(
+                "the pipeline plan leaves stage {k} of a replica without a node"
+            ));
+        }
+        // The plan's ring order for this stage's group, else replica order.
+        let ring: Vec<NodeId> = p
+            .sync
+            .groups
+            .iter()
+            .map(|g| g.order.iter().map(|i| live[i.index()]).collect::<Vec<_>>())
+            .find(|o| o.len() == column.len() && column.iter().all(|c| o.contains(c)))
+            .unwrap_or_else(|| column.clone());
+        let layers = (bounds[k] as u32, bounds[k + 1] as u32);
+        let flop_share = costs.train_flops(&(bounds[k]..bounds[k + 1])) / whole;
+        groups.push((layers, ring.clone()));
+        let mut offset = 0;
+        for rep in 0..r {
+            offset += samples[rep];
+            let Some(node) = grid[rep][k].filter(|_| samples[rep] > 0) else {
+                continue;
+            };
+            assigns.push(Assign {
+                node,
+                offset: offset - samples[rep],
+                batch: samples[rep],
+                ring: ring.clone(),
+                flop_share,
+                stage: Some(stage_work(costs, shape, k, &grid[rep])),
+            });
+        }
+    }
+    Ok((assigns, groups))
+}
+
+/// Stage `k` of a replica whose stages are held by `row`: its layers, neighbours, and the
+/// bytes that cross its boundaries and its sync.
+fn stage_work(costs: &Costs, shape: &Shape<'_>, k: usize, row: &[Option<NodeId>]) -> StageWork {
+    let (s, bounds) = (shape.stages, shape.bounds);
+    let at = |j: usize| row[j];
+    StageWork {
+        stage: k as u32,
+        stages: s as u32,
+        layers: (bounds[k] as u32, bounds[k + 1] as u32),
+        prev: k.checked_sub(1).and_then(at),
+        next: (k + 1 < s).then(|| at(k + 1)).flatten(),
+        micro_batch: shape.micro_batch,
+        out_bytes_per_sample: if k + 1 < s {
+            costs.boundary_bytes_per_sample(bounds[k + 1])
+        } else {
+            0
+        },
+        in_bytes_per_sample: if k > 0 {
+            costs.boundary_bytes_per_sample(bounds[k])
+        } else {
+            0
+        },
+        sync_bytes: costs.grad_bytes(&(bounds[k]..bounds[k + 1])),
+        fetch: Vec::new(),
     }
 }
 

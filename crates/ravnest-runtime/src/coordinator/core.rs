@@ -172,6 +172,38 @@ fn configured(cfg: &Config, n: NodeId) -> StepCost {
     (cfg.train_flops / node.flops, node.step_overhead_s.max(0.0))
 }
 
+/// Who does what in an epoch about to begin (see `Coordinator::staff`).
+struct Staffing {
+    live: Vec<NodeId>,
+    plan: Plan,
+    assigns: Vec<Assign>,
+    groups: Vec<((u32, u32), Vec<NodeId>)>,
+    holders: Holders,
+    whole_holder: Option<NodeId>,
+}
+
+impl Staffing {
+    /// A data-parallel node without the version: it fetches the whole model.
+    fn lacks_model(&self, a: &Assign) -> bool {
+        a.stage.is_none() && !self.holders.contains_key(&a.node)
+    }
+
+    /// The nodes that serve state in this epoch without working in it.
+    fn sources(&self) -> BTreeSet<NodeId> {
+        let mut sources: BTreeSet<NodeId> = self
+            .assigns
+            .iter()
+            .filter_map(|a| a.stage.as_ref())
+            .flat_map(|sw| sw.fetch.iter().map(|f| f.0))
+            .collect();
+        if self.assigns.iter().any(|a| self.lacks_model(a)) {
+            sources.extend(self.whole_holder);
+        }
+        sources.retain(|n| !self.assigns.iter().any(|a| a.node == *n));
+        sources
+    }
+}
+
 /// One epoch's assignment, as the coordinator keeps it.
 #[derive(Debug, Clone)]
 struct Era {
@@ -673,33 +705,76 @@ impl Coordinator {
     /// Plan the live nodes and start a new epoch at step `from`, where `holders` hold version
     /// `from`. Nodes that do not hold it fetch it (whole, or the layers they lack).
     fn begin_epoch(&mut self, from: u64, holders: &Holders) {
+        let s = match self.staff(from, holders) {
+            Ok(s) => s,
+            Err(why) => return self.finish(Event::Stalled(why)),
+        };
+        let (policy, collective) = match s.plan.sync.method {
+            SyncMethod::LocalSgd {
+                local_steps,
+                collective,
+            } => {
+                self.local_sgd = true;
+                (SyncPolicy::LocalSgd { local_steps }, collective)
+            }
+            SyncMethod::EveryStep { collective } => (SyncPolicy::EveryStep, collective),
+            SyncMethod::None => (SyncPolicy::EveryStep, Collective::Ring),
+        };
+        for &n in &s.live {
+            if s.assigns.iter().any(|a| a.node == n) {
+                self.left_out.remove(&n);
+            } else {
+                self.left_out.entry(n).or_insert(from);
+            }
+        }
+        self.epoch += 1;
+        self.say_planned(from, &s.assigns);
+        let until = (from + self.cfg.tuning.window.max(1)).min(self.cfg.steps);
+        let group_size = s.plan.sync.groups.first().map_or(0, |g| g.group_size);
+        self.send_work(&s, from, until, policy, collective, group_size);
+        let sources = s.sources();
+        self.eras.push(Era {
+            epoch: self.epoch,
+            from,
+            assigns: s.assigns,
+            groups: s.groups,
+            policy,
+            sources,
+        });
+        self.until = until;
+        self.over = 0;
+        // Under local SGD the nodes synchronize once a period: that is the step to wait for.
+        let period = match policy {
+            SyncPolicy::LocalSgd { local_steps } => f64::from(local_steps.max(1)),
+            SyncPolicy::EveryStep => 1.0,
+        };
+        self.predicted_step_ms = s.plan.step.step_s * 1e3 * period;
+        self.last_progress_ms = self.now_ms;
+        self.last_agreed_ms = self.now_ms;
+    }
+
+    /// Who does what from step `from`: the plan of the live nodes, their assignments (each
+    /// stage with the layers it fetches), and where a data-parallel node that lacks the version
+    /// fetches it. Or why training cannot go on.
+    fn staff(&mut self, from: u64, holders: &Holders) -> Result<Staffing, String> {
         let live = self.detector.alive();
         if live.is_empty() {
-            return self.finish(Event::Stalled("no live nodes".into()));
+            return Err("no live nodes".into());
         }
         if !holders.keys().any(|h| self.detector.is_alive(*h)) {
-            return self.finish(Event::Stalled("no live node holds the latest model".into()));
+            return Err("no live node holds the latest model".into());
         }
         let holders: Holders = holders
             .iter()
             .filter(|(h, _)| self.detector.is_alive(**h))
             .map(|(h, l)| (*h, *l))
             .collect();
-        let (p, sub) = match self.plan_live(&live) {
-            Ok(x) => x,
-            Err(why) => return self.finish(Event::Stalled(why)),
-        };
+        let (plan, sub) = self.plan_live(&live)?;
         let (mut assigns, groups) =
-            match assignments(&p, &live, &sub, &self.cfg.model, &self.cfg.training) {
-                Ok(a) => a,
-                Err(why) => return self.finish(Event::Stalled(why)),
-            };
+            assignments(&plan, &live, &sub, &self.cfg.model, &self.cfg.training)?;
         for a in &mut assigns {
             if let Some(sw) = &mut a.stage {
-                match super::assign::fetch_plan(&holders, a.node, sw.layers, from) {
-                    Ok(f) => sw.fetch = f,
-                    Err(why) => return self.finish(Event::Stalled(why)),
-                }
+                sw.fetch = super::assign::fetch_plan(&holders, a.node, sw.layers, from)?;
             }
         }
         // A node that lacks the version fetches it from a holder the new epoch keeps (a holder
@@ -714,35 +789,24 @@ impl Coordinator {
             .copied()
             .find(|h| assigns.iter().any(|a| a.node == *h))
             .or_else(|| whole.first().copied());
-        if assigns
-            .iter()
-            .any(|a| a.stage.is_none() && !holders.contains_key(&a.node))
-            && whole_holder.is_none()
-        {
-            return self.finish(Event::Stalled(
-                "no live node holds the whole latest model for a data-parallel plan".into(),
-            ));
-        }
-        let (policy, collective) = match p.sync.method {
-            SyncMethod::LocalSgd {
-                local_steps,
-                collective,
-            } => {
-                self.local_sgd = true;
-                (SyncPolicy::LocalSgd { local_steps }, collective)
-            }
-            SyncMethod::EveryStep { collective } => (SyncPolicy::EveryStep, collective),
-            SyncMethod::None => (SyncPolicy::EveryStep, Collective::Ring),
+        let s = Staffing {
+            live,
+            plan,
+            assigns,
+            groups,
+            holders,
+            whole_holder,
         };
-        let group_size = p.sync.groups.first().map_or(0, |g| g.group_size);
-        for &n in &live {
-            if assigns.iter().any(|a| a.node == n) {
-                self.left_out.remove(&n);
-            } else {
-                self.left_out.entry(n).or_insert(from);
-            }
+        if s.assigns.iter().any(|a| s.lacks_model(a)) && s.whole_holder.is_none() {
+            return Err(
+                "no live node holds the whole latest model for a data-parallel plan".into(),
+            );
         }
-        self.epoch += 1;
+        Ok(s)
+    }
+
+    /// Say the plan when its split (workers, batches, layers) differs from the last one said.
+    fn say_planned(&mut self, from: u64, assigns: &[Assign]) {
         let planned: Vec<(NodeId, u64)> = assigns.iter().map(|a| (a.node, a.batch)).collect();
         let layers: Vec<Option<(u32, u32)>> = assigns
             .iter()
@@ -755,12 +819,25 @@ impl Coordinator {
             });
             self.last_planned = Some((planned, layers));
         }
-        let until = (from + self.cfg.tuning.window.max(1)).min(self.cfg.steps);
-        let writers: BTreeMap<NodeId, (u32, u32)> = groups
+    }
+
+    /// Every assigned node's work for the new epoch (the first member of each layer group
+    /// writes its checkpoint shard).
+    fn send_work(
+        &mut self,
+        s: &Staffing,
+        from: u64,
+        until: u64,
+        sync: SyncPolicy,
+        collective: Collective,
+        group_size: u32,
+    ) {
+        let writers: BTreeMap<NodeId, (u32, u32)> = s
+            .groups
             .iter()
             .filter_map(|(layers, members)| Some((*members.first()?, *layers)))
             .collect();
-        for a in &assigns {
+        for a in &s.assigns {
             let work = Work {
                 epoch: self.epoch,
                 step: from,
@@ -770,10 +847,8 @@ impl Coordinator {
                 batch: a.batch,
                 global_batch: u64::from(self.cfg.training.global_batch),
                 ring: a.ring.clone(),
-                state_from: (a.stage.is_none() && !holders.contains_key(&a.node))
-                    .then_some(whole_holder)
-                    .flatten(),
-                sync: policy,
+                state_from: s.lacks_model(a).then_some(s.whole_holder).flatten(),
+                sync,
                 collective,
                 group_size,
                 stage: a.stage.clone(),
@@ -787,36 +862,6 @@ impl Coordinator {
             };
             self.send(a.node, Envelope::Work(Box::new(work)));
         }
-        let mut sources: BTreeSet<NodeId> = assigns
-            .iter()
-            .filter_map(|a| a.stage.as_ref())
-            .flat_map(|sw| sw.fetch.iter().map(|f| f.0))
-            .collect();
-        if assigns
-            .iter()
-            .any(|a| a.stage.is_none() && !holders.contains_key(&a.node))
-        {
-            sources.extend(whole_holder);
-        }
-        sources.retain(|n| !assigns.iter().any(|a| a.node == *n));
-        self.eras.push(Era {
-            epoch: self.epoch,
-            from,
-            assigns,
-            groups,
-            policy,
-            sources,
-        });
-        self.until = until;
-        self.over = 0;
-        // Under local SGD the nodes synchronize once a period: that is the step to wait for.
-        let period = match policy {
-            SyncPolicy::LocalSgd { local_steps } => f64::from(local_steps.max(1)),
-            SyncPolicy::EveryStep => 1.0,
-        };
-        self.predicted_step_ms = p.step.step_s * 1e3 * period;
-        self.last_progress_ms = self.now_ms;
-        self.last_agreed_ms = self.now_ms;
     }
 
     /// Re-plan at the next step no node can have started yet (the current horizon; under

@@ -9,9 +9,10 @@ pub mod core;
 pub mod measure;
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LockResult, Mutex, MutexGuard};
 
 use ravnest_core::NodeId;
+use tokio::sync::mpsc;
 
 pub use actor::{CoordMsg, CoordinatorActor};
 pub use core::{Config, Coordinator, Effect, Input, Tuning};
@@ -119,8 +120,80 @@ pub struct RunLog {
     pub synced_digest: BTreeMap<u64, u64>,
 }
 
+/// What a [`Journal`] tells its listeners, as it happens.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Note {
+    /// An event was recorded at this time (ns since start).
+    Event(u64, Event),
+    /// A step was agreed; `steps` are agreed in all (since this run's start step).
+    Agreed {
+        /// Steps agreed so far.
+        steps: usize,
+    },
+}
+
+/// The run's log and who listens to it. The coordinator and the checkpoint actor record into
+/// it; observers (the console relay, `events.jsonl`, shutdown, the simulator's progress line)
+/// [`subscribe`](Journal::subscribe) and are told as it happens, instead of polling.
+#[derive(Debug, Default)]
+pub struct Journal {
+    log: Mutex<RunLog>,
+    listeners: Mutex<Vec<mpsc::UnboundedSender<Note>>>,
+}
+
+impl Journal {
+    /// The log, locked (for reading, or for fields without listeners).
+    pub fn lock(&self) -> LockResult<MutexGuard<'_, RunLog>> {
+        self.log.lock()
+    }
+
+    /// A copy of the log as it is now.
+    pub fn snapshot(&self) -> RunLog {
+        self.log.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Tell every listener; forget those that stopped listening.
+    fn tell(&self, note: Note) {
+        let mut ls = self.listeners.lock().unwrap_or_else(|p| p.into_inner());
+        ls.retain(|l| l.send(note.clone()).is_ok());
+    }
+
+    /// Record an event at `t_ns`.
+    pub fn event(&self, t_ns: u64, e: Event) {
+        self.log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .events
+            .push((t_ns, e.clone()));
+        self.tell(Note::Event(t_ns, e));
+    }
+
+    /// Record that `step` was agreed at `t_ns`, with the digest every replica reported.
+    pub fn agreed(&self, t_ns: u64, step: u64, digest: Option<u64>) {
+        let steps = {
+            let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+            log.step_done_ns.push(t_ns);
+            if let Some(d) = digest {
+                log.synced_digest.insert(step + 1, d);
+            }
+            log.step_done_ns.len()
+        };
+        self.tell(Note::Agreed { steps });
+    }
+
+    /// Listen from now on: every later event and agreement arrives on the receiver.
+    pub fn subscribe(&self) -> mpsc::UnboundedReceiver<Note> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.listeners
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(tx);
+        rx
+    }
+}
+
 /// Shared handle on the log.
-pub type SharedLog = Arc<Mutex<RunLog>>;
+pub type SharedLog = Arc<Journal>;
 
 #[cfg(test)]
 mod tests;

@@ -1,0 +1,180 @@
+//! What a node process (and the local launcher) says as it runs: typed [`RunEvent`]s, written
+//! as JSON lines with `--json` (`{"event": "progress", "node": "a", ...}`, the format
+//! `docs/reading-reports.md` describes) and as one line of text each otherwise.
+
+use serde::{Deserialize, Serialize};
+
+use crate::summary::{NodeReport, RunReport};
+
+/// One thing a run says. Every event but the summary names the node that says it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum RunEvent {
+    /// The local launcher started a node's process.
+    Spawned {
+        /// The node.
+        node: String,
+        /// Its process id.
+        pid: u32,
+    },
+    /// A node measured itself.
+    Measured {
+        /// The node.
+        node: String,
+        /// The device it computes on.
+        device: String,
+        /// candle matmul throughput, f32.
+        matmul_gflops: f64,
+        /// The same in bf16 (GPUs only).
+        matmul_bf16_gflops: Option<f64>,
+        /// Its samples/s on the model, alone.
+        samples_per_s: f64,
+        /// Free memory where the model lives.
+        memory_gib: f64,
+        /// The emulated slowdown (1: none).
+        slowdown: f64,
+    },
+    /// The links the coordinator's host measured, "a-b 0.05 ms 3.1 Gbit/s" each.
+    Links {
+        /// The coordinator's host.
+        node: String,
+        /// One line per measured pair.
+        pairs: Vec<String>,
+    },
+    /// The plan on measured figures, as text.
+    Plan {
+        /// The coordinator's host.
+        node: String,
+        /// One line per node, then the sync.
+        text: String,
+    },
+    /// Training progress as a node sees it.
+    Progress {
+        /// The node.
+        node: String,
+        /// The model version it holds.
+        step: u64,
+        /// Steps of the run.
+        steps: u64,
+        /// Its last batch's mean loss.
+        loss: Option<f64>,
+        /// The cluster's samples/s over the last interval.
+        samples_per_s: f64,
+    },
+    /// Something that happened to the cluster (a registration, a lost node, a checkpoint).
+    Cluster {
+        /// The node that says it.
+        node: String,
+        /// In words.
+        what: String,
+        /// When, s since training started (the coordinator's events).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        t_s: Option<f64>,
+    },
+    /// What a node waits for (registrations, the coordinator).
+    Waiting {
+        /// The node.
+        node: String,
+        /// In words.
+        what: String,
+    },
+    /// A node's report at the end.
+    Report(NodeReport),
+    /// The run's report, the same on every node.
+    Summary(RunReport),
+}
+
+impl RunEvent {
+    /// The node that says it (none for the summary).
+    pub fn node(&self) -> Option<&str> {
+        match self {
+            RunEvent::Spawned { node, .. }
+            | RunEvent::Measured { node, .. }
+            | RunEvent::Links { node, .. }
+            | RunEvent::Plan { node, .. }
+            | RunEvent::Progress { node, .. }
+            | RunEvent::Cluster { node, .. }
+            | RunEvent::Waiting { node, .. } => Some(node),
+            RunEvent::Report(r) => Some(&r.node),
+            RunEvent::Summary(_) => None,
+        }
+    }
+
+    /// The JSON line.
+    pub fn json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+    }
+
+    /// One line of text (the summary: the whole report).
+    pub fn human(&self) -> String {
+        match self {
+            RunEvent::Spawned { node, pid } => format!("started node `{node}` (pid {pid})"),
+            RunEvent::Measured {
+                device,
+                matmul_gflops,
+                matmul_bf16_gflops,
+                samples_per_s,
+                memory_gib,
+                slowdown,
+                ..
+            } => format!(
+                "measured on {device}: {matmul_gflops:.1} GFLOP/s candle matmul{}, {samples_per_s:.0} samples/s on the model, {memory_gib:.1} GiB free{}",
+                match matmul_bf16_gflops {
+                    Some(g) => format!(" ({g:.1} in bf16)"),
+                    None => String::new(),
+                },
+                if *slowdown > 1.0 {
+                    format!(" (emulating a {slowdown}x slower device)")
+                } else {
+                    String::new()
+                }
+            ),
+            RunEvent::Plan { text, .. } => format!("plan:\n{text}"),
+            RunEvent::Links { pairs, .. } => {
+                format!("links measured by echo probes: {}", pairs.join(", "))
+            }
+            RunEvent::Progress {
+                step,
+                steps,
+                loss,
+                samples_per_s,
+                ..
+            } => format!(
+                "step {step}/{steps}  loss {:.3}  {samples_per_s:.0} samples/s",
+                loss.unwrap_or(f64::NAN)
+            ),
+            RunEvent::Cluster { what, .. } | RunEvent::Waiting { what, .. } => what.clone(),
+            RunEvent::Report(r) => format!("report of node `{}`", r.node),
+            RunEvent::Summary(s) => s.text(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_are_json_lines_with_their_kind_and_node_and_read_back() {
+        let e = RunEvent::Progress {
+            node: "a".into(),
+            step: 3,
+            steps: 10,
+            loss: None,
+            samples_per_s: 12.5,
+        };
+        let v: serde_json::Value = serde_json::from_str(&e.json()).unwrap();
+        assert_eq!(v["event"], "progress");
+        assert_eq!(v["node"], "a");
+        assert_eq!(v["step"], 3);
+        assert!(v["loss"].is_null());
+        assert_eq!(serde_json::from_value::<RunEvent>(v).unwrap(), e);
+        let c = RunEvent::Cluster {
+            node: "a".into(),
+            what: "node `b` lost".into(),
+            t_s: None,
+        };
+        assert!(!c.json().contains("t_s"), "{}", c.json());
+        assert_eq!(c.human(), "node `b` lost");
+    }
+}

@@ -1,0 +1,261 @@
+//! What a node process says: events as JSON lines on stdout (`--json`) or text on stderr, the
+//! progress lines, and the coordinator's events relayed to the console and `events.jsonl`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ravnest_core::NodeId;
+use ravnest_runtime::coordinator::{Event, Note};
+use ravnest_runtime::node::Counters;
+use serde_json::json;
+use tokio::time::Instant;
+
+use crate::compute::CandleCompute;
+use crate::events::RunEvent;
+
+/// Prints events: JSON lines on stdout, or text on stderr.
+#[derive(Debug, Clone)]
+pub(super) struct Say {
+    pub json: bool,
+    pub quiet: bool,
+    pub node: String,
+}
+
+impl Say {
+    /// Say `e`.
+    pub(super) fn say(&self, e: &RunEvent) {
+        if self.quiet {
+            return;
+        }
+        // A closed stdout or stderr (the reader is gone) is not a reason to panic.
+        use std::io::Write;
+        if self.json {
+            let _ = writeln!(std::io::stdout().lock(), "{}", e.json());
+        } else if !matches!(e, RunEvent::Report(_)) {
+            // (A node's report is printed as the run's table: see `crate::summary`.)
+            let text = crate::summary::clip_lines(&format!("[{}] {}", self.node, e.human()));
+            let _ = writeln!(std::io::stderr().lock(), "{text}");
+        }
+    }
+
+    /// Something that happened to the cluster, in words.
+    pub(super) fn cluster(&self, what: impl Into<String>) {
+        self.say(&RunEvent::Cluster {
+            node: self.node.clone(),
+            what: what.into(),
+            t_s: None,
+        });
+    }
+
+    /// What this node waits for, in words.
+    pub(super) fn waiting(&self, what: impl Into<String>) {
+        self.say(&RunEvent::Waiting {
+            node: self.node.clone(),
+            what: what.into(),
+        });
+    }
+}
+
+/// What the progress lines watch.
+pub(super) struct Progress {
+    pub counters: Counters,
+    pub compute: Arc<CandleCompute>,
+    pub me: NodeId,
+    pub steps: u64,
+    pub global_batch: u64,
+    /// For a worker: "coordinator `a` at ADDR", what it waits for before training.
+    pub coordinator: Option<String>,
+    /// ms since `t0` the coordinator was last heard from (`u64::MAX`: never).
+    pub heard: Arc<std::sync::atomic::AtomicU64>,
+    pub t0: Instant,
+    /// The registration window, s.
+    pub wait_s: u64,
+}
+
+/// Progress lines: nothing about training before it starts here (a worker says what it waits
+/// for instead, every few seconds); then the step, loss and the cluster's samples/s over the
+/// last interval, counted from the steps this node applied (a node that joins and fetches the
+/// model at step 500 did not train 500 steps in half a second).
+pub(super) fn spawn_progress(say: Say, p: Progress) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        // Every half second for scripts (JSON), every two for people.
+        let period = if say.json { 500 } else { 2000 };
+        let mut tick = tokio::time::interval(Duration::from_millis(period));
+        let mut last: Option<(std::time::Instant, u64)> = None;
+        let mut next_wait = 5u64;
+        let mut printed: Option<u64> = None;
+        loop {
+            tick.tick().await;
+            if p.compute.started.get().is_none() {
+                let waited = p.t0.elapsed().as_secs();
+                if let Some(c) = &p.coordinator
+                    && waited >= next_wait
+                {
+                    next_wait = waited + 5;
+                    let what = match p.heard.load(std::sync::atomic::Ordering::Relaxed) {
+                        u64::MAX => format!(
+                            "waiting for {c} ({waited} s of {} s; the window is `[run] register_timeout_s`, or `--wait SECS`)",
+                            p.wait_s
+                        ),
+                        _ => format!(
+                            "registered with {c}; waiting for training to start ({waited} s)"
+                        ),
+                    };
+                    say.waiting(what);
+                }
+                continue;
+            }
+            let (step, applied) = p
+                .counters
+                .lock()
+                .unwrap()
+                .get(&p.me)
+                .map_or((0, 0), |c| (c.model.0, c.steps));
+            let now = std::time::Instant::now();
+            // The first interval starts when training started here.
+            let (t, a) = last.unwrap_or_else(|| (*p.compute.started.get().expect("started"), 0));
+            let rate = if applied >= a && now > t {
+                (applied - a) as f64 * p.global_batch as f64 / (now - t).as_secs_f64()
+            } else {
+                0.0
+            };
+            last = Some((now, applied));
+            // People get a line when something moved; scripts get every tick.
+            if !say.json && printed == Some(step) {
+                continue;
+            }
+            printed = Some(step);
+            let loss = p.compute.stats().last_loss;
+            say.say(&RunEvent::Progress {
+                node: say.node.clone(),
+                step,
+                steps: p.steps,
+                loss: loss.is_finite().then_some(loss),
+                samples_per_s: rate,
+            });
+        }
+    })
+}
+
+/// Where the coordinator's events go as they happen: the console (as `cluster` events) and
+/// `events.jsonl` in the output folder, one JSON object per line (`t_s`, `what`), after a
+/// first line that says where the run started.
+pub(super) struct EventSink {
+    file: Option<std::fs::File>,
+    say: Say,
+    cluster: ravnest_core::ClusterSpec,
+}
+
+impl EventSink {
+    pub(super) fn open(
+        path: &std::path::Path,
+        append: bool,
+        start_step: u64,
+        say: Say,
+        cluster: ravnest_core::ClusterSpec,
+    ) -> EventSink {
+        let file = path
+            .parent()
+            .map(std::fs::create_dir_all)
+            .transpose()
+            .and_then(|_| {
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(append)
+                    .write(true)
+                    .truncate(!append)
+                    .open(path)
+            });
+        let mut file = match file {
+            Ok(f) => Some(f),
+            Err(e) => {
+                say.cluster(format!("cannot write {}: {e}", path.display()));
+                None
+            }
+        };
+        if let Some(f) = &mut file {
+            use std::io::Write;
+            let unix = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            let _ = writeln!(
+                f,
+                "{}",
+                json!({"t_s": 0.0, "what": format!("run started at step {start_step}"), "unix_s": unix})
+            );
+        }
+        EventSink { file, say, cluster }
+    }
+
+    /// Pass on an event of the journal (agreed steps are the progress lines' business).
+    pub(super) fn note(&mut self, note: &Note) {
+        use std::io::Write;
+        let Note::Event(t, e) = note else {
+            return;
+        };
+        let (t_s, what) = (*t as f64 / 1e9, describe(e, &self.cluster));
+        if let Some(f) = &mut self.file {
+            let _ = writeln!(f, "{}", json!({"t_s": t_s, "what": what}));
+        }
+        self.say.say(&RunEvent::Cluster {
+            node: self.say.node.clone(),
+            what,
+            t_s: Some(t_s),
+        });
+    }
+}
+
+/// A coordinator event in words, with node names.
+pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
+    let name = |n: &NodeId| {
+        cluster
+            .nodes
+            .get(n.index())
+            .map_or("?", |x| x.name.as_str())
+            .to_string()
+    };
+    match e {
+        Event::Planned { step, workers } => format!(
+            "step {step}: planned {}",
+            workers
+                .iter()
+                .map(|(n, b)| format!("{}={b}", name(n)))
+                .collect::<Vec<_>>()
+                .join(" ")
+        ),
+        Event::Detected { node, silent_ms } => {
+            format!("node `{}` lost (silent {silent_ms} ms)", name(node))
+        }
+        Event::Aborted { step } => {
+            format!("step {step} aborted; re-planning without the lost node")
+        }
+        Event::Rebalanced {
+            step,
+            predicted_gain,
+            speeds,
+        } => format!(
+            "after step {step}: measured speeds predict a {:.0}% faster plan ({}): re-planned",
+            100.0 * predicted_gain,
+            speeds
+                .iter()
+                .map(|(n, planned, measured)| format!(
+                    "{} {:.0} samples/s, planned {:.0}",
+                    name(n),
+                    1.0 / measured,
+                    1.0 / planned
+                ))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        Event::Refused(why) => format!("checkpoint shard refused: {why}"),
+        Event::Resync { step, silent_ms } => format!(
+            "no step agreed for {:.1} s though every node is alive (a message was lost): step {step} and on redone from what every node holds",
+            *silent_ms as f64 / 1e3
+        ),
+        Event::Joined { node } => format!("node `{}` joined", name(node)),
+        Event::CheckpointComplete { step, .. } => format!("checkpoint of step {step} written"),
+        Event::Violation(w) => format!("violation: {w}"),
+        Event::Stalled(w) => format!("stalled: {w}"),
+        Event::Finished => "finished".into(),
+    }
+}

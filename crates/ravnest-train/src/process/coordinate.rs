@@ -1,0 +1,640 @@
+//! The coordinator's host: registrations, link probes, the nodes measured together, the plan on
+//! measured figures, then the coordinator and checkpoint actors until training ends, and the
+//! coordinator's report.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ravnest_core::{Link, NodeId, Scenario};
+use ravnest_runtime::coordinator::{Config, Event, Note, Tuning};
+use ravnest_runtime::msg::Capabilities;
+use ravnest_runtime::node::Counters;
+use ravnest_runtime::tcp::TcpTransport;
+use ravnest_runtime::{Addr, Compute, Envelope, Launch, Transport};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::console::{EventSink, Say, describe};
+use super::setup::Setup;
+use super::{AbortOnDrop, CALIBRATE_MS, Options, RunError, warmup_steps};
+use crate::events::RunEvent;
+use crate::net::Network;
+use crate::summary::{CoordinatorReport, Sample};
+
+/// What the coordinator's host works with.
+pub(super) struct Host<'a> {
+    pub opts: &'a Options,
+    pub say: &'a Say,
+    pub su: &'a Setup,
+    pub tcp: &'a TcpTransport,
+    pub counters: &'a Counters,
+    pub t0: Instant,
+}
+
+/// Registrations arrive here; so do link reports and measurements.
+type Inbox = mpsc::UnboundedReceiver<(Addr, Envelope)>;
+
+/// What the coordinator's host hands back when training is over: the run's figures, the
+/// receiver the workers' reports arrive on, and the nodes expected to send one.
+pub(super) type Coordinated = (CoordinatorReport, Inbox, Vec<NodeId>);
+
+/// The coordinator's host, from registrations to the end of training.
+pub(super) async fn coordinate(h: &Host<'_>, reg_rx: &mut Inbox) -> Result<Coordinated, RunError> {
+    let s = &h.opts.scenario;
+    let heartbeats = spawn_coordinator_heartbeats(
+        h.tcp.clone(),
+        s.cluster.ids().filter(|&id| id != h.su.me).collect(),
+        Duration::from_millis(s.run.heartbeat_ms.max(10)),
+    );
+    let _stop_heartbeats = AbortOnDrop(heartbeats);
+    let caps = register(h, reg_rx).await?;
+    let all: Vec<NodeId> = caps.keys().copied().collect();
+    let mut cluster = s.cluster.clone();
+    probe_links(h, reg_rx, &all, &mut cluster).await;
+    let solo = measure_together(h, reg_rx, &caps, &mut cluster).await;
+    let plan_text = plan_text(h, &cluster, &all)?;
+    h.say.say(&RunEvent::Plan {
+        node: h.say.node.clone(),
+        text: plan_text,
+    });
+    let trained = train(h, &cluster, &caps).await?;
+    let report = coordinator_report(h, &cluster, &solo, &trained);
+    let (reports_rx, expected) = finish_workers(h, &cluster, &caps, &trained.log).await;
+    Ok((report, reports_rx, expected))
+}
+
+/// Wait for every node of the file to register (saying what it waits for every few seconds),
+/// within the registration window; enough of them must (`[run] min_nodes`).
+async fn register(
+    h: &Host<'_>,
+    reg_rx: &mut Inbox,
+) -> Result<BTreeMap<NodeId, Capabilities>, RunError> {
+    let (s, opts) = (&h.opts.scenario, h.opts);
+    let n = s.cluster.nodes.len();
+    let mut caps: BTreeMap<NodeId, Capabilities> = BTreeMap::new();
+    let waiting_since = Instant::now();
+    let deadline = waiting_since + opts.register_timeout;
+    let mut next_word = waiting_since + Duration::from_secs(5);
+    while caps.len() < n {
+        match tokio::time::timeout_at(deadline.min(next_word), reg_rx.recv()).await {
+            Ok(Some((Addr::Node(from), Envelope::Register(c)))) => {
+                h.say.cluster(format!(
+                    "node `{}` registered: {}",
+                    s.cluster.nodes[from.index()].name,
+                    c.device
+                ));
+                caps.insert(from, c);
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => break,
+            Err(_) if Instant::now() >= deadline => break,
+            Err(_) => {
+                // Say what we wait for, every few seconds.
+                next_word += Duration::from_secs(5);
+                let missing = unregistered(s, &caps);
+                h.say.waiting(format!(
+                    "waiting for {} of {n} nodes to register: {} ({} s of {} s; the window is `[run] register_timeout_s`, or `--wait SECS`)",
+                    missing.len(),
+                    missing.join(", "),
+                    waiting_since.elapsed().as_secs(),
+                    opts.register_timeout.as_secs()
+                ));
+            }
+        }
+    }
+    let need = s.run.min_nodes.unwrap_or(n as u64) as usize;
+    if caps.len() < need.max(1) {
+        let missing = unregistered(s, &caps);
+        return Err(RunError::Registration(format!(
+            "{}: {} of {} nodes registered within {} s; missing: {} (start them with `ravnest run FILE --node NAME`; wait longer with `[run] register_timeout_s` or --wait SECS, or allow fewer with [run] min_nodes)",
+            opts.origin,
+            caps.len(),
+            n,
+            opts.register_timeout.as_secs(),
+            missing.join(", ")
+        )));
+    }
+    for id in s.cluster.ids().filter(|id| !caps.contains_key(id)) {
+        h.say.cluster(format!(
+            "node `{}` did not register: left out until it joins",
+            s.cluster.nodes[id.index()].name
+        ));
+    }
+    Ok(caps)
+}
+
+/// Link probes: every node (this one too) echo-probes the peers after it and reports, so each
+/// pair is measured once, by the same code everywhere. A node's access link, as the plan shows
+/// it, is its measured link to this host.
+async fn probe_links(
+    h: &Host<'_>,
+    reg_rx: &mut Inbox,
+    all: &[NodeId],
+    cluster: &mut ravnest_core::ClusterSpec,
+) {
+    let mut asked = 0;
+    for (k, &id) in all.iter().enumerate() {
+        let peers = all[k + 1..].to_vec();
+        if peers.is_empty() {
+            continue;
+        }
+        asked += 1;
+        let _ = h.tcp.send(
+            Addr::Coordinator,
+            Addr::Node(id),
+            Envelope::ProbePeers { peers },
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while asked > 0 {
+        match tokio::time::timeout_at(deadline, reg_rx.recv()).await {
+            Ok(Some((Addr::Node(from), Envelope::LinkReport { links }))) => {
+                asked -= 1;
+                for (peer, latency_ms, bandwidth_gbps) in links {
+                    let link = Link {
+                        bandwidth_gbps,
+                        latency_ms,
+                    };
+                    cluster
+                        .pair_links
+                        .insert((from.min(peer), from.max(peer)), link);
+                }
+            }
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => break,
+        }
+    }
+    let me = h.su.me;
+    for &id in all {
+        if let Some(l) = cluster.pair_links.get(&(me.min(id), me.max(id))) {
+            cluster.nodes[id.index()].link = *l;
+        }
+    }
+    let pairs: Vec<String> = cluster
+        .pair_links
+        .iter()
+        .map(|((a, b), l)| {
+            format!(
+                "{}-{} {:.2} ms {:.1} Gbit/s",
+                cluster.nodes[a.index()].name,
+                cluster.nodes[b.index()].name,
+                l.latency_ms,
+                l.bandwidth_gbps
+            )
+        })
+        .collect();
+    h.say.say(&RunEvent::Links {
+        node: h.say.node.clone(),
+        pairs,
+    });
+}
+
+/// Every node measures its training throughput at the same time, at about the batch it will
+/// get: the figures include the contention that real steps see (on a shared machine, a node
+/// measured alone looks faster than it will be), and their sum is the capacity the run is
+/// measured against. The cluster gets the registered and measured figures.
+async fn measure_together(
+    h: &Host<'_>,
+    reg_rx: &mut Inbox,
+    caps: &BTreeMap<NodeId, Capabilities>,
+    cluster: &mut ravnest_core::ClusterSpec,
+) -> BTreeMap<NodeId, Calibration> {
+    let model_spec = h.su.compute.net.model_spec();
+    for (id, c) in caps {
+        let node = &mut cluster.nodes[id.index()];
+        node.flops = c.flops;
+        node.memory_bytes = c.memory_bytes;
+    }
+    let all: Vec<NodeId> = caps.keys().copied().collect();
+    let solo = calibrate(&h.opts.scenario, reg_rx, h.tcp, &all).await;
+    for (id, m) in &solo {
+        let node = &mut cluster.nodes[id.index()];
+        node.flops = model_spec.train_flops_per_sample() / m.per_sample_s;
+        node.step_overhead_s = m.overhead_s;
+    }
+    let figures: Vec<String> = solo
+        .iter()
+        .map(|(id, m)| {
+            format!(
+                "{} {:.0} samples/s ({:.2} ms per step + {:.1} us per sample)",
+                cluster.nodes[id.index()].name,
+                m.samples_per_s,
+                m.overhead_s * 1e3,
+                m.per_sample_s * 1e6
+            )
+        })
+        .collect();
+    h.say
+        .cluster(format!("measured together: {}", figures.join(", ")));
+    solo
+}
+
+/// The plan the coordinator will make, as the console shows it (the same policy: data parallel
+/// first; a pipeline only when none fits and the backend runs stages), or why there is none.
+fn plan_text(
+    h: &Host<'_>,
+    cluster: &ravnest_core::ClusterSpec,
+    registered: &[NodeId],
+) -> Result<String, RunError> {
+    let (opts, su) = (h.opts, h.su);
+    let model_spec = su.compute.net.model_spec();
+    let training = &opts.scenario.training;
+    let live = cluster.subset(registered);
+    let dp = ravnest_core::PlanOptions {
+        allow_pipeline: false,
+    };
+    let planned =
+        ravnest_core::plan_with(opts.planner, &live, &model_spec, training, dp).or_else(|e| {
+            if su.compute.runs_stages() {
+                ravnest_core::plan(opts.planner, &live, &model_spec, training)
+            } else {
+                Err(e)
+            }
+        });
+    match planned {
+        Ok(p) => Ok(p
+            .nodes
+            .iter()
+            .map(|pn| {
+                let id = registered[pn.id.index()];
+                let node = &cluster.nodes[id.index()];
+                format!(
+                    "  {:<10} batch {:>4}   measured {:>8.0} samples/s   link {:.2} ms, {:.1} Gbit/s",
+                    node.name,
+                    pn.batch,
+                    node.flops / model_spec.train_flops_per_sample(),
+                    node.link.latency_ms,
+                    node.link.bandwidth_gbps
+                )
+            })
+            .chain(std::iter::once(format!("  sync: {}", p.sync.reason)))
+            .collect::<Vec<_>>()
+            .join("\n")),
+        Err(e) if !su.compute.runs_stages() => Err(RunError::NoPlan(format!(
+            "{}: no data-parallel plan for the registered nodes ({e}); the candle backend does not run pipeline stages yet",
+            opts.origin
+        ))),
+        Err(e) => Err(RunError::NoPlan(format!(
+            "{}: no plan for the registered nodes: {e}",
+            opts.origin
+        ))),
+    }
+}
+
+/// What training left behind, for the report.
+pub(super) struct Trained {
+    log: ravnest_runtime::coordinator::RunLog,
+    start_step: u64,
+    train_s: f64,
+    events_path: std::path::PathBuf,
+}
+
+/// The coordinator and checkpoint actors, until the run has finished and its final checkpoint
+/// is written (or 15 s have passed); their events go to the console and `events.jsonl` as they
+/// happen.
+async fn train(
+    h: &Host<'_>,
+    cluster: &ravnest_core::ClusterSpec,
+    caps: &BTreeMap<NodeId, Capabilities>,
+) -> Result<Trained, RunError> {
+    let (s, su) = (&h.opts.scenario, h.su);
+    let model_spec = su.compute.net.model_spec();
+    let start_step = su.compute.initial_version();
+    let config = Config {
+        cluster: cluster.clone(),
+        model: model_spec.clone(),
+        training: s.training.clone(),
+        planner: h.opts.planner,
+        steps: s.run.steps,
+        heartbeat_timeout_ms: s.run.heartbeat_timeout_ms,
+        train_flops: model_spec.train_flops_per_sample(),
+        checkpoint_every: s.run.checkpoint_every_steps,
+        checkpoint_at_end: true,
+        start_step,
+        initial_holders: h.opts.resume.then(|| vec![su.me]),
+        absent: cluster.ids().filter(|id| !caps.contains_key(id)).collect(),
+        allow_pipeline: su.compute.runs_stages(),
+        tuning: Tuning {
+            // Fixed per-step costs dominate the figure of a tiny share.
+            measure_min_batch: 16,
+            ..Tuning::default()
+        },
+    };
+    let launch = Launch::new(h.tcp.clone()).at(h.t0);
+    let journal = launch.journal();
+    let mut notes = journal.subscribe();
+    let ck = launch.checkpoints(Arc::new(su.files.clone()), 4).await?;
+    let train_started = Instant::now();
+    let tick = Duration::from_millis(s.run.heartbeat_ms / 2 + 1);
+    let (coord, mut done) = launch.coordinator(config, tick).await?;
+    // Relay the coordinator's events as they happen, to the console and to `events.jsonl`.
+    let events_path = h.opts.out_dir.join("events.jsonl");
+    let mut sink = EventSink::open(
+        &events_path,
+        h.opts.resume,
+        start_step,
+        h.say.clone(),
+        cluster.clone(),
+    );
+    let is_final = |n: &Note| matches!(n, Note::Event(_, Event::CheckpointComplete { step, .. }) if *step == s.run.steps);
+    let mut final_written = false;
+    loop {
+        tokio::select! {
+            Some(n) = notes.recv() => {
+                final_written |= is_final(&n);
+                sink.note(&n);
+            }
+            _ = &mut done => break,
+        }
+    }
+    let train_s = train_started.elapsed().as_secs_f64();
+    // The final checkpoint's shards may still be on their way.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !final_written {
+        match tokio::time::timeout_at(deadline, notes.recv()).await {
+            Ok(Some(n)) => {
+                final_written = is_final(&n);
+                sink.note(&n);
+            }
+            Ok(None) | Err(_) => break,
+        }
+    }
+    while let Ok(n) = notes.try_recv() {
+        sink.note(&n);
+    }
+    coord.stop(None);
+    ck.stop(None);
+    let log = journal.snapshot();
+    for (_, e) in &log.events {
+        if let Event::Stalled(why) | Event::Violation(why) = e {
+            return Err(RunError::Stopped(why.clone()));
+        }
+    }
+    Ok(Trained {
+        log,
+        start_step,
+        train_s,
+        events_path,
+    })
+}
+
+/// The final model's accuracy on the held-out data, and for the character model, the first
+/// test context continued greedily.
+fn evaluate(h: &Host<'_>) -> (f64, Option<Sample>) {
+    let (s, su) = (&h.opts.scenario, h.su);
+    let model = match su.files.load(s.run.steps) {
+        Ok(m) => m,
+        Err(_) => h
+            .counters
+            .lock()
+            .unwrap()
+            .get(&su.me)
+            .map(|c| c.model.1.to_vec())
+            .unwrap_or_default(),
+    };
+    let weights = &model[..su.compute.params().min(model.len())];
+    let accuracy = su
+        .compute
+        .net
+        .accuracy(weights, &su.test.x, &su.test.y)
+        .unwrap_or(0.0);
+    let sample = match (&su.compute.net, su.test.vocab.is_empty()) {
+        (Network::Char { context, .. }, false) => {
+            let prompt: Vec<u32> = su.test.x[..*context].iter().map(|&k| k as u32).collect();
+            let more = su
+                .compute
+                .net
+                .continue_text(weights, &prompt, 80)
+                .unwrap_or_default();
+            let text = |ids: &[u32]| -> String {
+                ids.iter()
+                    .map(|&k| su.test.vocab.get(k as usize).copied().unwrap_or('?'))
+                    .collect()
+            };
+            Some(Sample {
+                prompt: text(&prompt),
+                continuation: text(&more),
+            })
+        }
+        _ => None,
+    };
+    (accuracy, sample)
+}
+
+/// Tell every worker that training finished; the nodes still in the run will report back on
+/// the returned receiver.
+async fn finish_workers(
+    h: &Host<'_>,
+    cluster: &ravnest_core::ClusterSpec,
+    caps: &BTreeMap<NodeId, Capabilities>,
+    log: &ravnest_runtime::coordinator::RunLog,
+) -> (Inbox, Vec<NodeId>) {
+    let mut expected: BTreeSet<NodeId> = caps.keys().copied().collect();
+    for (_, e) in &log.events {
+        match e {
+            Event::Detected { node, .. } => {
+                expected.remove(node);
+            }
+            Event::Joined { node } => {
+                expected.insert(*node);
+            }
+            _ => {}
+        }
+    }
+    expected.remove(&h.su.me);
+    let (reports_tx, reports_rx) = mpsc::unbounded_channel();
+    h.tcp.register(
+        Addr::Coordinator,
+        Arc::new(move |from, env| {
+            let _ = reports_tx.send((from, env));
+        }),
+    );
+    for id in cluster.ids().filter(|&id| id != h.su.me) {
+        let _ = h
+            .tcp
+            .send(Addr::Coordinator, Addr::Node(id), Envelope::Finish);
+    }
+    // `Finish` must reach every worker before this process exits (a node that is still
+    // dialing in, such as a rejoiner, would otherwise wait for it in vain).
+    if !h.tcp.drain(Duration::from_secs(5)).await {
+        h.say
+            .cluster("some nodes could not be told that training finished");
+    }
+    (reports_rx, expected.into_iter().collect())
+}
+
+/// The coordinator's report: throughput (overall, steady, against the nodes' summed solo
+/// capacity), accuracy, checkpoints, plans and the notable events.
+fn coordinator_report(
+    h: &Host<'_>,
+    cluster: &ravnest_core::ClusterSpec,
+    solo: &BTreeMap<NodeId, Calibration>,
+    t: &Trained,
+) -> CoordinatorReport {
+    let s = &h.opts.scenario;
+    let (log, start_step) = (&t.log, t.start_step);
+    let (accuracy, sample) = evaluate(h);
+    let final_step = start_step + log.step_done_ns.len() as u64;
+    let trained = final_step - start_step;
+    let batch = f64::from(s.training.global_batch);
+    let samples_per_s = trained as f64 * batch / t.train_s.max(1e-9);
+    // The same after the first steps (caches, allocators and the first plan settle there).
+    let skip = warmup_steps(trained) as usize;
+    let steady = match (
+        log.step_done_ns.get(skip.saturating_sub(1)),
+        log.step_done_ns.last(),
+    ) {
+        (Some(a), Some(b)) if b > a && skip > 0 => {
+            (trained as usize - skip) as f64 * batch / ((b - a) as f64 / 1e9)
+        }
+        _ => samples_per_s,
+    };
+    // Each node's solo throughput at the batch it measured (B / n), fixed costs included.
+    let solo_sum: f64 = solo.values().map(|m| m.samples_per_s).sum();
+    let checkpoints: Vec<u64> = log
+        .events
+        .iter()
+        .filter_map(|(_, e)| match e {
+            Event::CheckpointComplete { step, .. } => Some(*step),
+            _ => None,
+        })
+        .collect();
+    let said: Vec<String> = log
+        .events
+        .iter()
+        .map(|(_, e)| describe(e, cluster))
+        .collect();
+    let all_notable: Vec<&String> = said.iter().filter(|w| crate::summary::notable(w)).collect();
+    let mut notable: Vec<String> = all_notable.iter().take(20).map(|w| w.to_string()).collect();
+    if all_notable.len() > 20 {
+        notable.push(format!("... and {} more", all_notable.len() - 20));
+    }
+    let plans = log
+        .events
+        .iter()
+        .filter(|(_, e)| matches!(e, Event::Planned { .. }))
+        .count();
+    let files = &h.su.files;
+    CoordinatorReport {
+        steps: final_step,
+        start_step,
+        train_s: t.train_s,
+        samples_per_s,
+        steady_samples_per_s: steady,
+        warmup_steps: skip as u64,
+        solo_sum_samples_per_s: solo_sum,
+        capacity_efficiency: samples_per_s / solo_sum.max(1e-9),
+        solo_by_node: solo
+            .iter()
+            .map(|(id, m)| (cluster.nodes[id.index()].name.clone(), m.samples_per_s))
+            .collect(),
+        replans: plans.saturating_sub(1) as u64,
+        accuracy,
+        target_accuracy: s.run.target_accuracy,
+        sample,
+        checkpoints,
+        checkpoint_dir: files.dir.display().to_string(),
+        final_checkpoint: files.path(s.run.steps).display().to_string(),
+        optimizer: s.training.optimizer.as_str().to_string(),
+        plans: said.iter().filter(|w| w.contains(": planned ")).count() as u64,
+        rebalances: said.iter().filter(|w| w.ends_with("re-planned")).count() as u64,
+        notable_events: notable,
+        events_file: t.events_path.display().to_string(),
+    }
+}
+
+/// The nodes of the file that have not registered, as "`name` (address)".
+fn unregistered(s: &Scenario, caps: &BTreeMap<NodeId, Capabilities>) -> Vec<String> {
+    s.cluster
+        .ids()
+        .filter(|id| !caps.contains_key(id))
+        .map(|id| {
+            let node = &s.cluster.nodes[id.index()];
+            format!(
+                "`{}` ({})",
+                node.name,
+                node.address.as_deref().unwrap_or("no address")
+            )
+        })
+        .collect()
+}
+
+/// A node's step time, measured with every node measuring at once.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Calibration {
+    /// At the batch asked for.
+    samples_per_s: f64,
+    per_sample_s: f64,
+    overhead_s: f64,
+}
+
+/// The coordinator's side of liveness: a heartbeat to every other node each period, so that
+/// workers (idle ones too) know it is there.
+fn spawn_coordinator_heartbeats(
+    tcp: TcpTransport,
+    nodes: Vec<NodeId>,
+    period: Duration,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(period);
+        loop {
+            tick.tick().await;
+            for &n in &nodes {
+                let _ = tcp.send(Addr::Coordinator, Addr::Node(n), Envelope::Heartbeat);
+            }
+        }
+    })
+}
+
+/// Ask every registered node to measure its step time at once; the answers that came within
+/// the time allowed.
+async fn calibrate(
+    s: &Scenario,
+    reg_rx: &mut mpsc::UnboundedReceiver<(Addr, Envelope)>,
+    tcp: &TcpTransport,
+    nodes: &[NodeId],
+) -> BTreeMap<NodeId, Calibration> {
+    let batch = (u64::from(s.training.global_batch) / nodes.len().max(1) as u64).max(1);
+    for &id in nodes {
+        let _ = tcp.send(
+            Addr::Coordinator,
+            Addr::Node(id),
+            Envelope::Measure {
+                batch,
+                duration_ms: CALIBRATE_MS,
+            },
+        );
+    }
+    let mut got = BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_millis(CALIBRATE_MS) + Duration::from_secs(20);
+    while got.len() < nodes.len() {
+        match tokio::time::timeout_at(deadline, reg_rx.recv()).await {
+            Ok(Some((
+                Addr::Node(from),
+                Envelope::Measured {
+                    samples_per_s,
+                    per_sample_s,
+                    overhead_s,
+                },
+            ))) if [samples_per_s, per_sample_s]
+                .iter()
+                .all(|x| x.is_finite() && *x > 0.0)
+                && overhead_s.is_finite()
+                && overhead_s >= 0.0 =>
+            {
+                got.insert(
+                    from,
+                    Calibration {
+                        samples_per_s,
+                        per_sample_s,
+                        overhead_s,
+                    },
+                );
+            }
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => break,
+        }
+    }
+    got
+}

@@ -1,0 +1,89 @@
+//! One report for the run, the same on every node: the coordinator's host collects every
+//! worker's report and sends the merged whole back; each node prints it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use ravnest_core::NodeId;
+use ravnest_runtime::tcp::TcpTransport;
+use ravnest_runtime::{Addr, Envelope, Transport};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::Options;
+use super::setup::Setup;
+use super::tap::Tap;
+use crate::summary::{NodeReport, NodeRow, RunReport};
+
+/// On the coordinator's host: the workers' reports (for at most 3 s), merged with this node's
+/// into the run's summary, which every node still in the run (or that answered) is sent.
+pub(super) async fn collect(
+    opts: &Options,
+    su: &Setup,
+    tcp: &TcpTransport,
+    mine: NodeReport,
+    mut reports: mpsc::UnboundedReceiver<(Addr, Envelope)>,
+    expected: Vec<NodeId>,
+) -> RunReport {
+    let s = &opts.scenario;
+    let mut got: BTreeMap<NodeId, NodeReport> = BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !expected.iter().all(|id| got.contains_key(id)) {
+        match tokio::time::timeout_at(deadline, reports.recv()).await {
+            Ok(Some((Addr::Node(from), Envelope::Report(text)))) => {
+                if let Ok(v) = serde_json::from_str::<NodeReport>(&text) {
+                    got.insert(from, v);
+                }
+            }
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => break,
+        }
+    }
+    let recipients: BTreeSet<NodeId> = expected.iter().chain(got.keys()).copied().collect();
+    let nodes: Vec<NodeRow> = s
+        .cluster
+        .ids()
+        .map(|id| NodeRow {
+            node: s.cluster.nodes[id.index()].name.clone(),
+            report: if id == su.me {
+                Some(mine.clone())
+            } else {
+                got.remove(&id)
+            },
+        })
+        .collect();
+    let merged = RunReport {
+        cluster: s.cluster.name.clone(),
+        coordinator: Some(mine),
+        nodes,
+        failed: Vec::new(),
+    };
+    let text = serde_json::to_string(&merged).unwrap_or_default();
+    for &id in &recipients {
+        let _ = tcp.send(
+            Addr::Coordinator,
+            Addr::Node(id),
+            Envelope::Summary(text.clone()),
+        );
+    }
+    let _ = tcp.drain(Duration::from_secs(3)).await;
+    merged
+}
+
+/// On a worker: send this node's report, and wait (at most 10 s) for the run's summary.
+pub(super) async fn fetch(
+    su: &Setup,
+    net: &Tap,
+    mine: NodeReport,
+    mut summary: mpsc::UnboundedReceiver<String>,
+) -> Option<RunReport> {
+    let _ = net.send(
+        Addr::Node(su.me),
+        Addr::Coordinator,
+        Envelope::Report(serde_json::to_string(&mine).unwrap_or_default()),
+    );
+    match tokio::time::timeout(Duration::from_secs(10), summary.recv()).await {
+        Ok(Some(text)) => serde_json::from_str::<RunReport>(&text).ok(),
+        _ => None,
+    }
+}

@@ -1,0 +1,488 @@
+//! One node process of `ravnest run`: the same code on every machine.
+//!
+//! Every process binds its node's address, measures itself (candle matmul throughput, the
+//! model's own samples/s, free memory) and starts its node actor. The coordinator's host (the
+//! configured coordinator, else the lowest id) collects the registrations, probes each link
+//! (latency and bandwidth by echo), plans on the measured figures, prints the plan, and starts
+//! the coordinator and checkpoint actors: the very actors the simulator runs, over TCP and with
+//! candle instead of SimNet and virtual time.
+//!
+//! Output is one event per line: human text on stderr, or JSON on stdout with `--json` (what
+//! the local demo's parent reads).
+
+mod console;
+mod coordinate;
+mod gather;
+mod setup;
+mod tap;
+mod worker;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use ravnest_core::{NodeId, PlannerKind, Scenario};
+use ravnest_runtime::node::{Counters, Start};
+use ravnest_runtime::tcp::{TcpConfig, TcpTransport};
+use ravnest_runtime::{Addr, Envelope, Launch, Nodes, Transport};
+use serde_json::{Value, json};
+
+use crate::events::RunEvent;
+use crate::summary::{CoordinatorReport, NodeReport, Slowdown};
+use tokio::sync::{Notify, mpsc};
+use tokio::time::Instant;
+
+use console::{Progress, Say, spawn_progress};
+use coordinate::{Host, coordinate};
+use setup::Setup;
+use tap::Tap;
+
+pub use console::describe;
+pub use setup::{load_dataset, network_for, optim_for};
+
+/// Why a node process could not start or finish its run. Each message names the file, the node
+/// or the field it is about.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The cluster file or the command line asks for something this run cannot do.
+    #[error("{0}")]
+    Config(String),
+    /// The dataset could not be read.
+    #[error(transparent)]
+    Data(#[from] crate::data::DataError),
+    /// The node's device cannot be used.
+    #[error("{origin}: node `{node}`: {source}")]
+    Device {
+        /// The cluster file.
+        origin: String,
+        /// The node.
+        node: String,
+        /// Why.
+        #[source]
+        source: crate::device::DeviceError,
+    },
+    /// The checkpoint folder is not this run's to write, or cannot be cleared.
+    #[error(transparent)]
+    Guard(#[from] crate::store::GuardError),
+    /// A checkpoint to resume from could not be read.
+    #[error(transparent)]
+    Checkpoint(#[from] crate::store::LoadError),
+    /// The network or the runtime could not be set up.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// An actor could not be started.
+    #[error(transparent)]
+    Launch(#[from] ravnest_runtime::LaunchError),
+    /// Too few nodes registered in time.
+    #[error("{0}")]
+    Registration(String),
+    /// No plan fits the nodes that registered.
+    #[error("{0}")]
+    NoPlan(String),
+    /// Training stopped before its last step.
+    #[error("training stopped: {0}")]
+    Stopped(String),
+    /// A worker lost its coordinator.
+    #[error("{0}")]
+    CoordinatorLost(String),
+}
+
+/// What one process is asked to do.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The cluster file, parsed.
+    pub scenario: Scenario,
+    /// Its name, for messages.
+    pub origin: String,
+    /// This process's node name.
+    pub node: String,
+    /// Where checkpoints go (on the coordinator's host).
+    pub out_dir: PathBuf,
+    /// Continue from the latest checkpoint in `out_dir`.
+    pub resume: bool,
+    /// Rejoin a running cluster (a restarted worker).
+    pub join: bool,
+    /// JSON lines on stdout instead of text on stderr.
+    pub json: bool,
+    /// How long the coordinator waits for every node to register.
+    pub register_timeout: Duration,
+    /// The planner (`uniform` is the equal-split baseline).
+    pub planner: PlannerKind,
+    /// Print nothing (benchmarks).
+    pub quiet: bool,
+    /// The cluster file as handed to a joiner (`ravnest run --join HOST:PORT`); see
+    /// [`share_document`].
+    pub share: Option<String>,
+    /// Put this node's activity spans in its report (for `run --timeline`).
+    pub spans: bool,
+    /// The address peers dial for this node, when not the file's (`--advertise`); the
+    /// coordinator's host passes it on.
+    pub advertise: Option<String>,
+    /// Delete the checkpoints already in `out_dir` (otherwise a run refuses to write over
+    /// them, unless it resumes from them).
+    pub overwrite: bool,
+    /// Compute here instead of the node's `device` (`run --device cpu|cuda[:N]`).
+    pub device: Option<String>,
+}
+
+/// The environment variable through which the local launcher tells its children its pid.
+pub const LAUNCHER_PID: &str = "RAVNEST_LAUNCHER_PID";
+
+/// A node process started by the local launcher dies with it (a parent-death signal, so that
+/// `kill -9` of the launcher leaves no node training on its own); if the launcher is already
+/// gone, this process exits now.
+pub fn die_with_launcher(launcher: u32) {
+    #[cfg(target_os = "linux")]
+    {
+        use rustix::process::{Signal, getppid, set_parent_process_death_signal};
+        let _ = set_parent_process_death_signal(Some(Signal::KILL));
+        if getppid().map(|p| p.as_raw_nonzero().get() as u32) != Some(launcher) {
+            std::process::exit(3);
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = launcher;
+}
+
+/// What a node hands a joiner: the cluster file's text and the command-line overrides.
+pub fn share_document(origin: &str, text: &str, steps: u64) -> String {
+    json!({"origin": origin, "text": text, "steps": steps}).to_string()
+}
+
+/// Read a [`share_document`]: (origin, text, steps).
+pub fn read_share_document(doc: &str) -> Result<(String, String, u64), RunError> {
+    let v: Value = serde_json::from_str(doc)
+        .map_err(|e| RunError::Config(format!("the shared cluster file is not JSON: {e}")))?;
+    match (
+        v["origin"].as_str(),
+        v["text"].as_str(),
+        v["steps"].as_u64(),
+    ) {
+        (Some(o), Some(t), Some(n)) => Ok((o.to_string(), t.to_string(), n)),
+        _ => Err(RunError::Config(
+            "the shared cluster file lacks origin, text or steps".into(),
+        )),
+    }
+}
+
+/// The node whose host coordinates: the configured one, else the first.
+fn coordinator_of(s: &Scenario) -> NodeId {
+    s.run.coordinator.unwrap_or(NodeId(0))
+}
+
+/// The handshake key of a cluster file without `[cluster] secret`.
+pub const DEFAULT_SECRET: &str = "ravnest-default-secret";
+
+/// The environment variable that holds the cluster secret (it takes precedence over the
+/// file's `[cluster] secret`, so a file shared between machines need not hold it).
+pub const SECRET_ENV: &str = "RAVNEST_SECRET";
+
+/// The cluster secret: `RAVNEST_SECRET`, else the file's, else the default.
+pub fn secret(s: &Scenario) -> String {
+    std::env::var(SECRET_ENV)
+        .ok()
+        .filter(|v| !v.is_empty())
+        .or_else(|| s.run.secret.clone())
+        .unwrap_or_else(|| DEFAULT_SECRET.into())
+}
+
+/// `host:port` resolved, or a message that names the node and the address.
+fn resolve(origin: &str, node: &str, what: &str, a: &str) -> Result<SocketAddr, RunError> {
+    std::net::ToSocketAddrs::to_socket_addrs(a)
+        .ok()
+        .and_then(|mut it| it.next())
+        .ok_or_else(|| {
+            RunError::Config(format!(
+                "{origin}: node `{node}`: cannot resolve {what}`{a}`"
+            ))
+        })
+}
+
+/// The TCP view of a scenario for node `me`, or why `run` cannot use it.
+pub fn tcp_config(s: &Scenario, origin: &str, me: NodeId) -> Result<TcpConfig, RunError> {
+    let mut peers = BTreeMap::new();
+    for (i, n) in s.cluster.nodes.iter().enumerate() {
+        let a = n.address.as_deref().ok_or_else(|| {
+            RunError::Config(format!(
+                "{origin}: node `{}` has no `address`; `ravnest run` needs host:port for every node",
+                n.name
+            ))
+        })?;
+        peers.insert(NodeId(i as u32), resolve(origin, &n.name, "address ", a)?);
+    }
+    let node = &s.cluster.nodes[me.index()];
+    let listen = match node.listen.as_deref() {
+        None => None,
+        Some(l) => Some(resolve(origin, &node.name, "listen address ", l)?),
+    };
+    Ok(TcpConfig {
+        me,
+        peers,
+        listen,
+        coordinator: coordinator_of(s),
+        secret: secret(s).into_bytes(),
+        max_frame: ravnest_runtime::wire::MAX_FRAME,
+        connect_window: Duration::from_secs(30),
+        cluster_file: None,
+    })
+}
+
+/// Run one node process to the end of training. Returns its report.
+pub fn run(opts: Options) -> Result<NodeReport, RunError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(run_async(opts))
+}
+
+async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
+    let say = Say {
+        json: opts.json,
+        quiet: opts.quiet,
+        node: opts.node.clone(),
+    };
+    let su = setup::setup(&opts, &say).await?;
+    let s = &opts.scenario;
+    let mut cfg = tcp_config(s, &opts.origin, su.me)?;
+    cfg.cluster_file = opts.share.as_deref().map(Arc::from);
+    let verbose = (!opts.json && !opts.quiet) || std::env::var_os("RAVNEST_LOG_NET").is_some();
+    let tcp = TcpTransport::bind(cfg, verbose).await?;
+    let t0 = Instant::now();
+    let is_coord = su.me == coordinator_of(s);
+    // The coordinator's host listens for registrations before its node exists.
+    let (reg_tx, mut reg_rx) = mpsc::unbounded_channel();
+    if is_coord {
+        tcp.register(
+            Addr::Coordinator,
+            Arc::new(move |from, env| {
+                let _ = reg_tx.send((from, env));
+            }),
+        );
+    }
+    let (summary_tx, summary_rx) = mpsc::unbounded_channel();
+    let net = Tap {
+        inner: tcp.clone(),
+        finish: Arc::new(Notify::new()),
+        heard: Arc::new(AtomicU64::new(u64::MAX)),
+        t0,
+        started: su.compute.started.clone(),
+        summary: summary_tx,
+    };
+    let counters = Counters::default();
+    let sup = start_node(&opts, &su, &net, &counters, t0).await?;
+    let progress = spawn_progress(say.clone(), progress_of(&opts, &su, &net, &counters));
+    let role = if is_coord {
+        let host = Host {
+            opts: &opts,
+            say: &say,
+            su: &su,
+            tcp: &tcp,
+            counters: &counters,
+            t0,
+        };
+        coordinate(&host, &mut reg_rx).await.map(Some)
+    } else {
+        worker::wait_for_finish(&opts, &net, &tcp)
+            .await
+            .map(|()| None)
+    };
+    progress.abort();
+    let role = match role {
+        Ok(r) => r,
+        Err(e) => {
+            sup.stop(None);
+            tcp.shutdown();
+            return Err(e);
+        }
+    };
+    let (figures, collect) = match role {
+        Some((figures, reports, expected)) => (Some(figures), Some((reports, expected))),
+        None => (None, None),
+    };
+    let report = node_report(figures, &opts, &su, &counters, &tcp, t0);
+    say.say(&RunEvent::Report(report.clone()));
+    // One report for the run, the same on every node: the coordinator's host collects every
+    // worker's report and sends the whole back; each prints it.
+    let wire_report = NodeReport {
+        spans: Vec::new(),
+        ..report.clone()
+    };
+    let summary = match collect {
+        Some((reports, expected)) => {
+            Some(gather::collect(&opts, &su, &tcp, wire_report, reports, expected).await)
+        }
+        None => gather::fetch(&su, &net, wire_report, summary_rx).await,
+    };
+    if let Some(m) = &summary
+        && !opts.quiet
+    {
+        use std::io::Write;
+        let m = RunEvent::Summary(m.clone());
+        let text = if opts.json { m.json() } else { m.human() };
+        let _ = writeln!(std::io::stdout().lock(), "{text}");
+    }
+    sup.stop(None);
+    tcp.shutdown();
+    Ok(report)
+}
+
+/// This process's node actor, under its supervisor; it registers with the coordinator (or,
+/// with `--join`, asks to join), after saying its `--advertise` address.
+async fn start_node(
+    opts: &Options,
+    su: &Setup,
+    net: &Tap,
+    counters: &Counters,
+    t0: Instant,
+) -> Result<ractor::ActorRef<ravnest_runtime::supervisor::SupMsg>, RunError> {
+    let s = &opts.scenario;
+    let is_coord = su.me == coordinator_of(s);
+    let first_start = if opts.join {
+        Start::Rejoin
+    } else if opts.resume && !is_coord {
+        Start::Empty
+    } else {
+        Start::Fresh
+    };
+    // An address of our own for peers to dial (`--advertise`): said to the coordinator's host
+    // first (the same connection carries it before anything else), which passes it on.
+    if let Some(addr) = opts.advertise.as_ref().filter(|_| !is_coord) {
+        let _ = net.send(
+            Addr::Node(su.me),
+            Addr::Coordinator,
+            Envelope::Address {
+                node: su.me,
+                addr: addr.clone(),
+            },
+        );
+    }
+    let nodes = Nodes::new(
+        su.compute.clone(),
+        vec![su.me],
+        4 * su.compute.model_len() as u64,
+    )
+    .grad_bytes(4 * su.compute.params() as u64)
+    .heartbeat(Duration::from_millis(s.run.heartbeat_ms))
+    .start(first_start)
+    .counters(counters.clone());
+    let sup = Launch::new(net.clone()).at(t0).nodes(nodes).await?;
+    if !opts.join {
+        let _ = net.send(
+            Addr::Node(su.me),
+            Addr::Coordinator,
+            Envelope::Register(su.caps.clone()),
+        );
+    }
+    Ok(sup)
+}
+
+/// What the progress lines of this process watch.
+fn progress_of(opts: &Options, su: &Setup, net: &Tap, counters: &Counters) -> Progress {
+    let s = &opts.scenario;
+    let coord = coordinator_of(s);
+    Progress {
+        counters: counters.clone(),
+        compute: su.compute.clone(),
+        me: su.me,
+        steps: s.run.steps,
+        global_batch: u64::from(s.training.global_batch),
+        coordinator: (su.me != coord).then(|| {
+            let n = &s.cluster.nodes[coord.index()];
+            format!(
+                "coordinator `{}` at {}",
+                n.name,
+                n.address.as_deref().unwrap_or("?")
+            )
+        }),
+        heard: net.heard.clone(),
+        t0: net.t0,
+        wait_s: opts.register_timeout.as_secs(),
+    }
+}
+
+/// This node's report: what it applied, computed and sent, its loss and slowdown (and its
+/// activity spans with `--timeline`); on the coordinator's host, with the run's `figures`.
+fn node_report(
+    figures: Option<CoordinatorReport>,
+    opts: &Options,
+    su: &Setup,
+    counters: &Counters,
+    tcp: &TcpTransport,
+    t0: Instant,
+) -> NodeReport {
+    let c = counters
+        .lock()
+        .unwrap()
+        .get(&su.me)
+        .cloned()
+        .unwrap_or_default();
+    // Times on a clock every process on the machine shares: ns since the Unix epoch.
+    let t0_unix_ns = opts.spans.then(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            .saturating_sub(t0.elapsed().as_nanos() as u64)
+    });
+    let spans = c
+        .spans
+        .iter()
+        .filter(|_| opts.spans)
+        .map(|sp| {
+            let kind = match sp.kind {
+                ravnest_runtime::node::SpanKind::Compute => "compute",
+                ravnest_runtime::node::SpanKind::Comm => "comm",
+            };
+            (sp.start_ns, sp.end_ns, kind.to_string())
+        })
+        .collect();
+    let steady = c.steady_fractions(warmup_steps(opts.scenario.run.steps));
+    let stats = su.compute.stats();
+    NodeReport {
+        node: opts.node.clone(),
+        role: if figures.is_some() {
+            "coordinator"
+        } else {
+            "worker"
+        }
+        .into(),
+        coordinator: figures,
+        steps_applied: c.steps,
+        compute_s: c.compute_ns as f64 / 1e9,
+        comm_s: c.comm_ns as f64 / 1e9,
+        wall_s: t0.elapsed().as_secs_f64(),
+        aborted_collectives: c.aborted,
+        batch: c.batch,
+        t0_unix_ns,
+        spans,
+        steady_busy: steady.map(|s| s.0),
+        steady_comm: steady.map(|s| s.1),
+        bytes_sent: tcp.bytes_sent(),
+        solo_samples_per_s: su.solo_samples_per_s,
+        last_loss: stats.last_loss.is_finite().then_some(stats.last_loss),
+        slowdown: Slowdown {
+            factor: stats.slowdown.0,
+            since_step: stats.slowdown.1,
+        },
+    }
+}
+
+/// Aborts a task when dropped (when the function that started it returns, by any path).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Steps a report leaves out as warm-up: a tenth of the run, at most 20.
+pub fn warmup_steps(steps: u64) -> u64 {
+    (steps / 10).min(20)
+}
+
+/// How long every node measures itself, together, before training.
+pub const CALIBRATE_MS: u64 = 800;

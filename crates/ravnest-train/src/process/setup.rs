@@ -1,0 +1,293 @@
+//! A node process before it joins the run: which node it is, its device, data, network and
+//! optimizer, the checkpoint folder's guard (and what `--resume` reads), and its own
+//! measurement (candle matmul, the model's samples/s, free memory).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ravnest_core::{NodeId, Scenario};
+use ravnest_runtime::Compute;
+use ravnest_runtime::msg::Capabilities;
+use tokio::time::Instant;
+
+use super::console::Say;
+use super::{Options, RunError, coordinator_of};
+use crate::compute::CandleCompute;
+use crate::data::Dataset;
+use crate::events::RunEvent;
+use crate::net::Network;
+use crate::optim::Optim;
+use crate::store::CheckpointFiles;
+
+/// The dataset a scenario names: a text file for the character model, else digits, CSV or IDX.
+pub fn load_dataset(s: &Scenario, origin: &str) -> Result<Dataset, RunError> {
+    if s.run.network == "char" {
+        if s.run.dataset == "digits" {
+            return Err(RunError::Config(format!(
+                "{origin}: [run] network = \"char\" trains on text: set [run] dataset to a text file's path"
+            )));
+        }
+        return Ok(Dataset::load_text(
+            &s.run.dataset,
+            s.run.context_chars as usize,
+        )?);
+    }
+    Ok(Dataset::load(&s.run.dataset)?)
+}
+
+/// The network a scenario trains on a dataset, checked against each other.
+pub fn network_for(s: &Scenario, origin: &str, data: &Dataset) -> Result<Network, RunError> {
+    match s.run.network.as_str() {
+        "char" => Ok(Network::Char {
+            context: data.features,
+            vocab: data.classes,
+            embed: crate::net::CHAR_EMBED,
+            hidden: s.run.char_hidden as usize,
+        }),
+        "cnn" => {
+            let side = data.side.ok_or_else(|| {
+                RunError::Config(format!(
+                    "{origin}: [run] network = \"cnn\" needs square images; {} has {} features",
+                    data.name, data.features
+                ))
+            })?;
+            Ok(Network::Cnn {
+                side,
+                classes: data.classes,
+            })
+        }
+        _ => {
+            // The [model]'s MLP widths, recovered from its layers (params = in·out + out).
+            let mut dims = Vec::new();
+            for l in &s.model.layers {
+                let out = l.output_elems_per_sample;
+                if out == 0 || l.params % out != 0 || !l.name.starts_with("fc") {
+                    return Err(RunError::Config(format!(
+                        "{origin}: `ravnest run` trains MLPs ([model] preset = \"mlp-digits\" or kind = \"mlp\") or, with [run] network = \"cnn\", a small CNN; model `{}` is neither",
+                        s.model.name
+                    )));
+                }
+                if dims.is_empty() {
+                    dims.push((l.params / out - 1) as usize);
+                }
+                dims.push(out as usize);
+            }
+            if dims.first() != Some(&data.features) {
+                return Err(RunError::Config(format!(
+                    "{origin}: the model takes {} inputs but dataset {} has {} features per sample",
+                    dims.first().copied().unwrap_or(0),
+                    data.name,
+                    data.features
+                )));
+            }
+            if dims.last().copied().unwrap_or(0) < data.classes {
+                return Err(RunError::Config(format!(
+                    "{origin}: the model has {} outputs but dataset {} has {} classes",
+                    dims.last().copied().unwrap_or(0),
+                    data.name,
+                    data.classes
+                )));
+            }
+            Ok(Network::Mlp { dims })
+        }
+    }
+}
+
+/// The optimizer a scenario asks for.
+pub fn optim_for(s: &Scenario) -> Optim {
+    Optim {
+        kind: s.training.optimizer,
+        lr: s.run.learning_rate as f32,
+        momentum: s.run.momentum as f32,
+        weight_decay: s.run.weight_decay as f32,
+    }
+}
+
+/// What a node process has once it is ready to register.
+pub(super) struct Setup {
+    pub me: NodeId,
+    pub compute: Arc<CandleCompute>,
+    pub test: Dataset,
+    pub files: CheckpointFiles,
+    pub caps: Capabilities,
+    pub solo_samples_per_s: f64,
+}
+
+/// This process's node in the file, or which names there are.
+fn whoami(opts: &Options) -> Result<NodeId, RunError> {
+    let names: Vec<&str> = opts
+        .scenario
+        .cluster
+        .nodes
+        .iter()
+        .map(|n| n.name.as_str())
+        .collect();
+    names
+        .iter()
+        .position(|n| *n == opts.node)
+        .map(|i| NodeId(i as u32))
+        .ok_or_else(|| {
+            RunError::Config(format!(
+                "{}: no node named `{}` (nodes: {})",
+                opts.origin,
+                opts.node,
+                names.join(", ")
+            ))
+        })
+}
+
+/// Everything up to the measurement: device, data, network, compute, checkpoint files (and the
+/// checkpoint `--resume` starts from).
+pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> {
+    let s = &opts.scenario;
+    let me = whoami(opts)?;
+    // The device first: everything this process computes is made there.
+    let run_device = crate::device::of_node(s, me.index(), opts.device.as_deref())
+        .and_then(|d| crate::device::select(d).map(|_| d))
+        .map_err(|source| RunError::Device {
+            origin: opts.origin.clone(),
+            node: opts.node.clone(),
+            source,
+        })?;
+    let data = load_dataset(s, &opts.origin)?;
+    let (train, test) = data.split();
+    let net = network_for(s, &opts.origin, &data)?;
+    let optim = optim_for(s);
+    let slowdown = s
+        .run
+        .emulate_slowdown
+        .get(me.index())
+        .copied()
+        .unwrap_or(1.0);
+    let mut compute = CandleCompute::new(net.clone(), Arc::new(train), optim, s.run.seed, slowdown);
+    // A cluster file's `slowdown` faults for this node happen for real: seconds from the moment
+    // training starts here. (Crashes, partitions and link faults are the simulator's.)
+    for f in &s.faults {
+        if let ravnest_core::config::Fault::Slowdown {
+            node,
+            factor,
+            from_s,
+            to_s,
+        } = f
+            && *node == me
+        {
+            compute.schedule.push((*from_s, *to_s, *factor));
+        }
+    }
+    let files = CheckpointFiles {
+        dir: opts.out_dir.join("checkpoints"),
+        net,
+        optim,
+        meta: BTreeMap::from([
+            ("seed".to_string(), s.run.seed.to_string()),
+            ("dataset".to_string(), s.run.dataset.clone()),
+            ("cluster".to_string(), s.cluster.name.clone()),
+            ("ravnest".to_string(), env!("CARGO_PKG_VERSION").to_string()),
+        ]),
+    };
+    if me == coordinator_of(s) {
+        compute.resume = guard_checkpoints(opts, say, &files)?;
+    }
+    let (caps, solo) = measure(opts, say, me, &compute, run_device, slowdown).await;
+    Ok(Setup {
+        me,
+        compute: Arc::new(compute),
+        test,
+        files,
+        caps,
+        solo_samples_per_s: solo,
+    })
+}
+
+/// On the coordinator's host (the only writer): never write over another run's checkpoints by
+/// accident; with `--resume`, the checkpoint to start from.
+fn guard_checkpoints(
+    opts: &Options,
+    say: &Say,
+    files: &CheckpointFiles,
+) -> Result<Option<(u64, Vec<f32>)>, RunError> {
+    if !opts.join && crate::store::guard(&files.dir, opts.resume, opts.overwrite)? {
+        say.cluster(format!(
+            "--overwrite: removed the previous checkpoints in {}",
+            files.dir.display()
+        ));
+    }
+    if !opts.resume {
+        return Ok(None);
+    }
+    match files.latest()? {
+        Some(step) => {
+            let flat = files.load(step)?;
+            say.cluster(format!(
+                "resuming from the checkpoint of step {step} ({})",
+                files.path(step).display()
+            ));
+            Ok(Some((step, flat)))
+        }
+        None => Err(RunError::Config(format!(
+            "--resume: no checkpoint in {} (its `latest` file is missing)",
+            files.dir.display()
+        ))),
+    }
+}
+
+/// Measure: candle matmul, then the model itself on one global batch (emulated slowdown
+/// included: that is what this node delivers), and free memory. Says what it measured.
+async fn measure(
+    opts: &Options,
+    say: &Say,
+    me: NodeId,
+    compute: &CandleCompute,
+    run_device: crate::device::RunDevice,
+    slowdown: f64,
+) -> (Capabilities, f64) {
+    let s = &opts.scenario;
+    let gflops =
+        tokio::task::block_in_place(|| crate::measure::matmul_flops(Duration::from_millis(150)))
+            / 1e9;
+    let dev = crate::device::current();
+    // On a GPU, half precision too (what larger models train in).
+    let bf16_gflops = (!dev.is_cpu()).then(|| {
+        tokio::task::block_in_place(|| {
+            crate::measure::matmul_flops_in(Duration::from_millis(150), candle_core::DType::BF16)
+        }) / 1e9
+    });
+    let model = Arc::new(compute.initial_model());
+    let b = u64::from(s.training.global_batch).clamp(1, 512);
+    let noop: ravnest_runtime::seams::BucketSink = Arc::new(|_: usize, _: Vec<f32>| {});
+    let _ = compute
+        .gradient_sum(me, 0, 0..b.min(8), model.clone(), noop.clone())
+        .await;
+    // The best of three: other processes on the machine may be measuring at the same time.
+    // (The plan uses the in-situ figure every node measures at once after registering.)
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let _ = compute
+            .gradient_sum(me, 0, 0..b, model.clone(), noop.clone())
+            .await;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    let solo = b as f64 / best.max(1e-9);
+    // Free memory where the model lives: the GPU's, or the machine's.
+    let memory = crate::device::free_memory(&dev)
+        .or_else(crate::measure::available_memory)
+        .unwrap_or(s.cluster.nodes[me.index()].memory_bytes);
+    let train_flops = compute.net.model_spec().train_flops_per_sample();
+    let caps = Capabilities {
+        flops: solo * train_flops,
+        memory_bytes: memory,
+        device: format!("{run_device} (candle matmul {gflops:.1} GFLOP/s, {solo:.0} samples/s)"),
+    };
+    say.say(&RunEvent::Measured {
+        node: say.node.clone(),
+        device: run_device.to_string(),
+        matmul_gflops: gflops,
+        matmul_bf16_gflops: bf16_gflops,
+        samples_per_s: solo,
+        memory_gib: memory as f64 / (1u64 << 30) as f64,
+        slowdown,
+    });
+    (caps, solo)
+}

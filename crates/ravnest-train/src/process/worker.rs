@@ -1,0 +1,92 @@
+//! A worker's side of the run's end: it waits for `Finish` while watching that the coordinator
+//! is still there.
+
+use std::time::Duration;
+
+use ravnest_runtime::tcp::TcpTransport;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::tap::Tap;
+use super::{Options, RunError, coordinator_of};
+
+/// Wait for `Finish`; a lost coordinator is an error that names it and suggests why.
+pub(super) async fn wait_for_finish(
+    opts: &Options,
+    net: &Tap,
+    tcp: &TcpTransport,
+) -> Result<(), RunError> {
+    let Err(why) = watch_coordinator(opts, &net.finish, &net.heard, net.t0).await else {
+        return Ok(());
+    };
+    let s = &opts.scenario;
+    let c = &s.cluster.nodes[coordinator_of(s).index()];
+    let help = if tcp
+        .log_lines()
+        .iter()
+        .any(|l| l.contains("wrong cluster secret"))
+    {
+        "\n  help: its port answered with another cluster secret: check RAVNEST_SECRET or `[cluster] secret`; another cluster's node may own that port"
+    } else if why.starts_with("no word") {
+        "\n  help: is it started, and is its port reachable from here? (wait longer with `[run] register_timeout_s` or --wait SECS)"
+    } else {
+        ""
+    };
+    Err(RunError::CoordinatorLost(format!(
+        "{why}: coordinator `{}` at {}; training cannot go on without it{help}",
+        c.name,
+        c.address.as_deref().unwrap_or("?"),
+    )))
+}
+
+/// A worker waits for `Finish`, watching that the coordinator is there: it must be heard from
+/// within the registration window, and then at least every few heartbeat timeouts (its
+/// process sends heartbeats to every node). A closed connection alone is not a loss: peers
+/// reconnect.
+async fn watch_coordinator(
+    opts: &Options,
+    finish: &Notify,
+    heard: &std::sync::atomic::AtomicU64,
+    t0: Instant,
+) -> Result<(), String> {
+    let s = &opts.scenario;
+    let silence_ms = (3 * s.run.heartbeat_timeout_ms).max(1000);
+    let period = s.run.heartbeat_ms.max(10);
+    let mut tick = tokio::time::interval(Duration::from_millis(period));
+    // Time this process spent not running (frozen, swapped out) is nobody's silence: the
+    // last word, as counted, moves later by such a stall.
+    let mut last_tick = 0u64;
+    let mut counted_from = 0u64;
+    loop {
+        tokio::select! {
+            biased;
+            _ = finish.notified() => return Ok(()),
+            _ = tick.tick() => {}
+        }
+        let now = t0.elapsed().as_millis() as u64;
+        let gap = now.saturating_sub(last_tick);
+        last_tick = now;
+        match heard.load(std::sync::atomic::Ordering::Relaxed) {
+            u64::MAX if now > opts.register_timeout.as_millis() as u64 => {
+                return Err(format!(
+                    "no word from the coordinator within {} s",
+                    opts.register_timeout.as_secs()
+                ));
+            }
+            u64::MAX => {}
+            last => {
+                counted_from = counted_from.max(last);
+                if gap > (silence_ms / 3).max(4 * period) {
+                    counted_from = (counted_from + gap).min(now);
+                }
+                let silent = now.saturating_sub(counted_from);
+                if silent > silence_ms {
+                    return Err(format!(
+                        "lost the coordinator: silent for {:.1} s",
+                        silent as f64 / 1e3
+                    ));
+                }
+            }
+        }
+    }
+}
