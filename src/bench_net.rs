@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 use ravnest_core::NodeId;
-use ravnest_core::collective::{CollId, CollMsg};
-use ravnest_core::ring::{RingEffect, RingInput, RingMember};
+use ravnest_core::collective::{CollEffect, CollId, CollInput};
+use ravnest_core::ring::RingMember;
 use ravnest_runtime::tcp::LoopbackCluster;
 use ravnest_runtime::{Addr, Envelope, Transport};
 use tokio::sync::mpsc;
@@ -54,32 +54,28 @@ async fn one_round(net: &LoopbackCluster, n: usize, len: usize, epoch: u64) -> R
         let net = net.clone();
         tasks.push(tokio::spawn(async move {
             let me = Addr::Node(NodeId(r as u32));
-            let next = Addr::Node(NodeId(((r + 1) % n) as u32));
             let mut m = RingMember::new(CollId::epoch(epoch), r, n, len);
-            let mut effects = m.handle(RingInput::Start(input));
+            let mut effects = m.handle(CollInput::Start(input));
             loop {
                 for e in effects {
                     match e {
-                        RingEffect::Send(chunk) => {
-                            let bytes = 4 * chunk.data.len() as u64;
+                        CollEffect::Send { to, msg } => {
+                            let bytes = 4 * msg.data().len() as u64;
                             let _ = net.send(
                                 me,
-                                next,
+                                Addr::Node(NodeId(to as u32)),
                                 Envelope::Coll {
-                                    msg: CollMsg::Chunk(chunk),
+                                    msg,
                                     virtual_bytes: bytes,
                                 },
                             );
                         }
-                        RingEffect::Done(sum) => return Ok(sum[len / 2]),
-                        RingEffect::Aborted => bail!("aborted"),
+                        CollEffect::Done(sum) => return Ok(sum[len / 2]),
+                        CollEffect::Aborted => bail!("aborted"),
                     }
                 }
                 match rx.recv().await {
-                    Some(Envelope::Coll {
-                        msg: CollMsg::Chunk(chunk),
-                        ..
-                    }) => effects = m.handle(RingInput::Chunk(chunk)),
+                    Some(Envelope::Coll { msg, .. }) => effects = m.handle(CollInput::Msg(msg)),
                     Some(_) => effects = Vec::new(),
                     None => bail!("inbox closed"),
                 }

@@ -8,115 +8,18 @@
 //! or report the sum (or the abort). The driver never needs to know which algorithm runs, so one
 //! actor serves all three, and many members (the buckets of a step, the next step's first
 //! buckets) can run side by side, told apart by their ids.
+//!
+//! The three algorithms take these same inputs and return these same effects themselves (each
+//! works out its destination ranks), so a [`Member`] only chooses which one runs and passes
+//! inputs through.
 
-use serde::{Deserialize, Serialize};
-
+pub use crate::coll_types::{CollEffect, CollId, CollInput, CollMsg};
 use crate::planner::sync::Collective;
-use crate::ps::{PsEffect, PsInput, PsMember};
-use crate::ring::{RingChunk, RingEffect, RingInput, RingMember};
-use crate::ring2d::{Ring2dEffect, Ring2dInput, Ring2dMember};
+use crate::ps::PsMember;
+use crate::ring::RingMember;
+use crate::ring2d::Ring2dMember;
 
-/// Names one collective: which plan epoch, which training step, which gradient bucket.
-/// Messages of one collective never feed another.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
-)]
-pub struct CollId {
-    /// Plan epoch (bumped whenever the cluster's assignment changes).
-    pub epoch: u64,
-    /// Training step.
-    pub step: u64,
-    /// Gradient bucket within the step (0 for a single-bucket collective).
-    pub bucket: u32,
-}
-
-impl CollId {
-    /// The single collective of an epoch (step 0, bucket 0): for tests and one-shot rounds.
-    pub fn epoch(epoch: u64) -> CollId {
-        CollId {
-            epoch,
-            step: 0,
-            bucket: 0,
-        }
-    }
-}
-
-/// What travels between members.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum CollMsg {
-    /// A ring piece (flat or two-level); it carries its collective's id.
-    Chunk(RingChunk),
-    /// (Parameter server) a worker's contribution, to the server.
-    Push {
-        /// Collective.
-        id: CollId,
-        /// The worker's rank.
-        rank: u32,
-        /// Contribution.
-        data: Vec<f32>,
-    },
-    /// (Parameter server) the sum, from the server.
-    Pull {
-        /// Collective.
-        id: CollId,
-        /// The sum.
-        data: Vec<f32>,
-    },
-}
-
-impl CollMsg {
-    /// The collective this message belongs to.
-    pub fn id(&self) -> CollId {
-        match self {
-            CollMsg::Chunk(c) => c.id,
-            CollMsg::Push { id, .. } | CollMsg::Pull { id, .. } => *id,
-        }
-    }
-
-    /// The values it carries.
-    pub fn data(&self) -> &[f32] {
-        match self {
-            CollMsg::Chunk(c) => &c.data,
-            CollMsg::Push { data, .. } | CollMsg::Pull { data, .. } => data,
-        }
-    }
-
-    /// Where its values live (the wire moves them out instead of copying).
-    pub fn data_mut(&mut self) -> &mut Vec<f32> {
-        match self {
-            CollMsg::Chunk(c) => &mut c.data,
-            CollMsg::Push { data, .. } | CollMsg::Pull { data, .. } => data,
-        }
-    }
-}
-
-/// Inputs to a member.
-#[derive(Debug, Clone, PartialEq)]
-pub enum CollInput {
-    /// Start with this node's (already weighted) contribution.
-    Start(Vec<f32>),
-    /// A message from another member.
-    Msg(CollMsg),
-    /// A member of the group is gone: the collective cannot complete.
-    PeerLost,
-}
-
-/// What a member asks its driver to do.
-#[derive(Debug, Clone, PartialEq)]
-pub enum CollEffect {
-    /// Send `msg` to the member at rank `to` of the group.
-    Send {
-        /// Destination rank (position in the group's order).
-        to: usize,
-        /// The message.
-        msg: CollMsg,
-    },
-    /// Finished: every member ends with the same sum.
-    Done(Vec<f32>),
-    /// Abandoned (a peer was lost).
-    Aborted,
-}
-
+/// The algorithm a [`Member`] runs.
 #[derive(Debug, Clone)]
 enum Algo {
     Ring(RingMember),
@@ -128,7 +31,6 @@ enum Algo {
 #[derive(Debug, Clone)]
 pub struct Member {
     id: CollId,
-    rank: usize,
     n: usize,
     algo: Algo,
 }
@@ -150,10 +52,10 @@ impl Member {
             Collective::Ring2d if group_size > 0 && n.is_multiple_of(group_size) => Algo::Ring2d(
                 Box::new(Ring2dMember::new(id, rank, n / group_size, group_size, len)),
             ),
-            Collective::ParamServer => Algo::Ps(PsMember::new(rank, n, len)),
+            Collective::ParamServer => Algo::Ps(PsMember::new(id, rank, n, len)),
             _ => Algo::Ring(RingMember::new(id, rank, n, len)),
         };
-        Member { id, rank, n, algo }
+        Member { id, n, algo }
     }
 
     /// Its collective.
@@ -164,90 +66,10 @@ impl Member {
     /// Feed one input; returns the effects in order. Messages of another collective, and
     /// malformed ones, change nothing and return nothing.
     pub fn handle(&mut self, input: CollInput) -> Vec<CollEffect> {
-        if let CollInput::Msg(m) = &input
-            && m.id() != self.id
-        {
-            return vec![];
-        }
-        let (id, rank, n) = (self.id, self.rank, self.n);
         match &mut self.algo {
-            Algo::Ring(m) => {
-                let input = match input {
-                    CollInput::Start(v) => RingInput::Start(v),
-                    CollInput::Msg(CollMsg::Chunk(c)) => RingInput::Chunk(c),
-                    CollInput::Msg(_) => return vec![],
-                    CollInput::PeerLost => RingInput::PeerLost,
-                };
-                m.handle(input)
-                    .into_iter()
-                    .map(|e| match e {
-                        RingEffect::Send(c) => CollEffect::Send {
-                            to: (rank + 1) % n,
-                            msg: CollMsg::Chunk(c),
-                        },
-                        RingEffect::Done(v) => CollEffect::Done(v),
-                        RingEffect::Aborted => CollEffect::Aborted,
-                    })
-                    .collect()
-            }
-            Algo::Ring2d(m) => {
-                let input = match input {
-                    CollInput::Start(v) => Ring2dInput::Start(v),
-                    CollInput::Msg(CollMsg::Chunk(c)) => Ring2dInput::Chunk(c),
-                    CollInput::Msg(_) => return vec![],
-                    CollInput::PeerLost => Ring2dInput::PeerLost,
-                };
-                m.handle(input)
-                    .into_iter()
-                    .map(|e| match e {
-                        Ring2dEffect::Send { to, chunk } => CollEffect::Send {
-                            to,
-                            msg: CollMsg::Chunk(chunk),
-                        },
-                        Ring2dEffect::Done(v) => CollEffect::Done(v),
-                        Ring2dEffect::Aborted => CollEffect::Aborted,
-                    })
-                    .collect()
-            }
-            Algo::Ps(m) => {
-                let input = match input {
-                    CollInput::Start(v) => PsInput::Start(v),
-                    CollInput::Msg(CollMsg::Push { rank, data, .. }) => PsInput::FromWorker {
-                        rank: rank as usize,
-                        data,
-                    },
-                    CollInput::Msg(CollMsg::Pull { data, .. }) => PsInput::FromServer(data),
-                    CollInput::Msg(CollMsg::Chunk(_)) => return vec![],
-                    CollInput::PeerLost => PsInput::PeerLost,
-                };
-                let mut out = Vec::new();
-                for e in m.handle(input) {
-                    match e {
-                        PsEffect::Push(data) => out.push(CollEffect::Send {
-                            to: 0,
-                            msg: CollMsg::Push {
-                                id,
-                                rank: rank as u32,
-                                data,
-                            },
-                        }),
-                        PsEffect::Broadcast(data) => {
-                            for to in 1..n {
-                                out.push(CollEffect::Send {
-                                    to,
-                                    msg: CollMsg::Pull {
-                                        id,
-                                        data: data.clone(),
-                                    },
-                                });
-                            }
-                        }
-                        PsEffect::Done(v) => out.push(CollEffect::Done(v)),
-                        PsEffect::Aborted => out.push(CollEffect::Aborted),
-                    }
-                }
-                out
-            }
+            Algo::Ring(m) => m.handle(input),
+            Algo::Ring2d(m) => m.handle(input),
+            Algo::Ps(m) => m.handle(input),
         }
     }
 

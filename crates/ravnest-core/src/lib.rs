@@ -8,6 +8,7 @@
 
 pub mod checkpoint;
 pub mod cluster;
+mod coll_types;
 pub mod collective;
 pub mod config;
 pub mod cost;

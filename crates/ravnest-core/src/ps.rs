@@ -1,43 +1,16 @@
 //! Parameter-server averaging as a pure state machine: rank 0 is the server; every other rank
 //! pushes its (weighted) contribution to it, the server sums all of them in rank order and
-//! sends the sum back. Same shape as [`crate::ring::RingMember`]: inputs in, effects out.
+//! sends the sum back. Same shape as [`crate::ring::RingMember`]: [`CollInput`]s in,
+//! [`CollEffect`]s out.
 
 use std::collections::BTreeMap;
 
-/// Inputs to a parameter-server member.
-#[derive(Debug, Clone, PartialEq)]
-pub enum PsInput {
-    /// Start with this node's contribution.
-    Start(Vec<f32>),
-    /// (Server only) a worker's contribution.
-    FromWorker {
-        /// The worker's rank (1..n).
-        rank: usize,
-        /// Its contribution.
-        data: Vec<f32>,
-    },
-    /// (Workers only) the sum from the server.
-    FromServer(Vec<f32>),
-    /// A member is gone.
-    PeerLost,
-}
-
-/// Effects a member asks for.
-#[derive(Debug, Clone, PartialEq)]
-pub enum PsEffect {
-    /// (Worker) send my contribution to the server.
-    Push(Vec<f32>),
-    /// (Server) send the sum to every worker.
-    Broadcast(Vec<f32>),
-    /// Finished with the sum.
-    Done(Vec<f32>),
-    /// Abandoned.
-    Aborted,
-}
+use crate::coll_types::{CollEffect, CollId, CollInput, CollMsg};
 
 /// One node's side of one parameter-server round.
 #[derive(Debug, Clone)]
 pub struct PsMember {
+    id: CollId,
     rank: usize,
     n: usize,
     len: usize,
@@ -48,10 +21,12 @@ pub struct PsMember {
 }
 
 impl PsMember {
-    /// Member `rank` of `n` (rank 0 is the server) over vectors of `len` elements.
-    pub fn new(rank: usize, n: usize, len: usize) -> Self {
+    /// Member `rank` of `n` (rank 0 is the server) of collective `id`, over vectors of `len`
+    /// elements.
+    pub fn new(id: CollId, rank: usize, n: usize, len: usize) -> Self {
         assert!(rank < n, "rank {rank} outside a group of {n}");
         PsMember {
+            id,
             rank,
             n,
             len,
@@ -61,50 +36,62 @@ impl PsMember {
         }
     }
 
-    /// Feed one input. Malformed inputs (wrong length, wrong role, duplicates) change nothing.
-    pub fn handle(&mut self, input: PsInput) -> Vec<PsEffect> {
+    /// Feed one input; returns the effects in order: a worker pushes its contribution to rank
+    /// 0, the server sends the sum to ranks 1..n in rank order, then finishes. Messages of
+    /// another collective, ring chunks, and malformed inputs (wrong length, wrong role,
+    /// duplicates) change nothing and return nothing.
+    pub fn handle(&mut self, input: CollInput) -> Vec<CollEffect> {
         if self.finished {
             return vec![];
         }
         match input {
-            PsInput::PeerLost => {
+            CollInput::PeerLost => {
                 self.finished = true;
-                vec![PsEffect::Aborted]
+                vec![CollEffect::Aborted]
             }
-            PsInput::Start(v) if !self.started && v.len() == self.len => {
+            CollInput::Start(v) if !self.started && v.len() == self.len => {
                 self.started = true;
                 if self.rank == 0 {
                     self.got.insert(0, v);
                     self.try_finish()
                 } else {
-                    vec![PsEffect::Push(v)]
+                    vec![CollEffect::Send {
+                        to: 0,
+                        msg: CollMsg::Push {
+                            id: self.id,
+                            rank: self.rank as u32,
+                            data: v,
+                        },
+                    }]
                 }
             }
-            PsInput::FromWorker { rank, data }
-                if self.rank == 0
+            CollInput::Msg(CollMsg::Push { id, rank, data })
+                if id == self.id
+                    && self.rank == 0
                     && rank > 0
-                    && rank < self.n
+                    && (rank as usize) < self.n
                     && data.len() == self.len
-                    && !self.got.contains_key(&rank) =>
+                    && !self.got.contains_key(&(rank as usize)) =>
             {
-                self.got.insert(rank, data);
+                self.got.insert(rank as usize, data);
                 if self.started {
                     self.try_finish()
                 } else {
                     vec![]
                 }
             }
-            PsInput::FromServer(data)
-                if self.rank > 0 && self.started && data.len() == self.len =>
+            CollInput::Msg(CollMsg::Pull { id, data })
+                if id == self.id && self.rank > 0 && self.started && data.len() == self.len =>
             {
                 self.finished = true;
-                vec![PsEffect::Done(data)]
+                vec![CollEffect::Done(data)]
             }
             _ => vec![],
         }
     }
 
-    fn try_finish(&mut self) -> Vec<PsEffect> {
+    /// (Server) once every contribution is in: the sum to each worker, then done.
+    fn try_finish(&mut self) -> Vec<CollEffect> {
         if self.got.len() < self.n {
             return vec![];
         }
@@ -116,11 +103,17 @@ impl PsMember {
         }
         self.finished = true;
         self.got.clear();
-        if self.n > 1 {
-            vec![PsEffect::Broadcast(sum.clone()), PsEffect::Done(sum)]
-        } else {
-            vec![PsEffect::Done(sum)]
-        }
+        let mut out: Vec<CollEffect> = (1..self.n)
+            .map(|to| CollEffect::Send {
+                to,
+                msg: CollMsg::Pull {
+                    id: self.id,
+                    data: sum.clone(),
+                },
+            })
+            .collect();
+        out.push(CollEffect::Done(sum));
+        out
     }
 }
 
@@ -135,8 +128,9 @@ mod tests {
         fn ps_round_equals_the_sum(n in 1usize..7, vals in prop::collection::vec(-50i32..50, 7 * 5), order in prop::collection::vec(0usize..100, 0..40)) {
             let len = 5;
             let vs: Vec<Vec<f32>> = (0..n).map(|r| (0..len).map(|j| vals[r * len + j] as f32 / 4.0).collect()).collect();
-            let mut m: Vec<PsMember> = (0..n).map(|r| PsMember::new(r, n, len)).collect();
-            let mut to_server: Vec<(usize, Vec<f32>)> = vec![];
+            let id = CollId::epoch(2);
+            let mut m: Vec<PsMember> = (0..n).map(|r| PsMember::new(id, r, n, len)).collect();
+            let mut to_server: Vec<CollMsg> = vec![];
             let mut starts: Vec<usize> = (0..n).collect();
             let mut done: Vec<Option<Vec<f32>>> = vec![None; n];
             let mut k = 0;
@@ -149,23 +143,21 @@ mod tests {
                 k += 1;
                 let (rank, effects) = if c == 0 {
                     let r = starts.remove(order.get(k).copied().unwrap_or(0) % starts.len());
-                    (r, m[r].handle(PsInput::Start(vs[r].clone())))
+                    (r, m[r].handle(CollInput::Start(vs[r].clone())))
                 } else {
-                    let (r, d) = to_server.remove(0);
-                    (0, m[0].handle(PsInput::FromWorker { rank: r, data: d }))
+                    let msg = to_server.remove(0);
+                    (0, m[0].handle(CollInput::Msg(msg)))
                 };
                 for e in effects {
                     match e {
-                        PsEffect::Push(d) => to_server.push((rank, d)),
-                        PsEffect::Broadcast(d) => {
-                            for (w, mw) in m.iter_mut().enumerate().skip(1) {
-                                for e in mw.handle(PsInput::FromServer(d.clone())) {
-                                    if let PsEffect::Done(x) = e { done[w] = Some(x); }
-                                }
+                        CollEffect::Send { to: 0, msg } => to_server.push(msg),
+                        CollEffect::Send { to, msg } => {
+                            for e in m[to].handle(CollInput::Msg(msg)) {
+                                if let CollEffect::Done(x) = e { done[to] = Some(x); }
                             }
                         }
-                        PsEffect::Done(d) => done[rank] = Some(d),
-                        PsEffect::Aborted => {}
+                        CollEffect::Done(d) => done[rank] = Some(d),
+                        CollEffect::Aborted => {}
                     }
                 }
             }
@@ -179,33 +171,69 @@ mod tests {
 
     #[test]
     fn malformed_inputs_change_nothing() {
-        let mut s = PsMember::new(0, 3, 2);
+        let id = CollId::epoch(1);
+        let mut s = PsMember::new(id, 0, 3, 2);
         assert!(
-            s.handle(PsInput::FromWorker {
+            s.handle(CollInput::Msg(CollMsg::Push {
+                id,
                 rank: 0,
                 data: vec![1.0; 2]
-            })
+            }))
             .is_empty()
         );
         assert!(
-            s.handle(PsInput::FromWorker {
+            s.handle(CollInput::Msg(CollMsg::Push {
+                id,
                 rank: 5,
                 data: vec![1.0; 2]
-            })
+            }))
             .is_empty()
         );
         assert!(
-            s.handle(PsInput::FromWorker {
+            s.handle(CollInput::Msg(CollMsg::Push {
+                id,
                 rank: 1,
                 data: vec![1.0; 3]
-            })
+            }))
             .is_empty()
         );
-        assert!(s.handle(PsInput::FromServer(vec![0.0; 2])).is_empty());
-        let mut w = PsMember::new(1, 3, 2);
         assert!(
-            w.handle(PsInput::FromServer(vec![0.0; 2])).is_empty(),
+            s.handle(CollInput::Msg(CollMsg::Pull {
+                id,
+                data: vec![0.0; 2]
+            }))
+            .is_empty()
+        );
+        let mut w = PsMember::new(id, 1, 3, 2);
+        assert!(
+            w.handle(CollInput::Msg(CollMsg::Pull {
+                id,
+                data: vec![0.0; 2]
+            }))
+            .is_empty(),
             "not started"
         );
+    }
+
+    #[test]
+    fn messages_of_another_collective_are_ignored() {
+        let mut s = PsMember::new(CollId::epoch(1), 0, 2, 2);
+        let stale = CollMsg::Push {
+            id: CollId::epoch(0),
+            rank: 1,
+            data: vec![1.0; 2],
+        };
+        assert!(s.handle(CollInput::Msg(stale)).is_empty());
+        assert!(
+            s.handle(CollInput::Start(vec![1.0; 2])).is_empty(),
+            "the stale push must not count"
+        );
+        let mut w = PsMember::new(CollId::epoch(1), 1, 2, 2);
+        assert_eq!(w.handle(CollInput::Start(vec![1.0; 2])).len(), 1);
+        let stale = CollMsg::Pull {
+            id: CollId::epoch(0),
+            data: vec![2.0; 2],
+        };
+        assert!(w.handle(CollInput::Msg(stale)).is_empty());
     }
 }

@@ -1,11 +1,11 @@
 //! Ring all-reduce as a pure state machine: reduce-scatter, then all-gather, pipelined.
 //!
 //! [`schedule`] is index arithmetic only (which chunk goes where at which step). [`RingMember`]
-//! is one node's side of one collective: feed it [`RingInput`]s, send the [`RingEffect::Send`]s
-//! it returns to the next node in the ring, and it ends with [`RingEffect::Done`] holding the
-//! sum. It does no I/O and keeps no clock, so the simulator and the TCP runtime drive the same
-//! code, and the property test below drives it under arbitrary (per-link FIFO) interleavings
-//! against a plain sum.
+//! is one node's side of one collective: feed it [`CollInput`]s, carry out the
+//! [`CollEffect::Send`]s it returns (each to the next rank in the ring), and it ends with
+//! [`CollEffect::Done`] holding the sum. It does no I/O and keeps no clock, so the simulator
+//! and the TCP runtime drive the same code, and the property test below drives it under
+//! arbitrary (per-link FIFO) interleavings against a plain sum.
 //!
 //! Each of the n chunks is cut into `segments` equal pieces that travel as separate messages,
 //! and each piece moves on through the 2(n − 1) steps as soon as it has arrived: the chunk a
@@ -22,18 +22,8 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-pub use crate::collective::CollId;
-
-/// Phase of the algorithm.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
-)]
-pub enum Phase {
-    /// Each rank accumulates one chunk's sum.
-    ReduceScatter,
-    /// Each rank forwards the finished chunks.
-    AllGather,
-}
+use crate::coll_types::{CollEffect, CollInput, CollMsg};
+pub use crate::coll_types::{CollId, Phase, RingChunk};
 
 /// The element range of chunk `c` when `len` elements are split into `n` chunks.
 pub fn chunk_range(len: usize, n: usize, c: usize) -> Range<usize> {
@@ -82,47 +72,6 @@ pub enum RingMode {
     ReduceScatter,
     /// All-gather only: rank r starts owning chunk (r + 1) mod n and ends with every chunk.
     AllGather,
-}
-
-/// A piece of a chunk travelling to the next rank.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct RingChunk {
-    /// Collective this chunk belongs to.
-    pub id: CollId,
-    /// Which ring of a composed collective it belongs to (0 for a flat ring).
-    pub level: u8,
-    /// Phase.
-    pub phase: Phase,
-    /// Step within the phase.
-    pub step: usize,
-    /// Chunk index.
-    pub chunk: usize,
-    /// Segment of the chunk.
-    pub seg: u32,
-    /// The values.
-    pub data: Vec<f32>,
-}
-
-/// Inputs to a ring member.
-#[derive(Debug, Clone, PartialEq)]
-pub enum RingInput {
-    /// Start with this node's (already weighted) contribution.
-    Start(Vec<f32>),
-    /// A chunk from the previous rank.
-    Chunk(RingChunk),
-    /// A member of the ring is gone: the collective cannot complete.
-    PeerLost,
-}
-
-/// What a member asks its driver to do.
-#[derive(Debug, Clone, PartialEq)]
-pub enum RingEffect {
-    /// Send this chunk to the next rank.
-    Send(RingChunk),
-    /// The collective finished: every rank ends with the same sum.
-    Done(Vec<f32>),
-    /// The collective was abandoned; the caller keeps its own contribution.
-    Aborted,
 }
 
 /// Where a member is.
@@ -225,44 +174,50 @@ impl RingMember {
         }
     }
 
-    fn send(&self, u: usize, seg: usize) -> RingEffect {
+    /// Send segment `seg` of overall step `u` to the next rank.
+    fn send(&self, u: usize, seg: usize) -> CollEffect {
         let (phase, step) = self.phase_step(u);
         let (c, _) = schedule(phase, step, self.rank, self.n);
         let range = segment_range(self.len, self.n, c, self.segments, seg);
-        RingEffect::Send(RingChunk {
-            id: self.id,
-            level: self.level,
-            phase,
-            step,
-            chunk: c,
-            seg: seg as u32,
-            data: self.buf[range].to_vec(),
-        })
+        CollEffect::Send {
+            to: (self.rank + 1) % self.n,
+            msg: CollMsg::Chunk(RingChunk {
+                id: self.id,
+                level: self.level,
+                phase,
+                step,
+                chunk: c,
+                seg: seg as u32,
+                data: self.buf[range].to_vec(),
+            }),
+        }
     }
 
-    /// Feed one input; returns the effects in order. A malformed input (wrong length, chunk
-    /// index not the scheduled one) leaves the member unchanged and returns nothing.
-    pub fn handle(&mut self, input: RingInput) -> Vec<RingEffect> {
+    /// Feed one input; returns the effects in order, each send addressed to the next rank
+    /// (`to` is a rank of this ring). A malformed input (wrong length, chunk index not the
+    /// scheduled one, a chunk of another collective or ring level) and a message that is not
+    /// a chunk leave the member unchanged and return nothing.
+    pub fn handle(&mut self, input: CollInput) -> Vec<CollEffect> {
         match input {
-            RingInput::PeerLost => {
+            CollInput::PeerLost => {
                 if self.state == State::Finished {
                     return vec![];
                 }
                 self.state = State::Finished;
                 self.early.clear();
-                vec![RingEffect::Aborted]
+                vec![CollEffect::Aborted]
             }
-            RingInput::Start(v) => {
+            CollInput::Start(v) => {
                 if self.state != State::Waiting || v.len() != self.len {
                     return vec![];
                 }
                 self.buf = v;
                 if self.first == self.end {
                     self.state = State::Finished;
-                    return vec![RingEffect::Done(std::mem::take(&mut self.buf))];
+                    return vec![CollEffect::Done(std::mem::take(&mut self.buf))];
                 }
                 self.state = State::Running;
-                let mut out: Vec<RingEffect> = (0..self.segments)
+                let mut out: Vec<CollEffect> = (0..self.segments)
                     .map(|j| self.send(self.first, j))
                     .collect();
                 for j in 0..self.segments {
@@ -270,7 +225,7 @@ impl RingMember {
                 }
                 out
             }
-            RingInput::Chunk(c) => {
+            CollInput::Msg(CollMsg::Chunk(c)) => {
                 let seg = c.seg as usize;
                 if c.id != self.id
                     || c.level != self.level
@@ -300,11 +255,12 @@ impl RingMember {
                 }
                 out
             }
+            CollInput::Msg(_) => vec![],
         }
     }
 
     /// Apply every piece of segment `seg` that is now due, in step order.
-    fn drain(&mut self, seg: usize, out: &mut Vec<RingEffect>) {
+    fn drain(&mut self, seg: usize, out: &mut Vec<CollEffect>) {
         while self.state == State::Running {
             let u = self.next[seg];
             let Some(c) = self.early.remove(&(seg, u)) else {
@@ -326,7 +282,7 @@ impl RingMember {
                 self.finished_segments += 1;
                 if self.finished_segments == self.segments {
                     self.state = State::Finished;
-                    out.push(RingEffect::Done(std::mem::take(&mut self.buf)));
+                    out.push(CollEffect::Done(std::mem::take(&mut self.buf)));
                 }
             }
         }
@@ -359,8 +315,8 @@ mod tests {
         loop {
             if lose_at == Some(events) {
                 for (r, m) in members.iter_mut().enumerate() {
-                    for e in m.handle(RingInput::PeerLost) {
-                        assert_eq!(e, RingEffect::Aborted, "rank {r}");
+                    for e in m.handle(CollInput::PeerLost) {
+                        assert_eq!(e, CollEffect::Aborted, "rank {r}");
                     }
                 }
             }
@@ -375,17 +331,23 @@ mod tests {
             let (rank, effects) = if pick >= n {
                 let r = pick - n;
                 started[r] = true;
-                (r, members[r].handle(RingInput::Start(vectors[r].clone())))
+                (r, members[r].handle(CollInput::Start(vectors[r].clone())))
             } else {
                 let c = links[pick].pop_front().unwrap();
                 let to = (pick + 1) % n;
-                (to, members[to].handle(RingInput::Chunk(c)))
+                (to, members[to].handle(CollInput::Msg(CollMsg::Chunk(c))))
             };
             for e in effects {
                 match e {
-                    RingEffect::Send(c) => links[rank].push_back(c),
-                    RingEffect::Done(v) => result[rank] = Some(v),
-                    RingEffect::Aborted => {}
+                    CollEffect::Send { to, msg } => {
+                        assert_eq!(to, (rank + 1) % n, "a ring sends to the next rank");
+                        let CollMsg::Chunk(c) = msg else {
+                            panic!("a ring sends chunks")
+                        };
+                        links[rank].push_back(c)
+                    }
+                    CollEffect::Done(v) => result[rank] = Some(v),
+                    CollEffect::Aborted => {}
                 }
             }
         }
@@ -459,23 +421,40 @@ mod tests {
         };
         let mut m = RingMember::new(CollId::epoch(3), 0, 3, 6);
         let stale = chunk(2, 0, Phase::ReduceScatter, 0, 2, 2);
-        assert!(m.handle(RingInput::Chunk(stale)).is_empty());
+        assert!(m.handle(CollInput::Msg(CollMsg::Chunk(stale))).is_empty());
         let wrong_len = chunk(3, 0, Phase::ReduceScatter, 0, 2, 5);
-        assert!(m.handle(RingInput::Chunk(wrong_len)).is_empty());
-        let wrong_step = chunk(3, 0, Phase::AllGather, 9, 0, 0);
-        assert!(m.handle(RingInput::Chunk(wrong_step)).is_empty());
-        let wrong_level = chunk(3, 2, Phase::ReduceScatter, 0, 2, 2);
-        assert!(m.handle(RingInput::Chunk(wrong_level)).is_empty());
         assert!(
-            m.handle(RingInput::Start(vec![0.0; 5])).is_empty(),
+            m.handle(CollInput::Msg(CollMsg::Chunk(wrong_len)))
+                .is_empty()
+        );
+        let wrong_step = chunk(3, 0, Phase::AllGather, 9, 0, 0);
+        assert!(
+            m.handle(CollInput::Msg(CollMsg::Chunk(wrong_step)))
+                .is_empty()
+        );
+        let wrong_level = chunk(3, 2, Phase::ReduceScatter, 0, 2, 2);
+        assert!(
+            m.handle(CollInput::Msg(CollMsg::Chunk(wrong_level)))
+                .is_empty()
+        );
+        let not_a_chunk = CollMsg::Pull {
+            id: CollId::epoch(3),
+            data: vec![1.0; 6],
+        };
+        assert!(m.handle(CollInput::Msg(not_a_chunk)).is_empty());
+        assert!(
+            m.handle(CollInput::Start(vec![0.0; 5])).is_empty(),
             "wrong length start"
         );
-        assert_eq!(m.handle(RingInput::Start(vec![0.0; 6])).len(), 1);
+        assert_eq!(m.handle(CollInput::Start(vec![0.0; 6])).len(), 1);
         let wrong_seg = RingChunk {
             seg: 1,
             ..chunk(3, 0, Phase::ReduceScatter, 0, 2, 2)
         };
-        assert!(m.handle(RingInput::Chunk(wrong_seg)).is_empty());
+        assert!(
+            m.handle(CollInput::Msg(CollMsg::Chunk(wrong_seg)))
+                .is_empty()
+        );
     }
 
     #[test]
@@ -505,17 +484,24 @@ mod tests {
     fn pieces_move_on_one_at_a_time() {
         let mut a = RingMember::new(CollId::epoch(1), 0, 2, 16).with_segments(4);
         let mut b = RingMember::new(CollId::epoch(1), 1, 2, 16).with_segments(4);
-        let sent_a = a.handle(RingInput::Start(vec![1.0; 16]));
+        let sent_a = a.handle(CollInput::Start(vec![1.0; 16]));
         assert_eq!(sent_a.len(), 4);
-        b.handle(RingInput::Start(vec![2.0; 16]));
-        let RingEffect::Send(first) = sent_a[0].clone() else {
+        b.handle(CollInput::Start(vec![2.0; 16]));
+        let CollEffect::Send {
+            msg: CollMsg::Chunk(first),
+            ..
+        } = sent_a[0].clone()
+        else {
             panic!("expected a send")
         };
         assert_eq!(first.data.len(), 2);
-        let out = b.handle(RingInput::Chunk(first));
+        let out = b.handle(CollInput::Msg(CollMsg::Chunk(first)));
         assert_eq!(out.len(), 1, "one piece in, one piece on: {out:?}");
         match &out[0] {
-            RingEffect::Send(c) => {
+            CollEffect::Send {
+                to: 0,
+                msg: CollMsg::Chunk(c),
+            } => {
                 assert_eq!((c.phase, c.seg), (Phase::AllGather, 0));
                 assert_eq!(c.data, vec![3.0; 2]);
             }

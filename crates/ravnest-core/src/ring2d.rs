@@ -4,36 +4,11 @@
 //! the nodes at the same position. (3) All-gather inside each group. Every node sends about
 //! 2·S·(1 − 1/n) bytes, as in a flat ring, but waits through 2(k − 1) + 2(g − 1) hops instead of
 //! 2(n − 1): for 1,000 nodes, 122 instead of 1,998 (NCCL's hierarchical algorithms use the same
-//! idea). Pure, like the flat ring.
+//! idea). Pure, like the flat ring, and driven the same way: [`CollInput`]s in, [`CollEffect`]s
+//! out, each send addressed to a global index of the ring order.
 
-use crate::ring::{CollId, RingChunk, RingEffect, RingInput, RingMember, RingMode, chunk_range};
-
-/// Inputs.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Ring2dInput {
-    /// Start with this node's contribution.
-    Start(Vec<f32>),
-    /// A chunk from a neighbour (its `level` says which ring).
-    Chunk(RingChunk),
-    /// A member is gone.
-    PeerLost,
-}
-
-/// Effects.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Ring2dEffect {
-    /// Send `chunk` to the node at global index `to` (position in the ring order).
-    Send {
-        /// Destination index.
-        to: usize,
-        /// The chunk.
-        chunk: RingChunk,
-    },
-    /// Finished with the sum.
-    Done(Vec<f32>),
-    /// Abandoned.
-    Aborted,
-}
+use crate::coll_types::{CollEffect, CollId, CollInput, CollMsg};
+use crate::ring::{RingMember, RingMode, chunk_range};
 
 /// One node's side of one 2D all-reduce.
 #[derive(Debug, Clone)]
@@ -88,63 +63,69 @@ impl Ring2dMember {
         self.group * self.size + p
     }
 
-    /// Feed one input.
-    pub fn handle(&mut self, input: Ring2dInput) -> Vec<Ring2dEffect> {
+    /// Feed one input; returns the effects in order, each send addressed to the node at a
+    /// global index (position in the ring order). Messages of another collective, messages
+    /// that are not chunks, and malformed ones change nothing and return nothing.
+    pub fn handle(&mut self, input: CollInput) -> Vec<CollEffect> {
         if self.finished {
             return vec![];
         }
         match input {
-            Ring2dInput::PeerLost => {
+            CollInput::PeerLost => {
                 self.finished = true;
-                vec![Ring2dEffect::Aborted]
+                vec![CollEffect::Aborted]
             }
-            Ring2dInput::Start(v) => {
+            CollInput::Start(v) => {
                 if v.len() != self.len {
                     return vec![];
                 }
-                let e = self.a.handle(RingInput::Start(v));
+                let e = self.a.handle(CollInput::Start(v));
                 self.pump(1, e)
             }
-            Ring2dInput::Chunk(c) => match c.level {
-                1 => {
-                    let e = self.a.handle(RingInput::Chunk(c));
-                    self.pump(1, e)
-                }
-                2 => {
-                    let e = self.b.handle(RingInput::Chunk(c));
-                    self.pump(2, e)
-                }
-                3 => {
-                    let e = self.c.handle(RingInput::Chunk(c));
-                    self.pump(3, e)
-                }
-                _ => vec![],
-            },
+            CollInput::Msg(CollMsg::Chunk(c)) => {
+                let level = c.level;
+                let ring = match level {
+                    1 => &mut self.a,
+                    2 => &mut self.b,
+                    3 => &mut self.c,
+                    _ => return vec![],
+                };
+                let e = ring.handle(CollInput::Msg(CollMsg::Chunk(c)));
+                self.pump(level, e)
+            }
+            CollInput::Msg(_) => vec![],
         }
     }
 
-    /// Turn a level's effects into sends, and move to the next level when one finishes.
-    fn pump(&mut self, level: u8, effects: Vec<RingEffect>) -> Vec<Ring2dEffect> {
+    /// Global index of the node that rank `to` of ring `level` names: a group-mate for the
+    /// rings inside a group (levels 1 and 3), the same position in another group for level 2.
+    fn global(&self, level: u8, to: usize) -> usize {
+        match level {
+            2 => to * self.size + self.pos,
+            _ => self.in_group(to),
+        }
+    }
+
+    /// Address a level's sends to global indices, and move to the next level when one
+    /// finishes.
+    fn pump(&mut self, level: u8, effects: Vec<CollEffect>) -> Vec<CollEffect> {
         let mut out = Vec::new();
         let mut queue = vec![(level, effects)];
         while let Some((level, effects)) = queue.pop() {
             for e in effects {
                 match e {
-                    RingEffect::Send(chunk) => {
-                        let to = match level {
-                            2 => ((self.group + 1) % self.groups) * self.size + self.pos,
-                            _ => self.in_group((self.pos + 1) % self.size),
-                        };
-                        out.push(Ring2dEffect::Send { to, chunk });
-                    }
-                    RingEffect::Done(v) => match level {
+                    CollEffect::Send { to, msg } => out.push(CollEffect::Send {
+                        to: self.global(level, to),
+                        msg,
+                    }),
+                    CollEffect::Done(v) => match level {
                         1 => {
                             // I own the group sum of chunk (pos + 1) mod size: reduce it across groups.
                             let owned =
                                 chunk_range(self.len, self.size, (self.pos + 1) % self.size);
                             let slice = v[owned].to_vec();
                             self.buf = v;
-                            let e = self.b.handle(RingInput::Start(slice));
+                            let e = self.b.handle(CollInput::Start(slice));
                             queue.push((2, e));
                         }
                         2 => {
@@ -153,17 +134,17 @@ impl Ring2dMember {
                             self.buf[owned].copy_from_slice(&v);
                             let e = self
                                 .c
-                                .handle(RingInput::Start(std::mem::take(&mut self.buf)));
+                                .handle(CollInput::Start(std::mem::take(&mut self.buf)));
                             queue.push((3, e));
                         }
                         _ => {
                             self.finished = true;
-                            out.push(Ring2dEffect::Done(v));
+                            out.push(CollEffect::Done(v));
                         }
                     },
-                    RingEffect::Aborted => {
+                    CollEffect::Aborted => {
                         self.finished = true;
-                        out.push(Ring2dEffect::Aborted);
+                        out.push(CollEffect::Aborted);
                     }
                 }
             }
@@ -210,7 +191,7 @@ mod tests {
             let n = groups * size;
             let vs: Vec<Vec<f32>> = (0..n).map(|r| (0..len).map(|j| vals[r * 13 + j] as f32 / 8.0).collect()).collect();
             let mut m: Vec<Ring2dMember> = (0..n).map(|i| Ring2dMember::new(CollId::epoch(5), i, groups, size, len)).collect();
-            let mut links: BTreeMap<(usize, usize), VecDeque<RingChunk>> = BTreeMap::new();
+            let mut links: BTreeMap<(usize, usize), VecDeque<CollMsg>> = BTreeMap::new();
             let mut started = vec![false; n];
             let mut done: Vec<Option<Vec<f32>>> = vec![None; n];
             let mut k = 0;
@@ -222,16 +203,16 @@ mod tests {
                 k += 1;
                 let (at, effects) = if pick.0 == usize::MAX {
                     started[pick.1] = true;
-                    (pick.1, m[pick.1].handle(Ring2dInput::Start(vs[pick.1].clone())))
+                    (pick.1, m[pick.1].handle(CollInput::Start(vs[pick.1].clone())))
                 } else {
                     let c = links.get_mut(&pick).unwrap().pop_front().unwrap();
-                    (pick.1, m[pick.1].handle(Ring2dInput::Chunk(c)))
+                    (pick.1, m[pick.1].handle(CollInput::Msg(c)))
                 };
                 for e in effects {
                     match e {
-                        Ring2dEffect::Send { to, chunk } => links.entry((at, to)).or_default().push_back(chunk),
-                        Ring2dEffect::Done(v) => done[at] = Some(v),
-                        Ring2dEffect::Aborted => {}
+                        CollEffect::Send { to, msg } => links.entry((at, to)).or_default().push_back(msg),
+                        CollEffect::Done(v) => done[at] = Some(v),
+                        CollEffect::Aborted => {}
                     }
                 }
             }
