@@ -7,7 +7,7 @@ use crate::device::GIB;
 
 use super::layers::Bounds;
 use super::sync::{SyncFreedom, SyncPlan, choose_sync};
-use super::{Layout, NodePlan, Plan, PlannerKind, Role, StepPrediction};
+use super::types::{Layout, NodePlan, Plan, PlannerKind, Role, StepPrediction};
 
 // ---------------------------------------------------------------------------------------------
 // Candidate layouts and their evaluation.

@@ -5,10 +5,11 @@ use crate::cluster::{ClusterSpec, NodeId};
 use crate::cost::Costs;
 use crate::device::GIB;
 
+use super::batch;
 use super::eval::{Candidate, NoFit, Rejected, evaluate, keep_best, search_into};
 use super::layers::{self, Bounds};
 use super::sync::SyncFreedom;
-use super::{EXHAUSTIVE_MAX_SPLITS, Plan, PlanError, PlanOptions, PlannerKind, batch};
+use super::types::{EXHAUSTIVE_MAX_SPLITS, Plan, PlanError, PlanOptions, PlannerKind};
 
 // ---------------------------------------------------------------------------------------------
 // Data-parallel splits.

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use proptest::prelude::*;
 
 use super::*;
-use crate::cluster::{Link, NodeSpec, SyncPreference};
+use crate::cluster::{Link, NodeId, NodeSpec, SyncPreference};
 use crate::model::{LayerSpec, Optimizer, Precision};
 
 #[derive(Debug, Clone)]

@@ -7,78 +7,15 @@ use std::sync::Arc;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use ravnest_core::NodeId;
 
-use super::step::{Pipe, Running};
-use super::versions::{Version, Versions};
-use super::{NodeActor, ProbeWaiters, Start, spawn_link_probes};
-use crate::collective::{CollectiveActor, CollectiveMsg, Group, Outcome};
+use super::state::{Fetch, NodeMsg, NodeState};
+use super::versions::Version;
+use super::{NodeActor, Start, spawn_link_probes};
+use crate::collective::{CollectiveActor, CollectiveMsg};
 use crate::msg::{Addr, Envelope, Work};
 use crate::seams::{Compute, Transport};
 
-/// Messages a node actor handles.
-#[derive(Debug)]
-pub enum NodeMsg {
-    /// An envelope from the network.
-    Net(Addr, Envelope),
-    /// The node's collective actor finished (or abandoned) a collective.
-    Collective(Outcome),
-    /// Go on with the next step (sent to itself after each step, so that messages that came
-    /// in meanwhile, a halt or a new epoch, are seen first).
-    Advance,
-}
-
-/// An activation or gradient that arrived before its step started here.
-#[derive(Debug)]
-pub(super) struct EarlyInput {
-    pub epoch: u64,
-    pub step: u64,
-    pub is_grad: bool,
-    pub micro: u32,
-    pub data: Vec<f32>,
-}
-
-/// A model version being fetched from peers before an epoch can start here: the whole model
-/// (`missing` empty, `whole`), or some layers on top of this node's own copy.
-#[derive(Debug)]
-pub(super) struct Fetch {
-    pub version: u64,
-    pub model: Vec<f32>,
-    pub missing: BTreeSet<(u32, u32)>,
-    pub whole: bool,
-}
-
-/// A peer's request for a version: (version, who, layers).
-pub(super) type Request = (u64, NodeId, Option<(u32, u32)>);
-
 /// Requests for versions this node has not made yet, kept at most.
 const REQUESTS_MAX: usize = 64;
-
-/// A node's mutable state.
-#[derive(Debug, Default)]
-pub struct NodeState {
-    pub(super) me: Option<ActorRef<NodeMsg>>,
-    /// The newest epoch seen.
-    pub(super) epoch: u64,
-    /// The epoch being run.
-    pub(super) work: Option<Work>,
-    /// The next epoch, from a step this node has not reached yet.
-    pub(super) next_work: Option<Work>,
-    /// Stopped by a halt until the next epoch arrives.
-    pub(super) halted: bool,
-    pub(super) versions: Versions,
-    /// The data-parallel step in progress.
-    pub(super) running: Option<Running>,
-    /// The pipeline stage step in progress.
-    pub(super) pipe: Option<Pipe>,
-    pub(super) early_pipe: Vec<EarlyInput>,
-    pub(super) fetching: Option<Fetch>,
-    /// Versions asked for before this node had them.
-    pub(super) requests: Vec<Request>,
-    pub(super) collective: Option<ActorRef<CollectiveMsg>>,
-    /// The sync group of the current epoch.
-    pub(super) group: Option<(u64, Arc<Group>)>,
-    pub(super) probes: ProbeWaiters,
-    pub(super) probe_seq: u64,
-}
 
 impl<T: Transport, C: Compute> NodeActor<T, C> {
     pub(super) fn me(&self) -> Addr {

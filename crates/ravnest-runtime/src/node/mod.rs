@@ -8,6 +8,7 @@
 //! epoch switches, [`step`] one step's work (data parallel or a pipeline stage).
 
 pub mod actor;
+pub mod state;
 pub mod step;
 pub mod versions;
 
@@ -22,7 +23,7 @@ use tokio::time::Instant;
 use crate::msg::{Addr, Envelope};
 use crate::seams::Transport;
 
-pub use actor::{NodeMsg, NodeState};
+pub use state::{NodeMsg, NodeState};
 
 /// What a node was doing during a [`Span`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

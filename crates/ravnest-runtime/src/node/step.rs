@@ -15,7 +15,7 @@ use ravnest_core::collective::CollId;
 use ravnest_core::pipeline::{Ready, StageRun, micro_batches};
 use tokio::time::Instant;
 
-use super::actor::{EarlyInput, NodeMsg, NodeState};
+use super::state::{EarlyInput, NodeMsg, NodeState, Pipe, Running};
 use super::versions::Version;
 use super::{NodeActor, Span, SpanKind};
 use crate::collective::{CollectiveMsg, Group, Outcome};
@@ -32,48 +32,6 @@ const COPY_BESIDE_MIN: usize = 1 << 16;
 
 /// Steps of history kept per node (a few MB at most).
 const HISTORY_MAX: usize = 1 << 18;
-
-/// A step whose collectives are running.
-#[derive(Debug)]
-pub(crate) struct Running {
-    epoch: u64,
-    step: u64,
-    mode: StepMode,
-    base: Arc<Vec<f32>>,
-    /// The part of the model this node keeps current (digested, reported).
-    range: Range<usize>,
-    layers: Option<(u32, u32)>,
-    /// Where each collective's result goes: parameter ranges (a gradient), or the model range
-    /// (an averaged model).
-    targets: Vec<Range<usize>>,
-    next: Option<Vec<f32>>,
-    pending: usize,
-    /// When the compute ended (the collectives may still run).
-    computed: Option<Instant>,
-    compute_ns: u64,
-}
-
-/// A pipeline stage's step in progress.
-#[derive(Debug)]
-pub(crate) struct Pipe {
-    epoch: u64,
-    step: u64,
-    global_batch: u64,
-    sw: StageWork,
-    run: StageRun,
-    /// Global sample ranges of the micro-batches.
-    micros: Vec<Range<u64>>,
-    /// Model version `step`.
-    model: Arc<Vec<f32>>,
-    /// This stage's layers, and where their parameters sit in `model`.
-    layers: Range<usize>,
-    range: Range<usize>,
-    /// Forward input and output per micro-batch awaiting its backward.
-    saved: BTreeMap<u32, (Option<Vec<f32>>, Vec<f32>)>,
-    /// Σ of the layers' parameter gradients so far.
-    grad: Vec<f32>,
-    compute_ns: u64,
-}
 
 fn feed(run: &mut StageRun, is_grad: bool, micro: u32, data: Vec<f32>) -> bool {
     let r = if is_grad {

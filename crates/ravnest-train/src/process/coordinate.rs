@@ -16,8 +16,8 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::console::{EventSink, Say, describe};
+use super::options::{AbortOnDrop, CALIBRATE_MS, Options, RunError, warmup_steps};
 use super::setup::Setup;
-use super::{AbortOnDrop, CALIBRATE_MS, Options, RunError, warmup_steps};
 use crate::events::RunEvent;
 use crate::net::Network;
 use crate::summary::{CoordinatorReport, Sample};

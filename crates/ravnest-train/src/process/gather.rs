@@ -10,7 +10,7 @@ use ravnest_runtime::{Addr, Envelope, Transport};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::Options;
+use super::options::Options;
 use super::setup::Setup;
 use super::tap::Tap;
 use crate::summary::{NodeReport, NodeRow, RunReport};

@@ -12,7 +12,7 @@ use ravnest_runtime::msg::Capabilities;
 use tokio::time::Instant;
 
 use super::console::Say;
-use super::{Options, RunError, coordinator_of};
+use super::options::{Options, RunError, coordinator_of};
 use crate::compute::CandleCompute;
 use crate::data::Dataset;
 use crate::events::RunEvent;

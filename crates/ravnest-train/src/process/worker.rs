@@ -7,8 +7,8 @@ use ravnest_runtime::tcp::TcpTransport;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::options::{Options, RunError, coordinator_of};
 use super::tap::Tap;
-use super::{Options, RunError, coordinator_of};
 
 /// Wait for `Finish`; a lost coordinator is an error that names it and suggests why.
 pub(super) async fn wait_for_finish(

@@ -1,0 +1,238 @@
+//! What a plan is: the planner kinds, the layout and roles, each node's plan, the predicted
+//! step, and the errors. A leaf of the planner: its parts (`eval`, `search`) and `plan`
+//! itself share these types without importing one another.
+
+use std::fmt;
+use std::ops::Range;
+
+use serde::Serialize;
+
+use super::layers::Bounds;
+use super::sync::SyncPlan;
+use crate::cluster::NodeId;
+
+/// Which planner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PlannerKind {
+    /// Heterogeneity-aware.
+    Ravnest,
+    /// Equal split.
+    Uniform,
+    /// Equal parameter counts per stage.
+    ParamCount,
+    /// Brute-force optimum (small clusters).
+    Exhaustive,
+}
+
+impl PlannerKind {
+    /// All planners, in report order.
+    pub const ALL: [PlannerKind; 4] = [
+        PlannerKind::Ravnest,
+        PlannerKind::Uniform,
+        PlannerKind::ParamCount,
+        PlannerKind::Exhaustive,
+    ];
+
+    /// Name used on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PlannerKind::Ravnest => "ravnest",
+            PlannerKind::Uniform => "uniform",
+            PlannerKind::ParamCount => "param-count",
+            PlannerKind::Exhaustive => "exhaustive",
+        }
+    }
+
+    /// Parse a command-line name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+}
+
+impl fmt::Display for PlannerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The largest cluster the exhaustive planner accepts.
+pub const EXHAUSTIVE_MAX_NODES: usize = 6;
+/// Above this many layer splits per arrangement, `exhaustive` uses the DP split.
+pub const EXHAUSTIVE_MAX_SPLITS: u64 = 500;
+
+/// Why no plan could be made.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlanError {
+    /// No nodes.
+    #[error("the cluster has no nodes")]
+    EmptyCluster,
+    /// No layers.
+    #[error("model `{0}` has no layers")]
+    EmptyModel(String),
+    /// Nothing fits.
+    #[error(
+        "model `{model}` fits nowhere: one replica needs {need_gib:.1} GiB (weights, gradients and {optimizer} state {state_gib:.1} GiB + activations of one sample {act_gib:.2} GiB); the largest node `{largest}` has {largest_gib:.1} GiB usable, and no pipeline over the {nodes} nodes ({total_gib:.1} GiB together) fits either"
+    )]
+    ModelFitsNowhere {
+        /// Model name.
+        model: String,
+        /// Optimizer name.
+        optimizer: String,
+        /// State of the whole model, GiB.
+        state_gib: f64,
+        /// Activations of one sample through the whole model, GiB.
+        act_gib: f64,
+        /// Total for one replica with one sample, GiB.
+        need_gib: f64,
+        /// Node with the most memory.
+        largest: String,
+        /// Its usable memory, GiB.
+        largest_gib: f64,
+        /// Node count.
+        nodes: usize,
+        /// All nodes' usable memory, GiB.
+        total_gib: f64,
+    },
+    /// The equal split does not fit (uniform / param-count only).
+    #[error("{planner}: no equal split fits this cluster's memory ({detail})")]
+    NoEqualSplit {
+        /// Planner.
+        planner: PlannerKind,
+        /// What failed.
+        detail: String,
+    },
+    /// Exhaustive search on a large cluster.
+    #[error(
+        "the exhaustive planner searches every arrangement and is limited to {limit} nodes; this cluster has {nodes}"
+    )]
+    TooLargeForExhaustive {
+        /// Nodes in the cluster.
+        nodes: usize,
+        /// The limit.
+        limit: usize,
+    },
+}
+
+/// The overall shape of a plan.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum Layout {
+    /// Every worker holds the whole model.
+    DataParallel {
+        /// Workers.
+        workers: usize,
+    },
+    /// Pipeline replicas of `stages` stages each, data-parallel with each other.
+    Pipeline {
+        /// Stages per replica.
+        stages: usize,
+        /// Replicas.
+        replicas: usize,
+        /// Layer boundaries (S+1 entries): stage k holds `bounds[k]..bounds[k+1]`.
+        bounds: Bounds,
+        /// Micro-batch size.
+        micro_batch: u32,
+    },
+}
+
+/// A node's part in a plan.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum Role {
+    /// Data-parallel worker.
+    Worker,
+    /// Pipeline stage `stage` of replica `replica`.
+    Stage {
+        /// Replica index.
+        replica: usize,
+        /// Stage index.
+        stage: usize,
+    },
+    /// Not used, and why.
+    Idle {
+        /// Reason.
+        reason: String,
+    },
+}
+
+/// What one node does in a step, and what the cost model predicts for it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct NodePlan {
+    /// Node id.
+    pub id: NodeId,
+    /// Node name.
+    pub name: String,
+    /// Device id.
+    pub device: String,
+    /// Role.
+    pub role: Role,
+    /// Samples this node processes per step (for a stage: its replica's samples).
+    pub batch: u64,
+    /// Micro-batches per step (pipeline), else 1 when batch > 0.
+    pub micro_batches: u64,
+    /// Layers held.
+    pub layers: Option<Range<usize>>,
+    /// Weight of this node's gradient in the sum: its samples ÷ the global batch.
+    pub grad_weight: f64,
+    /// Predicted peak memory, bytes.
+    pub memory_bytes: u64,
+    /// Usable memory, bytes.
+    pub memory_limit_bytes: u64,
+    /// Predicted seconds computing per step.
+    pub compute_s: f64,
+    /// Predicted seconds communicating per step (pipeline transfers + amortized sync).
+    pub comm_s: f64,
+    /// Predicted seconds waiting per step.
+    pub idle_s: f64,
+}
+
+/// The prediction for one step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepPrediction {
+    /// Seconds per optimizer step.
+    pub step_s: f64,
+    /// Seconds of the slowest compute path (replica or worker).
+    pub compute_s: f64,
+    /// Seconds of synchronization charged per step.
+    pub sync_s: f64,
+    /// Samples per second.
+    pub samples_per_s: f64,
+}
+
+/// A plan.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Plan {
+    /// Planner that made it.
+    pub planner: PlannerKind,
+    /// Model name.
+    pub model: String,
+    /// Global batch.
+    pub global_batch: u64,
+    /// Shape.
+    pub layout: Layout,
+    /// One entry per cluster node, in id order.
+    pub nodes: Vec<NodePlan>,
+    /// Gradient synchronization.
+    pub sync: SyncPlan,
+    /// Prediction.
+    pub step: StepPrediction,
+    /// Decisions worth telling the user, in order.
+    pub notes: Vec<String>,
+}
+
+/// Restrictions on the layouts a planner may choose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// Whether pipeline layouts are allowed (the coordinator asks for data parallel first, and
+    /// for a pipeline only when none fits and its compute backend runs stages).
+    pub allow_pipeline: bool,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions {
+            allow_pipeline: true,
+        }
+    }
+}

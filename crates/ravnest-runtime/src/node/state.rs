@@ -1,0 +1,121 @@
+//! A node actor's state and messages: what `actor` (message handling) and `step` (the steps)
+//! share, so that neither imports the other.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
+use std::sync::Arc;
+
+use ractor::ActorRef;
+use ravnest_core::NodeId;
+use ravnest_core::pipeline::StageRun;
+use tokio::time::Instant;
+
+use super::ProbeWaiters;
+use super::versions::Versions;
+use crate::collective::{CollectiveMsg, Group, Outcome};
+use crate::msg::{Addr, Envelope, StageWork, StepMode, Work};
+
+/// Messages a node actor handles.
+#[derive(Debug)]
+pub enum NodeMsg {
+    /// An envelope from the network.
+    Net(Addr, Envelope),
+    /// The node's collective actor finished (or abandoned) a collective.
+    Collective(Outcome),
+    /// Go on with the next step (sent to itself after each step, so that messages that came
+    /// in meanwhile, a halt or a new epoch, are seen first).
+    Advance,
+}
+
+/// An activation or gradient that arrived before its step started here.
+#[derive(Debug)]
+pub(super) struct EarlyInput {
+    pub epoch: u64,
+    pub step: u64,
+    pub is_grad: bool,
+    pub micro: u32,
+    pub data: Vec<f32>,
+}
+
+/// A model version being fetched from peers before an epoch can start here: the whole model
+/// (`missing` empty, `whole`), or some layers on top of this node's own copy.
+#[derive(Debug)]
+pub(super) struct Fetch {
+    pub version: u64,
+    pub model: Vec<f32>,
+    pub missing: BTreeSet<(u32, u32)>,
+    pub whole: bool,
+}
+
+/// A peer's request for a version: (version, who, layers).
+pub(super) type Request = (u64, NodeId, Option<(u32, u32)>);
+
+/// A node's mutable state.
+#[derive(Debug, Default)]
+pub struct NodeState {
+    pub(super) me: Option<ActorRef<NodeMsg>>,
+    /// The newest epoch seen.
+    pub(super) epoch: u64,
+    /// The epoch being run.
+    pub(super) work: Option<Work>,
+    /// The next epoch, from a step this node has not reached yet.
+    pub(super) next_work: Option<Work>,
+    /// Stopped by a halt until the next epoch arrives.
+    pub(super) halted: bool,
+    pub(super) versions: Versions,
+    /// The data-parallel step in progress.
+    pub(super) running: Option<Running>,
+    /// The pipeline stage step in progress.
+    pub(super) pipe: Option<Pipe>,
+    pub(super) early_pipe: Vec<EarlyInput>,
+    pub(super) fetching: Option<Fetch>,
+    /// Versions asked for before this node had them.
+    pub(super) requests: Vec<Request>,
+    pub(super) collective: Option<ActorRef<CollectiveMsg>>,
+    /// The sync group of the current epoch.
+    pub(super) group: Option<(u64, Arc<Group>)>,
+    pub(super) probes: ProbeWaiters,
+    pub(super) probe_seq: u64,
+}
+
+/// A step whose collectives are running.
+#[derive(Debug)]
+pub(crate) struct Running {
+    pub(super) epoch: u64,
+    pub(super) step: u64,
+    pub(super) mode: StepMode,
+    pub(super) base: Arc<Vec<f32>>,
+    /// The part of the model this node keeps current (digested, reported).
+    pub(super) range: Range<usize>,
+    pub(super) layers: Option<(u32, u32)>,
+    /// Where each collective's result goes: parameter ranges (a gradient), or the model range
+    /// (an averaged model).
+    pub(super) targets: Vec<Range<usize>>,
+    pub(super) next: Option<Vec<f32>>,
+    pub(super) pending: usize,
+    /// When the compute ended (the collectives may still run).
+    pub(super) computed: Option<Instant>,
+    pub(super) compute_ns: u64,
+}
+
+/// A pipeline stage's step in progress.
+#[derive(Debug)]
+pub(crate) struct Pipe {
+    pub(super) epoch: u64,
+    pub(super) step: u64,
+    pub(super) global_batch: u64,
+    pub(super) sw: StageWork,
+    pub(super) run: StageRun,
+    /// Global sample ranges of the micro-batches.
+    pub(super) micros: Vec<Range<u64>>,
+    /// Model version `step`.
+    pub(super) model: Arc<Vec<f32>>,
+    /// This stage's layers, and where their parameters sit in `model`.
+    pub(super) layers: Range<usize>,
+    pub(super) range: Range<usize>,
+    /// Forward input and output per micro-batch awaiting its backward.
+    pub(super) saved: BTreeMap<u32, (Option<Vec<f32>>, Vec<f32>)>,
+    /// Σ of the layers' parameter gradients so far.
+    pub(super) grad: Vec<f32>,
+    pub(super) compute_ns: u64,
+}
