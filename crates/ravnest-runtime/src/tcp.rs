@@ -1047,22 +1047,7 @@ impl TcpTransport {
         mut rx: mpsc::UnboundedReceiver<wire::Frame>,
     ) {
         let Some((stream, incarnation, delivered)) = self.dial(peer).await else {
-            // Unreachable for the whole connect window: what was queued for it is lost.
-            self.unlink(peer, generation);
-            rx.close();
-            self.forget_queued(&mut rx);
-            let dropped = self.inner.sessions.lock().unwrap().remove(&peer);
-            if let Some(d) = dropped
-                && !d.unacked.is_empty()
-            {
-                self.log(format!(
-                    "gave up {} frames for node {}",
-                    d.unacked.len(),
-                    peer.0
-                ));
-            }
-            self.peer_down(peer);
-            return;
+            return self.give_up(peer, generation, rx);
         };
         let again = self.resume_session(peer, incarnation, delivered);
         let (read, write) = stream.into_split();
@@ -1125,6 +1110,35 @@ impl TcpTransport {
             self.inner.unsent.fetch_sub(taken, Ordering::SeqCst);
             self.inner.settled.notify_waiters();
         }
+        self.closed(peer, generation, rx).await;
+    }
+
+    /// `peer` was unreachable for the whole connect window: what was queued for it is lost,
+    /// and it is reported down.
+    fn give_up(&self, peer: NodeId, generation: u64, mut rx: mpsc::UnboundedReceiver<wire::Frame>) {
+        self.unlink(peer, generation);
+        rx.close();
+        self.forget_queued(&mut rx);
+        let dropped = self.inner.sessions.lock().unwrap().remove(&peer);
+        if let Some(d) = dropped
+            && !d.unacked.is_empty()
+        {
+            self.log(format!(
+                "gave up {} frames for node {}",
+                d.unacked.len(),
+                peer.0
+            ));
+        }
+        self.peer_down(peer);
+    }
+
+    /// The connection to `peer` ended (its writer's queue is `rx`).
+    async fn closed(
+        &self,
+        peer: NodeId,
+        generation: u64,
+        mut rx: mpsc::UnboundedReceiver<wire::Frame>,
+    ) {
         // A connection that closes is not a dead peer (a reset on the path, a proxy, a peer
         // that restarted). What was queued joins the session's unacknowledged frames, and a new
         // connection sends them again: nothing is lost. Closed by us (shutdown, or the link was
