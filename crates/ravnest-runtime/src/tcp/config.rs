@@ -1,0 +1,61 @@
+//! The TCP transport's configuration and the protocol's constants (a leaf: it imports no
+//! other part of the transport).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ravnest_core::NodeId;
+
+pub(super) const MAGIC: &[u8; 4] = b"RVN1";
+
+/// A joiner asking for the cluster file (`ravnest run --join HOST:PORT`).
+pub(super) const CONFIG_MAGIC: &[u8; 4] = b"RVCF";
+
+/// Largest cluster file handed out.
+pub(super) const MAX_CLUSTER_FILE: u32 = 4 << 20;
+
+pub(super) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Handshake status bytes (listener → dialer).
+pub(super) const OK: u8 = 0;
+
+pub(super) const BAD_VERSION: u8 = 1;
+
+pub(super) const UNKNOWN_NODE: u8 = 2;
+
+pub(super) const BAD_SECRET: u8 = 3;
+
+pub(super) const DUPLICATE: u8 = 4;
+
+/// A connection from a node is live while something arrived on it this recently: a second
+/// connection claiming the same node is then refused (it cannot be the node: that one is
+/// talking to us). A restarted node's old connection is closed by its kernel at once; a silent
+/// one is let go after this long.
+pub const LIVE_MS: u64 = 3000;
+
+/// A process's view of the cluster's network.
+#[derive(Debug, Clone)]
+pub struct TcpConfig {
+    /// This process's node.
+    pub me: NodeId,
+    /// Every node's address, the one peers dial (this node's included).
+    pub peers: BTreeMap<NodeId, SocketAddr>,
+    /// Where this node binds, if not its address in `peers` (behind NAT or a proxy).
+    pub listen: Option<SocketAddr>,
+    /// The node whose process hosts the coordinator and the checkpoint actor.
+    pub coordinator: NodeId,
+    /// The cluster secret (HMAC key).
+    pub secret: Vec<u8>,
+    /// Largest frame accepted.
+    pub max_frame: u32,
+    /// How long a dial is retried before queued envelopes are given up.
+    pub connect_window: Duration,
+    /// The cluster file this node hands to an authenticated joiner (`--join HOST:PORT`),
+    /// if it shares one.
+    pub cluster_file: Option<Arc<str>>,
+}
+
+/// Called with a peer that could not be reached within the connect window.
+pub type PeerDownHook = Arc<dyn Fn(NodeId) + Send + Sync>;

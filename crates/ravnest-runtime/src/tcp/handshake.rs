@@ -1,0 +1,418 @@
+//! The handshake on a fresh connection (mutual HMAC proof of the cluster secret, versions,
+//! incarnations, the session's delivered count), the cluster file handed to a joiner, and
+//! `dial_as`, the chaos suite's forged peer.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use hmac::{Hmac, Mac};
+use ravnest_core::NodeId;
+use sha2::Sha256;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::wire;
+
+use super::PROTOCOL_VERSION;
+use super::config::*;
+
+pub(super) type HmacSha256 = Hmac<Sha256>;
+
+/// HMAC-SHA256 keyed by the secret over (role, both nonces, both ids).
+pub(super) fn keyed(
+    secret: &[u8],
+    role: &[u8],
+    a: &[u8; 32],
+    b: &[u8; 32],
+    ids: (u32, u32),
+) -> HmacSha256 {
+    let mut m = HmacSha256::new_from_slice(secret).expect("HMAC takes any key length");
+    m.update(role);
+    m.update(a);
+    m.update(b);
+    m.update(&ids.0.to_le_bytes());
+    m.update(&ids.1.to_le_bytes());
+    m
+}
+
+pub(super) fn mac(
+    secret: &[u8],
+    role: &[u8],
+    a: &[u8; 32],
+    b: &[u8; 32],
+    ids: (u32, u32),
+) -> [u8; 32] {
+    keyed(secret, role, a, b, ids)
+        .finalize()
+        .into_bytes()
+        .into()
+}
+
+/// Constant-time check of a peer's tag.
+pub(super) fn verify(
+    secret: &[u8],
+    role: &[u8],
+    a: &[u8; 32],
+    b: &[u8; 32],
+    ids: (u32, u32),
+    tag: &[u8],
+) -> bool {
+    keyed(secret, role, a, b, ids).verify_slice(tag).is_ok()
+}
+
+/// Why a handshake failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HandshakeError {
+    /// The other side does not hold the same cluster secret.
+    #[error(
+        "{0}: wrong cluster secret (check RAVNEST_SECRET or `[cluster] secret` on both sides; or another cluster owns that port)"
+    )]
+    Secret(String),
+    /// Protocol versions differ.
+    #[error("{peer}: protocol version {theirs}, this node speaks {ours}")]
+    Version {
+        /// Who.
+        peer: String,
+        /// Their version.
+        theirs: u32,
+        /// Ours.
+        ours: u32,
+    },
+    /// The peer is not a node of this cluster.
+    #[error("{0}: not a node of this cluster")]
+    Unknown(String),
+    /// A connection from that node is already open and live.
+    #[error("{0}: that node is already connected (a second connection claiming it is refused)")]
+    Duplicate(String),
+    /// Not a ravnest peer, or the connection failed.
+    #[error("{0}")]
+    Io(String),
+}
+
+pub(super) async fn timed<T>(
+    f: impl std::future::Future<Output = std::io::Result<T>>,
+    who: &str,
+) -> Result<T, HandshakeError> {
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(HandshakeError::Io(format!("{who}: {e}"))),
+        Err(_) => Err(HandshakeError::Io(format!("{who}: handshake timed out"))),
+    }
+}
+
+pub(super) fn nonce() -> [u8; 32] {
+    rand::random()
+}
+
+/// Send a dialer's hello (magic, our version, an id, a fresh nonce) and read the listener's
+/// first status byte; a version refusal comes back as the error naming both versions.
+pub(super) async fn hello(
+    s: &mut TcpStream,
+    magic: &[u8; 4],
+    id: u32,
+    who: &str,
+) -> Result<([u8; 32], u8), HandshakeError> {
+    let nc = nonce();
+    let mut hello = Vec::with_capacity(44);
+    hello.extend_from_slice(magic);
+    hello.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    hello.extend_from_slice(&id.to_le_bytes());
+    hello.extend_from_slice(&nc);
+    timed(s.write_all(&hello), who).await?;
+    let mut status = [0u8; 1];
+    timed(s.read_exact(&mut status), who).await?;
+    if status[0] == BAD_VERSION {
+        let mut v = [0u8; 4];
+        timed(s.read_exact(&mut v), who).await?;
+        return Err(HandshakeError::Version {
+            peer: who.to_string(),
+            theirs: u32::from_le_bytes(v),
+            ours: PROTOCOL_VERSION,
+        });
+    }
+    Ok((nc, status[0]))
+}
+
+/// The dialer's side. Returns, once the listener has accepted us, its incarnation and how many
+/// frames of our session with it it has delivered.
+pub(super) async fn handshake_dial(
+    s: &mut TcpStream,
+    cfg: &TcpConfig,
+    peer: NodeId,
+    incarnation: u64,
+) -> Result<(u64, u64), HandshakeError> {
+    let who = match s.peer_addr() {
+        Ok(a) => format!("node {} at {a}", peer.0),
+        Err(_) => format!("node {}", peer.0),
+    };
+    let (nc, status) = hello(s, MAGIC, cfg.me.0, &who).await?;
+    match status {
+        OK => {}
+        UNKNOWN_NODE => {
+            return Err(HandshakeError::Unknown(format!(
+                "{who} does not know node {}",
+                cfg.me.0
+            )));
+        }
+        _ => return Err(HandshakeError::Io(format!("{who}: not a ravnest peer"))),
+    }
+    let mut rest = [0u8; 4 + 32 + 32];
+    timed(s.read_exact(&mut rest), &who).await?;
+    let server_id = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes"));
+    let ns: [u8; 32] = rest[4..36].try_into().expect("32 bytes");
+    if server_id != peer.0 {
+        return Err(HandshakeError::Unknown(format!(
+            "{who} answered as node {server_id}"
+        )));
+    }
+    let ids = (cfg.me.0, server_id);
+    if !verify(&cfg.secret, b"ravnest-listener", &nc, &ns, ids, &rest[36..]) {
+        // Tell the listener too, so both sides log the reason.
+        let _ = s.write_all(&[0u8; 40]).await;
+        return Err(HandshakeError::Secret(who));
+    }
+    let mut answer = mac(&cfg.secret, b"ravnest-dialer", &ns, &nc, ids).to_vec();
+    answer.extend_from_slice(&incarnation.to_le_bytes());
+    timed(s.write_all(&answer), &who).await?;
+    let mut status = [0u8; 1];
+    timed(s.read_exact(&mut status), &who).await?;
+    match status[0] {
+        OK => {
+            let mut theirs = [0u8; 16];
+            timed(s.read_exact(&mut theirs), &who).await?;
+            Ok((
+                u64::from_le_bytes(theirs[..8].try_into().expect("8 bytes")),
+                u64::from_le_bytes(theirs[8..].try_into().expect("8 bytes")),
+            ))
+        }
+        BAD_SECRET => Err(HandshakeError::Secret(who)),
+        DUPLICATE => Err(HandshakeError::Duplicate(who)),
+        _ => Err(HandshakeError::Io(format!("{who}: not a ravnest peer"))),
+    }
+}
+
+/// What an accepted connection turned out to be.
+pub(super) enum Accepted {
+    /// An authenticated peer node, its incarnation, and the connection's number.
+    Node(NodeId, u64, u64),
+    /// A joiner that was handed the cluster file (the connection is done).
+    ClusterFileSent,
+}
+
+/// The listener's side. Returns the authenticated peer; `admit` says whether an
+/// authenticated node may connect now (not while its live connection is open).
+pub(super) async fn handshake_accept(
+    s: &mut TcpStream,
+    cfg: &TcpConfig,
+    remote: SocketAddr,
+    incarnation: u64,
+    admit: impl Fn(NodeId, u64) -> Option<(u64, u64)>,
+) -> Result<Accepted, HandshakeError> {
+    let who = format!("connection from {remote}");
+    let mut hello = [0u8; 44];
+    timed(s.read_exact(&mut hello), &who).await?;
+    if &hello[..4] == CONFIG_MAGIC {
+        let version = u32::from_le_bytes(hello[4..8].try_into().expect("4 bytes"));
+        let nc: [u8; 32] = hello[12..44].try_into().expect("32 bytes");
+        let who = format!("joiner at {remote}");
+        send_cluster_file(s, cfg, version, nc, &who).await?;
+        return Ok(Accepted::ClusterFileSent);
+    }
+    if &hello[..4] != MAGIC {
+        return Err(HandshakeError::Io(format!("{who}: not a ravnest peer")));
+    }
+    let version = u32::from_le_bytes(hello[4..8].try_into().expect("4 bytes"));
+    let id = u32::from_le_bytes(hello[8..12].try_into().expect("4 bytes"));
+    let nc: [u8; 32] = hello[12..44].try_into().expect("32 bytes");
+    let who = format!("{who} claiming node {id}");
+    if version != PROTOCOL_VERSION {
+        let mut m = vec![BAD_VERSION];
+        m.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        let _ = s.write_all(&m).await;
+        return Err(HandshakeError::Version {
+            peer: who,
+            theirs: version,
+            ours: PROTOCOL_VERSION,
+        });
+    }
+    if !cfg.peers.contains_key(&NodeId(id)) || id == cfg.me.0 {
+        let _ = s.write_all(&[UNKNOWN_NODE]).await;
+        return Err(HandshakeError::Unknown(who));
+    }
+    let ns = nonce();
+    let ids = (id, cfg.me.0);
+    let mut challenge = vec![OK];
+    challenge.extend_from_slice(&cfg.me.0.to_le_bytes());
+    challenge.extend_from_slice(&ns);
+    challenge.extend_from_slice(&mac(&cfg.secret, b"ravnest-listener", &nc, &ns, ids));
+    timed(s.write_all(&challenge), &who).await?;
+    let mut answer = [0u8; 32 + 8];
+    timed(s.read_exact(&mut answer), &who).await?;
+    if !verify(&cfg.secret, b"ravnest-dialer", &ns, &nc, ids, &answer[..32]) {
+        let _ = s.write_all(&[BAD_SECRET]).await;
+        return Err(HandshakeError::Secret(who));
+    }
+    let theirs = u64::from_le_bytes(answer[32..].try_into().expect("8 bytes"));
+    let Some((conn, delivered)) = admit(NodeId(id), theirs) else {
+        let _ = s.write_all(&[DUPLICATE]).await;
+        return Err(HandshakeError::Duplicate(who));
+    };
+    // OK, our incarnation, and how many frames of this dialer's session we have delivered
+    // (it sends again what came after).
+    let mut ok = vec![OK];
+    ok.extend_from_slice(&incarnation.to_le_bytes());
+    ok.extend_from_slice(&delivered.to_le_bytes());
+    timed(s.write_all(&ok), &who).await?;
+    Ok(Accepted::Node(NodeId(id), theirs, conn))
+}
+
+/// MAC over the cluster file, bound to both nonces.
+pub(super) fn file_mac(secret: &[u8], a: &[u8; 32], b: &[u8; 32], doc: &[u8]) -> HmacSha256 {
+    let mut m = keyed(secret, b"ravnest-cluster-file", a, b, (0, 0));
+    m.update(doc);
+    m
+}
+
+/// The listener's side of `--join HOST:PORT`: prove we hold the secret, check that the
+/// joiner does, then send the cluster file with a MAC over it.
+pub(super) async fn send_cluster_file(
+    s: &mut TcpStream,
+    cfg: &TcpConfig,
+    version: u32,
+    nc: [u8; 32],
+    who: &str,
+) -> Result<(), HandshakeError> {
+    if version != PROTOCOL_VERSION {
+        let mut m = vec![BAD_VERSION];
+        m.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        let _ = s.write_all(&m).await;
+        return Err(HandshakeError::Version {
+            peer: who.to_string(),
+            theirs: version,
+            ours: PROTOCOL_VERSION,
+        });
+    }
+    let Some(doc) = cfg.cluster_file.clone() else {
+        let _ = s.write_all(&[UNKNOWN_NODE]).await;
+        return Err(HandshakeError::Unknown(format!(
+            "{who} asked for the cluster file, which this node does not share"
+        )));
+    };
+    let ns = nonce();
+    let mut challenge = vec![OK];
+    challenge.extend_from_slice(&ns);
+    challenge.extend_from_slice(&mac(&cfg.secret, b"ravnest-file-server", &nc, &ns, (0, 0)));
+    timed(s.write_all(&challenge), who).await?;
+    let mut answer = [0u8; 32];
+    timed(s.read_exact(&mut answer), who).await?;
+    if !verify(
+        &cfg.secret,
+        b"ravnest-file-joiner",
+        &ns,
+        &nc,
+        (0, 0),
+        &answer,
+    ) {
+        let _ = s.write_all(&[BAD_SECRET]).await;
+        return Err(HandshakeError::Secret(who.to_string()));
+    }
+    let mut reply = vec![OK];
+    reply.extend_from_slice(&(doc.len() as u32).to_le_bytes());
+    reply.extend_from_slice(doc.as_bytes());
+    reply.extend_from_slice(
+        &file_mac(&cfg.secret, &nc, &ns, doc.as_bytes())
+            .finalize()
+            .into_bytes(),
+    );
+    timed(s.write_all(&reply), who).await?;
+    Ok(())
+}
+
+/// `ravnest run --join HOST:PORT`: fetch the cluster file from a running node, both sides
+/// proving they hold `secret` (HMAC over fresh nonces, as between nodes) and the file
+/// arriving under a MAC.
+pub async fn fetch_cluster_file(addr: SocketAddr, secret: &[u8]) -> Result<String, HandshakeError> {
+    let who = format!("node at {addr}");
+    let mut s = timed(TcpStream::connect(addr), &who).await?;
+    let (nc, status) = hello(&mut s, CONFIG_MAGIC, 0, &who).await?;
+    match status {
+        OK => {}
+        UNKNOWN_NODE => {
+            return Err(HandshakeError::Unknown(format!(
+                "{who} does not share its cluster file"
+            )));
+        }
+        _ => return Err(HandshakeError::Io(format!("{who}: not a ravnest node"))),
+    }
+    let mut rest = [0u8; 64];
+    timed(s.read_exact(&mut rest), &who).await?;
+    let ns: [u8; 32] = rest[..32].try_into().expect("32 bytes");
+    if !verify(
+        secret,
+        b"ravnest-file-server",
+        &nc,
+        &ns,
+        (0, 0),
+        &rest[32..],
+    ) {
+        let _ = s.write_all(&[0u8; 32]).await;
+        return Err(HandshakeError::Secret(who));
+    }
+    timed(
+        s.write_all(&mac(secret, b"ravnest-file-joiner", &ns, &nc, (0, 0))),
+        &who,
+    )
+    .await?;
+    let mut status = [0u8; 1];
+    timed(s.read_exact(&mut status), &who).await?;
+    match status[0] {
+        OK => {}
+        BAD_SECRET => return Err(HandshakeError::Secret(who)),
+        _ => return Err(HandshakeError::Io(format!("{who}: not a ravnest node"))),
+    }
+    let mut len = [0u8; 4];
+    timed(s.read_exact(&mut len), &who).await?;
+    let len = u32::from_le_bytes(len);
+    if len > MAX_CLUSTER_FILE {
+        return Err(HandshakeError::Io(format!(
+            "{who}: a cluster file of {len} bytes (at most {MAX_CLUSTER_FILE})"
+        )));
+    }
+    let mut doc = vec![0u8; len as usize];
+    timed(s.read_exact(&mut doc), &who).await?;
+    let mut tag = [0u8; 32];
+    timed(s.read_exact(&mut tag), &who).await?;
+    if file_mac(secret, &nc, &ns, &doc).verify_slice(&tag).is_err() {
+        return Err(HandshakeError::Io(format!(
+            "{who}: the cluster file arrived altered"
+        )));
+    }
+    String::from_utf8(doc)
+        .map_err(|_| HandshakeError::Io(format!("{who}: the cluster file is not UTF-8")))
+}
+
+/// Dial the node `listener` at `addr` claiming to be node `claim`, as any holder of the cluster
+/// `secret` can, and return the authenticated connection (or why it was refused). The chaos
+/// suite's forged peer: what it then writes must never disturb the real node `claim`.
+pub async fn dial_as(
+    addr: SocketAddr,
+    listener: NodeId,
+    claim: NodeId,
+    secret: &[u8],
+) -> Result<TcpStream, HandshakeError> {
+    let cfg = TcpConfig {
+        me: claim,
+        peers: BTreeMap::from([(listener, addr)]),
+        listen: None,
+        coordinator: listener,
+        secret: secret.to_vec(),
+        max_frame: wire::MAX_FRAME,
+        connect_window: Duration::ZERO,
+        cluster_file: None,
+    };
+    let who = format!("node {} at {addr}", listener.0);
+    let mut s = timed(TcpStream::connect(addr), &who).await?;
+    handshake_dial(&mut s, &cfg, listener, rand::random()).await?;
+    Ok(s)
+}

@@ -1,0 +1,123 @@
+//! The listener's side: accepting a connection (handshake, one live connection per node) and
+//! delivering what arrives on it, acknowledging the session's count.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ravnest_core::NodeId;
+use tokio::io::{AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+use crate::wire;
+
+use super::config::*;
+use super::handshake::*;
+use super::state::*;
+
+impl TcpTransport {
+    /// Whether an authenticated `peer` (as `incarnation`) may connect now: not while a live
+    /// connection from it is open (a second one claiming it is not the node that is talking to
+    /// us). If admitted, its connection becomes the current one; returns the connection's
+    /// number and how many frames of that incarnation's session were already delivered.
+    pub(super) fn admit(&self, peer: NodeId, incarnation: u64) -> Option<(u64, u64)> {
+        let mut incoming = self.inner.incoming.lock().unwrap();
+        let now = self.now_ms();
+        if let Some(s) = incoming.get(&peer)
+            && s.open
+            && now.saturating_sub(s.last.load(Ordering::Relaxed)) <= LIVE_MS
+        {
+            return None;
+        }
+        let conn = self.inner.next_conn.fetch_add(1, Ordering::Relaxed);
+        let kept = incoming
+            .remove(&peer)
+            .map_or_else(Vec::new, |s| s.delivered);
+        let mut state = InState {
+            conn,
+            open: true,
+            last: Arc::new(AtomicU64::new(now)),
+            incarnation,
+            delivered: kept,
+        };
+        let delivered = *state.count();
+        incoming.insert(peer, state);
+        Some((conn, delivered))
+    }
+
+    /// An accepted connection: authenticate, then read frames until it ends, acknowledging
+    /// what was delivered. Its end is not a peer's death (the failure detector decides that on
+    /// heartbeats): the peer dials again and sends what we had not delivered.
+    pub(super) async fn serve(&self, mut stream: TcpStream, remote: SocketAddr) {
+        let accepted = handshake_accept(
+            &mut stream,
+            &self.inner.cfg,
+            remote,
+            self.inner.incarnation,
+            |p, inc| self.admit(p, inc),
+        )
+        .await;
+        let (peer, conn) = match accepted {
+            Ok(Accepted::Node(p, incarnation, conn)) => {
+                self.saw_incarnation(p, incarnation);
+                (p, conn)
+            }
+            Ok(Accepted::ClusterFileSent) => {
+                self.log(format!("sent the cluster file to a joiner at {remote}"));
+                return;
+            }
+            Err(e) => {
+                self.log(format!("refused {e}"));
+                return;
+            }
+        };
+        let last = match self.inner.incoming.lock().unwrap().get(&peer) {
+            Some(s) if s.conn == conn => s.last.clone(),
+            _ => return,
+        };
+        let (read, mut write) = stream.into_split();
+        let mut read = BufReader::with_capacity(1 << 16, read);
+        let reason = loop {
+            match wire::read_envelope(&mut read, self.inner.cfg.max_frame).await {
+                Ok(None) => break None,
+                Err(e) => break Some(e.to_string()),
+                Ok(Some((from, to, env))) => {
+                    last.store(self.now_ms(), Ordering::Relaxed);
+                    // The header must not lie about who sent it or where it goes.
+                    if self.host(from) != Some(peer) {
+                        break Some(format!("claimed to send as {from:?}"));
+                    }
+                    if self.host(to) != Some(self.inner.cfg.me) {
+                        break Some(format!("sent to {to:?}, which is not here"));
+                    }
+                    // Count it, unless a newer connection from the peer took over.
+                    let delivered = {
+                        let mut incoming = self.inner.incoming.lock().unwrap();
+                        match incoming.get_mut(&peer) {
+                            Some(s) if s.conn == conn => {
+                                *s.count() += 1;
+                                *s.count()
+                            }
+                            _ => break Some("replaced by a newer connection".into()),
+                        }
+                    };
+                    self.deliver(from, to, env);
+                    // Acknowledge once what has arrived so far is delivered.
+                    if read.buffer().is_empty()
+                        && write.write_all(&delivered.to_le_bytes()).await.is_err()
+                    {
+                        break None;
+                    }
+                }
+            }
+        };
+        if let Some(r) = reason {
+            self.log(format!("dropped the connection from node {}: {r}", peer.0));
+        }
+        if let Some(s) = self.inner.incoming.lock().unwrap().get_mut(&peer)
+            && s.conn == conn
+        {
+            s.open = false;
+        }
+    }
+}

@@ -1,0 +1,78 @@
+//! Several TCP transports in one process, on loopback, seen as one transport (the conformance
+//! suite and tests).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use ravnest_core::NodeId;
+
+use crate::msg::{Addr, Envelope};
+use crate::seams::{Inbox, Transport, TransportError};
+use crate::wire;
+
+use super::config::*;
+use super::state::*;
+
+/// Several TCP transports in one process (one per node, on loopback), seen as one transport:
+/// for the conformance suite and tests. `send` goes out through the sender's own transport.
+#[derive(Debug, Clone)]
+pub struct LoopbackCluster {
+    /// One transport per node.
+    pub nodes: BTreeMap<NodeId, TcpTransport>,
+}
+
+impl LoopbackCluster {
+    /// Start `n` nodes on free loopback ports; node 0 hosts the coordinator.
+    pub async fn start(n: u32, secret: &[u8]) -> std::io::Result<LoopbackCluster> {
+        let mut peers = BTreeMap::new();
+        for i in 0..n {
+            // Reserve a free port by binding and releasing it.
+            let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+            peers.insert(NodeId(i), l.local_addr()?);
+        }
+        let mut nodes = BTreeMap::new();
+        for i in 0..n {
+            let cfg = TcpConfig {
+                me: NodeId(i),
+                peers: peers.clone(),
+                listen: None,
+                coordinator: NodeId(0),
+                secret: secret.to_vec(),
+                max_frame: wire::MAX_FRAME,
+                connect_window: Duration::from_secs(2),
+                cluster_file: None,
+            };
+            nodes.insert(NodeId(i), TcpTransport::bind(cfg, false).await?);
+        }
+        Ok(LoopbackCluster { nodes })
+    }
+
+    fn host(&self, a: Addr) -> Option<&TcpTransport> {
+        match a {
+            Addr::Coordinator | Addr::Checkpoint => self.nodes.get(&NodeId(0)),
+            Addr::Node(n) => self.nodes.get(&n),
+        }
+    }
+}
+
+impl Transport for LoopbackCluster {
+    fn register(&self, addr: Addr, inbox: Inbox) {
+        if let Some(t) = self.host(addr) {
+            t.register(addr, inbox);
+        }
+    }
+
+    fn send(&self, from: Addr, to: Addr, env: Envelope) -> Result<(), TransportError> {
+        self.host(from)
+            .ok_or(TransportError::Unknown(from))?
+            .send(from, to, env)
+    }
+}
+
+impl crate::conformance::TestNet for LoopbackCluster {
+    fn crash_node(&self, node: NodeId) {
+        if let Some(t) = self.nodes.get(&node) {
+            t.shutdown();
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! What a TCP transport holds: its handle, the shared state behind it, each peer's accepted
+//! connection and our outgoing session with it.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex};
+
+use ravnest_core::NodeId;
+use tokio::sync::mpsc;
+use tokio::task::AbortHandle;
+
+use crate::msg::{Addr, Envelope};
+use crate::seams::Inbox;
+use crate::wire;
+
+use super::config::*;
+
+/// TCP transport (cheap to clone: a handle).
+#[derive(Clone)]
+pub struct TcpTransport {
+    pub(super) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for TcpTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpTransport")
+            .field("me", &self.inner.cfg.me)
+            .finish()
+    }
+}
+
+/// An outgoing queue and its generation.
+pub(super) type Link = (u64, mpsc::UnboundedSender<wire::Frame>);
+
+pub(super) struct Inner {
+    pub(super) cfg: TcpConfig,
+    pub(super) local: SocketAddr,
+    pub(super) inboxes: Mutex<BTreeMap<Addr, Inbox>>,
+    /// Envelopes that came for an address before its inbox was registered.
+    pub(super) early: Mutex<BTreeMap<Addr, Vec<(Addr, Envelope)>>>,
+    /// Outgoing queue per peer, with a generation number (a replaced link does not remove its
+    /// successor when it ends).
+    pub(super) links: Mutex<BTreeMap<NodeId, Link>>,
+    pub(super) next_link: AtomicU64,
+    pub(super) hooks: Mutex<Vec<PeerDownHook>>,
+    pub(super) tasks: Mutex<Vec<AbortHandle>>,
+    pub(super) down: AtomicBool,
+    pub(super) bytes_sent: AtomicU64,
+    /// Frames queued on links and not yet written and flushed (or dropped with their link).
+    pub(super) unsent: AtomicU64,
+    /// Told whenever frames leave the queues or are acknowledged (what `drain` waits on).
+    pub(super) settled: tokio::sync::Notify,
+    pub(super) log: Mutex<Vec<String>>,
+    /// Lines printed so far by shape (digits left out), for printing a repeated one once.
+    pub(super) printed: Mutex<BTreeMap<String, u64>>,
+    pub(super) verbose: bool,
+    /// This process's incarnation (random per start), exchanged in the handshake.
+    pub(super) incarnation: u64,
+    /// The latest incarnation seen of each peer.
+    pub(super) incarnations: Mutex<BTreeMap<NodeId, u64>>,
+    /// Per peer, its current accepted connection and what of its session was delivered.
+    pub(super) incoming: Mutex<BTreeMap<NodeId, InState>>,
+    /// Per peer, our outgoing session: frames written and not yet acknowledged.
+    pub(super) sessions: Mutex<BTreeMap<NodeId, Session>>,
+    pub(super) next_conn: AtomicU64,
+    pub(super) started: std::time::Instant,
+    /// Where each peer is dialed: its address in the config, until it advertises another
+    /// ([`Envelope::Address`]).
+    pub(super) dial_addrs: Mutex<BTreeMap<NodeId, SocketAddr>>,
+}
+
+/// A peer's current accepted connection.
+pub(super) struct InState {
+    /// Connection number (a newer connection from the peer replaces it).
+    pub(super) conn: u64,
+    /// Whether it is still open.
+    pub(super) open: bool,
+    /// When something last arrived on it (ms since `started`).
+    pub(super) last: Arc<AtomicU64>,
+    /// The peer's incarnation on it.
+    pub(super) incarnation: u64,
+    /// Frames delivered so far of the sessions of the peer's latest incarnations (over all
+    /// their connections): one that claims the id with another incarnation does not reset the
+    /// real one's count.
+    pub(super) delivered: Vec<(u64, u64)>,
+}
+
+/// Envelopes kept per address not yet registered.
+pub(super) const EARLY_MAIL: usize = 4096;
+
+/// Incarnations per peer whose delivered counts are kept.
+pub(super) const KEPT_INCARNATIONS: usize = 4;
+
+impl InState {
+    pub(super) fn count(&mut self) -> &mut u64 {
+        let inc = self.incarnation;
+        let i = match self.delivered.iter().position(|&(x, _)| x == inc) {
+            Some(i) => i,
+            None => {
+                if self.delivered.len() >= KEPT_INCARNATIONS {
+                    self.delivered.remove(0);
+                }
+                self.delivered.push((inc, 0));
+                self.delivered.len() - 1
+            }
+        };
+        &mut self.delivered[i].1
+    }
+}
+
+/// Our side of the session with one peer: a peer's process keeps one session with us across
+/// connections, so a connection that closes loses nothing: frames are numbered by their place
+/// in the session, the peer acknowledges how many it delivered, and a new connection starts
+/// with what came after.
+#[derive(Default)]
+pub(super) struct Session {
+    /// The peer's incarnation the session is with.
+    pub(super) incarnation: Option<u64>,
+    /// Frames the peer acknowledged.
+    pub(super) acked: u64,
+    /// Frames after those, in order (written or not).
+    pub(super) unacked: std::collections::VecDeque<Arc<wire::Frame>>,
+    /// Whether a connection carries the session now.
+    pub(super) connected: bool,
+}
+
+impl Session {
+    /// The peer has delivered `n` frames in all.
+    pub(super) fn trim(&mut self, n: u64) {
+        while self.acked < n && self.unacked.pop_front().is_some() {
+            self.acked += 1;
+        }
+    }
+}
