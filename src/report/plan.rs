@@ -1,0 +1,303 @@
+//! `ravnest plan`: the plan as text (node table, sync, layers) and as JSON.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use ravnest_core::planner::layers::Bounds;
+use ravnest_core::planner::sync::{Collective, SyncMethod, secs};
+use ravnest_core::planner::{Layout, NodePlan, Role};
+use ravnest_core::{Plan, PlanError, Scenario};
+
+use super::text::*;
+
+fn layers_text(r: &Option<std::ops::Range<usize>>, total: usize) -> String {
+    match r {
+        None => "-".into(),
+        Some(r) if r.start == 0 && r.end == total => "all".into(),
+        Some(r) => format!("{}-{}", r.start, r.end - 1),
+    }
+}
+
+fn role_text(n: &NodePlan) -> String {
+    match &n.role {
+        Role::Worker => "worker".into(),
+        Role::Stage { replica, stage } => format!("r{replica}/s{stage}"),
+        Role::Idle { .. } => "idle".into(),
+    }
+}
+
+fn layout_text(p: &Plan) -> String {
+    match &p.layout {
+        Layout::DataParallel { workers } => format!("data parallel over {workers} node(s)"),
+        Layout::Pipeline {
+            stages,
+            replicas,
+            micro_batch,
+            ..
+        } => format!(
+            "{replicas} pipeline replica(s) x {stages} stages, micro-batch {micro_batch}, 1F1B schedule"
+        ),
+    }
+}
+
+fn collective_text(c: Collective) -> &'static str {
+    match c {
+        Collective::Ring => "ring all-reduce",
+        Collective::ParamServer => "parameter server",
+        Collective::Ring2d => "two-level ring all-reduce",
+    }
+}
+
+fn sync_text(p: &Plan, names: &dyn Fn(ravnest_core::NodeId) -> String) -> String {
+    let mut out = String::new();
+    let head = match p.sync.method {
+        SyncMethod::None => "none".to_string(),
+        SyncMethod::EveryStep { collective } => {
+            format!("{} every step", collective_text(collective))
+        }
+        SyncMethod::LocalSgd {
+            collective,
+            local_steps,
+        } => format!(
+            "local SGD: {local_steps} local steps, then {}",
+            collective_text(collective)
+        ),
+    };
+    let _ = writeln!(out, "sync: {head}");
+    if !matches!(p.sync.method, SyncMethod::None) {
+        for (k, g) in p.sync.groups.iter().enumerate() {
+            let label = if p.sync.groups.len() > 1 {
+                format!("  stage {k}: ")
+            } else {
+                "  ".to_string()
+            };
+            let order: Vec<String> = if g.order.len() > 8 {
+                let mut v: Vec<String> = g.order[..4].iter().map(|&i| names(i)).collect();
+                v.push(format!("... {} more", g.order.len() - 5));
+                v.push(names(*g.order.last().unwrap()));
+                v
+            } else {
+                g.order.iter().map(|&i| names(i)).collect()
+            };
+            let sep = match p.sync.method {
+                SyncMethod::EveryStep {
+                    collective: Collective::ParamServer,
+                }
+                | SyncMethod::LocalSgd {
+                    collective: Collective::ParamServer,
+                    ..
+                } => " <- ",
+                _ => " -> ",
+            };
+            let _ = writeln!(
+                out,
+                "{label}{} ({} nodes, {:.1} MB each, slowest link {} Gbit/s, {} per round)",
+                order.join(sep),
+                g.order.len(),
+                g.bytes as f64 / 1e6,
+                g.bottleneck_gbps,
+                secs(g.round_s)
+            );
+            if p.sync.groups.len() > 6 && k == 2 {
+                let _ = writeln!(out, "  ... {} more stages", p.sync.groups.len() - 3);
+                break;
+            }
+        }
+    }
+    let _ = writeln!(out, "  why: {}", p.sync.reason);
+    out
+}
+
+/// One printed row: the first node of a group, and how many nodes the group has.
+type Row<'a> = (String, usize, &'a NodePlan);
+
+/// Nodes that print identically: device, role, batch, layers.
+type GroupKey = (String, String, u64, String);
+
+/// The table of nodes (grouped when the cluster is large).
+fn node_table(p: &Plan, layers_total: usize) -> String {
+    let grouped = p.nodes.len() > MAX_ROWS;
+    let rows: Vec<Row<'_>> = if !grouped {
+        p.nodes.iter().map(|n| (n.name.clone(), 1, n)).collect()
+    } else {
+        // Group identical rows: same device, role kind, stage, batch and layers.
+        let mut groups: BTreeMap<GroupKey, Row<'_>> = BTreeMap::new();
+        for n in &p.nodes {
+            let role = match &n.role {
+                Role::Stage { stage, .. } => format!("stage {stage}"),
+                r => format!("{r:?}")
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or("")
+                    .to_string(),
+            };
+            let key = (
+                n.device.clone(),
+                role,
+                n.batch,
+                layers_text(&n.layers, layers_total),
+            );
+            groups
+                .entry(key)
+                .or_insert_with(|| (n.name.clone(), 0, n))
+                .1 += 1;
+        }
+        let mut v: Vec<_> = groups.into_values().collect();
+        v.sort_by_key(|(_, _, n)| n.id);
+        v
+    };
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<16} {:>5} {:<10} {:<7} {:>6} {:>6} {:>7}  {:>17}  {:>9} {:>9} {:>9}",
+        "node",
+        if grouped { "count" } else { "" },
+        "device",
+        "role",
+        "batch",
+        "micro",
+        "layers",
+        "memory GiB",
+        "compute",
+        "comm",
+        "idle"
+    );
+    for (name, count, n) in rows {
+        let mem = if n.memory_bytes > 0 {
+            format!(
+                "{:>5}/{:<5} {:>3.0}%",
+                gib(n.memory_bytes),
+                gib(n.memory_limit_bytes),
+                100.0 * n.memory_bytes as f64 / n.memory_limit_bytes as f64
+            )
+        } else {
+            format!("    -/{:<5}   -", gib(n.memory_limit_bytes))
+        };
+        let _ = writeln!(
+            out,
+            "{:<16} {:>5} {:<10} {:<7} {:>6} {:>6} {:>7}  {:>17}  {:>9} {:>9} {:>9}",
+            truncate(&name, 16),
+            if grouped {
+                count.to_string()
+            } else {
+                String::new()
+            },
+            n.device,
+            role_text(n),
+            n.batch,
+            n.micro_batches,
+            layers_text(&n.layers, layers_total),
+            mem,
+            secs(n.compute_s),
+            secs(n.comm_s),
+            secs(n.idle_s)
+        );
+    }
+    let idle: Vec<&NodePlan> = p
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.role, Role::Idle { .. }))
+        .collect();
+    if let Some(first) = idle.first()
+        && let Role::Idle { reason } = &first.role
+    {
+        let _ = writeln!(out, "idle nodes ({}): {reason}", idle.len());
+    }
+    out
+}
+
+fn bounds_text(b: &Bounds) -> String {
+    b.windows(2)
+        .map(|w| format!("{}-{}", w[0], w[1] - 1))
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
+
+/// `ravnest plan` as text.
+pub fn plan_text(
+    origin: &str,
+    s: &Scenario,
+    p: &Plan,
+    baseline: Option<&Result<Plan, PlanError>>,
+) -> String {
+    let mut out = String::new();
+    let params = s.model.params();
+    let _ = writeln!(out, "ravnest plan: {} ({origin})", s.cluster.name);
+    let _ = writeln!(
+        out,
+        "model {}: {:.1}M parameters in {} layers; global batch {}, micro-batch {}, {}, {}",
+        s.model.name,
+        params as f64 / 1e6,
+        s.model.layers.len(),
+        s.training.global_batch,
+        s.training.micro_batch,
+        s.training.optimizer.as_str(),
+        s.training.precision.as_str()
+    );
+    let _ = writeln!(out, "planner {}: {}", p.planner, layout_text(p));
+    if let Layout::Pipeline { bounds, .. } = &p.layout {
+        let _ = writeln!(out, "stage layers: {}", bounds_text(bounds));
+    }
+    out.push('\n');
+    out.push_str(&node_table(p, s.model.layers.len()));
+    out.push('\n');
+    let names = |id: ravnest_core::NodeId| s.cluster.node(id).name.clone();
+    out.push_str(&sync_text(p, &names));
+    for n in &p.notes {
+        let _ = writeln!(out, "note: {n}");
+    }
+    let _ = writeln!(
+        out,
+        "predicted: {} per step = compute {} + sync {}; {:.1} samples/s",
+        secs(p.step.step_s),
+        secs(p.step.compute_s),
+        secs(p.step.sync_s),
+        p.step.samples_per_s
+    );
+    if let Some(b) = baseline {
+        out.push('\n');
+        match b {
+            Ok(u) => {
+                let _ = writeln!(
+                    out,
+                    "uniform (equal split, {}): {} per step, {:.1} samples/s",
+                    short_layout(u),
+                    secs(u.step.step_s),
+                    u.step.samples_per_s
+                );
+                let _ = writeln!(
+                    out,
+                    "{} is {:.2}x the samples/s of uniform",
+                    p.planner,
+                    p.step.samples_per_s / u.step.samples_per_s
+                );
+            }
+            Err(e) => {
+                let _ = writeln!(out, "uniform: {e}");
+            }
+        }
+    }
+    out
+}
+
+/// `ravnest plan --json`.
+pub fn plan_json(
+    s: &Scenario,
+    p: &Plan,
+    baseline: Option<&Result<Plan, PlanError>>,
+) -> anyhow::Result<String> {
+    let base = baseline.map(|b| match b {
+        Ok(u) => serde_json::json!({
+            "plan": u,
+            "speedup": p.step.samples_per_s / u.step.samples_per_s,
+        }),
+        Err(e) => serde_json::json!({ "error": e.to_string() }),
+    });
+    Ok(serde_json::to_string_pretty(&serde_json::json!({
+        "cluster": s.cluster.name,
+        "model": { "name": s.model.name, "params": s.model.params(), "layers": s.model.layers.len() },
+        "training": s.training,
+        "plan": p,
+        "uniform": base,
+    }))?)
+}
