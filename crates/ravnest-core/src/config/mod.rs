@@ -1,0 +1,106 @@
+//! The `cluster.toml` / scenario format: parsing and validation, from text (no file I/O here).
+//!
+//! One format serves `plan`, `run` and `sim`: a scenario is a cluster file plus `[sim]` and
+//! `[[fault]]` tables. Every error names the file, the line and column, and, for a misspelt key,
+//! device or preset, the nearest valid name. The format is documented in `docs/cluster-format.md`.
+//!
+//! The parts, each importing only those listed before it: `types` (the public types and the
+//! defaults), `raw` (the file as written), `figures` (numbers in messages and their bounds),
+//! `ctx` (errors with a place), `suggest` ("did you mean"), then one part per table: `nodes`,
+//! `settings`, `models`, `faults`.
+
+mod ctx;
+mod faults;
+mod figures;
+mod models;
+mod nodes;
+mod raw;
+mod settings;
+mod suggest;
+mod types;
+
+use toml::Spanned;
+
+use crate::cluster::ClusterSpec;
+use ctx::Ctx;
+use faults::resolve_fault;
+use models::resolve_model;
+use nodes::{
+    NodeDefaults, Nodes, cluster_name, find_node, resolve_default_link, resolve_nodes,
+    resolve_pair_links,
+};
+use raw::FileToml;
+use settings::{resolve_run, resolve_sim, resolve_training};
+use suggest::{suggestion_from_serde, with_help};
+
+pub use suggest::nearest;
+pub use types::{
+    ConfigError, DEFAULT_CHECKPOINT_EVERY_STEPS, DEFAULT_LINK, DEFAULT_MEMORY_RESERVE_GIB, Fault,
+    RunSettings, Scenario, SimSettings,
+};
+
+/// Parse and validate a cluster or scenario file. `origin` names it in errors.
+pub fn parse(text: &str, origin: &str) -> Result<Scenario, ConfigError> {
+    let ctx = Ctx { origin, text };
+    let file: FileToml = toml::from_str(text).map_err(|e| {
+        let msg = e.message().trim().to_string();
+        let help = suggestion_from_serde(&msg);
+        with_help(ctx.err(e.span().as_ref(), msg), help)
+    })?;
+    resolve(&ctx, file)
+}
+
+/// Each table of the file over its defaults, in the order they depend on one another.
+fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
+    let default_link = resolve_default_link(ctx, file.links.as_ref())?;
+    // Training (needed before nodes: precision decides throughput, reserve decides memory).
+    let (training, reserve_gib) = resolve_training(ctx, file.training.as_ref())?;
+    let defaults = NodeDefaults {
+        precision: training.precision,
+        reserve_gib,
+        link: default_link,
+    };
+    let Nodes {
+        specs: nodes,
+        raw_devices,
+        slowdown,
+        index,
+    } = resolve_nodes(ctx, &file.node, &defaults)?;
+    let lookup_node = |s: &Spanned<String>| find_node(ctx, &index, s);
+    let pair_links = resolve_pair_links(ctx, file.links.as_ref(), default_link, &lookup_node)?;
+
+    let cluster_name = cluster_name(ctx, file.cluster.as_ref());
+    let coordinator = match file.cluster.as_ref().and_then(|c| c.coordinator.as_ref()) {
+        Some(c) => Some(lookup_node(c)?),
+        None => None,
+    };
+    let run = RunSettings {
+        secret: file.cluster.as_ref().and_then(|c| c.secret.clone()),
+        coordinator,
+        emulate_slowdown: slowdown,
+        devices: raw_devices,
+        ..RunSettings::default()
+    };
+    let run = resolve_run(ctx, file.run.as_ref(), run, nodes.len())?;
+
+    let model = resolve_model(ctx, file.model.as_ref())?;
+    let sim = resolve_sim(ctx, file.sim.as_ref())?;
+
+    let mut faults = Vec::new();
+    for f in &file.fault {
+        faults.push(resolve_fault(ctx, f, &lookup_node)?);
+    }
+
+    Ok(Scenario {
+        cluster: ClusterSpec {
+            name: cluster_name,
+            nodes,
+            pair_links,
+        },
+        model,
+        training,
+        run,
+        sim,
+        faults,
+    })
+}

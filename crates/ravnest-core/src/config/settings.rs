@@ -1,0 +1,141 @@
+//! The `[training]`, `[run]` and `[sim]` tables, each over its defaults.
+
+use super::ctx::Ctx;
+use super::raw::{NETWORKS, RunToml, SimToml, TrainingToml};
+use super::suggest::{did_you_mean, with_help};
+use super::types::{
+    ConfigError, DEFAULT_CHECKPOINT_EVERY_STEPS, DEFAULT_MEMORY_RESERVE_GIB, RunSettings,
+    SimSettings,
+};
+use crate::cluster::TrainingSpec;
+
+/// The `[training]` table over [`TrainingSpec::default`], and the memory reserve (GiB).
+pub(super) fn resolve_training(
+    ctx: &Ctx<'_>,
+    t: Option<&TrainingToml>,
+) -> Result<(TrainingSpec, f64), ConfigError> {
+    let mut training = TrainingSpec::default();
+    let mut reserve_gib = DEFAULT_MEMORY_RESERVE_GIB;
+    if let Some(t) = t {
+        if let Some(b) = &t.global_batch {
+            training.global_batch = ctx.positive(b, "global_batch")?;
+        }
+        if let Some(m) = &t.micro_batch {
+            training.micro_batch = ctx.positive(m, "micro_batch")?;
+        }
+        if let Some(o) = t.optimizer {
+            training.optimizer = o;
+        }
+        if let Some(p) = t.precision {
+            training.precision = p;
+        }
+        if let Some(s) = t.sync {
+            training.sync = s;
+        }
+        if let Some(x) = &t.local_sgd_threshold {
+            training.local_sgd_threshold = ctx.positive(x, "local_sgd_threshold")?;
+        }
+        if let Some(r) = &t.memory_reserve_gib {
+            reserve_gib = ctx.non_negative(r, "memory_reserve_gib")?;
+        }
+    }
+    Ok((training, reserve_gib))
+}
+
+/// The `[run]` table over `run` (defaults and what the cluster section gave); `node_count`
+/// bounds `min_nodes`.
+pub(super) fn resolve_run(
+    ctx: &Ctx<'_>,
+    r: Option<&RunToml>,
+    mut run: RunSettings,
+    node_count: usize,
+) -> Result<RunSettings, ConfigError> {
+    let Some(r) = r else {
+        return Ok(run);
+    };
+    if let Some(x) = &r.steps {
+        run.steps = ctx.positive(x, "steps")?;
+    }
+    if let Some(x) = &r.learning_rate {
+        run.learning_rate = ctx.positive(x, "learning_rate")?;
+    }
+    if let Some(x) = &r.momentum {
+        run.momentum = ctx.non_negative(x, "momentum")?;
+        if run.momentum >= 1.0 {
+            return Err(ctx.err(Some(&x.span()), "`momentum` must be below 1"));
+        }
+    }
+    if let Some(x) = &r.weight_decay {
+        run.weight_decay = ctx.non_negative(x, "weight_decay")?;
+    }
+    if let Some(x) = r.seed {
+        run.seed = x;
+    }
+    if let Some(x) = &r.dataset {
+        run.dataset = x.clone();
+    }
+    if let Some(x) = &r.network {
+        if !NETWORKS.contains(&x.get_ref().as_str()) {
+            return Err(with_help(
+                ctx.err(
+                    Some(&x.span()),
+                    format!("unknown network `{}`", x.get_ref()),
+                ),
+                Some(did_you_mean(x.get_ref(), NETWORKS.iter().copied())),
+            ));
+        }
+        run.network = x.get_ref().clone();
+    }
+    if let Some(x) = &r.context_chars {
+        run.context_chars = ctx.positive(x, "context_chars")?;
+    }
+    if let Some(x) = &r.char_hidden {
+        run.char_hidden = ctx.positive(x, "char_hidden")?;
+    }
+    if let Some(x) = r.checkpoint_every_steps {
+        run.checkpoint_every_steps = x;
+    }
+    if let Some(x) = &r.target_accuracy {
+        run.target_accuracy = ctx.positive(x, "target_accuracy")?;
+    }
+    if let Some(x) = &r.heartbeat_ms {
+        run.heartbeat_ms = ctx.positive(x, "heartbeat_ms")?;
+    }
+    if let Some(x) = &r.heartbeat_timeout_ms {
+        run.heartbeat_timeout_ms = ctx.positive(x, "heartbeat_timeout_ms")?;
+    }
+    if let Some(x) = &r.register_timeout_s {
+        run.register_timeout_s = ctx.positive(x, "register_timeout_s")?;
+    }
+    if let Some(x) = &r.min_nodes {
+        let n = ctx.positive(x, "min_nodes")?;
+        if n > node_count as u64 {
+            return Err(ctx.err(
+                Some(&x.span()),
+                format!("`min_nodes` is {n}, but the file has {node_count} nodes"),
+            ));
+        }
+        run.min_nodes = Some(n);
+    }
+    Ok(run)
+}
+
+/// The `[sim]` table, when the file has one.
+pub(super) fn resolve_sim(
+    ctx: &Ctx<'_>,
+    s: Option<&SimToml>,
+) -> Result<Option<SimSettings>, ConfigError> {
+    let Some(s) = s else {
+        return Ok(None);
+    };
+    Ok(Some(SimSettings {
+        seed: s.seed.unwrap_or(0),
+        steps: match &s.steps {
+            Some(x) => ctx.positive(x, "steps")?,
+            None => 100,
+        },
+        checkpoint_every_steps: s
+            .checkpoint_every_steps
+            .unwrap_or(DEFAULT_CHECKPOINT_EVERY_STEPS),
+    }))
+}
