@@ -7,7 +7,7 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use ravnest_core::NodeId;
+use ravnest_core::{LayerRange, NodeId};
 use ravnest_runtime::Compute;
 use ravnest_runtime::seams::{BucketSink, ComputeError};
 
@@ -79,20 +79,20 @@ impl SimCompute {
         samples as f64 * share * s.secs_per_sample[i] * s.slowdown[i] * (1.0 + JITTER * (u - 0.5))
     }
 
-    fn layer_share(&self, layers: &Range<usize>) -> Result<f64, ComputeError> {
+    fn layer_share(&self, layers: LayerRange) -> Result<f64, ComputeError> {
         let s = self.0.lock().unwrap();
         let Toy::Chain { layers: total } = s.toy else {
             return Err(ComputeError::Shape(
                 "the simulated model is not layered (the run was planned data-parallel)".into(),
             ));
         };
-        if layers.start >= layers.end || layers.end > total {
+        let r = layers.range();
+        if r.start >= r.end || r.end > total {
             return Err(ComputeError::Shape(format!(
-                "layers {}..{} of a {total}-layer model",
-                layers.start, layers.end
+                "layers {layers} of a {total}-layer model"
             )));
         }
-        Ok(s.flops_before[layers.end] - s.flops_before[layers.start])
+        Ok(s.flops_before[r.end] - s.flops_before[r.start])
     }
 
     /// Multiply node's compute time by `factor` from now on (1.0 = normal).
@@ -109,7 +109,7 @@ impl Compute for SimCompute {
         self.toy().initial_model()
     }
 
-    fn param_range(&self, layers: Range<usize>, _model_len: usize) -> Range<usize> {
+    fn param_range(&self, layers: LayerRange, _model_len: usize) -> Range<usize> {
         self.toy().param_range(layers)
     }
 
@@ -122,19 +122,17 @@ impl Compute for SimCompute {
         node: NodeId,
         _step: u64,
         samples: Range<u64>,
-        layers: Range<usize>,
+        layers: LayerRange,
         params: &[f32],
         input: Option<&[f32]>,
     ) -> Result<Vec<f32>, ComputeError> {
-        let share = self.layer_share(&layers)?;
+        let share = self.layer_share(layers)?;
         let n = samples.end - samples.start;
         if params.len() != layers.len() * toy::DIM
             || input.is_some_and(|x| x.len() != n as usize * toy::DIM)
         {
             return Err(ComputeError::Shape(format!(
-                "stage forward of layers {}..{}: {} parameters and {:?} inputs do not fit {n} samples",
-                layers.start,
-                layers.end,
+                "stage forward of layers {layers}: {} parameters and {:?} inputs do not fit {n} samples",
                 params.len(),
                 input.map(<[f32]>::len)
             )));
@@ -149,20 +147,18 @@ impl Compute for SimCompute {
         node: NodeId,
         _step: u64,
         samples: Range<u64>,
-        layers: Range<usize>,
+        layers: LayerRange,
         _params: &[f32],
         _input: Option<&[f32]>,
         output: &[f32],
         grad_out: Option<&[f32]>,
     ) -> Result<(Vec<f32>, Vec<f32>), ComputeError> {
-        let share = self.layer_share(&layers)?;
+        let share = self.layer_share(layers)?;
         let n = samples.end - samples.start;
         let want = n as usize * toy::DIM;
         if output.len() != want || grad_out.is_some_and(|g| g.len() != want) {
             return Err(ComputeError::Shape(format!(
-                "stage backward of layers {}..{}: output of {} values and gradient of {:?} do not fit {n} samples",
-                layers.start,
-                layers.end,
+                "stage backward of layers {layers}: output of {} values and gradient of {:?} do not fit {n} samples",
                 output.len(),
                 grad_out.map(<[f32]>::len)
             )));

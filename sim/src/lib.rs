@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use ravnest_core::config::{Fault, Scenario};
 use ravnest_core::cost::Costs;
-use ravnest_core::{NodeId, PlannerKind};
+use ravnest_core::{LayerRange, NodeId, PlannerKind};
 use ravnest_runtime::checkpoint::{Store, StoreError};
 use ravnest_runtime::coordinator::{Config, Event, Note, RunLog, SharedLog, Tuning};
 use ravnest_runtime::node::Counters;
@@ -323,7 +323,8 @@ fn sim_compute(costs: &Costs, secs_per_sample: &[f64], seed: u64, layered: bool)
     }
     let layer_flops: Vec<f64> = costs
         .all()
-        .map(|l| costs.train_flops(&(l..l + 1)))
+        .iter()
+        .map(|l| costs.train_flops(LayerRange::new(l, l + 1)))
         .collect();
     compute.layered(&layer_flops)
 }
@@ -502,12 +503,12 @@ async fn simulate(
     let all = costs.all();
     let secs_per_sample: Vec<f64> = cluster
         .ids()
-        .map(|i| costs.compute_s(i, &all, 1.0))
+        .map(|i| costs.compute_s(i, all, 1.0))
         .collect();
     let compute = sim_compute(&costs, &secs_per_sample, opts.seed, layered);
     let toy = compute.toy();
     let compute = Arc::new(compute);
-    let grad_bytes = costs.grad_bytes(&all);
+    let grad_bytes = costs.grad_bytes(all);
     let counters: Counters = Arc::default();
     let launch = Launch::new(net.clone()).at(t0).traced(trace.clone());
     let log = launch.journal();
@@ -516,7 +517,7 @@ async fn simulate(
         .heartbeat(opts.heartbeat)
         .counters(counters.clone());
     let sup = launch.nodes(nodes).await.map_err(spawned)?;
-    let config = config(s, opts, costs.train_flops(&all), layered);
+    let config = config(s, opts, costs.train_flops(all), layered);
     let store = Arc::new(MemStore::default());
     let ck = launch
         .checkpoints(store.clone(), s.training.precision.element_bytes())

@@ -12,6 +12,8 @@
 
 use std::ops::Range;
 
+use ravnest_core::LayerRange;
+
 /// Length of the toy model vector.
 pub const DIM: usize = 16;
 /// Learning rate of the toy SGD. Small, so that an error in any step survives to the end of
@@ -101,10 +103,13 @@ impl Toy {
     }
 
     /// Where `layers`' parameters sit in the model vector (the flat model is one slice).
-    pub fn param_range(self, layers: Range<usize>) -> Range<usize> {
+    pub fn param_range(self, layers: LayerRange) -> Range<usize> {
         match self {
             Toy::Flat => 0..DIM,
-            Toy::Chain { .. } => layers.start * DIM..layers.end * DIM,
+            Toy::Chain { .. } => {
+                let r = layers.range();
+                r.start * DIM..r.end * DIM
+            }
         }
     }
 
@@ -113,8 +118,9 @@ impl Toy {
         match self {
             Toy::Flat => gradient_sum(samples, model),
             Toy::Chain { layers } => {
-                let out = chain_forward(samples.clone(), 0..layers, model, None);
-                chain_backward(samples, 0..layers, &out, None).0
+                let all = LayerRange::from(0..layers);
+                let out = chain_forward(samples.clone(), all, model, None);
+                chain_backward(samples, all, &out, None).0
             }
         }
     }
@@ -139,7 +145,7 @@ impl Toy {
 /// from the samples themselves on the first stage. Returns `DIM` values per sample.
 pub fn chain_forward(
     samples: Range<u64>,
-    layers: Range<usize>,
+    layers: LayerRange,
     params: &[f32],
     input: Option<&[f32]>,
 ) -> Vec<f32> {
@@ -168,7 +174,7 @@ pub fn chain_forward(
 /// (Σ over samples of the gradient of the layers' parameters, the gradient of the input).
 pub fn chain_backward(
     samples: Range<u64>,
-    layers: Range<usize>,
+    layers: LayerRange,
     output: &[f32],
     grad_out: Option<&[f32]>,
 ) -> (Vec<f32>, Vec<f32>) {
@@ -206,7 +212,7 @@ mod tests {
             .collect();
         let samples = 3..7;
         let loss = |m: &[f32]| -> f64 {
-            let out = chain_forward(samples.clone(), 0..layers, m, None);
+            let out = chain_forward(samples.clone(), LayerRange::from(0..layers), m, None);
             samples
                 .clone()
                 .zip(out.chunks_exact(DIM))
@@ -230,10 +236,11 @@ mod tests {
             );
         }
         // Two stages: layers 0..2 and 2..5.
-        let a = chain_forward(samples.clone(), 0..2, &model[..2 * DIM], None);
-        let b = chain_forward(samples.clone(), 2..5, &model[2 * DIM..], Some(&a));
-        let (gb, din) = chain_backward(samples.clone(), 2..5, &b, None);
-        let (ga, _) = chain_backward(samples.clone(), 0..2, &a, Some(&din));
+        let (first, second) = (LayerRange::new(0, 2), LayerRange::new(2, 5));
+        let a = chain_forward(samples.clone(), first, &model[..2 * DIM], None);
+        let b = chain_forward(samples.clone(), second, &model[2 * DIM..], Some(&a));
+        let (gb, din) = chain_backward(samples.clone(), second, &b, None);
+        let (ga, _) = chain_backward(samples.clone(), first, &a, Some(&din));
         let staged: Vec<f32> = ga.into_iter().chain(gb).collect();
         for (x, y) in staged.iter().zip(&g) {
             assert!((x - y).abs() < 1e-6);
@@ -242,7 +249,7 @@ mod tests {
         let trained = Toy::Chain { layers }.reference_model(20, 8);
         let first = Toy::Chain { layers }.initial_model();
         let l = |m: &[f32]| {
-            let out = chain_forward(0..64, 0..layers, m, None);
+            let out = chain_forward(0..64, LayerRange::from(0..layers), m, None);
             (0..64u64)
                 .zip(out.chunks_exact(DIM))
                 .map(|(s, h)| (0..DIM).map(|j| (h[j] - target(s, j)).powi(2)).sum::<f32>())

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ravnest_core::cost::Costs;
-use ravnest_core::{NodeId, PlannerKind};
+use ravnest_core::{LayerRange, NodeId, PlannerKind};
 use ravnest_runtime::coordinator::{Config, Event, Tuning};
 use ravnest_runtime::node::Counters;
 use ravnest_runtime::tcp::LoopbackCluster;
@@ -33,7 +33,8 @@ fn a_pipeline_trains_over_real_tcp() {
         let costs = Costs::new(&s.cluster, &s.model, &s.training);
         let layer_flops: Vec<f64> = costs
             .all()
-            .map(|l| costs.train_flops(&(l..l + 1)))
+            .iter()
+            .map(|l| costs.train_flops(LayerRange::new(l, l + 1)))
             .collect();
         let compute = Arc::new(SimCompute::new(vec![1e-6; 4], 5).layered(&layer_flops));
         let toy = compute.toy();
@@ -52,7 +53,7 @@ fn a_pipeline_trains_over_real_tcp() {
             planner: PlannerKind::Ravnest,
             steps: STEPS,
             heartbeat_timeout_ms: 5000,
-            train_flops: costs.train_flops(&costs.all()),
+            train_flops: costs.train_flops(costs.all()),
             checkpoint_every: 0,
             checkpoint_at_end: false,
             start_step: 0,

@@ -6,14 +6,14 @@ use std::fmt::Write as _;
 use ravnest_core::planner::layers::Bounds;
 use ravnest_core::planner::sync::{Collective, SyncMethod, secs};
 use ravnest_core::planner::{Layout, NodePlan, Role};
-use ravnest_core::{Plan, PlanError, Scenario};
+use ravnest_core::{LayerRange, Plan, PlanError, Scenario};
 
 use super::text::*;
 
-fn layers_text(r: &Option<std::ops::Range<usize>>, total: usize) -> String {
+fn layers_text(r: &Option<LayerRange>, total: usize) -> String {
     match r {
         None => "-".into(),
-        Some(r) if r.start == 0 && r.end == total => "all".into(),
+        Some(r) if r.range() == (0..total) => "all".into(),
         Some(r) => format!("{}-{}", r.start, r.end - 1),
     }
 }

@@ -7,9 +7,9 @@
 //! given (files in `run`, memory in `sim`) and commits the manifest only on completion.
 
 use std::collections::BTreeMap;
-use std::ops::Range;
 
 use crate::cluster::NodeId;
+use crate::layers::LayerRange;
 
 /// What one shard is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,7 +17,7 @@ pub struct ShardMeta {
     /// Who wrote it.
     pub node: NodeId,
     /// Layers it covers.
-    pub layers: Range<usize>,
+    pub layers: LayerRange,
     /// Digest of its contents.
     pub digest: u64,
     /// Size in bytes.
@@ -40,23 +40,23 @@ pub enum CheckpointError {
     #[error("no checkpoint in progress for step {0}")]
     UnknownStep(u64),
     /// The shard's layers are not one the round expects.
-    #[error("checkpoint {step}: unexpected shard for layers {layers:?}")]
+    #[error("checkpoint {step}: unexpected shard for layers {layers}")]
     UnexpectedShard {
         /// Step.
         step: u64,
         /// Layers offered.
-        layers: Range<usize>,
+        layers: LayerRange,
     },
     /// The shard's digest is not the one every replica agreed on (corrupted, or of another
     /// model): refused, the round stays open and the previous checkpoint stays the latest.
     #[error(
-        "checkpoint {step}: the shard for layers {layers:?} has digest {got:016x}, the replicas agreed on {want:016x}"
+        "checkpoint {step}: the shard for layers {layers} has digest {got:016x}, the replicas agreed on {want:016x}"
     )]
     DigestMismatch {
         /// Step.
         step: u64,
         /// Layers.
-        layers: Range<usize>,
+        layers: LayerRange,
         /// The shard's digest.
         got: u64,
         /// The agreed digest.
@@ -67,8 +67,8 @@ pub enum CheckpointError {
 #[derive(Debug, Clone)]
 struct Round {
     /// Layer range → the digest its shard must have.
-    expected: BTreeMap<(usize, usize), u64>,
-    got: BTreeMap<(usize, usize), ShardMeta>,
+    expected: BTreeMap<LayerRange, u64>,
+    got: BTreeMap<LayerRange, ShardMeta>,
 }
 
 /// Open checkpoint rounds.
@@ -86,11 +86,11 @@ impl Aggregator {
 
     /// Open a round for `step` expecting one shard per layer range, each with the digest the
     /// replicas agreed on.
-    pub fn begin(&mut self, step: u64, shards: &[(Range<usize>, u64)]) {
+    pub fn begin(&mut self, step: u64, shards: &[(LayerRange, u64)]) {
         self.rounds.insert(
             step,
             Round {
-                expected: shards.iter().map(|(r, d)| ((r.start, r.end), *d)).collect(),
+                expected: shards.iter().copied().collect(),
                 got: BTreeMap::new(),
             },
         );
@@ -111,7 +111,7 @@ impl Aggregator {
             .rounds
             .get_mut(&step)
             .ok_or(CheckpointError::UnknownStep(step))?;
-        let key = (meta.layers.start, meta.layers.end);
+        let key = meta.layers;
         let Some(&want) = round.expected.get(&key) else {
             return Err(CheckpointError::UnexpectedShard {
                 step,
@@ -181,13 +181,13 @@ mod tests {
             for o in ops {
                 match o {
                     Op::Begin(s, n, want) => {
-                        let shards: Vec<(Range<usize>, u64)> = (0..n).map(|k| (k * 10..k * 10 + 10, want)).collect();
+                        let shards: Vec<(LayerRange, u64)> = (0..n).map(|k| (LayerRange::from(k * 10..k * 10 + 10), want)).collect();
                         a.begin(s, &shards);
                         oracle.insert(s, (n, want, BTreeMap::new()));
                     }
                     Op::Abandon(s) => { a.abandon(s); oracle.remove(&s); }
                     Op::Shard(s, k, d) => {
-                        let meta = ShardMeta { node: NodeId(k as u32), layers: k * 10..k * 10 + 10, digest: d, bytes: 1 };
+                        let meta = ShardMeta { node: NodeId(k as u32), layers: LayerRange::from(k * 10..k * 10 + 10), digest: d, bytes: 1 };
                         let got = a.shard(s, meta);
                         match oracle.get_mut(&s) {
                             None => prop_assert_eq!(got, Err(CheckpointError::UnknownStep(s))),

@@ -13,9 +13,8 @@
 //!   buckets): exposed time = max(0, round - backward); pipeline stage rounds and local-SGD
 //!   averaging rounds are not overlapped; pipeline activation transfers add to the stage time.
 
-use std::ops::Range;
-
 use crate::cluster::{ClusterSpec, Link, NodeId, TrainingSpec};
+use crate::layers::LayerRange;
 use crate::model::{ModelSpec, state_bytes_per_param};
 
 /// Share of a training step's compute spent in the backward pass (backward = 2x forward).
@@ -66,32 +65,35 @@ impl<'a> Costs<'a> {
     }
 
     /// All layers.
-    pub fn all(&self) -> Range<usize> {
-        0..self.layers()
+    pub fn all(&self) -> LayerRange {
+        LayerRange::from(0..self.layers())
     }
 
     /// Training FLOPs for one sample through `layers`.
-    pub fn train_flops(&self, layers: &Range<usize>) -> f64 {
-        self.flops[layers.end] - self.flops[layers.start]
+    pub fn train_flops(&self, layers: LayerRange) -> f64 {
+        let r = layers.range();
+        self.flops[r.end] - self.flops[r.start]
     }
 
     /// Parameters in `layers`.
-    pub fn params(&self, layers: &Range<usize>) -> u64 {
-        self.params[layers.end] - self.params[layers.start]
+    pub fn params(&self, layers: LayerRange) -> u64 {
+        let r = layers.range();
+        self.params[r.end] - self.params[r.start]
     }
 
     /// Persistent state bytes (weights, gradients, optimizer state) for `layers`.
-    pub fn state_bytes(&self, layers: &Range<usize>) -> u64 {
+    pub fn state_bytes(&self, layers: LayerRange) -> u64 {
         self.params(layers) * self.state_per_param
     }
 
     /// Activation bytes retained per sample in flight through `layers`.
-    pub fn activation_bytes_per_sample(&self, layers: &Range<usize>) -> u64 {
-        (self.acts[layers.end] - self.acts[layers.start]) * self.elem
+    pub fn activation_bytes_per_sample(&self, layers: LayerRange) -> u64 {
+        let r = layers.range();
+        (self.acts[r.end] - self.acts[r.start]) * self.elem
     }
 
     /// Gradient bytes to synchronize for `layers`.
-    pub fn grad_bytes(&self, layers: &Range<usize>) -> u64 {
+    pub fn grad_bytes(&self, layers: LayerRange) -> u64 {
         self.params(layers) * self.elem
     }
 
@@ -104,11 +106,11 @@ impl<'a> Costs<'a> {
     /// Seconds for `node` to run forward+backward over `layers` for `samples` samples: the
     /// samples' FLOPs at the node's speed, plus its fixed per-step cost (its share for a layer
     /// range) when it computes anything at all.
-    pub fn compute_s(&self, node: NodeId, layers: &Range<usize>, samples: f64) -> f64 {
+    pub fn compute_s(&self, node: NodeId, layers: LayerRange, samples: f64) -> f64 {
         let n = self.cluster.node(node);
         let flops = self.train_flops(layers);
         let fixed = if samples > 0.0 && n.step_overhead_s > 0.0 {
-            n.step_overhead_s * flops / self.train_flops(&self.all()).max(f64::MIN_POSITIVE)
+            n.step_overhead_s * flops / self.train_flops(self.all()).max(f64::MIN_POSITIVE)
         } else {
             0.0
         };
@@ -118,7 +120,7 @@ impl<'a> Costs<'a> {
     /// Seconds per sample (the whole model) and fixed seconds per step of each of `nodes`: what
     /// a batch split balances.
     pub fn step_costs(&self, nodes: &[NodeId]) -> (Vec<f64>, Vec<f64>) {
-        let per_sample = self.train_flops(&self.all());
+        let per_sample = self.train_flops(self.all());
         nodes
             .iter()
             .map(|&w| {
@@ -129,7 +131,7 @@ impl<'a> Costs<'a> {
     }
 
     /// Memory `layers` need with `in_flight` samples of activations.
-    pub fn memory_bytes(&self, layers: &Range<usize>, in_flight: u64) -> u64 {
+    pub fn memory_bytes(&self, layers: LayerRange, in_flight: u64) -> u64 {
         self.state_bytes(layers) + self.activation_bytes_per_sample(layers) * in_flight
     }
 

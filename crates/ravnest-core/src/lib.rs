@@ -14,6 +14,7 @@ pub mod config;
 pub mod cost;
 pub mod detector;
 pub mod device;
+pub mod layers;
 pub mod model;
 pub mod pipeline;
 pub mod planner;
@@ -23,5 +24,6 @@ pub mod ring2d;
 
 pub use cluster::{ClusterSpec, Link, NodeId, NodeSpec, SyncPreference, TrainingSpec};
 pub use config::{ConfigError, Scenario, parse};
+pub use layers::LayerRange;
 pub use model::{ModelSpec, Optimizer, Precision};
 pub use planner::{Plan, PlanError, PlanOptions, PlannerKind, plan, plan_with};

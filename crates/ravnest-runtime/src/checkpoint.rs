@@ -8,10 +8,10 @@
 //! (files in `ravnest run`, memory in the simulator) and the completion is logged.
 
 use std::collections::BTreeMap;
-use std::ops::Range;
 use std::sync::Arc;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ravnest_core::LayerRange;
 use ravnest_core::checkpoint::{Aggregator, Manifest, ShardMeta};
 use tokio::time::Instant;
 
@@ -84,7 +84,7 @@ pub const EARLY_VERSIONS: usize = 8;
 #[derive(Debug, Default)]
 pub struct CkState {
     agg: Aggregator,
-    data: BTreeMap<(u64, u32, u32), Vec<f32>>,
+    data: BTreeMap<(u64, LayerRange), Vec<f32>>,
     early: BTreeMap<u64, Vec<(ShardMeta, Vec<f32>)>>,
     open: std::collections::BTreeSet<u64>,
 }
@@ -100,7 +100,7 @@ impl<T: Transport> CheckpointActor<T> {
 
     /// A shard for an open round: refused, kept, or the last one (then commit).
     fn offer(&self, st: &mut CkState, now: u64, step: u64, meta: ShardMeta, model: Vec<f32>) {
-        let key = (step, meta.layers.start as u32, meta.layers.end as u32);
+        let key = (step, meta.layers);
         let from = Some(Addr::Node(meta.node));
         match st.agg.shard(step, meta) {
             Ok(None) => {
@@ -111,11 +111,7 @@ impl<T: Transport> CheckpointActor<T> {
                 let shards: Vec<Vec<f32>> = manifest
                     .shards
                     .iter()
-                    .map(|m| {
-                        st.data
-                            .remove(&(step, m.layers.start as u32, m.layers.end as u32))
-                            .unwrap_or_default()
-                    })
+                    .map(|m| st.data.remove(&(step, m.layers)).unwrap_or_default())
                     .collect();
                 st.data.retain(|k, _| k.0 > step);
                 st.early.retain(|s, _| *s > step);
@@ -170,11 +166,7 @@ impl<T: Transport> Actor for CheckpointActor<T> {
         let now = self.t0.elapsed().as_nanos() as u64;
         match env {
             Envelope::CheckpointBegin { step, shards } => {
-                let expected: Vec<(Range<usize>, u64)> = shards
-                    .iter()
-                    .map(|&(a, b, d)| (a as usize..b as usize, d))
-                    .collect();
-                st.agg.begin(step, &expected);
+                st.agg.begin(step, &shards);
                 st.open.insert(step);
                 st.data.retain(|k, _| k.0 != step);
                 for (meta, model) in st.early.remove(&step).unwrap_or_default() {
@@ -205,15 +197,15 @@ impl<T: Transport> Actor for CheckpointActor<T> {
                         Some(from),
                         step,
                         Some(Event::Refused(format!(
-                            "step {step}, layers {}..{} from node {}: its values have digest {actual:016x}, not the {digest:016x} it claims (corrupted)",
-                            layers.0, layers.1, node.0
+                            "step {step}, layers {layers} from node {}: its values have digest {actual:016x}, not the {digest:016x} it claims (corrupted)",
+                            node.0
                         ))),
                     );
                     return Ok(());
                 }
                 let meta = ShardMeta {
                     node,
-                    layers: layers.0 as usize..layers.1 as usize,
+                    layers,
                     digest,
                     bytes: model.len() as u64 * self.bytes_per_elem,
                 };
@@ -282,14 +274,14 @@ mod tests {
                 Addr::Coordinator,
                 Envelope::CheckpointBegin {
                     step,
-                    shards: vec![(0, 2, digest(good))],
+                    shards: vec![(LayerRange::new(0, 2), digest(good))],
                 },
             );
             inbox(
                 node,
                 Envelope::Shard {
                     step,
-                    layers: (0, 2),
+                    layers: LayerRange::new(0, 2),
                     digest: digest(good),
                     model: sent,
                 },

@@ -1,8 +1,8 @@
 //! What travels between nodes: addresses and typed envelopes.
 
-use ravnest_core::NodeId;
 use ravnest_core::collective::{CollId, CollMsg};
 use ravnest_core::planner::sync::Collective;
+use ravnest_core::{LayerRange, NodeId};
 
 use crate::digest::Fnv;
 
@@ -91,7 +91,7 @@ pub struct Work {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CheckpointDuty {
     /// Layers of the shard.
-    pub layers: (u32, u32),
+    pub layers: LayerRange,
     /// Steps between checkpoints (0: only the last, if `at_end`).
     pub every: u64,
     /// A version from which the next synchronized one is due (`u64::MAX`: none).
@@ -135,7 +135,7 @@ impl Work {
     }
 
     /// The layers this node computes (`None`: the whole model).
-    pub fn layers(&self) -> Option<(u32, u32)> {
+    pub fn layers(&self) -> Option<LayerRange> {
         self.stage.as_ref().map(|s| s.layers)
     }
 }
@@ -148,7 +148,7 @@ pub struct StageWork {
     /// Stages per replica.
     pub stages: u32,
     /// Layers this stage holds.
-    pub layers: (u32, u32),
+    pub layers: LayerRange,
     /// The previous stage's node in this replica (none on the first stage).
     pub prev: Option<NodeId>,
     /// The next stage's node in this replica (none on the last stage).
@@ -164,7 +164,7 @@ pub struct StageWork {
     pub sync_bytes: u64,
     /// Layers of model version `step` this node does not hold, and the peer to fetch each
     /// range from before computing (a pipeline re-planned after a loss or a rejoin).
-    pub fetch: Vec<(NodeId, (u32, u32))>,
+    pub fetch: Vec<(NodeId, LayerRange)>,
 }
 
 /// A model version a node holds, as it tells the coordinator after a halt.
@@ -175,7 +175,7 @@ pub struct HeldVersion {
     /// Whether every replica agreed on it (a synchronous or averaging step made it).
     pub synced: bool,
     /// The layers it is current for (`None`: the whole model).
-    pub layers: Option<(u32, u32)>,
+    pub layers: Option<LayerRange>,
 }
 
 /// What a node measured about itself, reported when it registers (`ravnest run`).
@@ -310,8 +310,8 @@ pub enum Envelope {
     CheckpointBegin {
         /// Model version.
         step: u64,
-        /// (layer start, layer end, expected digest), one per shard.
-        shards: Vec<(u32, u32, u64)>,
+        /// (layers, expected digest), one per shard.
+        shards: Vec<(LayerRange, u64)>,
     },
     /// (Coordinator → checkpoint) the checkpoint of `step` will not complete.
     CheckpointAbandon {
@@ -325,7 +325,7 @@ pub enum Envelope {
         /// Model version.
         step: u64,
         /// Layers covered.
-        layers: (u32, u32),
+        layers: LayerRange,
         /// Digest of the shard.
         digest: u64,
         /// The values.
@@ -349,7 +349,7 @@ pub enum Envelope {
         /// Who wants it.
         to: NodeId,
         /// Layers wanted (`None`: the whole model).
-        layers: Option<(u32, u32)>,
+        layers: Option<LayerRange>,
     },
     /// A model version (or the parameters of some of its layers).
     State {
@@ -360,7 +360,7 @@ pub enum Envelope {
         /// Bytes it stands for.
         virtual_bytes: u64,
         /// The layers `model` holds (`None`: the whole model).
-        layers: Option<(u32, u32)>,
+        layers: Option<LayerRange>,
     },
     /// (`ravnest run`, handled by the TCP transport) peers reach `node` at `addr` (a node
     /// started with `--advertise` says so to the coordinator's host, which passes it on).
@@ -532,8 +532,8 @@ impl Envelope {
                 if let Some(sw) = &w.stage {
                     for x in [
                         u64::from(sw.stage),
-                        u64::from(sw.layers.0),
-                        u64::from(sw.layers.1),
+                        u64::from(sw.layers.start),
+                        u64::from(sw.layers.end),
                         sw.micro_batch,
                     ] {
                         h.u64(x);
@@ -600,9 +600,9 @@ impl Envelope {
         match self {
             Envelope::CheckpointBegin { step, shards } => {
                 h.u64(*step);
-                for (a, b, d) in shards {
-                    h.u64(u64::from(*a));
-                    h.u64(u64::from(*b));
+                for (layers, d) in shards {
+                    h.u64(u64::from(layers.start));
+                    h.u64(u64::from(layers.end));
                     h.u64(*d);
                 }
             }
@@ -614,8 +614,8 @@ impl Envelope {
                 ..
             } => {
                 h.u64(*step);
-                h.u64(u64::from(layers.0));
-                h.u64(u64::from(layers.1));
+                h.u64(u64::from(layers.start));
+                h.u64(u64::from(layers.end));
                 h.u64(*digest);
             }
             Envelope::StateRequest {
@@ -625,9 +625,9 @@ impl Envelope {
             } => {
                 h.u64(*version);
                 h.u64(u64::from(to.0));
-                if let Some((a, b)) = layers {
-                    h.u64(u64::from(*a));
-                    h.u64(u64::from(*b));
+                if let Some(layers) = layers {
+                    h.u64(u64::from(layers.start));
+                    h.u64(u64::from(layers.end));
                 }
             }
             Envelope::State {
@@ -637,9 +637,9 @@ impl Envelope {
                 ..
             } => {
                 h.u64(*version);
-                if let Some((a, b)) = layers {
-                    h.u64(u64::from(*a));
-                    h.u64(u64::from(*b));
+                if let Some(layers) = layers {
+                    h.u64(u64::from(layers.start));
+                    h.u64(u64::from(layers.end));
                 }
                 for x in model {
                     h.u64(u64::from(x.to_bits()));

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::ops::Range;
 use std::sync::Arc;
 
-use ravnest_core::NodeId;
+use ravnest_core::{LayerRange, NodeId};
 
 use crate::msg::{Addr, Envelope};
 
@@ -112,7 +112,7 @@ pub trait Compute: Send + Sync + 'static {
 
     /// Where `layers`' parameters sit in a model vector of `model_len` values. A backend that
     /// does not split its model by layer holds it as one slice.
-    fn param_range(&self, _layers: Range<usize>, model_len: usize) -> Range<usize> {
+    fn param_range(&self, _layers: LayerRange, model_len: usize) -> Range<usize> {
         0..model_len
     }
 
@@ -130,7 +130,7 @@ pub trait Compute: Send + Sync + 'static {
         _node: NodeId,
         _step: u64,
         _samples: Range<u64>,
-        _layers: Range<usize>,
+        _layers: LayerRange,
         _params: &[f32],
         _input: Option<&[f32]>,
     ) -> impl Future<Output = Result<Vec<f32>, ComputeError>> + Send {
@@ -147,7 +147,7 @@ pub trait Compute: Send + Sync + 'static {
         _node: NodeId,
         _step: u64,
         _samples: Range<u64>,
-        _layers: Range<usize>,
+        _layers: LayerRange,
         _params: &[f32],
         _input: Option<&[f32]>,
         _output: &[f32],

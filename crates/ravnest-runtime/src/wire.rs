@@ -238,9 +238,9 @@ pub async fn read_envelope<R: AsyncRead + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ravnest_core::NodeId;
     use ravnest_core::collective::{CollId, CollMsg};
     use ravnest_core::ring::{Phase, RingChunk};
+    use ravnest_core::{LayerRange, NodeId};
 
     use proptest::prelude::*;
 
@@ -267,7 +267,7 @@ mod tests {
                 version: 9,
                 model: vec![0.25; 1000],
                 virtual_bytes: 4000,
-                layers: Some((2, 5)),
+                layers: Some(LayerRange::new(2, 5)),
             },
             Envelope::Halt { epoch: 7 },
             Envelope::Coll {
@@ -298,6 +298,20 @@ mod tests {
             assert_eq!((from, to), (Addr::Node(NodeId(1)), Addr::Coordinator));
             assert_eq!(back, env);
         }
+    }
+
+    /// A layer range is two `u32`s on the wire, `start` then `end`: the same bytes as the pair
+    /// it replaced, so nodes of either build understand each other.
+    #[test]
+    fn a_layer_range_has_the_bytes_of_a_pair() {
+        fn bytes(v: impl serde::Serialize) -> Vec<u8> {
+            bincode::serde::encode_to_vec(v, config()).unwrap()
+        }
+        let r = LayerRange::new(2, 300);
+        assert_eq!(bytes(r), bytes((2u32, 300u32)));
+        assert_eq!(bytes(Some(r)), bytes(Some((2u32, 300u32))));
+        assert_eq!(bytes(vec![(r, 7u64)]), bytes(vec![(2u32, 300u32, 7u64)]));
+        assert_eq!(bytes((NodeId(1), r)), bytes((1u32, 2u32, 300u32)));
     }
 
     #[tokio::test]

@@ -14,6 +14,7 @@
 use std::ops::Range;
 
 use candle_core::{Device, Storage, Tensor};
+use ravnest_core::LayerRange;
 
 /// Where layer `i`'s parameters sit in the flat model (sorted names: `fc{i}.bias` first).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,7 +28,7 @@ pub struct LayerSlots {
 /// The MLP's buckets: gradient ranges in the order backward finishes them, each the layers
 /// from some `lo` up, merged until it holds at least `min_params` values (a small last layer
 /// rides with the one before it).
-pub fn buckets(slots: &[LayerSlots], min_params: usize) -> Vec<(Range<usize>, Range<usize>)> {
+pub fn buckets(slots: &[LayerSlots], min_params: usize) -> Vec<(LayerRange, Range<usize>)> {
     let mut out = Vec::new();
     let mut hi = slots.len();
     while hi > 0 {
@@ -36,7 +37,10 @@ pub fn buckets(slots: &[LayerSlots], min_params: usize) -> Vec<(Range<usize>, Ra
         while lo > 0 && size(lo) < min_params {
             lo -= 1;
         }
-        out.push((lo..hi, slots[lo].bias.start..slots[hi - 1].weight.end));
+        out.push((
+            LayerRange::from(lo..hi),
+            slots[lo].bias.start..slots[hi - 1].weight.end,
+        ));
         hi = lo;
     }
     out
@@ -50,7 +54,7 @@ pub struct Shape<'a> {
     /// Where each layer's parameters sit.
     pub slots: &'a [LayerSlots],
     /// The gradient's buckets ([`buckets`]).
-    pub buckets: &'a [(Range<usize>, Range<usize>)],
+    pub buckets: &'a [(LayerRange, Range<usize>)],
 }
 
 /// Run `f` on a contiguous f32 CPU tensor's values, without copying them.
@@ -62,6 +66,24 @@ fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Resul
             "expected a contiguous f32 tensor on the CPU".into(),
         )),
     }
+}
+
+/// Softmax cross-entropy of `logits` (rows of `k` classes) against the labels `y`: (Σ −log p[y],
+/// its gradient by the logits, p − onehot(y)).
+fn softmax_cross_entropy(logits: &[f32], k: usize, y: &[u32]) -> (f64, Vec<f32>) {
+    let mut loss = 0.0f64;
+    let mut g = Vec::with_capacity(logits.len());
+    for (row, &label) in logits.chunks_exact(k).zip(y) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f32 = row.iter().map(|v| (v - max).exp()).sum();
+        let log_sum = max + sum.ln();
+        loss -= f64::from(row[label as usize] - log_sum);
+        for (j, v) in row.iter().enumerate() {
+            let p = (v - log_sum).exp();
+            g.push(if j == label as usize { p - 1.0 } else { p });
+        }
+    }
+    (loss, g)
 }
 
 /// Σ over the batch of the cross-entropy loss of an MLP (ReLU between layers), handing the
@@ -112,27 +134,13 @@ pub fn loss_and_grad(
     }
     // Softmax cross-entropy: loss = Σ −log p[y]; its gradient by the logits is p − onehot(y).
     let k = dims[n];
-    let (loss, g) = with_values(&acts[n], |logits| {
-        let mut loss = 0.0f64;
-        let mut g = Vec::with_capacity(logits.len());
-        for (row, &label) in logits.chunks_exact(k).zip(y) {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let sum: f32 = row.iter().map(|v| (v - max).exp()).sum();
-            let log_sum = max + sum.ln();
-            loss -= f64::from(row[label as usize] - log_sum);
-            for (j, v) in row.iter().enumerate() {
-                let p = (v - log_sum).exp();
-                g.push(if j == label as usize { p - 1.0 } else { p });
-            }
-        }
-        (loss, g)
-    })?;
+    let (loss, g) = with_values(&acts[n], |logits| softmax_cross_entropy(logits, k, y))?;
     let mut g = Tensor::from_vec(g, (b, k), &dev)?;
     // Backward, last layer first; a bucket goes out as soon as its lowest layer is done.
     let mut bucket = buckets.len();
     let mut buf: Vec<f32> = Vec::new();
     for i in (0..n).rev() {
-        let Some(kb) = buckets.iter().position(|(layers, _)| layers.contains(&i)) else {
+        let Some(kb) = buckets.iter().position(|b| b.0.range().contains(&i)) else {
             continue;
         };
         let (layers, range) = &buckets[kb];
@@ -166,7 +174,7 @@ pub fn loss_and_grad(
             })??;
             g = Tensor::from_vec(masked, (b, dims[i]), &dev)?;
         }
-        if i == layers.start {
+        if i == layers.range().start {
             sink(kb, std::mem::take(&mut buf));
         }
     }

@@ -1,6 +1,7 @@
 //! The hand-written MLP step (`ravnest_train::mlp`) against candle autograd through
 //! `ravnest_train::net` (a test of its own, so that `mlp` does not import `net`).
 
+use ravnest_core::LayerRange;
 use ravnest_train::mlp::*;
 use ravnest_train::net::Network;
 
@@ -77,8 +78,8 @@ fn buckets_tile_the_model_last_layer_first() {
     let bk = buckets(&s, 1 << 16);
     // fc2 (5,130 values) rides with fc1; fc0 (33,280) is the last bucket.
     assert_eq!(bk.len(), 2);
-    assert_eq!(bk[0].0, 1..3);
-    assert_eq!(bk[1].0, 0..1);
+    assert_eq!(bk[0].0, LayerRange::new(1, 3));
+    assert_eq!(bk[1].0, LayerRange::new(0, 1));
     assert_eq!(bk[1].1.start, 0);
     assert_eq!(bk[0].1.start, bk[1].1.end);
     assert_eq!(bk[0].1.end, net.params());

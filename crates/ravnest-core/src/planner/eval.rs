@@ -4,6 +4,7 @@
 use crate::cluster::NodeId;
 use crate::cost::Costs;
 use crate::device::GIB;
+use crate::layers::LayerRange;
 
 use super::layers::Bounds;
 use super::sync::{SyncFreedom, SyncPlan, choose_sync};
@@ -60,7 +61,7 @@ pub(super) fn search_into(
 /// A lower bound on any plan over the nodes of `grid`: the global batch's work spread over
 /// their combined throughput with no bubble, no transfer and no sync.
 pub(super) fn perfect_balance_s(costs: &Costs<'_>, grid: &[Vec<NodeId>]) -> f64 {
-    let work = f64::from(costs.training.global_batch) * costs.train_flops(&costs.all());
+    let work = f64::from(costs.training.global_batch) * costs.train_flops(costs.all());
     let flops: f64 = grid
         .iter()
         .flatten()
@@ -78,7 +79,7 @@ fn idle_reason(costs: &Costs<'_>, layout: &Layout, id: NodeId) -> String {
     let all = costs.all();
     match layout {
         Layout::DataParallel { .. } => {
-            let need = costs.memory_bytes(&all, 1);
+            let need = costs.memory_bytes(all, 1);
             if need > node.memory_bytes {
                 format!(
                     "the whole model needs {:.1} GiB with one sample, {:.1} GiB usable",
@@ -206,8 +207,8 @@ fn evaluate_data(
     let cluster = costs.cluster;
     let b_total = u64::from(costs.training.global_batch);
     let all = costs.all();
-    let state = costs.state_bytes(&all);
-    let act = costs.activation_bytes_per_sample(&all);
+    let state = costs.state_bytes(all);
+    let act = costs.activation_bytes_per_sample(all);
     let mut cmax: f64 = 0.0;
     for (&w, &b) in workers.iter().zip(batch) {
         let node = cluster.node(w);
@@ -215,7 +216,7 @@ fn evaluate_data(
         if mem > node.memory_bytes {
             return Err(NoFit(w, mem, node.memory_bytes).into());
         }
-        let compute = costs.compute_s(w, &all, b as f64);
+        let compute = costs.compute_s(w, all, b as f64);
         cmax = cmax.max(compute);
         nodes[w.index()] = Some(NodePlan {
             id: w,
@@ -224,7 +225,7 @@ fn evaluate_data(
             role: Role::Worker,
             batch: b,
             micro_batches: u64::from(b > 0),
-            layers: Some(all.clone()),
+            layers: Some(all),
             grad_weight: b as f64 / b_total as f64,
             memory_bytes: mem,
             memory_limit_bytes: node.memory_bytes,
@@ -236,7 +237,7 @@ fn evaluate_data(
     // Every-step rounds overlap the slowest worker's backward pass (2/3 of its compute).
     let sync = choose_sync(
         costs,
-        &[(workers.to_vec(), costs.grad_bytes(&all))],
+        &[(workers.to_vec(), costs.grad_bytes(all))],
         cmax,
         cmax * crate::cost::BACKWARD_SHARE,
         freedom,
@@ -274,7 +275,7 @@ fn evaluate_pipe(
         .map(|k| {
             (
                 grid.iter().map(|row| row[k]).collect(),
-                costs.grad_bytes(&(bounds[k]..bounds[k + 1])),
+                costs.grad_bytes(LayerRange::of_stage(bounds, k)),
             )
         })
         .collect();
@@ -312,13 +313,13 @@ fn place_replica(
     for k in 0..stages {
         let id = row[k];
         let node = cluster.node(id);
-        let range = bounds[k]..bounds[k + 1];
+        let range = LayerRange::of_stage(bounds, k);
         let in_flight = (stages - k) as u64 * m;
-        let mem = costs.memory_bytes(&range, in_flight);
+        let mem = costs.memory_bytes(range, in_flight);
         if mem > node.memory_bytes {
             return Err(NoFit(id, mem, node.memory_bytes).into());
         }
-        let compute = costs.compute_s(id, &range, m as f64);
+        let compute = costs.compute_s(id, range, m as f64);
         let p2p = if k + 1 < stages {
             let bytes = (costs.boundary_bytes_per_sample(bounds[k + 1]) * m) as f64;
             2.0 * costs.link(id, row[k + 1]).transfer_s(bytes)

@@ -92,8 +92,8 @@ fn fits_nowhere(costs: &Costs<'_>) -> PlanError {
         .ids()
         .max_by_key(|&i| (costs.cluster.node(i).memory_bytes, std::cmp::Reverse(i)))
         .unwrap();
-    let state = costs.state_bytes(&all) as f64 / GIB;
-    let act = costs.activation_bytes_per_sample(&all) as f64 / GIB;
+    let state = costs.state_bytes(all) as f64 / GIB;
+    let act = costs.activation_bytes_per_sample(all) as f64 / GIB;
     PlanError::ModelFitsNowhere {
         model: costs.model.name.clone(),
         optimizer: costs.training.optimizer.as_str().into(),

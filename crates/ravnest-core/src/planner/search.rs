@@ -4,6 +4,7 @@
 use crate::cluster::{ClusterSpec, NodeId};
 use crate::cost::Costs;
 use crate::device::GIB;
+use crate::layers::LayerRange;
 
 use super::batch;
 use super::eval::{Candidate, NoFit, Rejected, evaluate, keep_best, search_into};
@@ -17,8 +18,8 @@ use super::types::{EXHAUSTIVE_MAX_SPLITS, Plan, PlanError, PlanOptions, PlannerK
 /// Per-node sample caps for holding the whole model: (usable - state) ÷ activations per sample.
 fn dp_caps(costs: &Costs<'_>, workers: &[NodeId]) -> Vec<u64> {
     let all = costs.all();
-    let state = costs.state_bytes(&all);
-    let act = costs.activation_bytes_per_sample(&all).max(1);
+    let state = costs.state_bytes(all);
+    let act = costs.activation_bytes_per_sample(all).max(1);
     let b = u64::from(costs.training.global_batch);
     workers
         .iter()
@@ -83,11 +84,11 @@ fn stage_cost_fn<'c>(
         .collect();
     move |k: usize, a: usize, b: usize| {
         let (flops, mem, bw, lat) = agg[k];
-        let range = a..b;
-        if costs.memory_bytes(&range, (stages - k) as u64 * m) > mem {
+        let range = LayerRange::from(a..b);
+        if costs.memory_bytes(range, (stages - k) as u64 * m) > mem {
             return None;
         }
-        let compute = m as f64 * costs.train_flops(&range) / flops;
+        let compute = m as f64 * costs.train_flops(range) / flops;
         let p2p = if k + 1 < stages {
             let bytes = (costs.boundary_bytes_per_sample(b) * m) as f64;
             2.0 * (lat / 1e3 + bytes * 8.0 / (bw * 1e9))
@@ -108,8 +109,8 @@ fn replica_micro(costs: &Costs<'_>, grid: &[Vec<NodeId>], bounds: &Bounds) -> Ve
         .map(|row| {
             (0..stages)
                 .map(|k| {
-                    let range = bounds[k]..bounds[k + 1];
-                    let c = costs.compute_s(row[k], &range, m as f64);
+                    let range = LayerRange::of_stage(bounds, k);
+                    let c = costs.compute_s(row[k], range, m as f64);
                     let p = if k + 1 < stages {
                         2.0 * costs
                             .link(row[k], row[k + 1])
@@ -240,7 +241,7 @@ fn data_parallel_tiers(costs: &Costs<'_>, best: &mut Option<Plan>) {
     let all = costs.all();
     let fit: Vec<NodeId> = cluster
         .ids()
-        .filter(|&i| costs.memory_bytes(&all, 1) <= cluster.node(i).memory_bytes)
+        .filter(|&i| costs.memory_bytes(all, 1) <= cluster.node(i).memory_bytes)
         .collect();
     if fit.is_empty() {
         return;
@@ -296,7 +297,7 @@ fn need_orders(costs: &Costs<'_>, params: &[u64], s: usize) -> Vec<Vec<usize>> {
     .iter()
     .map(|b| {
         let need: Vec<u64> = (0..s)
-            .map(|k| costs.memory_bytes(&(b[k]..b[k + 1]), (s - k) as u64 * m))
+            .map(|k| costs.memory_bytes(LayerRange::of_stage(b, k), (s - k) as u64 * m))
             .collect();
         let mut neediest: Vec<usize> = (0..s).collect();
         neediest.sort_by_key(|&k| (std::cmp::Reverse(need[k]), k));

@@ -3,13 +3,13 @@
 //! itself share these types without importing one another.
 
 use std::fmt;
-use std::ops::Range;
 
 use serde::Serialize;
 
 use super::layers::Bounds;
 use super::sync::SyncPlan;
 use crate::cluster::NodeId;
+use crate::layers::LayerRange;
 
 /// Which planner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -172,7 +172,7 @@ pub struct NodePlan {
     /// Micro-batches per step (pipeline), else 1 when batch > 0.
     pub micro_batches: u64,
     /// Layers held.
-    pub layers: Option<Range<usize>>,
+    pub layers: Option<LayerRange>,
     /// Weight of this node's gradient in the sum: its samples ÷ the global batch.
     pub grad_weight: f64,
     /// Predicted peak memory, bytes.

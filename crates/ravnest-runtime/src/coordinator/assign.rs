@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use ravnest_core::cost::Costs;
 use ravnest_core::planner::{Layout, Plan, Role};
-use ravnest_core::{ClusterSpec, ModelSpec, NodeId, TrainingSpec};
+use ravnest_core::{ClusterSpec, LayerRange, ModelSpec, NodeId, TrainingSpec};
 
 use crate::msg::StageWork;
 
@@ -27,13 +27,13 @@ pub struct Assign {
 }
 
 /// A sync group: the layers its members hold and the members in ring order.
-pub type SyncGroup = ((u32, u32), Vec<NodeId>);
+pub type SyncGroup = (LayerRange, Vec<NodeId>);
 
 /// Layer ranges a node fetches, each from a peer.
-pub type Fetches = Vec<(NodeId, (u32, u32))>;
+pub type Fetches = Vec<(NodeId, LayerRange)>;
 
 /// Who holds a model version: node → the layers it holds (`None`: the whole model).
-pub type Holders = BTreeMap<NodeId, Option<(u32, u32)>>;
+pub type Holders = BTreeMap<NodeId, Option<LayerRange>>;
 
 /// Each node's assignment under plan `p` of the live nodes `live` (`sub`: their cluster, in
 /// `live` order), and the sync groups.
@@ -92,7 +92,7 @@ fn data_parallel(p: &Plan, live: &[NodeId], layers: u32) -> (Vec<Assign>, Vec<Sy
             }
         })
         .collect();
-    (assigns, vec![((0, layers), ring)])
+    (assigns, vec![(LayerRange::new(0, layers), ring)])
 }
 
 /// A pipeline's shape: its stages, their layer bounds, the micro-batch.
@@ -124,7 +124,7 @@ fn pipeline(
             samples[replica] = n.batch;
         }
     }
-    let whole = costs.train_flops(&costs.all()).max(f64::MIN_POSITIVE);
+    let whole = costs.train_flops(costs.all()).max(f64::MIN_POSITIVE);
     let mut assigns = Vec::new();
     let mut groups = Vec::new();
     let used: Vec<usize> = (0..r).filter(|&k| samples[k] > 0).collect();
@@ -143,8 +143,8 @@ fn pipeline(
             .map(|g| g.order.iter().map(|i| live[i.index()]).collect::<Vec<_>>())
             .find(|o| o.len() == column.len() && column.iter().all(|c| o.contains(c)))
             .unwrap_or_else(|| column.clone());
-        let layers = (bounds[k] as u32, bounds[k + 1] as u32);
-        let flop_share = costs.train_flops(&(bounds[k]..bounds[k + 1])) / whole;
+        let layers = LayerRange::of_stage(bounds, k);
+        let flop_share = costs.train_flops(layers) / whole;
         groups.push((layers, ring.clone()));
         let mut offset = 0;
         for rep in 0..r {
@@ -173,7 +173,7 @@ fn stage_work(costs: &Costs, shape: &Shape<'_>, k: usize, row: &[Option<NodeId>]
     StageWork {
         stage: k as u32,
         stages: s as u32,
-        layers: (bounds[k] as u32, bounds[k + 1] as u32),
+        layers: LayerRange::of_stage(bounds, k),
         prev: k.checked_sub(1).and_then(at),
         next: (k + 1 < s).then(|| at(k + 1)).flatten(),
         micro_batch: shape.micro_batch,
@@ -187,7 +187,7 @@ fn stage_work(costs: &Costs, shape: &Shape<'_>, k: usize, row: &[Option<NodeId>]
         } else {
             0
         },
-        sync_bytes: costs.grad_bytes(&(bounds[k]..bounds[k + 1])),
+        sync_bytes: costs.grad_bytes(LayerRange::of_stage(bounds, k)),
         fetch: Vec::new(),
     }
 }
@@ -198,21 +198,21 @@ fn stage_work(costs: &Costs, shape: &Shape<'_>, k: usize, row: &[Option<NodeId>]
 pub fn fetch_plan(
     holders: &Holders,
     node: NodeId,
-    layers: (u32, u32),
+    layers: LayerRange,
     version: u64,
 ) -> Result<Fetches, String> {
     let holds = |n: NodeId, l: u32| {
         holders
             .get(&n)
-            .is_some_and(|h| h.is_none_or(|h| h.0 <= l && l < h.1))
+            .is_some_and(|h| h.is_none_or(|h| h.contains(l)))
     };
     let mut out: Fetches = Vec::new();
-    for l in layers.0..layers.1 {
+    for l in layers.iter() {
         if holds(node, l) {
             continue;
         }
         let source = match out.last() {
-            Some(&(s, (_, end))) if end == l && holds(s, l) => Some(s),
+            Some(&(s, last)) if last.end == l && holds(s, l) => Some(s),
             _ => holders.keys().copied().find(|&h| h != node && holds(h, l)),
         };
         let Some(s) = source else {
@@ -221,8 +221,8 @@ pub fn fetch_plan(
             ));
         };
         match out.last_mut() {
-            Some((p, (_, end))) if *p == s && *end == l => *end = l + 1,
-            _ => out.push((s, (l, l + 1))),
+            Some((p, last)) if *p == s && last.end == l => last.end = l + 1,
+            _ => out.push((s, LayerRange::new(l, l + 1))),
         }
     }
     Ok(out)
@@ -265,20 +265,23 @@ mod tests {
     #[test]
     fn fetches_come_from_holders_in_runs() {
         let mut h = Holders::new();
-        h.insert(NodeId(0), Some((0, 4)));
-        h.insert(NodeId(1), Some((4, 8)));
-        h.insert(NodeId(2), Some((2, 6)));
+        h.insert(NodeId(0), Some(LayerRange::new(0, 4)));
+        h.insert(NodeId(1), Some(LayerRange::new(4, 8)));
+        h.insert(NodeId(2), Some(LayerRange::new(2, 6)));
         assert_eq!(
-            fetch_plan(&h, NodeId(2), (0, 8), 5).unwrap(),
-            vec![(NodeId(0), (0, 2)), (NodeId(1), (6, 8))]
+            fetch_plan(&h, NodeId(2), LayerRange::new(0, 8), 5).unwrap(),
+            vec![
+                (NodeId(0), LayerRange::new(0, 2)),
+                (NodeId(1), LayerRange::new(6, 8))
+            ]
         );
-        let e = fetch_plan(&h, NodeId(3), (7, 9), 5).unwrap_err();
+        let e = fetch_plan(&h, NodeId(3), LayerRange::new(7, 9), 5).unwrap_err();
         assert!(e.contains("layer 8 of model version 5"), "{e}");
         let mut whole = Holders::new();
         whole.insert(NodeId(4), None);
         assert_eq!(
-            fetch_plan(&whole, NodeId(3), (1, 3), 0).unwrap(),
-            vec![(NodeId(4), (1, 3))]
+            fetch_plan(&whole, NodeId(3), LayerRange::new(1, 3), 0).unwrap(),
+            vec![(NodeId(4), LayerRange::new(1, 3))]
         );
     }
 

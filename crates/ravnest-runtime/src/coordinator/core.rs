@@ -35,7 +35,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use ravnest_core::detector::{DetectorEvent, FailureDetector};
 use ravnest_core::planner::sync::{Collective, SyncMethod};
 use ravnest_core::{
-    ClusterSpec, ModelSpec, NodeId, Plan, PlanOptions, PlannerKind, TrainingSpec, plan_with,
+    ClusterSpec, LayerRange, ModelSpec, NodeId, Plan, PlanOptions, PlannerKind, TrainingSpec,
+    plan_with,
 };
 
 use super::Event;
@@ -160,7 +161,7 @@ pub enum Effect {
 }
 
 /// What a plan gives each worker (batches, and layers in a pipeline): a new one is logged.
-type PlanShape = (Vec<(NodeId, u64)>, Vec<Option<(u32, u32)>>);
+type PlanShape = (Vec<(NodeId, u64)>, Vec<Option<LayerRange>>);
 
 /// How many times its measurements' spread a node's smoothed ratio must be off before it counts
 /// as drift.
@@ -177,7 +178,7 @@ struct Staffing {
     live: Vec<NodeId>,
     plan: Plan,
     assigns: Vec<Assign>,
-    groups: Vec<((u32, u32), Vec<NodeId>)>,
+    groups: Vec<SyncGroup>,
     holders: Holders,
     whole_holder: Option<NodeId>,
 }
@@ -541,7 +542,7 @@ impl Coordinator {
                 .collect();
             if synchronized && distinct.len() > 1 {
                 let what = if era.groups.len() > 1 {
-                    format!("the replicas of layers {}..{}", layers.0, layers.1)
+                    format!("the replicas of layers {layers}")
                 } else {
                     "replicas".into()
                 };
@@ -633,7 +634,7 @@ impl Coordinator {
     /// rule), with the digest every replica agreed on.
     fn open_checkpoint(&mut self, version: u64, era: &Era, digests: &[Option<u64>]) {
         let mut rule = CheckpointDuty {
-            layers: (0, 0),
+            layers: LayerRange::new(0, 0),
             every: self.cfg.checkpoint_every,
             catch_up: self.catch_up,
             at_end: self.cfg.checkpoint_at_end,
@@ -645,18 +646,18 @@ impl Coordinator {
         if !due {
             return;
         }
-        let shards: Option<Vec<(u32, u32, u64, NodeId)>> = era
+        let shards: Option<Vec<(LayerRange, u64, NodeId)>> = era
             .groups
             .iter()
             .zip(digests)
-            .map(|((layers, members), d)| Some((layers.0, layers.1, (*d)?, *members.first()?)))
+            .map(|((layers, members), d)| Some((*layers, (*d)?, *members.first()?)))
             .collect();
         let Some(shards) = shards else { return };
         self.out.push(Effect::Checkpoint(Envelope::CheckpointBegin {
             step: version,
-            shards: shards.iter().map(|&(a, b, d, _)| (a, b, d)).collect(),
+            shards: shards.iter().map(|&(layers, d, _)| (layers, d)).collect(),
         }));
-        self.pending_checkpoint = Some((version, shards.iter().map(|s| s.3).collect()));
+        self.pending_checkpoint = Some((version, shards.iter().map(|s| s.2).collect()));
     }
 
     // ---- planning --------------------------------------------------------------------------
@@ -808,7 +809,7 @@ impl Coordinator {
     /// Say the plan when its split (workers, batches, layers) differs from the last one said.
     fn say_planned(&mut self, from: u64, assigns: &[Assign]) {
         let planned: Vec<(NodeId, u64)> = assigns.iter().map(|a| (a.node, a.batch)).collect();
-        let layers: Vec<Option<(u32, u32)>> = assigns
+        let layers: Vec<Option<LayerRange>> = assigns
             .iter()
             .map(|a| a.stage.as_ref().map(|s| s.layers))
             .collect();
@@ -832,7 +833,7 @@ impl Coordinator {
         collective: Collective,
         group_size: u32,
     ) {
-        let writers: BTreeMap<NodeId, (u32, u32)> = s
+        let writers: BTreeMap<NodeId, LayerRange> = s
             .groups
             .iter()
             .filter_map(|(layers, members)| Some((*members.first()?, *layers)))

@@ -24,7 +24,7 @@ fn config(nodes: usize) -> Config {
     let s = ravnest_core::parse(&text, "model-test").unwrap();
     let costs = ravnest_core::cost::Costs::new(&s.cluster, &s.model, &s.training);
     Config {
-        train_flops: costs.train_flops(&costs.all()),
+        train_flops: costs.train_flops(costs.all()),
         cluster: s.cluster,
         model: s.model,
         training: s.training,

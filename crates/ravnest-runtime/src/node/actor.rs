@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
-use ravnest_core::NodeId;
+use ravnest_core::{LayerRange, NodeId};
 
 use super::state::{Fetch, NodeMsg, NodeState};
 use super::versions::Version;
@@ -112,7 +112,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         st.work = Some(w);
     }
 
-    fn ask_state(&self, peer: NodeId, version: u64, layers: Option<(u32, u32)>) {
+    fn ask_state(&self, peer: NodeId, version: u64, layers: Option<LayerRange>) {
         self.send(
             Addr::Node(peer),
             Envelope::StateRequest {
@@ -261,7 +261,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         st: &mut NodeState,
         version: u64,
         to: NodeId,
-        layers: Option<(u32, u32)>,
+        layers: Option<LayerRange>,
     ) {
         let Some(v) = st.versions.get(version) else {
             if st.versions.latest().is_none_or(|l| version > l) && st.requests.len() < REQUESTS_MAX
@@ -272,9 +272,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         };
         let model = &v.model;
         let range = match layers {
-            Some((a, b)) => self
-                .compute
-                .param_range(a as usize..b as usize, model.len()),
+            Some(l) => self.compute.param_range(l, model.len()),
             None => 0..model.len(),
         };
         if let Some(part) = model.get(range) {
@@ -310,7 +308,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         st: &mut NodeState,
         version: u64,
         model: Vec<f32>,
-        layers: Option<(u32, u32)>,
+        layers: Option<LayerRange>,
     ) {
         let Some(f) = st.fetching.as_mut() else {
             return;
@@ -321,9 +319,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         match layers {
             None if f.whole => f.model = model,
             Some(l) if !f.whole => {
-                let range = self
-                    .compute
-                    .param_range(l.0 as usize..l.1 as usize, f.model.len());
+                let range = self.compute.param_range(l, f.model.len());
                 if range.len() != model.len() || range.end > f.model.len() || !f.missing.remove(&l)
                 {
                     return;
@@ -342,8 +338,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         // (a reset, a halt) can be made again after a resync instead of finding no holder.
         let layers = match (st.versions.get(f.version).map(|v| v.layers), new) {
             (Some(None), _) => None,
-            (Some(Some(o)), Some(n)) if o.0 <= n.1 && n.0 <= o.1 => {
-                Some((o.0.min(n.0), o.1.max(n.1)))
+            (Some(Some(o)), Some(n)) if o.start <= n.end && n.start <= o.end => {
+                Some(LayerRange::new(o.start.min(n.start), o.end.max(n.end)))
             }
             _ => new,
         };

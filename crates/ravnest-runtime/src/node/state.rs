@@ -6,8 +6,8 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use ractor::ActorRef;
-use ravnest_core::NodeId;
 use ravnest_core::pipeline::StageRun;
+use ravnest_core::{LayerRange, NodeId};
 use tokio::time::Instant;
 
 use super::ProbeWaiters;
@@ -43,12 +43,12 @@ pub(super) struct EarlyInput {
 pub(super) struct Fetch {
     pub version: u64,
     pub model: Vec<f32>,
-    pub missing: BTreeSet<(u32, u32)>,
+    pub missing: BTreeSet<LayerRange>,
     pub whole: bool,
 }
 
 /// A peer's request for a version: (version, who, layers).
-pub(super) type Request = (u64, NodeId, Option<(u32, u32)>);
+pub(super) type Request = (u64, NodeId, Option<LayerRange>);
 
 /// A node's mutable state.
 #[derive(Debug, Default)]
@@ -87,7 +87,7 @@ pub(crate) struct Running {
     pub(super) base: Arc<Vec<f32>>,
     /// The part of the model this node keeps current (digested, reported).
     pub(super) range: Range<usize>,
-    pub(super) layers: Option<(u32, u32)>,
+    pub(super) layers: Option<LayerRange>,
     /// Where each collective's result goes: parameter ranges (a gradient), or the model range
     /// (an averaged model).
     pub(super) targets: Vec<Range<usize>>,
@@ -111,7 +111,7 @@ pub(crate) struct Pipe {
     /// Model version `step`.
     pub(super) model: Arc<Vec<f32>>,
     /// This stage's layers, and where their parameters sit in `model`.
-    pub(super) layers: Range<usize>,
+    pub(super) layers: LayerRange,
     pub(super) range: Range<usize>,
     /// Forward input and output per micro-batch awaiting its backward.
     pub(super) saved: BTreeMap<u32, (Option<Vec<f32>>, Vec<f32>)>,

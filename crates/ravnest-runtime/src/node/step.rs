@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
+use ravnest_core::LayerRange;
 use ravnest_core::collective::CollId;
 use ravnest_core::pipeline::{Ready, StageRun, micro_batches};
 use tokio::time::Instant;
@@ -279,7 +280,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         base: Arc<Vec<f32>>,
         local: Vec<f32>,
         range: Range<usize>,
-        layers: Option<(u32, u32)>,
+        layers: Option<LayerRange>,
         ns: u64,
     ) {
         let share = w.batch as f32 / w.global_batch.max(1) as f32;
@@ -403,7 +404,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         step: u64,
         model: Vec<f32>,
         range: Range<usize>,
-        layers: Option<(u32, u32)>,
+        layers: Option<LayerRange>,
         synced: bool,
         compute_ns: u64,
     ) {
@@ -458,16 +459,14 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         if !due {
             return;
         }
-        let (a, b) = duty.layers;
-        let range = self
-            .compute
-            .param_range(a as usize..b as usize, model.len());
+        let layers = duty.layers;
+        let range = self.compute.param_range(layers, model.len());
         if let Some(shard) = model.get(range) {
             self.send(
                 Addr::Checkpoint,
                 Envelope::Shard {
                     step: v,
-                    layers: (a, b),
+                    layers,
                     digest: digest(shard),
                     model: shard.to_vec(),
                 },
@@ -487,17 +486,15 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         s: u64,
         model: Arc<Vec<f32>>,
     ) {
-        let layers = sw.layers.0 as usize..sw.layers.1 as usize;
-        let range = self.compute.param_range(layers.clone(), model.len());
+        let layers = sw.layers;
+        let range = self.compute.param_range(layers, model.len());
         if sw.stage >= sw.stages || layers.is_empty() || range.end > model.len() {
             return self.fail(
                 w.epoch,
                 format!(
-                    "malformed stage work: stage {} of {}, layers {}..{}, parameters {}..{} of a {}-value model",
+                    "malformed stage work: stage {} of {}, layers {layers}, parameters {}..{} of a {}-value model",
                     sw.stage,
                     sw.stages,
-                    layers.start,
-                    layers.end,
                     range.start,
                     range.end,
                     model.len()
@@ -545,14 +542,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 let n = samples.end - samples.start;
                 let out = self
                     .compute
-                    .stage_forward(
-                        self.id,
-                        p.step,
-                        samples,
-                        p.layers.clone(),
-                        params,
-                        input.as_deref(),
-                    )
+                    .stage_forward(self.id, p.step, samples, p.layers, params, input.as_deref())
                     .await
                     .map_err(|e| e.to_string())?;
                 if let Some(next) = p.sw.next {
@@ -580,7 +570,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                         self.id,
                         p.step,
                         samples,
-                        p.layers.clone(),
+                        p.layers,
                         params,
                         input.as_deref(),
                         &output,
@@ -590,9 +580,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                     .map_err(|e| e.to_string())?;
                 if g.len() != p.grad.len() {
                     return Err(format!(
-                        "the backward of layers {}..{} gave {} gradient values for {} parameters",
-                        p.layers.start,
-                        p.layers.end,
+                        "the backward of layers {} gave {} gradient values for {} parameters",
+                        p.layers,
                         g.len(),
                         p.grad.len()
                     ));

@@ -6,6 +6,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use ravnest_core::LayerRange;
+
 use crate::msg::HeldVersion;
 
 /// One version of the model.
@@ -16,7 +18,7 @@ pub struct Version {
     /// Whether every replica agreed on it.
     pub synced: bool,
     /// The layers it is current for (`None`: the whole model).
-    pub layers: Option<(u32, u32)>,
+    pub layers: Option<LayerRange>,
 }
 
 /// Versions kept, by number (version k: the model after k steps), and the buffers of retired
