@@ -22,7 +22,7 @@ use ravnest_core::config::{Fault, Scenario};
 use ravnest_core::cost::Costs;
 use ravnest_core::{LayerRange, NodeId, PlannerKind};
 use ravnest_runtime::checkpoint::{Store, StoreError};
-use ravnest_runtime::coordinator::{Config, Event, Note, RunLog, SharedLog, Tuning};
+use ravnest_runtime::coordinator::{Config, Event, Note, RunLog, SharedLog};
 use ravnest_runtime::node::Counters;
 use ravnest_runtime::supervisor::SupMsg;
 use ravnest_runtime::{Addr, Launch, Nodes, Trace};
@@ -332,20 +332,17 @@ fn sim_compute(costs: &Costs, secs_per_sample: &[f64], seed: u64, layered: bool)
 /// The coordinator's configuration for a simulated run.
 fn config(s: &Scenario, opts: &SimOptions, train_flops: f64, layered: bool) -> Config {
     Config {
-        cluster: s.cluster.clone(),
-        model: s.model.clone(),
-        training: s.training.clone(),
         planner: opts.planner,
-        steps: opts.steps,
         heartbeat_timeout_ms: opts.timeout.as_millis() as u64,
         train_flops,
         checkpoint_every: opts.checkpoint_every,
-        checkpoint_at_end: false,
-        start_step: 0,
-        initial_holders: None,
-        absent: Vec::new(),
         allow_pipeline: layered,
-        tuning: Tuning::default(),
+        ..Config::new(
+            s.cluster.clone(),
+            s.model.clone(),
+            s.training.clone(),
+            opts.steps,
+        )
     }
 }
 

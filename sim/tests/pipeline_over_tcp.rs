@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ravnest_core::cost::Costs;
-use ravnest_core::{LayerRange, NodeId, PlannerKind};
+use ravnest_core::{LayerRange, NodeId};
 use ravnest_runtime::coordinator::{Config, Event, Tuning};
 use ravnest_runtime::node::Counters;
 use ravnest_runtime::tcp::LoopbackCluster;
@@ -47,23 +47,14 @@ fn a_pipeline_trains_over_real_tcp() {
             .counters(counters.clone());
         let sup = launch.nodes(nodes).await.unwrap();
         let config = Config {
-            cluster: s.cluster.clone(),
-            model: s.model.clone(),
-            training: s.training.clone(),
-            planner: PlannerKind::Ravnest,
-            steps: STEPS,
             heartbeat_timeout_ms: 5000,
             train_flops: costs.train_flops(costs.all()),
-            checkpoint_every: 0,
-            checkpoint_at_end: false,
-            start_step: 0,
-            initial_holders: None,
-            absent: Vec::new(),
             allow_pipeline: compute.runs_stages(),
             tuning: Tuning {
                 measure_min_batch: u64::MAX,
                 ..Tuning::default()
             },
+            ..Config::new(s.cluster.clone(), s.model.clone(), s.training.clone(), STEPS)
         };
         let (coord, done_rx) = launch
             .coordinator(config, Duration::from_millis(50))

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ravnest_core::{NodeId, Optimizer, PlannerKind};
+use ravnest_core::{NodeId, Optimizer};
 use ravnest_runtime::coordinator::{Config, Event, Tuning};
 use ravnest_runtime::node::Counters;
 use ravnest_runtime::tcp::LoopbackCluster;
@@ -85,23 +85,12 @@ async fn equivalence(net: Network, data: Dataset, sync: &str) {
     let sup = launch.nodes(nodes).await.unwrap();
     let model = net.model_spec();
     let config = Config {
-        cluster: s.cluster.clone(),
-        model: model.clone(),
-        training: s.training.clone(),
-        planner: PlannerKind::Ravnest,
-        steps: STEPS,
         heartbeat_timeout_ms: 5000,
-        train_flops: model.train_flops_per_sample(),
-        checkpoint_every: 0,
-        checkpoint_at_end: false,
-        start_step: 0,
-        initial_holders: None,
-        absent: Vec::new(),
-        allow_pipeline: false,
         tuning: Tuning {
             measure_min_batch: u64::MAX,
             ..Tuning::default()
         },
+        ..Config::new(s.cluster.clone(), model, s.training.clone(), STEPS)
     };
     let (coord, done_rx) = launch
         .coordinator(config, Duration::from_millis(50))

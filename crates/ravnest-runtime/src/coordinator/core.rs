@@ -82,6 +82,35 @@ pub struct Config {
     pub tuning: Tuning,
 }
 
+impl Config {
+    /// A run of `steps` steps of `model` on `cluster` with the ravnest planner, from step 0 on
+    /// every node: a 1 s heartbeat timeout, no checkpoints, data parallel only, default tuning.
+    /// Change what differs with struct update syntax.
+    pub fn new(
+        cluster: ClusterSpec,
+        model: ModelSpec,
+        training: TrainingSpec,
+        steps: u64,
+    ) -> Config {
+        Config {
+            train_flops: model.train_flops_per_sample(),
+            cluster,
+            model,
+            training,
+            planner: PlannerKind::Ravnest,
+            steps,
+            heartbeat_timeout_ms: 1000,
+            checkpoint_every: 0,
+            checkpoint_at_end: false,
+            start_step: 0,
+            initial_holders: None,
+            absent: Vec::new(),
+            allow_pipeline: false,
+            tuning: Tuning::default(),
+        }
+    }
+}
+
 /// Knobs of the grant and of rebalancing.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Tuning {

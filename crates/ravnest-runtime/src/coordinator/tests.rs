@@ -11,7 +11,7 @@ use proptest::prelude::*;
 use ravnest_core::NodeId;
 
 use super::Event;
-use super::core::{Config, Coordinator, Effect, Input, Tuning};
+use super::core::{Config, Coordinator, Effect, Input};
 use crate::msg::{Envelope, HeldVersion, Work};
 
 const STEPS: u64 = 30;
@@ -25,19 +25,10 @@ fn config(nodes: usize) -> Config {
     let costs = ravnest_core::cost::Costs::new(&s.cluster, &s.model, &s.training);
     Config {
         train_flops: costs.train_flops(costs.all()),
-        cluster: s.cluster,
-        model: s.model,
-        training: s.training,
-        planner: ravnest_core::PlannerKind::Ravnest,
-        steps: STEPS,
         heartbeat_timeout_ms: TIMEOUT_MS,
         checkpoint_every: 10,
         checkpoint_at_end: true,
-        start_step: 0,
-        initial_holders: None,
-        absent: Vec::new(),
-        allow_pipeline: false,
-        tuning: Tuning::default(),
+        ..Config::new(s.cluster, s.model, s.training, STEPS)
     }
 }
 

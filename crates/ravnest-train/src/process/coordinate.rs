@@ -302,13 +302,8 @@ async fn train(
     let model_spec = su.compute.net.model_spec();
     let start_step = su.compute.initial_version();
     let config = Config {
-        cluster: cluster.clone(),
-        model: model_spec.clone(),
-        training: s.training.clone(),
         planner: h.opts.planner,
-        steps: s.run.steps,
         heartbeat_timeout_ms: s.run.heartbeat_timeout_ms,
-        train_flops: model_spec.train_flops_per_sample(),
         checkpoint_every: s.run.checkpoint_every_steps,
         checkpoint_at_end: true,
         start_step,
@@ -320,6 +315,7 @@ async fn train(
             measure_min_batch: 16,
             ..Tuning::default()
         },
+        ..Config::new(cluster.clone(), model_spec, s.training.clone(), s.run.steps)
     };
     let launch = Launch::new(h.tcp.clone()).at(h.t0);
     let journal = launch.journal();
