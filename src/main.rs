@@ -695,12 +695,16 @@ fn bench_sim(files: &[PathBuf], steps: u64) -> Result<()> {
 
 /// `bench sim --seeds N`: the seed sweep with checkers, resets added per seed.
 fn sim_sweep(first: u64, count: u64) -> Result<()> {
+    use ravnest_sim::sweep::{HostCrash, SweepCase};
     let mut cases = Vec::new();
-    for (name, steps) in [
-        ("flaky-3090", 170),
-        ("partition", 80),
-        ("straggler", 60),
-        ("memory-limited", 45),
+    for (name, steps, how) in [
+        ("flaky-3090", 170, HostCrash::AsWritten),
+        ("partition", 80, HostCrash::AsWritten),
+        ("straggler", 60, HostCrash::AsWritten),
+        ("memory-limited", 45, HostCrash::AsWritten),
+        ("coordinator-crash", 60, HostCrash::Steady),
+        ("coordinator-crash-replan", 60, HostCrash::Replan),
+        ("coordinator-crash", 60, HostCrash::Checkpoint),
     ] {
         let text = scenarios::SHIPPED
             .iter()
@@ -708,7 +712,11 @@ fn sim_sweep(first: u64, count: u64) -> Result<()> {
             .map(|(_, t)| *t)
             .context("a shipped scenario")?;
         let s = ravnest_core::parse(text, &format!("scenarios/{name}.toml"))?;
-        cases.push(ravnest_sim::sweep::SweepCase::new(name, s, steps).map_err(anyhow::Error::msg)?);
+        cases.push(
+            SweepCase::new(name, s, steps)
+                .map_err(anyhow::Error::msg)?
+                .host_crash(how),
+        );
     }
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let t0 = Instant::now();
@@ -725,6 +733,17 @@ fn sim_sweep(first: u64, count: u64) -> Result<()> {
         r.resets,
         threads
     );
+    if !r.take_overs.is_empty() {
+        text += &format!(
+            "coordinator fail-overs: {} (the host crashed in {})\n",
+            r.take_overs.values().sum::<u64>(),
+            r.take_overs
+                .iter()
+                .map(|(phase, k)| format!("{phase} {k}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     text += &format!(
         "violations or incomplete runs: {} of {count}\n",
         r.failures.len()

@@ -5,6 +5,8 @@
 //! - a worker killed with SIGKILL mid-run is detected, the others finish, loss still falls, and
 //!   the worker restarted with `--join HOST:PORT` (no file: it fetches it from a running node)
 //!   comes back in;
+//! - the coordinator's process killed with SIGKILL mid-run: the lowest live node takes over,
+//!   the run finishes every step, loss still falls (coordinator fail-over);
 //! - a run resumed from a checkpoint ends with the same bytes as an uninterrupted one;
 //! - the character model learns a text file across two processes and writes with it.
 //!
@@ -302,6 +304,72 @@ fn a_worker_killed_with_sigkill_is_survived_and_can_rejoin() {
     let last = s["nodes"][0]["report"]["last_loss"].as_f64().unwrap();
     assert!(last < 0.5 * first, "loss did not fall: {first} -> {last}");
     assert!(coord["accuracy"].as_f64().unwrap() >= 0.85, "{s}");
+}
+
+#[test]
+fn the_coordinator_killed_with_sigkill_is_taken_over_and_the_run_finishes() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = fresh_dir("e2e-kill-coordinator");
+    let file = cluster_file(&dir, &[("a", 1.0), ("b", 1.0), ("slow", 3.0)], 200, 50);
+    let out = dir.join("out");
+    let mut parent = start(&[
+        "run",
+        file.to_str().unwrap(),
+        "--json",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let rx = json_lines(&mut parent);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut pid_a = None;
+    let mut first_loss = None;
+    let before = read_until(&rx, deadline, |v| {
+        if v["event"] == "spawned" && v["node"] == "a" {
+            pid_a = v["pid"].as_u64();
+        }
+        if v["event"] == "progress"
+            && v["node"] == "b"
+            && v["step"].as_u64() > Some(0)
+            && first_loss.is_none()
+        {
+            first_loss = v["loss"].as_f64();
+        }
+        v["event"] == "progress" && v["node"] == "b" && v["step"].as_u64() >= Some(60)
+    });
+    // Node a hosts the coordinator (the first node of the file).
+    let pid_a = pid_a.unwrap_or_else(|| panic!("no pid for a in {before:?}"));
+    let killed = Command::new("kill")
+        .args(["-9", &pid_a.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let rest = read_until(&rx, deadline, |v| v["event"] == "summary");
+    assert!(
+        parent.wait().unwrap().success(),
+        "the run failed after the coordinator's kill: {:?}",
+        rest.iter().rev().take(5).collect::<Vec<_>>()
+    );
+    let s = summary(&rest);
+    let c = &s["coordinator"];
+    assert_eq!(c["node"], "b", "b (the lowest live node) takes over: {s}");
+    assert_eq!(c["steps"], 200, "{s}");
+    assert_eq!(c["took_over_from"], "a", "{s}");
+    let notable = c["notable_events"].to_string();
+    assert!(
+        notable.contains("`b` took over as coordinator (term 1) from `a`"),
+        "{notable}"
+    );
+    let took_over_at = c["start_step"].as_u64().unwrap();
+    assert!((55..200).contains(&took_over_at), "{s}");
+    let first = first_loss.expect("a loss before the kill");
+    let last = s["nodes"][1]["report"]["last_loss"].as_f64().unwrap();
+    assert!(last < 0.5 * first, "loss did not fall: {first} -> {last}");
+    assert!(c["accuracy"].as_f64().unwrap() >= 0.85, "{s}");
+    // The successor's checkpoints go on in the same folder, the final one included.
+    assert!(
+        out.join("checkpoints/step-00000200.safetensors").exists(),
+        "no final checkpoint"
+    );
 }
 
 #[test]

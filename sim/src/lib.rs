@@ -22,10 +22,10 @@ use ravnest_core::config::{Fault, Scenario};
 use ravnest_core::cost::Costs;
 use ravnest_core::{LayerRange, NodeId, PlannerKind};
 use ravnest_runtime::checkpoint::{Store, StoreError};
-use ravnest_runtime::coordinator::{Config, Event, Note, RunLog, SharedLog};
-use ravnest_runtime::node::Counters;
+use ravnest_runtime::coordinator::{Config, Event, Note, RunLog, SharedLog, spawn_leases};
+use ravnest_runtime::node::{Counters, Succession, Verdict};
 use ravnest_runtime::supervisor::SupMsg;
-use ravnest_runtime::{Addr, Launch, Nodes, Trace};
+use ravnest_runtime::{Addr, Launch, Nodes, Trace, Transport};
 use serde::Serialize;
 use tokio::time::Instant;
 
@@ -50,6 +50,9 @@ pub struct SimOptions {
     /// Print progress to stderr (every 5% of the steps). Reads the log only: the trace is the
     /// same with or without it.
     pub progress: bool,
+    /// Crash the coordinator's host this long after the first checkpoint round at or past
+    /// this version opens (fail-over during a checkpoint; the seed sweep uses it).
+    pub host_crash_in_round: Option<(u64, Duration)>,
 }
 
 impl SimOptions {
@@ -69,6 +72,7 @@ impl SimOptions {
             timeout: Duration::from_millis(1000),
             checkpoint_every: sim.checkpoint_every_steps,
             progress: false,
+            host_crash_in_round: None,
         }
     }
 }
@@ -124,6 +128,22 @@ pub struct FaultReport {
     /// For a slowdown: steps agreed between the fault and the re-plan that measurements
     /// asked for.
     pub replanned_after_steps: Option<u64>,
+    /// For a crash of the coordinator's host: who took over, when, and from which step.
+    pub taken_over: Option<TakeOverReport>,
+}
+
+/// How a crash of the coordinator's host was answered (fail-over).
+#[derive(Debug, Clone, Serialize)]
+pub struct TakeOverReport {
+    /// The node whose process took over as coordinator.
+    pub by: String,
+    /// Seconds from the crash until its coordinator started.
+    pub after_s: f64,
+    /// The model version training went on from.
+    pub from_step: u64,
+    /// What the coordinator was doing when its host crashed: `steady`, `re-plan` (halting
+    /// or re-planning after a loss) or `checkpoint` (a checkpoint round open).
+    pub during: String,
 }
 
 /// The result of a run.
@@ -159,6 +179,9 @@ pub struct SimReport {
     pub max_model_error: f64,
     /// Model versions checkpointed, in order.
     pub checkpoints: Vec<u64>,
+    /// Per complete checkpoint: when its round opened (the version was agreed) and when it
+    /// completed, virtual seconds.
+    pub checkpoint_rounds_s: Vec<(f64, f64)>,
     /// Trace entries.
     pub trace_len: u64,
     /// Trace hash.
@@ -279,16 +302,6 @@ fn fault_at(f: &Fault) -> f64 {
 /// Run a scenario. Deterministic: the same scenario and options give the same report and hash.
 pub fn run(s: &Scenario, opts: &SimOptions) -> Result<SimReport, SimError> {
     let host = s.run.coordinator.unwrap_or(NodeId(0));
-    for f in &s.faults {
-        if let Fault::Crash { node, .. } = f
-            && *node == host
-        {
-            return Err(SimError::Unsupported(format!(
-                "fault crashes `{}`, which hosts the coordinator; coordinator fail-over is not built yet (set [cluster] coordinator to another node)",
-                s.cluster.node(host).name
-            )));
-        }
-    }
     // Data parallel when it fits (the toy model is one vector); else a pipeline, and the toy
     // model gets the model's layers so that stages compute their part of it.
     let dp = ravnest_core::PlanOptions {
@@ -373,6 +386,27 @@ struct World<'a> {
     sup: &'a ractor::ActorRef<SupMsg>,
     compute: &'a SimCompute,
     t0: Instant,
+    /// The coordinator's process: its actors die with their host.
+    host: &'a Hosted,
+}
+
+/// The actors of the coordinator's process (the coordinator, the checkpoint aggregator and the
+/// leases), which a crash of its host stops; a successor starts its own (fail-over).
+#[derive(Default)]
+struct Hosted {
+    actors: Mutex<Vec<ractor::ActorCell>>,
+    leases: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Hosted {
+    fn stop(&self) {
+        for a in self.actors.lock().unwrap().drain(..) {
+            a.stop(None);
+        }
+        if let Some(l) = self.leases.lock().unwrap().take() {
+            l.abort();
+        }
+    }
 }
 
 /// Downtime per node: closed (start, end) intervals, and the start of an open one.
@@ -384,19 +418,58 @@ async fn play(
     w: &World<'_>,
     n: usize,
     actions: Vec<(f64, usize, Action)>,
-    done_rx: &mut tokio::sync::oneshot::Receiver<()>,
-) -> (bool, Vec<Vec<(u64, u64)>>, Vec<Option<u64>>) {
+    done_rx: &mut tokio::sync::mpsc::UnboundedReceiver<()>,
+    mut trigger: Option<tokio::sync::mpsc::UnboundedReceiver<()>>,
+) -> (bool, Vec<Vec<(u64, u64)>>, Vec<Option<u64>>, Option<Fault>) {
     let mut down: Downtime = (vec![Vec::new(); n], vec![None; n]);
-    for (at_s, _, action) in actions {
-        let when = w.t0 + Duration::from_secs_f64(at_s);
+    let mut triggered = None;
+    let mut actions = actions.into_iter().peekable();
+    loop {
+        let when = actions.peek().map(|a| w.t0 + Duration::from_secs_f64(a.0));
+        if when.is_none() && trigger.is_none() {
+            return (false, down.0, down.1, triggered);
+        }
+        let far = w.t0 + Duration::from_secs(u64::from(u32::MAX));
         tokio::select! {
             biased;
-            _ = &mut *done_rx => return (true, down.0, down.1),
-            _ = tokio::time::sleep_until(when) => {}
+            _ = done_rx.recv() => return (true, down.0, down.1, triggered),
+            fired = async { trigger.as_mut()?.recv().await }, if trigger.is_some() => {
+                trigger = None;
+                if fired.is_some() {
+                    // The coordinator's host crashes now (a checkpoint round is open).
+                    let node = w.net.host();
+                    triggered = Some(Fault::Crash { node, at_s: w.t0.elapsed().as_secs_f64() });
+                    apply(w, Action::Crash(node), &mut down);
+                }
+            }
+            _ = tokio::time::sleep_until(when.unwrap_or(far)), if when.is_some() => {
+                if let Some((_, _, action)) = actions.next() {
+                    apply(w, action, &mut down);
+                }
+            }
         }
-        apply(w, action, &mut down);
     }
-    (false, down.0, down.1)
+}
+
+/// The crash of the coordinator's host in a checkpoint round (`SimOptions::host_crash_in_round`):
+/// told when the first round at or past `version` has been open for `after`.
+fn spawn_round_trigger(
+    log: &SharedLog,
+    version: u64,
+    after: Duration,
+) -> tokio::sync::mpsc::UnboundedReceiver<()> {
+    let mut notes = log.subscribe();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Some(note) = notes.recv().await {
+            if matches!(note, Note::CheckpointOpened { step } if step >= version) {
+                tokio::time::sleep(after).await;
+                let _ = tx.send(());
+                return;
+            }
+        }
+    });
+    rx
 }
 
 /// One fault, now: recorded in the trace, then done to the network, a node or its compute.
@@ -406,6 +479,9 @@ fn apply(w: &World<'_>, action: Action, (down, down_since): &mut Downtime) {
         Action::Crash(n) => {
             w.trace.record(t_ns, "crash", Some(Addr::Node(n)), None, 0);
             w.net.crash(n);
+            if n == w.net.host() {
+                w.host.stop();
+            }
             down_since[n.index()].get_or_insert(t_ns);
             let _ = w.sup.cast(SupMsg::Crash(n));
         }
@@ -460,6 +536,112 @@ fn apply(w: &World<'_>, action: Action, (down, down_since): &mut Downtime) {
     }
 }
 
+/// Whether a run needs coordinator fail-over: a fault crashes the coordinator's host. (Only
+/// then, so that the other scenarios' traces stay what they were: fail-over adds leases and
+/// replicas to the traffic.)
+fn failover(s: &Scenario, host: NodeId) -> bool {
+    s.faults
+        .iter()
+        .any(|f| matches!(f, Fault::Crash { node, .. } if *node == host))
+}
+
+/// With fail-over, the nodes watch the coordinator (as `run`'s do, three heartbeat timeouts of
+/// silence) and their verdicts come on the receiver.
+fn watching(
+    nodes: Nodes<SimCompute>,
+    failover: bool,
+    host: NodeId,
+    opts: &SimOptions,
+) -> (
+    Nodes<SimCompute>,
+    tokio::sync::mpsc::UnboundedReceiver<(NodeId, Verdict)>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    if !failover {
+        return (nodes, rx);
+    }
+    let nodes = nodes.succession(Succession {
+        host,
+        silence: 3 * opts.timeout,
+        on_verdict: Arc::new(move |n, v| {
+            let _ = tx.send((n, v));
+        }),
+    });
+    (nodes, rx)
+}
+
+/// Starts the coordinator's process actors: the first at the start, a successor's on a
+/// take-over.
+struct Coordinating {
+    launch: Launch<SimNet>,
+    store: Arc<MemStore>,
+    element_bytes: u64,
+    config: Config,
+    tick: Duration,
+    leases: Option<(Vec<NodeId>, Duration)>,
+    hosted: Arc<Hosted>,
+    done: tokio::sync::mpsc::UnboundedSender<()>,
+}
+
+impl Coordinating {
+    /// Start the coordinator (a successor when `succeeds` says whom it succeeds), its
+    /// checkpoint actor and its leases; its end is told on `done`.
+    async fn start(
+        &self,
+        succeeds: Option<(ravnest_runtime::msg::Replica, NodeId)>,
+    ) -> Result<(), ravnest_runtime::LaunchError> {
+        let launch = &self.launch;
+        let ck = launch
+            .checkpoints(self.store.clone(), self.element_bytes)
+            .await?;
+        let (coord, done_rx) = match succeeds {
+            None => launch.coordinator(self.config.clone(), self.tick).await?,
+            Some((r, from)) => {
+                launch
+                    .successor(self.config.clone(), r, from, self.tick)
+                    .await?
+            }
+        };
+        self.hosted
+            .actors
+            .lock()
+            .unwrap()
+            .extend([ck.get_cell(), coord.get_cell()]);
+        if let Some((nodes, period)) = &self.leases {
+            let leases = spawn_leases(launch.transport().clone(), nodes.clone(), *period);
+            *self.hosted.leases.lock().unwrap() = Some(leases);
+        }
+        let done = self.done.clone();
+        tokio::spawn(async move {
+            if done_rx.await.is_ok() {
+                let _ = done.send(());
+            }
+        });
+        Ok(())
+    }
+
+    /// Carry out the nodes' verdicts: the successor's process starts a coordinator of the new
+    /// term (the predecessor's actors died with their host).
+    async fn succeed(
+        self,
+        mut verdicts: tokio::sync::mpsc::UnboundedReceiver<(NodeId, Verdict)>,
+        net: SimNet,
+    ) {
+        let mut host = self.config.host.unwrap_or(NodeId(0));
+        while let Some((_, v)) = verdicts.recv().await {
+            if let Verdict::TakeOver(r) = v {
+                if r.host == host {
+                    continue;
+                }
+                self.hosted.stop();
+                let from = std::mem::replace(&mut host, r.host);
+                net.set_coordinator(r.host);
+                let _ = self.start(Some((r, from))).await;
+            }
+        }
+    }
+}
+
 /// The progress line on stderr, every 5% of the steps (it reads the journal only: the trace is
 /// the same with or without it).
 fn spawn_progress(log: &SharedLog, total: u64, t0: Instant) -> tokio::task::JoinHandle<()> {
@@ -510,20 +692,31 @@ async fn simulate(
     let launch = Launch::new(net.clone()).at(t0).traced(trace.clone());
     let log = launch.journal();
     let spawned = |e: ravnest_runtime::LaunchError| SimError::Unsupported(e.to_string());
+    let failover = failover(s, host) || opts.host_crash_in_round.is_some();
     let nodes = Nodes::new(compute.clone(), cluster.ids().collect(), grad_bytes)
         .heartbeat(opts.heartbeat)
         .counters(counters.clone());
+    let (nodes, verdicts) = watching(nodes, failover, host, opts);
     let sup = launch.nodes(nodes).await.map_err(spawned)?;
-    let config = config(s, opts, costs.train_flops(all), layered);
+    let config = Config {
+        host: failover.then_some(host),
+        ..config(s, opts, costs.train_flops(all), layered)
+    };
     let store = Arc::new(MemStore::default());
-    let ck = launch
-        .checkpoints(store.clone(), s.training.precision.element_bytes())
-        .await
-        .map_err(spawned)?;
-    let (coord, mut done_rx) = launch
-        .coordinator(config, opts.heartbeat / 2)
-        .await
-        .map_err(spawned)?;
+    let hosted = Arc::new(Hosted::default());
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
+    let coordinator = Coordinating {
+        launch: launch.clone(),
+        store: store.clone(),
+        element_bytes: s.training.precision.element_bytes(),
+        config,
+        tick: opts.heartbeat / 2,
+        leases: failover.then(|| (cluster.ids().collect(), opts.heartbeat)),
+        hosted: hosted.clone(),
+        done: done_tx,
+    };
+    coordinator.start(None).await.map_err(spawned)?;
+    let successions = tokio::spawn(coordinator.succeed(verdicts, net.clone()));
 
     let actions = schedule(&s.faults);
     let last_fault = actions.last().map_or(0.0, |a| a.0);
@@ -537,14 +730,18 @@ async fn simulate(
         sup: &sup,
         compute: &compute,
         t0,
+        host: &hosted,
     };
-    let (finished, mut down, down_since) =
-        play(&world, cluster.nodes.len(), actions, &mut done_rx).await;
+    let trigger = opts
+        .host_crash_in_round
+        .map(|(v, after)| spawn_round_trigger(&log, v, after));
+    let (finished, mut down, down_since, triggered) =
+        play(&world, cluster.nodes.len(), actions, &mut done_rx, trigger).await;
     let mut violations = Vec::new();
     if !finished {
         tokio::select! {
             biased;
-            _ = &mut done_rx => {}
+            _ = done_rx.recv() => {}
             _ = tokio::time::sleep_until(deadline) => {
                 violations.push(format!("the run did not end within its bound of {bound_s:.0} virtual seconds"));
             }
@@ -556,8 +753,8 @@ async fn simulate(
             down[i].push((*a, end_ns));
         }
     }
-    coord.stop(None);
-    ck.stop(None);
+    successions.abort();
+    hosted.stop();
     sup.stop(None);
     net_task.abort();
     if let Some(p) = progress {
@@ -580,6 +777,9 @@ async fn simulate(
         &secs_per_sample,
         violations,
     );
+    if let Some(f) = triggered {
+        r.faults.push(fault_report(s, &log, &f));
+    }
     r.timeline = picture(s, &log, &counters, down, end_ns);
     Ok(r)
 }
@@ -623,6 +823,11 @@ fn picture(
                 false,
             )),
             Event::Joined { node } => markers.push((*t, format!("{} rejoined", name(node)), false)),
+            Event::TookOver { node, step, .. } => markers.push((
+                *t,
+                format!("{} took over as coordinator at step {step}", name(node)),
+                false,
+            )),
             _ => {}
         }
     }
@@ -772,6 +977,10 @@ fn fault_report(s: &Scenario, log: &RunLog, f: &Fault) -> FaultReport {
         _ => None,
     };
     FaultReport {
+        taken_over: match f {
+            Fault::Crash { node, .. } => taken_over(s, log, *node, at_ns),
+            _ => None,
+        },
         replanned_after_steps: replanned,
         rejoined_after_s: rejoined,
         fault: describe(s, f),
@@ -779,6 +988,81 @@ fn fault_report(s: &Scenario, log: &RunLog, f: &Fault) -> FaultReport {
         detected_after_s: detected.map(|t| (t - at_ns) as f64 / 1e9),
         resumed_after_s: resumed.map(|t| (t - at_ns) as f64 / 1e9),
     }
+}
+
+/// When `node`, crashed at `at_ns`, hosted the coordinator: who took over, when, from which
+/// step, and what the coordinator was doing at the crash.
+fn taken_over(s: &Scenario, log: &RunLog, node: NodeId, at_ns: u64) -> Option<TakeOverReport> {
+    let (t, by, step) = log.events.iter().find_map(|(t, e)| match e {
+        Event::TookOver {
+            node: by,
+            from,
+            step,
+            ..
+        } if *from == node && *t >= at_ns => Some((*t, *by, *step)),
+        _ => None,
+    })?;
+    Some(TakeOverReport {
+        by: s.cluster.node(by).name.clone(),
+        after_s: (t - at_ns) as f64 / 1e9,
+        from_step: step,
+        during: phase_at(log, at_ns).into(),
+    })
+}
+
+/// What the coordinator was doing at `t_ns`: in a re-plan (a loss detected, the survivors not
+/// yet given their new epoch), with a checkpoint round open (a version it agreed whose
+/// checkpoint it had not completed; its shards on their way), or neither.
+fn phase_at(log: &RunLog, t_ns: u64) -> &'static str {
+    let before = |t: &u64| *t <= t_ns;
+    let last_loss = log
+        .events
+        .iter()
+        .filter(|(t, e)| before(t) && matches!(e, Event::Detected { .. } | Event::Resync { .. }))
+        .map(|(t, _)| *t)
+        .next_back();
+    if let Some(lost) = last_loss
+        && !log
+            .events
+            .iter()
+            .any(|(t, e)| *t > lost && before(t) && matches!(e, Event::Planned { .. }))
+    {
+        return "re-plan";
+    }
+    let done: Vec<(u64, u64)> = log
+        .events
+        .iter()
+        .filter_map(|(t, e)| match e {
+            Event::CheckpointComplete { step, .. } => Some((*step, *t)),
+            _ => None,
+        })
+        .collect();
+    // A round opens when the coordinator agrees the step that makes a due version; its end is
+    // when the round completed (never, when the crash cut it).
+    let open = log
+        .checkpoint_opened
+        .iter()
+        .any(|&(v, opened)| opened <= t_ns && done.iter().all(|&(step, t)| step != v || t > t_ns));
+    if open { "checkpoint" } else { "steady" }
+}
+
+/// Per complete checkpoint: (opened, completed), virtual seconds.
+fn checkpoint_rounds(log: &RunLog) -> Vec<(f64, f64)> {
+    log.events
+        .iter()
+        .filter_map(|(t, e)| match e {
+            Event::CheckpointComplete { step, .. } => {
+                let opened = log
+                    .checkpoint_opened
+                    .iter()
+                    .rev()
+                    .find(|(v, o)| v == step && o <= t)?
+                    .1;
+                Some((opened as f64 / 1e9, *t as f64 / 1e9))
+            }
+            _ => None,
+        })
+        .collect()
 }
 
 /// The run's report: throughput, checkers, per-node and per-fault figures.
@@ -828,6 +1112,7 @@ fn report(
         violations,
         max_model_error: max_err,
         checkpoints,
+        checkpoint_rounds_s: checkpoint_rounds(log),
         trace_len: trace.len(),
         trace_hash: trace.hash(),
         timeline: timeline::Timeline::default(),

@@ -192,6 +192,11 @@ impl State {
 }
 
 impl SimNet {
+    /// The node hosting the coordinator now.
+    pub fn host(&self) -> NodeId {
+        self.state.lock().unwrap().host
+    }
+
     /// A network over `cluster`, the coordinator hosted on `host`.
     pub fn new(cluster: ClusterSpec, host: NodeId, seed: u64, t0: Instant, trace: Trace) -> Self {
         SimNet {
@@ -349,6 +354,10 @@ impl SimNet {
 impl Transport for SimNet {
     fn register(&self, addr: Addr, inbox: Inbox) {
         self.state.lock().unwrap().inboxes.insert(addr, inbox);
+    }
+
+    fn set_coordinator(&self, host: NodeId) {
+        self.state.lock().unwrap().host = host;
     }
 
     fn send(&self, from: Addr, to: Addr, env: Envelope) -> Result<(), TransportError> {

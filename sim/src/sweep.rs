@@ -23,6 +23,24 @@ pub struct SweepCase {
     pub steps: u64,
     /// Virtual seconds an undisturbed run takes (resets are placed within it).
     pub span_s: f64,
+    /// Where each seed moves the crash of the coordinator's host (fail-over cases).
+    pub host_crash: HostCrash,
+    /// The checkpoint rounds of seed 0's run: (opened, completed), virtual seconds.
+    pub rounds: Vec<(f64, f64)>,
+}
+
+/// When a fail-over case crashes the coordinator's host, per seed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostCrash {
+    /// The scenario's faults as written.
+    AsWritten,
+    /// In steady state: anywhere in the run (a restart of it follows, as written, after it).
+    Steady,
+    /// During a re-plan: the scenario's other crash moves anywhere, and the host crashes when
+    /// that loss is about to be detected or is being re-planned.
+    Replan,
+    /// During a checkpoint: inside a checkpoint round of seed 0's run.
+    Checkpoint,
 }
 
 impl SweepCase {
@@ -37,7 +55,62 @@ impl SweepCase {
             scenario,
             steps,
             span_s: r.sim_time_s.max(1e-3),
+            host_crash: HostCrash::AsWritten,
+            rounds: r.checkpoint_rounds_s,
         })
+    }
+
+    /// A fail-over case: each seed moves the crash of the coordinator's host as `how` says.
+    pub fn host_crash(mut self, how: HostCrash) -> SweepCase {
+        self.host_crash = how;
+        self
+    }
+}
+
+/// Move the crash of the coordinator's host (and the faults around it) as the case says, from
+/// the seed: a pure function of both.
+pub fn retime_host_crash(seed: u64, c: &SweepCase, s: &mut Scenario) {
+    let host = s.run.coordinator.unwrap_or(NodeId(0));
+    let Some(hi) = s
+        .faults
+        .iter()
+        .position(|f| matches!(f, Fault::Crash { node, .. } if *node == host))
+    else {
+        return;
+    };
+    let mut r = Rng::derive(seed, &[0xc0_c0]);
+    let at = match c.host_crash {
+        HostCrash::AsWritten => return,
+        HostCrash::Steady => c.span_s * (0.1 + 0.6 * r.unit()),
+        HostCrash::Replan => {
+            let other = c.span_s * (0.1 + 0.5 * r.unit());
+            for f in &mut s.faults {
+                if let Fault::Crash { node, at_s } = f
+                    && *node != host
+                {
+                    *at_s = other;
+                }
+            }
+            // The loss is detected a heartbeat timeout (1 s) after it; the halt and re-plan
+            // follow within a step.
+            other + 0.9 + 0.4 * r.unit()
+        }
+        // Crashed by the simulator inside a checkpoint round instead (`host_crash_in_round`).
+        HostCrash::Checkpoint => {
+            s.faults.retain(|f| !matches!(f, Fault::Crash { node, .. } | Fault::Restart { node, .. } if *node == host));
+            return;
+        }
+    };
+    let was = match &mut s.faults[hi] {
+        Fault::Crash { at_s, .. } => std::mem::replace(at_s, at),
+        _ => return,
+    };
+    for f in &mut s.faults {
+        if let Fault::Restart { node, at_s } = f
+            && *node == host
+        {
+            *at_s = at + (*at_s - was).max(1.0);
+        }
     }
 }
 
@@ -62,6 +135,34 @@ pub fn seed_plan(seed: u64, cases: &[SweepCase]) -> (usize, Vec<Fault>) {
     (case, resets)
 }
 
+/// For a case that crashes the coordinator's host during a checkpoint: which round (a
+/// checkpoint version before the last) and how long after it opened (within the time its shards
+/// take on the slowest link), from the seed.
+pub fn host_crash_in_round(
+    seed: u64,
+    c: &SweepCase,
+    o: &SimOptions,
+) -> Option<(u64, std::time::Duration)> {
+    if c.host_crash != HostCrash::Checkpoint || o.checkpoint_every == 0 {
+        return None;
+    }
+    let mut r = Rng::derive(seed, &[0xc4_ec]);
+    let rounds = (c.steps.saturating_sub(1) / o.checkpoint_every).max(1);
+    let version = o.checkpoint_every * (1 + r.next_u64() % rounds);
+    // The shortest round of seed 0's run bounds the delay.
+    let shortest = c
+        .rounds
+        .iter()
+        .map(|(open, close)| close - open)
+        .filter(|d| *d > 0.0)
+        .fold(f64::INFINITY, f64::min);
+    let window = if shortest.is_finite() { shortest } else { 0.01 };
+    Some((
+        version,
+        std::time::Duration::from_secs_f64(window * 0.9 * r.unit()),
+    ))
+}
+
 /// A failed seed.
 #[derive(Debug, Clone)]
 pub struct SweepFailure {
@@ -84,12 +185,20 @@ pub struct SweepReport {
     pub resets: u64,
     /// Failed seeds (checker violations, or fewer steps than asked), by seed.
     pub failures: Vec<SweepFailure>,
+    /// Crashes of the coordinator's host taken over, by what the coordinator was doing
+    /// (`steady`, `re-plan`, `checkpoint`).
+    pub take_overs: std::collections::BTreeMap<String, u64>,
 }
 
 /// Run seeds `first..first + count` over `cases` on `threads` threads.
 pub fn sweep(cases: &[SweepCase], first: u64, count: u64, threads: usize) -> SweepReport {
     let next = AtomicU64::new(first);
-    let out = Mutex::new((vec![0u64; cases.len()], 0u64, Vec::new()));
+    let out = Mutex::new((
+        vec![0u64; cases.len()],
+        0u64,
+        Vec::new(),
+        std::collections::BTreeMap::new(),
+    ));
     std::thread::scope(|sc| {
         for _ in 0..threads.max(1) {
             sc.spawn(|| {
@@ -101,6 +210,7 @@ pub fn sweep(cases: &[SweepCase], first: u64, count: u64, threads: usize) -> Swe
                     let (i, resets) = seed_plan(seed, cases);
                     let c = &cases[i];
                     let mut s = c.scenario.clone();
+                    retime_host_crash(seed, c, &mut s);
                     let added = resets.len() as u64;
                     let injected: Vec<String> = resets
                         .iter()
@@ -117,7 +227,14 @@ pub fn sweep(cases: &[SweepCase], first: u64, count: u64, threads: usize) -> Swe
                     let mut o = SimOptions::for_scenario(&s);
                     o.seed = seed;
                     o.steps = c.steps;
-                    let failure = match run(&s, &o) {
+                    o.host_crash_in_round = host_crash_in_round(seed, c, &o);
+                    let result = run(&s, &o);
+                    let phases: Vec<String> = result
+                        .iter()
+                        .flat_map(|r| &r.faults)
+                        .filter_map(|f| f.taken_over.as_ref().map(|t| t.during.clone()))
+                        .collect();
+                    let failure = match result {
                         Err(e) => Some(e.to_string()),
                         Ok(r) if !r.violations.is_empty() => Some(r.violations.join("; ")),
                         Ok(r) if r.steps_completed != c.steps => Some(format!(
@@ -129,6 +246,9 @@ pub fn sweep(cases: &[SweepCase], first: u64, count: u64, threads: usize) -> Swe
                     let mut o = out.lock().unwrap();
                     o.0[i] += 1;
                     o.1 += added;
+                    for p in phases {
+                        *o.3.entry(p).or_insert(0) += 1;
+                    }
                     if let Some(what) = failure {
                         o.2.push(SweepFailure {
                             seed,
@@ -140,12 +260,13 @@ pub fn sweep(cases: &[SweepCase], first: u64, count: u64, threads: usize) -> Swe
             });
         }
     });
-    let (runs, resets, mut failures) = out.into_inner().unwrap();
+    let (runs, resets, mut failures, take_overs) = out.into_inner().unwrap();
     failures.sort_by_key(|f: &SweepFailure| f.seed);
     SweepReport {
         seeds: count,
         per_case: cases.iter().map(|c| c.name.clone()).zip(runs).collect(),
         resets,
         failures,
+        take_overs,
     }
 }

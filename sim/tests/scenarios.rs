@@ -15,6 +15,8 @@ fn scenario(name: &str) -> Scenario {
         "memory-limited" => include_str!("../../scenarios/memory-limited.toml"),
         "straggler" => include_str!("../../scenarios/straggler.toml"),
         "partition" => include_str!("../../scenarios/partition.toml"),
+        "coordinator-crash" => include_str!("../../scenarios/coordinator-crash.toml"),
+        "coordinator-crash-replan" => include_str!("../../scenarios/coordinator-crash-replan.toml"),
         other => panic!("unknown scenario {other}"),
     };
     ravnest_core::parse(text, name).unwrap()
@@ -287,6 +289,49 @@ fn seed_sweep_with_checkers() {
         "{:?}\nreplay: cargo run --release -- bench sim --seeds 1 --first SEED",
         r.failures
     );
+}
+
+#[test]
+fn coordinator_failover_seed_sweep() {
+    // The coordinator's host crashes in steady state, during a re-plan (a worker was lost just
+    // before) and during a checkpoint round; each seed moves the crash and adds 1-3 connection
+    // resets. A successor must take over every time, and every checker must hold.
+    use ravnest_sim::sweep::{HostCrash, SweepCase};
+    let seeds: u64 = std::env::var("RAVNEST_FAILOVER_SEEDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(240);
+    let cases: Vec<SweepCase> = [
+        ("coordinator-crash", HostCrash::Steady),
+        ("coordinator-crash-replan", HostCrash::Replan),
+        ("coordinator-crash", HostCrash::Checkpoint),
+    ]
+    .iter()
+    .map(|&(name, how)| {
+        SweepCase::new(name, scenario(name), 60)
+            .unwrap()
+            .host_crash(how)
+    })
+    .collect();
+    let r = ravnest_sim::sweep::sweep(&cases, 0, seeds, 2);
+    eprintln!("{:?} {:?}", r.per_case, r.take_overs);
+    assert!(
+        r.failures.is_empty(),
+        "{:?}\nreplay: cargo test -p ravnest-sim --test scenarios coordinator_failover (seed in the failure)",
+        r.failures
+    );
+    let taken: u64 = r.take_overs.values().sum();
+    assert_eq!(
+        taken, seeds,
+        "every crash of the coordinator's host is taken over: {r:?}"
+    );
+    for phase in ["steady", "re-plan", "checkpoint"] {
+        assert!(
+            r.take_overs.get(phase).copied().unwrap_or(0) >= seeds / 10,
+            "too few crashes {phase}: {:?}",
+            r.take_overs
+        );
+    }
 }
 
 #[test]

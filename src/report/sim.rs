@@ -59,31 +59,7 @@ pub fn sim_text(origin: &str, r: &ravnest_sim::SimReport) -> String {
     if !r.faults.is_empty() {
         let _ = writeln!(out, "\nfaults:");
         for f in &r.faults {
-            let mut line = format!("  at {:>7.1} s  {}", f.at_s, f.fault);
-            if let Some(j) = f.rejoined_after_s {
-                let _ = write!(line, ": rejoined after {j:.2} s");
-            }
-            if let Some(d) = f.detected_after_s {
-                let _ = write!(line, ": detected after {d:.2} s");
-            }
-            match (f.resumed_after_s, f.detected_after_s) {
-                (Some(x), Some(_)) => {
-                    let _ = write!(line, ", training resumed after {x:.2} s");
-                }
-                (Some(x), None) => {
-                    let sep = if f.rejoined_after_s.is_some() {
-                        ","
-                    } else {
-                        ":"
-                    };
-                    let _ = write!(line, "{sep} next step completed {x:.2} s later");
-                }
-                (None, _) => line.push_str(": no step completed after it"),
-            }
-            if let Some(k) = f.replanned_after_steps {
-                let _ = write!(line, "; re-planned for measured speeds {k} steps later");
-            }
-            let _ = writeln!(out, "{line}");
+            let _ = writeln!(out, "{}", fault_line(f));
         }
     }
     let _ = writeln!(
@@ -147,4 +123,47 @@ pub fn sim_compare(a: &ravnest_sim::SimReport, b: &ravnest_sim::SimReport) -> St
         );
     }
     out
+}
+
+/// One fault of a simulation and how the run answered it.
+fn fault_line(f: &ravnest_sim::FaultReport) -> String {
+    let mut line = format!("  at {:>7.1} s  {}", f.at_s, f.fault);
+    if let Some(j) = f.rejoined_after_s {
+        let _ = write!(line, ": rejoined after {j:.2} s");
+    }
+    if let Some(d) = f.detected_after_s {
+        let _ = write!(line, ": detected after {d:.2} s");
+    }
+    if let Some(t) = &f.taken_over {
+        let _ = write!(
+            line,
+            " (the coordinator's host, {} then): {} took over as coordinator after {:.2} s, from step {}",
+            match t.during.as_str() {
+                "re-plan" => "re-planning",
+                "checkpoint" => "a checkpoint round open",
+                _ => "steady state",
+            },
+            t.by,
+            t.after_s,
+            t.from_step
+        );
+    }
+    match (f.resumed_after_s, f.detected_after_s) {
+        (Some(x), Some(_)) => {
+            let _ = write!(line, ", training resumed after {x:.2} s");
+        }
+        (Some(x), None) => {
+            let sep = if f.rejoined_after_s.is_some() {
+                ","
+            } else {
+                ":"
+            };
+            let _ = write!(line, "{sep} next step completed {x:.2} s later");
+        }
+        (None, _) => line.push_str(": no step completed after it"),
+    }
+    if let Some(k) = f.replanned_after_steps {
+        let _ = write!(line, "; re-planned for measured speeds {k} steps later");
+    }
+    line
 }

@@ -184,6 +184,7 @@ impl<T: Transport> Actor for CheckpointActor<T> {
                 layers,
                 digest,
                 model,
+                ..
             } => {
                 let Addr::Node(node) = from else {
                     return Ok(());
@@ -283,6 +284,7 @@ mod tests {
                     step,
                     layers: LayerRange::new(0, 2),
                     digest: digest(good),
+                    virtual_bytes: 4 * sent.len() as u64,
                     model: sent,
                 },
             );

@@ -23,7 +23,8 @@ use tokio::time::Instant;
 
 use crate::checkpoint::{CheckpointActor, CkMsg, Store};
 use crate::coordinator::{Config, CoordMsg, CoordinatorActor, SharedLog};
-use crate::node::{Counters, NodeActor, Start};
+use crate::msg::Replica;
+use crate::node::{Counters, NodeActor, Start, Succession};
 use crate::seams::{Compute, Transport};
 use crate::supervisor::{SupMsg, SupervisorActor};
 use crate::trace::Trace;
@@ -57,6 +58,7 @@ pub struct Nodes<C> {
     heartbeat: Duration,
     first_start: Start,
     counters: Counters,
+    succession: Option<Succession>,
 }
 
 impl<C> std::fmt::Debug for Nodes<C> {
@@ -77,6 +79,7 @@ impl<C> Nodes<C> {
             heartbeat: Duration::from_millis(100),
             first_start: Start::Fresh,
             counters: Counters::default(),
+            succession: None,
         }
     }
 
@@ -95,6 +98,13 @@ impl<C> Nodes<C> {
     /// How the nodes start the first time.
     pub fn start(mut self, how: Start) -> Self {
         self.first_start = how;
+        self
+    }
+
+    /// Fail-over: the nodes watch the coordinator and take over or follow as
+    /// [`Succession`] says.
+    pub fn succession(mut self, s: Succession) -> Self {
+        self.succession = Some(s);
         self
     }
 
@@ -128,6 +138,11 @@ impl<T: Transport> Launch<T> {
         self
     }
 
+    /// The transport the actors use.
+    pub fn transport(&self) -> &T {
+        &self.transport
+    }
+
     /// The run's journal (events, agreed steps): read it, or subscribe to it.
     pub fn journal(&self) -> SharedLog {
         self.log.clone()
@@ -139,6 +154,7 @@ impl<T: Transport> Launch<T> {
             let (transport, t0) = (self.transport.clone(), self.t0);
             let (compute, counters) = (n.compute, n.counters);
             let (grad_bytes, model_bytes) = (n.grad_bytes, n.model_bytes);
+            let succession = n.succession;
             Arc::new(move |id: NodeId| NodeActor {
                 id,
                 transport: transport.clone(),
@@ -147,6 +163,7 @@ impl<T: Transport> Launch<T> {
                 model_bytes,
                 counters: counters.clone(),
                 t0,
+                succession: succession.clone(),
             })
         };
         let supervisor = SupervisorActor {
@@ -197,6 +214,29 @@ impl<T: Transport> Launch<T> {
         config: Config,
         tick: Duration,
     ) -> Result<(ActorRef<CoordMsg>, oneshot::Receiver<()>), LaunchError> {
+        self.spawn_coordinator(config, tick, None).await
+    }
+
+    /// Start a successor's coordinator (fail-over): of the term in `replica`, hosted here,
+    /// after the one hosted by `predecessor` was lost. The receiver fires when the run has
+    /// finished.
+    pub async fn successor(
+        &self,
+        config: Config,
+        replica: Replica,
+        predecessor: NodeId,
+        tick: Duration,
+    ) -> Result<(ActorRef<CoordMsg>, oneshot::Receiver<()>), LaunchError> {
+        self.spawn_coordinator(config, tick, Some((replica, predecessor)))
+            .await
+    }
+
+    async fn spawn_coordinator(
+        &self,
+        config: Config,
+        tick: Duration,
+        succeeds: Option<(Replica, NodeId)>,
+    ) -> Result<(ActorRef<CoordMsg>, oneshot::Receiver<()>), LaunchError> {
         let (done_tx, done_rx) = oneshot::channel();
         let actor = CoordinatorActor {
             transport: self.transport.clone(),
@@ -205,6 +245,7 @@ impl<T: Transport> Launch<T> {
             t0: self.t0,
             trace: self.trace.clone(),
             log: self.log.clone(),
+            succeeds,
         };
         let (coord, _) =
             Actor::spawn(None, actor, done_tx)

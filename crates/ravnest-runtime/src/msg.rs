@@ -2,7 +2,7 @@
 
 use ravnest_core::collective::{CollId, CollMsg};
 use ravnest_core::planner::sync::Collective;
-use ravnest_core::{LayerRange, NodeId};
+use ravnest_core::{ClusterSpec, LayerRange, NodeId};
 
 use crate::digest::Fnv;
 
@@ -330,6 +330,8 @@ pub enum Envelope {
         digest: u64,
         /// The values.
         model: Vec<f32>,
+        /// Bytes they stand for (the network charges them: a checkpoint takes time).
+        virtual_bytes: u64,
     },
     /// Step finished on this node: digest of its new model.
     StepDone {
@@ -375,6 +377,29 @@ pub enum Envelope {
     /// (Coordinator → workers, `ravnest run`) the run's final report, as JSON: every node
     /// prints the same table.
     Summary(String),
+    /// (Coordinator → nodes, with fail-over) what a successor needs to go on
+    /// (the coordinator's `succession` module).
+    Succession(Box<Replica>),
+}
+
+/// What a successor needs to go on: sent by the coordinator to the nodes.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Replica {
+    /// The coordinator's term (0 for the first coordinator; a successor's is one more).
+    pub term: u32,
+    /// The node whose process hosts the coordinator of this term.
+    pub host: NodeId,
+    /// The current epoch.
+    pub epoch: u64,
+    /// The first step of the oldest epoch still running: a node that holds only older
+    /// versions was still fetching, and must not drag the others back.
+    pub floor: u64,
+    /// Every step below this is agreed.
+    pub agreed: u64,
+    /// The nodes the coordinator watches and believes alive (its host included).
+    pub members: Vec<NodeId>,
+    /// The cluster with the figures the coordinator plans with (measured speeds and links).
+    pub cluster: ClusterSpec,
 }
 
 /// Bytes of a control message on the wire (header, ids, small fields).
@@ -386,6 +411,7 @@ impl Envelope {
         match self {
             Envelope::Coll { virtual_bytes, .. }
             | Envelope::State { virtual_bytes, .. }
+            | Envelope::Shard { virtual_bytes, .. }
             | Envelope::Activation { virtual_bytes, .. }
             | Envelope::ActivationGrad { virtual_bytes, .. } => *virtual_bytes + CONTROL_BYTES,
             Envelope::Work(w) => CONTROL_BYTES + 4 * w.ring.len() as u64,
@@ -401,6 +427,7 @@ impl Envelope {
             self,
             Envelope::Coll { .. }
                 | Envelope::State { .. }
+                | Envelope::Shard { .. }
                 | Envelope::Probe { .. }
                 | Envelope::Activation { .. }
                 | Envelope::ActivationGrad { .. }
@@ -447,6 +474,7 @@ impl Envelope {
             Envelope::Address { .. } => "address",
             Envelope::Report(_) => "report",
             Envelope::Summary(_) => "summary",
+            Envelope::Succession(_) => "succession",
         }
     }
 
@@ -514,6 +542,20 @@ impl Envelope {
                 h.bytes(addr.as_bytes());
             }
             Envelope::Report(text) | Envelope::Summary(text) => h.bytes(text.as_bytes()),
+            Envelope::Succession(r) => {
+                for x in [
+                    u64::from(r.term),
+                    u64::from(r.host.0),
+                    r.epoch,
+                    r.floor,
+                    r.agreed,
+                ] {
+                    h.u64(x);
+                }
+                for m in &r.members {
+                    h.u64(u64::from(m.0));
+                }
+            }
             _ => return false,
         }
         true

@@ -42,6 +42,10 @@ pub trait Transport: Clone + Send + Sync + 'static {
     /// Send `env` from `from` to `to`. Ordered per (from, to); may be lost if `to` is down or
     /// unreachable.
     fn send(&self, from: Addr, to: Addr, env: Envelope) -> Result<(), TransportError>;
+    /// Fail-over: the coordinator (and the checkpoint aggregator) are hosted by `host` from now
+    /// on; envelopes to [`Addr::Coordinator`] go there. A transport that hosts it in one fixed
+    /// place (a test's) may ignore this.
+    fn set_coordinator(&self, _host: ravnest_core::NodeId) {}
 }
 
 /// Why a compute backend could not do what it was asked.

@@ -84,6 +84,7 @@ impl TcpTransport {
                 next_conn: AtomicU64::new(0),
                 started: std::time::Instant::now(),
                 dial_addrs: Mutex::new(cfg.peers.clone()),
+                coordinator: std::sync::atomic::AtomicU32::new(cfg.coordinator.0),
                 cfg,
             }),
         };
@@ -232,7 +233,7 @@ impl TcpTransport {
 
     fn host(&self, a: Addr) -> Option<NodeId> {
         match a {
-            Addr::Coordinator | Addr::Checkpoint => Some(self.inner.cfg.coordinator),
+            Addr::Coordinator | Addr::Checkpoint => Some(self.coordinator()),
             Addr::Node(n) => self.inner.cfg.peers.contains_key(&n).then_some(n),
         }
     }
@@ -298,7 +299,7 @@ impl TcpTransport {
             // A link dialed to the old address leads nowhere: the next envelope dials again.
             self.inner.links.lock().unwrap().remove(&node);
         }
-        if from == Addr::Node(node) && cfg.coordinator == cfg.me {
+        if from == Addr::Node(node) && self.coordinator() == cfg.me {
             for &p in cfg.peers.keys() {
                 if p != cfg.me && p != node {
                     let _ = self.send(
@@ -314,12 +315,23 @@ impl TcpTransport {
         }
     }
 
+    /// The node hosting the coordinator now.
+    pub fn coordinator(&self) -> NodeId {
+        NodeId(self.inner.coordinator.load(Ordering::SeqCst))
+    }
+
     fn now_ms(&self) -> u64 {
         self.inner.started.elapsed().as_millis() as u64
     }
 }
 
 impl Transport for TcpTransport {
+    fn set_coordinator(&self, host: NodeId) {
+        if self.inner.coordinator.swap(host.0, Ordering::SeqCst) != host.0 {
+            self.log(format!("the coordinator is hosted by node {} now", host.0));
+        }
+    }
+
     fn register(&self, addr: Addr, inbox: Inbox) {
         let mut inboxes = self.inner.inboxes.lock().unwrap();
         let early = self.inner.early.lock().unwrap().remove(&addr);

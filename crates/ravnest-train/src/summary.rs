@@ -126,6 +126,10 @@ pub struct CoordinatorReport {
     pub notable_events: Vec<String>,
     /// Every event: `events.jsonl`.
     pub events_file: String,
+    /// Fail-over: this coordinator took over from the one on this node (its figures count from
+    /// `start_step`, where it took over).
+    #[serde(default)]
+    pub took_over_from: Option<String>,
 }
 
 /// Text the character model wrote.
@@ -214,6 +218,12 @@ impl NodeRow {
                 self.node
             );
         };
+        // A successor's figures start where it took over; a node's time is its process's then.
+        let wall = if c.took_over_from.is_some() {
+            r.wall_s.max(1e-9)
+        } else {
+            wall
+        };
         let busy = r.compute_s / wall;
         let comm = r.comm_s / wall;
         format!(
@@ -240,16 +250,26 @@ impl CoordinatorReport {
             ),
             None => String::new(),
         };
-        let resumed = match self.start_step {
-            0 => String::new(),
-            s => format!(" (resumed from the checkpoint of step {s})"),
+        let resumed = match (self.start_step, &self.took_over_from) {
+            (s, Some(from)) => {
+                format!(" (since step {s}, when this node took over as coordinator from `{from}`)")
+            }
+            (0, None) => String::new(),
+            (s, None) => format!(" (resumed from the checkpoint of step {s})"),
+        };
+        let efficiency = if self.solo_sum_samples_per_s > 0.0 {
+            format!(
+                "capacity efficiency: {:.2} (achieved ÷ {:.0} samples/s, the sum of each node's measured solo throughput)\n",
+                self.capacity_efficiency, self.solo_sum_samples_per_s
+            )
+        } else {
+            String::new()
         };
         let checkpoints: Vec<String> = self.checkpoints.iter().map(u64::to_string).collect();
         let body = format!(
             "trained steps {}..{} in {:.1} s: {:.0} samples/s{resumed}\n\
              accuracy on the held-out split: {:.3} (target {:.2}: {})\n\
-             capacity efficiency: {:.2} (achieved ÷ {:.0} samples/s, the sum of each node's measured solo throughput)\n\
-             checkpoints: steps {} in {} (final: {})",
+             {efficiency}checkpoints: steps {} in {} (final: {})",
             self.start_step,
             self.steps,
             self.train_s,
@@ -261,8 +281,6 @@ impl CoordinatorReport {
             } else {
                 "NOT reached"
             },
-            self.capacity_efficiency,
-            self.solo_sum_samples_per_s,
             checkpoints.join(", "),
             self.checkpoint_dir,
             self.final_checkpoint
@@ -276,6 +294,7 @@ pub fn notable(what: &str) -> bool {
     what.contains("lost")
         || what.contains("aborted")
         || what.contains("joined")
+        || what.contains("took over")
         || what.starts_with("violation")
         || what.starts_with("stalled")
         || what.starts_with("no step agreed")

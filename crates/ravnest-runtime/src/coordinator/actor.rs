@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use super::SharedLog;
 use super::core::{Config, Coordinator, Effect, Input};
-use crate::msg::{Addr, Envelope};
+use crate::msg::{Addr, Envelope, Replica};
 use crate::seams::Transport;
 use crate::trace::Trace;
 
@@ -30,6 +30,9 @@ pub struct CoordinatorActor<T> {
     pub trace: Trace,
     /// Log.
     pub log: SharedLog,
+    /// Fail-over: this coordinator succeeds a lost one (the new term's replica, and the lost
+    /// coordinator's host).
+    pub succeeds: Option<(Replica, NodeId)>,
 }
 
 /// Messages.
@@ -63,6 +66,9 @@ impl<T: Transport> CoordinatorActor<T> {
                     let _ = self.transport.send(Addr::Coordinator, Addr::Node(to), env);
                 }
                 Effect::Checkpoint(env) => {
+                    if let Envelope::CheckpointBegin { step, .. } = &env {
+                        self.log.checkpoint_opened(self.now_ns(), *step);
+                    }
                     let _ = self
                         .transport
                         .send(Addr::Coordinator, Addr::Checkpoint, env);
@@ -83,7 +89,9 @@ impl<T: Transport> CoordinatorActor<T> {
                 }
                 Effect::RolledBack { to } => {
                     let keep = to.saturating_sub(self.config.start_step) as usize;
-                    self.log.lock().unwrap().step_done_ns.truncate(keep);
+                    let mut log = self.log.lock().unwrap();
+                    log.step_done_ns.truncate(keep);
+                    log.last_step = to.checked_sub(1);
                 }
                 Effect::Finished => {
                     self.log.lock().unwrap().local_sgd = st.core.used_local_sgd();
@@ -112,7 +120,10 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
         );
         let now_ms = self.t0.elapsed().as_millis() as u64;
         let mut st = CoordState {
-            core: Coordinator::new(self.config.clone(), now_ms),
+            core: match &self.succeeds {
+                Some((r, from)) => Coordinator::take_over(self.config.clone(), r, *from, now_ms),
+                None => Coordinator::new(self.config.clone(), now_ms),
+            },
             done: Some(done),
             ticker: Some(myself.send_interval(self.tick, || CoordMsg::Tick)),
         };
@@ -149,4 +160,28 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
         self.execute(st, effects);
         Ok(())
     }
+}
+
+/// The coordinator's leases (fail-over): a heartbeat from [`Addr::Coordinator`] to each of
+/// `nodes` every `period`, so that every node, idle ones too, knows it is there. The task ends
+/// when the transport refuses to send (its host is down) or when aborted.
+pub fn spawn_leases<T: Transport>(
+    transport: T,
+    nodes: Vec<NodeId>,
+    period: Duration,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            for &n in &nodes {
+                if let Err(crate::seams::TransportError::SenderDown(_)) =
+                    transport.send(Addr::Coordinator, Addr::Node(n), Envelope::Heartbeat)
+                {
+                    return;
+                }
+            }
+        }
+    })
 }

@@ -44,7 +44,7 @@ use super::assign::{
     Assign, Holders, StepCost, SyncGroup, assignments, balanced_bound, compute_bound,
 };
 use super::measure::SpeedEstimate;
-use crate::msg::{CheckpointDuty, Envelope, HeldVersion, SyncPolicy, Work};
+use crate::msg::{CheckpointDuty, Envelope, HeldVersion, Replica, SyncPolicy, Work};
 
 /// What the coordinator is given.
 #[derive(Debug, Clone)]
@@ -80,6 +80,9 @@ pub struct Config {
     pub allow_pipeline: bool,
     /// How the coordinator reacts to measurements.
     pub tuning: Tuning,
+    /// Fail-over: the node whose process hosts this coordinator. When set, the coordinator
+    /// replicates what a successor needs to the nodes ([`super::succession`]).
+    pub host: Option<NodeId>,
 }
 
 impl Config {
@@ -107,6 +110,7 @@ impl Config {
             absent: Vec::new(),
             allow_pipeline: false,
             tuning: Tuning::default(),
+            host: None,
         }
     }
 }
@@ -340,6 +344,13 @@ pub struct Coordinator {
     resyncs: u32,
     /// The time `handle` was last called with.
     now_ms: u64,
+    /// The coordinator's term (fail-over: a successor's is its predecessor's + 1).
+    term: u32,
+    /// The oldest version a resumption may start from when no epoch runs (a successor's
+    /// floor: nodes that hold only older versions were still fetching).
+    floor: u64,
+    /// A successor that has not resumed yet: (the predecessor's host, its term).
+    taking_over: Option<(NodeId, u32)>,
     out: Vec<Effect>,
 }
 
@@ -398,14 +409,49 @@ impl Coordinator {
             predicted_step_ms: 0.0,
             resyncs: 0,
             now_ms,
+            term: 0,
+            floor: cfg.start_step,
+            taking_over: None,
             out: Vec::new(),
             cfg,
         }
     }
 
+    /// A successor's coordinator (fail-over), from its predecessor's replica: `r` is already
+    /// of the new term, hosted here. It watches the replica's members, halts all of them (every
+    /// epoch of earlier terms), and resumes from the newest synchronized version they all hold,
+    /// as after a worker's loss; the first synchronized version after that is checkpointed
+    /// (the predecessor's round in flight, if any, died with it). Call [`Coordinator::start`]
+    /// to send the halts.
+    pub fn take_over(mut cfg: Config, r: &Replica, predecessor: NodeId, now_ms: u64) -> Self {
+        cfg.cluster = r.cluster.clone();
+        cfg.absent = cfg
+            .cluster
+            .ids()
+            .filter(|n| !r.members.contains(n))
+            .collect();
+        cfg.initial_holders = Some(Vec::new());
+        cfg.host = Some(r.host);
+        let mut c = Coordinator::new(cfg, now_ms);
+        c.term = r.term;
+        c.epoch = super::succession::term_epoch(r.term);
+        c.agreed = r.agreed.max(c.agreed);
+        c.until = c.agreed;
+        c.last_sync = r.floor;
+        c.last_synced = r.floor;
+        c.floor = r.floor;
+        c.catch_up = r.floor;
+        c.taking_over = Some((predecessor, r.term));
+        c
+    }
+
     /// Plan the first epoch and hand it out.
     pub fn start(&mut self) -> Vec<Effect> {
-        if self.cfg.steps <= self.cfg.start_step {
+        if self.taking_over.is_some() {
+            // Halt every epoch of the earlier terms; the answers say what each node holds.
+            self.replicate();
+            self.halt(None);
+        } else if self.cfg.steps <= self.cfg.start_step {
             self.finish(Event::Finished);
         } else {
             let holders = self.initial.clone();
@@ -605,6 +651,7 @@ impl Coordinator {
         while self.eras.len() > 1 && self.eras[1].from <= self.agreed {
             self.eras.remove(0);
         }
+        self.replicate();
         if self.agreed >= self.cfg.steps {
             self.finish(Event::Finished);
         }
@@ -781,6 +828,7 @@ impl Coordinator {
         self.predicted_step_ms = s.plan.step.step_s * 1e3 * period;
         self.last_progress_ms = self.now_ms;
         self.last_agreed_ms = self.now_ms;
+        self.replicate();
     }
 
     /// Who does what from step `from`: the plan of the live nodes, their assignments (each
@@ -1056,7 +1104,27 @@ impl Coordinator {
             self.catch_up = self.catch_up.min(version);
         }
         self.initial.remove(&node);
+        self.replicate();
         self.lost_worker(node);
+    }
+
+    /// Fail-over: what a successor needs, to every live node (after every agreed step, each
+    /// epoch and each loss: a few hundred bytes per node).
+    fn replicate(&mut self) {
+        let Some(host) = self.cfg.host else { return };
+        let r = Replica {
+            term: self.term,
+            host,
+            epoch: self.epoch,
+            floor: self.eras.first().map_or(self.floor, |e| e.from),
+            agreed: self.agreed,
+            members: self.detector.alive(),
+            cluster: self.cfg.cluster.clone(),
+        };
+        let to: Vec<NodeId> = r.members.iter().copied().filter(|&m| m != host).collect();
+        for n in to {
+            self.send(n, Envelope::Succession(Box::new(r.clone())));
+        }
     }
 
     /// A worker of a running epoch is gone (dead, or restarted without its state): halt.
@@ -1075,8 +1143,12 @@ impl Coordinator {
 
     /// Halt every live node of the running epochs (but `lost`); they answer with what they hold.
     fn halt(&mut self, lost: Option<NodeId>) {
-        let waiting: BTreeSet<NodeId> = self
-            .involved()
+        let involved = if self.taking_over.is_some() {
+            self.detector.alive().into_iter().collect()
+        } else {
+            self.involved()
+        };
+        let waiting: BTreeSet<NodeId> = involved
             .into_iter()
             .filter(|&n| Some(n) != lost && self.detector.is_alive(n))
             .collect();
@@ -1146,7 +1218,7 @@ impl Coordinator {
             |vs: &[HeldVersion]| vs.iter().filter(|v| v.synced).map(|v| v.version).max();
         // A node that had not reached the running epochs' start (it was still fetching it)
         // holds only older versions: it does not drag the others back.
-        let start = self.eras.first().map_or(0, |e| e.from);
+        let start = self.eras.first().map_or(self.floor, |e| e.from);
         let Some(v) = h
             .held
             .values()
@@ -1156,6 +1228,26 @@ impl Coordinator {
         else {
             return self.finish(Event::Stalled("no live node holds the latest model".into()));
         };
+        if let Some((from, term)) = self.taking_over.take() {
+            let node = self.cfg.host.unwrap_or(from);
+            self.emit(Event::TookOver {
+                node,
+                from,
+                step: v,
+                term,
+            });
+            // Steps the predecessor could not agree any more: every survivor finished them.
+            while self.agreed < v {
+                self.out.push(Effect::Agreed {
+                    step: self.agreed,
+                    digest: None,
+                });
+                self.agreed += 1;
+            }
+        }
+        if v >= self.cfg.steps {
+            return self.finish(Event::Finished);
+        }
         // Steps below v were finished by every survivor (their reports came before their
         // answers); the lost node's reports will not come.
         while self.agreed < v && !self.finished {

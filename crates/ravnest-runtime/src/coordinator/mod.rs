@@ -7,6 +7,7 @@ pub mod actor;
 pub mod assign;
 pub mod core;
 pub mod measure;
+pub mod succession;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, LockResult, Mutex, MutexGuard};
@@ -14,7 +15,7 @@ use std::sync::{Arc, LockResult, Mutex, MutexGuard};
 use ravnest_core::NodeId;
 use tokio::sync::mpsc;
 
-pub use actor::{CoordMsg, CoordinatorActor};
+pub use actor::{CoordMsg, CoordinatorActor, spawn_leases};
 pub use core::{Config, Coordinator, Effect, Input, Tuning};
 
 /// Something the coordinator did or saw, for reports.
@@ -57,6 +58,18 @@ pub enum Event {
         /// Per worker: (node, seconds per sample assumed, seconds per sample measured).
         speeds: Vec<(NodeId, f64, f64)>,
     },
+    /// This coordinator took over from a lost one (fail-over): `node` hosts term `term`, the
+    /// predecessor was hosted by `from`, and training goes on from model version `step`.
+    TookOver {
+        /// The successor's node.
+        node: NodeId,
+        /// The lost coordinator's node.
+        from: NodeId,
+        /// The version training resumes from.
+        step: u64,
+        /// The new term.
+        term: u32,
+    },
     /// A node (re)joined.
     Joined {
         /// Node.
@@ -89,6 +102,7 @@ impl Event {
             Event::Aborted { .. } => "aborted",
             Event::Resync { .. } => "resync",
             Event::Joined { .. } => "joined",
+            Event::TookOver { .. } => "took-over",
             Event::Rebalanced { .. } => "rebalanced",
             Event::CheckpointComplete { .. } => "checkpoint",
             Event::Refused(_) => "shard-refused",
@@ -101,7 +115,9 @@ impl Event {
     /// The node it is about, if one.
     pub fn node(&self) -> Option<NodeId> {
         match self {
-            Event::Detected { node, .. } | Event::Joined { node } => Some(*node),
+            Event::Detected { node, .. }
+            | Event::Joined { node }
+            | Event::TookOver { node, .. } => Some(*node),
             _ => None,
         }
     }
@@ -118,6 +134,11 @@ pub struct RunLog {
     pub local_sgd: bool,
     /// The model digest every replica reported, per synchronized version.
     pub synced_digest: BTreeMap<u64, u64>,
+    /// The last step recorded as agreed: a successor coordinator (fail-over) that agrees it
+    /// again into the same journal is not counted twice.
+    pub last_step: Option<u64>,
+    /// Checkpoint rounds opened: (model version, ns since start).
+    pub checkpoint_opened: Vec<(u64, u64)>,
 }
 
 /// What a [`Journal`] tells its listeners, as it happens.
@@ -129,6 +150,11 @@ pub enum Note {
     Agreed {
         /// Steps agreed so far.
         steps: usize,
+    },
+    /// A checkpoint round of model version `step` was opened.
+    CheckpointOpened {
+        /// The version.
+        step: u64,
     },
 }
 
@@ -172,6 +198,10 @@ impl Journal {
     pub fn agreed(&self, t_ns: u64, step: u64, digest: Option<u64>) {
         let steps = {
             let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+            if log.last_step.is_some_and(|l| step <= l) {
+                return;
+            }
+            log.last_step = Some(step);
             log.step_done_ns.push(t_ns);
             if let Some(d) = digest {
                 log.synced_digest.insert(step + 1, d);
@@ -179,6 +209,16 @@ impl Journal {
             log.step_done_ns.len()
         };
         self.tell(Note::Agreed { steps });
+    }
+
+    /// Record that the checkpoint round of version `step` was opened at `t_ns`.
+    pub fn checkpoint_opened(&self, t_ns: u64, step: u64) {
+        self.log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .checkpoint_opened
+            .push((step, t_ns));
+        self.tell(Note::CheckpointOpened { step });
     }
 
     /// Listen from now on: every later event and agreement arrives on the receiver.

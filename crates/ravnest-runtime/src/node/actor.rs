@@ -3,13 +3,14 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use ravnest_core::{LayerRange, NodeId};
 
 use super::state::{Fetch, NodeMsg, NodeState};
 use super::versions::Version;
-use super::{NodeActor, Start, spawn_link_probes};
+use super::{NodeActor, Start, Verdict, spawn_link_probes};
 use crate::collective::{CollectiveActor, CollectiveMsg};
 use crate::msg::{Addr, Envelope, Work};
 use crate::seams::{Compute, Transport};
@@ -355,8 +356,34 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         self.advance(st).await;
     }
 
+    /// Fail-over: act on what the watch over the coordinator decided. The transport is
+    /// redirected here; the process is told (it starts a coordinator on a take-over).
+    fn on_verdict(&self, v: Option<Verdict>) {
+        let Some(v) = v else { return };
+        let Some(sc) = &self.succession else { return };
+        match &v {
+            Verdict::Follow(host) => self.transport.set_coordinator(*host),
+            Verdict::TakeOver(_) => self.transport.set_coordinator(self.id),
+            Verdict::Lost(_) => {}
+        }
+        (sc.on_verdict)(self.id, v);
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.t0.elapsed().as_millis() as u64
+    }
+
     async fn on_net(&self, st: &mut NodeState, from: Addr, env: Envelope) {
+        if from == Addr::Coordinator
+            && let Some(w) = &mut st.watch
+        {
+            w.heard(self.now_ms());
+        }
         match env {
+            Envelope::Succession(r) => {
+                let v = st.watch.as_mut().and_then(|w| w.replica(*r, self.now_ms()));
+                self.on_verdict(v);
+            }
             Envelope::Work(w) => self.on_work(st, *w).await,
             Envelope::Grant { epoch, until } => {
                 self.on_grant(st, epoch, until);
@@ -483,10 +510,21 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
             );
         }
         let mut st = NodeState {
-            me: Some(myself),
+            me: Some(myself.clone()),
             collective: Some(collective),
             ..NodeState::default()
         };
+        if let Some(sc) = &self.succession {
+            let silence_ms = sc.silence.as_millis() as u64;
+            st.watch = Some(crate::coordinator::succession::Watch::new(
+                self.id,
+                sc.host,
+                silence_ms,
+                self.now_ms(),
+            ));
+            let period = Duration::from_millis((silence_ms / 10).max(10));
+            st.watch_ticker = Some(myself.send_interval(period, || NodeMsg::Watch));
+        }
         match start {
             Start::Fresh => {
                 let v = self.compute.initial_version();
@@ -515,6 +553,21 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
             NodeMsg::Net(from, env) => self.on_net(st, from, env).await,
             NodeMsg::Collective(outcome) => self.on_outcome(st, outcome),
             NodeMsg::Advance => self.advance(st).await,
+            NodeMsg::Watch => {
+                let v = st.watch.as_mut().and_then(|w| w.tick(self.now_ms()));
+                self.on_verdict(v);
+            }
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<NodeMsg>,
+        st: &mut NodeState,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(t) = st.watch_ticker.take() {
+            t.abort();
         }
         Ok(())
     }

@@ -20,6 +20,7 @@ use std::time::Duration;
 use ravnest_core::NodeId;
 use tokio::time::Instant;
 
+pub use crate::coordinator::succession::Verdict;
 use crate::msg::{Addr, Envelope};
 use crate::seams::Transport;
 
@@ -109,6 +110,31 @@ pub struct NodeActor<T, C> {
     pub counters: Counters,
     /// Start of the run (spans are measured from it).
     pub t0: Instant,
+    /// Fail-over: how the node watches the coordinator, and whom it tells what it decides.
+    pub succession: Option<Succession>,
+}
+
+/// Fail-over on a node: it watches the coordinator (hosted by `host` at the start) and
+/// suspects it after `silence` without a word; [`crate::coordinator::succession::Watch`]
+/// decides. The node redirects its transport itself; `on_verdict` is told every verdict (the
+/// process starts a coordinator on [`Verdict::TakeOver`]). It must not block.
+#[derive(Clone)]
+pub struct Succession {
+    /// The coordinator's host at the start.
+    pub host: NodeId,
+    /// Silence after which the coordinator is suspected.
+    pub silence: Duration,
+    /// Told each verdict.
+    pub on_verdict: Arc<dyn Fn(NodeId, Verdict) + Send + Sync>,
+}
+
+impl std::fmt::Debug for Succession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Succession")
+            .field("host", &self.host)
+            .field("silence", &self.silence)
+            .finish()
+    }
 }
 
 /// Whether the node starts with the initial model or must fetch state (it restarted).

@@ -25,6 +25,8 @@ pub enum NodeMsg {
     /// Go on with the next step (sent to itself after each step, so that messages that came
     /// in meanwhile, a halt or a new epoch, are seen first).
     Advance,
+    /// Fail-over: consult the watch over the coordinator.
+    Watch,
 }
 
 /// An activation or gradient that arrived before its step started here.
@@ -76,6 +78,9 @@ pub struct NodeState {
     pub(super) group: Option<(u64, Arc<Group>)>,
     pub(super) probes: ProbeWaiters,
     pub(super) probe_seq: u64,
+    /// Fail-over: the watch over the coordinator, and its ticker.
+    pub(super) watch: Option<crate::coordinator::succession::Watch>,
+    pub(super) watch_ticker: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// A step whose collectives are running.

@@ -468,6 +468,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                     step: v,
                     layers,
                     digest: digest(shard),
+                    virtual_bytes: (self.model_bytes as f64 * shard.len() as f64
+                        / model.len().max(1) as f64) as u64,
                     model: shard.to_vec(),
                 },
             );

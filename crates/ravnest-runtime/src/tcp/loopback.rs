@@ -49,7 +49,11 @@ impl LoopbackCluster {
 
     fn host(&self, a: Addr) -> Option<&TcpTransport> {
         match a {
-            Addr::Coordinator | Addr::Checkpoint => self.nodes.get(&NodeId(0)),
+            Addr::Coordinator | Addr::Checkpoint => self
+                .nodes
+                .values()
+                .next()
+                .and_then(|t| self.nodes.get(&t.coordinator())),
             Addr::Node(n) => self.nodes.get(&n),
         }
     }
@@ -66,6 +70,12 @@ impl Transport for LoopbackCluster {
         self.host(from)
             .ok_or(TransportError::Unknown(from))?
             .send(from, to, env)
+    }
+
+    fn set_coordinator(&self, host: NodeId) {
+        for t in self.nodes.values() {
+            t.set_coordinator(host);
+        }
     }
 }
 

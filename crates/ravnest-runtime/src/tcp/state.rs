@@ -68,6 +68,8 @@ pub(super) struct Inner {
     /// Where each peer is dialed: its address in the config, until it advertises another
     /// ([`Envelope::Address`]).
     pub(super) dial_addrs: Mutex<BTreeMap<NodeId, SocketAddr>>,
+    /// The node hosting the coordinator now (the config's, until a fail-over moves it).
+    pub(super) coordinator: std::sync::atomic::AtomicU32,
 }
 
 /// A peer's current accepted connection.

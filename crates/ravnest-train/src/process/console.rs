@@ -253,6 +253,16 @@ pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
             *silent_ms as f64 / 1e3
         ),
         Event::Joined { node } => format!("node `{}` joined", name(node)),
+        Event::TookOver {
+            node,
+            from,
+            step,
+            term,
+        } => format!(
+            "`{}` took over as coordinator (term {term}) from `{}`: training goes on from step {step}",
+            name(node),
+            name(from)
+        ),
         Event::CheckpointComplete { step, .. } => format!("checkpoint of step {step} written"),
         Event::Violation(w) => format!("violation: {w}"),
         Event::Stalled(w) => format!("stalled: {w}"),

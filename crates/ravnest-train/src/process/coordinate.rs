@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ravnest_core::{Link, NodeId, Scenario};
-use ravnest_runtime::coordinator::{Config, Event, Note, Tuning};
+use ravnest_runtime::coordinator::{Config, Event, Note, Tuning, spawn_leases};
 use ravnest_runtime::msg::Capabilities;
+use ravnest_runtime::msg::Replica;
 use ravnest_runtime::node::Counters;
 use ravnest_runtime::tcp::TcpTransport;
 use ravnest_runtime::{Addr, Compute, Envelope, Launch, Transport};
@@ -41,16 +42,11 @@ pub(super) type Coordinated = (CoordinatorReport, Inbox, Vec<NodeId>);
 
 /// The coordinator's host, from registrations to the end of training.
 pub(super) async fn coordinate(h: &Host<'_>, reg_rx: &mut Inbox) -> Result<Coordinated, RunError> {
-    let s = &h.opts.scenario;
-    let heartbeats = spawn_coordinator_heartbeats(
-        h.tcp.clone(),
-        s.cluster.ids().filter(|&id| id != h.su.me).collect(),
-        Duration::from_millis(s.run.heartbeat_ms.max(10)),
-    );
-    let _stop_heartbeats = AbortOnDrop(heartbeats);
+    let everyone: Vec<NodeId> = h.opts.scenario.cluster.ids().collect();
+    let _leases = leases(h, &everyone);
     let caps = register(h, reg_rx).await?;
     let all: Vec<NodeId> = caps.keys().copied().collect();
-    let mut cluster = s.cluster.clone();
+    let mut cluster = h.opts.scenario.cluster.clone();
     probe_links(h, reg_rx, &all, &mut cluster).await;
     let solo = measure_together(h, reg_rx, &caps, &mut cluster).await;
     let plan_text = plan_text(h, &cluster, &all)?;
@@ -58,10 +54,87 @@ pub(super) async fn coordinate(h: &Host<'_>, reg_rx: &mut Inbox) -> Result<Coord
         node: h.say.node.clone(),
         text: plan_text,
     });
-    let trained = train(h, &cluster, &caps).await?;
+    let absent = cluster.ids().filter(|id| !caps.contains_key(id)).collect();
+    let config = Config {
+        start_step: h.su.compute.initial_version(),
+        initial_holders: h.opts.resume.then(|| vec![h.su.me]),
+        absent,
+        ..config(h, &cluster)
+    };
+    let trained = train(h, config, None).await?;
     let report = coordinator_report(h, &cluster, &solo, &trained);
-    let (reports_rx, expected) = finish_workers(h, &cluster, &caps, &trained.log).await;
+    let members: Vec<NodeId> = caps.keys().copied().collect();
+    let (reports_rx, expected) = finish_workers(h, &cluster, &members, &trained.log).await;
     Ok((report, reports_rx, expected))
+}
+
+/// Fail-over: the coordinator (hosted by `from`) is lost and this node succeeds it, with the
+/// replica `r` of the new term. From the replica's figures (the measured cluster), it halts
+/// every member, resumes from the newest version they all hold, and finishes the run as the
+/// coordinator's host: checkpoints, the final evaluation, `Finish`, the run's report.
+pub(super) async fn take_over(
+    h: &Host<'_>,
+    r: Replica,
+    from: NodeId,
+) -> Result<Coordinated, RunError> {
+    let _leases = leases(h, &r.members);
+    let cluster = r.cluster.clone();
+    let name = |n: NodeId| {
+        cluster
+            .nodes
+            .get(n.index())
+            .map_or("?", |x| x.name.as_str())
+    };
+    h.say.cluster(format!(
+        "the coordinator on `{}` is silent: `{}` takes over (term {}), from the last consistent step",
+        name(from),
+        name(h.su.me),
+        r.term
+    ));
+    let config = Config {
+        start_step: r.agreed,
+        ..config(h, &cluster)
+    };
+    let members = r.members.clone();
+    let trained = train(h, config, Some((r, from))).await?;
+    let report = coordinator_report(h, &cluster, &BTreeMap::new(), &trained);
+    let (reports_rx, expected) = finish_workers(h, &cluster, &members, &trained.log).await;
+    Ok((report, reports_rx, expected))
+}
+
+/// The coordinator's leases: a heartbeat to each of `nodes` but this one every period, so
+/// that workers (idle ones too) know it is there; stopped when dropped.
+fn leases(h: &Host<'_>, nodes: &[NodeId]) -> AbortOnDrop {
+    let s = &h.opts.scenario;
+    AbortOnDrop(spawn_leases(
+        h.tcp.clone(),
+        nodes.iter().copied().filter(|&id| id != h.su.me).collect(),
+        Duration::from_millis(s.run.heartbeat_ms.max(10)),
+    ))
+}
+
+/// What the coordinator of this run is given on `cluster` (the measured figures), hosted here.
+fn config(h: &Host<'_>, cluster: &ravnest_core::ClusterSpec) -> Config {
+    let (s, su) = (&h.opts.scenario, h.su);
+    Config {
+        planner: h.opts.planner,
+        heartbeat_timeout_ms: s.run.heartbeat_timeout_ms,
+        checkpoint_every: s.run.checkpoint_every_steps,
+        checkpoint_at_end: true,
+        allow_pipeline: su.compute.runs_stages(),
+        tuning: Tuning {
+            // Fixed per-step costs dominate the figure of a tiny share.
+            measure_min_batch: 16,
+            ..Tuning::default()
+        },
+        host: Some(su.me),
+        ..Config::new(
+            cluster.clone(),
+            su.compute.net.model_spec(),
+            s.training.clone(),
+            s.run.steps,
+        )
+    }
 }
 
 /// Wait for every node of the file to register (saying what it waits for every few seconds),
@@ -295,44 +368,27 @@ pub(super) struct Trained {
 /// happen.
 async fn train(
     h: &Host<'_>,
-    cluster: &ravnest_core::ClusterSpec,
-    caps: &BTreeMap<NodeId, Capabilities>,
+    config: Config,
+    succeeds: Option<(Replica, NodeId)>,
 ) -> Result<Trained, RunError> {
     let (s, su) = (&h.opts.scenario, h.su);
-    let model_spec = su.compute.net.model_spec();
-    let start_step = su.compute.initial_version();
-    let config = Config {
-        planner: h.opts.planner,
-        heartbeat_timeout_ms: s.run.heartbeat_timeout_ms,
-        checkpoint_every: s.run.checkpoint_every_steps,
-        checkpoint_at_end: true,
-        start_step,
-        initial_holders: h.opts.resume.then(|| vec![su.me]),
-        absent: cluster.ids().filter(|id| !caps.contains_key(id)).collect(),
-        allow_pipeline: su.compute.runs_stages(),
-        tuning: Tuning {
-            // Fixed per-step costs dominate the figure of a tiny share.
-            measure_min_batch: 16,
-            ..Tuning::default()
-        },
-        ..Config::new(cluster.clone(), model_spec, s.training.clone(), s.run.steps)
-    };
+    let start_step = config.start_step;
+    let cluster = config.cluster.clone();
     let launch = Launch::new(h.tcp.clone()).at(h.t0);
     let journal = launch.journal();
     let mut notes = journal.subscribe();
     let ck = launch.checkpoints(Arc::new(su.files.clone()), 4).await?;
     let train_started = Instant::now();
     let tick = Duration::from_millis(s.run.heartbeat_ms / 2 + 1);
-    let (coord, mut done) = launch.coordinator(config, tick).await?;
+    // A successor appends to the events its predecessor wrote.
+    let append = h.opts.resume || succeeds.is_some();
+    let (coord, mut done) = match succeeds {
+        None => launch.coordinator(config, tick).await?,
+        Some((r, from)) => launch.successor(config, r, from, tick).await?,
+    };
     // Relay the coordinator's events as they happen, to the console and to `events.jsonl`.
     let events_path = h.opts.out_dir.join("events.jsonl");
-    let mut sink = EventSink::open(
-        &events_path,
-        h.opts.resume,
-        start_step,
-        h.say.clone(),
-        cluster.clone(),
-    );
+    let mut sink = EventSink::open(&events_path, append, start_step, h.say.clone(), cluster);
     let is_final = |n: &Note| matches!(n, Note::Event(_, Event::CheckpointComplete { step, .. }) if *step == s.run.steps);
     let mut final_written = false;
     loop {
@@ -423,10 +479,10 @@ fn evaluate(h: &Host<'_>) -> (f64, Option<Sample>) {
 async fn finish_workers(
     h: &Host<'_>,
     cluster: &ravnest_core::ClusterSpec,
-    caps: &BTreeMap<NodeId, Capabilities>,
+    members: &[NodeId],
     log: &ravnest_runtime::coordinator::RunLog,
 ) -> (Inbox, Vec<NodeId>) {
-    let mut expected: BTreeSet<NodeId> = caps.keys().copied().collect();
+    let mut expected: BTreeSet<NodeId> = members.iter().copied().collect();
     for (_, e) in &log.events {
         match e {
             Event::Detected { node, .. } => {
@@ -446,7 +502,20 @@ async fn finish_workers(
             let _ = reports_tx.send((from, env));
         }),
     );
-    for id in cluster.ids().filter(|&id| id != h.su.me) {
+    // Every node but a lost coordinator's host (fail-over): a node that is still dialing in
+    // must be told too.
+    let lost_hosts: BTreeSet<NodeId> = log
+        .events
+        .iter()
+        .filter_map(|(_, e)| match e {
+            Event::TookOver { from, .. } => Some(*from),
+            _ => None,
+        })
+        .collect();
+    for id in cluster
+        .ids()
+        .filter(|id| *id != h.su.me && !lost_hosts.contains(id))
+    {
         let _ = h
             .tcp
             .send(Addr::Coordinator, Addr::Node(id), Envelope::Finish);
@@ -520,7 +589,12 @@ fn coordinator_report(
         steady_samples_per_s: steady,
         warmup_steps: skip as u64,
         solo_sum_samples_per_s: solo_sum,
-        capacity_efficiency: samples_per_s / solo_sum.max(1e-9),
+        // A successor (fail-over) has no solo figures: no efficiency then.
+        capacity_efficiency: if solo_sum > 0.0 {
+            samples_per_s / solo_sum
+        } else {
+            0.0
+        },
         solo_by_node: solo
             .iter()
             .map(|(id, m)| (cluster.nodes[id.index()].name.clone(), m.samples_per_s))
@@ -537,6 +611,10 @@ fn coordinator_report(
         rebalances: said.iter().filter(|w| w.ends_with("re-planned")).count() as u64,
         notable_events: notable,
         events_file: t.events_path.display().to_string(),
+        took_over_from: log.events.iter().find_map(|(_, e)| match e {
+            Event::TookOver { from, .. } => cluster.nodes.get(from.index()).map(|n| n.name.clone()),
+            _ => None,
+        }),
     }
 }
 
@@ -563,24 +641,6 @@ struct Calibration {
     samples_per_s: f64,
     per_sample_s: f64,
     overhead_s: f64,
-}
-
-/// The coordinator's side of liveness: a heartbeat to every other node each period, so that
-/// workers (idle ones too) know it is there.
-fn spawn_coordinator_heartbeats(
-    tcp: TcpTransport,
-    nodes: Vec<NodeId>,
-    period: Duration,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(period);
-        loop {
-            tick.tick().await;
-            for &n in &nodes {
-                let _ = tcp.send(Addr::Coordinator, Addr::Node(n), Envelope::Heartbeat);
-            }
-        }
-    })
 }
 
 /// Ask every registered node to measure its step time at once; the answers that came within

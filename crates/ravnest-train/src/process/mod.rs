@@ -25,7 +25,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use ravnest_core::{NodeId, Scenario};
-use ravnest_runtime::node::{Counters, Start};
+use ravnest_runtime::node::{Counters, Start, Succession, Verdict};
 use ravnest_runtime::tcp::{TcpConfig, TcpTransport};
 use ravnest_runtime::{Addr, Envelope, Launch, Nodes, Transport};
 use serde_json::{Value, json};
@@ -183,24 +183,30 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
         t0,
         started: su.compute.started.clone(),
         summary: summary_tx,
+        armed: Arc::default(),
     };
     let counters = Counters::default();
-    let sup = start_node(&opts, &su, &net, &counters, t0).await?;
+    let (verdict_tx, mut verdicts) = mpsc::unbounded_channel();
+    let sup = start_node(&opts, &su, &net, &counters, t0, verdict_tx).await?;
     let progress = spawn_progress(say.clone(), progress_of(&opts, &su, &net, &counters));
+    let host = Host {
+        opts: &opts,
+        say: &say,
+        su: &su,
+        tcp: &tcp,
+        counters: &counters,
+        t0,
+    };
     let role = if is_coord {
-        let host = Host {
-            opts: &opts,
-            say: &say,
-            su: &su,
-            tcp: &tcp,
-            counters: &counters,
-            t0,
-        };
         coordinate(&host, &mut reg_rx).await.map(Some)
     } else {
-        worker::wait_for_finish(&opts, &net, &tcp)
-            .await
-            .map(|()| None)
+        match worker::wait_for_finish(&opts, &say, &net, &tcp, &mut verdicts).await {
+            Ok(worker::Ending::Finished) => Ok(None),
+            Ok(worker::Ending::TakeOver(r, from)) => {
+                coordinate::take_over(&host, r, from).await.map(Some)
+            }
+            Err(e) => Err(e),
+        }
     };
     progress.abort();
     let role = match role {
@@ -250,6 +256,7 @@ async fn start_node(
     net: &Tap,
     counters: &Counters,
     t0: Instant,
+    verdicts: mpsc::UnboundedSender<(NodeId, Verdict)>,
 ) -> Result<ractor::ActorRef<ravnest_runtime::supervisor::SupMsg>, RunError> {
     let s = &opts.scenario;
     let is_coord = su.me == coordinator_of(s);
@@ -280,7 +287,15 @@ async fn start_node(
     .grad_bytes(4 * su.compute.params() as u64)
     .heartbeat(Duration::from_millis(s.run.heartbeat_ms))
     .start(first_start)
-    .counters(counters.clone());
+    .counters(counters.clone())
+    .succession(Succession {
+        host: coordinator_of(s),
+        // As long as a worker waited before fail-over existed: a few heartbeat timeouts.
+        silence: Duration::from_millis((3 * s.run.heartbeat_timeout_ms).max(1000)),
+        on_verdict: Arc::new(move |n, v| {
+            let _ = verdicts.send((n, v));
+        }),
+    });
     let sup = Launch::new(net.clone()).at(t0).nodes(nodes).await?;
     if !opts.join {
         let _ = net.send(

@@ -21,6 +21,9 @@ pub(super) struct Tap {
     pub started: Arc<std::sync::OnceLock<std::time::Instant>>,
     /// The run's final report, when the coordinator's host sends it.
     pub summary: mpsc::UnboundedSender<String>,
+    /// Set when the coordinator's first replica arrives: fail-over is possible from then on
+    /// (the node's watch decides; see `worker`).
+    pub armed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Transport for Tap {
@@ -28,6 +31,7 @@ impl Transport for Tap {
         let (finish, heard, t0) = (self.finish.clone(), self.heard.clone(), self.t0);
         let started = self.started.clone();
         let summary = self.summary.clone();
+        let armed = self.armed.clone();
         self.inner.register(
             addr,
             Arc::new(move |from, env| {
@@ -41,6 +45,9 @@ impl Transport for Tap {
                         let _ = summary.send(text);
                     }
                     env => {
+                        if matches!(env, Envelope::Succession(_)) {
+                            armed.store(true, std::sync::atomic::Ordering::Relaxed);
+                        }
                         if matches!(env, Envelope::Work(_)) {
                             let _ = started.set(std::time::Instant::now());
                         }
@@ -53,5 +60,9 @@ impl Transport for Tap {
 
     fn send(&self, from: Addr, to: Addr, env: Envelope) -> Result<(), TransportError> {
         self.inner.send(from, to, env)
+    }
+
+    fn set_coordinator(&self, host: ravnest_core::NodeId) {
+        self.inner.set_coordinator(host);
     }
 }

@@ -3,24 +3,67 @@
 
 use std::time::Duration;
 
+use ravnest_core::NodeId;
+use ravnest_runtime::msg::Replica;
+use ravnest_runtime::node::Verdict;
 use ravnest_runtime::tcp::TcpTransport;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
+use super::console::Say;
 use super::options::{Options, RunError, coordinator_of};
 use super::tap::Tap;
 
-/// Wait for `Finish`; a lost coordinator is an error that names it and suggests why.
+/// How a worker's wait ends well.
+pub(super) enum Ending {
+    /// `Finish` came.
+    Finished,
+    /// The coordinator was lost and this node succeeds it (fail-over): the new term's replica,
+    /// and the lost coordinator's node.
+    TakeOver(Replica, NodeId),
+}
+
+/// Wait for `Finish`, following the coordinator when another node takes over, or taking over
+/// when this node is the successor. A coordinator lost before fail-over is possible (no replica
+/// came yet), or with no successor left, is an error that names it and suggests why.
 pub(super) async fn wait_for_finish(
     opts: &Options,
+    say: &Say,
     net: &Tap,
     tcp: &TcpTransport,
-) -> Result<(), RunError> {
-    let Err(why) = watch_coordinator(opts, &net.finish, &net.heard, net.t0).await else {
-        return Ok(());
-    };
+    verdicts: &mut mpsc::UnboundedReceiver<(NodeId, Verdict)>,
+) -> Result<Ending, RunError> {
     let s = &opts.scenario;
-    let c = &s.cluster.nodes[coordinator_of(s).index()];
+    let name = |n: NodeId| {
+        s.cluster
+            .nodes
+            .get(n.index())
+            .map_or("?", |x| x.name.as_str())
+    };
+    let mut host = coordinator_of(s);
+    let watch = watch_coordinator(opts, &net.finish, &net.heard, &net.armed, net.t0);
+    tokio::pin!(watch);
+    let why = loop {
+        tokio::select! {
+            end = &mut watch => match end {
+                Ok(()) => return Ok(Ending::Finished),
+                Err(why) => break why,
+            },
+            Some((_, v)) = verdicts.recv() => match v {
+                Verdict::Follow(next) => {
+                    say.cluster(format!(
+                        "the coordinator on `{}` is silent: following `{}`, which takes over",
+                        name(host),
+                        name(next)
+                    ));
+                    host = next;
+                }
+                Verdict::TakeOver(r) => return Ok(Ending::TakeOver(r, host)),
+                Verdict::Lost(why) => break why,
+            },
+        }
+    };
+    let c = &s.cluster.nodes[host.index()];
     let help = if tcp
         .log_lines()
         .iter()
@@ -47,6 +90,7 @@ async fn watch_coordinator(
     opts: &Options,
     finish: &Notify,
     heard: &std::sync::atomic::AtomicU64,
+    armed: &std::sync::atomic::AtomicBool,
     t0: Instant,
 ) -> Result<(), String> {
     let s = &opts.scenario;
@@ -80,7 +124,9 @@ async fn watch_coordinator(
                     counted_from = (counted_from + gap).min(now);
                 }
                 let silent = now.saturating_sub(counted_from);
-                if silent > silence_ms {
+                // Once a replica came, a silent coordinator is the node's watch's to handle
+                // (fail-over).
+                if silent > silence_ms && !armed.load(std::sync::atomic::Ordering::Relaxed) {
                     return Err(format!(
                         "lost the coordinator: silent for {:.1} s",
                         silent as f64 / 1e3
