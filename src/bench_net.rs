@@ -244,6 +244,7 @@ fn one_node_run(
         advertise: None,
         overwrite: true,
         device: Some(device.to_string()),
+        announce: ravnest_train::discover::Announce::Never,
     })?;
     // Per step after warm-up.
     Ok(report

@@ -82,6 +82,7 @@ Same seed, same trace hash. Reading the output: docs/reading-reports.md.")]
   ravnest run cluster.toml --node g --device cuda:1   node g on its second GPU (--features cuda)
   ravnest run cluster.toml --node b --bind 0.0.0.0:47702 --advertise 203.0.113.7:47702
   RAVNEST_SECRET=... ravnest run --join 10.0.0.5:47701 --node b   rejoin with only an address
+  RAVNEST_SECRET=... ravnest run --discover --cluster lab --node b  rejoin, found on the LAN
 
 Output goes to ravnest-out/<cluster>/: checkpoints/ (docs/checkpoints.md), events.jsonl.
 Several machines: docs/multi-machine.md. File format: docs/cluster-format.md.")]
@@ -187,6 +188,26 @@ struct RunCmd {
     /// waiting for the all-reduce, idle (a local cluster, started without --node).
     #[arg(long)]
     timeline: Option<PathBuf>,
+    /// Find each other on the LAN by mDNS. With --node NAME and no FILE: listen for the
+    /// announcements of the cluster's nodes, then join as `--join HOST:PORT` does, with the
+    /// address of the lowest-named node that answers (the secret is still RAVNEST_SECRET). With
+    /// a FILE: announce every node started here, even on a loopback address (nodes on other
+    /// addresses announce themselves anyway, unless --no-announce).
+    #[arg(long, conflicts_with_all = ["join", "no_announce"])]
+    discover: bool,
+    /// (With --discover and no FILE) the cluster to find, by its `[cluster] name` (default: the
+    /// only cluster that answers).
+    #[arg(long, value_name = "NAME", requires = "discover")]
+    cluster: Option<String>,
+    /// (With --discover and no FILE) how long to listen for announcements, in seconds
+    /// (default 5).
+    #[arg(long, value_name = "SECS", requires = "discover", value_parser = clap::value_parser!(u64).range(1..))]
+    discover_timeout: Option<u64>,
+    /// Do not announce this node (or, without --node, the local cluster's nodes) on the LAN.
+    /// By default a node that listens on an address other than a loopback one announces its
+    /// cluster's and its own name, and its port, by mDNS, for `--discover` (never the secret).
+    #[arg(long)]
+    no_announce: bool,
     /// (Set by the local launcher) put this node's activity spans in its report.
     #[arg(long, hide = true)]
     report_spans: bool,
@@ -492,6 +513,10 @@ fn run_command(cmd: RunCmd) -> Result<()> {
         planner,
         timeline,
         report_spans,
+        discover,
+        cluster,
+        discover_timeout,
+        no_announce,
     } = cmd;
     parse_planner(&planner)?;
     if let Some(pid) = std::env::var(ravnest_train::process::LAUNCHER_PID)
@@ -506,8 +531,28 @@ fn run_command(cmd: RunCmd) -> Result<()> {
             "--timeline draws a local cluster (started without --node): each node's activity is on its own machine"
         );
     }
+    if let (Some(c), Some(p)) = (&cluster, &file) {
+        bail!(
+            "--cluster {c} names the cluster --discover finds when no file is given; with `{}`, the cluster is the file's `[cluster] name`",
+            p.display()
+        );
+    }
+    // --discover without a file finds a cluster to join; with one, it announces its nodes.
+    let find = discover && file.is_none();
     let seed = join.as_deref().filter(|a| !a.is_empty());
     let (origin, text, steps) = match (&file, seed) {
+        (None, None) if find => {
+            let Some(me) = node.as_deref() else {
+                bail!(
+                    "--discover without a cluster file finds a running cluster to join as one of its nodes: name it with --node NAME (to announce the nodes of a file instead: ravnest run FILE --discover)"
+                );
+            };
+            let wait = discover_timeout.map_or(ravnest_train::discover::DEFAULT_TIMEOUT, |s| {
+                std::time::Duration::from_secs(s)
+            });
+            let (origin, text, n) = run::discover_cluster_file(cluster.as_deref(), me, wait)?;
+            (origin, text, Some(steps.unwrap_or(n)))
+        }
         (Some(p), Some(a)) => bail!(
             "give a cluster file or --join {a}, not both (`{}` and the file fetched from {a} could differ)",
             p.display()
@@ -534,7 +579,7 @@ fn run_command(cmd: RunCmd) -> Result<()> {
         origin,
         text,
         node,
-        join: join.is_some(),
+        join: join.is_some() || find,
         resume,
         overwrite,
         wait,
@@ -547,6 +592,13 @@ fn run_command(cmd: RunCmd) -> Result<()> {
         planner,
         timeline,
         spans: report_spans,
+        announce: if no_announce {
+            ravnest_train::discover::Announce::Never
+        } else if discover {
+            ravnest_train::discover::Announce::Always
+        } else {
+            ravnest_train::discover::Announce::Reachable
+        },
     })
 }
 

@@ -2,6 +2,7 @@
 //! `--node`: one child per node of the file, all on this machine's loopback).
 
 use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -10,6 +11,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use ravnest_core::Scenario;
+use ravnest_train::discover::Announce;
 use ravnest_train::events::RunEvent;
 use ravnest_train::process::Options;
 use ravnest_train::summary::{NodeReport, NodeRow, RunReport};
@@ -50,6 +52,8 @@ pub struct RunArgs {
     pub timeline: Option<PathBuf>,
     /// Include this node's activity spans in its report (set by the local launcher).
     pub spans: bool,
+    /// When each node announces itself on the LAN (for `--discover`).
+    pub announce: ravnest_train::discover::Announce,
 }
 
 fn default_out(s: &Scenario) -> PathBuf {
@@ -107,6 +111,7 @@ pub fn run(args: RunArgs) -> Result<()> {
                     steps,
                 )),
                 spans: args.spans,
+                announce: args.announce,
             })?;
             Ok(())
         }
@@ -218,6 +223,15 @@ fn node_command(args: &RunArgs, exe: &Path, file: &Path, out: &Path, name: &str)
     cmd.args(["--planner", &args.planner]);
     if args.timeline.is_some() {
         cmd.arg("--report-spans");
+    }
+    match args.announce {
+        Announce::Always => {
+            cmd.arg("--discover");
+        }
+        Announce::Never => {
+            cmd.arg("--no-announce");
+        }
+        Announce::Reachable => {}
     }
     // Several processes share this machine's cores: one compute thread each.
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
@@ -513,31 +527,106 @@ fn say(json: bool, e: &RunEvent) {
 /// `RAVNEST_SECRET` (the default secret of files without one when unset). Returns (origin,
 /// text, steps).
 pub fn fetch_cluster_file(addr: &str) -> Result<(String, String, u64)> {
-    let sa: std::net::SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(addr)
+    let sa: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(addr)
         .ok()
         .and_then(|mut it| it.next())
         .with_context(|| format!("--join {addr}: not a reachable host:port"))?;
-    let secret = std::env::var("RAVNEST_SECRET")
-        .unwrap_or_else(|_| ravnest_train::process::DEFAULT_SECRET.to_string());
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let doc = rt
-        .block_on(ravnest_runtime::tcp::fetch_cluster_file(
-            sa,
-            secret.as_bytes(),
-        ))
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "--join {addr}: {e}{}",
-                if matches!(e, ravnest_runtime::tcp::HandshakeError::Secret(_)) {
-                    " (set RAVNEST_SECRET to the cluster's secret)"
-                } else {
-                    ""
-                }
-            )
-        })?;
+    let doc = fetch_at(sa).map_err(|e| explained(&format!("--join {addr}"), e))?;
     let (origin, text, steps) = ravnest_train::process::read_share_document(&doc)
         .with_context(|| format!("--join {addr}"))?;
     Ok((format!("{origin} (from {addr})"), text, steps))
+}
+
+/// `--discover` without a file: listen for the announcements of `cluster` (of the only cluster
+/// that answers, when `None`) for at most `wait`, then fetch the cluster file as `--join` does
+/// from the first node that answers, in [`ravnest_train::discover::select`]'s order. A wrong
+/// secret or another protocol version ends the search with the same error as `--join`; a node
+/// that cannot be reached is skipped. Returns (origin, text, steps).
+pub fn discover_cluster_file(
+    cluster: Option<&str>,
+    me: &str,
+    wait: Duration,
+) -> Result<(String, String, u64)> {
+    use ravnest_runtime::tcp::{HandshakeError, PROTOCOL_VERSION};
+    use ravnest_train::discover;
+    let wanted = match cluster {
+        Some(c) => format!("cluster `{c}`"),
+        None => "a ravnest cluster".to_string(),
+    };
+    eprintln!(
+        "--discover: listening for {wanted} on this machine's networks (mDNS, at most {} s)",
+        wait.as_secs_f64()
+    );
+    let heard = discover::browse(cluster, wait).context("--discover")?;
+    let choice =
+        discover::select(&heard, cluster, me, PROTOCOL_VERSION, wait).context("--discover")?;
+    let names: Vec<String> = choice
+        .candidates
+        .iter()
+        .map(|c| format!("`{}`", c.node))
+        .collect();
+    eprintln!(
+        "--discover: cluster `{}`: heard node {}",
+        choice.cluster,
+        names.join(", ")
+    );
+    let mut unreachable = Vec::new();
+    for c in &choice.candidates {
+        for &a in &c.addrs {
+            // (The fetch's errors name the address.)
+            let what = format!(
+                "--discover: node `{}` of cluster `{}`",
+                c.node, choice.cluster
+            );
+            match fetch_at(a) {
+                Ok(doc) => {
+                    let (origin, text, steps) =
+                        ravnest_train::process::read_share_document(&doc).context(what)?;
+                    eprintln!(
+                        "--discover: fetched the cluster file from node `{}` at {a}",
+                        c.node
+                    );
+                    return Ok((
+                        format!("{origin} (from {a}, found by --discover)"),
+                        text,
+                        steps,
+                    ));
+                }
+                Err(e @ (HandshakeError::Io(_) | HandshakeError::Unknown(_))) => {
+                    unreachable.push(e.to_string());
+                }
+                Err(e) => return Err(explained(&what, e)),
+            }
+        }
+    }
+    bail!(
+        "--discover: cluster `{}`: no node that answered could be reached: {}\n  help: each node listens on the TCP port of its `address`: check the firewalls between this machine and them",
+        choice.cluster,
+        unreachable.join("; ")
+    )
+}
+
+/// The cluster file's document from the node at `sa`, both sides proving they hold the secret
+/// in `RAVNEST_SECRET` (the default secret of files without one when unset).
+fn fetch_at(sa: SocketAddr) -> std::result::Result<String, ravnest_runtime::tcp::HandshakeError> {
+    let secret = std::env::var(ravnest_train::process::SECRET_ENV)
+        .unwrap_or_else(|_| ravnest_train::process::DEFAULT_SECRET.to_string());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| ravnest_runtime::tcp::HandshakeError::Io(e.to_string()))?;
+    rt.block_on(ravnest_runtime::tcp::fetch_cluster_file(
+        sa,
+        secret.as_bytes(),
+    ))
+}
+
+/// A fetch's error, with what to do about a wrong secret.
+fn explained(what: &str, e: ravnest_runtime::tcp::HandshakeError) -> anyhow::Error {
+    let hint = if matches!(e, ravnest_runtime::tcp::HandshakeError::Secret(_)) {
+        " (set RAVNEST_SECRET to the cluster's secret)"
+    } else {
+        ""
+    };
+    anyhow::anyhow!("{what}: {e}{hint}")
 }

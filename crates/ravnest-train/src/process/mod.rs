@@ -26,10 +26,11 @@ use std::time::Duration;
 
 use ravnest_core::{NodeId, Scenario};
 use ravnest_runtime::node::{Counters, Start, Succession, Verdict};
-use ravnest_runtime::tcp::{TcpConfig, TcpTransport};
+use ravnest_runtime::tcp::{PROTOCOL_VERSION, TcpConfig, TcpTransport};
 use ravnest_runtime::{Addr, Envelope, Launch, Nodes, Transport};
 use serde_json::{Value, json};
 
+use crate::discover::Announcer;
 use crate::events::RunEvent;
 use crate::summary::{CoordinatorReport, NodeReport, Slowdown};
 use tokio::sync::{Notify, mpsc};
@@ -163,6 +164,9 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
     cfg.cluster_file = opts.share.as_deref().map(Arc::from);
     let verbose = (!opts.json && !opts.quiet) || std::env::var_os("RAVNEST_LOG_NET").is_some();
     let tcp = TcpTransport::bind(cfg, verbose).await?;
+    // Found by `run --discover` while this process runs: dropped on every way out of this
+    // function, which says goodbye.
+    let _announcer = announce(&opts, &say, tcp.local_addr());
     let t0 = Instant::now();
     let is_coord = su.me == coordinator_of(s);
     // The coordinator's host listens for registrations before its node exists.
@@ -246,6 +250,30 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
     sup.stop(None);
     tcp.shutdown();
     Ok(report)
+}
+
+/// This node's announcement on the LAN, when it makes one (see [`Options::announce`]). A
+/// failure is said and the run goes on: `--join HOST:PORT` still finds this node.
+fn announce(opts: &Options, say: &Say, listen: SocketAddr) -> Option<Announcer> {
+    if !opts.announce.wants(listen.ip()) {
+        return None;
+    }
+    let cluster = &opts.scenario.cluster.name;
+    match Announcer::start(cluster, &opts.node, listen, PROTOCOL_VERSION) {
+        Ok(a) => {
+            say.cluster(format!(
+                "announced by mDNS as `{}` (found by `ravnest run --discover --cluster {cluster}`)",
+                a.fullname()
+            ));
+            Some(a)
+        }
+        Err(e) => {
+            say.cluster(format!(
+                "{e}; `--discover` will not find this node (`--join {listen}` still does)"
+            ));
+            None
+        }
+    }
 }
 
 /// This process's node actor, under its supervisor; it registers with the coordinator (or,

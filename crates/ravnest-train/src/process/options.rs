@@ -89,6 +89,9 @@ pub struct Options {
     pub overwrite: bool,
     /// Compute here instead of the node's `device` (`run --device cpu|cuda[:N]`).
     pub device: Option<String>,
+    /// When to announce this node on the LAN by mDNS, for `run --discover` (see
+    /// [`crate::discover`]).
+    pub announce: crate::discover::Announce,
 }
 
 /// The node whose host coordinates: the configured one, else the first.
