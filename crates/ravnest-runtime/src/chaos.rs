@@ -1,6 +1,6 @@
 //! A small TCP proxy that injects the faults of a real network between nodes: it forwards
-//! connections to a node's listening address, and on command resets every open connection or
-//! delays what it forwards. The chaos suite puts one in front of every node (each node's
+//! connections to a node's listening address, and on command resets every open connection,
+//! delays what it forwards, or alters one byte of it. The chaos suite puts one in front of every node (each node's
 //! `address` is its proxy, its `listen` the real port).
 
 use std::net::SocketAddr;
@@ -18,6 +18,9 @@ use tokio::task::AbortHandle;
 pub struct Proxy {
     addr: SocketAddr,
     delay_ms: Arc<AtomicU64>,
+    /// Per direction (towards the target, back from it): bytes to forward before the one to
+    /// alter, or `CLEAN`.
+    corrupt: [Arc<AtomicU64>; 2],
     resets: watch::Sender<u64>,
     accept: AbortHandle,
 }
@@ -28,11 +31,15 @@ impl Proxy {
         let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
         let delay_ms = Arc::new(AtomicU64::new(0));
+        let corrupt = [
+            Arc::new(AtomicU64::new(CLEAN)),
+            Arc::new(AtomicU64::new(CLEAN)),
+        ];
         let (resets, _) = watch::channel(0u64);
-        let (d, r) = (delay_ms.clone(), resets.clone());
+        let (d, r, c) = (delay_ms.clone(), resets.clone(), corrupt.clone());
         let accept = tokio::spawn(async move {
             while let Ok((inbound, _)) = listener.accept().await {
-                let (d, mut reset) = (d.clone(), r.subscribe());
+                let (d, mut reset, [there, back]) = (d.clone(), r.subscribe(), c.clone());
                 tokio::spawn(async move {
                     let Ok(outbound) = TcpStream::connect(target).await else {
                         return;
@@ -41,8 +48,8 @@ impl Proxy {
                     let (ri, wi) = inbound.into_split();
                     let (ro, wo) = outbound.into_split();
                     tokio::select! {
-                        _ = pump(ri, wo, d.clone()) => {}
-                        _ = pump(ro, wi, d) => {}
+                        _ = pump(ri, wo, d.clone(), there) => {}
+                        _ = pump(ro, wi, d, back) => {}
                         _ = reset.changed() => {}
                     }
                     // Dropping both halves of both sockets closes them.
@@ -52,6 +59,7 @@ impl Proxy {
         Ok(Proxy {
             addr,
             delay_ms,
+            corrupt,
             resets,
             accept: accept.abort_handle(),
         })
@@ -74,6 +82,29 @@ impl Proxy {
     }
 }
 
+impl Proxy {
+    /// Alter (invert) the byte forwarded towards the target `nth` bytes from now (0: the next
+    /// one), over whatever connections carry it; once.
+    pub fn corrupt_next(&self, nth: u64) {
+        self.corrupt[0].store(nth, Ordering::SeqCst);
+    }
+
+    /// The same for the bytes coming back from the target.
+    pub fn corrupt_next_back(&self, nth: u64) {
+        self.corrupt[1].store(nth, Ordering::SeqCst);
+    }
+
+    /// Whether a byte is still to be altered (either way).
+    pub fn corruption_pending(&self) -> bool {
+        self.corrupt
+            .iter()
+            .any(|c| c.load(Ordering::SeqCst) != CLEAN)
+    }
+}
+
+/// No byte to alter.
+const CLEAN: u64 = u64::MAX;
+
 impl Drop for Proxy {
     fn drop(&mut self) {
         self.accept.abort();
@@ -85,6 +116,7 @@ async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     delay_ms: Arc<AtomicU64>,
+    corrupt: Arc<AtomicU64>,
 ) {
     let mut buf = vec![0u8; 1 << 16];
     loop {
@@ -92,6 +124,15 @@ async fn pump(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
+        // Count this chunk off the bytes still to pass; the one that falls in it is altered.
+        let left = corrupt.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| {
+            (c != CLEAN).then(|| c.checked_sub(n as u64).unwrap_or(CLEAN))
+        });
+        if let Ok(c) = left
+            && c < n as u64
+        {
+            buf[c as usize] = !buf[c as usize];
+        }
         let d = delay_ms.load(Ordering::Relaxed);
         if d > 0 {
             tokio::time::sleep(Duration::from_millis(d)).await;

@@ -12,11 +12,20 @@
 //! does not fit a fresh nonce. A wrong secret or version is refused with a message naming the
 //! peer, on both sides.
 //!
+//! **Channel** (`TcpConfig::encrypt`, on by default): then a Noise
+//! [`NOISE_PROTOCOL`] handshake on the same socket, keyed by a PSK derived from the secret and
+//! bound to the handshake's transcript; every byte after it (frames, acknowledgements) travels
+//! in sealed records. A record that fails authentication (altered, replayed, dropped in flight)
+//! closes that connection with a logged reason and is counted
+//! ([`TcpTransport::auth_failures`]); the session sends again what was not acknowledged, so
+//! nothing altered is delivered and nothing is lost.
+//!
 //! **Failure**: a connection that closes or sends a bad frame is dropped with a logged reason;
 //! the process keeps running, and the peer-down hooks fire (the coordinator feeds them to its
 //! failure detector). Envelopes queued for a peer that cannot be reached within the connect
 //! window are lost, as on any network; the detector and the coordinator's aborts deal with it.
 
+mod channel;
 mod config;
 mod handshake;
 mod incoming;
@@ -36,6 +45,7 @@ use crate::msg::{Addr, Envelope};
 use crate::seams::{Inbox, Transport, TransportError};
 use crate::wire;
 
+pub use channel::{Channel, NOISE_PROTOCOL};
 pub use config::{LIVE_MS, PeerDownHook, TcpConfig};
 pub use handshake::{HandshakeError, dial_as, fetch_cluster_file};
 pub use loopback::LoopbackCluster;
@@ -43,7 +53,7 @@ pub use state::TcpTransport;
 use state::*;
 
 /// Wire protocol version; peers with another version are refused.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 impl TcpTransport {
     /// Bind this node's address and start accepting peers.
@@ -72,6 +82,7 @@ impl TcpTransport {
                 tasks: Mutex::default(),
                 down: AtomicBool::new(false),
                 bytes_sent: AtomicU64::new(0),
+                auth_failures: AtomicU64::new(0),
                 unsent: AtomicU64::new(0),
                 settled: tokio::sync::Notify::new(),
                 log: Mutex::default(),
@@ -118,6 +129,13 @@ impl TcpTransport {
     /// Bytes written to sockets so far (frames, with headers).
     pub fn bytes_sent(&self) -> u64 {
         self.inner.bytes_sent.load(Ordering::Relaxed)
+    }
+
+    /// Connections closed because a record arriving on them failed authentication (tampered
+    /// with or corrupted in flight), on either end: frames this node received, or
+    /// acknowledgements of the frames it sent.
+    pub fn auth_failures(&self) -> u64 {
+        self.inner.auth_failures.load(Ordering::Relaxed)
     }
 
     /// Wait until every queued frame has been written and every peer we are connected to has

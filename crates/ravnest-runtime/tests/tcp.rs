@@ -51,12 +51,17 @@ fn peer_down() {
 }
 
 async fn pair(secret_a: &[u8], secret_b: &[u8]) -> (TcpTransport, TcpTransport) {
+    pair_with((secret_a, true), (secret_b, true)).await
+}
+
+/// Two transports, each with its secret and whether it encrypts.
+async fn pair_with(a: (&[u8], bool), b: (&[u8], bool)) -> (TcpTransport, TcpTransport) {
     let mut peers = BTreeMap::new();
     for i in 0..2 {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         peers.insert(NodeId(i), l.local_addr().unwrap());
     }
-    let cfg = |me: u32, secret: &[u8]| TcpConfig {
+    let cfg = |me: u32, (secret, encrypt): (&[u8], bool)| TcpConfig {
         me: NodeId(me),
         peers: peers.clone(),
         listen: None,
@@ -65,9 +70,10 @@ async fn pair(secret_a: &[u8], secret_b: &[u8]) -> (TcpTransport, TcpTransport) 
         max_frame: 1 << 20,
         connect_window: Duration::from_secs(1),
         cluster_file: None,
+        encrypt,
     };
-    let a = TcpTransport::bind(cfg(0, secret_a), false).await.unwrap();
-    let b = TcpTransport::bind(cfg(1, secret_b), false).await.unwrap();
+    let a = TcpTransport::bind(cfg(0, a), false).await.unwrap();
+    let b = TcpTransport::bind(cfg(1, b), false).await.unwrap();
     (a, b)
 }
 
@@ -162,6 +168,7 @@ async fn proxied_pair() -> (TcpTransport, TcpTransport, ravnest_runtime::chaos::
         max_frame: 1 << 20,
         connect_window: Duration::from_secs(2),
         cluster_file: None,
+        encrypt: true,
     };
     let a = TcpTransport::bind(cfg(0, Some(real)), false).await.unwrap();
     let b = TcpTransport::bind(cfg(1, None), false).await.unwrap();
@@ -295,6 +302,7 @@ async fn a_second_connection_claiming_a_live_node_is_refused() {
     // dropped, nothing else.
     s.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
     s.write_all(&[0u8; 16]).await.unwrap();
+    s.flush().await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     beat();
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -319,7 +327,7 @@ async fn garbage_after_handshake_drops_only_that_connection() {
     raw.write_all(&[7u8; 32]).await.unwrap();
     let mut challenge = [0u8; 1 + 4 + 32 + 32];
     raw.read_exact(&mut challenge).await.unwrap();
-    raw.write_all(&[0u8; 40]).await.unwrap();
+    raw.write_all(&[0u8; 41]).await.unwrap();
     let mut status = [0u8; 1];
     raw.read_exact(&mut status).await.unwrap();
     assert_ne!(status[0], 0, "a forged answer was accepted");
@@ -357,6 +365,7 @@ async fn sharing(file: Option<&str>) -> TcpTransport {
             max_frame: 1 << 20,
             connect_window: Duration::from_secs(1),
             cluster_file: file.map(Arc::from),
+            encrypt: true,
         },
         false,
     )
@@ -456,4 +465,182 @@ async fn another_protocol_version_is_refused_with_both_versions_named() {
         )),
         "{log}"
     );
+}
+
+/// Until `done` holds, at most `limit`; whether it does.
+async fn eventually(limit: Duration, done: impl Fn() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    while !done() {
+        if tokio::time::Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    true
+}
+
+fn tensor(i: u64) -> Vec<f32> {
+    (0..2000u64)
+        .map(|j| (i * 10_000 + j) as f32 * 0.5)
+        .collect()
+}
+
+/// Every probe that arrived, in order: its id, and whether its tensor is the one sent.
+fn probes(got: &Got) -> Vec<(u64, bool)> {
+    got.lock()
+        .unwrap()
+        .iter()
+        .filter_map(|(_, e)| match e {
+            Envelope::Probe { id, data, .. } => Some((*id, *data == tensor(*id))),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Frames travel sealed: a byte altered in flight (by the proxy, in the middle of a burst of
+/// tensors) fails authentication, the listener closes that connection saying why, and the
+/// session sends again on a new connection what was not acknowledged. Every envelope arrives
+/// once, in order, with the tensor that was sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_byte_altered_in_flight_is_caught_and_nothing_is_lost_or_corrupted() {
+    let (a, b, proxy) = proxied_pair().await;
+    let got = listen(&a, Addr::Coordinator);
+    let send = |i: u64| {
+        b.send(
+            Addr::Node(NodeId(1)),
+            Addr::Coordinator,
+            Envelope::Probe {
+                id: i,
+                data: tensor(i),
+                echo: false,
+            },
+        )
+        .unwrap()
+    };
+    for i in 0..100 {
+        send(i);
+    }
+    assert!(b.drain(Duration::from_secs(5)).await);
+    // About three tensors into the next burst.
+    proxy.corrupt_next(25_000);
+    for i in 100..300 {
+        send(i);
+        if i % 20 == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || probes(&got).len() >= 300).await,
+        "{} of 300 arrived",
+        probes(&got).len()
+    );
+    assert!(!proxy.corruption_pending(), "the byte was altered");
+    let want: Vec<(u64, bool)> = (0..300).map(|i| (i, true)).collect();
+    assert_eq!(probes(&got), want);
+    assert_eq!(a.auth_failures(), 1);
+    let log = a.log_lines().join("\n");
+    assert!(
+        log.contains(
+            "frame failed authentication (tampered or corrupted in flight): closing the connection to node 1"
+        ),
+        "{log}"
+    );
+    let log = b.log_lines().join("\n");
+    assert!(log.contains("closed; dialing again"), "{log}");
+}
+
+/// Acknowledgements travel sealed too: one altered on its way back closes the connection at
+/// the sender, which dials again; the listener's count keeps every envelope delivered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_altered_acknowledgement_is_caught_too() {
+    let (a, b, proxy) = proxied_pair().await;
+    let got = listen(&a, Addr::Coordinator);
+    let send = |i: u64| {
+        b.send(
+            Addr::Node(NodeId(1)),
+            Addr::Coordinator,
+            Envelope::Probe {
+                id: i,
+                data: tensor(i),
+                echo: false,
+            },
+        )
+        .unwrap()
+    };
+    for i in 0..50 {
+        send(i);
+    }
+    assert!(b.drain(Duration::from_secs(5)).await);
+    // Inside the next acknowledgement's sealed bytes (past its 2-byte length).
+    proxy.corrupt_next_back(5);
+    for i in 50..150 {
+        send(i);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || probes(&got).len() >= 150).await,
+        "{} of 150 arrived",
+        probes(&got).len()
+    );
+    assert!(b.drain(Duration::from_secs(5)).await);
+    assert_eq!(
+        probes(&got),
+        (0..150).map(|i| (i, true)).collect::<Vec<_>>()
+    );
+    assert_eq!(b.auth_failures(), 1);
+    let log = b.log_lines().join("\n");
+    assert!(
+        log.contains("failed authentication (tampered or corrupted in flight): closing the connection to node 0"),
+        "{log}"
+    );
+}
+
+/// One end encrypting and the other not is refused, and both ends say why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encryption_on_at_one_end_only_is_refused_on_both_sides() {
+    for (ea, eb) in [(true, false), (false, true)] {
+        let (a, b) = pair_with((b"s", ea), (b"s", eb)).await;
+        let got = listen(&a, Addr::Coordinator);
+        b.send(
+            Addr::Node(NodeId(1)),
+            Addr::Coordinator,
+            Envelope::Heartbeat,
+        )
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(got.lock().unwrap().is_empty());
+        for t in [&a, &b] {
+            let log = t.log_lines().join("\n");
+            assert!(
+                log.contains("encryption is on at one end and off at the other"),
+                "{log}"
+            );
+        }
+        a.shutdown();
+        b.shutdown();
+    }
+}
+
+/// With encryption off (a trusted network), frames travel plain and all the rest holds.
+#[test]
+fn plain_connections_keep_the_contract() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let net = LoopbackCluster::start_with(3, b"plain", false)
+            .await
+            .unwrap();
+        let r = async {
+            conformance::ordering_per_link(&net, SETTLE).await?;
+            conformance::large_messages(&net, SETTLE).await
+        }
+        .await;
+        for t in net.nodes.values() {
+            t.shutdown();
+        }
+        r.unwrap();
+    });
 }

@@ -29,6 +29,11 @@ pub(super) const BAD_SECRET: u8 = 3;
 
 pub(super) const DUPLICATE: u8 = 4;
 
+pub(super) const ENCRYPTION: u8 = 5;
+
+/// The dialer's answer: its HMAC, its incarnation, whether it encrypts.
+pub(super) const ANSWER: usize = 32 + 8 + 1;
+
 /// A connection from a node is live while something arrived on it this recently: a second
 /// connection claiming the same node is then refused (it cannot be the node: that one is
 /// talking to us). A restarted node's old connection is closed by its kernel at once; a silent
@@ -55,6 +60,10 @@ pub struct TcpConfig {
     /// The cluster file this node hands to an authenticated joiner (`--join HOST:PORT`),
     /// if it shares one.
     pub cluster_file: Option<Arc<str>>,
+    /// Encrypt and authenticate every byte after the handshake (a Noise channel bound to the
+    /// connection, keyed from `secret`; see `tcp/channel.rs`). On unless the network is
+    /// trusted; every node must agree (a mismatch is refused, naming it).
+    pub encrypt: bool,
 }
 
 /// Called with a peer that could not be reached within the connect window.

@@ -1,6 +1,6 @@
 //! The handshake on a fresh connection (mutual HMAC proof of the cluster secret, versions,
-//! incarnations, the session's delivered count), the cluster file handed to a joiner, and
-//! `dial_as`, the chaos suite's forged peer.
+//! incarnations, the session's delivered count, whether the channel is encrypted), the cluster
+//! file handed to a joiner, and `dial_as`, the chaos suite's forged peer.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -15,6 +15,7 @@ use tokio::net::TcpStream;
 use crate::wire;
 
 use super::PROTOCOL_VERSION;
+use super::channel::{Channel, RECORD_SPAN, establish, split};
 use super::config::*;
 
 pub(super) type HmacSha256 = Hmac<Sha256>;
@@ -85,6 +86,11 @@ pub enum HandshakeError {
     /// A connection from that node is already open and live.
     #[error("{0}: that node is already connected (a second connection claiming it is refused)")]
     Duplicate(String),
+    /// One end encrypts its connections and the other does not.
+    #[error(
+        "{0}: encryption is on at one end and off at the other (`TcpConfig::encrypt` must be the same on every node)"
+    )]
+    Encryption(String),
     /// Not a ravnest peer, or the connection failed.
     #[error("{0}")]
     Io(String),
@@ -134,14 +140,49 @@ pub(super) async fn hello(
     Ok((nc, status[0]))
 }
 
-/// The dialer's side. Returns, once the listener has accepted us, its incarnation and how many
-/// frames of our session with it it has delivered.
+/// What both ends of a connection agreed on in its handshake. The encrypted channel that follows
+/// is bound to it (it is the channel's Noise prologue): the channel belongs to this connection
+/// only, and what the HMACs do not cover (incarnations, the delivered count) is authenticated by
+/// the channel's handshake.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Transcript {
+    pub(super) dialer: u32,
+    pub(super) listener: u32,
+    /// The dialer's nonce.
+    pub(super) nc: [u8; 32],
+    /// The listener's nonce.
+    pub(super) ns: [u8; 32],
+    pub(super) dialer_incarnation: u64,
+    pub(super) listener_incarnation: u64,
+    /// Frames of the dialer's session the listener had delivered.
+    pub(super) delivered: u64,
+}
+
+impl Transcript {
+    /// The bytes both ends feed the channel's handshake as its prologue.
+    pub(super) fn prologue(&self) -> Vec<u8> {
+        let mut p = Vec::with_capacity(128);
+        p.extend_from_slice(b"ravnest-channel");
+        p.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        p.extend_from_slice(&self.dialer.to_le_bytes());
+        p.extend_from_slice(&self.listener.to_le_bytes());
+        p.extend_from_slice(&self.nc);
+        p.extend_from_slice(&self.ns);
+        p.extend_from_slice(&self.dialer_incarnation.to_le_bytes());
+        p.extend_from_slice(&self.listener_incarnation.to_le_bytes());
+        p.extend_from_slice(&self.delivered.to_le_bytes());
+        p
+    }
+}
+
+/// The dialer's side. Returns, once the listener has accepted us, what was agreed: its
+/// incarnation and how many frames of our session with it it has delivered, among others.
 pub(super) async fn handshake_dial(
     s: &mut TcpStream,
     cfg: &TcpConfig,
     peer: NodeId,
     incarnation: u64,
-) -> Result<(u64, u64), HandshakeError> {
+) -> Result<Transcript, HandshakeError> {
     let who = match s.peer_addr() {
         Ok(a) => format!("node {} at {a}", peer.0),
         Err(_) => format!("node {}", peer.0),
@@ -169,11 +210,12 @@ pub(super) async fn handshake_dial(
     let ids = (cfg.me.0, server_id);
     if !verify(&cfg.secret, b"ravnest-listener", &nc, &ns, ids, &rest[36..]) {
         // Tell the listener too, so both sides log the reason.
-        let _ = s.write_all(&[0u8; 40]).await;
+        let _ = s.write_all(&[0u8; ANSWER]).await;
         return Err(HandshakeError::Secret(who));
     }
     let mut answer = mac(&cfg.secret, b"ravnest-dialer", &ns, &nc, ids).to_vec();
     answer.extend_from_slice(&incarnation.to_le_bytes());
+    answer.push(u8::from(cfg.encrypt));
     timed(s.write_all(&answer), &who).await?;
     let mut status = [0u8; 1];
     timed(s.read_exact(&mut status), &who).await?;
@@ -181,21 +223,27 @@ pub(super) async fn handshake_dial(
         OK => {
             let mut theirs = [0u8; 16];
             timed(s.read_exact(&mut theirs), &who).await?;
-            Ok((
-                u64::from_le_bytes(theirs[..8].try_into().expect("8 bytes")),
-                u64::from_le_bytes(theirs[8..].try_into().expect("8 bytes")),
-            ))
+            Ok(Transcript {
+                dialer: cfg.me.0,
+                listener: server_id,
+                nc,
+                ns,
+                dialer_incarnation: incarnation,
+                listener_incarnation: u64::from_le_bytes(theirs[..8].try_into().expect("8 bytes")),
+                delivered: u64::from_le_bytes(theirs[8..].try_into().expect("8 bytes")),
+            })
         }
         BAD_SECRET => Err(HandshakeError::Secret(who)),
         DUPLICATE => Err(HandshakeError::Duplicate(who)),
+        ENCRYPTION => Err(HandshakeError::Encryption(who)),
         _ => Err(HandshakeError::Io(format!("{who}: not a ravnest peer"))),
     }
 }
 
 /// What an accepted connection turned out to be.
 pub(super) enum Accepted {
-    /// An authenticated peer node, its incarnation, and the connection's number.
-    Node(NodeId, u64, u64),
+    /// An authenticated peer node, the connection's number, and what was agreed.
+    Node(NodeId, u64, Transcript),
     /// A joiner that was handed the cluster file (the connection is done).
     ClusterFileSent,
 }
@@ -247,13 +295,17 @@ pub(super) async fn handshake_accept(
     challenge.extend_from_slice(&ns);
     challenge.extend_from_slice(&mac(&cfg.secret, b"ravnest-listener", &nc, &ns, ids));
     timed(s.write_all(&challenge), &who).await?;
-    let mut answer = [0u8; 32 + 8];
+    let mut answer = [0u8; ANSWER];
     timed(s.read_exact(&mut answer), &who).await?;
     if !verify(&cfg.secret, b"ravnest-dialer", &ns, &nc, ids, &answer[..32]) {
         let _ = s.write_all(&[BAD_SECRET]).await;
         return Err(HandshakeError::Secret(who));
     }
-    let theirs = u64::from_le_bytes(answer[32..].try_into().expect("8 bytes"));
+    let theirs = u64::from_le_bytes(answer[32..40].try_into().expect("8 bytes"));
+    if answer[40] != u8::from(cfg.encrypt) {
+        let _ = s.write_all(&[ENCRYPTION]).await;
+        return Err(HandshakeError::Encryption(who));
+    }
     let Some((conn, delivered)) = admit(NodeId(id), theirs) else {
         let _ = s.write_all(&[DUPLICATE]).await;
         return Err(HandshakeError::Duplicate(who));
@@ -264,7 +316,19 @@ pub(super) async fn handshake_accept(
     ok.extend_from_slice(&incarnation.to_le_bytes());
     ok.extend_from_slice(&delivered.to_le_bytes());
     timed(s.write_all(&ok), &who).await?;
-    Ok(Accepted::Node(NodeId(id), theirs, conn))
+    Ok(Accepted::Node(
+        NodeId(id),
+        conn,
+        Transcript {
+            dialer: id,
+            listener: cfg.me.0,
+            nc,
+            ns,
+            dialer_incarnation: theirs,
+            listener_incarnation: incarnation,
+            delivered,
+        },
+    ))
 }
 
 /// MAC over the cluster file, bound to both nonces.
@@ -393,14 +457,15 @@ pub async fn fetch_cluster_file(addr: SocketAddr, secret: &[u8]) -> Result<Strin
 }
 
 /// Dial the node `listener` at `addr` claiming to be node `claim`, as any holder of the cluster
-/// `secret` can, and return the authenticated connection (or why it was refused). The chaos
-/// suite's forged peer: what it then writes must never disturb the real node `claim`.
+/// `secret` can, and return the authenticated connection, its encrypted channel established
+/// (or why it was refused). The chaos suite's forged peer: what it then writes must never
+/// disturb the real node `claim`.
 pub async fn dial_as(
     addr: SocketAddr,
     listener: NodeId,
     claim: NodeId,
     secret: &[u8],
-) -> Result<TcpStream, HandshakeError> {
+) -> Result<Channel, HandshakeError> {
     let cfg = TcpConfig {
         me: claim,
         peers: BTreeMap::from([(listener, addr)]),
@@ -410,9 +475,12 @@ pub async fn dial_as(
         max_frame: wire::MAX_FRAME,
         connect_window: Duration::ZERO,
         cluster_file: None,
+        encrypt: true,
     };
     let who = format!("node {} at {addr}", listener.0);
     let mut s = timed(TcpStream::connect(addr), &who).await?;
-    handshake_dial(&mut s, &cfg, listener, rand::random()).await?;
-    Ok(s)
+    let t = handshake_dial(&mut s, &cfg, listener, rand::random()).await?;
+    let keys = establish(&mut s, secret, &t, true, &who).await?;
+    let (rx, tx) = split(s, Some(keys), (64, 64), (RECORD_SPAN, RECORD_SPAN));
+    Ok(Channel::new(rx, tx))
 }

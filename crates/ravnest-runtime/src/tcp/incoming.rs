@@ -6,11 +6,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use ravnest_core::NodeId;
-use tokio::io::{AsyncWriteExt, BufReader};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use crate::wire;
 
+use super::channel::{self, RECORD_SPAN};
 use super::config::*;
 use super::handshake::*;
 use super::state::*;
@@ -57,10 +58,10 @@ impl TcpTransport {
             |p, inc| self.admit(p, inc),
         )
         .await;
-        let (peer, conn) = match accepted {
-            Ok(Accepted::Node(p, incarnation, conn)) => {
-                self.saw_incarnation(p, incarnation);
-                (p, conn)
+        let (peer, conn, transcript) = match accepted {
+            Ok(Accepted::Node(p, conn, t)) => {
+                self.saw_incarnation(p, t.dialer_incarnation);
+                (p, conn, t)
             }
             Ok(Accepted::ClusterFileSent) => {
                 self.log(format!("sent the cluster file to a joiner at {remote}"));
@@ -75,11 +76,37 @@ impl TcpTransport {
             Some(s) if s.conn == conn => s.last.clone(),
             _ => return,
         };
-        let (read, mut write) = stream.into_split();
-        let mut read = BufReader::with_capacity(1 << 16, read);
+        let keys = if self.inner.cfg.encrypt {
+            let who = format!("node {} at {remote}", peer.0);
+            match channel::establish(
+                &mut stream,
+                &self.inner.cfg.secret,
+                &transcript,
+                false,
+                &who,
+            )
+            .await
+            {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    self.log(format!("refused {e}"));
+                    self.close_incoming(peer, conn);
+                    return;
+                }
+            }
+        } else {
+            None
+        };
+        // Frames come in bulk; only acknowledgements go back.
+        let (mut read, mut write) =
+            channel::split(stream, keys, (1 << 16, 64), (4 * RECORD_SPAN, RECORD_SPAN));
         let reason = loop {
             match wire::read_envelope(&mut read, self.inner.cfg.max_frame).await {
                 Ok(None) => break None,
+                Err(_) if read.auth_failed() => {
+                    self.auth_failure(peer);
+                    break None;
+                }
                 Err(e) => break Some(e.to_string()),
                 Ok(Some((from, to, env))) => {
                     last.store(self.now_ms(), Ordering::Relaxed);
@@ -103,8 +130,9 @@ impl TcpTransport {
                     };
                     self.deliver(from, to, env);
                     // Acknowledge once what has arrived so far is delivered.
-                    if read.buffer().is_empty()
-                        && write.write_all(&delivered.to_le_bytes()).await.is_err()
+                    if read.is_drained()
+                        && (write.write_all(&delivered.to_le_bytes()).await.is_err()
+                            || write.flush().await.is_err())
                     {
                         break None;
                     }
@@ -114,6 +142,11 @@ impl TcpTransport {
         if let Some(r) = reason {
             self.log(format!("dropped the connection from node {}: {r}", peer.0));
         }
+        self.close_incoming(peer, conn);
+    }
+
+    /// Connection `conn` from `peer` is over (if it is still the current one).
+    fn close_incoming(&self, peer: NodeId, conn: u64) {
         if let Some(s) = self.inner.incoming.lock().unwrap().get_mut(&peer)
             && s.conn == conn
         {

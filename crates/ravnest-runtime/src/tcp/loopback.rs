@@ -22,8 +22,18 @@ pub struct LoopbackCluster {
 }
 
 impl LoopbackCluster {
-    /// Start `n` nodes on free loopback ports; node 0 hosts the coordinator.
+    /// Start `n` nodes on free loopback ports; node 0 hosts the coordinator. Their connections
+    /// are encrypted, as a real run's are.
     pub async fn start(n: u32, secret: &[u8]) -> std::io::Result<LoopbackCluster> {
+        LoopbackCluster::start_with(n, secret, true).await
+    }
+
+    /// The same, with encryption on or off (`TcpConfig::encrypt`).
+    pub async fn start_with(
+        n: u32,
+        secret: &[u8],
+        encrypt: bool,
+    ) -> std::io::Result<LoopbackCluster> {
         let mut peers = BTreeMap::new();
         for i in 0..n {
             // Reserve a free port by binding and releasing it.
@@ -41,6 +51,7 @@ impl LoopbackCluster {
                 max_frame: wire::MAX_FRAME,
                 connect_window: Duration::from_secs(2),
                 cluster_file: None,
+                encrypt,
             };
             nodes.insert(NodeId(i), TcpTransport::bind(cfg, false).await?);
         }

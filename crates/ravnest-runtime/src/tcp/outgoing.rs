@@ -6,12 +6,13 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use ravnest_core::NodeId;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 use crate::wire;
 
+use super::channel::{self, AUTH_FAILED, RECORD_SPAN, Rx, Tx};
 use super::handshake::*;
 use super::state::*;
 
@@ -39,9 +40,9 @@ impl TcpTransport {
         }
     }
 
-    /// Connect and authenticate to `peer`; its incarnation and how many frames of our session
-    /// it has delivered.
-    pub(super) async fn dial(&self, peer: NodeId) -> Option<(TcpStream, u64, u64)> {
+    /// Connect and authenticate to `peer` and set up the connection's channel; its ends, its
+    /// incarnation and how many frames of our session it has delivered.
+    pub(super) async fn dial(&self, peer: NodeId) -> Option<(Rx, Tx, u64, u64)> {
         let deadline = tokio::time::Instant::now() + self.inner.cfg.connect_window;
         let mut backoff = Duration::from_millis(20);
         loop {
@@ -49,17 +50,23 @@ impl TcpTransport {
             match TcpStream::connect(addr).await {
                 Ok(mut s) => {
                     let _ = s.set_nodelay(true);
-                    match handshake_dial(&mut s, &self.inner.cfg, peer, self.inner.incarnation)
-                        .await
-                    {
-                        Ok((incarnation, delivered)) => {
-                            self.saw_incarnation_dialed(peer, incarnation);
-                            return Some((s, incarnation, delivered));
+                    match self.handshake(&mut s, peer).await {
+                        Ok((keys, t)) => {
+                            self.saw_incarnation_dialed(peer, t.listener_incarnation);
+                            // Frames go out in bulk; only acknowledgements come back.
+                            let (rx, tx) = channel::split(
+                                s,
+                                keys,
+                                (64, 1 << 16),
+                                (RECORD_SPAN, 4 * RECORD_SPAN),
+                            );
+                            return Some((rx, tx, t.listener_incarnation, t.delivered));
                         }
                         Err(
                             e @ (HandshakeError::Secret(_)
                             | HandshakeError::Version { .. }
-                            | HandshakeError::Unknown(_)),
+                            | HandshakeError::Unknown(_)
+                            | HandshakeError::Encryption(_)),
                         ) => {
                             self.log(format!("refused by {e}"));
                             return None;
@@ -79,6 +86,22 @@ impl TcpTransport {
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_millis(500));
         }
+    }
+
+    /// The dialer's handshake on `s`, then the channel's when we encrypt.
+    async fn handshake(
+        &self,
+        s: &mut TcpStream,
+        peer: NodeId,
+    ) -> Result<(Option<channel::Keys>, Transcript), HandshakeError> {
+        let cfg = &self.inner.cfg;
+        let t = handshake_dial(s, cfg, peer, self.inner.incarnation).await?;
+        if !cfg.encrypt {
+            return Ok((None, t));
+        }
+        let who = format!("node {}", peer.0);
+        let keys = channel::establish(s, &cfg.secret, &t, true, &who).await?;
+        Ok((Some(keys), t))
     }
 
     /// Start (or resume) our session with `peer` on a new connection: frames it delivered are
@@ -120,13 +143,10 @@ impl TcpTransport {
         generation: u64,
         mut rx: mpsc::UnboundedReceiver<wire::Frame>,
     ) {
-        let Some((stream, incarnation, delivered)) = self.dial(peer).await else {
+        let Some((mut read, mut w, incarnation, delivered)) = self.dial(peer).await else {
             return self.give_up(peer, generation, rx);
         };
         let again = self.resume_session(peer, incarnation, delivered);
-        let (read, write) = stream.into_split();
-        let mut read = BufReader::with_capacity(64, read);
-        let mut w = BufWriter::with_capacity(1 << 16, write);
         let mut failed = false;
         for f in &again {
             if w.write_all(&f.head).await.is_err() || w.write_all(f.payload_bytes()).await.is_err()
@@ -137,15 +157,28 @@ impl TcpTransport {
         }
         failed = failed || w.flush().await.is_err();
         let mut ack = [0u8; 8];
+        let mut have = 0;
         while !failed {
             // The listener writes only acknowledgements on this connection: the count of our
-            // frames it has delivered. Its end means the connection closed.
+            // frames it has delivered. Its end means the connection closed. (`read` keeps
+            // what it has if the other branch wins; `read_exact` would drop it.)
             let frame = tokio::select! {
                 biased;
-                r = read.read_exact(&mut ack) => {
-                    if r.is_err() {
-                        break;
+                r = read.read(&mut ack[have..]) => {
+                    match r {
+                        Ok(0) => break,
+                        Ok(n) => have += n,
+                        Err(_) => {
+                            if read.auth_failed() {
+                                self.auth_failure(peer);
+                            }
+                            break;
+                        }
                     }
+                    if have < ack.len() {
+                        continue;
+                    }
+                    have = 0;
                     let n = u64::from_le_bytes(ack);
                     self.inner.sessions.lock().unwrap().entry(peer).or_default().trim(n);
                     self.inner.settled.notify_waiters();
@@ -185,6 +218,16 @@ impl TcpTransport {
             self.inner.settled.notify_waiters();
         }
         self.closed(peer, generation, rx).await;
+    }
+
+    /// A record from `peer` failed authentication: the connection is closed (the session
+    /// sends again, on a new one, what was not acknowledged).
+    pub(super) fn auth_failure(&self, peer: NodeId) {
+        self.inner.auth_failures.fetch_add(1, Ordering::Relaxed);
+        self.log(format!(
+            "{AUTH_FAILED}: closing the connection to node {}",
+            peer.0
+        ));
     }
 
     /// `peer` was unreachable for the whole connect window: what was queued for it is lost,

@@ -47,6 +47,8 @@ pub(super) struct Inner {
     pub(super) tasks: Mutex<Vec<AbortHandle>>,
     pub(super) down: AtomicBool,
     pub(super) bytes_sent: AtomicU64,
+    /// Connections closed because a record failed authentication.
+    pub(super) auth_failures: AtomicU64,
     /// Frames queued on links and not yet written and flushed (or dropped with their link).
     pub(super) unsent: AtomicU64,
     /// Told whenever frames leave the queues or are acknowledged (what `drain` waits on).

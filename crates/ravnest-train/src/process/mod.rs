@@ -140,6 +140,7 @@ pub fn tcp_config(s: &Scenario, origin: &str, me: NodeId) -> Result<TcpConfig, R
         max_frame: ravnest_runtime::wire::MAX_FRAME,
         connect_window: Duration::from_secs(30),
         cluster_file: None,
+        encrypt: true,
     })
 }
 
