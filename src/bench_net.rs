@@ -1,6 +1,7 @@
 //! `ravnest bench allreduce`: ring all-reduce over loopback TCP, the same `RingMember` and
 //! `TcpTransport` that `ravnest run` uses, one transport per rank (each with its own sockets,
-//! handshake and frames), timed from start until every rank holds the sum.
+//! handshake and frames), timed from start until every rank holds the sum; with connections
+//! plain and encrypted (`TcpConfig::encrypt`), rounds interleaved, side by side.
 
 use std::time::{Duration, Instant};
 
@@ -21,6 +22,8 @@ pub struct Row {
     pub bytes: usize,
     /// Median seconds per all-reduce.
     pub secs: f64,
+    /// Whether the connections were encrypted.
+    pub encrypted: bool,
 }
 
 impl Row {
@@ -92,8 +95,10 @@ async fn one_round(net: &LoopbackCluster, n: usize, len: usize, epoch: u64) -> R
     Ok(t.elapsed())
 }
 
-/// Measure every (n, size), `reps` rounds each (after one warm-up).
-pub fn measure(ns: &[usize], sizes_mib: &[usize], reps: usize) -> Result<Vec<Row>> {
+/// Measure every (n, size), `reps` rounds each (after one warm-up), on plain and/or encrypted
+/// connections (`modes`: the values of `encrypt`), their rounds interleaved so that the
+/// machine's drift hits both alike.
+pub fn measure(ns: &[usize], sizes_mib: &[usize], reps: usize, modes: &[bool]) -> Result<Vec<Row>> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -101,46 +106,86 @@ pub fn measure(ns: &[usize], sizes_mib: &[usize], reps: usize) -> Result<Vec<Row
     rt.block_on(async {
         let mut rows = Vec::new();
         for &n in ns {
-            let net = LoopbackCluster::start(n as u32, b"bench").await?;
+            let mut nets = Vec::new();
+            for &encrypt in modes {
+                nets.push(LoopbackCluster::start_with(n as u32, b"bench", encrypt).await?);
+            }
             let mut epoch = 0;
             for &mib in sizes_mib {
                 let len = mib * (1 << 20) / 4;
-                epoch += 1;
-                one_round(&net, n, len, epoch).await?;
-                let mut times = Vec::new();
-                for _ in 0..reps {
-                    epoch += 1;
-                    times.push(one_round(&net, n, len, epoch).await?.as_secs_f64());
+                let mut times = vec![Vec::new(); nets.len()];
+                for rep in 0..=reps {
+                    for (net, times) in nets.iter().zip(&mut times) {
+                        epoch += 1;
+                        let t = one_round(net, n, len, epoch).await?.as_secs_f64();
+                        // The first round of each is a warm-up.
+                        if rep > 0 {
+                            times.push(t);
+                        }
+                    }
                 }
-                times.sort_by(f64::total_cmp);
-                rows.push(Row {
-                    n,
-                    bytes: len * 4,
-                    secs: times[times.len() / 2],
-                });
+                for (&encrypted, mut times) in modes.iter().zip(times) {
+                    times.sort_by(f64::total_cmp);
+                    rows.push(Row {
+                        n,
+                        bytes: len * 4,
+                        secs: times[times.len() / 2],
+                        encrypted,
+                    });
+                }
             }
-            for t in net.nodes.values() {
-                t.shutdown();
+            for net in &nets {
+                for t in net.nodes.values() {
+                    t.shutdown();
+                }
             }
         }
         Ok(rows)
     })
 }
 
-/// The table.
+fn channel(encrypted: bool) -> &'static str {
+    if encrypted { "encrypted" } else { "plain" }
+}
+
+/// The table; then, for every cell measured both ways, plain against encrypted.
 pub fn table(rows: &[Row]) -> String {
-    let mut out = String::from(
-        "ring all-reduce over loopback TCP (median of the rounds)\n\n  n     size      time    algbw GB/s   busbw GB/s\n",
+    let mut out = format!(
+        "ring all-reduce over loopback TCP (median of the rounds; encrypted: {})\n\n  n       size  channel          time   algbw GB/s   busbw GB/s\n",
+        ravnest_runtime::tcp::NOISE_PROTOCOL
     );
     for r in rows {
         out += &format!(
-            "{:>3} {:>6} MiB {:>8.1} ms {:>12.3} {:>12.3}\n",
+            "{:>3} {:>6} MiB  {:<9} {:>8.1} ms {:>12.3} {:>12.3}\n",
             r.n,
             r.bytes >> 20,
+            channel(r.encrypted),
             r.secs * 1e3,
             r.algbw(),
             r.busbw()
         );
+    }
+    let pairs: Vec<(&Row, &Row)> = rows
+        .iter()
+        .filter(|p| !p.encrypted)
+        .filter_map(|p| {
+            rows.iter()
+                .find(|e| e.encrypted && (e.n, e.bytes) == (p.n, p.bytes))
+                .map(|e| (p, e))
+        })
+        .collect();
+    if !pairs.is_empty() {
+        out += "\nplain vs encrypted busbw\n\n  n       size   plain GB/s   encrypted GB/s   encrypted/plain\n";
+        for (p, e) in pairs {
+            out += &format!(
+                "{:>3} {:>6} MiB {:>12.3} {:>16.3} {:>17.2}\n",
+                p.n,
+                p.bytes >> 20,
+                p.busbw(),
+                e.busbw(),
+                e.busbw() / p.busbw()
+            );
+        }
     }
     out
 }

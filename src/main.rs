@@ -91,7 +91,7 @@ Several machines: docs/multi-machine.md. File format: docs/cluster-format.md.")]
     #[command(after_help = "Examples:
   ravnest bench ddp                             ravnest vs PyTorch DDP, side by side (needs torch)
   ravnest bench overhead                        one node: ravnest vs a bare loop vs PyTorch
-  ravnest bench allreduce --sizes 1,64          ring all-reduce over loopback TCP
+  ravnest bench allreduce --sizes 1,64          ring all-reduce over loopback TCP, plain and encrypted
   ravnest bench planners                        every planner on every shipped scenario
   ravnest bench sim --seeds 1000                the simulator's fault sweep
   ravnest bench chaos --schedules 20            real processes under injected network faults
@@ -301,8 +301,11 @@ enum BenchWhat {
         #[arg(long, default_value_t = 3)]
         rounds: usize,
     },
-    /// Ring all-reduce over loopback TCP: algorithm and bus bandwidth for 2, 3 and 4 ranks.
-    #[command(after_help = "Example:\n  ravnest bench allreduce --sizes 1,16,64 --nodes 2,4")]
+    /// Ring all-reduce over loopback TCP: algorithm and bus bandwidth for 2, 3 and 4 ranks, on
+    /// plain and encrypted connections side by side.
+    #[command(
+        after_help = "Example:\n  ravnest bench allreduce --sizes 1,16,64 --nodes 2,4\n  ravnest bench allreduce --sizes 64 --nodes 2,4 --channel encrypted"
+    )]
     Allreduce {
         /// Sizes in MiB.
         #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
@@ -313,6 +316,9 @@ enum BenchWhat {
         /// Timed rounds per cell.
         #[arg(long, default_value_t = 5)]
         reps: usize,
+        /// Connections: plain, encrypted, or both side by side (with their ratio).
+        #[arg(long, default_value = "both", value_parser = ["both", "plain", "encrypted"])]
+        channel: String,
     },
     /// Predicted samples/s of every planner on every shipped scenario (or the given files).
     #[command(after_help = "Example:\n  ravnest bench planners scenarios/slow-link.toml")]
@@ -629,11 +635,21 @@ fn bench_command(what: BenchWhat) -> Result<()> {
             emit(&bench_net::gpu(&dims, batch, steps, rounds)?);
             Ok(())
         }
-        BenchWhat::Allreduce { sizes, nodes, reps } => {
+        BenchWhat::Allreduce {
+            sizes,
+            nodes,
+            reps,
+            channel,
+        } => {
             if nodes.iter().any(|&n| n < 2) || reps == 0 {
                 bail!("--nodes must be 2 or more and --reps at least 1");
             }
-            let rows = bench_net::measure(&nodes, &sizes, reps)?;
+            let modes: &[bool] = match channel.as_str() {
+                "plain" => &[false],
+                "encrypted" => &[true],
+                _ => &[false, true],
+            };
+            let rows = bench_net::measure(&nodes, &sizes, reps, modes)?;
             emit(&bench_net::table(&rows));
             Ok(())
         }
