@@ -7,6 +7,7 @@
 //!   comes back in;
 //! - the coordinator's process killed with SIGKILL mid-run: the lowest live node takes over,
 //!   the run finishes every step, loss still falls (coordinator fail-over);
+//! - Ctrl-C on a worker: it is planned out at the next epoch and leaves cleanly, no loss;
 //! - a run resumed from a checkpoint ends with the same bytes as an uninterrupted one;
 //! - the character model learns a text file across two processes and writes with it.
 //!
@@ -369,6 +370,78 @@ fn the_coordinator_killed_with_sigkill_is_taken_over_and_the_run_finishes() {
     assert!(
         out.join("checkpoints/step-00000200.safetensors").exists(),
         "no final checkpoint"
+    );
+}
+
+#[test]
+fn ctrl_c_on_a_worker_leaves_cleanly_without_a_replan_for_a_loss() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = fresh_dir("e2e-ctrl-c");
+    let file = cluster_file(&dir, &[("a", 1.0), ("b", 1.0), ("slow", 3.0)], 200, 100);
+    let out = dir.join("out");
+    let mut parent = start(&[
+        "run",
+        file.to_str().unwrap(),
+        "--json",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let rx = json_lines(&mut parent);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut pid_b = None;
+    let before = read_until(&rx, deadline, |v| {
+        if v["event"] == "spawned" && v["node"] == "b" {
+            pid_b = v["pid"].as_u64();
+        }
+        v["event"] == "progress" && v["node"] == "a" && v["step"].as_u64() >= Some(40)
+    });
+    let pid_b = pid_b.unwrap_or_else(|| panic!("no pid for b in {before:?}"));
+    let sent = Command::new("kill")
+        .args(["-INT", &pid_b.to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let rest = read_until(&rx, deadline, |v| v["event"] == "summary");
+    assert!(
+        parent.wait().unwrap().success(),
+        "the run failed after b left"
+    );
+    let s = summary(&rest);
+    let c = &s["coordinator"];
+    assert_eq!(c["steps"], 200, "{s}");
+    // b said its report and ended with success (not a failed process).
+    assert!(s["failed"].as_array().is_some_and(|f| f.is_empty()), "{s}");
+    assert!(!s["nodes"][1]["report"].is_null(), "b did not report: {s}");
+    let every = std::fs::read_to_string(out.join("events.jsonl")).unwrap();
+    let said: Vec<String> = every
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| v["what"].as_str().map(String::from))
+        .collect();
+    assert!(
+        said.iter().any(|e| e.contains("`b` asked to leave")),
+        "{said:?}"
+    );
+    assert!(
+        said.iter().any(|e| e.contains("`b` left cleanly")),
+        "{said:?}"
+    );
+    assert!(
+        !said
+            .iter()
+            .any(|e| e.contains("`b` lost") || e.contains("aborted")),
+        "a clean leave is not a loss: {said:?}"
+    );
+    // One plan without b when it leaves: no storm of re-plans.
+    let after: Vec<&String> = said
+        .iter()
+        .skip_while(|e| !e.contains("asked to leave"))
+        .filter(|e| e.contains(": planned "))
+        .collect();
+    assert!(!after.is_empty() && after.len() <= 3, "{after:?}");
+    assert!(
+        !after[0].contains("b="),
+        "the first plan after the leave still has b: {after:?}"
     );
 }
 

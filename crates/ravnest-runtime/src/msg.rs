@@ -380,6 +380,9 @@ pub enum Envelope {
     /// (Coordinator → nodes, with fail-over) what a successor needs to go on
     /// (the coordinator's `succession` module).
     Succession(Box<Replica>),
+    /// (Node → coordinator) this node is stopping (Ctrl-C): plan it out at the next epoch, and
+    /// answer with [`Envelope::Finish`] once no running epoch needs it.
+    Leave,
 }
 
 /// What a successor needs to go on: sent by the coordinator to the nodes.
@@ -475,6 +478,7 @@ impl Envelope {
             Envelope::Report(_) => "report",
             Envelope::Summary(_) => "summary",
             Envelope::Succession(_) => "succession",
+            Envelope::Leave => "leave",
         }
     }
 
@@ -490,7 +494,7 @@ impl Envelope {
     /// Digest the fields of registration, probes, measurement, grants, halts and reports; false for any other envelope.
     fn digest_control(&self, h: &mut Fnv) -> bool {
         match self {
-            Envelope::Heartbeat | Envelope::Join | Envelope::Finish => {}
+            Envelope::Heartbeat | Envelope::Join | Envelope::Finish | Envelope::Leave => {}
             Envelope::Register(c) => {
                 h.u64(c.flops.to_bits());
                 h.u64(c.memory_bytes);

@@ -333,6 +333,11 @@ impl TcpTransport {
         }
     }
 
+    /// This process's node.
+    pub fn me(&self) -> NodeId {
+        self.inner.cfg.me
+    }
+
     /// The node hosting the coordinator now.
     pub fn coordinator(&self) -> NodeId {
         NodeId(self.inner.coordinator.load(Ordering::SeqCst))

@@ -295,6 +295,7 @@ pub fn notable(what: &str) -> bool {
         || what.contains("aborted")
         || what.contains("joined")
         || what.contains("took over")
+        || what.contains("left cleanly")
         || what.starts_with("violation")
         || what.starts_with("stalled")
         || what.starts_with("no step agreed")

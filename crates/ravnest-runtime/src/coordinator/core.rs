@@ -324,6 +324,9 @@ pub struct Coordinator {
     left_out: BTreeMap<NodeId, u64>,
     /// Nodes that joined and wait for the next epoch.
     joiners: BTreeSet<NodeId>,
+    /// Nodes that asked to leave: planned out at the next epoch, told to stop when no running
+    /// epoch needs them.
+    leaving: BTreeSet<NodeId>,
     /// Agreed steps in a row whose measurements predicted a worthwhile re-plan.
     over: u32,
     /// The steps at which measurements re-planned.
@@ -397,6 +400,7 @@ impl Coordinator {
             assumed,
             left_out: BTreeMap::new(),
             joiners: BTreeSet::new(),
+            leaving: BTreeSet::new(),
             over: 0,
             rebalanced_at: Vec::new(),
             last_planned: None,
@@ -543,6 +547,7 @@ impl Coordinator {
                 compute_ns,
             } => self.on_report(from, epoch, step, Report { digest, compute_ns }),
             Envelope::Halted { epoch, held } => self.on_halted(from, epoch, held),
+            Envelope::Leave => self.on_leave(from),
             Envelope::StepFailed { epoch, reason }
                 if epoch >= self.eras.first().map_or(u64::MAX, |e| e.epoch) =>
             {
@@ -594,7 +599,9 @@ impl Coordinator {
         }
         if self.agreed > before && !self.finished {
             self.extend_grant();
+            self.retire_leavers();
             self.admit_joiners();
+            self.release_leavers();
             self.consider_replan();
         }
     }
@@ -835,7 +842,8 @@ impl Coordinator {
     /// stage with the layers it fetches), and where a data-parallel node that lacks the version
     /// fetches it. Or why training cannot go on.
     fn staff(&mut self, from: u64, holders: &Holders) -> Result<Staffing, String> {
-        let live = self.detector.alive();
+        let mut live = self.detector.alive();
+        live.retain(|n| !self.leaving.contains(n));
         if live.is_empty() {
             return Err("no live nodes".into());
         }
@@ -1301,6 +1309,53 @@ impl Coordinator {
         }
         self.joiners.insert(node);
         self.admit_joiners();
+    }
+
+    /// A node asks to leave (Ctrl-C on its process): no halt, no loss. It is planned out at the
+    /// next boundary no node has passed (a switch, as for a joiner), keeps running the steps of
+    /// the epochs that still count on it, and is told to stop once none does.
+    fn on_leave(&mut self, node: NodeId) {
+        if !self.leaving.insert(node) {
+            return;
+        }
+        self.emit(Event::Leaving { node });
+        self.joiners.remove(&node);
+        self.retire_leavers();
+        self.release_leavers();
+    }
+
+    /// Switch to an epoch without the leavers, when one still counts on them and no other change
+    /// is pending.
+    fn release_leavers(&mut self) {
+        if self.halting.is_some() || self.eras.len() != 1 {
+            return;
+        }
+        let involved = self.involved();
+        if self.leaving.iter().any(|n| involved.contains(n)) {
+            self.switch();
+        }
+    }
+
+    /// Leavers no running epoch counts on any more: told to stop, no longer watched.
+    fn retire_leavers(&mut self) {
+        if self.halting.is_some() {
+            return;
+        }
+        let involved = self.involved();
+        let done: Vec<NodeId> = self
+            .leaving
+            .iter()
+            .copied()
+            .filter(|n| !involved.contains(n))
+            .collect();
+        for node in done {
+            self.leaving.remove(&node);
+            self.detector.unwatch(node);
+            self.initial.remove(&node);
+            self.left_out.remove(&node);
+            self.send(node, Envelope::Finish);
+            self.emit(Event::Left { node });
+        }
     }
 
     /// Joined nodes take part from the next boundary no node has passed, once no other change

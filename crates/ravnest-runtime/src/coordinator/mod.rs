@@ -70,6 +70,16 @@ pub enum Event {
         /// The new term.
         term: u32,
     },
+    /// A node asked to leave (Ctrl-C): it is planned out at the next epoch.
+    Leaving {
+        /// Node.
+        node: NodeId,
+    },
+    /// A node that asked to leave is no longer needed by any running epoch: it was told to stop.
+    Left {
+        /// Node.
+        node: NodeId,
+    },
     /// A node (re)joined.
     Joined {
         /// Node.
@@ -103,6 +113,8 @@ impl Event {
             Event::Resync { .. } => "resync",
             Event::Joined { .. } => "joined",
             Event::TookOver { .. } => "took-over",
+            Event::Leaving { .. } => "leaving",
+            Event::Left { .. } => "left",
             Event::Rebalanced { .. } => "rebalanced",
             Event::CheckpointComplete { .. } => "checkpoint",
             Event::Refused(_) => "shard-refused",
@@ -117,7 +129,9 @@ impl Event {
         match self {
             Event::Detected { node, .. }
             | Event::Joined { node }
-            | Event::TookOver { node, .. } => Some(*node),
+            | Event::TookOver { node, .. }
+            | Event::Leaving { node }
+            | Event::Left { node } => Some(*node),
             _ => None,
         }
     }

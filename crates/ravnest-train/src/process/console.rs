@@ -253,6 +253,11 @@ pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
             *silent_ms as f64 / 1e3
         ),
         Event::Joined { node } => format!("node `{}` joined", name(node)),
+        Event::Leaving { node } => format!(
+            "node `{}` asked to leave: planned out at the next epoch (no re-plan for a loss)",
+            name(node)
+        ),
+        Event::Left { node } => format!("node `{}` left cleanly", name(node)),
         Event::TookOver {
             node,
             from,

@@ -207,6 +207,16 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
     } else {
         match worker::wait_for_finish(&opts, &say, &net, &tcp, &mut verdicts).await {
             Ok(worker::Ending::Finished) => Ok(None),
+            Ok(worker::Ending::Left) => {
+                progress.abort();
+                let report = node_report(None, &opts, &su, &counters, &tcp, t0);
+                say.say(&RunEvent::Report(report.clone()));
+                say.cluster("left the cluster cleanly; the run goes on without this node");
+                sup.stop(None);
+                tcp.drain(Duration::from_secs(2)).await;
+                tcp.shutdown();
+                return Ok(report);
+            }
             Ok(worker::Ending::TakeOver(r, from)) => {
                 coordinate::take_over(&host, r, from).await.map(Some)
             }

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use ravnest_core::NodeId;
+use ravnest_runtime::Transport;
 use ravnest_runtime::msg::Replica;
 use ravnest_runtime::node::Verdict;
 use ravnest_runtime::tcp::TcpTransport;
@@ -21,6 +22,9 @@ pub(super) enum Ending {
     /// The coordinator was lost and this node succeeds it (fail-over): the new term's replica,
     /// and the lost coordinator's node.
     TakeOver(Replica, NodeId),
+    /// Stopped with Ctrl-C: the coordinator planned this node out and let it go (the run goes
+    /// on without it).
+    Left,
 }
 
 /// Wait for `Finish`, following the coordinator when another node takes over, or taking over
@@ -43,11 +47,27 @@ pub(super) async fn wait_for_finish(
     let mut host = coordinator_of(s);
     let watch = watch_coordinator(opts, &net.finish, &net.heard, &net.armed, net.t0);
     tokio::pin!(watch);
+    let mut leaving = false;
     let why = loop {
         tokio::select! {
             end = &mut watch => match end {
+                Ok(()) if leaving => return Ok(Ending::Left),
                 Ok(()) => return Ok(Ending::Finished),
                 Err(why) => break why,
+            },
+            _ = tokio::signal::ctrl_c() => {
+                if leaving {
+                    return Err(RunError::Stopped("stopped by a second Ctrl-C before the coordinator let this node go".into()));
+                }
+                leaving = true;
+                let _ = tcp.send(
+                    ravnest_runtime::Addr::Node(tcp.me()),
+                    ravnest_runtime::Addr::Coordinator,
+                    ravnest_runtime::Envelope::Leave,
+                );
+                say.cluster(
+                    "Ctrl-C: leaving the cluster; this node finishes the steps the running epoch counts on it for (Ctrl-C again to stop at once)",
+                );
             },
             Some((_, v)) = verdicts.recv() => match v {
                 Verdict::Follow(next) => {
