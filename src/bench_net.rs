@@ -290,6 +290,7 @@ fn one_node_run(
         overwrite: true,
         device: Some(device.to_string()),
         announce: ravnest_train::discover::Announce::Never,
+        newcomer: false,
     })?;
     // Per step after warm-up.
     Ok(report

@@ -74,6 +74,27 @@ pub fn run(args: RunArgs) -> Result<()> {
     if args.join && args.node.is_none() {
         bail!("--join restarts one node: name it with --node NAME");
     }
+    // A name the file does not have joins as a new node, reached at its `--advertise` address.
+    let mut text = args.text.clone();
+    let newcomer = args.join
+        && args
+            .node
+            .as_ref()
+            .is_some_and(|me| !scenario.cluster.nodes.iter().any(|n| &n.name == me));
+    if let (true, Some(me)) = (newcomer, &args.node) {
+        let Some(addr) = &args.advertise else {
+            bail!(
+                "--join: `{me}` is not a node of the cluster file, so it joins as a new node: say where peers reach it with --advertise HOST:PORT"
+            );
+        };
+        text +=
+            &ravnest_train::process::member_section(me, &scenario.cluster.nodes[0].device, addr);
+        scenario = ravnest_core::parse(&text, &args.origin)?;
+        scenario.run.steps = steps;
+        if let Some(w) = args.wait {
+            scenario.run.register_timeout_s = w;
+        }
+    }
     // (A name not in the file is the node process's error, which lists the names.)
     if let Some(i) = args
         .node
@@ -107,11 +128,12 @@ pub fn run(args: RunArgs) -> Result<()> {
                 quiet: false,
                 share: Some(ravnest_train::process::share_document(
                     &args.origin,
-                    &args.text,
+                    &text,
                     steps,
                 )),
                 spans: args.spans,
                 announce: args.announce,
+                newcomer,
             })?;
             Ok(())
         }

@@ -187,6 +187,12 @@ pub struct Capabilities {
     pub memory_bytes: u64,
     /// What was measured (device, threads), for the printed plan.
     pub device: String,
+    /// The node's name (a node not in the cluster file joins by it).
+    #[serde(default)]
+    pub name: String,
+    /// Where peers reach it (`host:port`), for a node not in the cluster file.
+    #[serde(default)]
+    pub address: Option<String>,
 }
 
 /// Typed envelopes. `virtual_bytes` is what the network charges for bandwidth: the simulated
@@ -383,6 +389,16 @@ pub enum Envelope {
     /// (Node → coordinator) this node is stopping (Ctrl-C): plan it out at the next epoch, and
     /// answer with [`Envelope::Finish`] once no running epoch needs it.
     Leave,
+    /// (Coordinator → nodes) a node not in the cluster file joined as `id`: every process hands
+    /// later joiners the file and these members (so they number the nodes alike).
+    Member {
+        /// Its id (the next after the file's nodes and earlier members).
+        id: NodeId,
+        /// Its name.
+        name: String,
+        /// Where peers reach it.
+        address: String,
+    },
 }
 
 /// What a successor needs to go on: sent by the coordinator to the nodes.
@@ -479,6 +495,7 @@ impl Envelope {
             Envelope::Summary(_) => "summary",
             Envelope::Succession(_) => "succession",
             Envelope::Leave => "leave",
+            Envelope::Member { .. } => "member",
         }
     }
 
@@ -546,6 +563,11 @@ impl Envelope {
                 h.bytes(addr.as_bytes());
             }
             Envelope::Report(text) | Envelope::Summary(text) => h.bytes(text.as_bytes()),
+            Envelope::Member { id, name, address } => {
+                h.u64(u64::from(id.0));
+                h.bytes(name.as_bytes());
+                h.bytes(address.as_bytes());
+            }
             Envelope::Succession(r) => {
                 for x in [
                     u64::from(r.term),

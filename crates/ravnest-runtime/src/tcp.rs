@@ -96,6 +96,7 @@ impl TcpTransport {
                 started: std::time::Instant::now(),
                 dial_addrs: Mutex::new(cfg.peers.clone()),
                 coordinator: std::sync::atomic::AtomicU32::new(cfg.coordinator.0),
+                share: Mutex::new(cfg.cluster_file.clone()),
                 cfg,
             }),
         };
@@ -252,7 +253,9 @@ impl TcpTransport {
     fn host(&self, a: Addr) -> Option<NodeId> {
         match a {
             Addr::Coordinator | Addr::Checkpoint => Some(self.coordinator()),
-            Addr::Node(n) => self.inner.cfg.peers.contains_key(&n).then_some(n),
+            Addr::Node(n) => (n == self.inner.cfg.me
+                || self.inner.dial_addrs.lock().unwrap().contains_key(&n))
+            .then_some(n),
         }
     }
 
@@ -294,7 +297,9 @@ impl TcpTransport {
     fn advertised(&self, from: Addr, node: NodeId, addr: &str) {
         let cfg = &self.inner.cfg;
         let trusted = from == Addr::Node(node) || from == Addr::Coordinator;
-        if !trusted || node == cfg.me || !cfg.peers.contains_key(&node) {
+        // A node not in the file (it joined) is known from the address it says for itself.
+        let known = cfg.peers.contains_key(&node) || from == Addr::Node(node);
+        if !trusted || node == cfg.me || !known {
             self.log(format!(
                 "ignored an address for node {} from {from:?}",
                 node.0
@@ -318,7 +323,15 @@ impl TcpTransport {
             self.inner.links.lock().unwrap().remove(&node);
         }
         if from == Addr::Node(node) && self.coordinator() == cfg.me {
-            for &p in cfg.peers.keys() {
+            let peers: Vec<NodeId> = self
+                .inner
+                .dial_addrs
+                .lock()
+                .unwrap()
+                .keys()
+                .copied()
+                .collect();
+            for p in peers {
                 if p != cfg.me && p != node {
                     let _ = self.send(
                         Addr::Coordinator,
@@ -331,6 +344,12 @@ impl TcpTransport {
                 }
             }
         }
+    }
+
+    /// What a joiner is handed from now on (`run --join`): the cluster file and the nodes that
+    /// joined since.
+    pub fn set_cluster_file(&self, doc: Arc<str>) {
+        *self.inner.share.lock().unwrap() = Some(doc);
     }
 
     /// This process's node.

@@ -524,6 +524,11 @@ impl Coordinator {
     }
 
     fn on_net(&mut self, now_ms: u64, from: NodeId, env: Envelope) {
+        if from.index() == self.cfg.cluster.nodes.len()
+            && let Envelope::Register(caps) = &env
+        {
+            return self.admit(now_ms, from, caps);
+        }
         if from.index() >= self.cfg.cluster.nodes.len() {
             return;
         }
@@ -1309,6 +1314,57 @@ impl Coordinator {
         }
         self.joiners.insert(node);
         self.admit_joiners();
+    }
+
+    /// A node not in the cluster file registers (`run --join` with a new name): it becomes node
+    /// `id`, with the speed and memory it measured (measurements correct the speed once it
+    /// works), and every node is told (`Member`). Its `Join` follows and makes it a joiner: it
+    /// gets work at the next epoch. A name already taken is refused (ignored).
+    fn admit(&mut self, now_ms: u64, id: NodeId, caps: &crate::msg::Capabilities) {
+        let taken =
+            caps.name.is_empty() || self.cfg.cluster.nodes.iter().any(|n| n.name == caps.name);
+        let Some(address) = caps.address.clone().filter(|_| !taken) else {
+            return;
+        };
+        let Some(like) = self.cfg.cluster.nodes.first().cloned() else {
+            return;
+        };
+        let valid = caps.flops.is_finite() && caps.flops > 0.0 && caps.memory_bytes > 0;
+        if !valid {
+            return;
+        }
+        self.cfg.cluster.nodes.push(ravnest_core::NodeSpec {
+            name: caps.name.clone(),
+            device: caps
+                .device
+                .split_whitespace()
+                .next()
+                .unwrap_or("cpu")
+                .to_string(),
+            memory_bytes: caps.memory_bytes,
+            flops: caps.flops,
+            step_overhead_s: 0.0,
+            address: Some(address.clone()),
+            listen: None,
+            ..like
+        });
+        self.assumed.insert(id, configured(&self.cfg, id));
+        self.plan_cache = None;
+        self.detector.watch(id, now_ms);
+        self.emit(Event::Admitted {
+            node: id,
+            name: caps.name.clone(),
+            device: caps.device.clone(),
+        });
+        let member = Envelope::Member {
+            id,
+            name: caps.name.clone(),
+            address,
+        };
+        for n in self.detector.alive() {
+            self.send(n, member.clone());
+        }
+        self.replicate();
     }
 
     /// A node asks to leave (Ctrl-C on its process): no halt, no loss. It is planned out at the

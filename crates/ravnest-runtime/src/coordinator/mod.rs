@@ -80,6 +80,15 @@ pub enum Event {
         /// Node.
         node: NodeId,
     },
+    /// A node not in the cluster file was admitted as `node` (it joins at the next epoch).
+    Admitted {
+        /// Its new id.
+        node: NodeId,
+        /// Its name.
+        name: String,
+        /// What it measured (device, speed), as it said.
+        device: String,
+    },
     /// A node (re)joined.
     Joined {
         /// Node.
@@ -114,6 +123,7 @@ impl Event {
             Event::Joined { .. } => "joined",
             Event::TookOver { .. } => "took-over",
             Event::Leaving { .. } => "leaving",
+            Event::Admitted { .. } => "admitted",
             Event::Left { .. } => "left",
             Event::Rebalanced { .. } => "rebalanced",
             Event::CheckpointComplete { .. } => "checkpoint",
@@ -131,6 +141,7 @@ impl Event {
             | Event::Joined { node }
             | Event::TookOver { node, .. }
             | Event::Leaving { node }
+            | Event::Admitted { node, .. }
             | Event::Left { node } => Some(*node),
             _ => None,
         }

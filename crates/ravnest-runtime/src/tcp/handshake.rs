@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use hmac::{Hmac, Mac};
@@ -240,6 +241,9 @@ pub(super) async fn handshake_dial(
     }
 }
 
+/// How many nodes beyond the file's may join a running cluster.
+pub const MAX_NEWCOMERS: usize = 1024;
+
 /// What an accepted connection turned out to be.
 pub(super) enum Accepted {
     /// An authenticated peer node, the connection's number, and what was agreed.
@@ -255,6 +259,7 @@ pub(super) async fn handshake_accept(
     cfg: &TcpConfig,
     remote: SocketAddr,
     incarnation: u64,
+    share: Option<Arc<str>>,
     admit: impl Fn(NodeId, u64) -> Option<(u64, u64)>,
 ) -> Result<Accepted, HandshakeError> {
     let who = format!("connection from {remote}");
@@ -264,7 +269,7 @@ pub(super) async fn handshake_accept(
         let version = u32::from_le_bytes(hello[4..8].try_into().expect("4 bytes"));
         let nc: [u8; 32] = hello[12..44].try_into().expect("32 bytes");
         let who = format!("joiner at {remote}");
-        send_cluster_file(s, cfg, version, nc, &who).await?;
+        send_cluster_file(s, cfg, share, version, nc, &who).await?;
         return Ok(Accepted::ClusterFileSent);
     }
     if &hello[..4] != MAGIC {
@@ -284,7 +289,8 @@ pub(super) async fn handshake_accept(
             ours: PROTOCOL_VERSION,
         });
     }
-    if !cfg.peers.contains_key(&NodeId(id)) || id == cfg.me.0 {
+    // A node not in the file may join (it proves the secret next); ids stay near the file's.
+    if id == cfg.me.0 || id as usize >= cfg.peers.len() + MAX_NEWCOMERS {
         let _ = s.write_all(&[UNKNOWN_NODE]).await;
         return Err(HandshakeError::Unknown(who));
     }
@@ -343,6 +349,7 @@ pub(super) fn file_mac(secret: &[u8], a: &[u8; 32], b: &[u8; 32], doc: &[u8]) ->
 pub(super) async fn send_cluster_file(
     s: &mut TcpStream,
     cfg: &TcpConfig,
+    share: Option<Arc<str>>,
     version: u32,
     nc: [u8; 32],
     who: &str,
@@ -357,7 +364,7 @@ pub(super) async fn send_cluster_file(
             ours: PROTOCOL_VERSION,
         });
     }
-    let Some(doc) = cfg.cluster_file.clone() else {
+    let Some(doc) = share else {
         let _ = s.write_all(&[UNKNOWN_NODE]).await;
         return Err(HandshakeError::Unknown(format!(
             "{who} asked for the cluster file, which this node does not share"

@@ -9,6 +9,7 @@ use ravnest_core::NodeId;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
+use crate::msg::Addr;
 use crate::wire;
 
 use super::channel::{self, RECORD_SPAN};
@@ -50,11 +51,13 @@ impl TcpTransport {
     /// what was delivered. Its end is not a peer's death (the failure detector decides that on
     /// heartbeats): the peer dials again and sends what we had not delivered.
     pub(super) async fn serve(&self, mut stream: TcpStream, remote: SocketAddr) {
+        let share = self.inner.share.lock().unwrap().clone();
         let accepted = handshake_accept(
             &mut stream,
             &self.inner.cfg,
             remote,
             self.inner.incarnation,
+            share,
             |p, inc| self.admit(p, inc),
         )
         .await;
@@ -111,7 +114,13 @@ impl TcpTransport {
                 Ok(Some((from, to, env))) => {
                     last.store(self.now_ms(), Ordering::Relaxed);
                     // The header must not lie about who sent it or where it goes.
-                    if self.host(from) != Some(peer) {
+                    // (A node that joined is known by its authenticated connection before its
+                    // address arrives.)
+                    let sender_ok = match from {
+                        Addr::Node(n) => n == peer,
+                        _ => self.host(from) == Some(peer),
+                    };
+                    if !sender_ok {
                         break Some(format!("claimed to send as {from:?}"));
                     }
                     if self.host(to) != Some(self.inner.cfg.me) {

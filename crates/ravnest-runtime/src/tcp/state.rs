@@ -72,6 +72,8 @@ pub(super) struct Inner {
     pub(super) dial_addrs: Mutex<BTreeMap<NodeId, SocketAddr>>,
     /// The node hosting the coordinator now (the config's, until a fail-over moves it).
     pub(super) coordinator: std::sync::atomic::AtomicU32,
+    /// What a joiner is handed (`run --join`): the cluster file, kept current as nodes join.
+    pub(super) share: Mutex<Option<Arc<str>>>,
 }
 
 /// A peer's current accepted connection.

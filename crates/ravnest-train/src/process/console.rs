@@ -193,6 +193,15 @@ impl EventSink {
         let Note::Event(t, e) = note else {
             return;
         };
+        if let Event::Admitted { node, name, .. } = e
+            && node.index() == self.cluster.nodes.len()
+            && let Some(like) = self.cluster.nodes.first().cloned()
+        {
+            self.cluster.nodes.push(ravnest_core::NodeSpec {
+                name: name.clone(),
+                ..like
+            });
+        }
         let (t_s, what) = (*t as f64 / 1e9, describe(e, &self.cluster));
         if let Some(f) = &mut self.file {
             let _ = writeln!(f, "{}", json!({"t_s": t_s, "what": what}));
@@ -253,6 +262,9 @@ pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
             *silent_ms as f64 / 1e3
         ),
         Event::Joined { node } => format!("node `{}` joined", name(node)),
+        Event::Admitted { name, device, .. } => format!(
+            "node `{name}` (not in the cluster file) joins the running cluster: {device}; it gets work at the next epoch"
+        ),
         Event::Leaving { node } => format!(
             "node `{}` asked to leave: planned out at the next epoch (no re-plan for a loss)",
             name(node)

@@ -504,6 +504,14 @@ async fn finish_workers(
     );
     // Every node but a lost coordinator's host (fail-over): a node that is still dialing in
     // must be told too.
+    let joined: Vec<NodeId> = log
+        .events
+        .iter()
+        .filter_map(|(_, e)| match e {
+            Event::Admitted { node, .. } => Some(*node),
+            _ => None,
+        })
+        .collect();
     let lost_hosts: BTreeSet<NodeId> = log
         .events
         .iter()
@@ -514,6 +522,7 @@ async fn finish_workers(
         .collect();
     for id in cluster
         .ids()
+        .chain(joined)
         .filter(|id| *id != h.su.me && !lost_hosts.contains(id))
     {
         let _ = h
@@ -565,10 +574,23 @@ fn coordinator_report(
             _ => None,
         })
         .collect();
+    // Nodes that joined without being in the file have names too.
+    let mut cluster = cluster.clone();
+    for (_, e) in &log.events {
+        if let Event::Admitted { node, name, .. } = e
+            && node.index() == cluster.nodes.len()
+            && let Some(like) = cluster.nodes.first().cloned()
+        {
+            cluster.nodes.push(ravnest_core::NodeSpec {
+                name: name.clone(),
+                ..like
+            });
+        }
+    }
     let said: Vec<String> = log
         .events
         .iter()
-        .map(|(_, e)| describe(e, cluster))
+        .map(|(_, e)| describe(e, &cluster))
         .collect();
     let all_notable: Vec<&String> = said.iter().filter(|w| crate::summary::notable(w)).collect();
     let mut notable: Vec<String> = all_notable.iter().take(20).map(|w| w.to_string()).collect();

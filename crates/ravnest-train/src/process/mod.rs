@@ -70,6 +70,13 @@ pub fn share_document(origin: &str, text: &str, steps: u64) -> String {
     json!({"origin": origin, "text": text, "steps": steps}).to_string()
 }
 
+/// The cluster file's section for a node that joined a running cluster (appended to the text
+/// a joiner is handed, so that every process numbers the nodes alike: the file's, then the
+/// joined ones in order).
+pub fn member_section(name: &str, device: &str, address: &str) -> String {
+    format!("\n[[node]]\nname = {name:?}\ndevice = {device:?}\naddress = {address:?}\n")
+}
+
 /// Read a [`share_document`]: (origin, text, steps).
 pub fn read_share_document(doc: &str) -> Result<(String, String, u64), RunError> {
     let v: Value = serde_json::from_str(doc)
@@ -189,6 +196,11 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
         started: su.compute.started.clone(),
         summary: summary_tx,
         armed: Arc::default(),
+        share: Arc::new(std::sync::Mutex::new(
+            opts.share
+                .as_deref()
+                .and_then(|d| read_share_document(d).ok()),
+        )),
     };
     let counters = Counters::default();
     let (verdict_tx, mut verdicts) = mpsc::unbounded_channel();
@@ -335,6 +347,15 @@ async fn start_node(
             let _ = verdicts.send((n, v));
         }),
     });
+    // A node not in the file registers first (its `Join`, sent as its actor starts, follows on
+    // the same connection): the coordinator admits it as the next node.
+    if opts.newcomer {
+        let _ = net.send(
+            Addr::Node(su.me),
+            Addr::Coordinator,
+            Envelope::Register(su.caps.clone()),
+        );
+    }
     let sup = Launch::new(net.clone()).at(t0).nodes(nodes).await?;
     if !opts.join {
         let _ = net.send(

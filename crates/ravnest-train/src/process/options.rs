@@ -92,6 +92,9 @@ pub struct Options {
     /// When to announce this node on the LAN by mDNS, for `run --discover` (see
     /// [`crate::discover`]).
     pub announce: crate::discover::Announce,
+    /// A node not in the cluster file, joining a running cluster (`--join` with a new name):
+    /// it registers its name, address and measurements, and is admitted as the next node.
+    pub newcomer: bool,
 }
 
 /// The node whose host coordinates: the configured one, else the first.

@@ -279,6 +279,8 @@ async fn measure(
         flops: solo * train_flops,
         memory_bytes: memory,
         device: format!("{run_device} (candle matmul {gflops:.1} GFLOP/s, {solo:.0} samples/s)"),
+        name: s.cluster.nodes[me.index()].name.clone(),
+        address: s.cluster.nodes[me.index()].address.clone(),
     };
     say.say(&RunEvent::Measured {
         node: say.node.clone(),

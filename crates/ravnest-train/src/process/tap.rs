@@ -24,6 +24,9 @@ pub(super) struct Tap {
     /// Set when the coordinator's first replica arrives: fail-over is possible from then on
     /// (the node's watch decides; see `worker`).
     pub armed: Arc<std::sync::atomic::AtomicBool>,
+    /// What a joiner is handed (origin, text, steps), with the nodes that joined since appended
+    /// as they are announced (`Member`).
+    pub share: Arc<std::sync::Mutex<Option<(String, String, u64)>>>,
 }
 
 impl Transport for Tap {
@@ -32,6 +35,7 @@ impl Transport for Tap {
         let started = self.started.clone();
         let summary = self.summary.clone();
         let armed = self.armed.clone();
+        let (share, tcp) = (self.share.clone(), self.inner.clone());
         self.inner.register(
             addr,
             Arc::new(move |from, env| {
@@ -41,6 +45,21 @@ impl Transport for Tap {
                 }
                 match env {
                     Envelope::Finish => finish.notify_one(),
+                    Envelope::Member { name, address, .. } => {
+                        let mut share = share.lock().unwrap();
+                        if let Some((origin, text, steps)) = share.as_mut()
+                            && !text.contains(&format!("name = {name:?}"))
+                        {
+                            let device = ravnest_core::parse(text, origin)
+                                .ok()
+                                .and_then(|s| s.cluster.nodes.first().map(|n| n.device.clone()))
+                                .unwrap_or_else(|| "cpu".into());
+                            text.push_str(&super::member_section(&name, &device, &address));
+                            tcp.set_cluster_file(
+                                super::share_document(origin, text, *steps).into(),
+                            );
+                        }
+                    }
                     Envelope::Summary(text) => {
                         let _ = summary.send(text);
                     }
