@@ -53,6 +53,9 @@ pub struct SimOptions {
     /// Crash the coordinator's host this long after the first checkpoint round at or past
     /// this version opens (fail-over during a checkpoint; the seed sweep uses it).
     pub host_crash_in_round: Option<(u64, Duration)>,
+    /// Crash the coordinator's host this long after it declares a node dead (fail-over during
+    /// the halt and re-plan that follow; the seed sweep uses it).
+    pub host_crash_on_loss: Option<Duration>,
 }
 
 impl SimOptions {
@@ -73,6 +76,7 @@ impl SimOptions {
             checkpoint_every: sim.checkpoint_every_steps,
             progress: false,
             host_crash_in_round: None,
+            host_crash_on_loss: None,
         }
     }
 }
@@ -451,18 +455,18 @@ async fn play(
     }
 }
 
-/// The crash of the coordinator's host in a checkpoint round (`SimOptions::host_crash_in_round`):
-/// told when the first round at or past `version` has been open for `after`.
-fn spawn_round_trigger(
+/// The crash of the coordinator's host at a moment of the run (`SimOptions::host_crash_in_round`
+/// and `host_crash_on_loss`): told `after` the first note `when` picks.
+fn spawn_trigger(
     log: &SharedLog,
-    version: u64,
+    when: impl Fn(&Note) -> bool + Send + 'static,
     after: Duration,
 ) -> tokio::sync::mpsc::UnboundedReceiver<()> {
     let mut notes = log.subscribe();
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {
         while let Some(note) = notes.recv().await {
-            if matches!(note, Note::CheckpointOpened { step } if step >= version) {
+            if when(&note) {
                 tokio::time::sleep(after).await;
                 let _ = tx.send(());
                 return;
@@ -692,7 +696,9 @@ async fn simulate(
     let launch = Launch::new(net.clone()).at(t0).traced(trace.clone());
     let log = launch.journal();
     let spawned = |e: ravnest_runtime::LaunchError| SimError::Unsupported(e.to_string());
-    let failover = failover(s, host) || opts.host_crash_in_round.is_some();
+    let failover = failover(s, host)
+        || opts.host_crash_in_round.is_some()
+        || opts.host_crash_on_loss.is_some();
     let nodes = Nodes::new(compute.clone(), cluster.ids().collect(), grad_bytes)
         .heartbeat(opts.heartbeat)
         .counters(counters.clone());
@@ -732,9 +738,21 @@ async fn simulate(
         t0,
         host: &hosted,
     };
-    let trigger = opts
-        .host_crash_in_round
-        .map(|(v, after)| spawn_round_trigger(&log, v, after));
+    let in_round = opts.host_crash_in_round.map(|(v, after)| {
+        spawn_trigger(
+            &log,
+            move |n| matches!(n, Note::CheckpointOpened { step } if *step >= v),
+            after,
+        )
+    });
+    let on_loss = opts.host_crash_on_loss.map(|after| {
+        spawn_trigger(
+            &log,
+            |n| matches!(n, Note::Event(_, Event::Detected { .. })),
+            after,
+        )
+    });
+    let trigger = in_round.or(on_loss);
     let (finished, mut down, down_since, triggered) =
         play(&world, cluster.nodes.len(), actions, &mut done_rx, trigger).await;
     let mut violations = Vec::new();

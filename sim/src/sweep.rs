@@ -61,8 +61,25 @@ impl SweepCase {
     }
 
     /// A fail-over case: each seed moves the crash of the coordinator's host as `how` says.
+    /// Its span and checkpoint rounds are measured again without that crash, so that the
+    /// seeds' crashes fall inside an undisturbed run.
     pub fn host_crash(mut self, how: HostCrash) -> SweepCase {
         self.host_crash = how;
+        if how == HostCrash::AsWritten {
+            return self;
+        }
+        let host = self.scenario.run.coordinator.unwrap_or(NodeId(0));
+        let mut calm = self.scenario.clone();
+        calm.faults.retain(|f| {
+            !matches!(f, Fault::Crash { node, .. } | Fault::Restart { node, .. } if *node == host)
+        });
+        let mut o = SimOptions::for_scenario(&calm);
+        o.seed = 0;
+        o.steps = self.steps;
+        if let Ok(r) = run(&calm, &o) {
+            self.span_s = r.sim_time_s.max(1e-3);
+            self.rounds = r.checkpoint_rounds_s;
+        }
         self
     }
 }
@@ -82,6 +99,8 @@ pub fn retime_host_crash(seed: u64, c: &SweepCase, s: &mut Scenario) {
     let at = match c.host_crash {
         HostCrash::AsWritten => return,
         HostCrash::Steady => c.span_s * (0.1 + 0.6 * r.unit()),
+        // The other crash moves; the simulator crashes the host when that loss is detected
+        // (`host_crash_on_loss`).
         HostCrash::Replan => {
             let other = c.span_s * (0.1 + 0.5 * r.unit());
             for f in &mut s.faults {
@@ -91,9 +110,9 @@ pub fn retime_host_crash(seed: u64, c: &SweepCase, s: &mut Scenario) {
                     *at_s = other;
                 }
             }
-            // The loss is detected a heartbeat timeout (1 s) after it; the halt and re-plan
-            // follow within a step.
-            other + 0.9 + 0.4 * r.unit()
+            s.faults
+                .retain(|f| !matches!(f, Fault::Crash { node, .. } if *node == host));
+            return;
         }
         // Crashed by the simulator inside a checkpoint round instead (`host_crash_in_round`).
         HostCrash::Checkpoint => {
@@ -228,6 +247,12 @@ pub fn sweep(cases: &[SweepCase], first: u64, count: u64, threads: usize) -> Swe
                     o.seed = seed;
                     o.steps = c.steps;
                     o.host_crash_in_round = host_crash_in_round(seed, c, &o);
+                    o.host_crash_on_loss = (c.host_crash == HostCrash::Replan).then(|| {
+                        // Within the halt and re-plan that follow the loss (the nodes answer
+                        // the halt within a round trip: about a millisecond here).
+                        let mut r = Rng::derive(seed, &[0x10_55]);
+                        std::time::Duration::from_secs_f64(0.001 * r.unit())
+                    });
                     let result = run(&s, &o);
                     let phases: Vec<String> = result
                         .iter()

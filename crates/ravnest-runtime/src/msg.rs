@@ -417,6 +417,9 @@ pub struct Replica {
     pub agreed: u64,
     /// The nodes the coordinator watches and believes alive (its host included).
     pub members: Vec<NodeId>,
+    /// The nodes the running epochs count on (workers, and peers they fetch from): a
+    /// successor resumes from what they hold; a node left idle holds an older version.
+    pub involved: Vec<NodeId>,
     /// The cluster with the figures the coordinator plans with (measured speeds and links).
     pub cluster: ClusterSpec,
 }

@@ -97,6 +97,7 @@ impl TcpTransport {
                 dial_addrs: Mutex::new(cfg.peers.clone()),
                 coordinator: std::sync::atomic::AtomicU32::new(cfg.coordinator.0),
                 share: Mutex::new(cfg.cluster_file.clone()),
+                gone: Mutex::default(),
                 cfg,
             }),
         };
@@ -352,6 +353,13 @@ impl TcpTransport {
         *self.inner.share.lock().unwrap() = Some(doc);
     }
 
+    /// `peer` is gone for good (a lost node, as this process finishes): what is queued for it is
+    /// dropped at its writer's next dial attempt and nothing more is sent to it, so that
+    /// [`TcpTransport::drain`] does not wait for it.
+    pub fn forget(&self, peer: NodeId) {
+        self.inner.gone.lock().unwrap().insert(peer);
+    }
+
     /// This process's node.
     pub fn me(&self) -> NodeId {
         self.inner.cfg.me
@@ -391,6 +399,9 @@ impl Transport for TcpTransport {
             return Err(TransportError::Unknown(from));
         }
         let host = self.host(to).ok_or(TransportError::Unknown(to))?;
+        if self.inner.gone.lock().unwrap().contains(&host) {
+            return Ok(());
+        }
         if host == self.inner.cfg.me {
             self.deliver(from, to, env);
             return Ok(());

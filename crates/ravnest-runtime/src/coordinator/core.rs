@@ -354,6 +354,9 @@ pub struct Coordinator {
     floor: u64,
     /// A successor that has not resumed yet: (the predecessor's host, its term).
     taking_over: Option<(NodeId, u32)>,
+    /// A successor resumes from what these nodes hold (the predecessor's running epochs
+    /// counted on them; the others' versions are older).
+    resume_from: Option<BTreeSet<NodeId>>,
     out: Vec<Effect>,
 }
 
@@ -416,6 +419,7 @@ impl Coordinator {
             term: 0,
             floor: cfg.start_step,
             taking_over: None,
+            resume_from: None,
             out: Vec::new(),
             cfg,
         }
@@ -446,6 +450,7 @@ impl Coordinator {
         c.floor = r.floor;
         c.catch_up = r.floor;
         c.taking_over = Some((predecessor, r.term));
+        c.resume_from = Some(r.involved.iter().copied().collect());
         c
     }
 
@@ -1132,6 +1137,7 @@ impl Coordinator {
             floor: self.eras.first().map_or(self.floor, |e| e.from),
             agreed: self.agreed,
             members: self.detector.alive(),
+            involved: self.involved().into_iter().collect(),
             cluster: self.cfg.cluster.clone(),
         };
         let to: Vec<NodeId> = r.members.iter().copied().filter(|&m| m != host).collect();
@@ -1232,10 +1238,16 @@ impl Coordinator {
         // A node that had not reached the running epochs' start (it was still fetching it)
         // holds only older versions: it does not drag the others back.
         let start = self.eras.first().map_or(self.floor, |e| e.from);
+        // A successor counts the nodes its predecessor's epochs counted on (when one answered).
+        let from = self
+            .resume_from
+            .take()
+            .filter(|f| h.held.keys().any(|n| f.contains(n)));
         let Some(v) = h
             .held
-            .values()
-            .filter_map(|vs| newest_synced(vs))
+            .iter()
+            .filter(|(n, _)| from.as_ref().is_none_or(|f| f.contains(n)))
+            .filter_map(|(_, vs)| newest_synced(vs))
             .filter(|&v| v >= start)
             .min()
         else {
@@ -1258,9 +1270,6 @@ impl Coordinator {
                 self.agreed += 1;
             }
         }
-        if v >= self.cfg.steps {
-            return self.finish(Event::Finished);
-        }
         // Steps below v were finished by every survivor (their reports came before their
         // answers); the lost node's reports will not come.
         while self.agreed < v && !self.finished {
@@ -1268,6 +1277,10 @@ impl Coordinator {
         }
         if self.finished {
             return;
+        }
+        if v >= self.cfg.steps {
+            // (A successor whose members all hold the last version.)
+            return self.finish(Event::Finished);
         }
         if v < self.agreed {
             // A loss inside a local-SGD period: back to the last averaged model.

@@ -154,6 +154,7 @@ mod tests {
             floor: 10,
             agreed: 12,
             members: members.iter().map(|&m| NodeId(m)).collect(),
+            involved: members.iter().map(|&m| NodeId(m)).collect(),
             cluster: ClusterSpec {
                 name: "t".into(),
                 nodes: Vec::new(),

@@ -46,6 +46,9 @@ impl TcpTransport {
         let deadline = tokio::time::Instant::now() + self.inner.cfg.connect_window;
         let mut backoff = Duration::from_millis(20);
         loop {
+            if self.inner.gone.lock().unwrap().contains(&peer) {
+                return None;
+            }
             let addr = self.dial_addr(peer)?;
             match TcpStream::connect(addr).await {
                 Ok(mut s) => {

@@ -529,6 +529,14 @@ async fn finish_workers(
             .tcp
             .send(Addr::Coordinator, Addr::Node(id), Envelope::Finish);
     }
+    // Lost nodes (and a lost coordinator's host) will not acknowledge what is queued for them.
+    for (_, e) in &log.events {
+        match e {
+            Event::Detected { node, .. } if !expected.contains(node) => h.tcp.forget(*node),
+            Event::TookOver { from, .. } => h.tcp.forget(*from),
+            _ => {}
+        }
+    }
     // `Finish` must reach every worker before this process exits (a node that is still
     // dialing in, such as a rejoiner, would otherwise wait for it in vain).
     if !h.tcp.drain(Duration::from_secs(5)).await {
