@@ -455,6 +455,29 @@ async fn play(
     }
 }
 
+/// When the options crash the coordinator's host at a moment of the run (in a checkpoint
+/// round, or on a detected loss): told then.
+fn host_crash_trigger(
+    opts: &SimOptions,
+    log: &SharedLog,
+) -> Option<tokio::sync::mpsc::UnboundedReceiver<()>> {
+    let in_round = opts.host_crash_in_round.map(|(v, after)| {
+        spawn_trigger(
+            log,
+            move |n| matches!(n, Note::CheckpointOpened { step } if *step >= v),
+            after,
+        )
+    });
+    let on_loss = opts.host_crash_on_loss.map(|after| {
+        spawn_trigger(
+            log,
+            |n| matches!(n, Note::Event(_, Event::Detected { .. })),
+            after,
+        )
+    });
+    in_round.or(on_loss)
+}
+
 /// The crash of the coordinator's host at a moment of the run (`SimOptions::host_crash_in_round`
 /// and `host_crash_on_loss`): told `after` the first note `when` picks.
 fn spawn_trigger(
@@ -738,21 +761,7 @@ async fn simulate(
         t0,
         host: &hosted,
     };
-    let in_round = opts.host_crash_in_round.map(|(v, after)| {
-        spawn_trigger(
-            &log,
-            move |n| matches!(n, Note::CheckpointOpened { step } if *step >= v),
-            after,
-        )
-    });
-    let on_loss = opts.host_crash_on_loss.map(|after| {
-        spawn_trigger(
-            &log,
-            |n| matches!(n, Note::Event(_, Event::Detected { .. })),
-            after,
-        )
-    });
-    let trigger = in_round.or(on_loss);
+    let trigger = host_crash_trigger(opts, &log);
     let (finished, mut down, down_since, triggered) =
         play(&world, cluster.nodes.len(), actions, &mut done_rx, trigger).await;
     let mut violations = Vec::new();
