@@ -520,8 +520,14 @@ fn timeline(m: &RunReport, events: &Path) -> ravnest_sim::timeline::Timeline {
                 .filter_map(|e| {
                     let what = e["what"].as_str()?;
                     let at = abs(c, (e["t_s"].as_f64()? * 1e9) as u64).checked_sub(origin)?;
-                    let fault = what.contains("lost") || what.contains("aborted");
-                    let worth = fault || what.contains("planned") || what.contains("joined");
+                    let fault = what.contains("lost")
+                        || what.contains("aborted")
+                        || what.contains("took over");
+                    let worth = fault
+                        || what.contains("planned")
+                        || what.contains("joined")
+                        || what.contains("joins the running cluster")
+                        || what.contains("left cleanly");
                     worth.then(|| (at, what.to_string(), fault))
                 })
                 .collect()
