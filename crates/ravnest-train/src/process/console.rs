@@ -193,15 +193,7 @@ impl EventSink {
         let Note::Event(t, e) = note else {
             return;
         };
-        if let Event::Admitted { node, name, .. } = e
-            && node.index() == self.cluster.nodes.len()
-            && let Some(like) = self.cluster.nodes.first().cloned()
-        {
-            self.cluster.nodes.push(ravnest_core::NodeSpec {
-                name: name.clone(),
-                ..like
-            });
-        }
+        learn_member(&mut self.cluster, e);
         let (t_s, what) = (*t as f64 / 1e9, describe(e, &self.cluster));
         if let Some(f) = &mut self.file {
             let _ = writeln!(f, "{}", json!({"t_s": t_s, "what": what}));
@@ -210,6 +202,20 @@ impl EventSink {
             node: self.say.node.clone(),
             what,
             t_s: Some(t_s),
+        });
+    }
+}
+
+/// A node admitted from outside the cluster file (`Event::Admitted`) gets its place in
+/// `cluster`, so that events about it name it.
+pub(super) fn learn_member(cluster: &mut ravnest_core::ClusterSpec, e: &Event) {
+    if let Event::Admitted { node, name, .. } = e
+        && node.index() == cluster.nodes.len()
+        && let Some(like) = cluster.nodes.first().cloned()
+    {
+        cluster.nodes.push(ravnest_core::NodeSpec {
+            name: name.clone(),
+            ..like
         });
     }
 }

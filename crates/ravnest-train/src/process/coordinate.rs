@@ -16,7 +16,7 @@ use ravnest_runtime::{Addr, Compute, Envelope, Launch, Transport};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::console::{EventSink, Say, describe};
+use super::console::{EventSink, Say, describe, learn_member};
 use super::options::{AbortOnDrop, CALIBRATE_MS, Options, RunError, warmup_steps};
 use super::setup::Setup;
 use crate::events::RunEvent;
@@ -585,15 +585,7 @@ fn coordinator_report(
     // Nodes that joined without being in the file have names too.
     let mut cluster = cluster.clone();
     for (_, e) in &log.events {
-        if let Event::Admitted { node, name, .. } = e
-            && node.index() == cluster.nodes.len()
-            && let Some(like) = cluster.nodes.first().cloned()
-        {
-            cluster.nodes.push(ravnest_core::NodeSpec {
-                name: name.clone(),
-                ..like
-            });
-        }
+        learn_member(&mut cluster, e);
     }
     let said: Vec<String> = log
         .events
