@@ -458,7 +458,7 @@ impl Coordinator {
     pub fn start(&mut self) -> Vec<Effect> {
         if self.taking_over.is_some() {
             // Halt every epoch of the earlier terms; the answers say what each node holds.
-            self.replicate();
+            self.replicate(true);
             self.halt(None);
         } else if self.cfg.steps <= self.cfg.start_step {
             self.finish(Event::Finished);
@@ -665,10 +665,13 @@ impl Coordinator {
                 .filter(|_| synchronized),
         });
         self.agreed = version;
+        let before = self.eras.len();
         while self.eras.len() > 1 && self.eras[1].from <= self.agreed {
             self.eras.remove(0);
         }
-        self.replicate();
+        // Every step moves `agreed` (the successor needs it); an epoch that ended moves the
+        // floor and who is involved (every node needs that).
+        self.replicate(self.eras.len() != before);
         if self.agreed >= self.cfg.steps {
             self.finish(Event::Finished);
         }
@@ -845,7 +848,7 @@ impl Coordinator {
         self.predicted_step_ms = s.plan.step.step_s * 1e3 * period;
         self.last_progress_ms = self.now_ms;
         self.last_agreed_ms = self.now_ms;
-        self.replicate();
+        self.replicate(true);
     }
 
     /// Who does what from step `from`: the plan of the live nodes, their assignments (each
@@ -1122,13 +1125,15 @@ impl Coordinator {
             self.catch_up = self.catch_up.min(version);
         }
         self.initial.remove(&node);
-        self.replicate();
+        self.replicate(true);
         self.lost_worker(node);
     }
 
-    /// Fail-over: what a successor needs, to every live node (after every agreed step, each
-    /// epoch and each loss: a few hundred bytes per node).
-    fn replicate(&mut self) {
+    /// Fail-over: what a successor needs, to every live node (`all`: each epoch, loss, join
+    /// and take-over), or to the designated successor only (after an agreed step: one message
+    /// per step, not one per node; a later successor's `agreed` may lag, and the steps every
+    /// member finished are agreed again on resumption, counted once).
+    fn replicate(&mut self, all: bool) {
         let Some(host) = self.cfg.host else { return };
         let r = Replica {
             term: self.term,
@@ -1140,7 +1145,13 @@ impl Coordinator {
             involved: self.involved().into_iter().collect(),
             cluster: self.cfg.cluster.clone(),
         };
-        let to: Vec<NodeId> = r.members.iter().copied().filter(|&m| m != host).collect();
+        let to: Vec<NodeId> = if all {
+            r.members.iter().copied().filter(|&m| m != host).collect()
+        } else {
+            super::succession::successor(&r, &BTreeSet::new())
+                .into_iter()
+                .collect()
+        };
         for n in to {
             self.send(n, Envelope::Succession(Box::new(r.clone())));
         }
@@ -1377,7 +1388,7 @@ impl Coordinator {
         for n in self.detector.alive() {
             self.send(n, member.clone());
         }
-        self.replicate();
+        self.replicate(true);
     }
 
     /// A node asks to leave (Ctrl-C on its process): no halt, no loss. It is planned out at the
