@@ -163,3 +163,28 @@ pub trait Compute: Send + Sync + 'static {
 
 /// What a backend without pipeline support cannot do.
 pub const NO_STAGES: &str = "run pipeline stages";
+
+/// Liveness beats: a task that sends a heartbeat from `from` to each of `to` every `period`
+/// (a node's to its coordinator; the coordinator's leases to the nodes). It ends when `from`
+/// can no longer send here: its process is down, or no longer hosts it.
+pub fn spawn_beats<T: Transport>(
+    transport: T,
+    from: Addr,
+    to: Vec<Addr>,
+    period: std::time::Duration,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            for &a in &to {
+                match transport.send(from, a, Envelope::Heartbeat) {
+                    Err(TransportError::SenderDown(_)) => return,
+                    Err(TransportError::Unknown(x)) if x == from => return,
+                    _ => {}
+                }
+            }
+        }
+    })
+}

@@ -163,25 +163,13 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
 }
 
 /// The coordinator's leases (fail-over): a heartbeat from [`Addr::Coordinator`] to each of
-/// `nodes` every `period`, so that every node, idle ones too, knows it is there. The task ends
-/// when the transport refuses to send (its host is down) or when aborted.
+/// `nodes` every `period`, so that every node, idle ones too, knows it is there
+/// ([`crate::seams::spawn_beats`]).
 pub fn spawn_leases<T: Transport>(
     transport: T,
     nodes: Vec<NodeId>,
     period: Duration,
 ) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            for &n in &nodes {
-                if let Err(crate::seams::TransportError::SenderDown(_)) =
-                    transport.send(Addr::Coordinator, Addr::Node(n), Envelope::Heartbeat)
-                {
-                    return;
-                }
-            }
-        }
-    })
+    let to = nodes.into_iter().map(Addr::Node).collect();
+    crate::seams::spawn_beats(transport, Addr::Coordinator, to, period)
 }

@@ -219,23 +219,11 @@ pub(crate) fn spawn_link_probes<T: Transport>(
 }
 
 /// A node process's heartbeat: a task beside the actor (so a long compute does not silence
-/// it), sending to the coordinator every `period`.
+/// it), sending to the coordinator every `period` ([`crate::seams::spawn_beats`]).
 pub fn spawn_heartbeat<T: Transport>(
     transport: T,
     id: NodeId,
     period: Duration,
 ) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            if transport
-                .send(Addr::Node(id), Addr::Coordinator, Envelope::Heartbeat)
-                .is_err()
-            {
-                return;
-            }
-        }
-    })
+    crate::seams::spawn_beats(transport, Addr::Node(id), vec![Addr::Coordinator], period)
 }
