@@ -170,6 +170,45 @@ pub fn gpt_spec(
     }
 }
 
+/// The sizes of a GPT as [`gpt_spec`] describes it, read back from its layers: (layers,
+/// hidden, heads, seq_len, vocab). `None` for another model, or a GPT described with flash
+/// attention (its head count leaves no trace in the layers).
+pub fn gpt_shape(spec: &ModelSpec) -> Option<(u32, u64, u64, u64, u64)> {
+    let (embed, rest) = spec.layers.split_first()?;
+    let (head, blocks) = rest.split_last()?;
+    if embed.name != "embed" || head.name != "head" || blocks.is_empty() {
+        return None;
+    }
+    let b = &blocks[0];
+    // params = 12h² + 13h.
+    let h = ((-13.0 + (169.0 + 48.0 * b.params as f64).sqrt()) / 24.0).round() as u64;
+    if h == 0 || 12 * h * h + 13 * h != b.params || !embed.output_elems_per_sample.is_multiple_of(h)
+    {
+        return None;
+    }
+    let seq = embed.output_elems_per_sample / h;
+    let vocab = embed.params.checked_sub(seq * h)? / h;
+    // activations = s·h·17 + 2.5·a·s² (truncated to an integer).
+    let extra = b.activation_elems_per_sample as f64 - (17 * seq * h) as f64;
+    let heads = (extra / (2.5 * (seq * seq) as f64)).round() as u64;
+    let again = gpt_spec(
+        &spec.name,
+        blocks.len() as u32,
+        h,
+        heads.max(1),
+        seq,
+        vocab,
+        false,
+    );
+    (heads > 0 && h.is_multiple_of(heads) && again.layers == spec.layers).then_some((
+        blocks.len() as u32,
+        h,
+        heads,
+        seq,
+        vocab,
+    ))
+}
+
 /// A multilayer perceptron with ReLU between layers: `dims = [in, hidden.., out]`.
 pub fn mlp_spec(name: &str, dims: &[u64]) -> ModelSpec {
     let layers = dims
@@ -225,6 +264,16 @@ pub static PRESETS: &[Preset] = &[
         build: || gpt_spec("gpt-7b", 32, 4096, 32, 2048, 32000, true),
     },
     Preset {
+        name: "gpt-small",
+        about: "byte-level GPT (6 layers, hidden 384, 6 heads, seq 128, vocab 256; 10.9M parameters) that `run` trains",
+        build: || gpt_spec("gpt-small", 6, 384, 6, 128, 256, false),
+    },
+    Preset {
+        name: "gpt-tiny",
+        about: "byte-level GPT (4 layers, hidden 128, 4 heads, seq 64, vocab 256; 0.87M parameters) that `run` trains (CI)",
+        build: || gpt_spec("gpt-tiny", 4, 128, 4, 64, 256, false),
+    },
+    Preset {
         name: "gpt2-medium",
         about: "GPT-2 medium (24 layers, hidden 1024, 16 heads, seq 1024, vocab 50257)",
         build: || gpt_spec("gpt2-medium", 24, 1024, 16, 1024, 50257, false),
@@ -271,6 +320,29 @@ mod tests {
         // Sailor's OPT-350 per-block parameter count is 12,596,224 = 12h² + 13h at h = 1024.
         let opt = preset("opt-350m").unwrap().build();
         assert_eq!(opt.layers[1].params, 12_596_224);
+    }
+
+    #[test]
+    fn gpt_sizes_are_read_back_from_the_layers() {
+        for (l, h, a, s, v) in [
+            (4u32, 128u64, 4u64, 64u64, 256u64),
+            (12, 768, 12, 1024, 50257),
+            (2, 16, 2, 6, 20),
+            (6, 384, 6, 128, 256),
+        ] {
+            assert_eq!(
+                gpt_shape(&gpt_spec("g", l, h, a, s, v, false)),
+                Some((l, h, a, s, v))
+            );
+        }
+        assert_eq!(gpt_shape(&gpt_spec("g", 2, 64, 4, 32, 256, true)), None);
+        assert_eq!(gpt_shape(&mlp_spec("m", &[4, 8, 2])), None);
+        for p in PRESETS {
+            let m = p.build();
+            if let Some((l, h, a, s, v)) = gpt_shape(&m) {
+                assert_eq!(gpt_spec(&m.name, l, h, a, s, v, false), m, "{}", p.name);
+            }
+        }
     }
 
     #[test]

@@ -120,6 +120,13 @@ pub trait Compute: Send + Sync + 'static {
         0..model_len
     }
 
+    /// Every part of a `model_len`-value model that belongs to `layers`: their parameters
+    /// ([`Compute::param_range`]) first, then their optimizer state where it sits apart. What a
+    /// stage holds, fetches, hands over and writes into a checkpoint shard.
+    fn layer_slots(&self, layers: LayerRange, model_len: usize) -> Vec<Range<usize>> {
+        std::iter::once(self.param_range(layers, model_len)).collect()
+    }
+
     /// Whether this backend runs pipeline stages ([`Compute::stage_forward`] and
     /// [`Compute::stage_backward`]). The coordinator plans pipelines only for backends that do.
     fn runs_stages(&self) -> bool {
@@ -159,6 +166,30 @@ pub trait Compute: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(Vec<f32>, Vec<f32>), ComputeError>> + Send {
         std::future::ready(Err(ComputeError::Unsupported(NO_STAGES)))
     }
+}
+
+/// The values of `model` at `slots`, in order (`None` when a slot lies outside it).
+pub fn gather(model: &[f32], slots: &[Range<usize>]) -> Option<Vec<f32>> {
+    let mut out = Vec::with_capacity(slots.iter().map(|r| r.len()).sum());
+    for r in slots {
+        out.extend_from_slice(model.get(r.clone())?);
+    }
+    Some(out)
+}
+
+/// Write `values` (as [`gather`] made them) back into `model` at `slots`; false, and nothing
+/// written, when they do not fit.
+pub fn scatter(model: &mut [f32], slots: &[Range<usize>], values: &[f32]) -> bool {
+    let fits = slots.iter().all(|r| r.end <= model.len())
+        && slots.iter().map(|r| r.len()).sum::<usize>() == values.len();
+    if fits {
+        let mut at = 0;
+        for r in slots {
+            model[r.clone()].copy_from_slice(&values[at..at + r.len()]);
+            at += r.len();
+        }
+    }
+    fits
 }
 
 /// What a backend without pipeline support cannot do.

@@ -7,11 +7,12 @@ use std::time::{Duration, Instant};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
-use ravnest_core::NodeId;
+use ravnest_core::{LayerRange, NodeId};
 use ravnest_runtime::Compute;
 use ravnest_runtime::seams::{BucketSink, ComputeError};
 
 use crate::data::Dataset;
+use crate::gpt::StageInput;
 use crate::net::Network;
 use crate::optim::Optim;
 
@@ -250,6 +251,85 @@ impl Job {
     }
 }
 
+/// The parts of a `model_len`-value flat model (`[params | optimizer state]`) that belong to
+/// `layers`: for the GPT, the layers' parameters and each of their state tensors (AdamW's step
+/// count rides with the layers that start at 0); other networks are one slice.
+pub fn layer_slots(
+    net: &Network,
+    optim: &Optim,
+    layers: LayerRange,
+    model_len: usize,
+) -> Vec<Range<usize>> {
+    let Network::Gpt(g) = net else {
+        return std::iter::once(0..model_len).collect();
+    };
+    let ranges = g.layer_ranges();
+    let (lo, hi) = (layers.range().start, layers.range().end);
+    if lo >= hi || hi > ranges.len() {
+        return std::iter::once(model_len + 1..model_len + 1).collect();
+    }
+    let r = ranges[lo].start..ranges[hi - 1].end;
+    let p = g.params();
+    let tensors = optim.state_names().len();
+    let mut out: Vec<Range<usize>> = (0..=tensors)
+        .map(|k| k * p + r.start..k * p + r.end)
+        .collect();
+    if lo == 0 && optim.state_len(p) > tensors * p {
+        let t = (tensors + 1) * p;
+        out.push(t..t + 1);
+    }
+    out
+}
+
+impl CandleCompute {
+    /// The GPT, when this backend trains one (the network that runs pipeline stages).
+    fn gpt(&self) -> Option<crate::gpt::Gpt> {
+        match &self.net {
+            Network::Gpt(g) => Some(*g),
+            _ => None,
+        }
+    }
+
+    /// One stage operation on the compute thread, with the node's emulated slowdown: `op`
+    /// gets the GPT, the samples' tokens and the compute device.
+    async fn stage_op<R: Send + 'static>(
+        &self,
+        step: u64,
+        samples: Range<u64>,
+        op: impl FnOnce(&crate::gpt::Gpt, &[f32], &candle_core::Device) -> candle_core::Result<R>
+        + Send
+        + 'static,
+    ) -> Result<R, ComputeError> {
+        let g = self
+            .gpt()
+            .ok_or(ComputeError::Unsupported(ravnest_runtime::seams::NO_STAGES))?;
+        let job = self.job();
+        let slowdown = self.slowdown_now();
+        {
+            let mut st = self.stats.lock().unwrap();
+            if st.slowdown.0 != slowdown {
+                st.slowdown = (slowdown, step);
+            }
+        }
+        let (result, real) = self
+            .worker
+            .run(move || {
+                let t = Instant::now();
+                let (tokens, _) = job.batch(samples);
+                let r = op(&g, &tokens, &crate::device::current());
+                let took = t.elapsed();
+                if slowdown > 1.0 {
+                    std::thread::sleep(took.mul_f64(slowdown - 1.0));
+                }
+                (r, took)
+            })
+            .await
+            .ok_or_else(|| ComputeError::Backend("the compute thread is gone".into()))?;
+        self.stats.lock().unwrap().real_compute_s += real.as_secs_f64();
+        result.map_err(|e| ComputeError::Backend(format!("candle stage: {e}")))
+    }
+}
+
 impl Compute for CandleCompute {
     fn initial_model(&self) -> Vec<f32> {
         if let Some((_, m)) = &self.resume {
@@ -286,6 +366,87 @@ impl Compute for CandleCompute {
         if spare.len() < SPARE_BUFFERS {
             spare.push(buffer);
         }
+    }
+
+    fn param_range(&self, layers: LayerRange, model_len: usize) -> Range<usize> {
+        match self.gpt() {
+            Some(g) => {
+                let r = g.layer_ranges();
+                let (lo, hi) = (layers.range().start, layers.range().end);
+                if lo >= hi || hi > r.len() {
+                    // Out of range: an empty slice past the end, which the node refuses.
+                    return model_len + 1..model_len + 1;
+                }
+                r[lo].start..r[hi - 1].end
+            }
+            None => 0..model_len,
+        }
+    }
+
+    fn layer_slots(&self, layers: LayerRange, model_len: usize) -> Vec<Range<usize>> {
+        layer_slots(&self.net, &self.optim, layers, model_len)
+    }
+
+    fn runs_stages(&self) -> bool {
+        self.gpt().is_some()
+    }
+
+    async fn stage_forward(
+        &self,
+        _node: NodeId,
+        step: u64,
+        samples: Range<u64>,
+        layers: LayerRange,
+        params: &[f32],
+        input: Option<&[f32]>,
+    ) -> Result<Vec<f32>, ComputeError> {
+        let (params, input) = (params.to_vec(), input.map(<[f32]>::to_vec));
+        self.stage_op(step, samples, move |g, tokens, dev| {
+            let inp = match &input {
+                Some(h) => StageInput::Hidden(h),
+                None => StageInput::Tokens(tokens),
+            };
+            g.stage_forward(dev, layers.range(), &params, inp, Some(tokens))
+        })
+        .await
+    }
+
+    async fn stage_backward(
+        &self,
+        _node: NodeId,
+        step: u64,
+        samples: Range<u64>,
+        layers: LayerRange,
+        params: &[f32],
+        input: Option<&[f32]>,
+        _output: &[f32],
+        grad_out: Option<&[f32]>,
+    ) -> Result<(Vec<f32>, Vec<f32>), ComputeError> {
+        let rows = samples.end - samples.start;
+        let (params, input) = (params.to_vec(), input.map(<[f32]>::to_vec));
+        let grad_out = grad_out.map(<[f32]>::to_vec);
+        let (g, gin, loss) = self
+            .stage_op(step, samples, move |g, tokens, dev| {
+                let inp = match &input {
+                    Some(h) => StageInput::Hidden(h),
+                    None => StageInput::Tokens(tokens),
+                };
+                g.stage_backward(
+                    dev,
+                    layers.range(),
+                    &params,
+                    inp,
+                    Some(tokens),
+                    grad_out.as_deref(),
+                )
+            })
+            .await?;
+        if loss.is_finite() {
+            let mut s = self.stats.lock().unwrap();
+            s.last_loss = loss / rows.max(1) as f64;
+            s.samples += rows;
+        }
+        Ok((g, gin))
     }
 
     async fn gradient_sum(

@@ -269,6 +269,54 @@ impl Dataset {
         Dataset::text(&text, spec, context)
     }
 
+    /// Any file as byte tokens for the GPT: windows of `seq + 1` bytes (the inputs, and the
+    /// last byte only as a target), one every `seq / 2` bytes. `.gz` files are decompressed.
+    pub fn load_bytes(spec: &str, seq: usize) -> Result<Dataset, DataError> {
+        let bytes = std::fs::read(spec).map_err(|e| {
+            err(
+                spec,
+                format!("cannot read the text: {e} (`dataset` is a text file's path)"),
+            )
+        })?;
+        let bytes = gunzip_if_gz(spec, bytes)?;
+        Dataset::bytes(&bytes, spec, seq)
+    }
+
+    /// [`Dataset::load_bytes`] on bytes already in memory.
+    pub fn bytes(bytes: &[u8], origin: &str, seq: usize) -> Result<Dataset, DataError> {
+        let stride = (seq / 2).max(1);
+        // At least 12 windows: 10 to train on and 2 held out.
+        let need = seq + 1 + 11 * stride;
+        if seq == 0 || bytes.len() < need {
+            return Err(err(
+                origin,
+                format!(
+                    "{} bytes: too short for windows of {} tokens (need at least {need})",
+                    bytes.len(),
+                    seq + 1
+                ),
+            ));
+        }
+        let n = (bytes.len() - seq - 1) / stride + 1;
+        let mut x = Vec::with_capacity(n * (seq + 1));
+        for i in 0..n {
+            x.extend(
+                bytes[i * stride..i * stride + seq + 1]
+                    .iter()
+                    .map(|&b| f32::from(b)),
+            );
+        }
+        Ok(Dataset {
+            name: origin.rsplit('/').next().unwrap_or(origin).to_string(),
+            x,
+            y: vec![0; n],
+            features: seq + 1,
+            side: None,
+            classes: 256,
+            vocab: Vec::new(),
+        })
+    }
+
     /// [`Dataset::load_text`] on text already in memory.
     pub fn text(text: &str, origin: &str, context: usize) -> Result<Dataset, DataError> {
         let chars: Vec<char> = text.chars().collect();

@@ -8,6 +8,7 @@ pub mod data;
 pub mod device;
 pub mod discover;
 pub mod events;
+pub mod gpt;
 pub mod measure;
 pub mod mlp;
 pub mod net;

@@ -39,6 +39,10 @@ pub enum Network {
         /// Hidden width.
         hidden: usize,
     },
+    /// A GPT-2-style decoder over byte tokens ([`crate::gpt`]); a sample is `seq + 1` tokens.
+    /// Its tensors are laid out layer by layer (not by name): a pipeline stage's parameters
+    /// are one slice.
+    Gpt(crate::gpt::Gpt),
 }
 
 /// Gradient buckets are merged up to at least this many values (256 KiB): smaller ones would
@@ -102,6 +106,24 @@ const C2: usize = 16;
 impl Network {
     /// The network's tensors, sorted by name, with offsets.
     pub fn layout(&self) -> Vec<Param> {
+        if let Network::Gpt(g) = self {
+            let mut offset = 0;
+            return g
+                .params_in_order()
+                .into_iter()
+                .map(|p| {
+                    let fan_in = p.shape[0];
+                    let param = Param {
+                        name: p.name,
+                        shape: p.shape,
+                        offset,
+                        fan_in,
+                    };
+                    offset += param.len();
+                    param
+                })
+                .collect();
+        }
         let mut raw: Vec<(String, Vec<usize>, usize)> = match self {
             Network::Mlp { dims } => dims
                 .windows(2)
@@ -140,6 +162,7 @@ impl Network {
                     ("fc1.bias".into(), vec![*vocab], *hidden),
                 ]
             }
+            Network::Gpt(_) => Vec::new(),
         };
         // Natural order (`fc2` before `fc10`): each layer's tensors are adjacent and layers
         // come in order, which gradient buckets (ranges of whole layers) rely on.
@@ -246,6 +269,7 @@ impl Network {
             Network::Mlp { dims } => dims[0],
             Network::Cnn { side, .. } => side * side,
             Network::Char { context, .. } => *context,
+            Network::Gpt(g) => g.seq + 1,
         }
     }
 
@@ -263,6 +287,15 @@ impl Network {
     /// The cost-model description of this network (what the planner plans with).
     pub fn model_spec(&self) -> ModelSpec {
         match self {
+            Network::Gpt(g) => ravnest_core::model::gpt_spec(
+                "gpt",
+                g.layers as u32,
+                g.hidden as u64,
+                g.heads as u64,
+                g.seq as u64,
+                g.vocab as u64,
+                false,
+            ),
             Network::Mlp { dims } => {
                 let d: Vec<u64> = dims.iter().map(|&x| x as u64).collect();
                 ravnest_core::model::mlp_spec("mlp", &d)
@@ -313,6 +346,9 @@ impl Network {
     /// Initial weights from a seeded ChaCha RNG: uniform in ±1/√fan_in (PyTorch's default for
     /// linear and conv layers), drawn tensor by tensor in name order.
     pub fn init(&self, seed: u64) -> Vec<f32> {
+        if let Network::Gpt(g) = self {
+            return g.init(seed);
+        }
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let mut out = Vec::with_capacity(self.params());
         for p in self.layout() {
@@ -361,6 +397,7 @@ impl Network {
                 h.matmul(&get("fc.weight").t()?)?
                     .broadcast_add(get("fc.bias"))
             }
+            Network::Gpt(_) => candle_core::bail!("the GPT runs through crate::gpt"),
             Network::Char { context, embed, .. } => {
                 let b = x.dim(0)?;
                 // Inputs are class numbers stored as f32 (exact below 2^24).
@@ -410,6 +447,9 @@ impl Network {
         x: &[f32],
         y: &[u32],
     ) -> candle_core::Result<(f64, Vec<f32>)> {
+        if let Network::Gpt(g) = self {
+            return g.loss_and_grad_sum(dev, model, x);
+        }
         let dev = dev.clone();
         let vars: Vec<Var> = self
             .tensors(model, &dev)?
@@ -483,6 +523,10 @@ impl Network {
             } => serde_json::json!({
                 "kind": "char", "context": context, "vocab": vocab, "embed": embed, "hidden": hidden,
             }),
+            Network::Gpt(g) => serde_json::json!({
+                "kind": "gpt", "layers": g.layers, "hidden": g.hidden, "heads": g.heads,
+                "seq": g.seq, "vocab": g.vocab,
+            }),
         }
     }
 
@@ -499,6 +543,14 @@ impl Network {
         x: &[f32],
         rows: usize,
     ) -> candle_core::Result<Vec<f32>> {
+        if let Network::Gpt(g) = self {
+            // The tokens of each row but its last (a target only).
+            let ids: Vec<u32> = x
+                .chunks_exact(g.seq + 1)
+                .flat_map(|r| r[..g.seq].iter().map(|&t| t as u32))
+                .collect();
+            return g.logits(dev, model, &ids, rows)?.flatten_all()?.to_vec1();
+        }
         let dev = dev.clone();
         let ts = self.tensors(model, &dev)?;
         let xb = Tensor::from_slice(x, (rows, self.inputs()), &dev)?;
@@ -511,6 +563,10 @@ impl Network {
             return Ok(0.0);
         }
         let dev = crate::device::current();
+        if let Network::Gpt(g) = self {
+            // Next-token accuracy over every position.
+            return Ok(g.evaluate(&dev, model, x, 16)?.1);
+        }
         let ts = self.tensors(model, &dev)?;
         let xb = Tensor::from_slice(x, (y.len(), self.inputs()), &dev)?;
         let pred = self

@@ -262,8 +262,26 @@ impl CheckpointFiles {
             &self.dir.join(format!("step-{step:08}.json")),
             manifest_json.as_bytes(),
         )?;
+        if let Network::Gpt(g) = &self.net {
+            self.hugging_face_folder(g, &path)?;
+        }
         write_atomic(&self.dir.join("latest"), format!("{step}\n").as_bytes())?;
         Ok(path)
+    }
+
+    /// Make the checkpoint folder a Hugging Face model folder for the GPT: its `config.json`
+    /// and `model.safetensors`, a hard link to the newest weights file (`weights`; a copy where
+    /// links are refused), replaced atomically. `GPT2LMHeadModel.from_pretrained(folder)` loads
+    /// it.
+    fn hugging_face_folder(&self, g: &crate::gpt::Gpt, weights: &Path) -> std::io::Result<()> {
+        let config = serde_json::to_string_pretty(&crate::gpt::hf_config(g))?;
+        write_atomic(&self.dir.join("config.json"), config.as_bytes())?;
+        let tmp = self.dir.join(".model.safetensors.tmp");
+        let _ = std::fs::remove_file(&tmp);
+        if std::fs::hard_link(weights, &tmp).is_err() {
+            std::fs::copy(weights, &tmp)?;
+        }
+        std::fs::rename(&tmp, self.dir.join("model.safetensors"))
     }
 
     /// The step the `latest` pointer names, if any.
@@ -320,13 +338,21 @@ fn manifest_json(m: &Manifest, file: &Path) -> String {
 
 impl Store for CheckpointFiles {
     fn commit(&self, manifest: &Manifest, shards: &[Vec<f32>]) -> Result<(), StoreError> {
-        let flat: Vec<f32> = shards.concat();
+        // Each shard holds its layers' slots (parameters, then their optimizer state).
         let p = self.net.params();
-        if flat.len() != p + self.optim.state_len(p) {
-            return Err(StoreError::Size {
-                got: flat.len(),
-                want: p + self.optim.state_len(p),
-            });
+        let want = p + self.optim.state_len(p);
+        let got: usize = shards.iter().map(Vec::len).sum();
+        let mut flat = vec![0.0f32; want];
+        let mut covered = 0;
+        for (meta, values) in manifest.shards.iter().zip(shards) {
+            let slots = crate::compute::layer_slots(&self.net, &self.optim, meta.layers, want);
+            if !ravnest_runtime::seams::scatter(&mut flat, &slots, values) {
+                return Err(StoreError::Size { got, want });
+            }
+            covered += values.len();
+        }
+        if covered != want {
+            return Err(StoreError::Size { got, want });
         }
         let path = self.path(manifest.step);
         self.write(manifest.step, &flat, &manifest_json(manifest, &path))

@@ -126,7 +126,7 @@ pub(super) struct RunToml {
     pub(super) register_timeout_s: Option<Spanned<u64>>,
 }
 
-pub(super) const NETWORKS: &[&str] = &["mlp", "cnn", "char"];
+pub(super) const NETWORKS: &[&str] = &["mlp", "cnn", "char", "gpt"];
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -132,8 +132,9 @@ pub struct RunSettings {
     /// `"digits"` (embedded) or a path: a CSV file (features then label per row) or an IDX
     /// images file (its labels file beside it).
     pub dataset: String,
-    /// The network that `run` trains: `"mlp"` (the `[model]`'s dims), `"cnn"`, or `"char"` (a
-    /// character model over a text file).
+    /// The network that `run` trains: `"mlp"` (the `[model]`'s dims), `"cnn"`, `"char"` (a
+    /// character model over a text file), or `"gpt"` (the `[model]`'s GPT over the bytes of a
+    /// text file, split into pipeline stages when it fits no node).
     pub network: String,
     /// Characters of context the `"char"` network sees.
     pub context_chars: u64,

@@ -272,11 +272,11 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return;
         };
         let model = &v.model;
-        let range = match layers {
-            Some(l) => self.compute.param_range(l, model.len()),
-            None => 0..model.len(),
+        let slots = match layers {
+            Some(l) => self.compute.layer_slots(l, model.len()),
+            None => std::iter::once(0..model.len()).collect(),
         };
-        if let Some(part) = model.get(range) {
+        if let Some(part) = crate::seams::gather(model, &slots) {
             self.send(
                 Addr::Node(to),
                 Envelope::State {
@@ -320,12 +320,11 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         match layers {
             None if f.whole => f.model = model,
             Some(l) if !f.whole => {
-                let range = self.compute.param_range(l, f.model.len());
-                if range.len() != model.len() || range.end > f.model.len() || !f.missing.remove(&l)
-                {
+                let slots = self.compute.layer_slots(l, f.model.len());
+                if !f.missing.contains(&l) || !crate::seams::scatter(&mut f.model, &slots, &model) {
                     return;
                 }
-                f.model[range].copy_from_slice(&model);
+                f.missing.remove(&l);
                 if !f.missing.is_empty() {
                     return;
                 }

@@ -409,7 +409,13 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         compute_ns: u64,
     ) {
         let v = step + 1;
-        let d = digest(&model[range.clone()]);
+        // A stage's digest covers what it holds of its layers (their optimizer state too), as
+        // its checkpoint shard does.
+        let d = match layers {
+            Some(l) => crate::seams::gather(&model, &self.compute.layer_slots(l, model.len()))
+                .map_or(0, |part| digest(&part)),
+            None => digest(&model[range.clone()]),
+        };
         // Versions are shared, not copied: the counters and the version store hold one buffer.
         let model = Arc::new(model);
         let snapshot = model.clone();
@@ -460,8 +466,9 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return;
         }
         let layers = duty.layers;
-        let range = self.compute.param_range(layers, model.len());
-        if let Some(shard) = model.get(range) {
+        let slots = self.compute.layer_slots(layers, model.len());
+        if let Some(shard) = crate::seams::gather(model, &slots) {
+            let shard = &shard[..];
             self.send(
                 Addr::Checkpoint,
                 Envelope::Shard {

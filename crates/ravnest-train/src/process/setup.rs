@@ -22,6 +22,15 @@ use crate::store::CheckpointFiles;
 
 /// The dataset a scenario names: a text file for the character model, else digits, CSV or IDX.
 pub fn load_dataset(s: &Scenario, origin: &str) -> Result<Dataset, RunError> {
+    if s.run.network == "gpt" {
+        let (.., seq, _) = gpt_of(s, origin)?;
+        if s.run.dataset == "digits" {
+            return Err(RunError::Config(format!(
+                "{origin}: [run] network = \"gpt\" trains on text: set [run] dataset to a text file's path (e.g. \"data/eighty-days.txt\")"
+            )));
+        }
+        return Ok(Dataset::load_bytes(&s.run.dataset, seq as usize)?);
+    }
     if s.run.network == "char" {
         if s.run.dataset == "digits" {
             return Err(RunError::Config(format!(
@@ -36,9 +45,36 @@ pub fn load_dataset(s: &Scenario, origin: &str) -> Result<Dataset, RunError> {
     Ok(Dataset::load(&s.run.dataset)?)
 }
 
+/// The GPT's sizes from the scenario's `[model]`: (layers, hidden, heads, seq, vocab).
+fn gpt_of(s: &Scenario, origin: &str) -> Result<(u32, u64, u64, u64, u64), RunError> {
+    let shape = ravnest_core::model::gpt_shape(&s.model).ok_or_else(|| {
+        RunError::Config(format!(
+            "{origin}: [run] network = \"gpt\" trains a GPT: [model] preset = \"gpt-tiny\" / \"gpt-small\" / \"gpt2-small\", or kind = \"gpt\" without flash attention; model `{}` is not one",
+            s.model.name
+        ))
+    })?;
+    if shape.4 < 256 {
+        return Err(RunError::Config(format!(
+            "{origin}: the GPT reads bytes: its vocabulary needs at least 256 tokens, [model] has {}",
+            shape.4
+        )));
+    }
+    Ok(shape)
+}
+
 /// The network a scenario trains on a dataset, checked against each other.
 pub fn network_for(s: &Scenario, origin: &str, data: &Dataset) -> Result<Network, RunError> {
     match s.run.network.as_str() {
+        "gpt" => {
+            let (layers, hidden, heads, seq, vocab) = gpt_of(s, origin)?;
+            Ok(Network::Gpt(crate::gpt::Gpt {
+                layers: layers as usize,
+                hidden: hidden as usize,
+                heads: heads as usize,
+                seq: seq as usize,
+                vocab: vocab as usize,
+            }))
+        }
         "char" => Ok(Network::Char {
             context: data.features,
             vocab: data.classes,
@@ -271,9 +307,12 @@ async fn measure(
     }
     let solo = b as f64 / best.max(1e-9);
     // Free memory where the model lives: the GPU's, or the machine's.
+    // The file's figure (its `memory_gib` less the reserve) is a cap: a node may emulate a
+    // smaller card than the machine it runs on.
+    let configured = s.cluster.nodes[me.index()].memory_bytes;
     let memory = crate::device::free_memory(&dev)
         .or_else(crate::measure::available_memory)
-        .unwrap_or(s.cluster.nodes[me.index()].memory_bytes);
+        .map_or(configured, |m| m.min(configured));
     let train_flops = compute.net.model_spec().train_flops_per_sample();
     let caps = Capabilities {
         flops: solo * train_flops,
