@@ -46,6 +46,12 @@ pub enum StoreError {
 pub trait Store: Send + Sync + 'static {
     /// Commit a complete checkpoint: `shards[i]` holds the values of `manifest.shards[i]`.
     fn commit(&self, manifest: &Manifest, shards: &[Vec<f32>]) -> Result<(), StoreError>;
+
+    /// The latest complete checkpoint, read back: (version, the whole model). What layers held
+    /// only by lost nodes are restored from.
+    fn latest(&self) -> Option<(u64, Vec<f32>)> {
+        None
+    }
 }
 
 /// The checkpoint actor's configuration.
@@ -172,6 +178,21 @@ impl<T: Transport> Actor for CheckpointActor<T> {
                 for (meta, model) in st.early.remove(&step).unwrap_or_default() {
                     self.offer(st, now, step, meta, model);
                 }
+            }
+            Envelope::Restore { to, epoch } => {
+                let checkpoint = self.store.latest();
+                self.record(
+                    now,
+                    "restore",
+                    Some(from),
+                    checkpoint.as_ref().map_or(0, |c| c.0),
+                    None,
+                );
+                let _ = self.transport.send(
+                    Addr::Checkpoint,
+                    Addr::Node(to),
+                    Envelope::Restored { epoch, checkpoint },
+                );
             }
             Envelope::CheckpointAbandon { step } => {
                 st.agg.abandon(step);

@@ -319,6 +319,22 @@ pub enum Envelope {
         /// (layers, expected digest), one per shard.
         shards: Vec<(LayerRange, u64)>,
     },
+    /// (Coordinator → checkpoint) layers were held only by lost nodes: send the latest complete
+    /// checkpoint to node `to` ([`Envelope::Restored`]), for the halt of `epoch`.
+    Restore {
+        /// The node that will hold it and serve it to the others.
+        to: NodeId,
+        /// The halt's epoch.
+        epoch: u64,
+    },
+    /// (Checkpoint → node) the latest complete checkpoint (`None`: there is none); the node
+    /// keeps it as a synchronized whole version and answers the halt again.
+    Restored {
+        /// The halt's epoch.
+        epoch: u64,
+        /// The checkpoint's version and its whole model (parameters and optimizer state).
+        checkpoint: Option<(u64, Vec<f32>)>,
+    },
     /// (Coordinator → checkpoint) the checkpoint of `step` will not complete.
     CheckpointAbandon {
         /// Model version.
@@ -472,6 +488,8 @@ impl Envelope {
             Envelope::Grant { .. } => "grant",
             Envelope::Halt { .. } => "halt",
             Envelope::Halted { .. } => "halted",
+            Envelope::Restore { .. } => "restore",
+            Envelope::Restored { .. } => "restored",
             Envelope::Activation { .. } => "activation",
             Envelope::ActivationGrad { .. } => "activation-grad",
             Envelope::StepFailed { .. } => "step-failed",

@@ -337,6 +337,11 @@ fn manifest_json(m: &Manifest, file: &Path) -> String {
 }
 
 impl Store for CheckpointFiles {
+    fn latest(&self) -> Option<(u64, Vec<f32>)> {
+        let step = CheckpointFiles::latest(self).ok()??;
+        self.load(step).ok().map(|m| (step, m))
+    }
+
     fn commit(&self, manifest: &Manifest, shards: &[Vec<f32>]) -> Result<(), StoreError> {
         // Each shard holds its layers' slots (parameters, then their optimizer state).
         let p = self.net.params();

@@ -108,8 +108,15 @@ pub struct CoordinatorReport {
     pub accuracy: f64,
     /// The file's target.
     pub target_accuracy: f64,
-    /// The character model's continuation of a test context.
+    /// The character model's continuation of a test context (the GPT's sampled one).
     pub sample: Option<Sample>,
+    /// The GPT: bits per byte on the held-out text (mean cross-entropy per token ÷ ln 2), and
+    /// the file's target.
+    #[serde(default)]
+    pub bits_per_byte: Option<(f64, f64)>,
+    /// A pipeline: its stages (the first plan), and the measured bubble.
+    #[serde(default)]
+    pub pipeline: Option<PipelineFigures>,
     /// Steps of the checkpoints written.
     pub checkpoints: Vec<u64>,
     /// Where they are.
@@ -139,6 +146,25 @@ pub struct Sample {
     pub prompt: String,
     /// Its greedy continuation.
     pub continuation: String,
+}
+
+/// What a pipeline run measured.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PipelineFigures {
+    /// Each stage: its nodes and layers, in words.
+    pub stages: Vec<String>,
+    /// The nodes that run stages.
+    pub nodes: Vec<String>,
+    /// Micro-batches per step.
+    pub micro_batches: u64,
+    /// (p − 1) / (m + p − 1): the 1F1B bubble with equal stages and no communication.
+    pub bubble_theory: f64,
+    /// The bottleneck stage's idle fraction over the steady steps (its wait is all bubble).
+    pub bubble_bottleneck: f64,
+    /// The mean idle fraction of the stages (bubble and imbalance together).
+    pub bubble_mean: f64,
+    /// Activation and activation-gradient bytes sent between stages per step.
+    pub activation_bytes_per_step: u64,
 }
 
 /// One node's row of the run's report.
@@ -266,21 +292,49 @@ impl CoordinatorReport {
             String::new()
         };
         let checkpoints: Vec<String> = self.checkpoints.iter().map(u64::to_string).collect();
+        let quality = match self.bits_per_byte {
+            Some((bpb, target)) => format!(
+                "bits per byte on the held-out text: {bpb:.3} (target {target:.2}: {}; next-byte accuracy {:.3})\n",
+                if bpb <= target {
+                    "reached"
+                } else {
+                    "NOT reached"
+                },
+                self.accuracy
+            ),
+            None => format!(
+                "accuracy on the held-out split: {:.3} (target {:.2}: {})\n",
+                self.accuracy,
+                self.target_accuracy,
+                if self.accuracy >= self.target_accuracy {
+                    "reached"
+                } else {
+                    "NOT reached"
+                }
+            ),
+        };
+        let pipeline = match &self.pipeline {
+            Some(p) => format!(
+                "pipeline: {} stage(s), {} micro-batches per step: {}\n\
+                 bubble: the bottleneck stage idles {:.2} of the time (1F1B theory (p-1)/(m+p-1) = {:.2}); stages idle {:.2} on average\n\
+                 activations between stages: {:.1} MB per step (forward and backward)\n",
+                p.stages.len(),
+                p.micro_batches,
+                p.stages.join(" | "),
+                p.bubble_bottleneck,
+                p.bubble_theory,
+                p.bubble_mean,
+                p.activation_bytes_per_step as f64 / 1e6
+            ),
+            None => String::new(),
+        };
         let body = format!(
             "trained steps {}..{} in {:.1} s: {:.0} samples/s{resumed}\n\
-             accuracy on the held-out split: {:.3} (target {:.2}: {})\n\
-             {efficiency}checkpoints: steps {} in {} (final: {})",
+             {quality}{pipeline}{efficiency}checkpoints: steps {} in {} (final: {})",
             self.start_step,
             self.steps,
             self.train_s,
             self.samples_per_s,
-            self.accuracy,
-            self.target_accuracy,
-            if self.accuracy >= self.target_accuracy {
-                "reached"
-            } else {
-                "NOT reached"
-            },
             checkpoints.join(", "),
             self.checkpoint_dir,
             self.final_checkpoint
@@ -296,6 +350,7 @@ pub fn notable(what: &str) -> bool {
         || what.contains("joined")
         || what.contains("took over")
         || what.contains("left cleanly")
+        || what.contains("restoring the lost layers")
         || what.starts_with("violation")
         || what.starts_with("stalled")
         || what.starts_with("no step agreed")

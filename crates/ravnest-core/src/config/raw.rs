@@ -120,6 +120,7 @@ pub(super) struct RunToml {
     pub(super) char_hidden: Option<Spanned<u64>>,
     pub(super) checkpoint_every_steps: Option<u64>,
     pub(super) target_accuracy: Option<Spanned<f64>>,
+    pub(super) target_bits_per_byte: Option<Spanned<f64>>,
     pub(super) heartbeat_ms: Option<Spanned<u64>>,
     pub(super) heartbeat_timeout_ms: Option<Spanned<u64>>,
     pub(super) min_nodes: Option<Spanned<u64>>,

@@ -98,6 +98,9 @@ pub(super) fn resolve_run(
     if let Some(x) = &r.target_accuracy {
         run.target_accuracy = ctx.positive(x, "target_accuracy")?;
     }
+    if let Some(x) = &r.target_bits_per_byte {
+        run.target_bits_per_byte = ctx.positive(x, "target_bits_per_byte")?;
+    }
     if let Some(x) = &r.heartbeat_ms {
         run.heartbeat_ms = ctx.positive(x, "heartbeat_ms")?;
     }

@@ -144,6 +144,8 @@ pub struct RunSettings {
     pub checkpoint_every_steps: u64,
     /// Test accuracy the run reports against (and the demo test requires).
     pub target_accuracy: f64,
+    /// For the GPT: the bits per byte on held-out text the run reports against.
+    pub target_bits_per_byte: f64,
     /// Heartbeat period, ms.
     pub heartbeat_ms: u64,
     /// Heartbeat silence after which a node is declared dead, ms.
@@ -174,6 +176,7 @@ impl Default for RunSettings {
             char_hidden: 256,
             checkpoint_every_steps: 100,
             target_accuracy: 0.9,
+            target_bits_per_byte: 3.0,
             heartbeat_ms: 100,
             heartbeat_timeout_ms: 1500,
             min_nodes: None,

@@ -217,7 +217,7 @@ pub fn fetch_plan(
         };
         let Some(s) = source else {
             return Err(format!(
-                "layer {l} of model version {version} was held only by nodes that are gone, so the pipeline cannot go on; restart from the last checkpoint"
+                "layer {l} of model version {version} was held only by nodes that are gone"
             ));
         };
         match out.last_mut() {

@@ -357,6 +357,8 @@ pub struct Coordinator {
     /// A successor resumes from what these nodes hold (the predecessor's running epochs
     /// counted on them; the others' versions are older).
     resume_from: Option<BTreeSet<NodeId>>,
+    /// Layers were held only by lost nodes: the node the latest checkpoint is restored on.
+    restoring: Option<NodeId>,
     out: Vec<Effect>,
 }
 
@@ -420,6 +422,7 @@ impl Coordinator {
             floor: cfg.start_step,
             taking_over: None,
             resume_from: None,
+            restoring: None,
             out: Vec::new(),
             cfg,
         }
@@ -804,7 +807,12 @@ impl Coordinator {
     fn begin_epoch(&mut self, from: u64, holders: &Holders) {
         let s = match self.staff(from, holders) {
             Ok(s) => s,
-            Err(why) => return self.finish(Event::Stalled(why)),
+            Err(why) => {
+                if self.restore(&why) {
+                    return;
+                }
+                return self.finish(Event::Stalled(why));
+            }
         };
         let (policy, collective) = match s.plan.sync.method {
             SyncMethod::LocalSgd {
@@ -912,9 +920,15 @@ impl Coordinator {
             .map(|a| a.stage.as_ref().map(|s| s.layers))
             .collect();
         if self.last_planned.as_ref() != Some(&(planned.clone(), layers.clone())) {
+            let mut stages: Vec<(u32, NodeId, LayerRange)> = assigns
+                .iter()
+                .filter_map(|a| a.stage.as_ref().map(|s| (s.stage, a.node, s.layers)))
+                .collect();
+            stages.sort_by_key(|s| (s.0, s.2));
             self.emit(Event::Planned {
                 step: from,
                 workers: planned.clone(),
+                stages: stages.into_iter().map(|(_, n, l)| (n, l)).collect(),
             });
             self.last_planned = Some((planned, layers));
         }
@@ -1244,6 +1258,9 @@ impl Coordinator {
             return;
         }
         let h = self.halting.take().expect("checked");
+        if let Some(to) = self.restoring.take() {
+            return self.resume_restored(to, &h);
+        }
         let newest_synced =
             |vs: &[HeldVersion]| vs.iter().filter(|v| v.synced).map(|v| v.version).max();
         // A node that had not reached the running epochs' start (it was still fetching it)
@@ -1311,6 +1328,78 @@ impl Coordinator {
                 Some((*n, hv.layers))
             })
             .collect();
+        self.begin_epoch(v, &holders);
+    }
+
+    /// No live node holds some layers of the version to resume from (their only holders were
+    /// lost): restore the latest checkpoint on one live node, which then serves it to the
+    /// others, and go back to it. Whether a restore started (once per loss; only with
+    /// checkpoints, and not while taking over).
+    fn restore(&mut self, why: &str) -> bool {
+        if self.restoring.is_some() || self.cfg.checkpoint_every == 0 || self.taking_over.is_some()
+        {
+            return false;
+        }
+        let live: Vec<NodeId> = self
+            .detector
+            .alive()
+            .into_iter()
+            .filter(|n| !self.leaving.contains(n))
+            .collect();
+        // The host's own node where it has one (the checkpoint is read there), else the lowest.
+        let Some(to) = self
+            .cfg
+            .host
+            .filter(|h| live.contains(h))
+            .or_else(|| live.first().copied())
+        else {
+            return false;
+        };
+        self.emit(Event::Restoring {
+            node: to,
+            why: why.to_string(),
+        });
+        self.restoring = Some(to);
+        self.eras.clear();
+        self.halting = Some(Halting {
+            epoch: self.epoch,
+            waiting: BTreeSet::from([to]),
+            held: BTreeMap::new(),
+        });
+        self.last_progress_ms = self.now_ms;
+        self.out.push(Effect::Checkpoint(Envelope::Restore {
+            to,
+            epoch: self.epoch,
+        }));
+        true
+    }
+
+    /// The node `to` answered with the restored checkpoint among its versions: training goes
+    /// back to that version, every other node fetching its layers from `to`.
+    fn resume_restored(&mut self, to: NodeId, h: &Halting) {
+        let restored = h
+            .held
+            .get(&to)
+            .into_iter()
+            .flatten()
+            .filter(|v| v.synced && v.layers.is_none())
+            .map(|v| v.version)
+            .max();
+        let Some(v) = restored else {
+            return self.finish(Event::Stalled(
+                "layers were held only by lost nodes and there is no checkpoint to restore them from"
+                    .into(),
+            ));
+        };
+        if v < self.agreed {
+            self.agreed = v;
+            self.out.push(Effect::RolledBack { to: v });
+        }
+        self.last_synced = v;
+        self.reports.clear();
+        self.eras.clear();
+        self.joiners.clear();
+        let holders: Holders = BTreeMap::from([(to, None)]);
         self.begin_epoch(v, &holders);
     }
 

@@ -27,6 +27,17 @@ pub enum Event {
         step: u64,
         /// Workers and their batches.
         workers: Vec<(NodeId, u64)>,
+        /// Pipeline stages: each stage's node and layers, in stage order per replica (empty
+        /// for data parallel).
+        stages: Vec<(NodeId, ravnest_core::LayerRange)>,
+    },
+    /// Layers of the version to resume from were held only by lost nodes: the latest checkpoint
+    /// is restored on `node`, and training goes back to it.
+    Restoring {
+        /// Where the checkpoint is restored.
+        node: NodeId,
+        /// Why (which layers were lost).
+        why: String,
     },
     /// A node was declared dead.
     Detected {
@@ -118,6 +129,7 @@ impl Event {
         match self {
             Event::Planned { .. } => "planned",
             Event::Detected { .. } => "detected-dead",
+            Event::Restoring { .. } => "restoring",
             Event::Aborted { .. } => "aborted",
             Event::Resync { .. } => "resync",
             Event::Joined { .. } => "joined",

@@ -230,6 +230,24 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         }
     }
 
+    /// The latest checkpoint, to restore layers held only by lost nodes from: keep it as a
+    /// synchronized whole version (the newer ones are dropped: training goes back to it) and
+    /// answer the halt again.
+    fn on_restored(&self, st: &mut NodeState, epoch: u64, checkpoint: Option<(u64, Vec<f32>)>) {
+        if let Some((version, model)) = checkpoint {
+            st.versions.truncate_after(version);
+            st.versions.insert(
+                version,
+                Version {
+                    model: Arc::new(model),
+                    synced: true,
+                    layers: None,
+                },
+            );
+        }
+        self.on_halt(st, epoch);
+    }
+
     /// Stop every step of `epoch` and earlier, and tell the coordinator what is held.
     fn on_halt(&self, st: &mut NodeState, epoch: u64) {
         self.drop_step(st);
@@ -389,6 +407,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 self.advance(st).await;
             }
             Envelope::Halt { epoch } => self.on_halt(st, epoch),
+            Envelope::Restored { epoch, checkpoint } => self.on_restored(st, epoch, checkpoint),
             Envelope::Measure { batch, duration_ms } => {
                 let measured = self.calibrate(st, batch, duration_ms).await;
                 self.send(Addr::Coordinator, measured);

@@ -230,13 +230,35 @@ pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
             .to_string()
     };
     match e {
-        Event::Planned { step, workers } => format!(
+        Event::Planned {
+            step,
+            workers,
+            stages,
+        } if !stages.is_empty() => format!(
+            "step {step}: planned a pipeline of {} stage(s), batch {} in micro-batches: {}",
+            stages
+                .iter()
+                .map(|s| s.1)
+                .collect::<std::collections::BTreeSet<_>>()
+                .len(),
+            workers.first().map_or(0, |w| w.1),
+            stages
+                .iter()
+                .map(|(n, l)| format!("{} layers {l}", name(n)))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        ),
+        Event::Planned { step, workers, .. } => format!(
             "step {step}: planned {}",
             workers
                 .iter()
                 .map(|(n, b)| format!("{}={b}", name(n)))
                 .collect::<Vec<_>>()
                 .join(" ")
+        ),
+        Event::Restoring { node, why } => format!(
+            "{why}: restoring the lost layers from the latest checkpoint on `{}`; training goes back to it",
+            name(node)
         ),
         Event::Detected { node, silent_ms } => {
             format!("node `{}` lost (silent {silent_ms} ms)", name(node))

@@ -21,7 +21,7 @@ use super::options::{AbortOnDrop, CALIBRATE_MS, Options, RunError, warmup_steps}
 use super::setup::Setup;
 use crate::events::RunEvent;
 use crate::net::Network;
-use crate::summary::{CoordinatorReport, Sample};
+use crate::summary::{CoordinatorReport, PipelineFigures, Sample};
 
 /// What the coordinator's host works with.
 pub(super) struct Host<'a> {
@@ -332,8 +332,19 @@ fn plan_text(
             .map(|pn| {
                 let id = registered[pn.id.index()];
                 let node = &cluster.nodes[id.index()];
+                let stage = match pn.layers {
+                    Some(l) => format!(
+                        "   stage layers {l} ({})",
+                        model_spec.layers[l.range()]
+                            .iter()
+                            .map(|x| x.name.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                    None => String::new(),
+                };
                 format!(
-                    "  {:<10} batch {:>4}   measured {:>8.0} samples/s   link {:.2} ms, {:.1} Gbit/s",
+                    "  {:<10} batch {:>4}   measured {:>8.0} samples/s   link {:.2} ms, {:.1} Gbit/s{stage}",
                     node.name,
                     pn.batch,
                     node.flops / model_spec.train_flops_per_sample(),
@@ -431,9 +442,67 @@ async fn train(
     })
 }
 
-/// The final model's accuracy on the held-out data, and for the character model, the first
-/// test context continued greedily.
-fn evaluate(h: &Host<'_>) -> (f64, Option<Sample>) {
+/// The first pipeline plan's stages, its micro-batches and bubble in theory, and the bytes its
+/// stages send each other per step (the bubble measured is filled in with the nodes' reports).
+fn pipeline_figures(
+    h: &Host<'_>,
+    cluster: &ravnest_core::ClusterSpec,
+    log: &ravnest_runtime::coordinator::RunLog,
+) -> Option<PipelineFigures> {
+    let (workers, stages) = log.events.iter().find_map(|(_, e)| match e {
+        Event::Planned {
+            workers, stages, ..
+        } if !stages.is_empty() => Some((workers, stages)),
+        _ => None,
+    })?;
+    let spec = h.su.compute.net.model_spec();
+    let name = |n: &NodeId| {
+        cluster
+            .nodes
+            .get(n.index())
+            .map_or_else(|| format!("node {}", n.0), |x| x.name.clone())
+    };
+    let mut by_layers: BTreeMap<ravnest_core::LayerRange, Vec<String>> = BTreeMap::new();
+    for (n, l) in stages {
+        by_layers.entry(*l).or_default().push(name(n));
+    }
+    let batch = |n: &NodeId| workers.iter().find(|w| w.0 == *n).map_or(0, |w| w.1);
+    let elem = 4u64;
+    // Every node but the last stage's sends its output forward and gets its gradient back.
+    let last_layer = spec.layers.len() as u32;
+    let activation_bytes_per_step = stages
+        .iter()
+        .filter(|(_, l)| l.range().end as u32 != last_layer)
+        .map(|(n, l)| {
+            let out = spec.layers[l.range().end - 1].output_elems_per_sample;
+            2 * batch(n) * out * elem
+        })
+        .sum();
+    let p = by_layers.len() as f64;
+    let micro = u64::from(h.opts.scenario.training.micro_batch.max(1));
+    let m = workers.first().map_or(1, |w| w.1.div_ceil(micro)).max(1);
+    Some(PipelineFigures {
+        stages: by_layers
+            .iter()
+            .map(|(l, nodes)| {
+                let names: Vec<&str> = spec.layers[l.range()]
+                    .iter()
+                    .map(|x| x.name.as_str())
+                    .collect();
+                format!("layers {l} ({}) on {}", names.join(", "), nodes.join(", "))
+            })
+            .collect(),
+        nodes: stages.iter().map(|(n, _)| name(n)).collect(),
+        micro_batches: m,
+        bubble_theory: (p - 1.0) / (m as f64 + p - 1.0),
+        activation_bytes_per_step,
+        ..PipelineFigures::default()
+    })
+}
+
+/// The final model's accuracy on the held-out data; for the character model, the first test
+/// context continued greedily; for the GPT, bits per byte and a sampled continuation.
+fn evaluate(h: &Host<'_>) -> (f64, Option<Sample>, Option<f64>) {
     let (s, su) = (&h.opts.scenario, h.su);
     let model = match su.files.load(s.run.steps) {
         Ok(m) => m,
@@ -446,6 +515,9 @@ fn evaluate(h: &Host<'_>) -> (f64, Option<Sample>) {
             .unwrap_or_default(),
     };
     let weights = &model[..su.compute.params().min(model.len())];
+    if let Network::Gpt(g) = &su.compute.net {
+        return evaluate_gpt(g, weights, &su.test, s.run.seed);
+    }
     let accuracy = su
         .compute
         .net
@@ -471,7 +543,41 @@ fn evaluate(h: &Host<'_>) -> (f64, Option<Sample>) {
         }
         _ => None,
     };
-    (accuracy, sample)
+    (accuracy, sample, None)
+}
+
+/// Windows of held-out text the GPT is evaluated on, at most.
+const GPT_EVAL_WINDOWS: usize = 256;
+
+/// The GPT on the first held-out windows: (next-byte accuracy, a sampled continuation of the
+/// first window's start, bits per byte).
+fn evaluate_gpt(
+    g: &crate::gpt::Gpt,
+    weights: &[f32],
+    test: &crate::data::Dataset,
+    seed: u64,
+) -> (f64, Option<Sample>, Option<f64>) {
+    let dev = crate::device::current();
+    let w = test.features;
+    let rows = test.len().min(GPT_EVAL_WINDOWS);
+    let Ok((nats, accuracy)) = g.evaluate(&dev, weights, &test.x[..rows * w], 16) else {
+        return (0.0, None, None);
+    };
+    let prompt: Vec<u32> = test.x[..w.min(g.seq / 2)]
+        .iter()
+        .map(|&t| t as u32)
+        .collect();
+    let more = g
+        .generate(&dev, weights, &prompt, 120, 0.8, seed)
+        .unwrap_or_default();
+    let text = |ids: &[u32]| -> String {
+        String::from_utf8_lossy(&ids.iter().map(|&t| t as u8).collect::<Vec<u8>>()).into_owned()
+    };
+    let sample = Sample {
+        prompt: text(&prompt),
+        continuation: text(&more),
+    };
+    (accuracy, Some(sample), Some(nats / std::f64::consts::LN_2))
 }
 
 /// Tell every worker that training finished; the nodes still in the run will report back on
@@ -556,7 +662,7 @@ fn coordinator_report(
 ) -> CoordinatorReport {
     let s = &h.opts.scenario;
     let (log, start_step) = (&t.log, t.start_step);
-    let (accuracy, sample) = evaluate(h);
+    let (accuracy, sample, bits_per_byte) = evaluate(h);
     let final_step = start_step + log.step_done_ns.len() as u64;
     let trained = final_step - start_step;
     let batch = f64::from(s.training.global_batch);
@@ -625,6 +731,8 @@ fn coordinator_report(
         accuracy,
         target_accuracy: s.run.target_accuracy,
         sample,
+        bits_per_byte: bits_per_byte.map(|b| (b, s.run.target_bits_per_byte)),
+        pipeline: pipeline_figures(h, &cluster, log),
         checkpoints,
         checkpoint_dir: files.dir.display().to_string(),
         final_checkpoint: files.path(s.run.steps).display().to_string(),
