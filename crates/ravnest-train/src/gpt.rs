@@ -500,6 +500,29 @@ impl Gpt {
         Ok((loss / rows as f64, right as f64 / (rows * self.seq) as f64))
     }
 
+    /// `prompt` and its continuation by `n` byte tokens ([`Gpt::generate`] on this process's
+    /// device), as text ([`decode_bytes`]).
+    pub fn complete_text(
+        &self,
+        model: &[f32],
+        prompt: &str,
+        n: usize,
+        temperature: f64,
+        seed: u64,
+    ) -> candle_core::Result<String> {
+        let ids: Vec<u32> = prompt.bytes().map(u32::from).collect();
+        if let Some(b) = ids.iter().find(|&&t| t as usize >= self.vocab) {
+            candle_core::bail!(
+                "the prompt's byte {b} is outside the model's vocabulary of {}",
+                self.vocab
+            );
+        }
+        let more = self.generate(&crate::device::current(), model, &ids, n, temperature, seed)?;
+        let mut all = ids;
+        all.extend(more);
+        Ok(decode_bytes(&all))
+    }
+
     /// Continue `prompt` (token ids) by `n` tokens, each sampled from the softmax of the logits
     /// at `temperature` (greedy at 0), seeded.
     pub fn generate(
@@ -518,8 +541,9 @@ impl Gpt {
         }
         let start = ids.len();
         for _ in 0..n {
-            // The last `seq` tokens, left-padded by repeating the first one; the position of
-            // the last real token is read.
+            // The last `seq` tokens, padded on the right by repeating the last one (causal
+            // attention: later positions do not change earlier ones); the position of the last
+            // real token is read.
             let tail = &ids[ids.len().saturating_sub(self.seq)..];
             let at = tail.len() - 1;
             let mut window = tail.to_vec();
@@ -530,6 +554,19 @@ impl Gpt {
         }
         Ok(ids.split_off(start))
     }
+}
+
+/// Tokens as text: each below 256 is a byte, the bytes decoded as UTF-8 with invalid sequences
+/// (and tokens past the bytes) as U+FFFD.
+pub fn decode_bytes(tokens: &[u32]) -> String {
+    let mut bytes = Vec::with_capacity(tokens.len());
+    for &t in tokens {
+        match u8::try_from(t) {
+            Ok(b) => bytes.push(b),
+            Err(_) => bytes.extend("\u{fffd}".as_bytes()),
+        }
+    }
+    String::from_utf8_lossy(&bytes).into_owned()
 }
 
 /// A token from `logits` at `temperature` (the most likely one at 0).
@@ -581,6 +618,117 @@ pub fn hf_config(g: &Gpt) -> serde_json::Value {
         "eos_token_id": 10,
         "torch_dtype": "float32",
     })
+}
+
+/// The [`Gpt`] a Hugging Face `config.json` describes, if it is one ravnest runs: a
+/// `gpt2` model with `gelu_new`, LayerNorm epsilon [`LN_EPS`] and an MLP 4 times as wide as
+/// the hidden states (what [`hf_config`] writes). Says what does not fit otherwise.
+pub fn from_hf_config(c: &serde_json::Value) -> Result<Gpt, String> {
+    const NEEDED: &str = "n_layer, n_embd, n_head, n_positions and vocab_size";
+    if !c.is_object() {
+        return Err("is not a JSON object".into());
+    }
+    if let Some(t) = c.get("model_type").and_then(|v| v.as_str())
+        && t != "gpt2"
+    {
+        return Err(format!(
+            "model_type `{t}` is not a GPT-2 (`gpt2`), the only kind ravnest's GPT loads"
+        ));
+    }
+    let size = |k: &str| -> Result<usize, String> {
+        c.get(k)
+            .and_then(|v| v.as_u64())
+            .map(|n| n as usize)
+            .ok_or_else(|| format!("has no `{k}` (a GPT-2 config has {NEEDED})"))
+    };
+    let g = Gpt {
+        layers: size("n_layer")?,
+        hidden: size("n_embd")?,
+        heads: size("n_head")?,
+        seq: size("n_positions")?,
+        vocab: size("vocab_size")?,
+    };
+    let act = c
+        .get("activation_function")
+        .and_then(|v| v.as_str())
+        .unwrap_or("gelu_new");
+    if act != "gelu_new" {
+        return Err(format!(
+            "activation_function `{act}`: ravnest's GPT uses `gelu_new` (tanh GELU)"
+        ));
+    }
+    if let Some(eps) = c.get("layer_norm_epsilon").and_then(|v| v.as_f64())
+        && (eps - LN_EPS).abs() > 1e-12
+    {
+        return Err(format!(
+            "layer_norm_epsilon {eps}: ravnest's GPT uses {LN_EPS}"
+        ));
+    }
+    if let Some(inner) = c.get("n_inner").and_then(|v| v.as_u64())
+        && inner as usize != 4 * g.hidden
+    {
+        return Err(format!(
+            "n_inner {inner}: ravnest's GPT's MLP is 4 · n_embd = {} wide",
+            4 * g.hidden
+        ));
+    }
+    for k in ["scale_attn_by_inverse_layer_idx", "add_cross_attention"] {
+        if c.get(k).and_then(|v| v.as_bool()) == Some(true) {
+            return Err(format!("`{k}` is true: ravnest's GPT has no such option"));
+        }
+    }
+    g.check()?;
+    Ok(g)
+}
+
+/// The [`Gpt`] of a checkpoint's `model` metadata (`{"kind": "gpt", "layers": …}`, as
+/// `Network::config_json` writes it).
+pub fn from_model_json(m: &serde_json::Value) -> Result<Gpt, String> {
+    match m.get("kind").and_then(|k| k.as_str()) {
+        Some("gpt") => {}
+        Some(k) => {
+            return Err(format!(
+                "is the checkpoint of a `{k}` network, not of a GPT (a run with `[run] network = \"gpt\"` writes one)"
+            ));
+        }
+        None => return Err("its model metadata names no `kind`".into()),
+    }
+    let size = |k: &str| -> Result<usize, String> {
+        m.get(k)
+            .and_then(|v| v.as_u64())
+            .map(|n| n as usize)
+            .ok_or_else(|| format!("its GPT metadata has no `{k}`"))
+    };
+    let g = Gpt {
+        layers: size("layers")?,
+        hidden: size("hidden")?,
+        heads: size("heads")?,
+        seq: size("seq")?,
+        vocab: size("vocab")?,
+    };
+    g.check()?;
+    Ok(g)
+}
+
+impl Gpt {
+    /// Whether the shape can run: at least one of everything, the heads dividing the width.
+    pub fn check(&self) -> Result<(), String> {
+        if self.layers == 0
+            || self.hidden == 0
+            || self.heads == 0
+            || self.seq == 0
+            || self.vocab == 0
+        {
+            return Err(format!("a GPT needs at least one of each: {self:?}"));
+        }
+        if !self.hidden.is_multiple_of(self.heads) {
+            return Err(format!(
+                "{} heads do not divide the hidden width {}",
+                self.heads, self.hidden
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -722,5 +870,32 @@ mod tests {
         let b = g.generate(&dev, &model, &[0, 1, 2], 8, 1.0, 7).unwrap();
         assert_eq!(a, b);
         assert!(a.iter().all(|&t| (t as usize) < g.vocab));
+    }
+    #[test]
+    fn the_hugging_face_config_and_the_metadata_give_the_shape_back() {
+        let g = tiny();
+        assert_eq!(from_hf_config(&hf_config(&g)), Ok(g));
+        let meta = crate::net::Network::Gpt(g).config_json();
+        assert_eq!(from_model_json(&meta), Ok(g));
+        let mut c = hf_config(&g);
+        c["activation_function"] = "gelu".into();
+        assert!(from_hf_config(&c).unwrap_err().contains("gelu_new"));
+        let mut c = hf_config(&g);
+        c["n_head"] = 3.into();
+        assert!(
+            from_hf_config(&c)
+                .unwrap_err()
+                .contains("3 heads do not divide")
+        );
+        let mlp = serde_json::json!({"kind": "mlp", "dims": [2, 3]});
+        assert!(
+            from_model_json(&mlp)
+                .unwrap_err()
+                .contains("`mlp` network, not of a GPT")
+        );
+        assert_eq!(
+            decode_bytes(&[104, 105, 300, 0xe2, 0x82, 0xac]),
+            "hi\u{fffd}€"
+        );
     }
 }
