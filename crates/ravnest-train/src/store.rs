@@ -19,6 +19,7 @@ use ravnest_core::checkpoint::Manifest;
 use ravnest_runtime::checkpoint::{Store, StoreError};
 use safetensors::{Dtype, SafeTensors};
 
+use crate::gpt::Gpt;
 use crate::net::Network;
 use crate::optim::Optim;
 
@@ -108,18 +109,23 @@ fn read_into(
     };
     let bytes = std::fs::read(path).map_err(|e| err(e.to_string()))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| err(e.to_string()))?;
+    copy_tensors(&st, entries, flat)
+        .map_err(|m| err(m.replace("{of}", &format!("the checkpoint is of another {what}"))))
+}
+
+/// Copy `entries` out of `st` into `flat`, checking each tensor's type and shape. The message
+/// of a missing tensor has `{of}` where the caller says why it may be missing.
+fn copy_tensors(st: &SafeTensors<'_>, entries: &[Entry], flat: &mut [f32]) -> Result<(), String> {
     for (name, shape, off, len) in entries {
-        let t = st.tensor(name).map_err(|_| {
-            err(format!(
-                "no tensor `{name}` (the checkpoint is of another {what})"
-            ))
-        })?;
+        let t = st
+            .tensor(name)
+            .map_err(|_| format!("no tensor `{name}` ({{of}})"))?;
         if t.dtype() != Dtype::F32 || t.shape() != shape.as_slice() {
-            return Err(err(format!(
+            return Err(format!(
                 "`{name}` is {:?} {:?}, expected F32 {shape:?}",
                 t.dtype(),
                 t.shape()
-            )));
+            ));
         }
         for (dst, b) in flat[*off..off + len]
             .iter_mut()
@@ -129,6 +135,119 @@ fn read_into(
         }
     }
     Ok(())
+}
+
+/// A GPT's weights and shape from `path`: a checkpoints folder (its `model.safetensors`, else
+/// the weights of the step `latest` names; a run's output folder with a `checkpoints/` in it
+/// will do) or one weights file (`step-N.safetensors`, `model.safetensors`). The shape comes
+/// from the file's own `model` metadata (`{"kind": "gpt", …}`) or, in a file without it (one
+/// `transformers` saved), from the Hugging Face `config.json` beside it. Every tensor is
+/// checked by name, type and shape; the optimizer state is not read.
+pub fn load_gpt(path: &Path) -> Result<(Gpt, Vec<f32>), LoadError> {
+    let err = |p: &Path, m: String| LoadError {
+        path: p.display().to_string(),
+        message: m,
+    };
+    let io = |p: &Path, e: std::io::Error| {
+        err(
+            p,
+            if e.kind() == std::io::ErrorKind::NotFound {
+                "no such file or folder".into()
+            } else {
+                e.to_string()
+            },
+        )
+    };
+    let info = std::fs::metadata(path).map_err(|e| io(path, e))?;
+    let weights = if info.is_dir() {
+        gpt_weights_in(path)?
+    } else {
+        path.to_path_buf()
+    };
+    let bytes = std::fs::read(&weights).map_err(|e| io(&weights, e))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| err(&weights, format!("not a safetensors file ({e})")))?;
+    let model_meta = SafeTensors::read_metadata(&bytes)
+        .ok()
+        .and_then(|(_, m)| m.metadata().as_ref().and_then(|m| m.get("model").cloned()));
+    let config = weights
+        .parent()
+        .unwrap_or(Path::new("."))
+        .join("config.json");
+    let (g, source) = match model_meta {
+        Some(m) => {
+            let v: serde_json::Value = serde_json::from_str(&m)
+                .map_err(|e| err(&weights, format!("its `model` metadata is not JSON: {e}")))?;
+            (
+                crate::gpt::from_model_json(&v).map_err(|m| err(&weights, m))?,
+                "its `model` metadata".to_string(),
+            )
+        }
+        None if config.is_file() => {
+            let text = std::fs::read_to_string(&config).map_err(|e| io(&config, e))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| err(&config, format!("not JSON: {e}")))?;
+            (
+                crate::gpt::from_hf_config(&v).map_err(|m| err(&config, m))?,
+                config.display().to_string(),
+            )
+        }
+        None => {
+            return Err(err(
+                &weights,
+                "no `model` metadata and no config.json beside it: not a ravnest GPT checkpoint"
+                    .into(),
+            ));
+        }
+    };
+    let net = Network::Gpt(g);
+    let entries: Vec<Entry> = net
+        .layout()
+        .iter()
+        .map(|t| (t.name.clone(), t.shape.clone(), t.offset, t.len()))
+        .collect();
+    let mut flat = vec![0.0f32; net.params()];
+    copy_tensors(&st, &entries, &mut flat).map_err(|m| {
+        let shape = format!(
+            "a GPT of {} layers, hidden {}, {} heads, {} positions and a vocabulary of {}",
+            g.layers, g.hidden, g.heads, g.seq, g.vocab
+        );
+        let m = if m.contains("{of}") {
+            m.replace("{of}", &format!("{shape}, as {source} says, has it"))
+        } else {
+            format!("{m} ({source} says {shape})")
+        };
+        err(&weights, m)
+    })?;
+    Ok((g, flat))
+}
+
+/// The weights file of the checkpoints folder `dir` (see [`load_gpt`]).
+fn gpt_weights_in(dir: &Path) -> Result<PathBuf, LoadError> {
+    let model = dir.join("model.safetensors");
+    if model.is_file() {
+        return Ok(model);
+    }
+    let latest = dir.join("latest");
+    if latest.is_file() {
+        let text = std::fs::read_to_string(&latest).map_err(|e| LoadError {
+            path: latest.display().to_string(),
+            message: e.to_string(),
+        })?;
+        let step: u64 = text.trim().parse().map_err(|_| LoadError {
+            path: latest.display().to_string(),
+            message: format!("`{}` is not a step number", text.trim()),
+        })?;
+        return Ok(dir.join(format!("step-{step:08}.safetensors")));
+    }
+    let sub = dir.join("checkpoints");
+    if sub.is_dir() {
+        return gpt_weights_in(&sub);
+    }
+    Err(LoadError {
+        path: dir.display().to_string(),
+        message: "holds no checkpoint (no model.safetensors, no `latest`, no checkpoints/)".into(),
+    })
 }
 
 /// A run may not write its checkpoints where it was asked to.
@@ -437,5 +556,70 @@ mod tests {
             "{e}"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+    #[test]
+    fn a_gpt_loads_from_its_folder_a_step_file_or_the_run_folder() {
+        let g = Gpt {
+            layers: 1,
+            hidden: 8,
+            heads: 2,
+            seq: 4,
+            vocab: 16,
+        };
+        let run = std::env::temp_dir().join(format!("ravnest-store-gpt-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&run);
+        let dir = run.join("checkpoints");
+        let files = CheckpointFiles {
+            dir: dir.clone(),
+            net: Network::Gpt(g),
+            optim: Optim {
+                kind: Optimizer::Adamw,
+                lr: 0.1,
+                momentum: 0.9,
+                weight_decay: 0.0,
+            },
+            meta: BTreeMap::new(),
+        };
+        let p = files.net.params();
+        let flat: Vec<f32> = (0..p + files.optim.state_len(p))
+            .map(|i| (i % 13) as f32 * 0.25 - 1.0)
+            .collect();
+        files.write(1, &vec![0.0; flat.len()], "{}").unwrap();
+        files.write(2, &flat, "{}").unwrap();
+        let want = (g, flat[..p].to_vec());
+        assert_eq!(load_gpt(&dir).unwrap(), want);
+        assert_eq!(load_gpt(&run).unwrap(), want);
+        assert_eq!(load_gpt(&files.path(2)).unwrap(), want);
+        assert_eq!(load_gpt(&files.path(1)).unwrap().1, vec![0.0; p]);
+        // Without model.safetensors: the step `latest` names.
+        std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+        assert_eq!(load_gpt(&dir).unwrap(), want);
+
+        // A file without metadata takes its shape from config.json; a tensor it lacks is named.
+        let layout = files.net.layout();
+        let entries: Vec<Entry> = layout
+            .iter()
+            .filter(|t| t.name != "lm_head.weight")
+            .map(|t| (t.name.clone(), t.shape.clone(), t.offset, t.len()))
+            .collect();
+        let bare = dir.join("bare.safetensors");
+        std::fs::write(&bare, serialize(&entries, &flat, HashMap::new()).unwrap()).unwrap();
+        let e = load_gpt(&bare).unwrap_err().to_string();
+        assert!(
+            e.starts_with(&bare.display().to_string())
+                && e.contains("no tensor `lm_head.weight` (a GPT of 1 layers, hidden 8")
+                && e.contains("config.json says, has it"),
+            "{e}"
+        );
+        std::fs::remove_file(dir.join("config.json")).unwrap();
+        let e = load_gpt(&bare).unwrap_err().to_string();
+        assert!(e.contains("no `model` metadata and no config.json"), "{e}");
+
+        let e = load_gpt(&run.join("nothing")).unwrap_err().to_string();
+        assert!(e.ends_with("nothing: no such file or folder"), "{e}");
+        std::fs::write(dir.join("latest"), "x\n").unwrap();
+        let e = load_gpt(&dir).unwrap_err().to_string();
+        assert!(e.contains("latest: `x` is not a step number"), "{e}");
+        std::fs::remove_dir_all(&run).unwrap();
     }
 }
