@@ -33,6 +33,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
   ravnest plan cluster.toml                     what each node would do, next to an equal split
   ravnest sim                                   a simulated cluster where a 3090 crashes and comes back
   ravnest bench ddp                             ravnest vs PyTorch DDP on the same job
+  ravnest generate DIR --prompt \"It was\"        continue a prompt with a trained GPT's checkpoint
 
 Docs: docs/ in the repository (README.md, docs/multi-machine.md, docs/cluster-format.md,
 docs/checkpoints.md, docs/reading-reports.md); `ravnest <command> --help` for each command."
@@ -101,6 +102,16 @@ Reading the tables: docs/reading-reports.md.")]
         #[command(subcommand)]
         what: BenchWhat,
     },
+    /// Continue a prompt with a trained GPT: bytes sampled from a checkpoint, printed after the
+    /// prompt.
+    #[command(after_help = "Examples:
+  ravnest generate ravnest-out/local-gpt/checkpoints --prompt \"It was a dark\"
+  ravnest generate ravnest-out/local-gpt/checkpoints --prompt \"The \" --tokens 400 --temperature 0.5 --seed 7
+  ravnest generate ravnest-out/local-gpt/checkpoints/step-00000200.safetensors --prompt \"Once\"
+
+CHECKPOINT: a GPT's checkpoints folder (its model.safetensors, else the step `latest` names)
+or one weights file. The folder is also a Hugging Face model folder: docs/checkpoints.md.")]
+    Generate(GenerateCmd),
     /// List the device catalog and the model presets.
     #[command(after_help = "Example:
   ravnest catalog
@@ -133,6 +144,26 @@ struct SimCmd {
     /// Write a timeline picture (SVG) of the run to this file.
     #[arg(long)]
     timeline: Option<PathBuf>,
+}
+
+/// `ravnest generate`'s arguments.
+#[derive(clap::Args, Debug)]
+struct GenerateCmd {
+    /// A GPT's checkpoints folder, or one of its weights files (`step-N.safetensors`).
+    #[arg(value_name = "CHECKPOINT")]
+    checkpoint: PathBuf,
+    /// The text to continue (its bytes are the first tokens).
+    #[arg(long)]
+    prompt: String,
+    /// Tokens (bytes) to sample after the prompt.
+    #[arg(long, default_value_t = 200)]
+    tokens: usize,
+    /// Sampling temperature: lower is more predictable, 0 always takes the likeliest byte.
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
+    temperature: f64,
+    /// Seed of the sampling (default: from the clock); the same seed gives the same text.
+    #[arg(long)]
+    seed: Option<u64>,
 }
 
 /// `ravnest run`'s arguments.
@@ -386,6 +417,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Sim(cmd) => sim_command(cmd),
         Command::Run(cmd) => run_command(cmd),
         Command::Bench { what } => bench_command(what),
+        Command::Generate(cmd) => generate_command(cmd),
         Command::Catalog => {
             emit(&report::catalog_text());
             Ok(())
@@ -606,6 +638,32 @@ fn run_command(cmd: RunCmd) -> Result<()> {
             ravnest_train::discover::Announce::Reachable
         },
     })
+}
+
+/// `ravnest generate`: load the GPT, sample, print.
+fn generate_command(cmd: GenerateCmd) -> Result<()> {
+    let GenerateCmd {
+        checkpoint,
+        prompt,
+        tokens,
+        temperature,
+        seed,
+    } = cmd;
+    if !(temperature.is_finite() && temperature >= 0.0) {
+        bail!("--temperature {temperature}: a temperature is 0 or more");
+    }
+    let (gpt, weights) =
+        ravnest_train::store::load_gpt(&checkpoint).context("cannot load a GPT")?;
+    let seed = seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    });
+    let text = gpt
+        .complete_text(&weights, &prompt, tokens, temperature, seed)
+        .with_context(|| format!("cannot generate from `{}`", checkpoint.display()))?;
+    emit(&format!("{text}\n"));
+    Ok(())
 }
 
 /// `ravnest bench ...`.

@@ -705,3 +705,166 @@ fn the_nodes_die_with_their_launcher() {
         "still running 5 s after the launcher: {left:?}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// `ravnest generate`.
+
+/// A small GPT's checkpoints (AdamW, two steps) in a fresh folder under the target directory.
+/// Its head is made to give every byte outside printable ASCII a logit about 60 lower, so the
+/// sampled text is one character per token.
+fn gpt_checkpoints(name: &str) -> PathBuf {
+    use ravnest_train::net::Network;
+    let g = ravnest_train::gpt::Gpt {
+        layers: 2,
+        hidden: 32,
+        heads: 4,
+        seq: 16,
+        vocab: 256,
+    };
+    let net = Network::Gpt(g);
+    let mut params = g.init(5);
+    let layout = net.layout();
+    let at = |n: &str| layout.iter().find(|p| p.name == n).unwrap().offset;
+    // ln_f's first output is the constant 10; the head reads it as -6 per unprintable byte.
+    params[at("transformer.ln_f.weight")] = 0.0;
+    params[at("transformer.ln_f.bias")] = 10.0;
+    let head = at("lm_head.weight");
+    for t in (0..32).chain(127..256) {
+        params[head + t * g.hidden] = -6.0;
+    }
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    let files = ravnest_train::store::CheckpointFiles {
+        dir: dir.join("checkpoints"),
+        net,
+        optim: ravnest_train::optim::Optim {
+            kind: ravnest_core::Optimizer::Adamw,
+            lr: 1e-3,
+            momentum: 0.9,
+            weight_decay: 0.0,
+        },
+        meta: Default::default(),
+    };
+    let p = files.net.params();
+    let mut flat = params;
+    flat.resize(p + files.optim.state_len(p), 0.0);
+    files.write(1, &flat, "{}").unwrap();
+    files.write(2, &flat, "{}").unwrap();
+    dir
+}
+
+#[test]
+fn generate_continues_a_prompt_reproducibly_with_a_seed() {
+    let dir = gpt_checkpoints("generate-gpt");
+    let folder = dir.join("checkpoints");
+    let folder = folder.to_str().unwrap();
+    let run = |what: &str, seed: &str| {
+        let out = ravnest(&[
+            "generate", what, "--prompt", "Hello, ", "--tokens", "40", "--seed", seed,
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out)
+    };
+    let a = run(folder, "3");
+    assert!(a.starts_with("Hello, ") && a.ends_with('\n'), "{a:?}");
+    let body = a
+        .strip_prefix("Hello, ")
+        .unwrap()
+        .strip_suffix('\n')
+        .unwrap();
+    assert_eq!(body.chars().count(), 40, "{a:?}");
+    assert!(
+        body.chars().all(|c| c.is_ascii() && !c.is_ascii_control()),
+        "{a:?}"
+    );
+    assert_eq!(run(folder, "3"), a, "the same seed gives the same text");
+    assert_ne!(run(folder, "4"), a, "another seed, another text");
+    // The same weights through a step's file, and through the run's folder.
+    let step = dir.join("checkpoints/step-00000002.safetensors");
+    assert_eq!(run(step.to_str().unwrap(), "3"), a);
+    assert_eq!(run(dir.to_str().unwrap(), "3"), a);
+    // The defaults: 200 tokens.
+    let out = ravnest(&["generate", folder, "--prompt", "x"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out).trim_end_matches('\n').chars().count(), 201);
+}
+
+#[test]
+fn error_generate_missing_checkpoint_is_named() {
+    let missing = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("no-such-checkpoints");
+    let m = missing.to_str().unwrap();
+    expect_error(
+        &["generate", m, "--prompt", "a"],
+        &[&format!("{m}: no such file or folder")],
+    );
+    let dir = gpt_checkpoints("generate-gpt-bad");
+    expect_error(
+        &[
+            "generate",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "a",
+            "--temperature",
+            "-1",
+        ],
+        &["--temperature -1: a temperature is 0 or more"],
+    );
+}
+
+#[test]
+fn error_generate_refuses_an_mlp_checkpoint_and_a_wrong_tensor() {
+    use ravnest_train::net::Network;
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("generate-mlp");
+    let _ = std::fs::remove_dir_all(&dir);
+    let files = ravnest_train::store::CheckpointFiles {
+        dir: dir.clone(),
+        net: Network::Mlp {
+            dims: vec![4, 8, 3],
+        },
+        optim: ravnest_train::optim::Optim {
+            kind: ravnest_core::Optimizer::Sgd,
+            lr: 0.1,
+            momentum: 0.0,
+            weight_decay: 0.0,
+        },
+        meta: Default::default(),
+    };
+    let path = files
+        .write(3, &vec![0.1; files.net.params()], "{}")
+        .unwrap();
+    let d = dir.to_str().unwrap();
+    expect_error(
+        &["generate", d, "--prompt", "a"],
+        &[
+            &path.display().to_string(),
+            "is the checkpoint of a `mlp` network, not of a GPT",
+        ],
+    );
+    // A GPT's folder whose config.json says another width than its weights have, and whose
+    // weights carry no metadata (as if saved by transformers).
+    let gdir = gpt_checkpoints("generate-gpt-shape");
+    let folder = gdir.join("checkpoints");
+    let model = folder.join("model.safetensors");
+    let bytes = std::fs::read(&model).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    header.as_object_mut().unwrap().remove("__metadata__");
+    let header = header.to_string();
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend(header.as_bytes());
+    out.extend(&bytes[8 + n..]);
+    std::fs::remove_file(&model).unwrap();
+    std::fs::write(&model, out).unwrap();
+    let config = folder.join("config.json");
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("\"n_positions\": 16", "\"n_positions\": 32");
+    std::fs::write(&config, text).unwrap();
+    expect_error(
+        &["generate", folder.to_str().unwrap(), "--prompt", "a"],
+        &[
+            &model.display().to_string(),
+            "`transformer.wpe.weight` is F32 [16, 32], expected F32 [32, 32]",
+        ],
+    );
+}
