@@ -1,0 +1,375 @@
+//! A pipeline run equals single-node training: the node and coordinator actors, over one
+//! loopback TCP transport per node, train a real multi-block GPT ([`Network::Gpt`] in candle,
+//! through [`CandleCompute`]'s stage forward and backward) as a pipeline of 2 and of 3 stages
+//! (1F1B, 4 micro-batches a step) for K steps; every stage's layers, parameters and optimizer
+//! state ([`Compute::layer_slots`]), must equal K single-node steps on the same global batches
+//! within 1e-4, under AdamW and under SGD with momentum. The coordinator chooses the stage
+//! count from the cluster file: each node's `memory_gib` is set so that the model fits no node
+//! whole, no pipeline of fewer stages fits, and one of the wanted count does.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ravnest_core::cost::Costs;
+use ravnest_core::{LayerRange, NodeId, Optimizer};
+use ravnest_runtime::coordinator::{Config, Event, Tuning};
+use ravnest_runtime::node::Counters;
+use ravnest_runtime::tcp::LoopbackCluster;
+use ravnest_runtime::{Compute, Launch, Nodes};
+use ravnest_train::compute::CandleCompute;
+use ravnest_train::data::Dataset;
+use ravnest_train::gpt::Gpt;
+use ravnest_train::net::Network;
+use ravnest_train::optim::Optim;
+use ravnest_train::worker::ComputeThread;
+
+const STEPS: u64 = 5;
+const BATCH: u64 = 8;
+const MICRO: u64 = 2;
+const TOLERANCE: f32 = 1e-4;
+
+/// gpt-tiny's blocks (4, hidden 128, 4 heads, vocabulary 256) on windows of 32 bytes instead
+/// of 64, for CI's time.
+const GPT: Gpt = Gpt {
+    layers: 4,
+    hidden: 128,
+    heads: 4,
+    seq: 32,
+    vocab: 256,
+};
+
+fn optim(kind: Optimizer) -> Optim {
+    match kind {
+        Optimizer::Adamw => Optim {
+            kind,
+            lr: 1e-3,
+            momentum: 0.9,
+            weight_decay: 0.01,
+        },
+        _ => Optim {
+            kind,
+            lr: 0.05,
+            momentum: 0.9,
+            weight_decay: 0.0,
+        },
+    }
+}
+
+fn optimizer_name(kind: Optimizer) -> &'static str {
+    match kind {
+        Optimizer::Sgd => "sgd",
+        Optimizer::SgdMomentum => "sgd-momentum",
+        Optimizer::Adamw => "adamw",
+    }
+}
+
+/// The cluster file: `nodes` CPU nodes of `memory_gib` each (no reserve), fp32, the GPT.
+fn cluster_text(nodes: usize, memory_gib: f64, kind: Optimizer) -> String {
+    let mut t = String::from("[links]\nbandwidth_gbps = 10.0\nlatency_ms = 0.05\n\n");
+    for k in 0..nodes {
+        t += &format!(
+            "[[node]]\nname = \"n{k}\"\ndevice = \"cpu\"\ntflops = 0.05\nmemory_gib = {memory_gib}\n\n"
+        );
+    }
+    let g = GPT;
+    t + &format!(
+        "[model]\nkind = \"gpt\"\nlayers = {}\nhidden = {}\nheads = {}\nseq_len = {}\nvocab = {}\n\n\
+         [training]\nglobal_batch = {BATCH}\nmicro_batch = {MICRO}\noptimizer = \"{}\"\n\
+         precision = \"fp32\"\nmemory_reserve_gib = 0\n",
+        g.layers,
+        g.hidden,
+        g.heads,
+        g.seq,
+        g.vocab,
+        optimizer_name(kind)
+    )
+}
+
+/// The least memory a pipeline of `s` stages needs on every node under the cost model: the
+/// best contiguous split's largest stage (stage k keeps (s − k) micro-batches in flight, as
+/// the planner charges 1F1B).
+fn least_peak(costs: &Costs<'_>, s: usize) -> u64 {
+    fn splits(
+        at: usize,
+        left: usize,
+        layers: usize,
+        bounds: &mut Vec<usize>,
+        f: &mut dyn FnMut(&[usize]),
+    ) {
+        if left == 1 {
+            bounds.push(layers);
+            f(bounds);
+            bounds.pop();
+            return;
+        }
+        for b in at + 1..=layers - (left - 1) {
+            bounds.push(b);
+            splits(b, left - 1, layers, bounds, f);
+            bounds.pop();
+        }
+    }
+    let m = u64::from(costs.training.micro_batch);
+    let mut best = u64::MAX;
+    splits(0, s, costs.layers(), &mut vec![0], &mut |b| {
+        let peak = (0..s)
+            .map(|k| costs.memory_bytes(LayerRange::of_stage(b, k), (s - k) as u64 * m))
+            .max()
+            .unwrap();
+        best = best.min(peak);
+    });
+    best
+}
+
+/// Per-node memory (GiB) under which the model fits no node whole, no pipeline of fewer than
+/// `stages` stages fits, and one of `stages` stages does: halfway between the two needs.
+fn memory_for(stages: usize, kind: Optimizer) -> f64 {
+    // The needs do not depend on the memory: plan them on any cluster of this model.
+    let s = ravnest_core::parse(&cluster_text(stages, 1.0, kind), "sizing").unwrap();
+    let costs = Costs::new(&s.cluster, &s.model, &s.training);
+    let whole = costs.memory_bytes(costs.all(), 1);
+    let fewer = (2..stages)
+        .map(|k| least_peak(&costs, k))
+        .fold(whole, u64::min);
+    let need = least_peak(&costs, stages);
+    assert!(
+        need < fewer,
+        "{stages} stages need {need} B, fewer stages {fewer} B: no memory picks {stages}"
+    );
+    (need + fewer) as f64 / 2.0 / (1u64 << 30) as f64
+}
+
+fn dataset() -> Dataset {
+    // Enough distinct windows for every step's samples (5 · 8 = 40) in one pass.
+    let text = "It was the best of times, it was the worst of times, it was the age of wisdom, \
+                it was the age of foolishness, it was the epoch of belief, it was the epoch of \
+                incredulity, it was the season of Light, it was the season of Darkness. "
+        .repeat(4);
+    Dataset::bytes(text.as_bytes(), "dickens.txt", GPT.seq).unwrap()
+}
+
+/// A backend for `kind` (every run and the reference start from the same seeded model).
+fn backend(kind: Optimizer) -> Arc<CandleCompute> {
+    let data = Arc::new(dataset());
+    assert!(data.len() as u64 >= STEPS * BATCH, "{} windows", data.len());
+    Arc::new(CandleCompute::new(
+        Network::Gpt(GPT),
+        data,
+        optim(kind),
+        7,
+        1.0,
+    ))
+}
+
+/// Single-node training: `STEPS` steps on whole global batches (step k reads samples
+/// k·B .. (k+1)·B, as `sample_range` numbers them for one replica). It runs on a compute
+/// thread, as the backend's own jobs do: candle's CPU workers spin-wait for each other, and a
+/// pool started from the (lower-priority) compute thread answers a normal-priority caller
+/// slowly on a busy machine.
+async fn single_node(kind: Optimizer) -> Vec<f32> {
+    let single = backend(kind);
+    ComputeThread::default()
+        .run(move || {
+            let mut model = single.initial_model();
+            for k in 0..STEPS {
+                let sum = single.gradient_sum_now(k * BATCH..(k + 1) * BATCH, &model);
+                let mean: Vec<f32> = sum.iter().map(|g| g / BATCH as f32).collect();
+                single.step_now(&mut model, &mean);
+            }
+            model
+        })
+        .await
+        .expect("the reference was computed")
+}
+
+/// Train `STEPS` steps over loopback TCP on a cluster whose memory makes a pipeline of
+/// `stages` stages, and compare each stage's layers with `reference`. Returns the largest
+/// difference.
+async fn pipeline_equals(stages: usize, kind: Optimizer, reference: &[f32]) -> f32 {
+    let started = Instant::now();
+    let memory_gib = memory_for(stages, kind);
+    let s = ravnest_core::parse(&cluster_text(stages, memory_gib, kind), "pipeline-equiv").unwrap();
+    let compute = backend(kind);
+    assert_eq!(
+        compute.net.model_spec(),
+        s.model,
+        "the file describes the network trained"
+    );
+    assert!(compute.runs_stages());
+    let ids: Vec<NodeId> = (0..stages as u32).map(NodeId).collect();
+    let tcp = LoopbackCluster::start(stages as u32, b"pipeline-equivalence")
+        .await
+        .unwrap();
+    let counters: Counters = Arc::default();
+    let launch = Launch::new(tcp.clone()).at(tokio::time::Instant::now());
+    let nodes = Nodes::new(compute.clone(), ids.clone(), 4 * compute.model_len() as u64)
+        .grad_bytes(4 * compute.params() as u64)
+        .heartbeat(Duration::from_millis(50))
+        .counters(counters.clone());
+    let sup = launch.nodes(nodes).await.unwrap();
+    let costs = Costs::new(&s.cluster, &s.model, &s.training);
+    let config = Config {
+        heartbeat_timeout_ms: 10_000,
+        train_flops: costs.train_flops(costs.all()),
+        allow_pipeline: compute.runs_stages(),
+        tuning: Tuning {
+            measure_min_batch: u64::MAX,
+            ..Tuning::default()
+        },
+        ..Config::new(
+            s.cluster.clone(),
+            s.model.clone(),
+            s.training.clone(),
+            STEPS,
+        )
+    };
+    let (coord, done_rx) = launch
+        .coordinator(config, Duration::from_millis(50))
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(120), done_rx)
+        .await
+        .expect("training finished")
+        .unwrap();
+    coord.stop(None);
+    sup.stop(None);
+    let sent: Vec<u64> = tcp.nodes.values().map(|t| t.bytes_sent()).collect();
+    for t in tcp.nodes.values() {
+        t.shutdown();
+    }
+
+    let log = launch.journal().snapshot();
+    for (_, e) in &log.events {
+        assert!(
+            !matches!(
+                e,
+                Event::Violation(_) | Event::Stalled(_) | Event::Aborted { .. }
+            ),
+            "{e:?}"
+        );
+    }
+    assert_eq!(log.step_done_ns.len() as u64, STEPS);
+    assert!(sent.iter().all(|&b| b > 0), "every stage sent: {sent:?}");
+    let planned: Vec<Vec<(NodeId, u64)>> = log
+        .events
+        .iter()
+        .filter_map(|(_, e)| match e {
+            Event::Planned { workers, .. } => Some(workers.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(planned.len(), 1, "one plan for the run: {planned:?}");
+    assert_eq!(planned[0].len(), stages, "every node works: {planned:?}");
+
+    let counters = counters.lock().unwrap();
+    let params = compute.params();
+    // Each node's stage, from what it made: the parameter range its versions apply to is a
+    // run of whole layers, smaller than the model.
+    let ranges = GPT.layer_ranges();
+    let mut held: Vec<(NodeId, LayerRange)> = Vec::new();
+    for (id, c) in counters.iter() {
+        assert_eq!(c.model.0, STEPS, "node {id:?} version");
+        let r = c.model_range.clone();
+        assert!(
+            r.len() < params,
+            "node {id:?} holds only its stage's layers, not the whole model: {r:?}"
+        );
+        let lo = ranges.iter().position(|x| x.start == r.start);
+        let hi = ranges.iter().position(|x| x.end == r.end);
+        let (Some(lo), Some(hi)) = (lo, hi) else {
+            panic!("node {id:?}: {r:?} is not a run of whole layers");
+        };
+        held.push((*id, LayerRange::from(lo..hi + 1)));
+    }
+    held.sort_by_key(|h| h.1.range().start);
+    assert_eq!(
+        held.len(),
+        stages,
+        "the coordinator ran {} stages, not {stages}: {held:?}",
+        held.len()
+    );
+    let mut at = 0;
+    for (id, l) in &held {
+        assert_eq!(
+            l.range().start,
+            at,
+            "node {id:?}: layers {l} leave a gap or overlap"
+        );
+        at = l.range().end;
+    }
+    assert_eq!(
+        at,
+        GPT.planner_layers(),
+        "every layer is held by a stage: {held:?}"
+    );
+
+    // Each stage's layers, parameters and optimizer state, against single-node training.
+    let mut worst_all = 0.0f32;
+    for (id, l) in &held {
+        let model = &counters[id].model.1;
+        let slots: Vec<Range<usize>> = compute.layer_slots(*l, model.len());
+        assert_eq!(slots[0], compute.param_range(*l, model.len()));
+        let (mut worst, mut values) = (0.0f32, 0usize);
+        for r in &slots {
+            for (a, b) in model[r.clone()].iter().zip(&reference[r.clone()]) {
+                worst = worst.max((a - b).abs());
+            }
+            values += r.len();
+        }
+        eprintln!(
+            "{stages} stages, {kind:?}: node {id:?} layers {l}: {values} values (parameters and \
+             optimizer state), max |pipeline - single| = {worst:e}"
+        );
+        assert!(
+            worst < TOLERANCE,
+            "node {id:?} layers {l}: max |pipeline - single| = {worst}"
+        );
+        worst_all = worst_all.max(worst);
+    }
+    eprintln!(
+        "{stages} stages, {kind:?}: {memory_gib:.5} GiB per node; max difference \
+         {worst_all:e}; trained in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    worst_all
+}
+
+/// Pipelines of 2 and of 3 stages under `kind` against one single-node reference.
+fn pipelines_equal_single_node(kind: Optimizer) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let t = Instant::now();
+        let reference = single_node(kind).await;
+        // The weights moved: the comparison is not of two untouched models.
+        let init = backend(kind);
+        let moved = reference[..init.params()]
+            .iter()
+            .zip(&init.initial_model())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            moved > 10.0 * TOLERANCE,
+            "training moved the weights by {moved}"
+        );
+        eprintln!(
+            "{kind:?}: single-node reference in {:.1} s (weights moved up to {moved:e})",
+            t.elapsed().as_secs_f64()
+        );
+        pipeline_equals(2, kind, &reference).await;
+        pipeline_equals(3, kind, &reference).await;
+    });
+}
+
+#[test]
+fn adamw_pipelines_equal_single_node_training() {
+    pipelines_equal_single_node(Optimizer::Adamw);
+}
+
+#[test]
+fn sgd_momentum_pipelines_equal_single_node_training() {
+    pipelines_equal_single_node(Optimizer::SgdMomentum);
+}
