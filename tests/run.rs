@@ -787,3 +787,98 @@ fn a_second_run_into_the_same_folder_loses_no_checkpoint() {
     assert!(!out.join("checkpoints/step-00000030.safetensors").exists());
     assert!(ck.exists());
 }
+
+/// The GPT split into pipeline stages over three processes (memory caps make it a pipeline);
+/// a stage holder killed with SIGKILL mid-run: its layers are restored from the latest
+/// checkpoint on a survivor, the stages are re-planned, and the run finishes.
+#[test]
+fn a_stage_holder_killed_with_sigkill_is_restored_from_the_checkpoint_and_the_run_finishes() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = fresh_dir("e2e-kill-stage");
+    let mut t = String::from("[cluster]\nname = \"e2e-gpt\"\nsecret = \"e2e-secret\"\n\n");
+    for name in ["a", "b", "c"] {
+        t += &format!(
+            "[[node]]\nname = \"{name}\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{}\"\nmemory_gib = 0.02\n\n",
+            free_port()
+        );
+    }
+    let text = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/eighty-days.txt");
+    t += &format!(
+        "[model]\npreset = \"gpt-tiny\"\n\n[training]\nglobal_batch = 16\nmicro_batch = 4\noptimizer = \"adamw\"\nprecision = \"fp32\"\nmemory_reserve_gib = 0\n\n[run]\nnetwork = \"gpt\"\ndataset = {:?}\nsteps = 30\nlearning_rate = 0.003\nseed = 2\ncheckpoint_every_steps = 10\nheartbeat_ms = 100\nheartbeat_timeout_ms = 2000\ntarget_bits_per_byte = 7.5\n",
+        text.display().to_string()
+    );
+    let file = dir.join("cluster.toml");
+    std::fs::write(&file, t).unwrap();
+    let out = dir.join("out");
+    let mut parent = start(&[
+        "run",
+        file.to_str().unwrap(),
+        "--json",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let rx = json_lines(&mut parent);
+    let deadline = Instant::now() + Duration::from_secs(400);
+    let mut pids = std::collections::BTreeMap::new();
+    let mut plan = String::new();
+    let before = read_until(&rx, deadline, |v| {
+        if v["event"] == "spawned" {
+            pids.insert(
+                v["node"].as_str().unwrap_or("").to_string(),
+                v["pid"].as_u64(),
+            );
+        }
+        if let Some(w) = v["what"]
+            .as_str()
+            .filter(|w| w.contains("planned a pipeline"))
+        {
+            plan = w.to_string();
+        }
+        v["event"] == "cluster"
+            && v["what"]
+                .as_str()
+                .is_some_and(|w| w.contains("checkpoint of step 10"))
+    });
+    assert!(!plan.is_empty(), "no pipeline was planned: {before:?}");
+    // The last stage's node (never `a`, which hosts the coordinator, unless a holds it alone).
+    let victim = ["b", "c"]
+        .into_iter()
+        .rev()
+        .max_by_key(|n| plan.find(&format!("{n} layers")).unwrap_or(0))
+        .unwrap();
+    assert!(plan.contains(&format!("{victim} layers")), "{plan}");
+    let pid = pids[victim].unwrap();
+    assert!(
+        Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let rest = read_until(&rx, deadline, |v| v["event"] == "summary");
+    assert!(
+        parent.wait().unwrap().success(),
+        "the run failed after the stage's kill: {:?}",
+        rest.iter().rev().take(5).collect::<Vec<_>>()
+    );
+    let said: Vec<&str> = rest.iter().filter_map(|v| v["what"].as_str()).collect();
+    assert!(
+        said.iter()
+            .any(|w| w.contains("restoring the lost layers from the latest checkpoint")),
+        "{said:?}"
+    );
+    assert!(
+        said.iter()
+            .filter(|w| w.contains("planned a pipeline"))
+            .any(|w| !w.contains(&format!("{victim} layers"))),
+        "no re-plan without {victim}: {said:?}"
+    );
+    let s = summary(&rest);
+    let bpb = s["coordinator"]["bits_per_byte"][0].as_f64().unwrap();
+    // Below the 8 bits of a uniform guess: it learned, across the restore.
+    assert!(bpb.is_finite() && bpb < 7.5, "{s}");
+    assert!(
+        out.join("checkpoints/step-00000030.safetensors").exists(),
+        "no final checkpoint"
+    );
+}

@@ -358,7 +358,7 @@ pub struct Coordinator {
     /// counted on them; the others' versions are older).
     resume_from: Option<BTreeSet<NodeId>>,
     /// Layers were held only by lost nodes: the node the latest checkpoint is restored on.
-    restoring: Option<NodeId>,
+    restoring: Option<(NodeId, String)>,
     out: Vec<Effect>,
 }
 
@@ -1258,8 +1258,8 @@ impl Coordinator {
             return;
         }
         let h = self.halting.take().expect("checked");
-        if let Some(to) = self.restoring.take() {
-            return self.resume_restored(to, &h);
+        if let Some((to, why)) = self.restoring.take() {
+            return self.resume_restored(to, &why, &h);
         }
         let newest_synced =
             |vs: &[HeldVersion]| vs.iter().filter(|v| v.synced).map(|v| v.version).max();
@@ -1359,7 +1359,7 @@ impl Coordinator {
             node: to,
             why: why.to_string(),
         });
-        self.restoring = Some(to);
+        self.restoring = Some((to, why.to_string()));
         self.eras.clear();
         self.halting = Some(Halting {
             epoch: self.epoch,
@@ -1376,7 +1376,7 @@ impl Coordinator {
 
     /// The node `to` answered with the restored checkpoint among its versions: training goes
     /// back to that version, every other node fetching its layers from `to`.
-    fn resume_restored(&mut self, to: NodeId, h: &Halting) {
+    fn resume_restored(&mut self, to: NodeId, why: &str, h: &Halting) {
         let restored = h
             .held
             .get(&to)
@@ -1386,10 +1386,9 @@ impl Coordinator {
             .map(|v| v.version)
             .max();
         let Some(v) = restored else {
-            return self.finish(Event::Stalled(
-                "layers were held only by lost nodes and there is no checkpoint to restore them from"
-                    .into(),
-            ));
+            return self.finish(Event::Stalled(format!(
+                "{why}, and there is no checkpoint to restore them from; restart the run"
+            )));
         };
         if v < self.agreed {
             self.agreed = v;
