@@ -431,12 +431,13 @@ fn finish(
         })
         .collect();
     let finished = coordinator.is_some();
-    let merged = RunReport {
+    let mut merged = RunReport {
         cluster: s.cluster.name.clone(),
         coordinator,
         nodes,
         failed: failed.clone(),
     };
+    merged.measure_pipeline();
     if let Some(path) = &args.timeline {
         let t = timeline(&merged, &out.join("events.jsonl"));
         std::fs::write(

@@ -41,6 +41,25 @@ pub struct CandleCompute {
     worker: crate::worker::ComputeThread,
     /// Gradient buffers handed back after use, for the next step's buckets.
     spare: Arc<Mutex<Vec<Vec<f32>>>>,
+    /// The memory ledger of a pipeline stage (see [`Ledger`]).
+    pub ledger: Arc<Mutex<Ledger>>,
+}
+
+/// What a pipeline stage holds, counted: its layers' weights, gradients and optimizer state,
+/// the inputs and outputs it keeps between a micro-batch's forward and backward, and one
+/// micro-batch's activations while its backward runs. A stage op that would take it over the
+/// node's memory budget is refused.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Ledger {
+    /// The node's budget in bytes (its measured memory, capped by the file's `memory_gib`);
+    /// 0: not set, nothing is refused.
+    pub budget: u64,
+    /// Bytes of inputs and outputs kept for backward now.
+    pub held: u64,
+    /// The most bytes counted at once.
+    pub peak: u64,
+    /// Activation and activation-gradient bytes this node sent to other stages.
+    pub sent: u64,
 }
 
 /// What the node's computations saw (for progress lines).
@@ -72,7 +91,40 @@ impl CandleCompute {
             stats: Arc::default(),
             worker: crate::worker::ComputeThread::default(),
             spare: Arc::default(),
+            ledger: Arc::default(),
         }
+    }
+
+    /// Count what a stage op of `layers` on `rows` samples needs on top of what the stage
+    /// holds (`extra_held` more bytes kept after it), and refuse it when that exceeds the
+    /// budget.
+    fn count(&self, layers: LayerRange, rows: u64, extra_held: u64) -> Result<(), ComputeError> {
+        let spec = self.net.model_spec();
+        let part = &spec.layers[layers.range()];
+        let per_param = ravnest_core::model::state_bytes_per_param(
+            ravnest_core::Precision::Fp32,
+            self.optim.kind,
+        );
+        let state: u64 = part.iter().map(|l| l.params * per_param).sum();
+        let graph: u64 = part
+            .iter()
+            .map(|l| l.activation_elems_per_sample * rows * 4)
+            .sum();
+        let mut l = self.ledger.lock().unwrap();
+        let need = state + l.held + extra_held + graph;
+        l.peak = l.peak.max(need);
+        if l.budget > 0 && need > l.budget {
+            let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+            return Err(ComputeError::Backend(format!(
+                "memory budget exceeded: layers {layers} need {:.1} MiB (weights, gradients and optimizer state {:.1} MiB + activations kept for backward {:.1} MiB + one micro-batch's activations {:.1} MiB of {rows} samples) but this node's budget is {:.1} MiB (its measured memory, capped by memory_gib in the cluster file)",
+                mib(need),
+                mib(state),
+                mib(l.held + extra_held),
+                mib(graph),
+                mib(l.budget)
+            )));
+        }
+        Ok(())
     }
 
     /// Parameters (the flat model is parameters then optimizer state).
@@ -400,15 +452,26 @@ impl Compute for CandleCompute {
         params: &[f32],
         input: Option<&[f32]>,
     ) -> Result<Vec<f32>, ComputeError> {
+        let rows = samples.end - samples.start;
+        let kept_in = input.map_or(0, |i| i.len() as u64 * 4);
+        self.count(layers, rows, kept_in)?;
         let (params, input) = (params.to_vec(), input.map(<[f32]>::to_vec));
-        self.stage_op(step, samples, move |g, tokens, dev| {
-            let inp = match &input {
-                Some(h) => StageInput::Hidden(h),
-                None => StageInput::Tokens(tokens),
-            };
-            g.stage_forward(dev, layers.range(), &params, inp, Some(tokens))
-        })
-        .await
+        let out = self
+            .stage_op(step, samples, move |g, tokens, dev| {
+                let inp = match &input {
+                    Some(h) => StageInput::Hidden(h),
+                    None => StageInput::Tokens(tokens),
+                };
+                g.stage_forward(dev, layers.range(), &params, inp, Some(tokens))
+            })
+            .await?;
+        let mut l = self.ledger.lock().unwrap();
+        l.held += kept_in + out.len() as u64 * 4;
+        let last = layers.range().end == self.net.model_spec().layers.len();
+        if !last {
+            l.sent += out.len() as u64 * 4;
+        }
+        Ok(out)
     }
 
     async fn stage_backward(
@@ -423,6 +486,8 @@ impl Compute for CandleCompute {
         grad_out: Option<&[f32]>,
     ) -> Result<(Vec<f32>, Vec<f32>), ComputeError> {
         let rows = samples.end - samples.start;
+        self.count(layers, rows, 0)?;
+        let kept = (input.map_or(0, <[f32]>::len) + _output.len()) as u64 * 4;
         let (params, input) = (params.to_vec(), input.map(<[f32]>::to_vec));
         let grad_out = grad_out.map(<[f32]>::to_vec);
         let (g, gin, loss) = self
@@ -441,6 +506,11 @@ impl Compute for CandleCompute {
                 )
             })
             .await?;
+        {
+            let mut l = self.ledger.lock().unwrap();
+            l.held = l.held.saturating_sub(kept);
+            l.sent += gin.len() as u64 * 4;
+        }
         if loss.is_finite() {
             let mut s = self.stats.lock().unwrap();
             s.last_loss = loss / rows.max(1) as f64;
@@ -484,5 +554,43 @@ impl Compute for CandleCompute {
             });
         self.stats.lock().unwrap().real_compute_s += real.as_secs_f64();
         result
+    }
+}
+
+#[cfg(test)]
+mod ledger_tests {
+    use super::*;
+
+    #[test]
+    fn a_stage_over_its_memory_budget_is_refused_with_the_figures() {
+        let g = crate::gpt::Gpt {
+            layers: 2,
+            hidden: 32,
+            heads: 2,
+            seq: 8,
+            vocab: 256,
+        };
+        let data = Dataset::bytes(&[b'a'; 400], "t", 8).unwrap();
+        let optim = Optim {
+            kind: ravnest_core::Optimizer::Adamw,
+            lr: 1e-3,
+            momentum: 0.9,
+            weight_decay: 0.0,
+        };
+        let c = CandleCompute::new(Network::Gpt(g), Arc::new(data), optim, 1, 1.0);
+        let all = LayerRange::new(0, 4);
+        // No budget: counted, never refused.
+        c.count(all, 4, 0).unwrap();
+        let peak = c.ledger.lock().unwrap().peak;
+        assert!(peak > 16 * g.params() as u64, "{peak}");
+        c.ledger.lock().unwrap().budget = peak;
+        c.count(all, 4, 0).unwrap();
+        let e = c.count(all, 4, 1).unwrap_err().to_string();
+        assert!(
+            e.contains("memory budget exceeded") && e.contains("memory_gib"),
+            "{e}"
+        );
+        // One layer needs less than the whole model.
+        c.count(LayerRange::new(1, 2), 4, 0).unwrap();
     }
 }

@@ -68,6 +68,9 @@ pub struct NodeReport {
     pub solo_samples_per_s: f64,
     /// Its last batch's mean loss.
     pub last_loss: Option<f64>,
+    /// A pipeline stage: (the most memory its ledger counted at once, its budget), bytes.
+    #[serde(default)]
+    pub stage_memory: Option<(u64, u64)>,
     /// The emulated slowdown at the end.
     pub slowdown: Slowdown,
 }
@@ -153,6 +156,9 @@ pub struct Sample {
 pub struct PipelineFigures {
     /// Each stage: its nodes and layers, in words.
     pub stages: Vec<String>,
+    /// Each stage node's counted memory peak against its budget, in words.
+    #[serde(default)]
+    pub memory: Vec<String>,
     /// The nodes that run stages.
     pub nodes: Vec<String>,
     /// Micro-batches per step.
@@ -197,6 +203,21 @@ impl RunReport {
         Some((host, host.coordinator.as_ref()?))
     }
 
+    /// A pipeline run: fill in the bubble and memory its stage nodes' reports measured.
+    pub fn measure_pipeline(&mut self) {
+        let Some(c) = self
+            .coordinator
+            .as_mut()
+            .and_then(|h| h.coordinator.as_mut())
+        else {
+            return;
+        };
+        let wall = c.train_s;
+        if let Some(p) = c.pipeline.as_mut() {
+            measure_bubble(p, &self.nodes, wall);
+        }
+    }
+
     /// The whole report as text.
     pub fn text(&self) -> String {
         let mut out = format!("ravnest run: {}\n", self.cluster);
@@ -232,6 +253,40 @@ impl RunReport {
             out += &format!("\nprocesses that failed: {}\n", self.failed.join(", "));
         }
         clip_lines(&out)
+    }
+}
+
+/// The pipeline's bubble from its stage nodes' busy and communicating fractions of the
+/// training's `wall` seconds (as the report's table shows them): the idle fraction of the
+/// busiest stage (the bottleneck, whose every wait is bubble), and the mean over the stages.
+fn measure_bubble(p: &mut PipelineFigures, nodes: &[NodeRow], wall: f64) {
+    let idle: Vec<(f64, f64)> = nodes
+        .iter()
+        .filter(|n| p.nodes.contains(&n.node))
+        .filter_map(|n| {
+            let r = n.report.as_ref()?;
+            let busy = (r.compute_s / wall.max(1e-9)).min(1.0);
+            let comm = r.comm_s / wall.max(1e-9);
+            Some((busy, (1.0 - busy - comm).max(0.0)))
+        })
+        .collect();
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    p.memory = nodes
+        .iter()
+        .filter(|n| p.nodes.contains(&n.node))
+        .filter_map(|n| {
+            let (peak, budget) = n.report.as_ref()?.stage_memory?;
+            Some(format!(
+                "{} {:.1} of {:.1} MiB",
+                n.node,
+                mib(peak),
+                mib(budget)
+            ))
+        })
+        .collect();
+    if let Some(b) = idle.iter().max_by(|a, b| a.0.total_cmp(&b.0)) {
+        p.bubble_bottleneck = b.1;
+        p.bubble_mean = idle.iter().map(|x| x.1).sum::<f64>() / idle.len() as f64;
     }
 }
 
@@ -317,14 +372,16 @@ impl CoordinatorReport {
             Some(p) => format!(
                 "pipeline: {} stage(s), {} micro-batches per step: {}\n\
                  bubble: the bottleneck stage idles {:.2} of the time (1F1B theory (p-1)/(m+p-1) = {:.2}); stages idle {:.2} on average\n\
-                 activations between stages: {:.1} MB per step (forward and backward)\n",
+                 activations between stages: {:.1} MB per step (forward and backward)\n\
+                 memory counted at its peak (weights, gradients, optimizer state, activations) of the budget: {}\n",
                 p.stages.len(),
                 p.micro_batches,
                 p.stages.join(" | "),
                 p.bubble_bottleneck,
                 p.bubble_theory,
                 p.bubble_mean,
-                p.activation_bytes_per_step as f64 / 1e6
+                p.activation_bytes_per_step as f64 / 1e6,
+                p.memory.join(", ")
             ),
             None => String::new(),
         };

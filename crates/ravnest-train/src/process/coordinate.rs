@@ -332,7 +332,7 @@ fn plan_text(
             .map(|pn| {
                 let id = registered[pn.id.index()];
                 let node = &cluster.nodes[id.index()];
-                let stage = match pn.layers {
+                let stage = match pn.layers.filter(|l| l.len() < model_spec.layers.len()) {
                     Some(l) => format!(
                         "   stage layers {l} ({})",
                         model_spec.layers[l.range()]

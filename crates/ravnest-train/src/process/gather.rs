@@ -52,19 +52,13 @@ pub(super) async fn collect(
             },
         })
         .collect();
-    let mut mine = mine;
-    if let Some(c) = mine.coordinator.as_mut() {
-        let wall = c.train_s;
-        if let Some(p) = c.pipeline.as_mut() {
-            measure_bubble(p, &nodes, wall);
-        }
-    }
-    let merged = RunReport {
+    let mut merged = RunReport {
         cluster: s.cluster.name.clone(),
         coordinator: Some(mine),
         nodes,
         failed: Vec::new(),
     };
+    merged.measure_pipeline();
     let text = serde_json::to_string(&merged).unwrap_or_default();
     for &id in &recipients {
         let _ = tcp.send(
@@ -75,26 +69,6 @@ pub(super) async fn collect(
     }
     let _ = tcp.drain(Duration::from_secs(3)).await;
     merged
-}
-
-/// The pipeline's bubble from its stage nodes' busy and communicating fractions of the
-/// training's `wall` seconds (as the report's table shows them): the idle fraction of the
-/// busiest stage (the bottleneck, whose every wait is bubble), and the mean over the stages.
-fn measure_bubble(p: &mut crate::summary::PipelineFigures, nodes: &[NodeRow], wall: f64) {
-    let idle: Vec<(f64, f64)> = nodes
-        .iter()
-        .filter(|n| p.nodes.contains(&n.node))
-        .filter_map(|n| {
-            let r = n.report.as_ref()?;
-            let busy = (r.compute_s / wall.max(1e-9)).min(1.0);
-            let comm = r.comm_s / wall.max(1e-9);
-            Some((busy, (1.0 - busy - comm).max(0.0)))
-        })
-        .collect();
-    if let Some(b) = idle.iter().max_by(|a, b| a.0.total_cmp(&b.0)) {
-        p.bubble_bottleneck = b.1;
-        p.bubble_mean = idle.iter().map(|x| x.1).sum::<f64>() / idle.len() as f64;
-    }
 }
 
 /// On a worker: send this node's report, and wait (at most 10 s) for the run's summary.

@@ -450,6 +450,10 @@ fn node_report(
         bytes_sent: tcp.bytes_sent(),
         solo_samples_per_s: su.solo_samples_per_s,
         last_loss: stats.last_loss.is_finite().then_some(stats.last_loss),
+        stage_memory: {
+            let l = *su.compute.ledger.lock().unwrap();
+            (l.peak > 0).then_some((l.peak, l.budget))
+        },
         slowdown: Slowdown {
             factor: stats.slowdown.0,
             since_step: stats.slowdown.1,

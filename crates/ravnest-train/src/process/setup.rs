@@ -226,6 +226,7 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
         compute.resume = guard_checkpoints(opts, say, &files)?;
     }
     let (caps, solo) = measure(opts, say, me, &compute, run_device, slowdown).await;
+    compute.ledger.lock().unwrap().budget = caps.memory_bytes;
     Ok(Setup {
         me,
         compute: Arc::new(compute),
