@@ -30,6 +30,7 @@ pub const SHIPPED: [(&str, &str); 12] = [
         include_str!("../scenarios/local-digits.toml"),
     ),
     ("local-text", include_str!("../scenarios/local-text.toml")),
+    ("local-gpt", include_str!("../scenarios/local-gpt.toml")),
     (
         "coordinator-crash",
         include_str!("../scenarios/coordinator-crash.toml"),
