@@ -359,6 +359,9 @@ pub struct Coordinator {
     resume_from: Option<BTreeSet<NodeId>>,
     /// Layers were held only by lost nodes: the node the latest checkpoint is restored on.
     restoring: Option<(NodeId, String)>,
+    /// Nodes that left cleanly: only a `Join` brings one back (a heartbeat or report of its
+    /// still in flight is not a rejoin).
+    departed: BTreeSet<NodeId>,
     out: Vec<Effect>,
 }
 
@@ -423,6 +426,7 @@ impl Coordinator {
             taking_over: None,
             resume_from: None,
             restoring: None,
+            departed: BTreeSet::new(),
             out: Vec::new(),
             cfg,
         }
@@ -542,6 +546,11 @@ impl Coordinator {
         }
         // A node heard from after it was declared dead (a healed partition) rejoins as a new
         // incarnation: its model may be stale.
+        if matches!(env, Envelope::Join) {
+            self.departed.remove(&from);
+        } else if self.departed.contains(&from) {
+            return;
+        }
         let rejoin = matches!(env, Envelope::Join) || !self.detector.is_alive(from);
         self.detector.heard(from, now_ms);
         if rejoin {
@@ -1522,6 +1531,7 @@ impl Coordinator {
             self.initial.remove(&node);
             self.left_out.remove(&node);
             self.send(node, Envelope::Finish);
+            self.departed.insert(node);
             self.emit(Event::Left { node });
         }
     }
