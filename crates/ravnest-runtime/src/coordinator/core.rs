@@ -1319,16 +1319,6 @@ impl Coordinator {
             // (A successor whose members all hold the last version.)
             return self.finish(Event::Finished);
         }
-        if v < self.agreed {
-            // A loss inside a local-SGD period: back to the last averaged model.
-            self.agreed = v;
-            self.out.push(Effect::RolledBack { to: v });
-        }
-        // The versions after v are made again: the checkpoint rule goes on from v.
-        self.last_synced = v;
-        self.reports.clear();
-        self.eras.clear();
-        self.joiners.clear();
         let holders: Holders = h
             .held
             .iter()
@@ -1337,7 +1327,22 @@ impl Coordinator {
                 Some((*n, hv.layers))
             })
             .collect();
-        self.begin_epoch(v, &holders);
+        self.restart_from(v, &holders);
+    }
+
+    /// Training goes on from version `v`, held by `holders`: back to it when it is older than
+    /// the agreed step (a loss inside a local-SGD period, or a restored checkpoint); the
+    /// versions after it are made again, and the checkpoint rule goes on from it.
+    fn restart_from(&mut self, v: u64, holders: &Holders) {
+        if v < self.agreed {
+            self.agreed = v;
+            self.out.push(Effect::RolledBack { to: v });
+        }
+        self.last_synced = v;
+        self.reports.clear();
+        self.eras.clear();
+        self.joiners.clear();
+        self.begin_epoch(v, holders);
     }
 
     /// No live node holds some layers of the version to resume from (their only holders were
@@ -1399,16 +1404,7 @@ impl Coordinator {
                 "{why}, and there is no checkpoint to restore them from; restart the run"
             )));
         };
-        if v < self.agreed {
-            self.agreed = v;
-            self.out.push(Effect::RolledBack { to: v });
-        }
-        self.last_synced = v;
-        self.reports.clear();
-        self.eras.clear();
-        self.joiners.clear();
-        let holders: Holders = BTreeMap::from([(to, None)]);
-        self.begin_epoch(v, &holders);
+        self.restart_from(v, &BTreeMap::from([(to, None)]));
     }
 
     /// Agree step `s` with the reports that came (the lost node's are missing): the epoch's
