@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
-use ravnest_core::{PlannerKind, Scenario, plan};
+use ravnest_core::{PlannerKind, Scenario};
 
 /// mimalloc keeps freed pages for reuse: gradient segments and frames are allocated and freed
 /// at a high rate, and glibc's allocator hands their pages back to the kernel and faults them in
@@ -172,6 +172,10 @@ struct RunCmd {
     /// Cluster file (TOML) with an `address` per node. Without it, the embedded
     /// `local-digits` cluster.
     file: Option<PathBuf>,
+    /// Print the plan the run's coordinator makes from the file's figures (the same as
+    /// `ravnest plan`), and whether `run` can train the file's model; start nothing.
+    #[arg(long)]
+    dry_run: bool,
     /// Be this node of the file (otherwise start them all locally).
     #[arg(long)]
     node: Option<String>,
@@ -356,6 +360,15 @@ enum BenchWhat {
     Planners {
         /// Scenario files; default: every scenario shipped in `scenarios/` (embedded).
         files: Vec<PathBuf>,
+        /// Instead of the scenarios: this many seeded random small clusters (2-8 nodes of
+        /// mixed catalog GPUs and CPUs, slow links, tight memory), each planned by ravnest and
+        /// by the exhaustive oracle; prints the ratio's median, p90, p99, max, the fraction
+        /// within 1%, and the planning times.
+        #[arg(long, value_name = "N")]
+        random: Option<u64>,
+        /// The first seed of `--random`.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
     },
     /// Simulated samples/s and capacity efficiency of ravnest, uniform and param-count on every
     /// shipped scenario the simulator runs (or the given files), with simulator speed.
@@ -429,16 +442,10 @@ fn run(cli: Cli) -> Result<()> {
 fn plan_command(file: Option<&std::path::Path>, planner: &str, json: bool) -> Result<()> {
     let kind = parse_planner(planner)?;
     let (origin, scenario) = load(file)?;
-    let ours = plan(kind, &scenario.cluster, &scenario.model, &scenario.training)
+    let ours = ravnest_core::plan_scenario(kind, &scenario)
         .with_context(|| format!("{origin}: planner `{kind}`"))?;
-    let baseline = (kind != PlannerKind::Uniform).then(|| {
-        plan(
-            PlannerKind::Uniform,
-            &scenario.cluster,
-            &scenario.model,
-            &scenario.training,
-        )
-    });
+    let baseline = (kind != PlannerKind::Uniform)
+        .then(|| ravnest_core::plan_scenario(PlannerKind::Uniform, &scenario));
     if json {
         emit(&format!(
             "{}\n",
@@ -452,6 +459,40 @@ fn plan_command(file: Option<&std::path::Path>, planner: &str, json: bool) -> Re
             baseline.as_ref(),
         ));
     }
+    Ok(())
+}
+
+/// `ravnest run --dry-run`: the plan the run's coordinator makes on the file's figures (one
+/// policy with `plan` and `sim`), and whether the run can train the file's model.
+fn dry_run_command(file: Option<&std::path::Path>, kind: PlannerKind) -> Result<()> {
+    let (origin, scenario) = load(file)?;
+    let p = ravnest_core::plan_scenario(kind, &scenario)
+        .with_context(|| format!("{origin}: planner `{kind}`"))?;
+    let mut out = format!(
+        "ravnest run --dry-run: {} ({origin})\nplanner {kind}: {:.1} samples/s predicted on the file's figures (the run re-plans on what each node measures)\nsplit: {}\n",
+        scenario.cluster.name,
+        p.step.samples_per_s,
+        p.split_line()
+    );
+    let trains = ravnest_train::process::load_dataset(&scenario, &origin).and_then(|d| {
+        ravnest_train::process::network_for(&scenario, &origin, &d).map(|n| n.model_spec())
+    });
+    match trains {
+        Ok(m) if m.layers == scenario.model.layers => {
+            out.push_str(&format!("run trains network `{}`\n", scenario.run.network));
+        }
+        Ok(m) => out.push_str(&format!(
+            "note: run trains network `{}` ({} layers), which is not the file's [model] `{}`; it plans for what it trains\n",
+            scenario.run.network,
+            m.layers.len(),
+            scenario.model.name
+        )),
+        Err(e) => out.push_str(&format!("note: `ravnest run` cannot train this file: {e}\n")),
+    }
+    if scenario.cluster.nodes.iter().any(|n| n.address.is_none()) {
+        out.push_str("note: some nodes have no `address`: `ravnest run` needs one per node\n");
+    }
+    emit(&out);
     Ok(())
 }
 
@@ -555,8 +596,12 @@ fn run_command(cmd: RunCmd) -> Result<()> {
         cluster,
         discover_timeout,
         no_announce,
+        dry_run,
     } = cmd;
-    parse_planner(&planner)?;
+    let kind = parse_planner(&planner)?;
+    if dry_run {
+        return dry_run_command(file.as_deref(), kind);
+    }
     if let Some(pid) = std::env::var(ravnest_train::process::LAUNCHER_PID)
         .ok()
         .and_then(|p| p.parse().ok())
@@ -669,7 +714,17 @@ fn generate_command(cmd: GenerateCmd) -> Result<()> {
 /// `ravnest bench ...`.
 fn bench_command(what: BenchWhat) -> Result<()> {
     match what {
-        BenchWhat::Planners { files } => bench_planners(&files),
+        BenchWhat::Planners {
+            files,
+            random: Some(n),
+            seed,
+        } => {
+            if !files.is_empty() {
+                bail!("give scenario files or --random N, not both");
+            }
+            bench_planners_random(seed, n)
+        }
+        BenchWhat::Planners { files, .. } => bench_planners(&files),
         BenchWhat::Sim {
             files,
             steps,
@@ -777,7 +832,7 @@ fn bench_planners(files: &[PathBuf]) -> Result<()> {
     for (name, s) in &inputs {
         for kind in PlannerKind::ALL {
             let t0 = Instant::now();
-            let p = plan(kind, &s.cluster, &s.model, &s.training);
+            let p = ravnest_core::plan_scenario(kind, s);
             rows.push(report::BenchRow {
                 scenario: name.clone(),
                 nodes: s.cluster.nodes.len(),
@@ -788,6 +843,58 @@ fn bench_planners(files: &[PathBuf]) -> Result<()> {
         }
     }
     emit(&report::bench_table(&rows));
+    Ok(())
+}
+
+/// `bench planners --random N`: ravnest against the exhaustive oracle on seeded random clusters.
+fn bench_planners_random(first: u64, n: u64) -> Result<()> {
+    use ravnest_core::planner::random::{random_case, summarize};
+    let mut ratios = Vec::new();
+    let (mut ours_s, mut oracle_s, mut worst) = (Vec::new(), Vec::new(), (0.0f64, 0u64));
+    let mut neither = 0;
+    for seed in first..first + n {
+        let c = random_case(seed);
+        let t0 = Instant::now();
+        let ours = ravnest_core::plan(PlannerKind::Ravnest, &c.cluster, &c.model, &c.training);
+        ours_s.push(t0.elapsed().as_secs_f64());
+        let t1 = Instant::now();
+        let oracle = ravnest_core::plan(PlannerKind::Exhaustive, &c.cluster, &c.model, &c.training);
+        oracle_s.push(t1.elapsed().as_secs_f64());
+        let r = match (&ours, &oracle) {
+            (Ok(o), Ok(x)) => o.step.step_s / x.step.step_s,
+            (Err(_), Ok(_)) => f64::INFINITY,
+            (Ok(_), Err(e)) => {
+                bail!("seed {seed}: the oracle found no plan where ravnest did: {e}")
+            }
+            (Err(_), Err(_)) => {
+                neither += 1;
+                continue;
+            }
+        };
+        if r > worst.0 {
+            worst = (r, seed);
+        }
+        ratios.push(r);
+    }
+    let q = summarize(&ratios);
+    let ms = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        let at = |f: f64| v[((v.len() as f64 - 1.0) * f).round() as usize] * 1e3;
+        format!("median {:.2} ms, max {:.1} ms", at(0.5), at(1.0))
+    };
+    emit(&format!(
+        "ravnest vs the exhaustive oracle on {n} random clusters (seeds {first}..{}), step time ratio (1 = the optimum under the cost model):\n  {} cases planned ({neither} fit nowhere for both)\n  median {:.3}, p90 {:.3}, p99 {:.3}, max {:.3} (seed {})\n  within 1%: {:.1}% of cases\n  planning time: ravnest {}; oracle {}\n",
+        first + n,
+        q.cases,
+        q.median,
+        q.p90,
+        q.p99,
+        q.max,
+        worst.1,
+        q.within_1pct * 100.0,
+        ms(&mut ours_s),
+        ms(&mut oracle_s),
+    ));
     Ok(())
 }
 

@@ -167,6 +167,14 @@ pub struct SimReport {
     pub sim_time_s: f64,
     /// Samples per virtual second.
     pub samples_per_s: f64,
+    /// The median of the intervals between consecutive steps, virtual seconds: the steady
+    /// state, which a plan predicts (faults, re-plans and the start-up are the tail).
+    pub steady_step_s: f64,
+    /// The global batch ÷ [`SimReport::steady_step_s`].
+    pub steady_samples_per_s: f64,
+    /// The split the coordinator planned first, as [`ravnest_core::planner::split_line`]
+    /// writes it (`ravnest plan` prints the same line for the same file).
+    pub planned: String,
     /// Achieved samples/s ÷ the sum of every node's solo samples/s.
     pub capacity_efficiency: f64,
     /// Per node, in id order.
@@ -306,23 +314,12 @@ fn fault_at(f: &Fault) -> f64 {
 /// Run a scenario. Deterministic: the same scenario and options give the same report and hash.
 pub fn run(s: &Scenario, opts: &SimOptions) -> Result<SimReport, SimError> {
     let host = s.run.coordinator.unwrap_or(NodeId(0));
-    // Data parallel when it fits (the toy model is one vector); else a pipeline, and the toy
-    // model gets the model's layers so that stages compute their part of it.
-    let dp = ravnest_core::PlanOptions {
-        allow_pipeline: false,
-    };
-    let (layered, first_plan) =
-        match ravnest_core::plan_with(opts.planner, &s.cluster, &s.model, &s.training, dp) {
-            Ok(p) => (false, p),
-            Err(_) => match ravnest_core::plan(opts.planner, &s.cluster, &s.model, &s.training) {
-                Ok(p) => (true, p),
-                Err(e) => {
-                    return Err(SimError::Unsupported(format!(
-                        "no plan fits this cluster: {e}"
-                    )));
-                }
-            },
-        };
+    // The plan `ravnest plan` shows (one policy); the toy model gets the model's layers when
+    // the network runs in stages, so that a pipeline plan (now or after a re-plan) computes
+    // each stage's part of it.
+    let layered = s.runs_stages();
+    let first_plan = ravnest_core::plan_scenario(opts.planner, s)
+        .map_err(|e| SimError::Unsupported(format!("no plan fits this cluster: {e}")))?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
@@ -1115,6 +1112,28 @@ fn report(
         0.0
     };
     let solo: f64 = secs_per_sample.iter().map(|t| 1.0 / t).sum();
+    let mut gaps: Vec<u64> = log
+        .step_done_ns
+        .windows(2)
+        .map(|w| w[1].saturating_sub(w[0]))
+        .collect();
+    gaps.sort_unstable();
+    let steady_step_s = gaps.get(gaps.len() / 2).map_or(0.0, |&g| g as f64 / 1e9);
+    let planned = log
+        .events
+        .iter()
+        .find_map(|(_, e)| match e {
+            Event::Planned {
+                workers, stages, ..
+            } => Some(ravnest_core::planner::split_line(workers.iter().map(
+                |&(id, batch)| {
+                    let layers = stages.iter().find(|s| s.0 == id).map(|s| s.1);
+                    (s.cluster.node(id).name.as_str(), batch, layers)
+                },
+            ))),
+            _ => None,
+        })
+        .unwrap_or_default();
     let checkpoints = checked_checkpoints(log, &mut violations);
     let max_err = model_error(s, &toy, counters, steps_completed, &mut violations);
     let nodes = node_reports(s, first_plan, counters, net, end_ns);
@@ -1127,6 +1146,13 @@ fn report(
         steps_completed,
         sim_time_s: end_s,
         samples_per_s,
+        steady_step_s,
+        steady_samples_per_s: if steady_step_s > 0.0 {
+            f64::from(s.training.global_batch) / steady_step_s
+        } else {
+            0.0
+        },
+        planned,
         capacity_efficiency: samples_per_s / solo,
         nodes,
         faults,

@@ -235,6 +235,7 @@ pub fn plan_text(
         s.training.precision.as_str()
     );
     let _ = writeln!(out, "planner {}: {}", p.planner, layout_text(p));
+    let _ = writeln!(out, "split: {}", p.split_line());
     if let Layout::Pipeline { bounds, .. } = &p.layout {
         let _ = writeln!(out, "stage layers: {}", bounds_text(bounds));
     }

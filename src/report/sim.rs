@@ -19,6 +19,15 @@ pub fn sim_text(origin: &str, r: &ravnest_sim::SimReport) -> String {
         "simulated {:.1} s: {}/{} steps, {:.1} samples/s, capacity efficiency {:.2}",
         r.sim_time_s, r.steps_completed, r.steps_requested, r.samples_per_s, r.capacity_efficiency
     );
+    let _ = writeln!(out, "split: {}", r.planned);
+    if r.steady_step_s > 0.0 {
+        let _ = writeln!(
+            out,
+            "steady state: {:.1} ms per step (median), {:.1} samples/s",
+            r.steady_step_s * 1e3,
+            r.steady_samples_per_s
+        );
+    }
     out.push('\n');
     let _ = writeln!(
         out,

@@ -170,6 +170,14 @@ pub fn gpt_spec(
     }
 }
 
+/// Whether `spec` is a transformer as [`gpt_spec`] lays it out (`embed`, blocks, `head`), with
+/// or without flash attention: a model whose layers run as pipeline stages.
+pub fn is_transformer(spec: &ModelSpec) -> bool {
+    let names: Vec<&str> = spec.layers.iter().map(|l| l.name.as_str()).collect();
+    matches!(names.as_slice(), ["embed", blocks @ .., "head"]
+        if !blocks.is_empty() && blocks.iter().all(|b| b.starts_with("block")))
+}
+
 /// The sizes of a GPT as [`gpt_spec`] describes it, read back from its layers: (layers,
 /// hidden, heads, seq_len, vocab). `None` for another model, or a GPT described with flash
 /// attention (its head count leaves no trace in the layers).

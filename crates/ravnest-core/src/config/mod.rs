@@ -81,9 +81,14 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
         devices: raw_devices,
         ..RunSettings::default()
     };
-    let run = resolve_run(ctx, file.run.as_ref(), run, nodes.len())?;
+    let mut run = resolve_run(ctx, file.run.as_ref(), run, nodes.len())?;
 
     let model = resolve_model(ctx, file.model.as_ref())?;
+    // A transformer's file trains the GPT unless `[run] network` says otherwise.
+    let network_given = file.run.as_ref().is_some_and(|r| r.network.is_some());
+    if !network_given && crate::model::is_transformer(&model) {
+        run.network = "gpt".into();
+    }
     let sim = resolve_sim(ctx, file.sim.as_ref())?;
 
     let mut faults = Vec::new();

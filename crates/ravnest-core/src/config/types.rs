@@ -202,6 +202,15 @@ pub struct Scenario {
     pub faults: Vec<Fault>,
 }
 
+impl Scenario {
+    /// Whether the network `ravnest run` trains for this file runs as pipeline stages (the
+    /// GPT does; the MLP, CNN and character models train whole on each node). `plan` and
+    /// `sim` plan pipelines only when it does, so that all three show the same plan.
+    pub fn runs_stages(&self) -> bool {
+        self.run.network == "gpt"
+    }
+}
+
 /// Default access link when `[links]` says nothing: 10 Gbit/s Ethernet, 0.1 ms.
 pub const DEFAULT_LINK: Link = Link {
     bandwidth_gbps: 10.0,

@@ -234,12 +234,13 @@ fn evaluate_data(
             idle_s: 0.0,
         });
     }
-    // Every-step rounds overlap the slowest worker's backward pass (2/3 of its compute).
+    // The runtime reduces a step's gradients after its compute (the simulator and the real
+    // run alike): no overlap is assumed, so the plan predicts the step they execute.
     let sync = choose_sync(
         costs,
         &[(workers.to_vec(), costs.grad_bytes(all))],
         cmax,
-        cmax * crate::cost::BACKWARD_SHARE,
+        0.0,
         freedom,
     );
     Ok(Shaped {

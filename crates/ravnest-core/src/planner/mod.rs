@@ -14,11 +14,13 @@
 pub mod batch;
 mod eval;
 pub mod layers;
+pub mod random;
 mod search;
 pub mod sync;
 mod types;
 
 use crate::cluster::{ClusterSpec, TrainingSpec};
+use crate::config::Scenario;
 use crate::cost::Costs;
 use crate::device::GIB;
 use crate::model::ModelSpec;
@@ -34,6 +36,22 @@ pub fn plan(
     training: &TrainingSpec,
 ) -> Result<Plan, PlanError> {
     plan_with(kind, cluster, model, training, PlanOptions::default())
+}
+
+/// The plan `ravnest plan`, `ravnest sim` and `ravnest run` make for a scenario: one policy.
+/// The fastest layout under the cost model among those the runtime executes: pipelines only
+/// when the network `run` trains runs in stages ([`Scenario::runs_stages`]). The coordinator
+/// makes the same call ([`plan_with`] with `allow_pipeline` = the backend's `runs_stages`).
+pub fn plan_scenario(kind: PlannerKind, s: &Scenario) -> Result<Plan, PlanError> {
+    plan_with(
+        kind,
+        &s.cluster,
+        &s.model,
+        &s.training,
+        PlanOptions {
+            allow_pipeline: s.runs_stages(),
+        },
+    )
 }
 
 /// [`plan`] with restrictions.

@@ -230,8 +230,68 @@ pub(super) fn ravnest_search(costs: &Costs<'_>, opts: PlanOptions) -> Option<Pla
             need_orders: need_orders(costs, &params, s),
         };
         pipelines_of(costs, &dealer, n / s, &mut best);
+        if n <= SMALL_CLUSTER {
+            ordered_pipelines(costs, &orders, s, &mut best);
+        }
     }
     best
+}
+
+/// Up to this many nodes, ravnest tries every replica count and every stage order of its
+/// single-replica pipelines (the search stays in milliseconds).
+const SMALL_CLUSTER: usize = 16;
+/// The longest single pipeline whose stage orders are all tried (6! = 720 orders).
+const MAX_ORDERED_STAGES: usize = 6;
+
+/// Single-replica pipelines of `s` stages over the `s` fastest nodes and over the `s` with the
+/// most memory, in every stage order: the order decides which links carry the activations and
+/// which node holds the first stage's in-flight micro-batches. Nodes past the `s` chosen are
+/// left out, so a slow CPU does not become a stage of a GPU pipeline.
+fn ordered_pipelines(costs: &Costs<'_>, orders: &[Vec<NodeId>], s: usize, best: &mut Option<Plan>) {
+    if s > MAX_ORDERED_STAGES {
+        return;
+    }
+    // Each order's first `s`, and the same with its last member swapped for each node left
+    // out (a node as fast but on a better link, or with the memory a stage needs).
+    let mut pools: Vec<Vec<NodeId>> = Vec::new();
+    for order in orders {
+        for swap in s - 1..order.len() {
+            let mut pool = order[..s - 1].to_vec();
+            pool.push(order[swap]);
+            pool.sort();
+            if !pools.contains(&pool) {
+                pools.push(pool);
+            }
+        }
+    }
+    for pool in pools {
+        let mut perm = pool.clone();
+        let mut each = |row: &[NodeId]| {
+            let grid = vec![row.to_vec()];
+            if let Some(b) = best.as_ref()
+                && super::eval::perfect_balance_s(costs, &grid) >= b.step.step_s
+            {
+                return;
+            }
+            let mut cands = Vec::new();
+            pipe_candidates(costs, grid, false, &mut cands);
+            search_into(costs, &cands, best);
+        };
+        permutations(&mut perm, 0, &mut each);
+    }
+}
+
+/// Call `f` with every permutation of `xs[k..]` (after `xs[..k]`), in a fixed order.
+fn permutations(xs: &mut [NodeId], k: usize, f: &mut dyn FnMut(&[NodeId])) {
+    if k == xs.len() {
+        f(xs);
+        return;
+    }
+    for i in k..xs.len() {
+        xs.swap(k, i);
+        permutations(xs, k + 1, f);
+        xs.swap(k, i);
+    }
 }
 
 /// Data parallel over the nodes that can hold the model, and over subsets that leave out the
@@ -349,8 +409,21 @@ impl Dealer<'_> {
 /// `best`.
 fn pipelines_of(costs: &Costs<'_>, dealer: &Dealer<'_>, r_max: usize, best: &mut Option<Plan>) {
     let mut seen: Vec<Vec<Vec<NodeId>>> = Vec::new();
+    let small = dealer.rank.len() <= SMALL_CLUSTER;
     for kind in 0..dealer.kinds() {
         for r in replica_counts(costs, dealer, kind, r_max) {
+            if small && r >= 2 {
+                // Pair the replicas' nodes well: the dealt grid, then swaps.
+                let mut local = None;
+                let grid = dealer.grid(kind, r);
+                let mut cands = Vec::new();
+                pipe_candidates(costs, grid.clone(), false, &mut cands);
+                search_into(costs, &cands, &mut local);
+                if let Some(p) = local {
+                    let p = polish_grid(costs, grid, p);
+                    keep_best(best, p);
+                }
+            }
             let grid = dealer.grid(kind, r);
             if seen.contains(&grid) {
                 continue;
@@ -368,12 +441,67 @@ fn pipelines_of(costs: &Costs<'_>, dealer: &Dealer<'_>, r_max: usize, best: &mut
     }
 }
 
+/// Improve `plan` (a pipeline over `grid`) by swapping two of its nodes, or one of its nodes for
+/// a node it leaves out, while that makes the step faster (a few passes).
+fn polish_grid(costs: &Costs<'_>, mut grid: Vec<Vec<NodeId>>, mut plan: Plan) -> Plan {
+    let s = grid[0].len();
+    let slots: Vec<(usize, usize)> = (0..grid.len())
+        .flat_map(|r| (0..s).map(move |k| (r, k)))
+        .collect();
+    // First improvement, then start over; a bounded number of tries.
+    let mut budget = 4 * slots.len() * costs.cluster.nodes.len();
+    'restart: while budget > 0 {
+        let outside: Vec<NodeId> = costs
+            .cluster
+            .ids()
+            .filter(|i| !grid.iter().flatten().any(|g| g == i))
+            .collect();
+        for (a, &(ra, ka)) in slots.iter().enumerate() {
+            // Swap with a later slot of another replica or stage, or with a node left out.
+            let moves = slots[a + 1..]
+                .iter()
+                .map(|&(rb, kb)| (Some((rb, kb)), grid[rb][kb]))
+                .chain(outside.iter().map(|&o| (None, o)));
+            for (slot, other) in moves {
+                if budget == 0 {
+                    break 'restart;
+                }
+                budget -= 1;
+                let mut g = grid.clone();
+                if let Some((rb, kb)) = slot {
+                    g[rb][kb] = g[ra][ka];
+                }
+                g[ra][ka] = other;
+                if super::eval::perfect_balance_s(costs, &g) >= plan.step.step_s {
+                    continue;
+                }
+                let mut cands = Vec::new();
+                pipe_candidates(costs, g.clone(), false, &mut cands);
+                let mut local = Some(plan.clone());
+                search_into(costs, &cands, &mut local);
+                let p = local.expect("kept");
+                if p.step.step_s < plan.step.step_s {
+                    plan = p;
+                    grid = g;
+                    continue 'restart;
+                }
+            }
+        }
+        break;
+    }
+    plan
+}
+
 /// The replica counts to try for grids of `kind`: `r_max` halved down to 1, and, when `r_max`
 /// does not fit, the largest count that does (binary search).
 fn replica_counts(costs: &Costs<'_>, dealer: &Dealer<'_>, kind: usize, r_max: usize) -> Vec<usize> {
     let s = dealer.s;
     // Halving R keeps only the larger / faster part of each order.
     let mut rs = vec![r_max];
+    if dealer.rank.len() <= SMALL_CLUSTER {
+        // Every replica count: a few, and the best often leaves some nodes out.
+        rs = (1..=r_max).rev().collect();
+    }
     while *rs.last().unwrap() > 1 {
         rs.push(rs.last().unwrap() / 2);
     }

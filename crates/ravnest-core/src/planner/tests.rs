@@ -279,3 +279,69 @@ fn a_model_that_fits_nowhere_says_how_much_it_needs() {
         "{msg}"
     );
 }
+
+/// Ours ÷ the oracle on generated clusters (`RAVNEST_ORACLE_CASES`, default 60), printed.
+#[test]
+#[ignore = "measurement; run by hand"]
+fn measure_against_oracle() {
+    let cases: u64 = std::env::var("RAVNEST_ORACLE_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(60);
+    let mut ratios = Vec::new();
+    for seed in 0..cases {
+        let c = random::random_case(seed);
+        let t0 = std::time::Instant::now();
+        let ours = plan(PlannerKind::Ravnest, &c.cluster, &c.model, &c.training);
+        let t1 = t0.elapsed();
+        let oracle = plan(PlannerKind::Exhaustive, &c.cluster, &c.model, &c.training);
+        let t2 = t0.elapsed() - t1;
+        let r = match (&ours, &oracle) {
+            (Ok(o), Ok(x)) => o.step.step_s / x.step.step_s,
+            (Err(_), Ok(_)) => f64::INFINITY,
+            _ => continue,
+        };
+        if r > 1.01 {
+            println!(
+                "seed {seed}: n={} {} b={} m={} ratio {r:.3} ours {:?} oracle {:?} ({:?} / {:?})",
+                c.cluster.nodes.len(),
+                c.model.name,
+                c.training.global_batch,
+                c.training.micro_batch,
+                ours.as_ref().map(|p| p.split_line()),
+                oracle.as_ref().map(|p| p.split_line()),
+                t1,
+                t2
+            );
+        }
+        ratios.push(r);
+    }
+    println!("{:?}", random::summarize(&ratios));
+}
+
+#[test]
+#[ignore = "debug"]
+fn debug_case() {
+    let seed: u64 = std::env::var("SEED").unwrap().parse().unwrap();
+    let c = random::random_case(seed);
+    for n in &c.cluster.nodes {
+        println!(
+            "{} {:.2e} {} {:?}",
+            n.name,
+            n.flops,
+            n.memory_bytes >> 20,
+            n.link
+        );
+    }
+    println!("{:?}", c.cluster.pair_links);
+    for k in [PlannerKind::Ravnest, PlannerKind::Exhaustive] {
+        let p = plan(k, &c.cluster, &c.model, &c.training).unwrap();
+        println!(
+            "{k}: {} {:?} {:?} {:?}",
+            p.split_line(),
+            p.step,
+            p.layout,
+            p.sync.method
+        );
+    }
+}

@@ -57,7 +57,7 @@ impl fmt::Display for PlannerKind {
 }
 
 /// The largest cluster the exhaustive planner accepts.
-pub const EXHAUSTIVE_MAX_NODES: usize = 6;
+pub const EXHAUSTIVE_MAX_NODES: usize = 8;
 /// Above this many layer splits per arrangement, `exhaustive` uses the DP split.
 pub const EXHAUSTIVE_MAX_SPLITS: u64 = 500;
 
@@ -234,5 +234,42 @@ impl Default for PlanOptions {
         PlanOptions {
             allow_pipeline: true,
         }
+    }
+}
+
+/// One line naming a split, the same for a [`Plan`] and for the split a coordinator announces,
+/// so that `plan`, `sim` and `run` can be compared: every node with work, by name, with its
+/// samples per step and, for a pipeline stage, its layers (`gpu-a 12`, `gpu-b 0..6 32`).
+pub fn split_line<'a>(
+    work: impl IntoIterator<Item = (&'a str, u64, Option<LayerRange>)>,
+) -> String {
+    let mut parts: Vec<(&str, u64, Option<LayerRange>)> = work.into_iter().collect();
+    parts.sort_by(|a, b| {
+        let start = |x: &Option<LayerRange>| x.map_or(0, |l| l.start);
+        (start(&a.2), a.0).cmp(&(start(&b.2), b.0))
+    });
+    let kind = if parts.iter().any(|p| p.2.is_some()) {
+        "pipeline"
+    } else {
+        "data parallel"
+    };
+    let items: Vec<String> = parts
+        .iter()
+        .map(|(name, batch, layers)| match layers {
+            Some(l) => format!("{name} {l} {batch}"),
+            None => format!("{name} {batch}"),
+        })
+        .collect();
+    format!("{kind}: {}", items.join(", "))
+}
+
+impl Plan {
+    /// This plan's [`split_line`].
+    pub fn split_line(&self) -> String {
+        split_line(self.nodes.iter().filter_map(|n| match n.role {
+            Role::Idle { .. } => None,
+            Role::Worker => Some((n.name.as_str(), n.batch, None)),
+            Role::Stage { .. } => Some((n.name.as_str(), n.batch, n.layers)),
+        }))
     }
 }

@@ -791,21 +791,12 @@ impl Coordinator {
         {
             return Ok((p.clone(), sub));
         }
-        // Data parallel first; a pipeline when none fits (and the backend runs stages).
+        // One policy (`ravnest_core::plan_scenario`): the fastest layout the backend runs.
         let (cfg, model, training) = (&self.cfg, &self.cfg.model, &self.cfg.training);
-        let dp = PlanOptions {
-            allow_pipeline: false,
+        let opts = PlanOptions {
+            allow_pipeline: cfg.allow_pipeline,
         };
-        let p = plan_with(cfg.planner, &sub, model, training, dp)
-            .or_else(|e| {
-                if !cfg.allow_pipeline {
-                    return Err(e);
-                }
-                let pipe = PlanOptions {
-                    allow_pipeline: true,
-                };
-                plan_with(cfg.planner, &sub, model, training, pipe)
-            })
+        let p = plan_with(cfg.planner, &sub, model, training, opts)
             .map_err(|e| format!("no plan for the live nodes: {e}"))?;
         self.plan_cache = Some((key, live.to_vec(), p.clone()));
         Ok((p, sub))

@@ -303,8 +303,8 @@ async fn measure_together(
     solo
 }
 
-/// The plan the coordinator will make, as the console shows it (the same policy: data parallel
-/// first; a pipeline only when none fits and the backend runs stages), or why there is none.
+/// The plan the coordinator will make, as the console shows it (the same policy: the fastest
+/// layout the backend runs), or why there is none.
 fn plan_text(
     h: &Host<'_>,
     cluster: &ravnest_core::ClusterSpec,
@@ -314,17 +314,11 @@ fn plan_text(
     let model_spec = su.compute.net.model_spec();
     let training = &opts.scenario.training;
     let live = cluster.subset(registered);
-    let dp = ravnest_core::PlanOptions {
-        allow_pipeline: false,
+    // The coordinator's policy: the fastest layout this backend runs.
+    let opts_plan = ravnest_core::PlanOptions {
+        allow_pipeline: su.compute.runs_stages(),
     };
-    let planned =
-        ravnest_core::plan_with(opts.planner, &live, &model_spec, training, dp).or_else(|e| {
-            if su.compute.runs_stages() {
-                ravnest_core::plan(opts.planner, &live, &model_spec, training)
-            } else {
-                Err(e)
-            }
-        });
+    let planned = ravnest_core::plan_with(opts.planner, &live, &model_spec, training, opts_plan);
     match planned {
         Ok(p) => Ok(p
             .nodes
