@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+use ravnest_core::planner::sync::SyncMethod;
 use ravnest_core::{PlannerKind, Scenario};
 
 /// mimalloc keeps freed pages for reuse: gradient segments and frames are allocated and freed
@@ -444,20 +445,32 @@ fn plan_command(file: Option<&std::path::Path>, planner: &str, json: bool) -> Re
     let (origin, scenario) = load(file)?;
     let ours = ravnest_core::plan_scenario(kind, &scenario)
         .with_context(|| format!("{origin}: planner `{kind}`"))?;
-    let baseline = (kind != PlannerKind::Uniform)
+    let uniform = (kind != PlannerKind::Uniform)
         .then(|| ravnest_core::plan_scenario(PlannerKind::Uniform, &scenario));
+    // Local SGD is another algorithm than the baseline's every-step sync: plan the same
+    // cluster with every-step sync too, for a like-for-like comparison.
+    let every_step = matches!(ours.sync.method, SyncMethod::LocalSgd { .. }).then(|| {
+        let training = ravnest_core::TrainingSpec {
+            sync: ravnest_core::SyncPreference::Auto,
+            local_sgd_threshold: f64::INFINITY,
+            ..scenario.training.clone()
+        };
+        ravnest_core::plan_scenario(
+            kind,
+            &Scenario {
+                training,
+                ..scenario.clone()
+            },
+        )
+    });
+    let cmp = report::Comparisons {
+        uniform,
+        every_step,
+    };
     if json {
-        emit(&format!(
-            "{}\n",
-            report::plan_json(&scenario, &ours, baseline.as_ref())?
-        ));
+        emit(&format!("{}\n", report::plan_json(&scenario, &ours, &cmp)?));
     } else {
-        emit(&report::plan_text(
-            &origin,
-            &scenario,
-            &ours,
-            baseline.as_ref(),
-        ));
+        emit(&report::plan_text(&origin, &scenario, &ours, &cmp));
     }
     Ok(())
 }

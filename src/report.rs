@@ -9,5 +9,5 @@ mod text;
 
 pub use bench::{BenchRow, SimBenchRow, bench_table, sim_bench_table};
 pub use catalog::catalog_text;
-pub use plan::{plan_json, plan_text};
+pub use plan::{Comparisons, plan_json, plan_text};
 pub use sim::{sim_compare, sim_text};

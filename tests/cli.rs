@@ -314,7 +314,7 @@ fn error_non_finite_and_absurd_figures() {
         &with("latency_ms = nan"),
         &[
             "nan-latency.toml:9:14",
-            "`latency_ms` must be 0 or more, got NaN",
+            "`latency_ms` must be 0 or more, got nan",
         ],
     );
     let text = with("tflops = 1e300");
@@ -324,15 +324,45 @@ fn error_non_finite_and_absurd_figures() {
     assert_eq!(out.status.code(), Some(2), "{e}");
     assert!(
         e.contains("huge-tflops.toml:9:10")
-            && e.contains("`tflops` = 1.000e300 is beyond any real cluster"),
+            && e.contains("`tflops` = about 10^300 is beyond any real cluster"),
         "{e}"
     );
     assert!(e.lines().all(|l| l.len() < 300), "{e}");
     plan_text(
         "huge-mem.toml",
         &with("memory_gib = 1e12"),
-        &["`memory_gib` = 1.000e12 is beyond any real cluster (at most 1048576)"],
+        &["`memory_gib` = 1T is beyond any real cluster (at most 100k"],
     );
+    plan_text(
+        "tiny-tflops.toml",
+        &with("tflops = 1e-300"),
+        &[
+            "tiny-tflops.toml:9:10",
+            "`tflops` = about 10^-300 is below any real cluster",
+        ],
+    );
+}
+
+/// A node too small for any part of the model is left out with the reason; the rest of the
+/// cluster plans and simulates as before.
+#[test]
+fn a_node_too_small_for_anything_is_left_out_with_the_reason() {
+    let text = GOOD.replace("mlp-digits", "gpt2-small").replace(
+        "device = \"rtx3060\"",
+        "device = \"rtx3060\"\n\n[[node]]\nname = \"tiny\"\ndevice = \"rtx3060\"\nmemory_gib = 1",
+    ) + "\n[sim]\nsteps = 5\n";
+    let p = temp_file("tiny-node.toml", &text);
+    let out = ravnest(&["plan", p.to_str().unwrap()]);
+    let o = stdout(&out);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        o.contains("idle (1: tiny): left out, too small for any part of the model")
+            && o.contains("the node has 0 B usable"),
+        "{o}"
+    );
+    let out = ravnest(&["sim", p.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("5/5 steps"), "{}", stdout(&out));
 }
 
 #[test]

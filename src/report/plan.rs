@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 use ravnest_core::planner::layers::Bounds;
 use ravnest_core::planner::sync::{Collective, SyncMethod, secs};
 use ravnest_core::planner::{Layout, NodePlan, Role};
+use ravnest_core::units::{bytes_u64, num, rate, ratio, ratio_value};
 use ravnest_core::{LayerRange, Plan, PlanError, Scenario};
 
 use super::text::*;
@@ -48,9 +49,9 @@ fn collective_text(c: Collective) -> &'static str {
     }
 }
 
-fn sync_text(p: &Plan, names: &dyn Fn(ravnest_core::NodeId) -> String) -> String {
-    let mut out = String::new();
-    let head = match p.sync.method {
+/// A plan's synchronization in a few words.
+fn sync_head(p: &Plan) -> String {
+    match p.sync.method {
         SyncMethod::None => "none".to_string(),
         SyncMethod::EveryStep { collective } => {
             format!("{} every step", collective_text(collective))
@@ -62,8 +63,12 @@ fn sync_text(p: &Plan, names: &dyn Fn(ravnest_core::NodeId) -> String) -> String
             "local SGD: {local_steps} local steps, then {}",
             collective_text(collective)
         ),
-    };
-    let _ = writeln!(out, "sync: {head}");
+    }
+}
+
+fn sync_text(p: &Plan, names: &dyn Fn(ravnest_core::NodeId) -> String) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "sync: {}", sync_head(p));
     if !matches!(p.sync.method, SyncMethod::None) {
         for (k, g) in p.sync.groups.iter().enumerate() {
             let label = if p.sync.groups.len() > 1 {
@@ -91,11 +96,11 @@ fn sync_text(p: &Plan, names: &dyn Fn(ravnest_core::NodeId) -> String) -> String
             };
             let _ = writeln!(
                 out,
-                "{label}{} ({} nodes, {:.1} MB each, slowest link {} Gbit/s, {} per round)",
+                "{label}{} ({} nodes, {} each, slowest link {} Gbit/s, {} per round)",
                 order.join(sep),
                 g.order.len(),
-                g.bytes as f64 / 1e6,
-                g.bottleneck_gbps,
+                bytes_u64(g.bytes),
+                num(g.bottleneck_gbps),
                 secs(g.round_s)
             );
             if p.sync.groups.len() > 6 && k == 2 {
@@ -149,7 +154,7 @@ fn node_table(p: &Plan, layers_total: usize) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<16} {:>5} {:<10} {:<7} {:>6} {:>6} {:>7}  {:>17}  {:>9} {:>9} {:>9}",
+        "{:<16} {:>5} {:<10} {:<7} {:>6} {:>6} {:>7}  {:>24}  {:>9} {:>9} {:>9}",
         "node",
         if grouped { "count" } else { "" },
         "device",
@@ -157,7 +162,7 @@ fn node_table(p: &Plan, layers_total: usize) -> String {
         "batch",
         "micro",
         "layers",
-        "memory GiB",
+        "memory",
         "compute",
         "comm",
         "idle"
@@ -165,17 +170,17 @@ fn node_table(p: &Plan, layers_total: usize) -> String {
     for (name, count, n) in rows {
         let mem = if n.memory_bytes > 0 {
             format!(
-                "{:>5}/{:<5} {:>3.0}%",
-                gib(n.memory_bytes),
-                gib(n.memory_limit_bytes),
-                100.0 * n.memory_bytes as f64 / n.memory_limit_bytes as f64
+                "{:>9}/{:<9} {:>3.0}%",
+                bytes_u64(n.memory_bytes),
+                bytes_u64(n.memory_limit_bytes),
+                100.0 * n.memory_bytes as f64 / n.memory_limit_bytes.max(1) as f64
             )
         } else {
-            format!("    -/{:<5}   -", gib(n.memory_limit_bytes))
+            format!("{:>9}/{:<9}    -", "-", bytes_u64(n.memory_limit_bytes))
         };
         let _ = writeln!(
             out,
-            "{:<16} {:>5} {:<10} {:<7} {:>6} {:>6} {:>7}  {:>17}  {:>9} {:>9} {:>9}",
+            "{:<16} {:>5} {:<10} {:<7} {:>6} {:>6} {:>7}  {:>24}  {:>9} {:>9} {:>9}",
             truncate(&name, 16),
             if grouped {
                 count.to_string()
@@ -193,15 +198,23 @@ fn node_table(p: &Plan, layers_total: usize) -> String {
             secs(n.idle_s)
         );
     }
-    let idle: Vec<&NodePlan> = p
-        .nodes
-        .iter()
-        .filter(|n| matches!(n.role, Role::Idle { .. }))
-        .collect();
-    if let Some(first) = idle.first()
-        && let Role::Idle { reason } = &first.role
-    {
-        let _ = writeln!(out, "idle nodes ({}): {reason}", idle.len());
+    // Idle nodes by reason (a node too small for any part of the model is one of them): each
+    // reason once, with the nodes it applies to.
+    let mut idle: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for n in &p.nodes {
+        if let Role::Idle { reason } = &n.role {
+            idle.entry(reason.as_str())
+                .or_default()
+                .push(n.name.as_str());
+        }
+    }
+    for (reason, names) in idle {
+        let who = if names.len() <= 4 {
+            names.join(", ")
+        } else {
+            format!("{}, ... {} more", names[..3].join(", "), names.len() - 3)
+        };
+        let _ = writeln!(out, "idle ({}: {who}): {reason}", names.len());
     }
     out
 }
@@ -213,13 +226,18 @@ fn bounds_text(b: &Bounds) -> String {
         .join(" | ")
 }
 
+/// What a plan is compared with.
+#[derive(Debug, Default)]
+pub struct Comparisons {
+    /// The uniform (equal split) plan, unless the plan is the uniform one.
+    pub uniform: Option<Result<Plan, PlanError>>,
+    /// The same planner with synchronization every step (no local SGD), when the plan uses
+    /// local SGD: the like-for-like comparison with a synchronous baseline.
+    pub every_step: Option<Result<Plan, PlanError>>,
+}
+
 /// `ravnest plan` as text.
-pub fn plan_text(
-    origin: &str,
-    s: &Scenario,
-    p: &Plan,
-    baseline: Option<&Result<Plan, PlanError>>,
-) -> String {
+pub fn plan_text(origin: &str, s: &Scenario, p: &Plan, cmp: &Comparisons) -> String {
     let mut out = String::new();
     let params = s.model.params();
     let _ = writeln!(out, "ravnest plan: {} ({origin})", s.cluster.name);
@@ -249,49 +267,108 @@ pub fn plan_text(
     }
     let _ = writeln!(
         out,
-        "predicted: {} per step = compute {} + sync {}; {:.1} samples/s",
+        "predicted: {} per step = compute {} + sync {}; {} samples/s",
         secs(p.step.step_s),
         secs(p.step.compute_s),
         secs(p.step.sync_s),
-        p.step.samples_per_s
+        rate(p.step.samples_per_s)
     );
-    if let Some(b) = baseline {
+    if let Some(b) = &cmp.uniform {
         out.push('\n');
-        match b {
-            Ok(u) => {
-                let _ = writeln!(
-                    out,
-                    "uniform (equal split, {}): {} per step, {:.1} samples/s",
-                    short_layout(u),
-                    secs(u.step.step_s),
-                    u.step.samples_per_s
-                );
-                let _ = writeln!(
-                    out,
-                    "{} is {:.2}x the samples/s of uniform",
-                    p.planner,
-                    p.step.samples_per_s / u.step.samples_per_s
-                );
-            }
-            Err(e) => {
-                let _ = writeln!(out, "uniform: {e}");
-            }
-        }
+        out.push_str(&comparison_text(p, b, cmp.every_step.as_ref()));
     }
     out
 }
 
-/// `ravnest plan --json`.
-pub fn plan_json(
-    s: &Scenario,
+/// Whether a plan averages models every few steps (local SGD) rather than gradients every step.
+fn is_local_sgd(p: &Plan) -> bool {
+    matches!(p.sync.method, SyncMethod::LocalSgd { .. })
+}
+
+/// One plan's step in a line: layout, sync, step time, samples/s.
+fn step_line(label: &str, p: &Plan) -> String {
+    format!(
+        "{label} ({}, {}): {} per step, {} samples/s\n",
+        short_layout(p),
+        sync_head(p),
+        secs(p.step.step_s),
+        rate(p.step.samples_per_s)
+    )
+}
+
+/// The plan against the uniform baseline: a bounded ratio that says what it compares, and,
+/// when the plan uses local SGD and the baseline does not, that the two are different
+/// algorithms (with the synchronous plan as the like-for-like comparison).
+fn comparison_text(
     p: &Plan,
-    baseline: Option<&Result<Plan, PlanError>>,
-) -> anyhow::Result<String> {
-    let base = baseline.map(|b| match b {
-        Ok(u) => serde_json::json!({
-            "plan": u,
-            "speedup": p.step.samples_per_s / u.step.samples_per_s,
-        }),
+    uniform: &Result<Plan, PlanError>,
+    every_step: Option<&Result<Plan, PlanError>>,
+) -> String {
+    let mut out = String::new();
+    let u = match uniform {
+        Ok(u) => u,
+        Err(e) => {
+            let _ = writeln!(out, "{e}");
+            return out;
+        }
+    };
+    out.push_str(&step_line("uniform, equal split", u));
+    let speedup = ratio(p.step.samples_per_s, u.step.samples_per_s);
+    if !is_local_sgd(p) || is_local_sgd(u) {
+        let _ = writeln!(
+            out,
+            "{} vs uniform (same model, global batch and update rule): {speedup} the samples/s",
+            p.planner
+        );
+        return out;
+    }
+    let SyncMethod::LocalSgd { local_steps, .. } = p.sync.method else {
+        unreachable!("checked above")
+    };
+    if let Some(Ok(sync)) = every_step {
+        out.push_str(&step_line(
+            &format!("{} synchronizing every step", p.planner),
+            sync,
+        ));
+        let _ = writeln!(
+            out,
+            "{} vs uniform, both synchronous (same update rule): {} the samples/s",
+            p.planner,
+            ratio(sync.step.samples_per_s, u.step.samples_per_s)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "{} with local SGD is a different algorithm, not a speedup of the same one: it averages \
+         the models once every {local_steps} steps instead of reducing gradients every step \
+         ({speedup} uniform's samples/s), and its steps may converge differently; \
+         set `sync = \"ring\"` for exact synchronous updates",
+        p.planner
+    );
+    out
+}
+
+/// `ravnest plan --json`.
+/// `speedup` is samples/s over the uniform plan's, bounded (see `units::ratio_value`), null when
+/// it has no meaning; `same_algorithm` is false when the plan uses local SGD and uniform does
+/// not, and `every_step` then holds the synchronous plan and its bounded speedup.
+pub fn plan_json(s: &Scenario, p: &Plan, cmp: &Comparisons) -> anyhow::Result<String> {
+    let base = cmp.uniform.as_ref().map(|b| match b {
+        Ok(u) => {
+            let every_step = cmp.every_step.as_ref().map(|e| match e {
+                Ok(e) => serde_json::json!({
+                    "plan": e,
+                    "speedup": ratio_value(e.step.samples_per_s, u.step.samples_per_s),
+                }),
+                Err(e) => serde_json::json!({ "error": e.to_string() }),
+            });
+            serde_json::json!({
+                "plan": u,
+                "speedup": ratio_value(p.step.samples_per_s, u.step.samples_per_s),
+                "same_algorithm": !is_local_sgd(p) || is_local_sgd(u),
+                "every_step": every_step,
+            })
+        }
         Err(e) => serde_json::json!({ "error": e.to_string() }),
     });
     Ok(serde_json::to_string_pretty(&serde_json::json!({

@@ -1,15 +1,10 @@
 //! Small text helpers every report uses (a leaf).
 
 use ravnest_core::Plan;
-use ravnest_core::device::GIB;
 use ravnest_core::planner::Layout;
 
 /// Clusters larger than this print one row per group of identical nodes.
 pub(super) const MAX_ROWS: usize = 24;
-
-pub(super) fn gib(bytes: u64) -> String {
-    format!("{:.1}", bytes as f64 / GIB)
-}
 
 pub(super) fn truncate(s: &str, n: usize) -> String {
     if s.chars().count() <= n {

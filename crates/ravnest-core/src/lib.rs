@@ -21,6 +21,7 @@ pub mod planner;
 pub mod ps;
 pub mod ring;
 pub mod ring2d;
+pub mod units;
 
 pub use cluster::{ClusterSpec, Link, NodeId, NodeSpec, SyncPreference, TrainingSpec};
 pub use config::{ConfigError, Scenario, parse};

@@ -52,6 +52,13 @@ impl Ctx<'_> {
         x.sane(what).map_err(|m| self.err(Some(&v.span()), m))
     }
 
+    /// `v`, which must be [sane](Figure::sane) (an integer, so never negative).
+    pub(super) fn count(&self, v: &Spanned<u64>, what: &str) -> Result<u64, ConfigError> {
+        v.get_ref()
+            .sane(what)
+            .map_err(|m| self.err(Some(&v.span()), m))
+    }
+
     /// `v`, which must be 0 or more and [sane](Figure::sane); else an error at its place.
     pub(super) fn non_negative(&self, v: &Spanned<f64>, what: &str) -> Result<f64, ConfigError> {
         let x = *v.get_ref();

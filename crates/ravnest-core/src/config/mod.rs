@@ -17,6 +17,8 @@ mod nodes;
 mod raw;
 mod settings;
 mod suggest;
+#[cfg(test)]
+mod tests;
 mod types;
 
 use toml::Spanned;

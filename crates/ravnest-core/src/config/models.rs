@@ -3,6 +3,7 @@
 use toml::Spanned;
 
 use super::ctx::Ctx;
+use super::figures::Figure;
 use super::raw::{MODEL_KINDS, ModelToml};
 use super::suggest::{did_you_mean, with_help};
 use super::types::ConfigError;
@@ -117,6 +118,9 @@ fn resolve_mlp(
             "`dims` needs at least two sizes, all greater than 0",
         ));
     }
+    for &x in d.get_ref() {
+        x.sane("dims").map_err(|m| ctx.err(Some(&d.span()), m))?;
+    }
     Ok(model::mlp_spec("mlp", d.get_ref()))
 }
 
@@ -136,6 +140,12 @@ fn resolve_custom(
     for l in &m.layer {
         let l = l.get_ref();
         let flops = ctx.non_negative(&l.fwd_flops_per_sample, "fwd_flops_per_sample")?;
+        let params = ctx.count(&l.params, "params")?;
+        let activation = ctx.count(
+            &l.activation_elems_per_sample,
+            "activation_elems_per_sample",
+        )?;
+        let output = ctx.count(&l.output_elems_per_sample, "output_elems_per_sample")?;
         let repeat = match &l.repeat {
             Some(r) => ctx.positive(r, "repeat")?,
             None => 1,
@@ -147,10 +157,10 @@ fn resolve_custom(
                 } else {
                     format!("{}{i}", l.name)
                 },
-                params: l.params,
+                params,
                 fwd_flops_per_sample: flops,
-                activation_elems_per_sample: l.activation_elems_per_sample,
-                output_elems_per_sample: l.output_elems_per_sample,
+                activation_elems_per_sample: activation,
+                output_elems_per_sample: output,
             });
         }
     }

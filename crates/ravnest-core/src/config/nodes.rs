@@ -95,9 +95,7 @@ fn node_figures(
     n: &Spanned<NodeToml>,
     defaults: &NodeDefaults,
 ) -> Result<NodeFigures, ConfigError> {
-    let span = n.span();
     let n = n.get_ref();
-    let reserve_gib = defaults.reserve_gib;
     let dev_name = n.device.get_ref();
     let dev = device::lookup(dev_name).ok_or_else(|| {
         with_help(
@@ -116,16 +114,8 @@ fn node_figures(
         Some(m) => ctx.positive(m, "memory_gib")?,
         None => dev.memory_gib,
     };
-    if memory_gib <= reserve_gib {
-        return Err(ctx.err(
-            Some(&span),
-            format!(
-                "node `{}` has {memory_gib} GiB, not more than the {reserve_gib} GiB reserve \
-                 (`memory_reserve_gib` in [training])",
-                n.name.get_ref()
-            ),
-        ));
-    }
+    // A node with no more than the reserve is no error: it has nothing usable, and the
+    // planner leaves it out with the reason (one small node must not fail the whole cluster).
     let flops = match &n.tflops {
         Some(t) => ctx.positive(t, "tflops")? * 1e12,
         None => dev.effective_flops(defaults.precision).ok_or_else(|| {
@@ -233,7 +223,7 @@ fn push_nodes(
         out.specs.push(NodeSpec {
             name,
             device: figures.dev.id.to_string(),
-            memory_bytes: ((figures.memory_gib - reserve_gib) * GIB) as u64,
+            memory_bytes: ((figures.memory_gib - reserve_gib).max(0.0) * GIB) as u64,
             flops: figures.flops / figures.emulate,
             link: figures.link,
             step_overhead_s: 0.0,

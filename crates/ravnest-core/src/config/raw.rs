@@ -87,10 +87,10 @@ pub(super) struct ModelToml {
 #[serde(deny_unknown_fields)]
 pub(super) struct LayerToml {
     pub(super) name: String,
-    pub(super) params: u64,
+    pub(super) params: Spanned<u64>,
     pub(super) fwd_flops_per_sample: Spanned<f64>,
-    pub(super) activation_elems_per_sample: u64,
-    pub(super) output_elems_per_sample: u64,
+    pub(super) activation_elems_per_sample: Spanned<u64>,
+    pub(super) output_elems_per_sample: Spanned<u64>,
     pub(super) repeat: Option<Spanned<u32>>,
 }
 

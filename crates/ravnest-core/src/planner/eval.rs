@@ -3,8 +3,8 @@
 
 use crate::cluster::NodeId;
 use crate::cost::Costs;
-use crate::device::GIB;
 use crate::layers::LayerRange;
+use crate::units::bytes_u64;
 
 use super::layers::Bounds;
 use super::sync::{SyncFreedom, SyncPlan, choose_sync};
@@ -74,27 +74,51 @@ pub(super) fn perfect_balance_s(costs: &Costs<'_>, grid: &[Vec<NodeId>]) -> f64 
 #[derive(Debug)]
 pub(super) struct NoFit(pub NodeId, pub u64, pub u64);
 
+/// The least memory any part of the model needs: its smallest layer with one sample in
+/// flight, and that layer's index.
+pub(super) fn smallest_part_bytes(costs: &Costs<'_>) -> (u64, usize) {
+    (0..costs.layers())
+        .map(|l| (costs.memory_bytes(LayerRange::from(l..l + 1), 1), l))
+        .min()
+        .unwrap_or((0, 0))
+}
+
+/// Why a node has no part in a plan of `layout`.
 fn idle_reason(costs: &Costs<'_>, layout: &Layout, id: NodeId) -> String {
     let node = costs.cluster.node(id);
+    let (smallest, layer) = smallest_part_bytes(costs);
+    if smallest > node.memory_bytes {
+        return format!(
+            "left out, too small for any part of the model: its smallest layer (`{}`, one \
+             sample in flight) needs at least {}, the node has {} usable",
+            costs.model.layers[layer].name,
+            bytes_u64(smallest),
+            bytes_u64(node.memory_bytes)
+        );
+    }
     let all = costs.all();
     match layout {
         Layout::DataParallel { .. } => {
             let need = costs.memory_bytes(all, 1);
             if need > node.memory_bytes {
                 format!(
-                    "the whole model needs {:.1} GiB with one sample, {:.1} GiB usable",
-                    need as f64 / GIB,
-                    node.memory_bytes as f64 / GIB
+                    "left out: the whole model needs {} with one sample, the node has {} usable",
+                    bytes_u64(need),
+                    bytes_u64(node.memory_bytes)
                 )
             } else {
                 "left out: its share or its link would slow the step".into()
             }
         }
         Layout::Pipeline { stages, .. } => {
-            format!("no complete replica of {stages} stages left for it")
+            format!("left out: no complete replica of {stages} stages left for it")
         }
     }
 }
+
+/// Why the nodes of a replica given no samples are idle.
+const NO_SAMPLES: &str = "left out: its pipeline replica would get no samples of the global \
+                          batch (faster replicas take them all)";
 
 /// Why a candidate was not kept.
 #[derive(Debug)]
@@ -210,7 +234,15 @@ fn evaluate_data(
     let state = costs.state_bytes(all);
     let act = costs.activation_bytes_per_sample(all);
     let mut cmax: f64 = 0.0;
+    let mut working = Vec::with_capacity(workers.len());
     for (&w, &b) in workers.iter().zip(batch) {
+        if b == 0 {
+            // No samples, no work: idle, and out of the sync ring (it would only slow it).
+            let why = "left out: its share of the global batch rounds to 0 samples";
+            nodes[w.index()] = Some(idle_node(costs, w, why.into()));
+            continue;
+        }
+        working.push(w);
         let node = cluster.node(w);
         let mem = state + act * b;
         if mem > node.memory_bytes {
@@ -224,7 +256,7 @@ fn evaluate_data(
             device: String::new(),
             role: Role::Worker,
             batch: b,
-            micro_batches: u64::from(b > 0),
+            micro_batches: 1,
             layers: Some(all),
             grad_weight: b as f64 / b_total as f64,
             memory_bytes: mem,
@@ -238,14 +270,14 @@ fn evaluate_data(
     // run alike): no overlap is assumed, so the plan predicts the step they execute.
     let sync = choose_sync(
         costs,
-        &[(workers.to_vec(), costs.grad_bytes(all))],
+        &[(working.clone(), costs.grad_bytes(all))],
         cmax,
         0.0,
         freedom,
     );
     Ok(Shaped {
         layout: Layout::DataParallel {
-            workers: workers.len(),
+            workers: working.len(),
         },
         sync,
         compute_max: cmax,
@@ -263,9 +295,17 @@ fn evaluate_pipe(
     let stages = bounds.len() - 1;
     let mut cmax: f64 = 0.0;
     let mut per_node_p2p = vec![0.0; costs.cluster.nodes.len()];
-    for r in 0..grid.len() {
-        let replica_s = place_replica(costs, pipe, r, nodes, &mut per_node_p2p)?;
+    // Replicas given no micro-batches do no work: their nodes stay idle (with the reason) and
+    // out of the stage groups; the working replicas are numbered 0.. without gaps.
+    let working: Vec<usize> = (0..grid.len()).filter(|&r| pipe.micro[r] > 0).collect();
+    for (index, &r) in working.iter().enumerate() {
+        let replica_s = place_replica(costs, pipe, r, index, nodes, &mut per_node_p2p)?;
         cmax = cmax.max(replica_s);
+    }
+    for r in (0..grid.len()).filter(|&r| pipe.micro[r] == 0) {
+        for &id in &grid[r] {
+            nodes[id.index()] = Some(idle_node(costs, id, NO_SAMPLES.into()));
+        }
     }
     for (i, n) in nodes.iter_mut().enumerate() {
         if let Some(n) = n {
@@ -275,7 +315,7 @@ fn evaluate_pipe(
     let groups: Vec<(Vec<NodeId>, u64)> = (0..stages)
         .map(|k| {
             (
-                grid.iter().map(|row| row[k]).collect(),
+                working.iter().map(|&r| grid[r][k]).collect(),
                 costs.grad_bytes(LayerRange::of_stage(bounds, k)),
             )
         })
@@ -285,7 +325,7 @@ fn evaluate_pipe(
     Ok(Shaped {
         layout: Layout::Pipeline {
             stages,
-            replicas: grid.len(),
+            replicas: working.len(),
             bounds: bounds.clone(),
             micro_batch: costs.training.micro_batch,
         },
@@ -294,12 +334,14 @@ fn evaluate_pipe(
     })
 }
 
-/// Place replica `r`'s stages in `nodes` and their transfer seconds in `per_node_p2p`; the
-/// replica's seconds per step: (micro-batches + stages - 1) × its slowest stage.
+/// Place replica `r`'s stages (numbered `index` among the working replicas) in `nodes` and
+/// their transfer seconds in `per_node_p2p`; the replica's seconds per step: (micro-batches +
+/// stages - 1) × its slowest stage.
 fn place_replica(
     costs: &Costs<'_>,
     pipe: &PipeShape<'_>,
     r: usize,
+    index: usize,
     nodes: &mut [Option<NodePlan>],
     per_node_p2p: &mut [f64],
 ) -> Result<f64, Rejected> {
@@ -334,7 +376,7 @@ fn place_replica(
             name: String::new(),
             device: String::new(),
             role: Role::Stage {
-                replica: r,
+                replica: index,
                 stage: k,
             },
             batch: samples[r],
@@ -370,6 +412,10 @@ fn finish_nodes(
     cluster
         .ids()
         .map(|id| match nodes[id.index()].take() {
+            Some(mut n) if matches!(n.role, Role::Idle { .. }) => {
+                n.idle_s = step_s;
+                n
+            }
             Some(mut n) => {
                 let node = cluster.node(id);
                 n.name = node.name.clone();
@@ -379,27 +425,32 @@ fn finish_nodes(
                 n
             }
             None => {
-                let node = cluster.node(id);
-                NodePlan {
-                    id,
-                    name: node.name.clone(),
-                    device: node.device.clone(),
-                    role: Role::Idle {
-                        reason: idle_reason(costs, layout, id),
-                    },
-                    batch: 0,
-                    micro_batches: 0,
-                    layers: None,
-                    grad_weight: 0.0,
-                    memory_bytes: 0,
-                    memory_limit_bytes: node.memory_bytes,
-                    compute_s: 0.0,
-                    comm_s: 0.0,
-                    idle_s: step_s,
-                }
+                let mut n = idle_node(costs, id, idle_reason(costs, layout, id));
+                n.idle_s = step_s;
+                n
             }
         })
         .collect()
+}
+
+/// An idle node's plan, for `reason`.
+fn idle_node(costs: &Costs<'_>, id: NodeId, reason: String) -> NodePlan {
+    let node = costs.cluster.node(id);
+    NodePlan {
+        id,
+        name: node.name.clone(),
+        device: node.device.clone(),
+        role: Role::Idle { reason },
+        batch: 0,
+        micro_batches: 0,
+        layers: None,
+        grad_weight: 0.0,
+        memory_bytes: 0,
+        memory_limit_bytes: node.memory_bytes,
+        compute_s: 0.0,
+        comm_s: 0.0,
+        idle_s: 0.0,
+    }
 }
 
 /// Keep `p` in `best` when it is faster.

@@ -3,8 +3,8 @@
 
 use crate::cluster::{ClusterSpec, NodeId};
 use crate::cost::Costs;
-use crate::device::GIB;
 use crate::layers::LayerRange;
+use crate::units::bytes_u64;
 
 use super::batch;
 use super::eval::{Candidate, NoFit, Rejected, evaluate, keep_best, search_into};
@@ -634,11 +634,11 @@ pub(super) fn baseline(
         }
         Err(Rejected::NotFaster) => unreachable!("no bound was given"),
         Err(Rejected::NoFit(NoFit(id, need, have))) => format!(
-            "equal batches of {} need {:.1} GiB on `{}`, which has {:.1} GiB",
+            "equal batches of {} need {} on `{}`, which has {}",
             b_total.div_ceil(n as u64),
-            need as f64 / GIB,
+            bytes_u64(need),
             cluster.node(id).name,
-            have as f64 / GIB
+            bytes_u64(have)
         ),
     };
     let params: Vec<u64> = costs.model.layers.iter().map(|x| x.params).collect();

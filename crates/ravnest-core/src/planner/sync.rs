@@ -488,8 +488,9 @@ fn local_sgd(costs: &Costs<'_>, chosen: Chosen, compute_s: f64, ratio: f64) -> S
         "`sync = \"local-sgd\"` asks for it".to_string()
     } else {
         format!(
-            "communication / compute = {ratio:.2} exceeds local_sgd_threshold = {}",
-            costs.training.local_sgd_threshold
+            "communication / compute = {} exceeds local_sgd_threshold = {}",
+            crate::units::num(ratio),
+            crate::units::num(costs.training.local_sgd_threshold)
         )
     };
     let reason = format!(
@@ -537,17 +538,9 @@ fn every_step(chosen: Chosen, overlap_s: f64) -> SyncPlan {
     }
 }
 
-/// Seconds, printed with a unit that keeps 3 significant digits.
+/// Seconds in human units: [`crate::units::secs`] (kept here for the callers of the planner).
 pub fn secs(s: f64) -> String {
-    if s == 0.0 {
-        "0".to_string()
-    } else if s >= 1.0 {
-        format!("{s:.2} s")
-    } else if s >= 1e-3 {
-        format!("{:.1} ms", s * 1e3)
-    } else {
-        format!("{:.0} µs", s * 1e6)
-    }
+    crate::units::secs(s)
 }
 
 #[cfg(test)]

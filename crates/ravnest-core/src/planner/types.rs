@@ -10,6 +10,7 @@ use super::layers::Bounds;
 use super::sync::SyncPlan;
 use crate::cluster::NodeId;
 use crate::layers::LayerRange;
+use crate::units::gib;
 
 /// Which planner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -72,7 +73,8 @@ pub enum PlanError {
     EmptyModel(String),
     /// Nothing fits.
     #[error(
-        "model `{model}` fits nowhere: one replica needs {need_gib:.1} GiB (weights, gradients and {optimizer} state {state_gib:.1} GiB + activations of one sample {act_gib:.2} GiB); the largest node `{largest}` has {largest_gib:.1} GiB usable, and no pipeline over the {nodes} nodes ({total_gib:.1} GiB together) fits either"
+        "model `{model}` fits nowhere: one replica needs {} (weights, gradients and {optimizer} state {} + activations of one sample {}); the largest node `{largest}` has {} usable, and no pipeline over the {nodes} nodes ({} together) fits either",
+        gib(*.need_gib), gib(*.state_gib), gib(*.act_gib), gib(*.largest_gib), gib(*.total_gib)
     )]
     ModelFitsNowhere {
         /// Model name.

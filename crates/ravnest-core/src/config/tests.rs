@@ -1,0 +1,208 @@
+//! Figures a user can write: each class of bad figure is refused with its field and line.
+
+use super::parse;
+
+const BASE: &str = r#"[links]
+bandwidth_gbps = 10
+
+[[node]]
+name = "a"
+device = "rtx3090"
+
+[[node]]
+name = "b"
+device = "rtx3060"
+#EXTRA
+
+[model]
+preset = "mlp-digits"
+
+[training]
+global_batch = 64
+
+[run]
+learning_rate = 0.05
+
+[sim]
+steps = 10
+
+[[fault]]
+kind = "crash"
+node = "b"
+at_s = 5
+"#;
+
+/// The error of BASE with `from` replaced by `to`; asserts its line and that it names `what`.
+fn refused(from: &str, to: &str, line: usize, needles: &[&str]) {
+    let text = BASE.replacen(from, to, 1);
+    assert_ne!(text, BASE, "`{from}` is not in BASE");
+    let e = parse(&text, "t.toml").expect_err(to);
+    let shown = e.to_string();
+    assert_eq!(e.at.map(|a| a.0), Some(line), "{to}: {shown}");
+    for n in needles {
+        assert!(shown.contains(n), "{to}: expected `{n}` in {shown}");
+    }
+    // No figure prints in 300 digits or in exponent form.
+    assert!(shown.len() < 300, "{shown}");
+    assert!(!shown.contains("e300") && !shown.contains("e+"), "{shown}");
+}
+
+#[test]
+fn base_parses() {
+    parse(BASE, "t.toml").unwrap();
+}
+
+#[test]
+fn non_finite_figures_are_refused() {
+    refused(
+        "#EXTRA",
+        "tflops = inf",
+        11,
+        &["`tflops` must be a finite number, got inf"],
+    );
+    refused(
+        "#EXTRA",
+        "tflops = nan",
+        11,
+        &["`tflops` must be greater than 0, got nan"],
+    );
+    refused(
+        "bandwidth_gbps = 10",
+        "bandwidth_gbps = inf",
+        2,
+        &["`bandwidth_gbps`", "finite"],
+    );
+    refused(
+        "#EXTRA",
+        "latency_ms = nan",
+        11,
+        &["`latency_ms` must be 0 or more, got nan"],
+    );
+    refused(
+        "at_s = 5",
+        "at_s = inf",
+        28,
+        &["`at_s` must be a finite number"],
+    );
+    refused(
+        "learning_rate = 0.05",
+        "learning_rate = inf",
+        20,
+        &["`learning_rate`"],
+    );
+}
+
+#[test]
+fn negative_and_zero_figures_are_refused() {
+    refused(
+        "#EXTRA",
+        "memory_gib = -4",
+        11,
+        &["`memory_gib` must be greater than 0, got -4"],
+    );
+    refused(
+        "#EXTRA",
+        "tflops = 0",
+        11,
+        &["`tflops` must be greater than 0"],
+    );
+    refused(
+        "bandwidth_gbps = 10",
+        "bandwidth_gbps = 0",
+        2,
+        &["`bandwidth_gbps` must be greater than 0"],
+    );
+    refused("at_s = 5", "at_s = -1", 28, &["`at_s` must be 0 or more"]);
+    refused(
+        "global_batch = 64",
+        "global_batch = 0",
+        17,
+        &["`global_batch` must be greater than 0"],
+    );
+}
+
+#[test]
+fn figures_beyond_any_real_cluster_are_refused() {
+    refused(
+        "#EXTRA",
+        "tflops = 1e300",
+        11,
+        &[
+            "`tflops` = about 10^300 is beyond any real cluster",
+            "at most 10k",
+        ],
+    );
+    refused(
+        "#EXTRA",
+        "tflops = 20000",
+        11,
+        &["`tflops` = 20k is beyond"],
+    );
+    refused(
+        "#EXTRA",
+        "memory_gib = 1e6",
+        11,
+        &["`memory_gib` = 1M is beyond", "check its unit"],
+    );
+    refused(
+        "bandwidth_gbps = 10",
+        "bandwidth_gbps = 1e5",
+        2,
+        &["`bandwidth_gbps` = 100k is beyond"],
+    );
+    refused(
+        "#EXTRA",
+        "latency_ms = 1e9",
+        11,
+        &["`latency_ms`", "a minute"],
+    );
+    refused("#EXTRA", "count = 1000000", 11, &["`count` = 1M is beyond"]);
+    refused("at_s = 5", "at_s = 1e12", 28, &["`at_s`", "a year"]);
+}
+
+#[test]
+fn figures_below_any_real_cluster_are_refused() {
+    refused(
+        "#EXTRA",
+        "tflops = 1e-300",
+        11,
+        &[
+            "`tflops` = about 10^-300 is below any real cluster",
+            "at least 0.001",
+        ],
+    );
+    refused(
+        "bandwidth_gbps = 10",
+        "bandwidth_gbps = 1e-9",
+        2,
+        &["`bandwidth_gbps`", "below"],
+    );
+}
+
+#[test]
+fn absurd_model_sizes_are_refused() {
+    let gpt =
+        "kind = \"gpt\"\nlayers = 2\nhidden = 1000000000\nheads = 8\nseq_len = 64\nvocab = 100";
+    refused(
+        "preset = \"mlp-digits\"",
+        gpt,
+        16,
+        &["`hidden` = 1G is beyond"],
+    );
+    let custom = "kind = \"custom\"\n[[model.layer]]\nname = \"x\"\nparams = 100000000000000000\n\
+                  fwd_flops_per_sample = 1.0\nactivation_elems_per_sample = 1\noutput_elems_per_sample = 1";
+    refused(
+        "preset = \"mlp-digits\"",
+        custom,
+        17,
+        &["`params`", "is beyond"],
+    );
+}
+
+/// A node with no more memory than the reserve is kept, with nothing usable: the planner
+/// leaves it out with the reason instead of the whole file failing.
+#[test]
+fn a_node_smaller_than_the_reserve_is_kept_with_nothing_usable() {
+    let s = parse(&BASE.replacen("#EXTRA", "memory_gib = 1", 1), "t.toml").unwrap();
+    assert_eq!(s.cluster.nodes[1].memory_bytes, 0);
+}
