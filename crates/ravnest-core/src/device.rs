@@ -204,12 +204,16 @@ pub static CATALOG: &[DeviceSpec] = &[
         Some(121.0),
         Sibling("rtx3090"),
     ),
+    // Turing GeForce fp16 tensor peaks with fp32 accumulate: NVIDIA Turing architecture
+    // whitepaper, appendix A (reference clocks): 2080 40.3 TFLOP/s, 2080 Ti 53.8, i.e. half
+    // their fp16-accumulate 80.5 / 107.6. (These entries said 20.1 and 26.9, the CUDA-core fp16
+    // rate, half the tensor figure.)
     dev(
         "rtx2080",
         "GeForce RTX 2080",
         8.0,
         10.07,
-        Some(20.1),
+        Some(40.3),
         None,
         Sibling("rtx2080ti"),
     ),
@@ -219,7 +223,7 @@ pub static CATALOG: &[DeviceSpec] = &[
         "GeForce RTX 2080 Ti",
         11.0,
         13.45,
-        Some(26.9),
+        Some(53.8),
         None,
         sailor("RTX-2080", 0.762_133, 2),
     ),
@@ -403,6 +407,19 @@ mod tests {
         // Spec-sheet ordering inside one architecture is kept.
         assert!(f("rtx4090") > f("rtx4080") && f("rtx4080") > f("rtx4070"));
         assert!(f("rtx3090") > f("rtx3080") && f("rtx3080") > f("rtx3060"));
+    }
+
+    #[test]
+    fn turing_geforce_tensor_peaks_are_the_whitepapers() {
+        // Turing whitepaper, appendix A: fp16 tensor with fp32 accumulate is 4x the fp32 peak
+        // on GeForce (8x on Titan RTX, which does not halve it).
+        for id in ["rtx2080", "rtx2080ti"] {
+            let d = lookup(id).unwrap();
+            let ratio = d.fp16_peak_tflops.unwrap() / d.fp32_peak_tflops;
+            assert!((ratio - 4.0).abs() < 0.05, "{id}: {ratio}");
+        }
+        let t = lookup("titan-rtx").unwrap();
+        assert!((t.fp16_peak_tflops.unwrap() / t.fp32_peak_tflops - 8.0).abs() < 0.05);
     }
 
     #[test]
