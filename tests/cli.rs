@@ -88,7 +88,7 @@ fn every_shipped_scenario_is_embedded_and_benchmarked() {
         );
     }
     // exhaustive is an oracle for small clusters only, and says so for the large one.
-    assert!(table.contains("n/a (more than 6 nodes)"), "{table}");
+    assert!(table.contains("n/a (more than 8 nodes)"), "{table}");
 }
 
 #[test]
@@ -399,7 +399,7 @@ fn error_exhaustive_on_a_large_cluster() {
             "--planner",
             "exhaustive",
         ],
-        &["limited to 6 nodes", "this cluster has 1000"],
+        &["limited to 8 nodes", "this cluster has 1000"],
     );
 }
 
@@ -897,4 +897,29 @@ fn error_generate_refuses_an_mlp_checkpoint_and_a_wrong_tensor() {
             "`transformer.wpe.weight` is F32 [16, 32], expected F32 [32, 32]",
         ],
     );
+}
+
+/// One policy: `plan`, `sim` and `run --dry-run` print the same split for every shipped
+/// scenario (the 1,000-node one is compared in-process by the simulator's table test).
+#[test]
+fn plan_sim_and_run_dry_run_show_the_same_split_on_every_scenario() {
+    let split = |o: &Output| {
+        stdout(o)
+            .lines()
+            .find(|l| l.starts_with("split: "))
+            .map(str::to_string)
+    };
+    for name in scenario_names().iter().filter(|n| *n != "large-1000") {
+        let file = format!("scenarios/{name}.toml");
+        let p = ravnest(&["plan", &file]);
+        let s = ravnest(&["sim", &file, "--steps", "3"]);
+        let d = ravnest(&["run", &file, "--dry-run"]);
+        for o in [&p, &s, &d] {
+            assert!(o.status.success(), "{name}: {}", stderr(o));
+        }
+        let (p, s, d) = (split(&p), split(&s), split(&d));
+        assert!(p.is_some(), "{name}: plan prints no split");
+        assert_eq!(p, s, "{name}: plan vs sim");
+        assert_eq!(p, d, "{name}: plan vs run --dry-run");
+    }
 }

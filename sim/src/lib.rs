@@ -167,8 +167,8 @@ pub struct SimReport {
     pub sim_time_s: f64,
     /// Samples per virtual second.
     pub samples_per_s: f64,
-    /// The median of the intervals between consecutive steps, virtual seconds: the steady
-    /// state, which a plan predicts (faults, re-plans and the start-up are the tail).
+    /// The mean interval between consecutive steps after the first two, virtual seconds: the
+    /// steady state a plan predicts when the run has no faults.
     pub steady_step_s: f64,
     /// The global batch ÷ [`SimReport::steady_step_s`].
     pub steady_samples_per_s: f64,
@@ -319,12 +319,16 @@ fn fault_at(f: &Fault) -> f64 {
 /// Run a scenario. Deterministic: the same scenario and options give the same report and hash.
 pub fn run(s: &Scenario, opts: &SimOptions) -> Result<SimReport, SimError> {
     let host = s.run.coordinator.unwrap_or(NodeId(0));
-    // The plan `ravnest plan` shows (one policy); the toy model gets the model's layers when
-    // the network runs in stages, so that a pipeline plan (now or after a re-plan) computes
-    // each stage's part of it.
-    let layered = s.runs_stages();
+    // The plan `ravnest plan` shows (one policy: data parallel when it fits). The toy model
+    // gets the model's layers when that plan is a pipeline, so that stages compute their part
+    // of it (the toy model of a data-parallel run is one vector, and its coordinator keeps to
+    // data parallel after losses).
     let first_plan = ravnest_core::plan_scenario(opts.planner, s)
         .map_err(|e| SimError::Unsupported(format!("no plan fits this cluster: {e}")))?;
+    let layered = matches!(
+        first_plan.layout,
+        ravnest_core::planner::Layout::Pipeline { .. }
+    );
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
@@ -1119,13 +1123,16 @@ fn report(
         0.0
     };
     let solo: f64 = secs_per_sample.iter().map(|t| 1.0 / t).sum();
-    let mut gaps: Vec<u64> = log
-        .step_done_ns
-        .windows(2)
-        .map(|w| w[1].saturating_sub(w[0]))
-        .collect();
-    gaps.sort_unstable();
-    let steady_step_s = gaps.get(gaps.len() / 2).map_or(0.0, |&g| g as f64 / 1e9);
+    // Mean interval after a warm-up of two steps (the start-up's plan, measurement and first
+    // fetches), so that a local-SGD averaging round is amortized as the plan amortizes it.
+    let done = &log.step_done_ns;
+    let warm = 2.min(done.len().saturating_sub(2));
+    let steady_step_s = match (done.get(warm), done.last()) {
+        (Some(&a), Some(&b)) if done.len() - 1 > warm => {
+            (b - a) as f64 / 1e9 / (done.len() - 1 - warm) as f64
+        }
+        _ => 0.0,
+    };
     let planned = log
         .events
         .iter()

@@ -23,7 +23,7 @@ pub fn sim_text(origin: &str, r: &ravnest_sim::SimReport) -> String {
     if r.steady_step_s > 0.0 {
         let _ = writeln!(
             out,
-            "steady state: {:.1} ms per step (median), {:.1} samples/s",
+            "steady state: {:.1} ms per step (mean after the first two), {:.1} samples/s",
             r.steady_step_s * 1e3,
             r.steady_samples_per_s
         );

@@ -27,4 +27,6 @@ pub use cluster::{ClusterSpec, Link, NodeId, NodeSpec, SyncPreference, TrainingS
 pub use config::{ConfigError, Scenario, parse};
 pub use layers::LayerRange;
 pub use model::{ModelSpec, Optimizer, Precision};
-pub use planner::{Plan, PlanError, PlanOptions, PlannerKind, plan, plan_scenario, plan_with};
+pub use planner::{
+    Plan, PlanError, PlanOptions, PlannerKind, plan, plan_scenario, plan_with, policy,
+};

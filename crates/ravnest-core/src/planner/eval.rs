@@ -32,12 +32,6 @@ pub(super) enum Candidate {
     },
 }
 
-pub(super) fn search(costs: &Costs<'_>, candidates: &[(Candidate, SyncFreedom)]) -> Option<Plan> {
-    let mut best = None;
-    search_into(costs, candidates, &mut best);
-    best
-}
-
 /// Evaluate candidates, keeping the fastest in `best`. A pipeline candidate is skipped when even
 /// perfect balance over its nodes could not beat `best` (a cheap lower bound).
 pub(super) fn search_into(
@@ -266,13 +260,13 @@ fn evaluate_data(
             idle_s: 0.0,
         });
     }
-    // The runtime reduces a step's gradients after its compute (the simulator and the real
-    // run alike): no overlap is assumed, so the plan predicts the step they execute.
+    // Every-step rounds overlap the slowest worker's backward pass (2/3 of its compute): the
+    // runtime reduces each gradient bucket as the backward pass completes it.
     let sync = choose_sync(
         costs,
         &[(working.clone(), costs.grad_bytes(all))],
         cmax,
-        0.0,
+        cmax * crate::cost::BACKWARD_SHARE,
         freedom,
     );
     Ok(Shaped {

@@ -24,9 +24,12 @@ use crate::config::Scenario;
 use crate::cost::Costs;
 use crate::device::GIB;
 use crate::model::ModelSpec;
-use eval::search;
-use search::{baseline, exhaustive_candidates, ravnest_search};
+use search::{baseline, exhaustive_search, ravnest_search};
 pub use types::*;
+
+/// Up to this many nodes, ravnest searches every arrangement before it says a model fits
+/// nowhere (milliseconds at 6 nodes; up to a few seconds at 8, only when no layout fits).
+const FALLBACK_MAX_NODES: usize = 8;
 
 /// Make a plan.
 pub fn plan(
@@ -38,20 +41,39 @@ pub fn plan(
     plan_with(kind, cluster, model, training, PlanOptions::default())
 }
 
-/// The plan `ravnest plan`, `ravnest sim` and `ravnest run` make for a scenario: one policy.
-/// The fastest layout under the cost model among those the runtime executes: pipelines only
-/// when the network `run` trains runs in stages ([`Scenario::runs_stages`]). The coordinator
-/// makes the same call ([`plan_with`] with `allow_pipeline` = the backend's `runs_stages`).
+/// The plan `ravnest plan`, `ravnest sim` and `ravnest run` make for a scenario: one policy,
+/// [`policy`], with pipelines allowed when the network `run` trains runs in stages
+/// ([`Scenario::runs_stages`]).
 pub fn plan_scenario(kind: PlannerKind, s: &Scenario) -> Result<Plan, PlanError> {
-    plan_with(
-        kind,
-        &s.cluster,
-        &s.model,
-        &s.training,
-        PlanOptions {
-            allow_pipeline: s.runs_stages(),
-        },
-    )
+    policy(kind, &s.cluster, &s.model, &s.training, s.runs_stages())
+}
+
+/// The one planning policy (the coordinator calls it with its backend's `runs_stages`):
+/// data parallel when a data-parallel plan fits; else, when the runtime runs stages, the
+/// fastest pipeline. Data parallel comes first because of what recovery costs: when a
+/// data-parallel worker is lost, every survivor still holds the whole model and the run goes
+/// on at the next step; when a pipeline stage's only holder is lost, its layers must be
+/// restored from the latest checkpoint and the steps since are trained again (and without a
+/// checkpoint the run stalls).
+pub fn policy(
+    kind: PlannerKind,
+    cluster: &ClusterSpec,
+    model: &ModelSpec,
+    training: &TrainingSpec,
+    runs_stages: bool,
+) -> Result<Plan, PlanError> {
+    let dp = PlanOptions {
+        allow_pipeline: false,
+    };
+    plan_with(kind, cluster, model, training, dp).or_else(|e| {
+        if !runs_stages {
+            return Err(e);
+        }
+        let pipe = PlanOptions {
+            allow_pipeline: true,
+        };
+        plan_with(kind, cluster, model, training, pipe)
+    })
 }
 
 /// [`plan`] with restrictions.
@@ -73,8 +95,8 @@ pub fn plan_with(
         PlannerKind::Ravnest => ravnest_search(&costs, opts).or_else(|| {
             // The candidate layouts are heuristics; on a small cluster, make sure "fits nowhere"
             // is true before saying it.
-            (cluster.nodes.len() <= EXHAUSTIVE_MAX_NODES)
-                .then(|| search(&costs, &exhaustive_candidates(&costs, opts)))
+            (cluster.nodes.len() <= FALLBACK_MAX_NODES)
+                .then(|| exhaustive_search(&costs, opts))
                 .flatten()
                 .map(|mut p| {
                     p.notes.push(
@@ -91,7 +113,7 @@ pub fn plan_with(
                     limit: EXHAUSTIVE_MAX_NODES,
                 });
             }
-            search(&costs, &exhaustive_candidates(&costs, opts))
+            exhaustive_search(&costs, opts)
         }
     };
     match best {

@@ -233,15 +233,24 @@ pub(super) fn ravnest_search(costs: &Costs<'_>, opts: PlanOptions) -> Option<Pla
         if n <= SMALL_CLUSTER {
             ordered_pipelines(costs, &orders, s, &mut best);
         }
+        if s == 2 && n <= COLUMNS_MAX_NODES {
+            two_stage_columns(costs, &mut best);
+        }
     }
     best
 }
+
+/// Up to this many nodes that hold the model, every subset of them is tried as the
+/// data-parallel workers.
+const DP_SUBSETS_MAX_NODES: usize = 10;
 
 /// Up to this many nodes, ravnest tries every replica count and every stage order of its
 /// single-replica pipelines (the search stays in milliseconds).
 const SMALL_CLUSTER: usize = 16;
 /// The longest single pipeline whose stage orders are all tried (6! = 720 orders).
 const MAX_ORDERED_STAGES: usize = 6;
+/// When C(n, s) · s! is at most this, every ordered choice of `s` of the `n` nodes is tried.
+const MAX_ORDERED_GRIDS: usize = 2000;
 
 /// Single-replica pipelines of `s` stages over the `s` fastest nodes and over the `s` with the
 /// most memory, in every stage order: the order decides which links carry the activations and
@@ -254,6 +263,14 @@ fn ordered_pipelines(costs: &Costs<'_>, orders: &[Vec<NodeId>], s: usize, best: 
     // Each order's first `s`, and the same with its last member swapped for each node left
     // out (a node as fast but on a better link, or with the memory a stage needs).
     let mut pools: Vec<Vec<NodeId>> = Vec::new();
+    let n = orders[0].len();
+    let factorial: usize = (1..=s).product();
+    if layers::count_splits(n + 1, s + 1) as usize * factorial <= MAX_ORDERED_GRIDS {
+        // Few enough: every set of `s` nodes (C(n, s) of them), in every order.
+        let mut ids: Vec<NodeId> = orders[0].clone();
+        ids.sort();
+        subsets(&ids, s, 0, &mut Vec::new(), &mut pools);
+    }
     for order in orders {
         for swap in s - 1..order.len() {
             let mut pool = order[..s - 1].to_vec();
@@ -278,6 +295,81 @@ fn ordered_pipelines(costs: &Costs<'_>, orders: &[Vec<NodeId>], s: usize, best: 
             search_into(costs, &cands, best);
         };
         permutations(&mut perm, 0, &mut each);
+    }
+}
+
+/// Up to this many nodes, every choice of two-stage pipeline replicas' columns is tried.
+const COLUMNS_MAX_NODES: usize = 8;
+
+/// Two-stage pipeline replicas over every choice of which nodes hold the first stage and which
+/// the second (R of each, R = 2..n/2), each column sorted by speed and paired fastest with
+/// fastest, and fastest with slowest: the replicas can differ, and the best split often puts slow nodes on a small first
+/// stage and fast ones on the rest.
+fn two_stage_columns(costs: &Costs<'_>, best: &mut Option<Plan>) {
+    let mut ids: Vec<NodeId> = costs.cluster.ids().collect();
+    ids.sort();
+    let speed = |a: &NodeId, b: &NodeId| {
+        let (na, nb) = (costs.cluster.node(*a), costs.cluster.node(*b));
+        nb.flops.total_cmp(&na.flops).then(a.cmp(b))
+    };
+    // Every boundary when there are few (the column-wise slowest member the layer DP assumes
+    // is not what replicas of different speeds see).
+    let every_split = costs.layers() <= 33;
+    for r in 2..=ids.len() / 2 {
+        let mut firsts = Vec::new();
+        subsets(&ids, r, 0, &mut Vec::new(), &mut firsts);
+        for first in firsts {
+            let rest: Vec<NodeId> = ids.iter().copied().filter(|i| !first.contains(i)).collect();
+            let mut seconds = Vec::new();
+            subsets(&rest, r, 0, &mut Vec::new(), &mut seconds);
+            for second in seconds {
+                let (mut a, mut b) = (first.clone(), second);
+                a.sort_by(speed);
+                b.sort_by(speed);
+                if let Some(p) = best.as_ref()
+                    && super::eval::perfect_balance_s(costs, &[a.clone(), b.clone()])
+                        >= p.step.step_s
+                {
+                    continue;
+                }
+                // Every pairing of three or fewer replicas; of more, fastest with fastest and
+                // fastest with slowest.
+                let mut pairings: Vec<Vec<NodeId>> = Vec::new();
+                if r <= 3 {
+                    let mut p = b.clone();
+                    permutations(&mut p, 0, &mut |x| pairings.push(x.to_vec()));
+                } else {
+                    pairings.push(b.clone());
+                    pairings.push(b.iter().rev().copied().collect());
+                }
+                for b in pairings {
+                    let grid: Vec<Vec<NodeId>> =
+                        a.iter().zip(b).map(|(&x, y)| vec![x, y]).collect();
+                    let mut cands = Vec::new();
+                    pipe_candidates(costs, grid, every_split, &mut cands);
+                    search_into(costs, &cands, best);
+                }
+            }
+        }
+    }
+}
+
+/// Every `k`-subset of `ids[from..]` after `cur`, in lexicographic order, into `out`.
+fn subsets(
+    ids: &[NodeId],
+    k: usize,
+    from: usize,
+    cur: &mut Vec<NodeId>,
+    out: &mut Vec<Vec<NodeId>>,
+) {
+    if cur.len() == k {
+        out.push(cur.clone());
+        return;
+    }
+    for i in from..ids.len() {
+        cur.push(ids[i]);
+        subsets(ids, k, i + 1, cur, out);
+        cur.pop();
     }
 }
 
@@ -313,6 +405,40 @@ fn data_parallel_tiers(costs: &Costs<'_>, best: &mut Option<Plan>) {
         (|n| n.link.bandwidth_gbps, "links below {} Gbit/s"),
         (|n| n.flops / 1e12, "devices below {} TFLOP/s"),
     ];
+    // On a small cluster, every subset of the nodes that hold the model (2^n minimax splits,
+    // microseconds each): a fast node alone can beat a ring whose all-reduce costs more than
+    // the others' work, and a fast device on a slow link can cost more than it brings.
+    if fit.len() <= DP_SUBSETS_MAX_NODES {
+        for mask in 1u32..(1 << fit.len()) - 1 {
+            let workers: Vec<NodeId> = fit
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| mask & (1 << i) != 0)
+                .map(|(_, &id)| id)
+                .collect();
+            let Some((w, b)) = ravnest_dp(costs, &workers) else {
+                continue;
+            };
+            let names: Vec<&str> = fit
+                .iter()
+                .filter(|i| !workers.contains(i))
+                .map(|&i| cluster.node(i).name.as_str())
+                .collect();
+            let note = Some(format!(
+                "left out {}: their share does not pay for what they add to the all-reduce",
+                names.join(", ")
+            ));
+            let c = Candidate::Data {
+                workers: w,
+                batch: b,
+                note,
+            };
+            let beat = best.as_ref().map_or(f64::INFINITY, |b| b.step.step_s);
+            if let Ok(p) = evaluate(costs, &c, SyncFreedom::Choose, beat) {
+                keep_best(best, p);
+            }
+        }
+    }
     for (key, what) in by {
         let mut tiers: Vec<f64> = fit.iter().map(|&i| key(cluster.node(i))).collect();
         tiers.sort_by(f64::total_cmp);
@@ -540,14 +666,15 @@ fn max_stages(n: usize, costs: &Costs<'_>, opts: PlanOptions) -> usize {
     }
 }
 
-pub(super) fn exhaustive_candidates(
-    costs: &Costs<'_>,
-    opts: PlanOptions,
-) -> Vec<(Candidate, SyncFreedom)> {
+/// The exhaustive oracle: every data-parallel subset (minimax split), and every arrangement of
+/// S x R distinct nodes with every layer split (the DP split above the budget), the fastest
+/// kept. A grid is skipped when even perfect balance over its nodes cannot beat the best so
+/// far (exact: that bound is below every plan over those nodes).
+pub(super) fn exhaustive_search(costs: &Costs<'_>, opts: PlanOptions) -> Option<Plan> {
     let cluster = costs.cluster;
     let n = cluster.nodes.len();
     let ids: Vec<NodeId> = cluster.ids().collect();
-    let mut out = Vec::new();
+    let mut best: Option<Plan> = None;
     // Every non-empty subset for data parallel, with the minimax split.
     for mask in 1u32..(1 << n) {
         let workers: Vec<NodeId> = ids
@@ -556,14 +683,12 @@ pub(super) fn exhaustive_candidates(
             .filter(|i| mask & (1 << i.0) != 0)
             .collect();
         if let Some((w, b)) = ravnest_dp(costs, &workers) {
-            out.push((
-                Candidate::Data {
-                    workers: w,
-                    batch: b,
-                    note: None,
-                },
-                SyncFreedom::Choose,
-            ));
+            let c = Candidate::Data {
+                workers: w,
+                batch: b,
+                note: None,
+            };
+            search_into(costs, &[(c, SyncFreedom::Choose)], &mut best);
         }
     }
     // Every arrangement of S x R distinct nodes (replicas unordered: the first replica's stage-0
@@ -575,11 +700,18 @@ pub(super) fn exhaustive_candidates(
             let mut used = vec![false; n];
             arrange(0, &mut slots, &mut used, &ids, s, r, &mut |slots| {
                 let grid: Vec<Vec<NodeId>> = slots.chunks(s).map(<[NodeId]>::to_vec).collect();
-                pipe_candidates(costs, grid, all_splits, &mut out);
+                if let Some(b) = best.as_ref()
+                    && super::eval::perfect_balance_s(costs, &grid) >= b.step.step_s
+                {
+                    return;
+                }
+                let mut cands = Vec::new();
+                pipe_candidates(costs, grid, all_splits, &mut cands);
+                search_into(costs, &cands, &mut best);
             });
         }
     }
-    out
+    best
 }
 
 fn arrange(

@@ -34,10 +34,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use ravnest_core::detector::{DetectorEvent, FailureDetector};
 use ravnest_core::planner::sync::{Collective, SyncMethod};
-use ravnest_core::{
-    ClusterSpec, LayerRange, ModelSpec, NodeId, Plan, PlanOptions, PlannerKind, TrainingSpec,
-    plan_with,
-};
+use ravnest_core::{ClusterSpec, LayerRange, ModelSpec, NodeId, Plan, PlannerKind, TrainingSpec};
 
 use super::Event;
 use super::assign::{
@@ -791,12 +788,9 @@ impl Coordinator {
         {
             return Ok((p.clone(), sub));
         }
-        // One policy (`ravnest_core::plan_scenario`): the fastest layout the backend runs.
+        // The one policy (`ravnest_core::policy`), with this backend's stages.
         let (cfg, model, training) = (&self.cfg, &self.cfg.model, &self.cfg.training);
-        let opts = PlanOptions {
-            allow_pipeline: cfg.allow_pipeline,
-        };
-        let p = plan_with(cfg.planner, &sub, model, training, opts)
+        let p = ravnest_core::policy(cfg.planner, &sub, model, training, cfg.allow_pipeline)
             .map_err(|e| format!("no plan for the live nodes: {e}"))?;
         self.plan_cache = Some((key, live.to_vec(), p.clone()));
         Ok((p, sub))

@@ -303,8 +303,8 @@ async fn measure_together(
     solo
 }
 
-/// The plan the coordinator will make, as the console shows it (the same policy: the fastest
-/// layout the backend runs), or why there is none.
+/// The plan the coordinator will make, as the console shows it (the same policy,
+/// `ravnest_core::policy`), or why there is none.
 fn plan_text(
     h: &Host<'_>,
     cluster: &ravnest_core::ClusterSpec,
@@ -314,11 +314,14 @@ fn plan_text(
     let model_spec = su.compute.net.model_spec();
     let training = &opts.scenario.training;
     let live = cluster.subset(registered);
-    // The coordinator's policy: the fastest layout this backend runs.
-    let opts_plan = ravnest_core::PlanOptions {
-        allow_pipeline: su.compute.runs_stages(),
-    };
-    let planned = ravnest_core::plan_with(opts.planner, &live, &model_spec, training, opts_plan);
+    // The coordinator's policy, with this backend's stages.
+    let planned = ravnest_core::policy(
+        opts.planner,
+        &live,
+        &model_spec,
+        training,
+        su.compute.runs_stages(),
+    );
     match planned {
         Ok(p) => Ok(p
             .nodes
