@@ -1,6 +1,6 @@
 //! SimCompute: the simulated side of the [`Compute`] seam. A step costs virtual time from the
-//! cost model (samples × seconds per sample on the node's device), times the node's current
-//! slowdown, times seeded jitter; the gradient itself is the toy model's, computed for real.
+//! cost model (the node's fixed seconds per step + samples × seconds per sample on its device),
+//! times the node's current slowdown, times seeded jitter; the gradient itself is the toy model's, computed for real.
 //! Pipeline stages cost their layers' share of the model's FLOPs (a third forward, two thirds
 //! backward) and compute the layered toy ([`Toy::Chain`]) for real.
 
@@ -24,6 +24,11 @@ struct State {
     /// Cumulative share of the model's training FLOPs before each layer (L + 1 entries).
     flops_before: Vec<f64>,
     secs_per_sample: Vec<f64>,
+    /// Seconds each data-parallel step costs a node whatever its batch (a measured profile's
+    /// dispatch, update and report; 0 for catalog devices).
+    fixed_s: Vec<f64>,
+    /// Width of each node's uniform jitter (relative; [`JITTER`] unless a profile says).
+    jitter: Vec<f64>,
     slowdown: Vec<f64>,
     rngs: Vec<Rng>,
 }
@@ -41,8 +46,26 @@ impl SimCompute {
             flops_before: vec![0.0, 1.0],
             rngs: (0..n).map(|i| Rng::derive(seed, &[2, i as u64])).collect(),
             slowdown: vec![1.0; n],
+            fixed_s: vec![0.0; n],
+            jitter: vec![JITTER; n],
             secs_per_sample,
         })))
+    }
+
+    /// Charge node i `fixed_s[i]` seconds per data-parallel step on top of its samples (a
+    /// measured profile's fixed per-step cost). Pipeline stages are charged per sample only:
+    /// no profile measures a stage's fixed cost yet.
+    pub fn with_fixed(self, fixed_s: Vec<f64>) -> Self {
+        {
+            let mut s = self.0.lock().unwrap();
+            assert_eq!(
+                fixed_s.len(),
+                s.secs_per_sample.len(),
+                "one figure per node"
+            );
+            s.fixed_s = fixed_s;
+        }
+        self
     }
 
     /// Train the layered toy, whose layer `l` costs `layer_flops[l]` (any unit: shares are
@@ -65,18 +88,40 @@ impl SimCompute {
         self
     }
 
+    /// Draw node i's step times with relative standard deviation `spread[i]` (a measured
+    /// profile's; 0 keeps [`JITTER`]): uniform, so the width is √12 × spread, capped so that
+    /// no step takes less than a twentieth of its mean. A step waits for the slowest node, so
+    /// noise slows it as in the real run.
+    pub fn with_spread(self, spread: &[f64]) -> Self {
+        {
+            let mut s = self.0.lock().unwrap();
+            for (j, &sd) in s.jitter.iter_mut().zip(spread) {
+                if sd > 0.0 {
+                    *j = (12f64.sqrt() * sd).min(1.9);
+                }
+            }
+        }
+        self
+    }
+
     /// The toy model this compute trains.
     pub fn toy(&self) -> Toy {
         self.0.lock().unwrap().toy
     }
 
     /// Virtual seconds for `node` to run `share` of the full training FLOPs of `samples`
-    /// samples, with its slowdown and jitter.
-    fn secs(&self, node: NodeId, samples: u64, share: f64) -> f64 {
+    /// samples (plus `fixed` times its fixed per-step cost), with its slowdown and jitter.
+    fn secs(&self, node: NodeId, samples: u64, share: f64, fixed: Fixed) -> f64 {
         let mut s = self.0.lock().unwrap();
         let i = node.index();
         let u = s.rngs[i].unit();
-        samples as f64 * share * s.secs_per_sample[i] * s.slowdown[i] * (1.0 + JITTER * (u - 0.5))
+        let fixed_s = match fixed {
+            Fixed::Charged if samples > 0 => s.fixed_s[i],
+            _ => 0.0,
+        };
+        (fixed_s + samples as f64 * share * s.secs_per_sample[i])
+            * s.slowdown[i]
+            * (1.0 + s.jitter[i] * (u - 0.5))
     }
 
     fn layer_share(&self, layers: LayerRange) -> Result<f64, ComputeError> {
@@ -99,6 +144,15 @@ impl SimCompute {
     pub fn set_slowdown(&self, node: NodeId, factor: f64) {
         self.0.lock().unwrap().slowdown[node.index()] = factor;
     }
+}
+
+/// Whether a compute call pays the node's fixed per-step cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fixed {
+    /// A whole data-parallel step: it does.
+    Charged,
+    /// A pipeline stage's micro-batch: it does not (see [`SimCompute::with_fixed`]).
+    NotCharged,
 }
 
 /// Share of a layer range's training FLOPs spent in its forward pass.
@@ -137,7 +191,7 @@ impl Compute for SimCompute {
                 input.map(<[f32]>::len)
             )));
         }
-        let secs = self.secs(node, n, share * FORWARD_SHARE);
+        let secs = self.secs(node, n, share * FORWARD_SHARE, Fixed::NotCharged);
         tokio::time::sleep(std::time::Duration::from_nanos((secs * 1e9) as u64)).await;
         Ok(toy::chain_forward(samples, layers, params, input))
     }
@@ -163,7 +217,7 @@ impl Compute for SimCompute {
                 grad_out.map(<[f32]>::len)
             )));
         }
-        let secs = self.secs(node, n, share * (1.0 - FORWARD_SHARE));
+        let secs = self.secs(node, n, share * (1.0 - FORWARD_SHARE), Fixed::NotCharged);
         tokio::time::sleep(std::time::Duration::from_nanos((secs * 1e9) as u64)).await;
         Ok(toy::chain_backward(samples, layers, output, grad_out))
     }
@@ -190,7 +244,7 @@ impl Compute for SimCompute {
         model: Arc<Vec<f32>>,
         ready: BucketSink,
     ) -> Result<(), ComputeError> {
-        let secs = self.secs(node, samples.end - samples.start, 1.0);
+        let secs = self.secs(node, samples.end - samples.start, 1.0, Fixed::Charged);
         let sleep = |s: f64| tokio::time::sleep(std::time::Duration::from_nanos((s * 1e9) as u64));
         sleep(secs * FORWARD_SHARE).await;
         let g = self.toy().gradient_sum(samples, &model);

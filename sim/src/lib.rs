@@ -56,6 +56,9 @@ pub struct SimOptions {
     /// Crash the coordinator's host this long after it declares a node dead (fail-over during
     /// the halt and re-plan that follow; the seed sweep uses it).
     pub host_crash_on_loss: Option<Duration>,
+    /// Each node's relative spread of step compute, by node index (a measured profile's; empty
+    /// or 0: the simulator's default jitter).
+    pub compute_spread: Vec<f64>,
 }
 
 impl SimOptions {
@@ -77,6 +80,7 @@ impl SimOptions {
             progress: false,
             host_crash_in_round: None,
             host_crash_on_loss: None,
+            compute_spread: Vec::new(),
         }
     }
 }
@@ -339,8 +343,13 @@ pub fn run(s: &Scenario, opts: &SimOptions) -> Result<SimReport, SimError> {
 
 /// The simulated compute: each node's seconds per sample, per layer when the plan may be a
 /// pipeline.
-fn sim_compute(costs: &Costs, secs_per_sample: &[f64], seed: u64, layered: bool) -> SimCompute {
-    let compute = SimCompute::new(secs_per_sample.to_vec(), seed);
+fn sim_compute(
+    costs: &Costs,
+    (secs_per_sample, fixed_s): (&[f64], &[f64]),
+    seed: u64,
+    layered: bool,
+) -> SimCompute {
+    let compute = SimCompute::new(secs_per_sample.to_vec(), seed).with_fixed(fixed_s.to_vec());
     if !layered {
         return compute;
     }
@@ -713,11 +722,11 @@ async fn simulate(
     let net_task = tokio::spawn(net.clone().run());
     let costs = Costs::new(&s.cluster, &s.model, &s.training);
     let all = costs.all();
-    let secs_per_sample: Vec<f64> = cluster
-        .ids()
-        .map(|i| costs.compute_s(i, all, 1.0))
-        .collect();
-    let compute = sim_compute(&costs, &secs_per_sample, opts.seed, layered);
+    // Seconds per sample, and fixed seconds per step (0 unless a measured profile says).
+    let ids: Vec<NodeId> = cluster.ids().collect();
+    let (secs_per_sample, fixed_s) = costs.step_costs(&ids);
+    let compute = sim_compute(&costs, (&secs_per_sample, &fixed_s), opts.seed, layered)
+        .with_spread(&opts.compute_spread);
     let toy = compute.toy();
     let compute = Arc::new(compute);
     let grad_bytes = costs.grad_bytes(all);
@@ -755,7 +764,9 @@ async fn simulate(
 
     let actions = schedule(&s.faults);
     let last_fault = actions.last().map_or(0.0, |a| a.0);
-    let bound_s = bound_s(s, opts, &secs_per_sample, grad_bytes, last_fault);
+    let worst_fixed_s = fixed_s.iter().copied().fold(0.0, f64::max);
+    let bound_s = bound_s(s, opts, &secs_per_sample, grad_bytes, last_fault)
+        + 20.0 * worst_fixed_s * opts.steps as f64;
     let deadline = t0 + Duration::from_secs_f64(bound_s);
 
     let progress = opts.progress.then(|| spawn_progress(&log, opts.steps, t0));
@@ -807,7 +818,7 @@ async fn simulate(
         &net,
         &trace,
         end_ns,
-        &secs_per_sample,
+        (&secs_per_sample, &fixed_s),
         violations,
     );
     if let Some(f) = triggered {
@@ -1112,7 +1123,7 @@ fn report(
     net: &SimNet,
     trace: &Trace,
     end_ns: u64,
-    secs_per_sample: &[f64],
+    (secs_per_sample, fixed_s): (&[f64], &[f64]),
     mut violations: Vec<String>,
 ) -> SimReport {
     let end_s = end_ns as f64 / 1e9;
@@ -1122,7 +1133,20 @@ fn report(
     } else {
         0.0
     };
-    let solo: f64 = secs_per_sample.iter().map(|t| 1.0 / t).sum();
+    // Solo throughput at an equal share of the batch, fixed costs included (when there are
+    // any: catalog devices have none, and their figure stays 1 ÷ seconds per sample).
+    let share = f64::from(s.training.global_batch) / secs_per_sample.len().max(1) as f64;
+    let solo: f64 = secs_per_sample
+        .iter()
+        .zip(fixed_s)
+        .map(|(t, f)| {
+            if *f > 0.0 {
+                share / (f + share * t)
+            } else {
+                1.0 / t
+            }
+        })
+        .sum();
     // Mean interval after a warm-up of two steps (the start-up's plan, measurement and first
     // fetches), so that a local-SGD averaging round is amortized as the plan amortizes it.
     let done = &log.step_done_ns;

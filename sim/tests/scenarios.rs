@@ -496,4 +496,33 @@ fn sim_runs_the_plan_at_the_predicted_speed_on_every_scenario() {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+
+/// A node's fixed cost per step (a measured profile's) is charged on every data-parallel step,
+/// and a profile's compute spread costs throughput (a step waits for the slowest node).
+#[test]
+fn fixed_costs_per_step_and_compute_spread_are_charged() {
+    let base = scenario("homogeneous");
+    let plain = run(&base, &opts(&base, 1, 40)).unwrap();
+    let mut fixed = base.clone();
+    for n in &mut fixed.cluster.nodes {
+        n.step_overhead_s = 0.05;
+    }
+    let r = run(&fixed, &opts(&fixed, 1, 40)).unwrap();
+    let added = r.sim_time_s - plain.sim_time_s;
+    // 40 steps x 50 ms, within the ±2% jitter.
+    assert!(
+        (added - 2.0).abs() < 0.1,
+        "{added}: {} vs {}",
+        r.sim_time_s,
+        plain.sim_time_s
+    );
+    let mut o = opts(&fixed, 1, 40);
+    o.compute_spread = vec![0.5; fixed.cluster.nodes.len()];
+    let noisy = run(&fixed, &o).unwrap();
+    assert!(
+        noisy.samples_per_s < 0.9 * r.samples_per_s,
+        "{} vs {}",
+        noisy.samples_per_s,
+        r.samples_per_s
+    );
 }
