@@ -62,6 +62,10 @@ File format: docs/cluster-format.md. Reading the output: docs/reading-reports.md
         /// Print JSON instead of tables.
         #[arg(long)]
         json: bool,
+        /// A profile a real run measured (`profile.toml` in `ravnest run`'s output folder): its
+        /// nodes' speeds, fixed costs per step and links replace the file's, by node name.
+        #[arg(long, value_name = "FILE")]
+        profile: Option<PathBuf>,
     },
     /// Replay a scenario on a simulated cluster: the real actors, virtual time, injected faults.
     #[command(after_help = "Examples:
@@ -145,6 +149,10 @@ struct SimCmd {
     /// Write a timeline picture (SVG) of the run to this file.
     #[arg(long)]
     timeline: Option<PathBuf>,
+    /// A profile a real run measured (`profile.toml` in `ravnest run`'s output folder): its
+    /// nodes' speeds, fixed costs per step and links replace the file's, by node name.
+    #[arg(long, value_name = "FILE")]
+    profile: Option<PathBuf>,
 }
 
 /// `ravnest generate`'s arguments.
@@ -427,7 +435,8 @@ fn run(cli: Cli) -> Result<()> {
             file,
             planner,
             json,
-        } => plan_command(file.as_deref(), &planner, json),
+            profile,
+        } => plan_command(file.as_deref(), &planner, json, profile.as_deref()),
         Command::Sim(cmd) => sim_command(cmd),
         Command::Run(cmd) => run_command(cmd),
         Command::Bench { what } => bench_command(what),
@@ -440,9 +449,17 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 /// `ravnest plan`.
-fn plan_command(file: Option<&std::path::Path>, planner: &str, json: bool) -> Result<()> {
+fn plan_command(
+    file: Option<&std::path::Path>,
+    planner: &str,
+    json: bool,
+    profile: Option<&Path>,
+) -> Result<()> {
     let kind = parse_planner(planner)?;
-    let (origin, scenario) = load(file)?;
+    let (origin, mut scenario) = load(file)?;
+    if let Some(p) = profile {
+        apply_profile(&mut scenario, p)?;
+    }
     let ours = ravnest_core::plan_scenario(kind, &scenario)
         .with_context(|| format!("{origin}: planner `{kind}`"))?;
     let uniform = (kind != PlannerKind::Uniform)
@@ -519,15 +536,23 @@ fn sim_command(cmd: SimCmd) -> Result<()> {
         compare,
         json,
         timeline,
+        profile,
     } = cmd;
-    let (origin, scenario) = match &file {
+    let (origin, mut scenario) = match &file {
         Some(_) => load(file.as_deref())?,
         None => {
             let (name, text) = scenarios::SIM_DEFAULT;
             (name.to_string(), ravnest_core::parse(text, name)?)
         }
     };
+    let measured = match &profile {
+        Some(p) => Some(apply_profile(&mut scenario, p)?),
+        None => None,
+    };
     let mut opts = ravnest_sim::SimOptions::for_scenario(&scenario);
+    if let Some(p) = &measured {
+        opts.compute_spread = p.compute_spread(&scenario);
+    }
     if let Some(s) = seed {
         opts.seed = s;
     }
@@ -1052,6 +1077,28 @@ fn bench_inputs(files: &[PathBuf], skip: &[&str]) -> Result<Vec<(String, Scenari
     } else {
         files.iter().map(|f| load(Some(f))).collect()
     }
+}
+
+/// Put a measured profile (`ravnest run`'s `profile.toml`) over `scenario`'s cluster; its
+/// notes (nodes it does not name, another global batch) go to stderr.
+fn apply_profile(scenario: &mut Scenario, path: &Path) -> Result<ravnest_core::profile::Profile> {
+    let origin = path.display().to_string();
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the profile `{origin}`"))?;
+    let profile = ravnest_core::profile::Profile::parse(&text, &origin)?;
+    for note in profile.apply(scenario, &origin)? {
+        eprintln!("note: {note}");
+    }
+    let m = &profile.profile;
+    eprintln!(
+        "profile {origin}: measured on `{}` over steps {}..{}: {:.0} samples/s, ring {:.2} ms per step",
+        m.cluster,
+        m.steps[0],
+        m.steps[1],
+        m.samples_per_s,
+        m.ring_s * 1e3
+    );
+    Ok(profile)
 }
 
 /// Read and parse a scenario; `None` is the embedded default.

@@ -180,6 +180,25 @@ fn local_cluster_reaches_target_accuracy_and_writes_loadable_checkpoints() {
             assert!(n["report"]["steps_applied"].as_u64().unwrap() > 0, "{n}");
         }
     }
+    // The run wrote the profile it measured, which `plan` and `sim` accept over its file.
+    let profile = out.join("profile.toml");
+    assert_eq!(
+        coord["profile_file"].as_str(),
+        Some(profile.to_str().unwrap()),
+        "{s}"
+    );
+    let text = std::fs::read_to_string(&profile).unwrap();
+    assert!(text.contains("[[node]]\nname = \"slow\""), "{text}");
+    let (f, p) = (file.to_str().unwrap(), profile.to_str().unwrap());
+    for args in [
+        vec!["plan", f, "--profile", p],
+        vec!["sim", f, "--steps", "10", "--profile", p],
+    ] {
+        let o = Command::new(exe()).args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{args:?}: {err}");
+        assert!(err.contains("measured on"), "{args:?}: {err}");
+    }
     let ck = out.join("checkpoints/step-00000150.safetensors");
     assert!(ck.exists());
     // The weights alone in the model file; the optimizer state beside it.

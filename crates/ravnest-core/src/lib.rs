@@ -18,6 +18,7 @@ pub mod layers;
 pub mod model;
 pub mod pipeline;
 pub mod planner;
+pub mod profile;
 pub mod ps;
 pub mod ring;
 pub mod ring2d;

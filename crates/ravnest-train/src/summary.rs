@@ -62,6 +62,11 @@ pub struct NodeReport {
     /// Fraction of the steady steps spent in collectives.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub steady_comm: Option<f64>,
+    /// Its steady-state steps (after the warm-up; the last [`STEADY_STEPS_MAX`] at most):
+    /// batch, compute, exposed communication and time since the previous step, from which
+    /// the coordinator's host fits the run's profile.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub steady_steps: Vec<ravnest_core::profile::StepSample>,
     /// Bytes it sent.
     pub bytes_sent: u64,
     /// Its samples/s alone, measured before training.
@@ -140,7 +145,16 @@ pub struct CoordinatorReport {
     /// `start_step`, where it took over).
     #[serde(default)]
     pub took_over_from: Option<String>,
+    /// The profile this run measured (`profile.toml` in its output folder), when written.
+    #[serde(default)]
+    pub profile_file: Option<String>,
+    /// What the coordinator's host fits the profile from (on that host only).
+    #[serde(skip)]
+    pub profile_inputs: Option<ravnest_core::profile::RunFigures>,
 }
+
+/// Steady-state steps a node report carries at most (the latest).
+pub const STEADY_STEPS_MAX: usize = 2000;
 
 /// Text the character model wrote.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -247,6 +261,11 @@ impl RunReport {
             out += &format!(
                 "every event: {} (on `{}`'s machine)\n",
                 c.events_file, host.node
+            );
+        }
+        if let Some(p) = &c.profile_file {
+            out += &format!(
+                "measured profile: {p} (`ravnest sim --profile {p} FILE` predicts this run)\n"
             );
         }
         if !self.failed.is_empty() {

@@ -71,9 +71,10 @@ pub struct NodeCounters {
     pub copied_per_step: u64,
     /// Activity intervals, in order (for timelines).
     pub spans: Vec<Span>,
-    /// After each step: (version made, `compute_ns`, `comm_ns`, ns since the start), so a
-    /// report can leave out the first steps (warm-up) of a run.
-    pub history: Vec<(u64, u64, u64, u64)>,
+    /// After each step: (version made, `compute_ns`, `comm_ns`, ns since the start, the step's
+    /// batch), so a report can leave out the first steps (warm-up) of a run, and a profile can
+    /// tell each step's figures (differences of consecutive entries) at its batch.
+    pub history: Vec<(u64, u64, u64, u64, u64)>,
 }
 
 impl NodeCounters {

@@ -425,7 +425,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             c.model_range = range.clone();
             c.steps += 1;
             if c.history.len() < HISTORY_MAX {
-                c.history.push((v, c.compute_ns, c.comm_ns, now_ns));
+                c.history
+                    .push((v, c.compute_ns, c.comm_ns, now_ns, c.batch));
             }
         });
         st.versions.insert(

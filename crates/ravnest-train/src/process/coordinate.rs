@@ -706,6 +706,8 @@ fn coordinator_report(
         .filter(|(_, e)| matches!(e, Event::Planned { .. }))
         .count();
     let files = &h.su.files;
+    let profile_inputs =
+        profile_inputs(h, &cluster, [start_step + skip as u64, final_step], steady);
     CoordinatorReport {
         steps: final_step,
         start_step,
@@ -742,6 +744,52 @@ fn coordinator_report(
             Event::TookOver { from, .. } => cluster.nodes.get(from.index()).map(|n| n.name.clone()),
             _ => None,
         }),
+        profile_file: None,
+        profile_inputs: Some(profile_inputs),
+    }
+}
+
+/// What the run's profile is fitted from, but the nodes' steps (their reports bring them):
+/// each node's figures as calibrated (or registered) at the start and its probed link, and
+/// the probed pairs.
+fn profile_inputs(
+    h: &Host<'_>,
+    cluster: &ravnest_core::ClusterSpec,
+    steps: [u64; 2],
+    samples_per_s: f64,
+) -> ravnest_core::profile::RunFigures {
+    let s = &h.opts.scenario;
+    let spec = h.su.compute.net.model_spec();
+    let train_flops = spec.train_flops_per_sample();
+    let name = |id: NodeId| cluster.nodes[id.index()].name.clone();
+    ravnest_core::profile::RunFigures {
+        cluster: s.cluster.name.clone(),
+        model: s.model.name.clone(),
+        global_batch: s.training.global_batch,
+        grad_bytes: (spec.params() * s.training.precision.element_bytes()) as f64,
+        steps,
+        samples_per_s,
+        nodes: cluster
+            .nodes
+            .iter()
+            .map(|n| ravnest_core::profile::NodeRun {
+                name: n.name.clone(),
+                calibrated: (train_flops / n.flops, n.step_overhead_s),
+                memory_bytes: n.memory_bytes,
+                link: n.link,
+                steps: Vec::new(),
+                busy: 0.0,
+                comm: 0.0,
+            })
+            .collect(),
+        pairs: cluster
+            .pair_links
+            .iter()
+            .filter(|((a, b), _)| {
+                a.index() < cluster.nodes.len() && b.index() < cluster.nodes.len()
+            })
+            .map(|(&(a, b), l)| (name(a), name(b), *l))
+            .collect(),
     }
 }
 

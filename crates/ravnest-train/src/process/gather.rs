@@ -14,6 +14,7 @@ use super::options::Options;
 use super::setup::Setup;
 use super::tap::Tap;
 use crate::summary::{NodeReport, NodeRow, RunReport};
+use ravnest_core::profile::RunFigures;
 
 /// On the coordinator's host: the workers' reports (for at most 3 s), merged with this node's
 /// into the run's summary, which every node still in the run (or that answered) is sent.
@@ -21,7 +22,7 @@ pub(super) async fn collect(
     opts: &Options,
     su: &Setup,
     tcp: &TcpTransport,
-    mine: NodeReport,
+    mut mine: NodeReport,
     mut reports: mpsc::UnboundedReceiver<(Addr, Envelope)>,
     expected: Vec<NodeId>,
 ) -> RunReport {
@@ -38,6 +39,14 @@ pub(super) async fn collect(
             Ok(Some(_)) => {}
             Ok(None) | Err(_) => break,
         }
+    }
+    let inputs = mine
+        .coordinator
+        .as_mut()
+        .and_then(|c| c.profile_inputs.take());
+    let profile_file = write_profile(opts, inputs, &mine, &got);
+    if let Some(c) = mine.coordinator.as_mut() {
+        c.profile_file = profile_file;
     }
     let recipients: BTreeSet<NodeId> = expected.iter().chain(got.keys()).copied().collect();
     let nodes: Vec<NodeRow> = s
@@ -69,6 +78,46 @@ pub(super) async fn collect(
     }
     let _ = tcp.drain(Duration::from_secs(3)).await;
     merged
+}
+
+/// Fit the run's profile from what each node recorded of its steady steps (`inputs`: the
+/// coordinator's figures) and write it to `profile.toml` in the output folder: its path, or
+/// `None` (no figures, or the file could not be written: said on stderr, the run goes on).
+fn write_profile(
+    opts: &Options,
+    inputs: Option<RunFigures>,
+    mine: &NodeReport,
+    got: &BTreeMap<NodeId, NodeReport>,
+) -> Option<String> {
+    let mut inputs = inputs?;
+    let by_name: BTreeMap<&str, &NodeReport> = got
+        .values()
+        .chain(std::iter::once(mine))
+        .map(|r| (r.node.as_str(), r))
+        .collect();
+    inputs
+        .nodes
+        .retain_mut(|n| match by_name.get(n.name.as_str()) {
+            Some(r) => {
+                n.steps = r.steady_steps.clone();
+                n.busy = r.steady_busy.unwrap_or(0.0);
+                n.comm = r.steady_comm.unwrap_or(0.0);
+                true
+            }
+            None => false,
+        });
+    let profile = ravnest_core::profile::fit(&inputs);
+    let path = opts.out_dir.join("profile.toml");
+    let tmp = opts.out_dir.join("profile.toml.tmp");
+    let written =
+        std::fs::write(&tmp, profile.to_toml()).and_then(|()| std::fs::rename(&tmp, &path));
+    match written {
+        Ok(()) => Some(path.display().to_string()),
+        Err(e) => {
+            eprintln!("cannot write the profile `{}`: {e}", path.display());
+            None
+        }
+    }
 }
 
 /// On a worker: send this node's report, and wait (at most 10 s) for the run's summary.

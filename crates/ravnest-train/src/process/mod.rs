@@ -32,7 +32,7 @@ use serde_json::{Value, json};
 
 use crate::discover::Announcer;
 use crate::events::RunEvent;
-use crate::summary::{CoordinatorReport, NodeReport, Slowdown};
+use crate::summary::{CoordinatorReport, NodeReport, STEADY_STEPS_MAX, Slowdown};
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
@@ -248,8 +248,7 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
         Some((figures, reports, expected)) => (Some(figures), Some((reports, expected))),
         None => (None, None),
     };
-    let report = node_report(figures, &opts, &su, &counters, &tcp, t0);
-    say.say(&RunEvent::Report(report.clone()));
+    let mut report = node_report(figures, &opts, &su, &counters, &tcp, t0);
     // One report for the run, the same on every node: the coordinator's host collects every
     // worker's report and sends the whole back; each prints it.
     let wire_report = NodeReport {
@@ -258,9 +257,24 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
     };
     let summary = match collect {
         Some((reports, expected)) => {
-            Some(gather::collect(&opts, &su, &tcp, wire_report, reports, expected).await)
+            let merged = gather::collect(&opts, &su, &tcp, wire_report, reports, expected).await;
+            // The coordinator's host reports after the profile is written, with its path.
+            if let (Some(c), Some(m)) = (
+                report.coordinator.as_mut(),
+                merged
+                    .coordinator
+                    .as_ref()
+                    .and_then(|h| h.coordinator.as_ref()),
+            ) {
+                c.profile_file.clone_from(&m.profile_file);
+            }
+            say.say(&RunEvent::Report(report.clone()));
+            Some(merged)
         }
-        None => gather::fetch(&su, &net, wire_report, summary_rx).await,
+        None => {
+            say.say(&RunEvent::Report(report.clone()));
+            gather::fetch(&su, &net, wire_report, summary_rx).await
+        }
     };
     if let Some(m) = &summary
         && !opts.quiet
@@ -391,6 +405,30 @@ fn progress_of(opts: &Options, su: &Setup, net: &Tap, counters: &Counters) -> Pr
     }
 }
 
+/// Each step after the first `warmup` of `history` (the latest [`STEADY_STEPS_MAX`]), as the
+/// differences of consecutive entries.
+fn steady_steps(
+    history: &[(u64, u64, u64, u64, u64)],
+    warmup: u64,
+) -> Vec<ravnest_core::profile::StepSample> {
+    let from = (warmup as usize).max(1);
+    let all: Vec<_> = history
+        .windows(2)
+        .skip(from - 1)
+        .map(|w| {
+            let (a, b) = (w[0], w[1]);
+            ravnest_core::profile::StepSample {
+                version: b.0,
+                batch: b.4,
+                compute_s: b.1.saturating_sub(a.1) as f64 / 1e9,
+                comm_s: b.2.saturating_sub(a.2) as f64 / 1e9,
+                period_s: b.3.saturating_sub(a.3) as f64 / 1e9,
+            }
+        })
+        .collect();
+    all[all.len().saturating_sub(STEADY_STEPS_MAX)..].to_vec()
+}
+
 /// This node's report: what it applied, computed and sent, its loss and slowdown (and its
 /// activity spans with `--timeline`); on the coordinator's host, with the run's `figures`.
 fn node_report(
@@ -427,6 +465,7 @@ fn node_report(
         })
         .collect();
     let steady = c.steady_fractions(warmup_steps(opts.scenario.run.steps));
+    let steady_steps = steady_steps(&c.history, warmup_steps(opts.scenario.run.steps));
     let stats = su.compute.stats();
     NodeReport {
         node: opts.node.clone(),
@@ -447,6 +486,7 @@ fn node_report(
         spans,
         steady_busy: steady.map(|s| s.0),
         steady_comm: steady.map(|s| s.1),
+        steady_steps,
         bytes_sent: tcp.bytes_sent(),
         solo_samples_per_s: su.solo_samples_per_s,
         last_loss: stats.last_loss.is_finite().then_some(stats.last_loss),

@@ -1,0 +1,538 @@
+//! A measured profile: what a real run (`ravnest run`) found each node and link to cost over
+//! its steady-state steps, in a small TOML file (`profile.toml` in the run's output folder),
+//! which `plan --profile` and `sim --profile` put over a scenario's cluster so that they
+//! predict that run. Format: `docs/cluster-format.md`, "Measured profiles".
+//!
+//! Three parts, all pure (no I/O here; the run writes the file, the CLI reads it):
+//! - [`fit`]: from the per-step figures each node recorded (batch, compute, exposed
+//!   communication, time between steps) and the figures the run calibrated at its start, the
+//!   profile: per node, seconds per sample and fixed seconds per step; per pair, the link
+//!   figures that make the cost model's ring all-reduce take what the steady-state ring took;
+//! - [`Profile::parse`]: read and check a file (errors give file, line and column);
+//! - [`Profile::apply`]: put it over a [`Scenario`]'s cluster, matching nodes by name.
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+use toml::Spanned;
+
+use crate::cluster::Link;
+use crate::config::{ConfigError, Scenario, nearest};
+use crate::cost::ring_allreduce_s;
+
+/// The profile format this build writes and reads.
+pub const PROFILE_FORMAT: u32 = 1;
+
+/// What a profile was measured on (the `[profile]` table), for reference and for checks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Measured {
+    /// [`PROFILE_FORMAT`] of the writer.
+    pub format: u32,
+    /// The cluster's name.
+    pub cluster: String,
+    /// The model's name: a profile applies to this model only.
+    pub model: String,
+    /// Samples per step of the run.
+    pub global_batch: u32,
+    /// The steps the figures come from: `[first, end)` (the warm-up before is left out).
+    pub steps: [u64; 2],
+    /// The run's achieved samples/s over those steps.
+    pub samples_per_s: f64,
+    /// The ring all-reduce's exposed time per step, seconds (the mean over those steps of
+    /// the least a working node waited after its compute: the node that finished last).
+    pub ring_s: f64,
+    /// Nodes in the ring over those steps (most steps).
+    pub ring_nodes: u32,
+}
+
+/// One node's figures.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeProfile {
+    /// The node's name in the cluster file.
+    pub name: String,
+    /// Seconds of compute per sample of the whole model (forward and backward).
+    pub secs_per_sample: f64,
+    /// Seconds each step costs this node whatever its batch: its share's fixed compute
+    /// (dispatch, allocations) and the time between steps (the update of the last bucket,
+    /// recording the version, the report).
+    pub step_overhead_s: f64,
+    /// How much its step compute varied: the standard deviation of each step's compute ÷
+    /// the mean at its batch (0: not measured). The simulator draws each step's compute with
+    /// this spread, so that a step waits for the slowest of noisy nodes as the real one did.
+    pub compute_spread: f64,
+    /// Memory it registered, bytes (0: unknown, keep the scenario's).
+    pub memory_bytes: u64,
+    /// Its access link, as the plan shows it (its link to the coordinator's host).
+    pub bandwidth_gbps: f64,
+    /// One-way latency of that link, ms.
+    pub latency_ms: f64,
+    /// For reference: its batch in the last epoch of the steps measured (0: left out).
+    pub batch: u64,
+    /// For reference: fraction of the steps' wall time it computed.
+    pub busy: f64,
+    /// For reference: fraction it waited for communication after its compute.
+    pub comm: f64,
+}
+
+/// One pair's link.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PairProfile {
+    /// One end (a node's name).
+    pub a: String,
+    /// The other end.
+    pub b: String,
+    /// Effective bandwidth, Gbit/s.
+    pub bandwidth_gbps: f64,
+    /// One-way latency, ms.
+    pub latency_ms: f64,
+}
+
+/// A measured profile.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Profile {
+    /// What it was measured on.
+    pub profile: Measured,
+    /// Per node.
+    #[serde(rename = "node", default)]
+    pub nodes: Vec<NodeProfile>,
+    /// Per pair.
+    #[serde(rename = "link", default)]
+    pub links: Vec<PairProfile>,
+}
+
+/// The same, as read: names and figures keep their place in the file for errors.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProfile {
+    profile: Spanned<Measured>,
+    #[serde(default)]
+    node: Vec<Spanned<NodeProfile>>,
+    #[serde(default)]
+    link: Vec<Spanned<PairProfile>>,
+}
+
+fn at(text: &str, span: Option<&Range<usize>>) -> Option<(usize, usize)> {
+    let start = span?.start.min(text.len());
+    let before = &text[..start];
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    Some((line, col))
+}
+
+fn error(origin: &str, at: Option<(usize, usize)>, message: String) -> ConfigError {
+    ConfigError {
+        origin: origin.to_string(),
+        at,
+        message,
+        help: None,
+    }
+}
+
+fn help(mut e: ConfigError, help: impl Into<String>) -> ConfigError {
+    e.help = Some(help.into());
+    e
+}
+
+impl Profile {
+    /// Read and check a profile; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Profile, ConfigError> {
+        let raw: RawProfile = toml::from_str(text).map_err(|e| {
+            error(
+                origin,
+                at(text, e.span().as_ref()),
+                e.message().trim().to_string(),
+            )
+        })?;
+        let err = |span: Range<usize>, m: String| error(origin, at(text, Some(&span)), m);
+        let m = &raw.profile;
+        if m.get_ref().format != PROFILE_FORMAT {
+            return Err(help(
+                err(
+                    m.span(),
+                    format!(
+                        "profile format {} (this build reads format {PROFILE_FORMAT})",
+                        m.get_ref().format
+                    ),
+                ),
+                "measure it again with this build's `ravnest run`",
+            ));
+        }
+        let figures = [
+            ("samples_per_s", m.get_ref().samples_per_s),
+            ("ring_s", m.get_ref().ring_s),
+        ];
+        check(&figures, "[profile]").map_err(|e| err(m.span(), e))?;
+        let mut seen = std::collections::BTreeSet::new();
+        for n in &raw.node {
+            let v = n.get_ref();
+            let figures = [
+                ("secs_per_sample", v.secs_per_sample),
+                ("step_overhead_s", v.step_overhead_s),
+                ("compute_spread", v.compute_spread),
+                ("bandwidth_gbps", v.bandwidth_gbps),
+                ("latency_ms", v.latency_ms),
+                ("busy", v.busy),
+                ("comm", v.comm),
+            ];
+            let what = format!("node `{}`", v.name);
+            check(&figures, &what).map_err(|e| err(n.span(), e))?;
+            // (Finite and not negative, checked above.)
+            if v.secs_per_sample == 0.0 || v.bandwidth_gbps == 0.0 {
+                return Err(err(
+                    n.span(),
+                    format!(
+                        "{what}: `secs_per_sample` and `bandwidth_gbps` must be greater than 0"
+                    ),
+                ));
+            }
+            if !seen.insert(v.name.clone()) {
+                return Err(err(n.span(), format!("{what} appears twice")));
+            }
+        }
+        for l in &raw.link {
+            let v = l.get_ref();
+            let what = format!("link `{}`-`{}`", v.a, v.b);
+            let figures = [
+                ("bandwidth_gbps", v.bandwidth_gbps),
+                ("latency_ms", v.latency_ms),
+            ];
+            check(&figures, &what).map_err(|e| err(l.span(), e))?;
+            if v.bandwidth_gbps == 0.0 {
+                return Err(err(
+                    l.span(),
+                    format!("{what}: `bandwidth_gbps` must be greater than 0"),
+                ));
+            }
+            for end in [&v.a, &v.b] {
+                if !seen.contains(end) {
+                    return Err(err(
+                        l.span(),
+                        format!("{what}: `{end}` is not a node of this profile"),
+                    ));
+                }
+            }
+        }
+        Ok(Profile {
+            profile: raw.profile.into_inner(),
+            nodes: raw.node.into_iter().map(Spanned::into_inner).collect(),
+            links: raw.link.into_iter().map(Spanned::into_inner).collect(),
+        })
+    }
+
+    /// The file's text, with a header saying what it is.
+    pub fn to_toml(&self) -> String {
+        let body = toml::to_string(self).unwrap_or_default();
+        format!(
+            "# A profile measured by `ravnest run` over its steady-state steps: give it to\n\
+             # `ravnest plan --profile FILE` or `ravnest sim --profile FILE` (docs/cluster-format.md).\n\
+             # Seconds per sample and fixed seconds per step are each node's compute as it ran;\n\
+             # link bandwidths are those that make the ring take what it took.\n\n{body}"
+        )
+    }
+
+    /// Put the profile over `s`'s cluster, matching nodes by name: each node it names gets its
+    /// speed (seconds per sample as FLOP/s of `s`'s model), fixed cost per step, memory and
+    /// access link; each pair it names, its link. `origin` names the profile in errors.
+    /// Returns notes for the user (nodes it does not name keep their figures; a different
+    /// global batch). A profile measured on another model is an error: its seconds per sample
+    /// say nothing about this one.
+    pub fn apply(&self, s: &mut Scenario, origin: &str) -> Result<Vec<String>, ConfigError> {
+        let err = |m: String| error(origin, None, m);
+        if self.profile.model != s.model.name {
+            return Err(help(
+                err(format!(
+                    "measured on model `{}`, but the scenario trains `{}`",
+                    self.profile.model, s.model.name
+                )),
+                "measure this scenario's model: `ravnest run FILE --out DIR` writes DIR/profile.toml",
+            ));
+        }
+        let names: Vec<String> = s.cluster.nodes.iter().map(|n| n.name.clone()).collect();
+        let find = |name: &str| -> Result<usize, ConfigError> {
+            names.iter().position(|n| n == name).ok_or_else(|| {
+                let e = err(format!(
+                    "node `{name}` is not in the cluster `{}` (its nodes: {})",
+                    s.cluster.name,
+                    names.join(", ")
+                ));
+                match nearest(name, names.iter().map(String::as_str)) {
+                    Some(n) => help(e, format!("did you mean `{n}`?")),
+                    None => e,
+                }
+            })
+        };
+        let mut notes = Vec::new();
+        if self.profile.global_batch != s.training.global_batch {
+            notes.push(format!(
+                "{origin}: measured at a global batch of {}, the scenario's is {}: fixed costs weigh differently at another batch",
+                self.profile.global_batch, s.training.global_batch
+            ));
+        }
+        let train_flops = s.model.train_flops_per_sample();
+        let mut applied = vec![false; names.len()];
+        for n in &self.nodes {
+            let i = find(&n.name)?;
+            applied[i] = true;
+            let node = &mut s.cluster.nodes[i];
+            node.flops = train_flops / n.secs_per_sample;
+            node.step_overhead_s = n.step_overhead_s;
+            if n.memory_bytes > 0 {
+                node.memory_bytes = n.memory_bytes;
+            }
+            node.link = Link {
+                bandwidth_gbps: n.bandwidth_gbps,
+                latency_ms: n.latency_ms,
+            };
+        }
+        for l in &self.links {
+            let (a, b) = (find(&l.a)?, find(&l.b)?);
+            let (a, b) = (
+                crate::cluster::NodeId(a.min(b) as u32),
+                crate::cluster::NodeId(a.max(b) as u32),
+            );
+            s.cluster.pair_links.insert(
+                (a, b),
+                Link {
+                    bandwidth_gbps: l.bandwidth_gbps,
+                    latency_ms: l.latency_ms,
+                },
+            );
+        }
+        for (name, done) in names.iter().zip(&applied) {
+            if !done {
+                notes.push(format!(
+                    "{origin}: node `{name}` is not in the profile: it keeps the scenario's figures"
+                ));
+            }
+        }
+        Ok(notes)
+    }
+}
+
+impl Profile {
+    /// Each of `s`'s nodes' compute spread (by node index; 0 for a node the profile does not
+    /// name): what the simulator draws step times with.
+    pub fn compute_spread(&self, s: &Scenario) -> Vec<f64> {
+        s.cluster
+            .nodes
+            .iter()
+            .map(|n| {
+                self.nodes
+                    .iter()
+                    .find(|p| p.name == n.name)
+                    .map_or(0.0, |p| p.compute_spread)
+            })
+            .collect()
+    }
+}
+
+/// Every figure finite and not negative, or what is wrong.
+fn check(figures: &[(&str, f64)], what: &str) -> Result<(), String> {
+    for (name, x) in figures {
+        if !x.is_finite() {
+            return Err(format!("{what}: `{name}` must be a finite number, got {x}"));
+        }
+        if *x < 0.0 {
+            return Err(format!("{what}: `{name}` must not be negative, got {x}"));
+        }
+    }
+    Ok(())
+}
+
+/// One step as a node recorded it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct StepSample {
+    /// The version the step made (step + 1).
+    pub version: u64,
+    /// Its batch.
+    pub batch: u64,
+    /// Seconds it computed.
+    pub compute_s: f64,
+    /// Seconds it waited for the step's collectives after its compute.
+    pub comm_s: f64,
+    /// Seconds since the node's previous step ended.
+    pub period_s: f64,
+}
+
+/// What a run knows about one node at its end.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeRun {
+    /// Its name.
+    pub name: String,
+    /// (seconds per sample, fixed seconds per step) as calibrated at the start.
+    pub calibrated: (f64, f64),
+    /// Registered memory, bytes.
+    pub memory_bytes: u64,
+    /// Its access link as probed.
+    pub link: Link,
+    /// Its steady-state steps.
+    pub steps: Vec<StepSample>,
+    /// Its busy fraction over them.
+    pub busy: f64,
+    /// Its comm fraction over them.
+    pub comm: f64,
+}
+
+/// What a run knows at its end, for [`fit`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunFigures {
+    /// The cluster's name.
+    pub cluster: String,
+    /// The model's name.
+    pub model: String,
+    /// Samples per step.
+    pub global_batch: u32,
+    /// Bytes of one gradient (what the ring reduces).
+    pub grad_bytes: f64,
+    /// The steps measured, `[first, end)`.
+    pub steps: [u64; 2],
+    /// Samples/s achieved over them.
+    pub samples_per_s: f64,
+    /// Per node.
+    pub nodes: Vec<NodeRun>,
+    /// Probed pair links (node names).
+    pub pairs: Vec<(String, String, Link)>,
+}
+
+fn mean(mut v: Vec<f64>) -> Option<f64> {
+    v.retain(|x| x.is_finite());
+    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.retain(|x| x.is_finite());
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(v[n / 2]),
+        _ => Some(0.5 * (v[n / 2 - 1] + v[n / 2])),
+    }
+}
+
+/// The profile of a run.
+///
+/// Means throughout, not medians: throughput is total time over steps, and on a shared
+/// machine one step in ten takes twice as long and still counts.
+/// - A node's compute: its start-up calibration (fixed + per-sample, measured with every node
+///   computing at once) times its steady steps' measured ÷ calibrated compute (ratio of the
+///   sums): the contention and caches of the real steps, with the calibration's split
+///   between fixed and per-sample cost (one batch per epoch cannot separate them); and the
+///   spread of its steps around that (a step waits for the slowest node, so noise costs).
+/// - Its fixed cost also gets the mean time between its steps that is neither compute nor
+///   communication: that is paid every step whatever the batch.
+/// - The ring: per step, the least exposed communication of the nodes that worked (the node
+///   that finished last waits only for the ring itself); its mean is the ring's time. The
+///   probed links are scaled by one factor so that the cost model's ring over them takes that
+///   long (loopback probes see 15 Gbit/s; a ring of encrypted, reduced chunks on a busy CPU
+///   moves far less).
+pub fn fit(r: &RunFigures) -> Profile {
+    let mut nodes = Vec::new();
+    for n in &r.nodes {
+        let (ps, fixed) = n.calibrated;
+        let worked: Vec<&StepSample> = n.steps.iter().filter(|s| s.batch > 0).collect();
+        let predicted = |s: &StepSample| fixed + s.batch as f64 * ps;
+        // Means, not medians: throughput is total time, and a slow step costs what it costs.
+        let total: f64 = worked.iter().map(|s| predicted(s)).sum();
+        let k = Some(worked.iter().map(|s| s.compute_s).sum::<f64>() / total)
+            .filter(|k| k.is_finite() && *k > 0.0)
+            .unwrap_or(1.0);
+        let ratios: Vec<f64> = worked
+            .iter()
+            .map(|s| s.compute_s / (k * predicted(s)))
+            .collect();
+        let spread =
+            mean(ratios.iter().map(|r| (r - 1.0).powi(2)).collect()).map_or(0.0, f64::sqrt);
+        let gap = mean(
+            worked
+                .iter()
+                .map(|s| (s.period_s - s.compute_s - s.comm_s).max(0.0))
+                .collect(),
+        )
+        .unwrap_or(0.0);
+        nodes.push(NodeProfile {
+            name: n.name.clone(),
+            secs_per_sample: k * ps,
+            step_overhead_s: k * fixed + gap,
+            compute_spread: spread,
+            memory_bytes: n.memory_bytes,
+            bandwidth_gbps: n.link.bandwidth_gbps,
+            latency_ms: n.link.latency_ms,
+            batch: n.steps.last().map_or(0, |s| s.batch),
+            busy: n.busy,
+            comm: n.comm,
+        });
+    }
+    // The ring per step: the least exposed wait among the nodes that worked in it.
+    let mut by_version: std::collections::BTreeMap<u64, Vec<f64>> = Default::default();
+    for n in &r.nodes {
+        for s in n.steps.iter().filter(|s| s.batch > 0) {
+            by_version.entry(s.version).or_default().push(s.comm_s);
+        }
+    }
+    let synced: Vec<&Vec<f64>> = by_version.values().filter(|c| c.len() >= 2).collect();
+    let ring_s = mean(
+        synced
+            .iter()
+            .map(|c| c.iter().copied().fold(f64::INFINITY, f64::min))
+            .collect(),
+    )
+    .unwrap_or(0.0);
+    let ring_nodes =
+        median(synced.iter().map(|c| c.len() as f64).collect()).unwrap_or(0.0) as usize;
+    let scale = bandwidth_scale(r, ring_nodes, ring_s);
+    for n in &mut nodes {
+        n.bandwidth_gbps *= scale;
+    }
+    Profile {
+        profile: Measured {
+            format: PROFILE_FORMAT,
+            cluster: r.cluster.clone(),
+            model: r.model.clone(),
+            global_batch: r.global_batch,
+            steps: r.steps,
+            samples_per_s: r.samples_per_s,
+            ring_s,
+            ring_nodes: ring_nodes as u32,
+        },
+        nodes,
+        links: r
+            .pairs
+            .iter()
+            .map(|(a, b, l)| PairProfile {
+                a: a.clone(),
+                b: b.clone(),
+                bandwidth_gbps: l.bandwidth_gbps * scale,
+                latency_ms: l.latency_ms,
+            })
+            .collect(),
+    }
+}
+
+/// The factor on every probed bandwidth that makes the cost model's ring of `n` nodes over
+/// the slowest probed link take `ring_s`; 1 when the probes already explain it (or nothing
+/// was measured). Never above 1: a ring is not faster than its links' probes.
+fn bandwidth_scale(r: &RunFigures, n: usize, ring_s: f64) -> f64 {
+    let links: Vec<Link> = r.pairs.iter().map(|p| p.2).collect();
+    if n < 2 || ring_s <= 0.0 || links.is_empty() {
+        return 1.0;
+    }
+    let bottleneck = links
+        .iter()
+        .map(|l| l.bandwidth_gbps)
+        .fold(f64::INFINITY, f64::min);
+    let latency = links.iter().map(|l| l.latency_ms).fold(0.0, f64::max);
+    let probed = ring_allreduce_s(n, r.grad_bytes, bottleneck, latency);
+    let latency_part = ring_allreduce_s(n, 0.0, bottleneck, latency);
+    if ring_s <= probed || ring_s <= latency_part {
+        return 1.0;
+    }
+    (probed - latency_part) / (ring_s - latency_part)
+}
+
+#[cfg(test)]
+mod tests;
