@@ -245,13 +245,21 @@ impl Compute for SimCompute {
         ready: BucketSink,
     ) -> Result<(), ComputeError> {
         let secs = self.secs(node, samples.end - samples.start, 1.0, Fixed::Charged);
-        let sleep = |s: f64| tokio::time::sleep(std::time::Duration::from_nanos((s * 1e9) as u64));
-        sleep(secs * FORWARD_SHARE).await;
+        // Each phase ends at its time from the step's start: tokio's timer rounds every
+        // sleep up to its next millisecond, and phases slept one after another would add that
+        // up (a 20 ms step of three phases took 21.5 ms on average).
+        let start = tokio::time::Instant::now();
+        let until = |s: f64| {
+            tokio::time::sleep_until(start + std::time::Duration::from_nanos((s * 1e9) as u64))
+        };
+        let mut at = secs * FORWARD_SHARE;
+        until(at).await;
         let g = self.toy().gradient_sum(samples, &model);
         // Backward produces the buckets in order, each after its share of the backward time.
         for (k, r) in self.buckets(g.len()).into_iter().enumerate() {
             let share = r.len() as f64 / g.len().max(1) as f64;
-            sleep(secs * (1.0 - FORWARD_SHARE) * share).await;
+            at += secs * (1.0 - FORWARD_SHARE) * share;
+            until(at).await;
             ready(k, g[r].to_vec());
         }
         Ok(())
