@@ -68,6 +68,10 @@ pub struct NodeProfile {
     pub bandwidth_gbps: f64,
     /// One-way latency of that link, ms.
     pub latency_ms: f64,
+    /// For reference: the steady steps it worked in (0: left out of them; its figures are
+    /// then its calibration with the contention the working nodes saw).
+    #[serde(default)]
+    pub steps_measured: u64,
     /// For reference: its batch in the last epoch of the steps measured (0: left out).
     pub batch: u64,
     /// For reference: fraction of the steps' wall time it computed.
@@ -414,6 +418,32 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
     }
 }
 
+/// A node's (k, spread, gap) over its steady steps with work: its compute ÷ its calibration's
+/// prediction (ratio of the sums), the relative spread of its steps around that, and the mean
+/// time between steps that is neither compute nor communication.
+fn node_figures(n: &NodeRun) -> Option<(f64, f64, f64)> {
+    let (ps, fixed) = n.calibrated;
+    let worked: Vec<&StepSample> = n.steps.iter().filter(|s| s.batch > 0).collect();
+    let predicted = |s: &StepSample| fixed + s.batch as f64 * ps;
+    // Means, not medians: throughput is total time, and a slow step costs what it costs.
+    let total: f64 = worked.iter().map(|s| predicted(s)).sum();
+    let k = Some(worked.iter().map(|s| s.compute_s).sum::<f64>() / total)
+        .filter(|k| k.is_finite() && *k > 0.0)?;
+    let ratios: Vec<f64> = worked
+        .iter()
+        .map(|s| s.compute_s / (k * predicted(s)))
+        .collect();
+    let spread = mean(ratios.iter().map(|r| (r - 1.0).powi(2)).collect()).map_or(0.0, f64::sqrt);
+    let gap = mean(
+        worked
+            .iter()
+            .map(|s| (s.period_s - s.compute_s - s.comm_s).max(0.0))
+            .collect(),
+    )
+    .unwrap_or(0.0);
+    Some((k, spread, gap))
+}
+
 /// The profile of a run.
 ///
 /// Means throughout, not medians: throughput is total time over steps, and on a shared
@@ -425,43 +455,50 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 ///   spread of its steps around that (a step waits for the slowest node, so noise costs).
 /// - Its fixed cost also gets the mean time between its steps that is neither compute nor
 ///   communication: that is paid every step whatever the batch.
+/// - A node left out of every steady step gets its calibration times the working nodes' mean
+///   contention factor (and their spread and gap): idle on a shared machine, it measured its
+///   speed before the others' communication competed for the cores.
 /// - The ring: per step, the least exposed communication of the nodes that worked (the node
 ///   that finished last waits only for the ring itself); its mean is the ring's time. The
 ///   probed links are scaled by one factor so that the cost model's ring over them takes that
 ///   long (loopback probes see 15 Gbit/s; a ring of encrypted, reduced chunks on a busy CPU
 ///   moves far less).
 pub fn fit(r: &RunFigures) -> Profile {
+    // Per node that worked in the steady steps: (k, spread, gap); `None` for one that did not.
+    let measured: Vec<Option<(f64, f64, f64)>> = r.nodes.iter().map(node_figures).collect();
+    let worked: Vec<(f64, f64, f64)> = measured.iter().flatten().copied().collect();
+    // A node that did no steady step (left out of the plan) is charged the contention the
+    // others saw: on a shared machine it is not faster than its calibration by being idle.
+    let typical = (
+        mean(worked.iter().map(|m| m.0).collect()).unwrap_or(1.0),
+        mean(worked.iter().map(|m| m.1).collect()).unwrap_or(0.0),
+        mean(worked.iter().map(|m| m.2).collect()).unwrap_or(0.0),
+    );
     let mut nodes = Vec::new();
-    for n in &r.nodes {
+    for (n, m) in r.nodes.iter().zip(&measured) {
         let (ps, fixed) = n.calibrated;
-        let worked: Vec<&StepSample> = n.steps.iter().filter(|s| s.batch > 0).collect();
-        let predicted = |s: &StepSample| fixed + s.batch as f64 * ps;
-        // Means, not medians: throughput is total time, and a slow step costs what it costs.
-        let total: f64 = worked.iter().map(|s| predicted(s)).sum();
-        let k = Some(worked.iter().map(|s| s.compute_s).sum::<f64>() / total)
-            .filter(|k| k.is_finite() && *k > 0.0)
-            .unwrap_or(1.0);
-        let ratios: Vec<f64> = worked
+        let (k, spread, gap) = m.unwrap_or(typical);
+        // Its access link: the fastest of its probed pairs (a node is not probed to itself,
+        // so the coordinator's host has only its file's figure otherwise).
+        let link = r
+            .pairs
             .iter()
-            .map(|s| s.compute_s / (k * predicted(s)))
-            .collect();
-        let spread =
-            mean(ratios.iter().map(|r| (r - 1.0).powi(2)).collect()).map_or(0.0, f64::sqrt);
-        let gap = mean(
-            worked
-                .iter()
-                .map(|s| (s.period_s - s.compute_s - s.comm_s).max(0.0))
-                .collect(),
-        )
-        .unwrap_or(0.0);
+            .filter(|p| p.0 == n.name || p.1 == n.name)
+            .map(|p| p.2)
+            .reduce(|a, b| Link {
+                bandwidth_gbps: a.bandwidth_gbps.max(b.bandwidth_gbps),
+                latency_ms: a.latency_ms.min(b.latency_ms),
+            })
+            .unwrap_or(n.link);
         nodes.push(NodeProfile {
             name: n.name.clone(),
             secs_per_sample: k * ps,
             step_overhead_s: k * fixed + gap,
             compute_spread: spread,
             memory_bytes: n.memory_bytes,
-            bandwidth_gbps: n.link.bandwidth_gbps,
-            latency_ms: n.link.latency_ms,
+            bandwidth_gbps: link.bandwidth_gbps,
+            latency_ms: link.latency_ms,
+            steps_measured: n.steps.iter().filter(|s| s.batch > 0).count() as u64,
             batch: n.steps.last().map_or(0, |s| s.batch),
             busy: n.busy,
             comm: n.comm,

@@ -101,6 +101,26 @@ fn fit_links_make_the_cost_models_ring_take_the_measured_time() {
 }
 
 #[test]
+fn a_node_left_out_of_the_steady_steps_gets_the_others_contention() {
+    let mut r = run();
+    r.nodes[2].steps.clear();
+    let p = fit(&r);
+    // The fast nodes ran at twice their calibration: so is `slow` charged.
+    assert!(
+        (p.nodes[2].secs_per_sample - 360e-6).abs() < 1e-12,
+        "{:?}",
+        p.nodes[2]
+    );
+    assert!((p.nodes[2].step_overhead_s - (13.4e-3 + 0.5e-3)).abs() < 1e-12);
+    assert_eq!(
+        (p.nodes[2].steps_measured, p.nodes[0].steps_measured),
+        (0, 20)
+    );
+    // Its access link is its fastest probed pair.
+    assert_eq!(p.nodes[2].latency_ms, 0.01);
+}
+
+#[test]
 fn fit_without_steps_keeps_the_calibration_and_the_probes() {
     let mut r = run();
     for n in &mut r.nodes {
@@ -110,6 +130,7 @@ fn fit_without_steps_keeps_the_calibration_and_the_probes() {
     assert_eq!(p.nodes[0].secs_per_sample, 35e-6);
     assert_eq!(p.nodes[0].step_overhead_s, 1.5e-3);
     assert_eq!(p.links[0].bandwidth_gbps, 15.0);
+    assert_eq!(p.nodes[2].bandwidth_gbps, 16.0);
     assert_eq!(p.profile.ring_s, 0.0);
 }
 
