@@ -551,10 +551,25 @@ pub fn fit(r: &RunFigures) -> Profile {
 }
 
 /// The factor on every probed bandwidth that makes the cost model's ring of `n` nodes over
-/// the slowest probed link take `ring_s`; 1 when the probes already explain it (or nothing
+/// the slowest probed link between the nodes that worked take `ring_s`; 1 when the probes already explain it (or nothing
 /// was measured). Never above 1: a ring is not faster than its links' probes.
 fn bandwidth_scale(r: &RunFigures, n: usize, ring_s: f64) -> f64 {
-    let links: Vec<Link> = r.pairs.iter().map(|p| p.2).collect();
+    // The ring's links are those between nodes that worked in the steady steps (a node left
+    // out was in no ring, and its slow probe says nothing about the ring's speed).
+    let worked = |name: &str| {
+        r.nodes
+            .iter()
+            .any(|x| x.name == name && x.steps.iter().any(|s| s.batch > 0))
+    };
+    let mut links: Vec<Link> = r
+        .pairs
+        .iter()
+        .filter(|p| worked(&p.0) && worked(&p.1))
+        .map(|p| p.2)
+        .collect();
+    if links.is_empty() {
+        links = r.pairs.iter().map(|p| p.2).collect();
+    }
     if n < 2 || ring_s <= 0.0 || links.is_empty() {
         return 1.0;
     }

@@ -118,6 +118,11 @@ fn a_node_left_out_of_the_steady_steps_gets_the_others_contention() {
     );
     // Its access link is its fastest probed pair.
     assert_eq!(p.nodes[2].latency_ms, 0.01);
+    // The ring was fast-a and fast-b: their pair, not `slow`'s slower ones, is its bottleneck.
+    assert_eq!(p.profile.ring_nodes, 2);
+    let ab = &p.links[0];
+    let t = ring_allreduce_s(2, 1.2e6, ab.bandwidth_gbps, ab.latency_ms);
+    assert!((t - 8e-3).abs() < 1e-9, "{t}");
 }
 
 #[test]
