@@ -419,7 +419,8 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 }
 
 /// A node's (k, spread, gap) over its steady steps with work: its compute ÷ its calibration's
-/// prediction (ratio of the sums), the relative spread of its steps around that, and the mean
+/// prediction (ratio of the sums), the relative spread of its steps around their epoch's mean
+/// (same batch), and the mean
 /// time between steps that is neither compute nor communication.
 fn node_figures(n: &NodeRun) -> Option<(f64, f64, f64)> {
     let (ps, fixed) = n.calibrated;
@@ -429,11 +430,21 @@ fn node_figures(n: &NodeRun) -> Option<(f64, f64, f64)> {
     let total: f64 = worked.iter().map(|s| predicted(s)).sum();
     let k = Some(worked.iter().map(|s| s.compute_s).sum::<f64>() / total)
         .filter(|k| k.is_finite() && *k > 0.0)?;
-    let ratios: Vec<f64> = worked
-        .iter()
-        .map(|s| s.compute_s / (k * predicted(s)))
+    // The spread of steps around their epoch's mean (steps at the same batch): how much one
+    // step differs from the next, not how contention moved between epochs (k covers that).
+    let mut by_batch: std::collections::BTreeMap<u64, Vec<f64>> = Default::default();
+    for s in &worked {
+        by_batch.entry(s.batch).or_default().push(s.compute_s);
+    }
+    let deviations: Vec<f64> = by_batch
+        .values()
+        .filter_map(|c| {
+            let m = mean(c.clone()).filter(|m| *m > 0.0)?;
+            Some(c.iter().map(move |x| (x / m - 1.0).powi(2)))
+        })
+        .flatten()
         .collect();
-    let spread = mean(ratios.iter().map(|r| (r - 1.0).powi(2)).collect()).map_or(0.0, f64::sqrt);
+    let spread = mean(deviations).map_or(0.0, f64::sqrt);
     let gap = mean(
         worked
             .iter()

@@ -244,3 +244,25 @@ fn missing_nodes_and_another_batch_are_notes() {
     );
     assert!(notes.iter().any(|n| n.contains("global batch of 256")));
 }
+
+#[test]
+fn spread_is_step_to_step_noise_not_the_change_between_epochs() {
+    let mut r = run();
+    let cal = r.nodes[0].calibrated;
+    // Two epochs, each steady, one under twice the other's contention: no step noise.
+    let mut steps = super::tests::steps(180, cal, 1.0, 9e-3, 0.0);
+    steps.extend(super::tests::steps(120, cal, 2.0, 9e-3, 0.0));
+    r.nodes[0].steps = steps;
+    let p = fit(&r);
+    assert!(p.nodes[0].compute_spread < 1e-9, "{:?}", p.nodes[0]);
+    // Alternate steps 20% above and below their mean: a spread of 0.2.
+    for (i, s) in r.nodes[1].steps.iter_mut().enumerate() {
+        s.compute_s *= if i % 2 == 0 { 1.2 } else { 0.8 };
+    }
+    let p = fit(&r);
+    assert!(
+        (p.nodes[1].compute_spread - 0.2).abs() < 1e-9,
+        "{:?}",
+        p.nodes[1]
+    );
+}
