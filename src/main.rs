@@ -51,6 +51,7 @@ enum Command {
   ravnest plan                                  the embedded 2x RTX 4090 + 2x RTX 3060 scenario
   ravnest plan scenarios/slow-link.toml --planner uniform
   ravnest plan scenarios/large-1000.toml --json
+  ravnest plan scenarios/local-digits.toml --profile ravnest-out/local-digits/profile.toml
 
 File format: docs/cluster-format.md. Reading the output: docs/reading-reports.md.")]
     Plan {
@@ -73,6 +74,8 @@ File format: docs/cluster-format.md. Reading the output: docs/reading-reports.md
   ravnest sim --timeline run.svg                the same, with a picture of every node's time
   ravnest sim scenarios/mixed-4090-3060.toml --steps 100 --compare uniform
   ravnest sim scenarios/memory-limited.toml --seed 7 --json
+  ravnest sim scenarios/local-digits.toml --steps 200 --profile ravnest-out/local-digits/profile.toml
+                                                what the last `ravnest run` measured, simulated
 
 Same seed, same trace hash. Reading the output: docs/reading-reports.md.")]
     Sim(SimCmd),
