@@ -64,7 +64,8 @@ pub struct NodeReport {
     pub steady_comm: Option<f64>,
     /// Its steady-state steps (after the warm-up; the last [`STEADY_STEPS_MAX`] at most):
     /// batch, compute, exposed communication and time since the previous step, from which
-    /// the coordinator's host fits the run's profile.
+    /// the coordinator's host fits the run's profile. Only in the report a worker sends its
+    /// coordinator's host: printed reports and the run's summary leave them out.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub steady_steps: Vec<ravnest_core::profile::StepSample>,
     /// Bytes it sent.

@@ -48,6 +48,11 @@ pub(super) async fn collect(
     if let Some(c) = mine.coordinator.as_mut() {
         c.profile_file = profile_file;
     }
+    // The steps are in the profile now: the summary every node prints leaves them out.
+    mine.steady_steps = Vec::new();
+    for r in got.values_mut() {
+        r.steady_steps = Vec::new();
+    }
     let recipients: BTreeSet<NodeId> = expected.iter().chain(got.keys()).copied().collect();
     let nodes: Vec<NodeRow> = s
         .cluster

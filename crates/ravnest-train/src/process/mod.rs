@@ -221,7 +221,10 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
             Ok(worker::Ending::Finished) => Ok(None),
             Ok(worker::Ending::Left) => {
                 progress.abort();
-                let report = node_report(None, &opts, &su, &counters, &tcp, t0);
+                let report = NodeReport {
+                    steady_steps: Vec::new(),
+                    ..node_report(None, &opts, &su, &counters, &tcp, t0)
+                };
                 say.say(&RunEvent::Report(report.clone()));
                 say.cluster("left the cluster cleanly; the run goes on without this node");
                 sup.stop(None);
@@ -250,11 +253,14 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
     };
     let mut report = node_report(figures, &opts, &su, &counters, &tcp, t0);
     // One report for the run, the same on every node: the coordinator's host collects every
-    // worker's report and sends the whole back; each prints it.
+    // worker's report and sends the whole back; each prints it. The steady steps go to the
+    // coordinator's host only (its profile is fitted from them): printed, every step of a
+    // long run would make one enormous line.
     let wire_report = NodeReport {
         spans: Vec::new(),
         ..report.clone()
     };
+    report.steady_steps = Vec::new();
     let summary = match collect {
         Some((reports, expected)) => {
             let merged = gather::collect(&opts, &su, &tcp, wire_report, reports, expected).await;
