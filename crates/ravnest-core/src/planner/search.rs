@@ -386,6 +386,14 @@ fn permutations(xs: &mut [NodeId], k: usize, f: &mut dyn FnMut(&[NodeId])) {
     }
 }
 
+/// The fewest data-parallel workers a plan keeps when `holders` nodes can hold the whole model:
+/// two when there are two, so that a lost worker never takes the only copy of the model with
+/// it (what recovery costs: with one worker, its loss loses every step since the last
+/// checkpoint, while an idle node holds nothing). The oracle keeps the same rule.
+fn min_workers(holders: usize) -> usize {
+    holders.min(2)
+}
+
 /// Data parallel over the nodes that can hold the model, and over subsets that leave out the
 /// slowest links (one candidate per access-bandwidth tier); the fastest is kept in `best`.
 fn data_parallel_tiers(costs: &Costs<'_>, best: &mut Option<Plan>) {
@@ -416,6 +424,9 @@ fn data_parallel_tiers(costs: &Costs<'_>, best: &mut Option<Plan>) {
                 .filter(|(i, _)| mask & (1 << i) != 0)
                 .map(|(_, &id)| id)
                 .collect();
+            if workers.len() < min_workers(fit.len()) {
+                continue;
+            }
             let Some((w, b)) = ravnest_dp(costs, &workers) else {
                 continue;
             };
@@ -449,6 +460,9 @@ fn data_parallel_tiers(costs: &Costs<'_>, best: &mut Option<Plan>) {
                 .copied()
                 .filter(|&i| key(cluster.node(i)) >= tier)
                 .collect();
+            if workers.len() < min_workers(fit.len()) {
+                continue;
+            }
             let Some((w, b)) = ravnest_dp(costs, &workers) else {
                 continue;
             };
@@ -682,6 +696,13 @@ pub(super) fn exhaustive_search(costs: &Costs<'_>, opts: PlanOptions) -> Option<
             .copied()
             .filter(|i| mask & (1 << i.0) != 0)
             .collect();
+        let holders = ids
+            .iter()
+            .filter(|&&i| costs.memory_bytes(costs.all(), 1) <= cluster.node(i).memory_bytes)
+            .count();
+        if workers.len() < min_workers(holders) {
+            continue;
+        }
         if let Some((w, b)) = ravnest_dp(costs, &workers) {
             let c = Candidate::Data {
                 workers: w,

@@ -19,8 +19,8 @@ const TIMEOUT_MS: u64 = 1000;
 
 fn config(nodes: usize) -> Config {
     let mut text = String::from("[links]\nbandwidth_gbps = 100.0\nlatency_ms = 0.01\n");
-    text += &format!("[[node]]\nname = \"n\"\ndevice = \"rtx3090\"\ncount = {nodes}\n");
-    text += "[model]\nkind = \"mlp\"\ndims = [64, 256, 10]\n[training]\nglobal_batch = 24\nsync = \"ring\"\n";
+    text += &format!("[[node]]\nname = \"n\"\ndevice = \"cpu\"\ncount = {nodes}\n");
+    text += "[model]\nkind = \"mlp\"\ndims = [64, 256, 10]\n[training]\nglobal_batch = 2400\nsync = \"ring\"\n";
     let s = ravnest_core::parse(&text, "model-test").unwrap();
     let costs = ravnest_core::cost::Costs::new(&s.cluster, &s.model, &s.training);
     Config {
