@@ -319,10 +319,14 @@ fn measure_against_oracle() {
     println!("{:?}", random::summarize(&ratios));
 }
 
+/// One generated case in detail, ravnest's plan next to the oracle's (`SEED=N`).
 #[test]
-#[ignore = "debug"]
-fn debug_case() {
-    let seed: u64 = std::env::var("SEED").unwrap().parse().unwrap();
+#[ignore = "inspection; run by hand"]
+fn show_case_against_oracle() {
+    let seed: u64 = std::env::var("SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
     let c = random::random_case(seed);
     for n in &c.cluster.nodes {
         println!(
