@@ -180,6 +180,25 @@ fn pipe_candidates(
     }
 }
 
+/// Search the pipelines over `grid` (its layer splits: every one with `all_splits`, else the
+/// DP split and the two equal splits), keeping the fastest in `best`; skipped when even
+/// perfect balance over its nodes cannot beat `best` (an exact bound).
+fn search_grid(
+    costs: &Costs<'_>,
+    grid: Vec<Vec<NodeId>>,
+    all_splits: bool,
+    best: &mut Option<Plan>,
+) {
+    if let Some(b) = best.as_ref()
+        && super::eval::perfect_balance_s(costs, &grid) >= b.step.step_s
+    {
+        return;
+    }
+    let mut cands = Vec::new();
+    pipe_candidates(costs, grid, all_splits, &mut cands);
+    search_into(costs, &cands, best);
+}
+
 /// Orders of nodes to deal into pipeline grids.
 fn node_orders(cluster: &ClusterSpec) -> Vec<Vec<NodeId>> {
     let ids: Vec<NodeId> = cluster.ids().collect();
@@ -283,17 +302,7 @@ fn ordered_pipelines(costs: &Costs<'_>, orders: &[Vec<NodeId>], s: usize, best: 
     }
     for pool in pools {
         let mut perm = pool.clone();
-        let mut each = |row: &[NodeId]| {
-            let grid = vec![row.to_vec()];
-            if let Some(b) = best.as_ref()
-                && super::eval::perfect_balance_s(costs, &grid) >= b.step.step_s
-            {
-                return;
-            }
-            let mut cands = Vec::new();
-            pipe_candidates(costs, grid, false, &mut cands);
-            search_into(costs, &cands, best);
-        };
+        let mut each = |row: &[NodeId]| search_grid(costs, vec![row.to_vec()], false, best);
         permutations(&mut perm, 0, &mut each);
     }
 }
@@ -345,9 +354,7 @@ fn two_stage_columns(costs: &Costs<'_>, best: &mut Option<Plan>) {
                 for b in pairings {
                     let grid: Vec<Vec<NodeId>> =
                         a.iter().zip(b).map(|(&x, y)| vec![x, y]).collect();
-                    let mut cands = Vec::new();
-                    pipe_candidates(costs, grid, every_split, &mut cands);
-                    search_into(costs, &cands, best);
+                    search_grid(costs, grid, every_split, best);
                 }
             }
         }
@@ -569,14 +576,7 @@ fn pipelines_of(costs: &Costs<'_>, dealer: &Dealer<'_>, r_max: usize, best: &mut
                 continue;
             }
             seen.push(grid.clone());
-            if let Some(b) = best.as_ref()
-                && super::eval::perfect_balance_s(costs, &grid) >= b.step.step_s
-            {
-                continue;
-            }
-            let mut cands = Vec::new();
-            pipe_candidates(costs, grid, false, &mut cands);
-            search_into(costs, &cands, best);
+            search_grid(costs, grid, false, best);
         }
     }
 }
@@ -721,14 +721,7 @@ pub(super) fn exhaustive_search(costs: &Costs<'_>, opts: PlanOptions) -> Option<
             let mut used = vec![false; n];
             arrange(0, &mut slots, &mut used, &ids, s, r, &mut |slots| {
                 let grid: Vec<Vec<NodeId>> = slots.chunks(s).map(<[NodeId]>::to_vec).collect();
-                if let Some(b) = best.as_ref()
-                    && super::eval::perfect_balance_s(costs, &grid) >= b.step.step_s
-                {
-                    return;
-                }
-                let mut cands = Vec::new();
-                pipe_candidates(costs, grid, all_splits, &mut cands);
-                search_into(costs, &cands, &mut best);
+                search_grid(costs, grid, all_splits, &mut best);
             });
         }
     }
