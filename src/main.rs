@@ -892,12 +892,17 @@ fn bench_planners_random(first: u64, n: u64) -> Result<()> {
     use ravnest_core::planner::random::{random_case, summarize};
     let mut ratios = Vec::new();
     let (mut ours_s, mut oracle_s, mut worst) = (Vec::new(), Vec::new(), (0.0f64, 0u64));
+    let mut slowest = (0.0f64, 0u64);
     let mut neither = 0;
     for seed in first..first + n {
         let c = random_case(seed);
         let t0 = Instant::now();
         let ours = ravnest_core::plan(PlannerKind::Ravnest, &c.cluster, &c.model, &c.training);
-        ours_s.push(t0.elapsed().as_secs_f64());
+        let dt = t0.elapsed().as_secs_f64();
+        ours_s.push(dt);
+        if dt > slowest.0 {
+            slowest = (dt, seed);
+        }
         let t1 = Instant::now();
         let oracle = ravnest_core::plan(PlannerKind::Exhaustive, &c.cluster, &c.model, &c.training);
         oracle_s.push(t1.elapsed().as_secs_f64());
@@ -921,10 +926,15 @@ fn bench_planners_random(first: u64, n: u64) -> Result<()> {
     let ms = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         let at = |f: f64| v[((v.len() as f64 - 1.0) * f).round() as usize] * 1e3;
-        format!("median {:.2} ms, max {:.1} ms", at(0.5), at(1.0))
+        format!(
+            "median {:.2} ms, p99 {:.1} ms, max {:.1} ms",
+            at(0.5),
+            at(0.99),
+            at(1.0)
+        )
     };
     emit(&format!(
-        "ravnest vs the exhaustive oracle on {n} random clusters (seeds {first}..{}), step time ratio (1 = the optimum under the cost model):\n  {} cases planned ({neither} fit nowhere for both)\n  median {:.3}, p90 {:.3}, p99 {:.3}, max {:.3} (seed {})\n  within 1%: {:.1}% of cases\n  planning time: ravnest {}; oracle {}\n",
+        "ravnest vs the exhaustive oracle on {n} random clusters (seeds {first}..{}), step time ratio (1 = the optimum under the cost model):\n  {} cases planned ({neither} fit nowhere for both)\n  median {:.3}, p90 {:.3}, p99 {:.3}, max {:.3} (seed {})\n  within 1%: {:.1}% of cases\n  planning time: ravnest {} (slowest: seed {}); oracle {}\n",
         first + n,
         q.cases,
         q.median,
@@ -934,6 +944,7 @@ fn bench_planners_random(first: u64, n: u64) -> Result<()> {
         worst.1,
         q.within_1pct * 100.0,
         ms(&mut ours_s),
+        slowest.1,
         ms(&mut oracle_s),
     ));
     Ok(())

@@ -24,11 +24,13 @@ use crate::config::Scenario;
 use crate::cost::Costs;
 use crate::device::GIB;
 use crate::model::ModelSpec;
-use search::{baseline, exhaustive_search, ravnest_search};
+use search::{baseline, covers_every_fit, exhaustive_search, ravnest_search};
 pub use types::*;
 
 /// Up to this many nodes, ravnest searches every arrangement before it says a model fits
-/// nowhere (milliseconds at 6 nodes; up to a few seconds at 8, only when no layout fits).
+/// nowhere, unless its own search already covers every plan that fits
+/// ([`search::covers_every_fit`]): only for models with so many layers that the exact
+/// single-pipeline search is skipped.
 const FALLBACK_MAX_NODES: usize = 8;
 
 /// Make a plan.
@@ -95,7 +97,7 @@ pub fn plan_with(
         PlannerKind::Ravnest => ravnest_search(&costs, opts).or_else(|| {
             // The candidate layouts are heuristics; on a small cluster, make sure "fits nowhere"
             // is true before saying it.
-            (cluster.nodes.len() <= FALLBACK_MAX_NODES)
+            (cluster.nodes.len() <= FALLBACK_MAX_NODES && !covers_every_fit(&costs, opts))
                 .then(|| exhaustive_search(&costs, opts))
                 .flatten()
                 .map(|mut p| {

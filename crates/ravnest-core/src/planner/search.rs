@@ -99,6 +99,66 @@ fn stage_cost_fn<'c>(
     }
 }
 
+/// Splits that weigh each stage's gradient all-reduce across the replicas, not only its
+/// compute: a replicated pipeline's step is (micro-batches + S - 1) × its slowest stage plus its
+/// slowest stage group's all-reduce (after the pipeline drains), and a stage with many layers
+/// on fast devices balances compute but makes its group's all-reduce the step's longest. Two
+/// kinds of split, each the layer DP's minimax under a changed stage cost:
+/// - the stage's share of the step: compute + transfers + its all-reduce ÷ (micro-batches +
+///   S - 1);
+/// - compute + transfers with every stage's all-reduce capped, the caps a ladder below the
+///   compute-only split's slowest all-reduce.
+///
+/// The all-reduce is estimated as a flat ring over the stage's column (its slowest access link,
+/// its worst latency); each split is then evaluated exactly, with the sync the plan would choose.
+fn sync_aware_splits(costs: &Costs<'_>, grid: &[Vec<NodeId>]) -> Vec<Bounds> {
+    let (r, stages, l) = (grid.len(), grid[0].len(), costs.layers());
+    let m = u64::from(costs.training.micro_batch);
+    let micro = u64::from(costs.training.global_batch)
+        .div_ceil(m)
+        .div_ceil(r as u64);
+    let slots = (micro + stages as u64 - 1) as f64;
+    let column: Vec<(f64, f64)> = (0..stages)
+        .map(|k| {
+            grid.iter()
+                .map(|row| costs.cluster.node(row[k]).link)
+                .fold((f64::INFINITY, 0.0f64), |(b, lat), x| {
+                    (b.min(x.bandwidth_gbps), lat.max(x.latency_ms))
+                })
+        })
+        .collect();
+    let sync = |k: usize, a: usize, b: usize| {
+        let bytes = costs.grad_bytes(LayerRange::from(a..b)) as f64;
+        crate::cost::ring_allreduce_s(r, bytes, column[k].0, column[k].1)
+    };
+    let f = stage_cost_fn(costs, grid);
+    let mut out = Vec::new();
+    let shared = |k: usize, a: usize, b: usize| f(k, a, b).map(|t| t + sync(k, a, b) / slots);
+    if let Some((_, b)) = layers::optimal_split(l, stages, &shared) {
+        out.push(b);
+    }
+    let Some((_, base)) = layers::optimal_split(l, stages, &f) else {
+        return out;
+    };
+    let top = (0..stages)
+        .map(|k| sync(k, base[k], base[k + 1]))
+        .fold(0.0, f64::max);
+    for share in [0.85, 0.7, 0.55, 0.4, 0.3] {
+        let cap = top * share;
+        let capped = |k: usize, a: usize, b: usize| {
+            if sync(k, a, b) > cap {
+                None
+            } else {
+                f(k, a, b)
+            }
+        };
+        if let Some((_, b)) = layers::optimal_split(l, stages, &capped) {
+            out.push(b);
+        }
+    }
+    out
+}
+
 /// Micro-batches per replica: optimal makespan of (k_r + S - 1) · bottleneck_r.
 fn replica_micro(costs: &Costs<'_>, grid: &[Vec<NodeId>], bounds: &Bounds) -> Vec<u64> {
     let stages = bounds.len() - 1;
@@ -155,10 +215,14 @@ fn pipe_candidates(
             bounds_set.push(b);
         }
         let params: Vec<u64> = costs.model.layers.iter().map(|x| x.params).collect();
-        for b in [
+        let mut more = vec![
             layers::equal_layers(l, stages),
             layers::equal_params(&params, stages),
-        ] {
+        ];
+        if grid.len() >= 2 {
+            more.extend(sync_aware_splits(costs, &grid));
+        }
+        for b in more {
             if !bounds_set.contains(&b) {
                 bounds_set.push(b);
             }
@@ -183,7 +247,7 @@ fn pipe_candidates(
 /// Search the pipelines over `grid` (its layer splits: every one with `all_splits`, else the
 /// DP split and the two equal splits), keeping the fastest in `best`; skipped when even
 /// perfect balance over its nodes cannot beat `best` (an exact bound).
-fn search_grid(
+pub(super) fn search_grid(
     costs: &Costs<'_>,
     grid: Vec<Vec<NodeId>>,
     all_splits: bool,
@@ -241,6 +305,9 @@ pub(super) fn ravnest_search(costs: &Costs<'_>, opts: PlanOptions) -> Option<Pla
     let orders = node_orders(cluster);
     let rank: Vec<NodeId> = cluster.ids().collect();
     let params: Vec<u64> = costs.model.layers.iter().map(|x| x.params).collect();
+    if exact_pipe_applies(costs) {
+        exact_single_pipeline(costs, &mut best);
+    }
     for s in 2..=n.min(costs.layers()) {
         let dealer = Dealer {
             s,
@@ -249,7 +316,7 @@ pub(super) fn ravnest_search(costs: &Costs<'_>, opts: PlanOptions) -> Option<Pla
             need_orders: need_orders(costs, &params, s),
         };
         pipelines_of(costs, &dealer, n / s, &mut best);
-        if n <= SMALL_CLUSTER {
+        if n <= SMALL_CLUSTER && !exact_pipe_applies(costs) {
             ordered_pipelines(costs, &orders, s, &mut best);
         }
         if s == 2 && n <= COLUMNS_MAX_NODES {
@@ -307,6 +374,163 @@ fn ordered_pipelines(costs: &Costs<'_>, orders: &[Vec<NodeId>], s: usize, best: 
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Exact single pipelines.
+
+/// Up to this many nodes, the single-replica pipeline is searched exactly (every subset of
+/// nodes, every stage order, every layer split).
+const EXACT_PIPE_MAX_NODES: usize = 8;
+/// The exact search's work limit: subsets × first nodes × layers × (nodes × layers) steps
+/// (about 12 million at 8 nodes and 26 layers: tens of milliseconds).
+const EXACT_PIPE_MAX_WORK: usize = 64_000_000;
+
+/// Whether ravnest's search finds a plan whenever any plan fits: it tries every data-parallel
+/// subset, and (when pipelines are allowed) the exact single pipeline. Any pipeline that fits
+/// has a replica that fits alone (a stage's memory does not depend on the replica count), so
+/// then "fits nowhere" needs no exhaustive search to be true.
+pub(super) fn covers_every_fit(costs: &Costs<'_>, opts: PlanOptions) -> bool {
+    costs.cluster.nodes.len() <= DP_SUBSETS_MAX_NODES
+        && (!opts.allow_pipeline || exact_pipe_applies(costs))
+}
+
+/// Whether [`exact_single_pipeline`] searches `costs`' cluster and model.
+fn exact_pipe_applies(costs: &Costs<'_>) -> bool {
+    let n = costs.cluster.nodes.len();
+    let l = costs.layers();
+    n <= EXACT_PIPE_MAX_NODES && (1usize << n) * n * n * l * l <= EXACT_PIPE_MAX_WORK
+}
+
+/// The fastest single-replica pipeline of 2 or more stages, over every subset of the nodes in
+/// every order with every layer split, kept in `best` when faster.
+///
+/// A single replica's step is (micro-batches + S - 1) × its slowest stage, where a stage's
+/// time is its compute plus the round trip of its boundary activations to the next stage, and
+/// a stage k of S holds S - k micro-batches in flight. Built from the last stage backwards,
+/// the in-flight count is the position from the end, so one dynamic program covers every S:
+/// f(set, v, a) = the least slowest-stage time of a pipeline suffix over the nodes in `set`
+/// whose first stage is node `v` from layer `a` to the end of its stage. Prepending node `w`
+/// with layers a'..a costs compute(w, a'..a) + 2 · transfer(w → v, boundary a). A suffix that
+/// starts at layer 0 is a whole pipeline of |set| stages. Exact under the cost model (the
+/// evaluation of the winner computes the same times), so it is the oracle's answer for one
+/// replica.
+pub(super) fn exact_single_pipeline(costs: &Costs<'_>, best: &mut Option<Plan>) {
+    let n = costs.cluster.nodes.len();
+    let l = costs.layers();
+    if n < 2 || l < 2 {
+        return;
+    }
+    let id = |i: usize| NodeId(i as u32);
+    let m = u64::from(costs.training.micro_batch);
+    let k_mb = u64::from(costs.training.global_batch).div_ceil(m) as f64;
+    // No stage slower than this can beat `best` (the step is at least k_mb × slowest stage).
+    let limit = best
+        .as_ref()
+        .map_or(f64::INFINITY, |b| b.step.step_s / k_mb);
+    let links: Vec<Vec<crate::cluster::Link>> = (0..n)
+        .map(|a| (0..n).map(|b| costs.link(id(a), id(b))).collect())
+        .collect();
+    let boundary: Vec<f64> = (0..=l)
+        .map(|b| {
+            if b == 0 || b == l {
+                0.0
+            } else {
+                (costs.boundary_bytes_per_sample(b) * m) as f64
+            }
+        })
+        .collect();
+    let at = |mask: usize, v: usize, a: usize| (mask * n + v) * (l + 1) + a;
+    let mut f = vec![f64::INFINITY; (1 << n) * n * (l + 1)];
+    // The next stage's (node, first layer) of each suffix, to rebuild the winner.
+    let mut next = vec![(usize::MAX, 0usize); f.len()];
+    // Last stages: node v holds layers a..l with one micro-batch in flight.
+    for v in 0..n {
+        let mem = costs.cluster.node(id(v)).memory_bytes;
+        for a in (1..l).rev() {
+            let range = LayerRange::from(a..l);
+            if costs.memory_bytes(range, m) > mem {
+                break;
+            }
+            let t = costs.compute_s(id(v), range, m as f64);
+            if t >= limit {
+                break;
+            }
+            f[at(1 << v, v, a)] = t;
+        }
+    }
+    for mask in 1usize..(1 << n) {
+        let depth = mask.count_ones() as u64 + 1; // the prepended stage's position from the end
+        for v in (0..n).filter(|v| mask & (1 << v) != 0) {
+            for a in 1..l {
+                let fv = f[at(mask, v, a)];
+                if !fv.is_finite() {
+                    continue;
+                }
+                for w in (0..n).filter(|w| mask & (1 << w) == 0) {
+                    let mem = costs.cluster.node(id(w)).memory_bytes;
+                    let p2p = 2.0 * links[w][v].transfer_s(boundary[a]);
+                    if p2p >= limit {
+                        continue;
+                    }
+                    let to = mask | (1 << w);
+                    for a0 in (0..a).rev() {
+                        let range = LayerRange::from(a0..a);
+                        if costs.memory_bytes(range, depth * m) > mem {
+                            break;
+                        }
+                        let t = costs.compute_s(id(w), range, m as f64) + p2p;
+                        if t >= limit {
+                            break;
+                        }
+                        let i = at(to, w, a0);
+                        let val = fv.max(t);
+                        if val < f[i] {
+                            f[i] = val;
+                            next[i] = (v, a);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // The fastest whole pipeline (a suffix from layer 0 over 2 or more nodes).
+    let mut win: Option<(f64, usize, usize)> = None;
+    for mask in (1usize..(1 << n)).filter(|m| m.count_ones() >= 2) {
+        for v in (0..n).filter(|v| mask & (1 << v) != 0) {
+            let fv = f[at(mask, v, 0)];
+            let step = (k_mb + f64::from(mask.count_ones()) - 1.0) * fv;
+            if fv.is_finite() && win.is_none_or(|(s, _, _)| step < s) {
+                win = Some((step, mask, v));
+            }
+        }
+    }
+    let Some((_, mut mask, mut v)) = win else {
+        return;
+    };
+    let (mut row, mut bounds, mut a) = (Vec::new(), vec![0], 0);
+    loop {
+        row.push(id(v));
+        let (nv, na) = next[at(mask, v, a)];
+        if nv == usize::MAX {
+            bounds.push(l);
+            break;
+        }
+        bounds.push(na);
+        mask &= !(1 << v);
+        (v, a) = (nv, na);
+    }
+    let grid = vec![row];
+    let micro = replica_micro(costs, &grid, &bounds);
+    let samples = samples_from_micro(&micro, costs);
+    let c = Candidate::Pipe {
+        grid,
+        bounds,
+        micro,
+        samples,
+        note: None,
+    };
+    search_into(costs, &[(c, SyncFreedom::Choose)], best);
+}
+
 /// Up to this many nodes, every choice of two-stage pipeline replicas' columns is tried.
 const COLUMNS_MAX_NODES: usize = 8;
 
@@ -362,7 +586,7 @@ fn two_stage_columns(costs: &Costs<'_>, best: &mut Option<Plan>) {
 }
 
 /// Every `k`-subset of `ids[from..]` after `cur`, in lexicographic order, into `out`.
-fn subsets(
+pub(super) fn subsets(
     ids: &[NodeId],
     k: usize,
     from: usize,
@@ -381,7 +605,7 @@ fn subsets(
 }
 
 /// Call `f` with every permutation of `xs[k..]` (after `xs[..k]`), in a fixed order.
-fn permutations(xs: &mut [NodeId], k: usize, f: &mut dyn FnMut(&[NodeId])) {
+pub(super) fn permutations(xs: &mut [NodeId], k: usize, f: &mut dyn FnMut(&[NodeId])) {
     if k == xs.len() {
         f(xs);
         return;
