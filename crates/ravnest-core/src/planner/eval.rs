@@ -145,7 +145,7 @@ pub(super) fn evaluate(
             batch,
             note,
         } => (
-            evaluate_data(costs, workers, batch, freedom, &mut nodes)?,
+            evaluate_data(costs, workers, batch, freedom, beat, &mut nodes)?,
             note,
         ),
         Candidate::Pipe {
@@ -161,7 +161,10 @@ pub(super) fn evaluate(
                 micro,
                 samples,
             };
-            (evaluate_pipe(costs, &pipe, freedom, &mut nodes)?, note)
+            (
+                evaluate_pipe(costs, &pipe, freedom, beat, &mut nodes)?,
+                note,
+            )
         }
     };
     let Shaped {
@@ -220,6 +223,7 @@ fn evaluate_data(
     workers: &[NodeId],
     batch: &[u64],
     freedom: SyncFreedom,
+    beat: f64,
     nodes: &mut [Option<NodePlan>],
 ) -> Result<Shaped, Rejected> {
     let cluster = costs.cluster;
@@ -260,6 +264,10 @@ fn evaluate_data(
             idle_s: 0.0,
         });
     }
+    if cmax >= beat {
+        // The step is at least the compute: no sync makes it faster than `beat`.
+        return Err(Rejected::NotFaster);
+    }
     // Every-step rounds overlap the slowest worker's backward pass (2/3 of its compute): the
     // runtime reduces each gradient bucket as the backward pass completes it.
     let sync = choose_sync(
@@ -283,6 +291,7 @@ fn evaluate_pipe(
     costs: &Costs<'_>,
     pipe: &PipeShape<'_>,
     freedom: SyncFreedom,
+    beat: f64,
     nodes: &mut [Option<NodePlan>],
 ) -> Result<Shaped, Rejected> {
     let (grid, bounds) = (pipe.grid, pipe.bounds);
@@ -300,6 +309,10 @@ fn evaluate_pipe(
         for &id in &grid[r] {
             nodes[id.index()] = Some(idle_node(costs, id, NO_SAMPLES.into()));
         }
+    }
+    if cmax >= beat {
+        // The step is at least the slowest replica's compute: not faster than `beat`.
+        return Err(Rejected::NotFaster);
     }
     for (i, n) in nodes.iter_mut().enumerate() {
         if let Some(n) = n {
