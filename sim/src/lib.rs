@@ -867,6 +867,11 @@ fn picture(
                 false,
             )),
             Event::Joined { node } => markers.push((*t, format!("{} rejoined", name(node)), false)),
+            Event::Waiting { step, .. } => markers.push((
+                *t,
+                format!("no plan fits the live nodes: training waits at step {step}"),
+                false,
+            )),
             Event::TookOver { node, step, .. } => markers.push((
                 *t,
                 format!("{} took over as coordinator at step {step}", name(node)),

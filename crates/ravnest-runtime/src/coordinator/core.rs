@@ -80,6 +80,11 @@ pub struct Config {
     /// Fail-over: the node whose process hosts this coordinator. When set, the coordinator
     /// replicates what a successor needs to the nodes ([`super::succession`]).
     pub host: Option<NodeId>,
+    /// How long training may wait for nodes when the live ones cannot train (no plan fits
+    /// them, e.g. the side of a partition that kept the coordinator cannot hold the global
+    /// batch): nodes that come back (the partition heals) are planned in; past this, the run
+    /// stops with the planner's reason.
+    pub wait_for_nodes_ms: u64,
 }
 
 impl Config {
@@ -108,9 +113,13 @@ impl Config {
             allow_pipeline: false,
             tuning: Tuning::default(),
             host: None,
+            wait_for_nodes_ms: DEFAULT_WAIT_FOR_NODES_MS,
         }
     }
 }
+
+/// How long training waits by default for nodes when the live ones cannot train.
+pub const DEFAULT_WAIT_FOR_NODES_MS: u64 = 120_000;
 
 /// Knobs of the grant and of rebalancing.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -235,6 +244,27 @@ impl Staffing {
     }
 }
 
+/// Why no epoch can begin.
+#[derive(Debug, Clone)]
+enum Unstaffed {
+    /// The version to resume from is (partly) held only by lost nodes: a checkpoint restore
+    /// may help.
+    Lost(String),
+    /// The live nodes hold it but cannot train (no plan fits them): nodes that come back may
+    /// help; a restore cannot.
+    Short(String),
+}
+
+/// Training waits for nodes: the live ones hold version `from` (`holders`) but no plan fits
+/// them (`why`), since `since_ms`.
+#[derive(Debug, Clone)]
+struct Waiting {
+    from: u64,
+    holders: Holders,
+    why: String,
+    since_ms: u64,
+}
+
 /// One epoch's assignment, as the coordinator keeps it.
 #[derive(Debug, Clone)]
 struct Era {
@@ -356,6 +386,11 @@ pub struct Coordinator {
     resume_from: Option<BTreeSet<NodeId>>,
     /// Layers were held only by lost nodes: the node the latest checkpoint is restored on.
     restoring: Option<(NodeId, String)>,
+    /// No epoch runs: the live nodes cannot train, and training waits for nodes to come back.
+    waiting: Option<Waiting>,
+    /// The version the last checkpoint restore went back to: a loss found again at that very
+    /// version is not restored again (it would restore and fail forever).
+    restored_at: Option<u64>,
     /// Nodes that left cleanly: only a `Join` brings one back (a heartbeat or report of its
     /// still in flight is not a rejoin).
     departed: BTreeSet<NodeId>,
@@ -423,6 +458,8 @@ impl Coordinator {
             taking_over: None,
             resume_from: None,
             restoring: None,
+            waiting: None,
+            restored_at: None,
             departed: BTreeSet::new(),
             out: Vec::new(),
             cfg,
@@ -485,6 +522,7 @@ impl Coordinator {
                     self.on_dead(node, silent_ms);
                 }
                 self.watchdog();
+                self.give_up_waiting();
             }
             Input::PeerDown(node) => {
                 if let Some(DetectorEvent::Dead { node, silent_ms }) =
@@ -791,7 +829,14 @@ impl Coordinator {
         // The one policy (`ravnest_core::policy`), with this backend's stages.
         let (cfg, model, training) = (&self.cfg, &self.cfg.model, &self.cfg.training);
         let p = ravnest_core::policy(cfg.planner, &sub, model, training, cfg.allow_pipeline)
-            .map_err(|e| format!("no plan for the live nodes: {e}"))?;
+            .map_err(|e| {
+                let names: Vec<&str> = sub.nodes.iter().map(|n| n.name.as_str()).collect();
+                format!(
+                    "no plan for the live nodes ({}) at global batch {}: {e}",
+                    names.join(", "),
+                    training.global_batch
+                )
+            })?;
         self.plan_cache = Some((key, live.to_vec(), p.clone()));
         Ok((p, sub))
     }
@@ -801,13 +846,21 @@ impl Coordinator {
     fn begin_epoch(&mut self, from: u64, holders: &Holders) {
         let s = match self.staff(from, holders) {
             Ok(s) => s,
-            Err(why) => {
+            Err(Unstaffed::Lost(why)) => {
+                self.waiting = None;
                 if self.restore(&why) {
                     return;
                 }
                 return self.finish(Event::Stalled(why));
             }
+            // A resumption (no epoch runs): wait for nodes. A switch (the running epoch goes
+            // on) or the start cannot wait on a plan that never came.
+            Err(Unstaffed::Short(why)) if self.eras.is_empty() && self.epoch > 0 => {
+                return self.wait(from, holders, why);
+            }
+            Err(Unstaffed::Short(why)) => return self.finish(Event::Stalled(why)),
         };
+        self.waiting = None;
         let (policy, collective) = match s.plan.sync.method {
             SyncMethod::LocalSgd {
                 local_steps,
@@ -856,26 +909,30 @@ impl Coordinator {
     /// Who does what from step `from`: the plan of the live nodes, their assignments (each
     /// stage with the layers it fetches), and where a data-parallel node that lacks the version
     /// fetches it. Or why training cannot go on.
-    fn staff(&mut self, from: u64, holders: &Holders) -> Result<Staffing, String> {
+    fn staff(&mut self, from: u64, holders: &Holders) -> Result<Staffing, Unstaffed> {
         let mut live = self.detector.alive();
         live.retain(|n| !self.leaving.contains(n));
         if live.is_empty() {
-            return Err("no live nodes".into());
+            return Err(Unstaffed::Lost("no live nodes".into()));
         }
         if !holders.keys().any(|h| self.detector.is_alive(*h)) {
-            return Err("no live node holds the latest model".into());
+            return Err(Unstaffed::Lost(
+                "no live node holds the latest model".into(),
+            ));
         }
         let holders: Holders = holders
             .iter()
             .filter(|(h, _)| self.detector.is_alive(**h))
             .map(|(h, l)| (*h, *l))
             .collect();
-        let (plan, sub) = self.plan_live(&live)?;
+        let (plan, sub) = self.plan_live(&live).map_err(Unstaffed::Short)?;
         let (mut assigns, groups) =
-            assignments(&plan, &live, &sub, &self.cfg.model, &self.cfg.training)?;
+            assignments(&plan, &live, &sub, &self.cfg.model, &self.cfg.training)
+                .map_err(Unstaffed::Short)?;
         for a in &mut assigns {
             if let Some(sw) = &mut a.stage {
-                sw.fetch = super::assign::fetch_plan(&holders, a.node, sw.layers, from)?;
+                sw.fetch = super::assign::fetch_plan(&holders, a.node, sw.layers, from)
+                    .map_err(Unstaffed::Lost)?;
             }
         }
         // A node that lacks the version fetches it from a holder the new epoch keeps (a holder
@@ -899,11 +956,58 @@ impl Coordinator {
             whole_holder,
         };
         if s.assigns.iter().any(|a| s.lacks_model(a)) && s.whole_holder.is_none() {
-            return Err(
+            return Err(Unstaffed::Lost(
                 "no live node holds the whole latest model for a data-parallel plan".into(),
-            );
+            ));
         }
         Ok(s)
+    }
+
+    /// No plan fits the live nodes after a loss: training waits (no epoch runs; the live
+    /// nodes stay halted and keep version `from`) until a node comes back, for at most
+    /// `wait_for_nodes_ms` from the first such plan failure. Said once per reason.
+    fn wait(&mut self, from: u64, holders: &Holders, why: String) {
+        let since_ms = self.waiting.as_ref().map_or(self.now_ms, |w| w.since_ms);
+        if self.waiting.as_ref().is_none_or(|w| w.why != why) {
+            self.emit(Event::Waiting {
+                step: from,
+                why: why.clone(),
+            });
+        }
+        self.floor = from;
+        self.waiting = Some(Waiting {
+            from,
+            holders: holders.clone(),
+            why,
+            since_ms,
+        });
+        self.replicate(true);
+    }
+
+    /// A node came back while training waits: plan again with it.
+    fn stop_waiting(&mut self) {
+        let Some(w) = self.waiting.clone() else {
+            return;
+        };
+        self.joiners.clear();
+        self.begin_epoch(w.from, &w.holders);
+    }
+
+    /// Training waited for nodes for longer than it may: the run stops, saying why.
+    fn give_up_waiting(&mut self) {
+        let Some(w) = &self.waiting else { return };
+        let waited = self.now_ms.saturating_sub(w.since_ms);
+        if waited <= self.cfg.wait_for_nodes_ms {
+            return;
+        }
+        let why = format!(
+            "{} (training waited {:.0} s at step {} for lost nodes to come back)",
+            w.why,
+            waited as f64 / 1e3,
+            w.from
+        );
+        self.waiting = None;
+        self.finish(Event::Stalled(why));
     }
 
     /// Say the plan when its split (workers, batches, layers) differs from the last one said.
@@ -1335,7 +1439,10 @@ impl Coordinator {
     /// others, and go back to it. Whether a restore started (once per loss; only with
     /// checkpoints, and not while taking over).
     fn restore(&mut self, why: &str) -> bool {
-        if self.restoring.is_some() || self.cfg.checkpoint_every == 0 || self.taking_over.is_some()
+        if self.restoring.is_some()
+            || self.cfg.checkpoint_every == 0
+            || self.taking_over.is_some()
+            || self.restored_at == Some(self.agreed)
         {
             return false;
         }
@@ -1389,6 +1496,7 @@ impl Coordinator {
                 "{why}, and there is no checkpoint to restore them from; restart the run"
             )));
         };
+        self.restored_at = Some(v);
         self.restart_from(v, &BTreeMap::from([(to, None)]));
     }
 
@@ -1415,6 +1523,11 @@ impl Coordinator {
             return self.lost_worker(node);
         }
         self.joiners.insert(node);
+        if let Some(w) = &mut self.waiting {
+            // Whatever it held may be stale or gone: it fetches the version like a joiner.
+            w.holders.remove(&node);
+            return self.stop_waiting();
+        }
         self.admit_joiners();
     }
 

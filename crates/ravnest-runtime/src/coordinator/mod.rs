@@ -117,6 +117,15 @@ pub enum Event {
     Refused(String),
     /// Replicas disagreed after a step (a checker failure): the run stops.
     Violation(String),
+    /// No plan fits the live nodes after a loss (e.g. the side of a partition that kept the
+    /// coordinator cannot hold the global batch): training waits at model version `step` for
+    /// lost nodes to come back (for at most `Config::wait_for_nodes_ms`, then `Stalled`).
+    Waiting {
+        /// The version training goes on from.
+        step: u64,
+        /// Why the live nodes cannot train.
+        why: String,
+    },
     /// Training cannot go on.
     Stalled(String),
     /// All steps done.
@@ -141,6 +150,7 @@ impl Event {
             Event::CheckpointComplete { .. } => "checkpoint",
             Event::Refused(_) => "shard-refused",
             Event::Violation(_) => "violation",
+            Event::Waiting { .. } => "waiting",
             Event::Stalled(_) => "stalled",
             Event::Finished => "finished",
         }

@@ -32,6 +32,25 @@ fn config(nodes: usize) -> Config {
     }
 }
 
+/// Two 3090s training GPT-2 small on a global batch of 24: both hold 12 samples, and one
+/// alone cannot hold the 24 (no data-parallel plan fits one node), as the coordinator's side
+/// of a partition that cut off half the cluster.
+fn tight_config() -> Config {
+    let text = "[links]\nbandwidth_gbps = 10.0\nlatency_ms = 0.2\n\
+        [[node]]\nname = \"g\"\ndevice = \"rtx3090\"\ncount = 2\n\
+        [model]\npreset = \"gpt2-small\"\n\
+        [training]\nglobal_batch = 24\nmicro_batch = 4\noptimizer = \"adamw\"\nprecision = \"fp16\"\n";
+    let s = ravnest_core::parse(text, "tight-test").unwrap();
+    let costs = ravnest_core::cost::Costs::new(&s.cluster, &s.model, &s.training);
+    Config {
+        train_flops: costs.train_flops(costs.all()),
+        heartbeat_timeout_ms: TIMEOUT_MS,
+        checkpoint_every: 10,
+        checkpoint_at_end: true,
+        ..Config::new(s.cluster, s.model, s.training, STEPS)
+    }
+}
+
 /// A node as the coordinator sees it behave.
 #[derive(Debug, Default)]
 struct Node {
@@ -166,7 +185,13 @@ struct Cut {
 /// Run the model: `choices` picks each next action; `cut` cuts a node off (and maybe brings it
 /// back). Returns the coordinator's effects in order.
 fn drive(nodes: usize, choices: &[usize], cut: Option<Cut>) -> Result<Vec<Effect>, String> {
-    let mut c = Coordinator::new(config(nodes), 0);
+    drive_with(config(nodes), choices, cut)
+}
+
+/// [`drive`] with a given configuration.
+fn drive_with(cfg: Config, choices: &[usize], cut: Option<Cut>) -> Result<Vec<Effect>, String> {
+    let nodes = cfg.cluster.nodes.len();
+    let mut c = Coordinator::new(cfg, 0);
     let mut ns: Vec<Node> = (0..nodes)
         .map(|_| Node {
             alive: true,
@@ -410,4 +435,105 @@ fn a_lost_worker_halts_the_epoch_and_the_survivors_resume_where_they_all_are() {
     let w = last_work.last().unwrap();
     assert_eq!(w.ring, vec![NodeId(0), NodeId(1)]);
     assert_eq!(agreed_steps(&log).unwrap().len() as u64, STEPS);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(16))]
+
+    /// Half of a cluster where the other half alone cannot hold the global batch is cut off
+    /// and back (a partition that heals) at any moment: training waits for it at the version
+    /// the survivor holds (no checkpoint restore, which cannot help), plans it back in when it
+    /// is heard again, and finishes with every step agreed in order, once.
+    #[test]
+    fn a_survivor_that_cannot_train_alone_waits_for_the_cut_off_node(
+        who in 0usize..2,
+        at in 0usize..400,
+        back in 80usize..600,
+        choices in prop::collection::vec(0usize..64, 0..3000),
+    ) {
+        let cut = Cut { at, who, back_after: Some(back) };
+        let log = drive_with(tight_config(), &choices, Some(cut)).map_err(TestCaseError::fail)?;
+        let agreed = agreed_steps(&log).map_err(TestCaseError::fail)?;
+        prop_assert_eq!(agreed, (0..STEPS).collect::<Vec<_>>());
+        let restores = log
+            .iter()
+            .filter(|e| matches!(e, Effect::Checkpoint(Envelope::Restore { .. })))
+            .count();
+        prop_assert_eq!(restores, 0);
+    }
+}
+
+/// The livelock of `ravnest sim` after a partition (global batch 72 on the partition
+/// scenario): the survivors could not be planned, the coordinator restored the checkpoint,
+/// failed to plan again and restored again, forever at one virtual instant. Now it waits, once,
+/// and the cut-off node's return resumes training.
+#[test]
+fn a_partition_the_survivor_cannot_train_through_waits_then_resumes() {
+    let cut = Cut {
+        at: 40,
+        who: 1,
+        back_after: Some(300),
+    };
+    let log = drive_with(tight_config(), &[], Some(cut)).unwrap();
+    let waited: Vec<&String> = log
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Event(Event::Waiting { why, .. }) => Some(why),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(waited.len(), 1, "said once: {waited:?}");
+    assert!(
+        waited[0].contains("no plan for the live nodes"),
+        "{}",
+        waited[0]
+    );
+    assert!(
+        !log.iter()
+            .any(|e| matches!(e, Effect::Event(Event::Restoring { .. }))),
+        "a restore cannot give the survivor memory"
+    );
+    assert_eq!(agreed_steps(&log).unwrap(), (0..STEPS).collect::<Vec<_>>());
+    // The last epoch has both nodes again.
+    let w = log
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Send(_, Envelope::Work(w)) => Some(w.as_ref()),
+            _ => None,
+        })
+        .next_back()
+        .unwrap();
+    assert_eq!(w.ring.len(), 2);
+}
+
+/// The cut-off node never comes back: after `wait_for_nodes_ms` the run stops with the
+/// planner's reason, and a handful of effects on the way (no loop).
+#[test]
+fn a_partition_that_never_heals_stops_with_the_reason() {
+    let cut = Cut {
+        at: 40,
+        who: 1,
+        back_after: None,
+    };
+    let cfg = Config {
+        wait_for_nodes_ms: 30_000,
+        ..tight_config()
+    };
+    let log = drive_with(cfg, &[], Some(cut)).unwrap();
+    let stalled: Vec<&String> = log
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Event(Event::Stalled(why)) => Some(why),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stalled.len(), 1);
+    assert!(
+        stalled[0].contains("no plan for the live nodes"),
+        "{}",
+        stalled[0]
+    );
+    assert!(stalled[0].contains("waited 30 s"), "{}", stalled[0]);
+    assert!(log.len() < 1000, "{} effects", log.len());
+    assert_eq!(log.last(), Some(&Effect::Finished));
 }

@@ -310,6 +310,9 @@ pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
         ),
         Event::CheckpointComplete { step, .. } => format!("checkpoint of step {step} written"),
         Event::Violation(w) => format!("violation: {w}"),
+        Event::Waiting { step, why } => {
+            format!("{why}: training waits at step {step} for lost nodes to come back")
+        }
         Event::Stalled(w) => format!("stalled: {w}"),
         Event::Finished => "finished".into(),
     }
