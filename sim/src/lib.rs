@@ -138,6 +138,12 @@ pub struct FaultReport {
     pub replanned_after_steps: Option<u64>,
     /// For a crash of the coordinator's host: who took over, when, and from which step.
     pub taken_over: Option<TakeOverReport>,
+    /// For a partition: the nodes declared dead while it lasted.
+    pub lost: Vec<String>,
+    /// For a partition: no plan fitted the nodes left, and training waited this many seconds
+    /// for lost nodes to come back (until the next completed step, or the run's last event
+    /// when they never did).
+    pub waited_s: Option<f64>,
 }
 
 /// How a crash of the coordinator's host was answered (fail-over).
@@ -1027,7 +1033,10 @@ fn fault_report(s: &Scenario, log: &RunLog, f: &Fault) -> FaultReport {
         }),
         _ => None,
     };
+    let (lost, waited_s) = partition_losses(s, log, f, at_ns);
     FaultReport {
+        lost,
+        waited_s,
         taken_over: match f {
             Fault::Crash { node, .. } => taken_over(s, log, *node, at_ns),
             _ => None,
@@ -1039,6 +1048,45 @@ fn fault_report(s: &Scenario, log: &RunLog, f: &Fault) -> FaultReport {
         detected_after_s: detected.map(|t| (t - at_ns) as f64 / 1e9),
         resumed_after_s: resumed.map(|t| (t - at_ns) as f64 / 1e9),
     }
+}
+
+/// For a partition starting at `at_ns`: the nodes declared dead while it lasted, and how long
+/// training waited for lost nodes when no plan fitted the rest (from the wait to the next
+/// completed step, or to the run's last event).
+fn partition_losses(
+    s: &Scenario,
+    log: &RunLog,
+    f: &Fault,
+    at_ns: u64,
+) -> (Vec<String>, Option<f64>) {
+    let Fault::Partition { to_s, .. } = f else {
+        return (Vec::new(), None);
+    };
+    let to_ns = (to_s * 1e9) as u64;
+    let during = |t: u64| t >= at_ns && t <= to_ns;
+    let lost = log
+        .events
+        .iter()
+        .filter_map(|(t, e)| match e {
+            Event::Detected { node, .. } if during(*t) => Some(s.cluster.node(*node).name.clone()),
+            _ => None,
+        })
+        .collect();
+    let waited = log.events.iter().find_map(|(t, e)| match e {
+        Event::Waiting { .. } if during(*t) => Some(*t),
+        _ => None,
+    });
+    let waited_s = waited.map(|w| {
+        let until = log
+            .step_done_ns
+            .iter()
+            .copied()
+            .find(|&t| t >= w)
+            .or(log.events.last().map(|e| e.0))
+            .unwrap_or(w);
+        (until - w) as f64 / 1e9
+    });
+    (lost, waited_s)
 }
 
 /// When `node`, crashed at `at_ns`, hosted the coordinator: who took over, when, from which

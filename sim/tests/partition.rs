@@ -87,6 +87,9 @@ fn the_coordinators_rack_trains_alone_through_the_partition_and_the_other_rejoin
     }
     assert!(!marked(&r, "rack-a-0 declared dead"));
     assert!(!marked(&r, "training waits"));
+    // The idle rack-b-2 is watched too.
+    assert_eq!(r.faults[0].lost, RACK_B);
+    assert_eq!(r.faults[0].waited_s, None);
 }
 
 #[test]
@@ -105,6 +108,9 @@ fn the_coordinators_rack_that_cannot_hold_the_batch_waits_for_the_heal() {
         assert!(marked(&r, &format!("{b} rejoined")), "{b} back");
     }
     assert!(marked(&r, "training waits"));
+    assert_eq!(r.faults[0].lost, RACK_B);
+    let waited = r.faults[0].waited_s.expect("waited");
+    assert!((8.0..10.0).contains(&waited), "waited {waited} s");
     // Nothing was agreed while rack B was away: the next step came after the heal at 40 s.
     let resumed = r.faults[0]
         .resumed_after_s

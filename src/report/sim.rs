@@ -187,6 +187,15 @@ fn fault_line(f: &ravnest_sim::FaultReport) -> String {
         }
         (None, _) => line.push_str(": no step completed after it"),
     }
+    if !f.lost.is_empty() {
+        let _ = write!(line, "; declared dead: {}", f.lost.join(", "));
+    }
+    if let Some(w) = f.waited_s {
+        let _ = write!(
+            line,
+            "; no plan fitted the rest: training waited {w:.2} s for them"
+        );
+    }
     if let Some(k) = f.replanned_after_steps {
         let _ = write!(line, "; re-planned for measured speeds {k} steps later");
     }
