@@ -32,7 +32,7 @@ use serde_json::{Value, json};
 
 use crate::discover::Announcer;
 use crate::events::RunEvent;
-use crate::summary::{CoordinatorReport, NodeReport, STEADY_STEPS_MAX, Slowdown};
+use crate::summary::{CoordinatorReport, NodeReport, RunReport, STEADY_STEPS_MAX, Slowdown};
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
@@ -221,16 +221,8 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
             Ok(worker::Ending::Finished) => Ok(None),
             Ok(worker::Ending::Left) => {
                 progress.abort();
-                let report = NodeReport {
-                    steady_steps: Vec::new(),
-                    ..node_report(None, &opts, &su, &counters, &tcp, t0)
-                };
-                say.say(&RunEvent::Report(report.clone()));
-                say.cluster("left the cluster cleanly; the run goes on without this node");
                 sup.stop(None);
-                tcp.drain(Duration::from_secs(2)).await;
-                tcp.shutdown();
-                return Ok(report);
+                return Ok(leave(&host).await);
             }
             Ok(worker::Ending::TakeOver(r, from)) => {
                 coordinate::take_over(&host, r, from).await.map(Some)
@@ -239,14 +231,10 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
         }
     };
     progress.abort();
-    let role = match role {
-        Ok(r) => r,
-        Err(e) => {
-            sup.stop(None);
-            tcp.shutdown();
-            return Err(e);
-        }
-    };
+    let role = role.inspect_err(|_| {
+        sup.stop(None);
+        tcp.shutdown();
+    })?;
     let (figures, collect) = match role {
         Some((figures, reports, expected)) => (Some(figures), Some((reports, expected))),
         None => (None, None),
@@ -282,17 +270,34 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
             gather::fetch(&su, &net, wire_report, summary_rx).await
         }
     };
-    if let Some(m) = &summary
-        && !opts.quiet
-    {
-        use std::io::Write;
-        let m = RunEvent::Summary(m.clone());
-        let text = if opts.json { m.json() } else { m.human() };
-        let _ = writeln!(std::io::stdout().lock(), "{text}");
+    if let Some(m) = &summary {
+        print_summary(&opts, m);
     }
     sup.stop(None);
     tcp.shutdown();
     Ok(report)
+}
+
+/// A worker that left the cluster cleanly: its own report, printed, and the transport drained
+/// and shut down.
+async fn leave(host: &Host<'_>) -> NodeReport {
+    let Host {
+        opts,
+        say,
+        su,
+        tcp,
+        counters,
+        t0,
+    } = *host;
+    let report = NodeReport {
+        steady_steps: Vec::new(),
+        ..node_report(None, opts, su, counters, tcp, t0)
+    };
+    say.say(&RunEvent::Report(report.clone()));
+    say.cluster("left the cluster cleanly; the run goes on without this node");
+    tcp.drain(Duration::from_secs(2)).await;
+    tcp.shutdown();
+    report
 }
 
 /// This node's announcement on the LAN, when it makes one (see [`Options::announce`]). A
@@ -505,4 +510,15 @@ fn node_report(
             since_step: stats.slowdown.1,
         },
     }
+}
+
+/// The run's summary, on stdout (unless `--quiet`).
+fn print_summary(opts: &Options, summary: &RunReport) {
+    use std::io::Write;
+    if opts.quiet {
+        return;
+    }
+    let m = RunEvent::Summary(summary.clone());
+    let text = if opts.json { m.json() } else { m.human() };
+    let _ = writeln!(std::io::stdout().lock(), "{text}");
 }
