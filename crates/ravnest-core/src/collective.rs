@@ -75,14 +75,15 @@ impl Member {
 
     /// What fraction (1 / the returned number) of the whole vector `msg` stands for, so a
     /// simulated network can charge each message its share of the bytes the vector stands for:
-    /// a ring piece is one segment of one of n chunks; each level of a two-level ring moves
-    /// about a whole vector in as many chunks as that level has members; a parameter-server
-    /// message is the whole vector.
+    /// a ring piece is one segment of one of n chunks; a two-level ring's group levels move
+    /// segments of one of `size` chunks, its level across groups segments of 1/n of the vector
+    /// (see [`Ring2dMember::pieces_of_level`]); a parameter-server message is the whole vector.
+    /// Either ring thus charges each member 2(n − 1)/n of the vector, as the cost model does.
     pub fn pieces_of(&self, msg: &CollMsg) -> usize {
         match (&self.algo, msg) {
             (Algo::Ring(m), _) => m.segments() * self.n,
-            (Algo::Ring2d(m), CollMsg::Chunk(c)) if c.level == 2 => m.groups(),
-            (Algo::Ring2d(m), _) => m.size(),
+            (Algo::Ring2d(m), CollMsg::Chunk(c)) => m.pieces_of_level(c.level),
+            (Algo::Ring2d(m), _) => m.pieces_of_level(1),
             (Algo::Ps(_), _) => 1,
         }
         .max(1)
@@ -190,6 +191,52 @@ mod tests {
                     for j in 0..len { prop_assert!((d[j] - oracle[j]).abs() <= 1e-4 * oracle[j].abs().max(1.0)); }
                     prop_assert_eq!(d, done[0][c].as_ref().unwrap());
                 }
+            }
+        }
+    }
+
+    /// The shares a simulated network charges add up to what the cost model charges: every
+    /// member of a flat or two-level ring sends 2(n − 1)/n of the vector (a two-level ring's
+    /// level across groups once charged each message 1/g of the vector instead of 1/n, which
+    /// made the simulated 600-node ring of `large-1000` send 3.8 vectors per step, not 2).
+    #[test]
+    fn each_ring_member_is_charged_2_n_minus_1_over_n_of_the_vector() {
+        for (kind, n, group) in [
+            (Collective::Ring, 5, 0),
+            (Collective::Ring2d, 6, 2),
+            (Collective::Ring2d, 12, 3),
+            (Collective::Ring2d, 12, 4),
+        ] {
+            let len = 1000;
+            let id = CollId::epoch(1);
+            let mut m: Vec<Member> = (0..n)
+                .map(|r| Member::new(kind, group, id, r, n, len))
+                .collect();
+            let mut sent = vec![0.0f64; n];
+            let mut queue: VecDeque<(usize, CollMsg)> = VecDeque::new();
+            let mut effects: Vec<(usize, CollEffect)> = Vec::new();
+            for (r, member) in m.iter_mut().enumerate() {
+                let v = vec![1.0; len];
+                effects.extend(member.handle(CollInput::Start(v)).into_iter().map(|e| (r, e)));
+            }
+            loop {
+                for (r, e) in effects.drain(..) {
+                    if let CollEffect::Send { to, msg } = e {
+                        sent[r] += 1.0 / m[r].pieces_of(&msg) as f64;
+                        queue.push_back((to, msg));
+                    }
+                }
+                let Some((to, msg)) = queue.pop_front() else {
+                    break;
+                };
+                effects.extend(m[to].handle(CollInput::Msg(msg)).into_iter().map(|e| (to, e)));
+            }
+            let want = 2.0 * (n as f64 - 1.0) / n as f64;
+            for (r, s) in sent.iter().enumerate() {
+                assert!(
+                    (s - want).abs() < 1e-9,
+                    "{kind:?} n={n} group={group}: rank {r} charged {s}, want {want}"
+                );
             }
         }
     }

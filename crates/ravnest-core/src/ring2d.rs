@@ -58,6 +58,19 @@ impl Ring2dMember {
         self.size
     }
 
+    /// What fraction (1 / the returned number) of the whole vector a message of `level`
+    /// stands for: a segment of one of `size` chunks inside a group (levels 1 and 3), or a
+    /// segment of one of `groups` pieces of the one chunk a node owns, itself 1/`size` of the
+    /// vector (level 2): each level-2 message is about 1/n of the vector, so a member sends
+    /// 2(n − 1)/n of it in all, as in a flat ring.
+    pub fn pieces_of_level(&self, level: u8) -> usize {
+        match level {
+            2 => self.b.segments() * self.groups * self.size,
+            3 => self.c.segments() * self.size,
+            _ => self.a.segments() * self.size,
+        }
+    }
+
     /// Global index of a group-mate at position `p`.
     fn in_group(&self, p: usize) -> usize {
         self.group * self.size + p
