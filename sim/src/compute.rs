@@ -7,6 +7,7 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
+use ravnest_core::cost::GradBucket;
 use ravnest_core::{LayerRange, NodeId};
 use ravnest_runtime::Compute;
 use ravnest_runtime::seams::{BucketSink, ComputeError};
@@ -31,6 +32,9 @@ struct State {
     jitter: Vec<f64>,
     slowdown: Vec<f64>,
     rngs: Vec<Rng>,
+    /// The buckets a data-parallel step hands its gradient over in, and when (the real
+    /// runtime's, from the cost model: [`ravnest_core::cost::grad_buckets`]).
+    buckets: Vec<GradBucket>,
 }
 
 /// Simulated compute for every node of a cluster.
@@ -49,7 +53,50 @@ impl SimCompute {
             fixed_s: vec![0.0; n],
             jitter: vec![JITTER; n],
             secs_per_sample,
+            buckets: Vec::new(),
         })))
+    }
+
+    /// Hand a data-parallel step's gradient over in `buckets` (in order, each when its share
+    /// of backward is done), as the real runtime does for the model simulated: the cost
+    /// model's [`ravnest_core::cost::grad_buckets`]. Without them: one bucket at the end.
+    pub fn with_buckets(self, buckets: Vec<GradBucket>) -> Self {
+        self.0.lock().unwrap().buckets = buckets;
+        self
+    }
+
+    /// The toy gradient's buckets for a `params`-value gradient: each model bucket's element
+    /// range (a layered toy's layers exactly; the flat toy's `DIM` values cut in proportion to
+    /// the buckets' bytes, from the top, as backward produces them) and its share of backward
+    /// done when it is handed over. A bucket too small for a toy value rides with the next.
+    fn toy_buckets(&self, params: usize) -> Vec<(Range<usize>, f64)> {
+        let s = self.0.lock().unwrap();
+        if s.buckets.len() <= 1 || params < 2 {
+            return vec![(0..params, 1.0)];
+        }
+        let mut out: Vec<(Range<usize>, f64)> = Vec::new();
+        let mut hi = params;
+        let mut above = 0.0;
+        for b in &s.buckets {
+            above += b.bytes_share;
+            let lo = match s.toy {
+                Toy::Chain { .. } => s.toy.param_range(b.layers).start.min(hi),
+                Toy::Flat => params - ((above * params as f64).round() as usize).min(params),
+            };
+            if lo < hi {
+                out.push((lo..hi, b.ready_at));
+                hi = lo;
+            }
+        }
+        match out.last_mut() {
+            // The last bucket reaches down to the first value, at the end of backward.
+            Some(last) => {
+                last.0.start = 0;
+                last.1 = 1.0;
+            }
+            None => out.push((0..params, 1.0)),
+        }
+        out
     }
 
     /// Charge node i `fixed_s[i]` seconds per data-parallel step on top of its samples (a
@@ -155,8 +202,8 @@ enum Fixed {
     NotCharged,
 }
 
-/// Share of a layer range's training FLOPs spent in its forward pass.
-pub const FORWARD_SHARE: f64 = 1.0 / 3.0;
+/// Share of a layer range's training FLOPs spent in its forward pass (the cost model's).
+pub const FORWARD_SHARE: f64 = ravnest_core::cost::FORWARD_SHARE;
 
 impl Compute for SimCompute {
     fn initial_model(&self) -> Vec<f32> {
@@ -222,14 +269,11 @@ impl Compute for SimCompute {
         Ok(toy::chain_backward(samples, layers, output, grad_out))
     }
 
-    /// The flat toy's gradient comes in two buckets (its back half first, as backward runs),
-    /// so the simulator overlaps communication with compute as the real runtime does; a
-    /// layered toy runs as pipeline stages, whose gradient is one bucket per stage.
+    /// The buckets the real runtime hands the simulated model's gradient over in
+    /// ([`SimCompute::with_buckets`]), so the simulator overlaps communication with compute
+    /// exactly as far as the real runtime does and the cost model says.
     fn buckets(&self, params: usize) -> Vec<Range<usize>> {
-        match self.toy() {
-            Toy::Flat if params >= 2 => vec![params / 2..params, 0..params / 2],
-            _ => std::iter::once(0..params).collect(),
-        }
+        self.toy_buckets(params).into_iter().map(|b| b.0).collect()
     }
 
     fn apply_update(&self, model: &mut [f32], range: Range<usize>, mean_gradient: &[f32]) {
@@ -252,14 +296,11 @@ impl Compute for SimCompute {
         let until = |s: f64| {
             tokio::time::sleep_until(start + std::time::Duration::from_nanos((s * 1e9) as u64))
         };
-        let mut at = secs * FORWARD_SHARE;
-        until(at).await;
+        until(secs * FORWARD_SHARE).await;
         let g = self.toy().gradient_sum(samples, &model);
-        // Backward produces the buckets in order, each after its share of the backward time.
-        for (k, r) in self.buckets(g.len()).into_iter().enumerate() {
-            let share = r.len() as f64 / g.len().max(1) as f64;
-            at += secs * (1.0 - FORWARD_SHARE) * share;
-            until(at).await;
+        // Backward produces the buckets in order, each when its share of backward is done.
+        for (k, (r, done)) in self.toy_buckets(g.len()).into_iter().enumerate() {
+            until(secs * (FORWARD_SHARE + ravnest_core::cost::BACKWARD_SHARE * done)).await;
             ready(k, g[r].to_vec());
         }
         Ok(())

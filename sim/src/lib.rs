@@ -355,7 +355,9 @@ fn sim_compute(
     seed: u64,
     layered: bool,
 ) -> SimCompute {
-    let compute = SimCompute::new(secs_per_sample.to_vec(), seed).with_fixed(fixed_s.to_vec());
+    let compute = SimCompute::new(secs_per_sample.to_vec(), seed)
+        .with_fixed(fixed_s.to_vec())
+        .with_buckets(ravnest_core::cost::grad_buckets(costs.model));
     if !layered {
         return compute;
     }

@@ -217,7 +217,12 @@ mod tests {
             let mut effects: Vec<(usize, CollEffect)> = Vec::new();
             for (r, member) in m.iter_mut().enumerate() {
                 let v = vec![1.0; len];
-                effects.extend(member.handle(CollInput::Start(v)).into_iter().map(|e| (r, e)));
+                effects.extend(
+                    member
+                        .handle(CollInput::Start(v))
+                        .into_iter()
+                        .map(|e| (r, e)),
+                );
             }
             loop {
                 for (r, e) in effects.drain(..) {
@@ -229,7 +234,12 @@ mod tests {
                 let Some((to, msg)) = queue.pop_front() else {
                     break;
                 };
-                effects.extend(m[to].handle(CollInput::Msg(msg)).into_iter().map(|e| (to, e)));
+                effects.extend(
+                    m[to]
+                        .handle(CollInput::Msg(msg))
+                        .into_iter()
+                        .map(|e| (to, e)),
+                );
             }
             let want = 2.0 * (n as f64 - 1.0) / n as f64;
             for (r, s) in sent.iter().enumerate() {

@@ -9,8 +9,11 @@
 //! - transfer time = latency + bytes ÷ bandwidth;
 //! - ring all-reduce = 2(n-1)/n · S ÷ B_slowest + 2(n-1) · latency;
 //! - parameter server = 2 · max((n-1) · S ÷ B_server, slowest worker's transfer of S);
-//! - data-parallel gradient rounds overlap the backward pass of the slowest worker (DDP-style
-//!   buckets): exposed time = max(0, round - backward); pipeline stage rounds and local-SGD
+//! - data-parallel gradient rounds overlap the backward pass only as far as the runtime hands
+//!   the gradient over in buckets while backward still runs ([`grad_buckets`], the same list
+//!   the simulator uses): an MLP's per-layer buckets can hide behind the rest of backward, a
+//!   model whose backend returns the whole gradient at once (every other model today) cannot,
+//!   so its step is compute + round ([`bucketed_step_s`]); pipeline stage rounds and local-SGD
 //!   averaging rounds are not overlapped; pipeline activation transfers add to the stage time.
 
 use crate::cluster::{ClusterSpec, Link, NodeId, TrainingSpec};
@@ -19,6 +22,110 @@ use crate::model::{ModelSpec, state_bytes_per_param};
 
 /// Share of a training step's compute spent in the backward pass (backward = 2x forward).
 pub const BACKWARD_SHARE: f64 = 2.0 / 3.0;
+
+/// Share of a training step's compute spent in the forward pass.
+pub const FORWARD_SHARE: f64 = 1.0 / 3.0;
+
+/// An MLP's smallest gradient bucket (parameters): smaller layers ride with the one before
+/// them (the last one with the one below it), so a bucket's round is not all latency. The
+/// CPU backend's hand-written backward (`ravnest-train`, `Network::grad_buckets`) cuts its
+/// buckets with this figure.
+pub const BUCKET_MIN_PARAMS: u64 = 1 << 16;
+
+/// One gradient bucket, as the runtime's backward hands it to the all-reduce.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GradBucket {
+    /// Its layers.
+    pub layers: LayerRange,
+    /// Share of the backward pass done when it is handed over (backward runs from the last
+    /// layer down, so the buckets come last layers first; 1 for the last bucket).
+    pub ready_at: f64,
+    /// Its share of the gradient's bytes.
+    pub bytes_share: f64,
+}
+
+/// Whether `model` is an MLP as [`crate::model::mlp_spec`] lays it out (layers `fc0`, `fc1`,
+/// ... in order).
+pub fn is_mlp(model: &ModelSpec) -> bool {
+    !model.layers.is_empty()
+        && model
+            .layers
+            .iter()
+            .enumerate()
+            .all(|(i, l)| l.name == format!("fc{i}"))
+}
+
+/// The buckets the runtime's data-parallel backward hands to the all-reduce, in the order it
+/// hands them over. What the real backends do:
+///
+/// - an MLP (the CPU backend's hand-written backward, `ravnest-train`'s `mlp.rs`): one bucket
+///   per layer from the last down, each merged with the layers below it until it holds
+///   [`BUCKET_MIN_PARAMS`] parameters, handed over as soon as backward has it;
+/// - every other model (candle's autograd returns the whole gradient at once): one bucket,
+///   when backward is done; nothing of its round can hide behind compute.
+///
+/// The cost model charges these ([`bucketed_step_s`]) and the simulator hands its gradient
+/// over in the same buckets at the same moments, so plan, simulation and run agree.
+pub fn grad_buckets(model: &ModelSpec) -> Vec<GradBucket> {
+    let layers = model.layers.len();
+    let params =
+        |r: std::ops::Range<usize>| -> u64 { model.layers[r].iter().map(|l| l.params).sum() };
+    let flops = |r: std::ops::Range<usize>| -> f64 {
+        model.layers[r].iter().map(|l| l.fwd_flops_per_sample).sum()
+    };
+    let (all_params, all_flops) = (params(0..layers).max(1), flops(0..layers));
+    if !is_mlp(model) || layers == 0 {
+        return vec![GradBucket {
+            layers: LayerRange::from(0..layers),
+            ready_at: 1.0,
+            bytes_share: 1.0,
+        }];
+    }
+    let mut out = Vec::new();
+    let mut hi = layers;
+    while hi > 0 {
+        let mut lo = hi - 1;
+        while lo > 0 && params(lo..hi) < BUCKET_MIN_PARAMS {
+            lo -= 1;
+        }
+        let done = if all_flops > 0.0 {
+            flops(lo..layers) / all_flops
+        } else {
+            (layers - lo) as f64 / layers as f64
+        };
+        out.push(GradBucket {
+            layers: LayerRange::from(lo..hi),
+            ready_at: if lo == 0 { 1.0 } else { done },
+            bytes_share: params(lo..hi) as f64 / all_params as f64,
+        });
+        hi = lo;
+    }
+    out
+}
+
+/// Seconds of a data-parallel step whose slowest worker computes for `compute_s` (forward,
+/// then backward handing over `buckets` of a `grad_bytes` gradient), when a round of `bytes`
+/// takes `round_s(bytes)`. The buckets' rounds share the links: a bucket's bytes wait for the
+/// previous bucket's to be through (its bandwidth part, `round_s(bytes) - round_s(0)`), while
+/// their latencies (`round_s(0)`) overlap. Never less than `compute_s`; with one bucket
+/// handed over at the end of backward it is `compute_s + round_s(grad_bytes)`.
+pub fn bucketed_step_s(
+    compute_s: f64,
+    buckets: &[GradBucket],
+    grad_bytes: f64,
+    round_s: impl Fn(f64) -> f64,
+) -> f64 {
+    let latency_s = round_s(0.0);
+    let mut link_free: f64 = 0.0;
+    let mut end = compute_s;
+    for b in buckets {
+        let ready = compute_s * (FORWARD_SHARE + BACKWARD_SHARE * b.ready_at);
+        let start = ready.max(link_free);
+        link_free = start + (round_s(b.bytes_share * grad_bytes) - latency_s).max(0.0);
+        end = end.max(link_free + latency_s);
+    }
+    end
+}
 
 /// Prefix sums over a model's layers, for O(1) range costs.
 #[derive(Debug, Clone)]
@@ -181,6 +288,58 @@ mod tests {
         // latency term: 2(n-1) hops.
         let t = ring_allreduce_s(3, 0.0, 8.0, 10.0);
         assert!((t - 0.04).abs() < 1e-12);
+    }
+
+    #[test]
+    fn an_mlp_hands_its_gradient_over_in_per_layer_buckets_other_models_at_once() {
+        // local-digits' MLP: fc1 (262,656) and fc2 (5,130) ride together, then fc0 (33,280).
+        let m = crate::model::mlp_spec("m", &[64, 512, 512, 10]);
+        let b = grad_buckets(&m);
+        assert_eq!(b.len(), 2, "{b:?}");
+        assert_eq!(b[0].layers, LayerRange::from(1..3));
+        assert_eq!(b[1].layers, LayerRange::from(0..1));
+        assert!((b[0].bytes_share + b[1].bytes_share - 1.0).abs() < 1e-12);
+        assert!(b[0].ready_at > 0.8 && b[0].ready_at < 1.0, "{b:?}");
+        assert_eq!(b[1].ready_at, 1.0);
+        // A small MLP is one bucket; a transformer is one bucket whatever its size.
+        assert_eq!(
+            grad_buckets(&crate::model::mlp_spec("m", &[16, 256, 64])).len(),
+            1
+        );
+        let gpt = crate::model::gpt_spec("g", 12, 768, 12, 1024, 50257, true);
+        let b = grad_buckets(&gpt);
+        assert_eq!(b.len(), 1);
+        assert_eq!((b[0].ready_at, b[0].bytes_share), (1.0, 1.0));
+    }
+
+    #[test]
+    fn one_bucket_exposes_its_whole_round_and_early_buckets_hide_behind_backward() {
+        let round = |bytes: f64| 0.01 + bytes / 1e9;
+        let one = [GradBucket {
+            layers: LayerRange::from(0..2),
+            ready_at: 1.0,
+            bytes_share: 1.0,
+        }];
+        assert!((bucketed_step_s(1.0, &one, 1e8, round) - 1.11).abs() < 1e-12);
+        // Half the bytes ready halfway through backward: its 50 ms hide, the second half's
+        // 50 ms + 10 ms latency do not.
+        let two = [
+            GradBucket {
+                layers: LayerRange::from(1..2),
+                ready_at: 0.5,
+                bytes_share: 0.5,
+            },
+            GradBucket {
+                layers: LayerRange::from(0..1),
+                ready_at: 1.0,
+                bytes_share: 0.5,
+            },
+        ];
+        assert!((bucketed_step_s(1.0, &two, 1e8, round) - 1.06).abs() < 1e-12);
+        // A round longer than what is left of backward: the second bucket's bytes wait for the
+        // first one's (1/3 + 1/3 + 1 s + 1 s + 10 ms).
+        let t = bucketed_step_s(1.0, &two, 4e9, round);
+        assert!((t - (2.0 / 3.0 + 4.01)).abs() < 1e-9, "{t}");
     }
 
     #[test]

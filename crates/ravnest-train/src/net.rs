@@ -46,8 +46,9 @@ pub enum Network {
 }
 
 /// Gradient buckets are merged up to at least this many values (256 KiB): smaller ones would
-/// cost more in per-collective overhead than their overlap saves.
-pub const BUCKET_MIN_PARAMS: usize = 1 << 16;
+/// cost more in per-collective overhead than their overlap saves. The cost model's figure
+/// ([`ravnest_core::cost::BUCKET_MIN_PARAMS`]), so that it plans with the buckets we make.
+pub const BUCKET_MIN_PARAMS: usize = ravnest_core::cost::BUCKET_MIN_PARAMS as usize;
 
 /// Embedding width of the character model.
 pub const CHAR_EMBED: usize = 24;
@@ -680,6 +681,43 @@ mod tests {
         .unwrap();
         for (a, b) in got.iter().zip(&want) {
             assert!((a - b).abs() < 1e-4 * b.abs().max(1.0), "{a} vs {b}");
+        }
+    }
+
+    /// The cost model and the simulator assume the buckets [`ravnest_core::cost::grad_buckets`]
+    /// describes: an MLP's per layer (merged up to a minimum size), any other model's whole
+    /// gradient at once. This backend must make exactly those.
+    #[test]
+    fn grad_buckets_are_the_ones_the_cost_model_plans_with() {
+        let nets = [
+            Network::Mlp {
+                dims: vec![64, 512, 512, 10],
+            },
+            Network::Mlp {
+                dims: vec![16, 256, 64],
+            },
+            Network::Mlp {
+                dims: vec![64, 300, 300, 300, 10],
+            },
+            Network::Cnn {
+                side: 8,
+                classes: 10,
+            },
+        ];
+        for net in nets {
+            let planned: Vec<usize> = ravnest_core::cost::grad_buckets(&net.model_spec())
+                .iter()
+                .map(|b| (b.bytes_share * net.params() as f64).round() as usize)
+                .collect();
+            let made: Vec<usize> = net.grad_buckets().iter().map(|r| r.len()).collect();
+            assert_eq!(planned, made, "{net:?}");
+            // Made from the top down, covering the gradient once.
+            let mut end = net.params();
+            for r in net.grad_buckets() {
+                assert_eq!(r.end, end, "{net:?}");
+                end = r.start;
+            }
+            assert_eq!(end, 0);
         }
     }
 

@@ -7,7 +7,7 @@ use crate::layers::LayerRange;
 use crate::units::bytes_u64;
 
 use super::layers::Bounds;
-use super::sync::{SyncFreedom, SyncPlan, choose_sync};
+use super::sync::{Backward, SyncFreedom, SyncPlan, choose_sync};
 use super::types::{Layout, NodePlan, Plan, PlannerKind, Role, StepPrediction};
 
 // ---------------------------------------------------------------------------------------------
@@ -268,13 +268,15 @@ fn evaluate_data(
         // The step is at least the compute: no sync makes it faster than `beat`.
         return Err(Rejected::NotFaster);
     }
-    // Every-step rounds overlap the slowest worker's backward pass (2/3 of its compute): the
-    // runtime reduces each gradient bucket as the backward pass completes it.
+    // Every-step rounds overlap the slowest worker's backward pass as far as the runtime
+    // hands the gradient over in buckets while backward runs (an MLP's layers; other models'
+    // whole gradient comes at the end of backward, and its round is all exposed).
+    let buckets = crate::cost::grad_buckets(costs.model);
     let sync = choose_sync(
         costs,
         &[(working.clone(), costs.grad_bytes(all))],
         cmax,
-        cmax * crate::cost::BACKWARD_SHARE,
+        Backward::Buckets(&buckets),
         freedom,
     );
     Ok(Shaped {
@@ -328,7 +330,7 @@ fn evaluate_pipe(
         })
         .collect();
     // Stage gradients are reduced after the pipeline drains: no overlap is assumed.
-    let sync = choose_sync(costs, &groups, cmax, 0.0, freedom);
+    let sync = choose_sync(costs, &groups, cmax, Backward::Then, freedom);
     Ok(Shaped {
         layout: Layout::Pipeline {
             stages,

@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 use crate::cluster::{ClusterSpec, NodeId, SyncPreference};
-use crate::cost::{Costs, param_server_s, ring_allreduce_s};
+use crate::cost::{Costs, GradBucket, bucketed_step_s, param_server_s, ring_allreduce_s};
 
 /// The collective a sync round uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
@@ -215,14 +215,23 @@ pub fn local_steps_for(round_s: f64, compute_s: f64) -> u32 {
     h.clamp(2.0, f64::from(LOCAL_SGD_MAX_STEPS)) as u32
 }
 
-/// Choose how the given groups synchronize, given the compute time of one step.
-/// `overlap_s` is how much of an every-step round can hide behind the backward pass (gradient
-/// buckets are reduced while later layers still compute, as DDP does); the rest is exposed.
+/// How an every-step round meets the compute of its step.
+#[derive(Debug, Clone, Copy)]
+pub enum Backward<'a> {
+    /// The round starts when compute is done (pipeline stages reduce after the drain).
+    Then,
+    /// The gradient is handed over in these buckets while backward runs (data parallel, see
+    /// [`crate::cost::grad_buckets`]): each bucket's round may hide behind the rest of it.
+    Buckets(&'a [GradBucket]),
+}
+
+/// Choose how the given groups synchronize, given the compute time of one step; `backward`
+/// says how much of an every-step round can hide behind the backward pass.
 pub fn choose_sync(
     costs: &Costs<'_>,
     groups: &[(Vec<NodeId>, u64)],
     compute_s: f64,
-    overlap_s: f64,
+    backward: Backward<'_>,
     freedom: SyncFreedom,
 ) -> SyncPlan {
     let cluster = costs.cluster;
@@ -255,7 +264,7 @@ pub fn choose_sync(
     if local {
         return local_sgd(costs, chosen, compute_s, ratio);
     }
-    every_step(chosen, overlap_s)
+    every_step(cluster, chosen, compute_s, backward)
 }
 
 /// One replica per group: nothing to synchronize.
@@ -359,11 +368,8 @@ fn ring2d_candidates(cluster: &ClusterSpec, ring_groups: &[SyncGroup]) -> Option
             let n = g.order.len();
             let k = crate::ring2d::group_size(n)?;
             let (bw, lat) = ring_links(cluster, &g.order);
-            let hops = 2 * (k - 1) + 2 * (n / k - 1);
-            let t = 2.0 * (n as f64 - 1.0) / n as f64 * g.bytes as f64 * 8.0 / (bw * 1e9)
-                + hops as f64 * lat / 1e3;
             Some(SyncGroup {
-                round_s: t,
+                round_s: ring2d_s(n, k, g.bytes as f64, bw, lat),
                 order: g.order.clone(),
                 bytes: g.bytes,
                 bottleneck_gbps: bw,
@@ -371,6 +377,16 @@ fn ring2d_candidates(cluster: &ClusterSpec, ring_groups: &[SyncGroup]) -> Option
             })
         })
         .collect()
+}
+
+/// A two-level ring of `n` nodes in groups of `k`: the bytes of a flat ring, 2(k-1) + 2(n/k-1)
+/// hops of latency.
+fn ring2d_s(n: usize, k: usize, bytes: f64, bw_gbps: f64, lat_ms: f64) -> f64 {
+    if n <= 1 || k == 0 {
+        return 0.0;
+    }
+    let hops = 2 * (k - 1) + 2 * (n / k - 1);
+    2.0 * (n as f64 - 1.0) / n as f64 * bytes * 8.0 / (bw_gbps * 1e9) + hops as f64 * lat_ms / 1e3
 }
 
 /// A collective for the groups, its slowest round, and why (or, for a ring, its name).
@@ -512,19 +528,55 @@ fn local_sgd(costs: &Costs<'_>, chosen: Chosen, compute_s: f64, ratio: f64) -> S
     }
 }
 
-/// Every-step synchronization over the chosen collective, `overlap_s` of each round hidden.
-fn every_step(chosen: Chosen, overlap_s: f64) -> SyncPlan {
+/// Seconds one round of `collective` over `group` takes for `bytes` (a bucket's share of the
+/// group's gradient, or all of it).
+fn group_round_s(
+    cluster: &ClusterSpec,
+    collective: Collective,
+    group: &SyncGroup,
+    bytes: f64,
+) -> f64 {
+    match collective {
+        Collective::Ring => ring_time(cluster, &group.order, bytes),
+        Collective::Ring2d => {
+            let (bw, lat) = ring_links(cluster, &group.order);
+            ring2d_s(group.order.len(), group.group_size as usize, bytes, bw, lat)
+        }
+        Collective::ParamServer => param_server_s(cluster, group.order[0], &group.order, bytes),
+    }
+}
+
+/// Every-step synchronization over the chosen collective: what of each round `backward` does
+/// not hide is charged per step.
+fn every_step(
+    cluster: &ClusterSpec,
+    chosen: Chosen,
+    compute_s: f64,
+    backward: Backward<'_>,
+) -> SyncPlan {
     let Chosen {
         collective,
         groups,
         round_s,
         mut reason,
     } = chosen;
-    let exposed = (round_s - overlap_s).max(0.0);
-    if overlap_s > 0.0 {
+    let exposed = match backward {
+        Backward::Then => round_s,
+        Backward::Buckets(buckets) => groups
+            .iter()
+            .map(|g| {
+                bucketed_step_s(compute_s, buckets, g.bytes as f64, |b| {
+                    group_round_s(cluster, collective, g, b)
+                }) - compute_s
+            })
+            .fold(0.0, f64::max),
+    };
+    let hidden = round_s - exposed;
+    // (A round with nothing hidden differs from its exposed part by rounding only.)
+    if hidden > 1e-9 * round_s {
         reason = format!(
             "{reason}; every step, {} of it hidden behind the backward pass",
-            secs(round_s - exposed)
+            secs(hidden)
         );
     } else {
         reason = format!("{reason}; every step");
