@@ -19,6 +19,14 @@ fn partition(batch: u32) -> Scenario {
     s
 }
 
+/// Every batch computed at once (`accumulate = false`): rack A alone cannot hold a batch that
+/// took all six nodes, so no plan fits it during the partition. (With accumulation, the
+/// default, it trains on alone.)
+fn at_once(mut s: Scenario) -> Scenario {
+    s.training.accumulate = false;
+    s
+}
+
 /// The partition never heals.
 fn forever(mut s: Scenario) -> Scenario {
     for f in &mut s.faults {
@@ -94,9 +102,9 @@ fn the_coordinators_rack_trains_alone_through_the_partition_and_the_other_rejoin
 
 #[test]
 fn the_coordinators_rack_that_cannot_hold_the_batch_waits_for_the_heal() {
-    // At 72 all six train (12 each) and rack A alone cannot hold 72 in data parallel: the run
-    // used to livelock here.
-    let r = bounded(&partition(72), 5, 60);
+    // At 72 all six train (12 each) and rack A alone cannot hold 72 at once in data parallel:
+    // the run used to livelock here.
+    let r = bounded(&at_once(partition(72)), 5, 60);
     for n in &r.nodes {
         assert_eq!(n.role, "worker", "{}", n.name);
     }
@@ -120,12 +128,15 @@ fn the_coordinators_rack_that_cannot_hold_the_batch_waits_for_the_heal() {
         "first step {resumed} s after the partition"
     );
     // Same seed, same trace.
-    assert_eq!(bounded(&partition(72), 5, 60).trace_hash, r.trace_hash);
+    assert_eq!(
+        bounded(&at_once(partition(72)), 5, 60).trace_hash,
+        r.trace_hash
+    );
 }
 
 #[test]
 fn a_partition_that_never_heals_stops_with_the_reason() {
-    let r = bounded(&forever(partition(72)), 5, 150);
+    let r = bounded(&forever(at_once(partition(72))), 5, 150);
     assert!(r.steps_completed < 150);
     assert_eq!(r.violations.len(), 1, "{:?}", r.violations);
     let why = &r.violations[0];
@@ -139,36 +150,42 @@ fn a_partition_that_never_heals_stops_with_the_reason() {
 }
 
 /// Seeds 0..20 at batches that put both racks to work (24: local SGD, rack A alone holds it;
-/// 50: five workers; 54 to 96: all six, rack A alone cannot hold them) and at the file's 48
-/// (rack B idle): every run ends, finishes its steps, and every checker holds. At 120 the plan
-/// is a pipeline across both racks whose last stages are on rack B, and there is no
-/// checkpoint yet at the partition: the run must end with that reason.
+/// 50: five workers; 54 to 96: all six, rack A alone cannot hold them at once) and at the
+/// file's 48 (rack B idle), with gradient accumulation (the default: rack A trains on alone)
+/// and without (it waits for the heal): every run ends, finishes its steps, and every checker
+/// holds. At 120 without accumulation the plan is a pipeline across both racks whose last
+/// stages are on rack B, and there is no checkpoint yet at the partition: the run must end
+/// with that reason.
 #[test]
 fn partition_sweep_over_seeds_and_batches_ends_every_run() {
     let mut failed = Vec::new();
-    for (batch, steps) in [
-        (24, 300),
-        (48, 100),
-        (50, 100),
-        (54, 100),
-        (60, 100),
-        (72, 100),
-        (96, 100),
-        (120, 100),
-    ] {
-        for seed in 0..20 {
-            let r = bounded(&partition(batch), seed, steps);
-            let ok = if batch == 120 {
-                r.violations.len() == 1
-                    && r.violations[0].contains("held only by nodes that are gone")
-            } else {
-                r.violations.is_empty() && r.steps_completed == steps
-            };
-            if !ok {
-                failed.push(format!(
-                    "batch {batch} seed {seed}: {}/{steps} steps, {:?}",
-                    r.steps_completed, r.violations
-                ));
+    for accumulate in [true, false] {
+        for (batch, steps) in [
+            (24, 300),
+            (48, 100),
+            (50, 100),
+            (54, 100),
+            (60, 100),
+            (72, 100),
+            (96, 100),
+            (120, 100),
+        ] {
+            for seed in 0..20 {
+                let mut s = partition(batch);
+                s.training.accumulate = accumulate;
+                let r = bounded(&s, seed, steps);
+                let ok = if batch == 120 && !accumulate {
+                    r.violations.len() == 1
+                        && r.violations[0].contains("held only by nodes that are gone")
+                } else {
+                    r.violations.is_empty() && r.steps_completed == steps
+                };
+                if !ok {
+                    failed.push(format!(
+                        "batch {batch} accumulate {accumulate} seed {seed}: {}/{steps} steps, {:?}",
+                        r.steps_completed, r.violations
+                    ));
+                }
             }
         }
     }

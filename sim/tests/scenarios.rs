@@ -207,8 +207,10 @@ fn a_straggler_is_rebalanced_with_measured_speed() {
     // its own 64 the all-reduce, which a GPT's step cannot hide behind backward, is half of
     // it, and a 3090 at a third of its speed on a smaller share stays inside the
     // coordinator's 25% hysteresis after it recovers: no re-plan back).
+    // Each batch computed at once (`accumulate = false`), the plan this test was measured on.
     let mut s = scenario("straggler");
     s.training.global_batch = 192;
+    s.training.accumulate = false;
     let r = run(&s, &opts(&s, 3, 200)).unwrap();
     assert!(r.violations.is_empty(), "{:?}", r.violations);
     // The first plan, one when the 3090 slows down, at least one when it recovers.
@@ -552,4 +554,44 @@ fn fixed_costs_per_step_and_compute_spread_are_charged() {
         noisy.samples_per_s,
         r.samples_per_s
     );
+}
+
+/// Workers whose memory holds the model and a few samples, not their share of the batch:
+/// each computes its share in micro-batches and accumulates the gradients (the planner says
+/// how many, the coordinator sends the size, the node runs them); the run trains to the
+/// single-node model.
+#[test]
+fn shares_larger_than_memory_are_accumulated_over_micro_batches() {
+    let text = r#"
+[cluster]
+name = "accumulate"
+[links]
+bandwidth_gbps = 100.0
+latency_ms = 0.1
+[[node]]
+name = "small"
+device = "rtx3060"
+[[node]]
+name = "big"
+device = "rtx3090"
+[model]
+preset = "gpt2-small"
+[training]
+global_batch = 96
+micro_batch = 4
+optimizer = "adamw"
+precision = "fp16"
+sync = "ring"
+"#;
+    let s = ravnest_core::parse(text, "accumulate").unwrap();
+    let p = ravnest_core::plan_scenario(ravnest_core::PlannerKind::Ravnest, &s).unwrap();
+    assert!(
+        p.nodes.iter().all(|n| n.batch > 0 && n.micro_batches > 1),
+        "{:?}",
+        p.nodes
+    );
+    let r = run(&s, &opts(&s, 1, 20)).unwrap();
+    assert!(r.violations.is_empty(), "{:?}", r.violations);
+    assert_eq!(r.steps_completed, 20);
+    assert!(r.max_model_error < 1e-5, "{}", r.max_model_error);
 }

@@ -94,6 +94,14 @@ pub struct TrainingSpec {
     pub sync: SyncPreference,
     /// Local SGD is chosen (under `Auto`) when communication exceeds this multiple of compute.
     pub local_sgd_threshold: f64,
+    /// Data-parallel workers may accumulate gradients over micro-batches when the nodes together
+    /// cannot hold the global batch at once (`false`: every batch is computed at once).
+    #[serde(default = "yes")]
+    pub accumulate: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Default for TrainingSpec {
@@ -105,6 +113,7 @@ impl Default for TrainingSpec {
             precision: Precision::Fp32,
             sync: SyncPreference::Auto,
             local_sgd_threshold: 3.0,
+            accumulate: true,
         }
     }
 }

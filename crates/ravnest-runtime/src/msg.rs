@@ -63,6 +63,9 @@ pub struct Work {
     pub batch: u64,
     /// The global batch (gradient weight = batch / global_batch).
     pub global_batch: u64,
+    /// Data parallel: samples computed at once, the batch's gradients accumulated over its
+    /// micro-batches when the node's memory does not hold them all (0: the whole batch).
+    pub chunk: u64,
     /// The group this node synchronizes with, in ring order.
     pub ring: Vec<NodeId>,
     /// A peer that holds (or will hold) model version `step`, when this node does not: it

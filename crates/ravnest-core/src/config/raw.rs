@@ -103,6 +103,7 @@ pub(super) struct TrainingToml {
     pub(super) precision: Option<Precision>,
     pub(super) sync: Option<SyncPreference>,
     pub(super) local_sgd_threshold: Option<Spanned<f64>>,
+    pub(super) accumulate: Option<bool>,
     pub(super) memory_reserve_gib: Option<Spanned<f64>>,
 }
 

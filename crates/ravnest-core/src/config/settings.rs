@@ -35,6 +35,9 @@ pub(super) fn resolve_training(
         if let Some(x) = &t.local_sgd_threshold {
             training.local_sgd_threshold = ctx.positive(x, "local_sgd_threshold")?;
         }
+        if let Some(a) = t.accumulate {
+            training.accumulate = a;
+        }
         if let Some(r) = &t.memory_reserve_gib {
             reserve_gib = ctx.non_negative(r, "memory_reserve_gib")?;
         }

@@ -242,7 +242,17 @@ fn evaluate_data(
         }
         working.push(w);
         let node = cluster.node(w);
-        let mem = state + act * b;
+        // ravnest accumulates gradients over micro-batches when a share does not fit at once
+        // (unless the file says not to); the baselines compute each batch at once.
+        let at_once = freedom == SyncFreedom::Baseline || !costs.training.accumulate;
+        let (micro, mem) = match at_once {
+            true => (1, state + act * b),
+            _ => accumulation(state, act, b, node.memory_bytes).ok_or(NoFit(
+                w,
+                state + act,
+                node.memory_bytes,
+            ))?,
+        };
         if mem > node.memory_bytes {
             return Err(NoFit(w, mem, node.memory_bytes).into());
         }
@@ -254,7 +264,7 @@ fn evaluate_data(
             device: String::new(),
             role: Role::Worker,
             batch: b,
-            micro_batches: 1,
+            micro_batches: micro,
             layers: Some(all),
             grad_weight: b as f64 / b_total as f64,
             memory_bytes: mem,
@@ -286,6 +296,23 @@ fn evaluate_data(
         sync,
         compute_max: cmax,
     })
+}
+
+/// How a data-parallel worker computes `batch` samples in `memory` bytes when the model's state
+/// takes `state` and each sample in flight `act`: the fewest equal micro-batches whose
+/// activations fit (gradients accumulated over them), and the memory it then needs. `None`
+/// when not even one sample fits.
+pub(super) fn accumulation(state: u64, act: u64, batch: u64, memory: u64) -> Option<(u64, u64)> {
+    let at_once = match act {
+        0 => batch,
+        _ => memory.checked_sub(state)? / act,
+    }
+    .min(batch);
+    if at_once == 0 {
+        return None;
+    }
+    let micro = batch.div_ceil(at_once);
+    Some((micro, state + act * batch.div_ceil(micro)))
 }
 
 /// Place the stages of a pipeline candidate in `nodes`, and choose each stage group's sync.

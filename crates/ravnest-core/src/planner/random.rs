@@ -102,6 +102,7 @@ pub fn random_case(seed: u64) -> Case {
         precision,
         sync: SyncPreference::Auto,
         local_sgd_threshold: 3.0,
+        accumulate: true,
     };
     // Tight memory: a fraction of the cases cap some nodes, as `memory_gib` does.
     let tight = rng.chance(0.3);

@@ -94,6 +94,7 @@ fn instance(max_nodes: usize) -> impl Strategy<Value = Instance> {
                     precision: Precision::Fp32,
                     sync,
                     local_sgd_threshold: 1.0,
+                    accumulate: true,
                 };
                 Instance {
                     cluster,
@@ -487,4 +488,44 @@ fn a_five_stage_pipeline_over_small_nodes_matches_the_oracle() {
         ours.split_line(),
         oracle.split_line()
     );
+}
+
+/// One GPU whose memory holds the model and a few samples, not the global batch: it trains
+/// the whole batch in micro-batches, gradients accumulated (it used to "fit nowhere" while the
+/// message said it needed 3.6 GiB of its 11). The equal-split baseline computes each batch at
+/// once, as configured, and does not fit.
+#[test]
+fn a_batch_too_big_for_memory_is_accumulated_over_micro_batches() {
+    let cluster = ClusterSpec {
+        name: "t".into(),
+        nodes: vec![node("g", 12.7, 11.0)],
+        pair_links: BTreeMap::new(),
+    };
+    let model = crate::model::preset("gpt2-small").unwrap().build();
+    let training = TrainingSpec {
+        global_batch: 64,
+        micro_batch: 4,
+        ..TrainingSpec::default()
+    };
+    assert!(plan(PlannerKind::Uniform, &cluster, &model, &training).is_err());
+    for kind in [PlannerKind::Ravnest, PlannerKind::Exhaustive] {
+        let p = plan(kind, &cluster, &model, &training).unwrap();
+        let g = &p.nodes[0];
+        assert_eq!(g.batch, 64, "{kind}");
+        assert!(g.micro_batches > 1, "{kind}: {g:?}");
+        assert!(g.memory_bytes <= g.memory_limit_bytes, "{kind}: {g:?}");
+        // Whole micro-batches of at most what fits: one sample more per micro-batch does not.
+        let costs = crate::cost::Costs::new(&cluster, &model, &training);
+        let per = 64u64.div_ceil(g.micro_batches);
+        assert_eq!(
+            g.memory_bytes,
+            costs.memory_bytes(costs.all(), per),
+            "{kind}"
+        );
+        let fewer = 64u64.div_ceil(g.micro_batches - 1);
+        assert!(
+            costs.memory_bytes(costs.all(), fewer) > g.memory_limit_bytes,
+            "{kind}"
+        );
+    }
 }

@@ -24,6 +24,9 @@ pub struct Assign {
     pub stage: Option<StageWork>,
     /// The share of the model's training FLOPs it computes per sample (1 in data parallel).
     pub flop_share: f64,
+    /// Data parallel: samples it computes at once, when its memory makes it accumulate
+    /// gradients over micro-batches of its batch (0: the whole batch).
+    pub chunk: u64,
 }
 
 /// A sync group: the layers its members hold and the members in ring order.
@@ -65,11 +68,17 @@ pub fn assignments(
 
 /// Data parallel: every worker holds every layer, in one ring (the plan's order).
 fn data_parallel(p: &Plan, live: &[NodeId], layers: u32) -> (Vec<Assign>, Vec<SyncGroup>) {
-    let workers: Vec<(NodeId, u64)> = p
+    let workers: Vec<(NodeId, u64, u64)> = p
         .nodes
         .iter()
         .filter(|n| n.batch > 0)
-        .map(|n| (live[n.id.index()], n.batch))
+        .map(|n| {
+            let chunk = match n.micro_batches {
+                0 | 1 => 0,
+                k => n.batch.div_ceil(k),
+            };
+            (live[n.id.index()], n.batch, chunk)
+        })
         .collect();
     let ring: Vec<NodeId> = match p.sync.groups.first() {
         Some(g) if g.order.len() == workers.len() => {
@@ -80,7 +89,7 @@ fn data_parallel(p: &Plan, live: &[NodeId], layers: u32) -> (Vec<Assign>, Vec<Sy
     let mut offset = 0;
     let assigns = workers
         .iter()
-        .map(|&(node, batch)| {
+        .map(|&(node, batch, chunk)| {
             offset += batch;
             Assign {
                 node,
@@ -89,6 +98,7 @@ fn data_parallel(p: &Plan, live: &[NodeId], layers: u32) -> (Vec<Assign>, Vec<Sy
                 ring: ring.clone(),
                 stage: None,
                 flop_share: 1.0,
+                chunk,
             }
         })
         .collect();
@@ -159,6 +169,7 @@ fn pipeline(
                 ring: ring.clone(),
                 flop_share,
                 stage: Some(stage_work(costs, shape, k, &grid[rep])),
+                chunk: 0,
             });
         }
     }
@@ -294,6 +305,7 @@ mod tests {
             ring: vec![],
             stage: None,
             flop_share: 1.0,
+            chunk: 0,
         };
         let split = [a(0, 30), a(1, 10)];
         let cost = |n: NodeId| if n.0 == 0 { (1.0, 0.0) } else { (3.0, 0.0) };

@@ -1057,6 +1057,7 @@ impl Coordinator {
                 offset: a.offset,
                 batch: a.batch,
                 global_batch: u64::from(self.cfg.training.global_batch),
+                chunk: a.chunk,
                 ring: a.ring.clone(),
                 state_from: s.lacks_model(a).then_some(s.whole_holder).flatten(),
                 sync,

@@ -39,7 +39,8 @@ fn tight_config() -> Config {
     let text = "[links]\nbandwidth_gbps = 10.0\nlatency_ms = 0.2\n\
         [[node]]\nname = \"g\"\ndevice = \"rtx3090\"\ncount = 2\n\
         [model]\npreset = \"gpt2-small\"\n\
-        [training]\nglobal_batch = 24\nmicro_batch = 4\noptimizer = \"adamw\"\nprecision = \"fp16\"\n";
+        [training]\nglobal_batch = 24\nmicro_batch = 4\noptimizer = \"adamw\"\nprecision = \"fp16\"\n\
+        accumulate = false\n";
     let s = ravnest_core::parse(text, "tight-test").unwrap();
     let costs = ravnest_core::cost::Costs::new(&s.cluster, &s.model, &s.training);
     Config {

@@ -169,10 +169,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         // The copy of version s that the update is applied to is made while the backend
         // computes (on another thread: it is a model's worth of memory traffic per step).
         let copy = self.copy_beside(st, &base);
-        let (result, next) = tokio::join!(
-            self.compute.gradient_sum(self.id, s, samples, base, sink),
-            copy
-        );
+        let (result, next) = tokio::join!(self.gradient_sum(s, samples, w.chunk, base, sink), copy);
         if let Some(r) = st.running.as_mut()
             && r.next.is_none()
         {
@@ -180,6 +177,53 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         }
         let ns = self.computed(t);
         self.after_compute(st, w.epoch, ns, result);
+    }
+
+    /// Forward and backward over `samples` of step `s` in micro-batches of `chunk` samples (0:
+    /// all at once), their gradients accumulated: `ready` gets each bucket's sum over all of
+    /// `samples` when the last micro-batch has made it (a worker whose memory does not hold its
+    /// share at once).
+    async fn gradient_sum(
+        &self,
+        s: u64,
+        samples: Range<u64>,
+        chunk: u64,
+        model: Arc<Vec<f32>>,
+        ready: BucketSink,
+    ) -> Result<(), ComputeError> {
+        if chunk == 0 || chunk >= samples.end - samples.start {
+            return self
+                .compute
+                .gradient_sum(self.id, s, samples, model, ready)
+                .await;
+        }
+        let acc: Arc<Mutex<BTreeMap<usize, Vec<f32>>>> = Arc::default();
+        let mut start = samples.start;
+        while start < samples.end {
+            let end = (start + chunk).min(samples.end);
+            let last = end == samples.end;
+            let sink: BucketSink = {
+                let (acc, ready) = (acc.clone(), ready.clone());
+                Arc::new(move |k: usize, mut data: Vec<f32>| {
+                    let prev = acc.lock().unwrap().remove(&k);
+                    if let Some(prev) = prev {
+                        for (d, p) in data.iter_mut().zip(&prev) {
+                            *d += p;
+                        }
+                    }
+                    if last {
+                        ready(k, data);
+                    } else {
+                        acc.lock().unwrap().insert(k, data);
+                    }
+                })
+            };
+            self.compute
+                .gradient_sum(self.id, s, start..end, model.clone(), sink)
+                .await?;
+            start = end;
+        }
+        Ok(())
     }
 
     /// A copy of `base` made on a blocking thread (into a retired buffer), for large models;
@@ -240,8 +284,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let t = Instant::now();
         let samples = sample_range(s, w.global_batch, w.offset, w.batch);
         let result = self
-            .compute
-            .gradient_sum(self.id, s, samples, base.clone(), sink)
+            .gradient_sum(s, samples, w.chunk, base.clone(), sink)
             .await;
         if let Err(e) = result {
             self.computed(t);
