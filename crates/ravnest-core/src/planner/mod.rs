@@ -78,8 +78,45 @@ pub fn policy(
     })
 }
 
-/// [`plan`] with restrictions.
+/// [`plan`] with restrictions. When nothing fits at the file's micro-batch, ravnest (and the
+/// oracle, which covers the same space) tries every halving of it down to 1 and keeps the
+/// fastest plan:
+/// a pipeline stage holds its in-flight micro-batches' activations, so a smaller micro-batch
+/// fits where the file's does not (the plan says so in a note, and the runtime runs the
+/// plan's micro-batch).
 pub fn plan_with(
+    kind: PlannerKind,
+    cluster: &ClusterSpec,
+    model: &ModelSpec,
+    training: &TrainingSpec,
+    opts: PlanOptions,
+) -> Result<Plan, PlanError> {
+    let first = plan_at(kind, cluster, model, training, opts);
+    if !matches!(kind, PlannerKind::Ravnest | PlannerKind::Exhaustive)
+        || !matches!(first, Err(PlanError::ModelFitsNowhere { .. }))
+    {
+        return first;
+    }
+    let mut smaller = training.clone();
+    let mut best: Option<Plan> = None;
+    while smaller.micro_batch > 1 {
+        smaller.micro_batch /= 2;
+        if let Ok(mut p) = plan_at(kind, cluster, model, &smaller, opts)
+            && best.as_ref().is_none_or(|b| p.step.step_s < b.step.step_s)
+        {
+            p.notes.push(format!(
+                "micro-batch {} instead of the file's {}: nothing fits at {} (the fastest of \
+                 every halving that fits)",
+                smaller.micro_batch, training.micro_batch, training.micro_batch
+            ));
+            best = Some(p);
+        }
+    }
+    best.map_or(first, Ok)
+}
+
+/// [`plan_with`] at the file's micro-batch.
+fn plan_at(
     kind: PlannerKind,
     cluster: &ClusterSpec,
     model: &ModelSpec,

@@ -529,3 +529,64 @@ fn a_batch_too_big_for_memory_is_accumulated_over_micro_batches() {
         );
     }
 }
+
+/// 8x RTX 2080 + 8x RTX 3090 + 8x Titan RTX training OPT-350M (sequence 2048) at micro-batch 8:
+/// no pipeline holds eight samples in flight per micro-batch, so the planner tries smaller
+/// micro-batches and keeps the fastest that fits (it used to say "fits nowhere").
+#[test]
+fn a_smaller_micro_batch_is_tried_when_the_files_fits_nowhere() {
+    let text = "[links]\nbandwidth_gbps = 10.0\nlatency_ms = 0.2\n\
+        [[node]]\nname = \"a\"\ndevice = \"rtx2080\"\ncount = 8\n\
+        [[node]]\nname = \"b\"\ndevice = \"rtx3090\"\ncount = 8\n\
+        [[node]]\nname = \"c\"\ndevice = \"titan-rtx\"\ncount = 8\n\
+        [model]\npreset = \"opt-350m\"\n\
+        [training]\nglobal_batch = 256\nmicro_batch = 8\noptimizer = \"adamw\"\n";
+    let s = crate::config::parse(text, "opt24").unwrap();
+    let at_8 = plan_at(
+        PlannerKind::Ravnest,
+        &s.cluster,
+        &s.model,
+        &s.training,
+        PlanOptions::default(),
+    );
+    assert!(
+        matches!(at_8, Err(PlanError::ModelFitsNowhere { .. })),
+        "{at_8:?}"
+    );
+    let p = plan(PlannerKind::Ravnest, &s.cluster, &s.model, &s.training).unwrap();
+    let Layout::Pipeline { micro_batch, .. } = p.layout else {
+        panic!("{:?}", p.layout)
+    };
+    assert!(micro_batch < 8);
+    assert!(
+        p.notes
+            .iter()
+            .any(|n| n.contains("instead of the file's 8")),
+        "{:?}",
+        p.notes
+    );
+    for n in &p.nodes {
+        assert!(n.memory_bytes <= n.memory_limit_bytes, "{n:?}");
+    }
+    // The fastest of the halvings: none of the others is faster.
+    for m in [1, 2, 4] {
+        let t = TrainingSpec {
+            micro_batch: m,
+            ..s.training.clone()
+        };
+        if let Ok(q) = plan_at(
+            PlannerKind::Ravnest,
+            &s.cluster,
+            &s.model,
+            &t,
+            PlanOptions::default(),
+        ) {
+            assert!(
+                q.step.step_s >= p.step.step_s,
+                "micro-batch {m}: {} < {}",
+                q.step.step_s,
+                p.step.step_s
+            );
+        }
+    }
+}
