@@ -807,7 +807,8 @@ fn a_second_run_into_the_same_folder_loses_no_checkpoint() {
     assert!(ck.exists());
 }
 
-/// The GPT split into pipeline stages over three processes (memory caps make it a pipeline);
+/// The GPT split into pipeline stages over three processes (memory caps make it a pipeline:
+/// each batch computed at once, `accumulate = false`, so no node holds a data-parallel share);
 /// a stage holder killed with SIGKILL mid-run: its layers are restored from the latest
 /// checkpoint on a survivor, the stages are re-planned, and the run finishes.
 #[test]
@@ -823,7 +824,7 @@ fn a_stage_holder_killed_with_sigkill_is_restored_from_the_checkpoint_and_the_ru
     }
     let text = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/eighty-days.txt");
     t += &format!(
-        "[model]\npreset = \"gpt-tiny\"\n\n[training]\nglobal_batch = 16\nmicro_batch = 4\noptimizer = \"adamw\"\nprecision = \"fp32\"\nmemory_reserve_gib = 0\n\n[run]\nnetwork = \"gpt\"\ndataset = {:?}\nsteps = 30\nlearning_rate = 0.003\nseed = 2\ncheckpoint_every_steps = 10\nheartbeat_ms = 100\nheartbeat_timeout_ms = 2000\ntarget_bits_per_byte = 7.5\n",
+        "[model]\npreset = \"gpt-tiny\"\n\n[training]\nglobal_batch = 16\nmicro_batch = 4\noptimizer = \"adamw\"\nprecision = \"fp32\"\nmemory_reserve_gib = 0\naccumulate = false\n\n[run]\nnetwork = \"gpt\"\ndataset = {:?}\nsteps = 30\nlearning_rate = 0.003\nseed = 2\ncheckpoint_every_steps = 10\nheartbeat_ms = 100\nheartbeat_timeout_ms = 2000\ntarget_bits_per_byte = 7.5\n",
         text.display().to_string()
     );
     let file = dir.join("cluster.toml");
