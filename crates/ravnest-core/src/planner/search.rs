@@ -254,18 +254,23 @@ fn pipe_candidates(
         }
     }
     for bounds in bounds_set {
-        let micro = replica_micro(costs, &grid, &bounds);
-        let samples = samples_from_micro(&micro, costs);
         out.push((
-            Candidate::Pipe {
-                grid: grid.clone(),
-                bounds,
-                micro,
-                samples,
-                note: None,
-            },
+            pipe_candidate(costs, grid.clone(), bounds),
             SyncFreedom::Choose,
         ));
+    }
+}
+
+/// The pipeline over `grid` split at `bounds`, its micro-batches dealt to the replicas.
+fn pipe_candidate(costs: &Costs<'_>, grid: Vec<Vec<NodeId>>, bounds: Bounds) -> Candidate {
+    let micro = replica_micro(costs, &grid, &bounds);
+    let samples = samples_from_micro(&micro, costs);
+    Candidate::Pipe {
+        grid,
+        bounds,
+        micro,
+        samples,
+        note: None,
     }
 }
 
@@ -543,16 +548,7 @@ pub(super) fn exact_single_pipeline(costs: &Costs<'_>, best: &mut Option<Plan>) 
         mask &= !(1 << v);
         (v, a) = (nv, na);
     }
-    let grid = vec![row];
-    let micro = replica_micro(costs, &grid, &bounds);
-    let samples = samples_from_micro(&micro, costs);
-    let c = Candidate::Pipe {
-        grid,
-        bounds,
-        micro,
-        samples,
-        note: None,
-    };
+    let c = pipe_candidate(costs, vec![row], bounds);
     search_into(costs, &[(c, SyncFreedom::Choose)], best);
 }
 
