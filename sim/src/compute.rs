@@ -32,6 +32,9 @@ struct State {
     jitter: Vec<f64>,
     slowdown: Vec<f64>,
     rngs: Vec<Rng>,
+    /// Per node: what its compute times were put on whole milliseconds off by, so far (ns;
+    /// see [`crate::net::on_tick`]).
+    carry_ns: Vec<i64>,
     /// The buckets a data-parallel step hands its gradient over in, and when (the real
     /// runtime's, from the cost model: [`ravnest_core::cost::grad_buckets`]).
     buckets: Vec<GradBucket>,
@@ -50,6 +53,7 @@ impl SimCompute {
             flops_before: vec![0.0, 1.0],
             rngs: (0..n).map(|i| Rng::derive(seed, &[2, i as u64])).collect(),
             slowdown: vec![1.0; n],
+            carry_ns: vec![0; n],
             fixed_s: vec![0.0; n],
             jitter: vec![JITTER; n],
             secs_per_sample,
@@ -144,7 +148,7 @@ impl SimCompute {
             let mut s = self.0.lock().unwrap();
             for (j, &sd) in s.jitter.iter_mut().zip(spread) {
                 if sd > 0.0 {
-                    *j = (12f64.sqrt() * sd).min(1.9);
+                    *j = (12f64.sqrt() * sd).min(ravnest_core::profile::SIM_MAX_WIDTH);
                 }
             }
         }
@@ -166,9 +170,10 @@ impl SimCompute {
             Fixed::Charged if samples > 0 => s.fixed_s[i],
             _ => 0.0,
         };
-        (fixed_s + samples as f64 * share * s.secs_per_sample[i])
+        let exact = (fixed_s + samples as f64 * share * s.secs_per_sample[i])
             * s.slowdown[i]
-            * (1.0 + s.jitter[i] * (u - 0.5))
+            * (1.0 + s.jitter[i] * (u - 0.5));
+        crate::net::on_tick((exact * 1e9) as u64, &mut s.carry_ns[i], 0) as f64 / 1e9
     }
 
     fn layer_share(&self, layers: LayerRange) -> Result<f64, ComputeError> {

@@ -595,3 +595,39 @@ sync = "ring"
     assert_eq!(r.steps_completed, 20);
     assert!(r.max_model_error < 1e-5, "{}", r.max_model_error);
 }
+
+/// The file promises 25 GbE; the network gives 3 Gbit/s. The coordinator plans the 3060s in
+/// (their share pays for its part of a fast ring), measures the ring at several times what the
+/// links explain, scales the links it plans on, and re-plans without them (at 3 Gbit/s their
+/// share does not pay for a four-node ring). The same file on the links it promises keeps its
+/// first plan.
+#[test]
+fn a_ring_slower_than_its_links_is_measured_and_the_plan_follows() {
+    let mut s = scenario("mixed-4090-3060");
+    s.training.sync = ravnest_core::SyncPreference::Ring;
+    let promised = run(&s, &opts(&s, 2, 60)).unwrap();
+    assert_eq!(promised.plans, 1, "{}", promised.planned);
+    let ids: Vec<ravnest_core::NodeId> = s.cluster.ids().collect();
+    for (i, &a) in ids.iter().enumerate() {
+        for &b in &ids[i + 1..] {
+            s.faults.push(ravnest_core::config::Fault::LinkDegraded {
+                a,
+                b,
+                link: ravnest_core::Link {
+                    bandwidth_gbps: 3.0,
+                    latency_ms: 0.1,
+                },
+                from_s: 0.0,
+                to_s: 1e9,
+            });
+        }
+    }
+    let r = run(&s, &opts(&s, 2, 60)).unwrap();
+    assert!(r.violations.is_empty(), "{:?}", r.violations);
+    assert_eq!(r.steps_completed, 60);
+    assert!(r.plans >= 2, "no re-plan: {}", r.planned);
+    for n in r.nodes.iter().filter(|n| n.device == "rtx3060") {
+        eprintln!("{} worked {} of 60 steps", n.name, n.steps);
+        assert!(n.steps < 40, "{} worked {} of 60 steps", n.name, n.steps);
+    }
+}

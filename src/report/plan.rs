@@ -265,9 +265,16 @@ pub fn plan_text(origin: &str, s: &Scenario, p: &Plan, cmp: &Comparisons) -> Str
     for n in &p.notes {
         let _ = writeln!(out, "note: {n}");
     }
+    let noise = match p.step.noise_s > 0.0 {
+        true => format!(
+            " (of it {} waiting for the slowest of noisy workers)",
+            secs(p.step.noise_s)
+        ),
+        false => String::new(),
+    };
     let _ = writeln!(
         out,
-        "predicted: {} per step = compute {} + sync {}; {} samples/s",
+        "predicted: {} per step = compute {}{noise} + sync {}; {} samples/s",
         secs(p.step.step_s),
         secs(p.step.compute_s),
         secs(p.step.sync_s),

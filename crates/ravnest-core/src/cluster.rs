@@ -55,6 +55,10 @@ pub struct NodeSpec {
     /// would otherwise look faster than they are; 0 for catalog devices.
     #[serde(default)]
     pub step_overhead_s: f64,
+    /// The relative standard deviation of its step compute (a measured profile's; 0: steady).
+    /// A data-parallel step waits for the slowest worker, so noise costs time.
+    #[serde(default)]
+    pub compute_spread: f64,
     /// This node's access link (pair figures are the min bandwidth / max latency of both ends).
     pub link: Link,
     /// Address for `ravnest run` (`host:port`), if given.

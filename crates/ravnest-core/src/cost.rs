@@ -103,6 +103,28 @@ pub fn grad_buckets(model: &ModelSpec) -> Vec<GradBucket> {
     out
 }
 
+/// The widest relative jitter the simulator draws (no step takes less than a twentieth of its
+/// mean).
+pub const SIM_MAX_WIDTH: f64 = 1.9;
+
+/// How much longer than its mean the slowest of data-parallel workers with these relative
+/// compute spreads computes, as a fraction of the (balanced) mean: each worker's step drawn
+/// independently and uniformly (as the simulator draws it, of width √12 × the spread), the
+/// largest of n has mean `1 + w (n - 1) / (2 (n + 1))`. With the spreads' mean width; 0 when
+/// every spread is 0. A noisy node costs the others more than its share's compute says.
+pub fn wait_for_slowest(spreads: &[f64]) -> f64 {
+    let n = spreads.len();
+    if n < 2 {
+        return 0.0;
+    }
+    let w = spreads
+        .iter()
+        .map(|s| (12f64.sqrt() * s.max(0.0)).min(SIM_MAX_WIDTH))
+        .sum::<f64>()
+        / n as f64;
+    w * (n - 1) as f64 / (2.0 * (n + 1) as f64)
+}
+
 /// Seconds of a data-parallel step whose slowest worker computes for `compute_s` (forward,
 /// then backward handing over `buckets` of a `grad_bytes` gradient), when a round of `bytes`
 /// takes `round_s(bytes)`. The buckets' rounds share the links: a bucket's bytes wait for the

@@ -284,6 +284,7 @@ impl Profile {
             let node = &mut s.cluster.nodes[i];
             node.flops = train_flops / n.secs_per_sample;
             node.step_overhead_s = n.step_overhead_s;
+            node.compute_spread = n.compute_spread;
             if n.memory_bytes > 0 {
                 node.memory_bytes = n.memory_bytes;
             }
@@ -455,6 +456,117 @@ fn node_figures(n: &NodeRun) -> Option<(f64, f64, f64)> {
     Some((k, spread, gap))
 }
 
+fn worked_steps(n: &NodeRun) -> usize {
+    n.steps.iter().filter(|s| s.batch > 0).count()
+}
+
+/// The simulator draws each node's step compute independently and uniformly around its mean,
+/// with the node's measured spread; a step waits for the slowest node. Real noise on a shared
+/// machine is neither: mostly steady steps with rare long ones, partly shared between the
+/// nodes (the same busy cores), so the slowest of two nodes waits far less than independent
+/// uniform noise of the same spread predicts (13% too slow a prediction on the embedded
+/// default). The factor on every node's spread that makes the predicted mean of the slowest
+/// node's compute, over the steps several nodes worked, what it was; 1 when no step had two.
+fn spread_factor(r: &RunFigures, measured: &[Option<(f64, f64, f64)>]) -> f64 {
+    // Per node: its mean compute per batch, and its spread.
+    let means: Vec<std::collections::BTreeMap<u64, f64>> = r
+        .nodes
+        .iter()
+        .map(|n| {
+            let mut by: std::collections::BTreeMap<u64, (f64, f64)> = Default::default();
+            for s in n.steps.iter().filter(|s| s.batch > 0) {
+                let e = by.entry(s.batch).or_default();
+                *e = (e.0 + s.compute_s, e.1 + 1.0);
+            }
+            by.into_iter().map(|(b, (sum, k))| (b, sum / k)).collect()
+        })
+        .collect();
+    // Per version with at least two measured nodes: the slowest compute, and each node's
+    // (mean, uniform width).
+    let mut by_version: std::collections::BTreeMap<u64, Vec<(f64, f64, f64)>> = Default::default();
+    for (i, n) in r.nodes.iter().enumerate() {
+        let Some((_, spread, _)) = measured[i] else {
+            continue;
+        };
+        for s in n.steps.iter().filter(|s| s.batch > 0) {
+            let m = means[i].get(&s.batch).copied().unwrap_or(s.compute_s);
+            by_version
+                .entry(s.version)
+                .or_default()
+                .push((s.compute_s, m, 12f64.sqrt() * spread));
+        }
+    }
+    let steps: Vec<&Vec<(f64, f64, f64)>> = by_version.values().filter(|v| v.len() >= 2).collect();
+    if steps.is_empty() {
+        return 1.0;
+    }
+    let actual: f64 = steps
+        .iter()
+        .map(|v| v.iter().map(|x| x.0).fold(0.0, f64::max))
+        .sum();
+    let predicted = |alpha: f64| -> f64 {
+        steps
+            .iter()
+            .map(|v| {
+                let spans: Vec<(f64, f64)> = v
+                    .iter()
+                    .map(|&(_, m, w)| {
+                        let w = (alpha * w).min(SIM_MAX_WIDTH);
+                        (m * (1.0 - w / 2.0), m * (1.0 + w / 2.0))
+                    })
+                    .collect();
+                expected_max_uniform(&spans)
+            })
+            .sum()
+    };
+    let (mut lo, mut hi) = (0.0, 2.0);
+    if predicted(lo) >= actual {
+        return 0.0;
+    }
+    if predicted(hi) <= actual {
+        return hi;
+    }
+    for _ in 0..40 {
+        let mid = 0.5 * (lo + hi);
+        if predicted(mid) < actual {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    0.5 * (lo + hi)
+}
+
+pub use crate::cost::SIM_MAX_WIDTH;
+
+/// The mean of the largest of independent uniform variables on `spans` (`(lo, hi)`, a point
+/// when equal): the largest lower bound plus the integral above it of P(max > t).
+pub fn expected_max_uniform(spans: &[(f64, f64)]) -> f64 {
+    let floor = spans.iter().map(|s| s.0).fold(f64::NEG_INFINITY, f64::max);
+    let top = spans.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
+    if top.is_nan() || top <= floor {
+        return floor.max(top);
+    }
+    const N: usize = 256;
+    let dt = (top - floor) / N as f64;
+    let mut sum = 0.0;
+    for k in 0..N {
+        let t = floor + (k as f64 + 0.5) * dt;
+        let all_below: f64 = spans
+            .iter()
+            .map(|&(lo, hi)| {
+                if hi > lo {
+                    ((t - lo) / (hi - lo)).clamp(0.0, 1.0)
+                } else {
+                    1.0
+                }
+            })
+            .product();
+        sum += (1.0 - all_below) * dt;
+    }
+    floor + sum
+}
+
 /// The profile of a run.
 ///
 /// Means throughout, not medians: throughput is total time over steps, and on a shared
@@ -475,8 +587,24 @@ fn node_figures(n: &NodeRun) -> Option<(f64, f64, f64)> {
 ///   long (loopback probes see 15 Gbit/s; a ring of encrypted, reduced chunks on a busy CPU
 ///   moves far less).
 pub fn fit(r: &RunFigures) -> Profile {
-    // Per node that worked in the steady steps: (k, spread, gap); `None` for one that did not.
-    let measured: Vec<Option<(f64, f64, f64)>> = r.nodes.iter().map(node_figures).collect();
+    // Per node that worked in the steady steps: (k, spread, gap); `None` for one that did not,
+    // or that worked in too few of them to say (a node planned out after a few steps).
+    let most = r.nodes.iter().map(worked_steps).max().unwrap_or(0);
+    let mut measured: Vec<Option<(f64, f64, f64)>> = r
+        .nodes
+        .iter()
+        .map(|n| {
+            (4 * worked_steps(n) >= most)
+                .then(|| node_figures(n))
+                .flatten()
+        })
+        .collect();
+    // Each spread times the factor that makes independent noise cost what the real steps'
+    // noise cost (it is neither independent nor uniform: see `spread_factor`).
+    let alpha = spread_factor(r, &measured);
+    for m in measured.iter_mut().flatten() {
+        m.1 *= alpha;
+    }
     let worked: Vec<(f64, f64, f64)> = measured.iter().flatten().copied().collect();
     // A node that did no steady step (left out of the plan) is charged the contention the
     // others saw: on a shared machine it is not faster than its calibration by being idle.
@@ -581,7 +709,15 @@ fn bandwidth_scale(r: &RunFigures, n: usize, ring_s: f64) -> f64 {
     if links.is_empty() {
         links = r.pairs.iter().map(|p| p.2).collect();
     }
-    if n < 2 || ring_s <= 0.0 || links.is_empty() {
+    ring_bandwidth_scale(&links, n, r.grad_bytes, ring_s)
+}
+
+/// The factor on the bandwidths of `links` (a ring's) that makes the cost model's ring of `n`
+/// nodes over the slowest of them, moving `grad_bytes`, take `ring_s`; 1 when they already
+/// explain it (or nothing was measured). Never above 1: a ring is not faster than its links.
+/// A run's profile and the coordinator's re-plans on a measured ring use it alike.
+pub fn ring_bandwidth_scale(links: &[Link], n: usize, grad_bytes: f64, ring_s: f64) -> f64 {
+    if n < 2 || ring_s.is_nan() || ring_s <= 0.0 || links.is_empty() {
         return 1.0;
     }
     let bottleneck = links
@@ -589,7 +725,7 @@ fn bandwidth_scale(r: &RunFigures, n: usize, ring_s: f64) -> f64 {
         .map(|l| l.bandwidth_gbps)
         .fold(f64::INFINITY, f64::min);
     let latency = links.iter().map(|l| l.latency_ms).fold(0.0, f64::max);
-    let probed = ring_allreduce_s(n, r.grad_bytes, bottleneck, latency);
+    let probed = ring_allreduce_s(n, grad_bytes, bottleneck, latency);
     let latency_part = ring_allreduce_s(n, 0.0, bottleneck, latency);
     if ring_s <= probed || ring_s <= latency_part {
         return 1.0;

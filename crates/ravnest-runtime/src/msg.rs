@@ -368,6 +368,9 @@ pub enum Envelope {
         digest: u64,
         /// Nanoseconds this node spent computing its share (the coordinator's drift measure).
         compute_ns: u64,
+        /// Nanoseconds from the end of its compute until its collectives came back (the
+        /// coordinator's measure of the ring; 0 for a step without one).
+        comm_ns: u64,
     },
     /// Send model version `version` to `to` (only the parameters of `layers`, when given).
     StateRequest {
@@ -676,11 +679,13 @@ impl Envelope {
                 step,
                 digest,
                 compute_ns,
+                comm_ns,
             } => {
                 h.u64(*epoch);
                 h.u64(*step);
                 h.u64(*digest);
                 h.u64(*compute_ns);
+                h.u64(*comm_ns);
             }
             _ => return false,
         }

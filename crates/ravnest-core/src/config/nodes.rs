@@ -227,6 +227,7 @@ fn push_nodes(
             flops: figures.flops / figures.emulate,
             link: figures.link,
             step_overhead_s: 0.0,
+            compute_spread: 0.0,
             address: n.address.as_ref().map(|a| a.get_ref().clone()),
             listen: n.listen.as_ref().map(|a| a.get_ref().clone()),
         });

@@ -171,6 +171,7 @@ pub(super) fn evaluate(
         layout,
         sync,
         compute_max,
+        noise_s,
     } = shaped;
     let notes = note.iter().cloned().collect::<Vec<_>>();
     let step_s = compute_max + sync.per_step_s;
@@ -187,6 +188,7 @@ pub(super) fn evaluate(
         step: StepPrediction {
             step_s,
             compute_s: compute_max,
+            noise_s,
             sync_s: sync.per_step_s,
             samples_per_s: if step_s > 0.0 {
                 b_total as f64 / step_s
@@ -204,6 +206,8 @@ struct Shaped {
     layout: Layout,
     sync: SyncPlan,
     compute_max: f64,
+    /// Of `compute_max`: the wait for the slowest of noisy workers.
+    noise_s: f64,
 }
 
 /// The pipeline of a [`Candidate::Pipe`].
@@ -274,6 +278,13 @@ fn evaluate_data(
             idle_s: 0.0,
         });
     }
+    // A step waits for the slowest worker: with measured noise, the largest of their draws.
+    let spreads: Vec<f64> = working
+        .iter()
+        .map(|&w| cluster.node(w).compute_spread)
+        .collect();
+    let noise_s = cmax * crate::cost::wait_for_slowest(&spreads);
+    let cmax = cmax + noise_s;
     if cmax >= beat {
         // The step is at least the compute: no sync makes it faster than `beat`.
         return Err(Rejected::NotFaster);
@@ -295,6 +306,7 @@ fn evaluate_data(
         },
         sync,
         compute_max: cmax,
+        noise_s,
     })
 }
 
@@ -367,6 +379,7 @@ fn evaluate_pipe(
         },
         sync,
         compute_max: cmax,
+        noise_s: 0.0,
     })
 }
 

@@ -124,6 +124,7 @@ pub fn random_case(seed: u64) -> Case {
                 memory_bytes: (mem * GIB) as u64,
                 flops,
                 step_overhead_s: 0.0,
+                compute_spread: 0.0,
                 link: Link {
                     bandwidth_gbps: rng.pick(LINKS_GBPS),
                     latency_ms: rng.pick(&[0.05, 0.2, 1.0, 5.0]),

@@ -618,6 +618,7 @@ mod tests {
                         latency_ms: 0.1,
                     },
                     step_overhead_s: 0.0,
+                    compute_spread: 0.0,
                     address: None,
                     listen: None,
                 })

@@ -55,6 +55,7 @@ fn instance(max_nodes: usize) -> impl Strategy<Value = Instance> {
                                 latency_ms: f64::from(lat) / 10.0,
                             },
                             step_overhead_s: 0.0,
+                            compute_spread: 0.0,
                             address: None,
                             listen: None,
                         })
@@ -205,6 +206,7 @@ fn node(name: &str, tflops: f64, mem_gib: f64) -> NodeSpec {
             latency_ms: 0.1,
         },
         step_overhead_s: 0.0,
+        compute_spread: 0.0,
         address: None,
         listen: None,
     }

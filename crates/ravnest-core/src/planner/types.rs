@@ -194,8 +194,12 @@ pub struct NodePlan {
 pub struct StepPrediction {
     /// Seconds per optimizer step.
     pub step_s: f64,
-    /// Seconds of the slowest compute path (replica or worker).
+    /// Seconds of the slowest compute path (replica or worker), the wait for the slowest of
+    /// noisy workers (`noise_s`) included.
     pub compute_s: f64,
+    /// Of `compute_s`: what the workers' measured noise adds (see
+    /// [`crate::cost::wait_for_slowest`]); 0 without a measured profile.
+    pub noise_s: f64,
     /// Seconds of synchronization charged per step.
     pub sync_s: f64,
     /// Samples per second.

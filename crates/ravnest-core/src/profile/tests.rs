@@ -253,16 +253,78 @@ fn spread_is_step_to_step_noise_not_the_change_between_epochs() {
     let mut steps = super::tests::steps(180, cal, 1.0, 9e-3, 0.0);
     steps.extend(super::tests::steps(120, cal, 2.0, 9e-3, 0.0));
     r.nodes[0].steps = steps;
-    let p = fit(&r);
-    assert!(p.nodes[0].compute_spread < 1e-9, "{:?}", p.nodes[0]);
+    let (_, spread, _) = node_figures(&r.nodes[0]).unwrap();
+    assert!(spread < 1e-9, "{spread}");
     // Alternate steps 20% above and below their mean: a spread of 0.2.
     for (i, s) in r.nodes[1].steps.iter_mut().enumerate() {
         s.compute_s *= if i % 2 == 0 { 1.2 } else { 0.8 };
     }
+    let (_, spread, _) = node_figures(&r.nodes[1]).unwrap();
+    assert!((spread - 0.2).abs() < 1e-9, "{spread}");
+}
+
+/// Two equal workers whose steps are 20% above and below their mean: when both are slow on the
+/// same steps, the slowest of them costs nothing beyond the mean (spread factor 0); when one is
+/// slow while the other is fast, every step takes 1.2x, which independent uniform noise of
+/// spread 0.2 gives at 1 + 0.2 √12 α / 6 = 1.2, α = √3.
+#[test]
+fn the_profile_spread_makes_independent_noise_cost_what_the_real_noise_did() {
+    for (together, want) in [(true, 0.0), (false, 3f64.sqrt())] {
+        let mut r = run();
+        r.nodes.truncate(2);
+        r.nodes[1].steps = r.nodes[0].steps.clone();
+        for (n, node) in r.nodes.iter_mut().enumerate() {
+            for (i, s) in node.steps.iter_mut().enumerate() {
+                let up = (i + usize::from(n == 1 && !together)) % 2 == 0;
+                s.compute_s *= if up { 1.2 } else { 0.8 };
+            }
+        }
+        let p = fit(&r);
+        for node in &p.nodes {
+            let alpha = node.compute_spread / 0.2;
+            assert!(
+                (alpha - want).abs() < 1e-3,
+                "together {together}: factor {alpha}, want {want}"
+            );
+        }
+    }
+}
+
+/// A node planned out after a few steps is not measured on them: it gets the contention, spread
+/// and gap of the nodes that worked, as a node that never worked does.
+#[test]
+fn a_node_that_worked_a_few_steps_counts_as_left_out() {
+    let mut r = run();
+    r.nodes[2].steps.truncate(2);
     let p = fit(&r);
+    let (slow, fast) = (&p.nodes[2], &p.nodes[0]);
     assert!(
-        (p.nodes[1].compute_spread - 0.2).abs() < 1e-9,
-        "{:?}",
-        p.nodes[1]
+        (slow.secs_per_sample - 2.0 * 180e-6).abs() < 1e-12,
+        "{slow:?}"
     );
+    assert_eq!(slow.compute_spread, fast.compute_spread);
+}
+
+/// The planner's wait for the slowest of n equal workers is the mean of the largest of n
+/// independent uniform draws (the simulator's noise), computed by integration.
+#[test]
+fn the_planners_wait_for_the_slowest_is_the_simulators_expected_maximum() {
+    for n in 2..7 {
+        for spread in [0.01, 0.1, 0.3, 0.5] {
+            let w = 12f64.sqrt() * spread;
+            let spans = vec![(1.0 - w / 2.0, 1.0 + w / 2.0); n];
+            let exact = expected_max_uniform(&spans) - 1.0;
+            let model = crate::cost::wait_for_slowest(&vec![spread; n]);
+            assert!(
+                (exact - model).abs() < 1e-4,
+                "n {n}, spread {spread}: {exact} vs {model}"
+            );
+        }
+    }
+    assert_eq!(
+        crate::cost::wait_for_slowest(&[0.3]),
+        0.0,
+        "one worker waits for no one"
+    );
+    assert_eq!(crate::cost::wait_for_slowest(&[0.0, 0.0]), 0.0);
 }

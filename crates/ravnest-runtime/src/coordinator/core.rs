@@ -40,7 +40,7 @@ use super::Event;
 use super::assign::{
     Assign, Holders, StepCost, SyncGroup, assignments, balanced_bound, compute_bound,
 };
-use super::measure::SpeedEstimate;
+use super::measure::{RingTime, SpeedEstimate};
 use crate::msg::{CheckpointDuty, Envelope, HeldVersion, Replica, SyncPolicy, Work};
 
 /// What the coordinator is given.
@@ -273,6 +273,7 @@ struct Era {
     assigns: Vec<Assign>,
     groups: Vec<SyncGroup>,
     policy: SyncPolicy,
+    collective: Collective,
     /// Nodes outside the epoch that some of its workers fetch state from: their loss stalls
     /// it as a worker's would.
     sources: BTreeSet<NodeId>,
@@ -310,6 +311,7 @@ impl Era {
 struct Report {
     digest: u64,
     compute_ns: u64,
+    comm_ns: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -347,6 +349,20 @@ pub struct Coordinator {
     /// Per node: the (seconds per sample of the whole model, fixed seconds per step) the
     /// planner is given (configured figures until a rebalance).
     assumed: BTreeMap<NodeId, StepCost>,
+    /// The current data-parallel ring's measured time per step.
+    ring: RingTime,
+    /// The factor on every link's bandwidth the planner is given: 1 until a measured ring
+    /// says the links move less than configured (or probed).
+    link_scale: f64,
+    /// The ring size `link_scale` was measured on: a smaller ring's (a node left out, fewer
+    /// processes competing for the cores) does not raise it again.
+    link_scale_ring: usize,
+    /// Per node left out for its measured speed: steps until it is tried again, doubled at
+    /// each try (a node that is still slow is not brought back every few steps).
+    probation_wait: BTreeMap<NodeId, u64>,
+    /// Nodes brought back on probation: their drift is judged by the margin alone, not widened
+    /// by their noise (one that is still as slow goes out again).
+    on_probation: BTreeSet<NodeId>,
     /// Live nodes the current plan leaves out, and since which step.
     left_out: BTreeMap<NodeId, u64>,
     /// Nodes that joined and wait for the next epoch.
@@ -437,6 +453,11 @@ impl Coordinator {
             last_synced: cfg.start_step,
             pending_checkpoint: None,
             measured: BTreeMap::new(),
+            ring: RingTime::default(),
+            link_scale: 1.0,
+            link_scale_ring: 0,
+            probation_wait: BTreeMap::new(),
+            on_probation: BTreeSet::new(),
             assumed,
             left_out: BTreeMap::new(),
             joiners: BTreeSet::new(),
@@ -602,7 +623,17 @@ impl Coordinator {
                 step,
                 digest,
                 compute_ns,
-            } => self.on_report(from, epoch, step, Report { digest, compute_ns }),
+                comm_ns,
+            } => self.on_report(
+                from,
+                epoch,
+                step,
+                Report {
+                    digest,
+                    compute_ns,
+                    comm_ns,
+                },
+            ),
             Envelope::Halted { epoch, held } => self.on_halted(from, epoch, held),
             Envelope::Leave => self.on_leave(from),
             Envelope::StepFailed { epoch, reason }
@@ -693,6 +724,7 @@ impl Coordinator {
             group_digests.push(distinct.first().copied());
         }
         self.measure(&era, &reports);
+        self.measure_ring(&era, s, &reports);
         let version = s + 1;
         if synchronized {
             self.last_sync = version;
@@ -754,6 +786,24 @@ impl Coordinator {
         }
     }
 
+    /// The ring's time in step `s` of `era`, when its workers form one every-step ring of the
+    /// whole model (a data-parallel epoch), past its first steps (which fetch and warm up).
+    fn measure_ring(&mut self, era: &Era, s: u64, reports: &BTreeMap<NodeId, Report>) {
+        let ring = era.groups.len() == 1
+            && era.policy == SyncPolicy::EveryStep
+            && era.collective == Collective::Ring
+            && era.assigns.iter().all(|a| a.stage.is_none() && a.batch > 0);
+        if !ring || s < era.from + 2 {
+            return;
+        }
+        let waits: Vec<f64> = era
+            .workers()
+            .filter_map(|n| reports.get(&n))
+            .map(|r| r.comm_ns as f64 / 1e9)
+            .collect();
+        self.ring.add(&waits);
+    }
+
     /// Move the current epoch's horizon `window` steps past the last agreed step, in hops of
     /// half a window (fewer messages; nodes never wait while reports keep coming).
     fn extend_grant(&mut self) {
@@ -809,6 +859,12 @@ impl Coordinator {
     /// pure function of the live set and the speeds).
     fn plan_live(&mut self, live: &[NodeId]) -> Result<(Plan, ClusterSpec), String> {
         let mut sub = self.cfg.cluster.subset(live);
+        for n in &mut sub.nodes {
+            n.link.bandwidth_gbps *= self.link_scale;
+        }
+        for l in sub.pair_links.values_mut() {
+            l.bandwidth_gbps *= self.link_scale;
+        }
         for (k, id) in live.iter().enumerate() {
             if let Some(&(per_sample, fixed)) = self.assumed.get(id) {
                 sub.nodes[k].flops = self.cfg.train_flops / per_sample;
@@ -819,6 +875,7 @@ impl Coordinator {
             .nodes
             .iter()
             .flat_map(|n| [n.flops.to_bits(), n.step_overhead_s.to_bits()])
+            .chain([self.link_scale.to_bits()])
             .collect();
         if let Some((k, l, p)) = &self.plan_cache
             && *k == key
@@ -891,6 +948,7 @@ impl Coordinator {
             assigns: s.assigns,
             groups: s.groups,
             policy,
+            collective,
             sources,
         });
         self.until = until;
@@ -1111,10 +1169,10 @@ impl Coordinator {
         if self.halting.is_some() || self.eras.len() != 1 || self.finished {
             return;
         }
-        if self.probation_due() {
+        let cur = self.eras[0].clone();
+        if self.probation_due(&cur) {
             return self.switch();
         }
-        let cur = self.eras[0].clone();
         let t = self.cfg.tuning;
         // Each re-plan in the last hundred steps makes the next wait longer: a node's new share
         // shows how the old figures were off, and chasing that error is what oscillates.
@@ -1127,23 +1185,34 @@ impl Coordinator {
             return;
         }
         let settled = self.agreed >= cur.from + t.settle_steps * (1 + 2 * recent);
-        // Each node's cost as measured: the plan's figures times its smoothed ratio.
+        if self.calibrate_links(&cur) {
+            return;
+        }
+        // Each node's cost as measured: the plan's figures times its smoothed ratio; a node
+        // never measured, its configured figures times the contention the workers show.
+        let typical = self.typical_contention(&cur);
         let measured: BTreeMap<NodeId, StepCost> = self
             .assumed
             .iter()
-            .map(|(n, &(per_sample, fixed))| {
-                let k = self.measured.get(n).map_or(1.0, SpeedEstimate::get);
-                (*n, (per_sample * k, fixed * k))
+            .map(|(n, &(per_sample, fixed))| match self.measured.get(n) {
+                Some(m) => (*n, (per_sample * m.get(), fixed * m.get())),
+                None if !cur.has(*n) && (per_sample, fixed) == configured(&self.cfg, *n) => {
+                    (*n, (per_sample * typical, fixed * typical))
+                }
+                None => (*n, (per_sample, fixed)),
             })
             .collect();
         let cost = |n: NodeId| measured.get(&n).copied().unwrap_or((1.0, 0.0));
         // Drifted: off by the margin, and by more than this node's own noise (on a shared
         // machine a step can take twice as long now and then; a median of nine still moves).
-        let threshold = |m: &SpeedEstimate| t.drift.ln_1p().max(NOISE_MARGIN * m.log_spread());
+        let threshold = |n: NodeId, m: &SpeedEstimate| match self.on_probation.contains(&n) {
+            true => t.drift.ln_1p(),
+            false => t.drift.ln_1p().max(NOISE_MARGIN * m.log_spread()),
+        };
         let off = |n: NodeId| {
             self.measured
                 .get(&n)
-                .map_or(0.0, |m| m.get().ln().abs() / threshold(m))
+                .map_or(0.0, |m| m.get().ln().abs() / threshold(n, m))
         };
         let drifted = cur.workers().any(|n| off(n) >= 1.0);
         // Twice the margin on both counts (a node that turned 3x slower): no need to wait.
@@ -1182,6 +1251,7 @@ impl Coordinator {
             })
             .collect();
         self.measured.clear();
+        self.on_probation.clear();
         self.rebalanced_at.push(self.agreed);
         self.emit(Event::Rebalanced {
             step: self.agreed,
@@ -1191,25 +1261,117 @@ impl Coordinator {
         self.switch();
     }
 
-    /// A node left out for its measured speed for long enough is planned with its configured
-    /// figures again (and re-measured): whether any is due.
-    fn probation_due(&mut self) -> bool {
+    /// The ring measured slower (or, after a scaling, faster) than the links the plan assumed:
+    /// loopback probes see 15 Gbit/s, while a ring of encrypted, reduced chunks on busy CPUs
+    /// moves far less. The links are scaled so that the cost model's ring takes what the ring
+    /// took (as a run's profile scales them for `plan` and `sim`), and the live nodes are
+    /// re-planned when that changes the plan: a node whose share does not pay for what it adds
+    /// to the all-reduce is left out on what the ring costs, not on what the probes promised.
+    /// Whether it switched.
+    fn calibrate_links(&mut self, cur: &Era) -> bool {
+        let min_steps = 2 * self.cfg.tuning.settle_steps.max(1) as usize;
+        let Some((n, ring_s)) = self.ring.get(min_steps) else {
+            return false;
+        };
+        let members: Vec<NodeId> = cur.workers().collect();
+        let links: Vec<_> = members
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &a)| members[i + 1..].iter().map(move |&b| (a, b)))
+            .map(|(a, b)| self.cfg.cluster.link(a, b))
+            .collect();
+        let costs =
+            ravnest_core::cost::Costs::new(&self.cfg.cluster, &self.cfg.model, &self.cfg.training);
+        let bytes = costs.grad_bytes(costs.all()) as f64;
+        let scale = ravnest_core::profile::ring_bandwidth_scale(&links, n, bytes, ring_s);
+        // Noise is not a change: a quarter slower, or half faster (and on a ring as large)
+        // before anything moves.
+        let ratio = scale / self.link_scale;
+        if (ratio < 1.0 && ratio > 1.0 / 1.25)
+            || (ratio >= 1.0 && (ratio < 1.5 || n < self.link_scale_ring))
+        {
+            return false;
+        }
+        (self.link_scale, self.link_scale_ring) = (scale, n);
+        self.ring.clear();
+        let replan = self.plan_changes(cur);
+        self.emit(Event::LinksScaled {
+            step: self.agreed,
+            ring_s,
+            scale,
+            replanned: replan,
+        });
+        if replan {
+            self.switch();
+        }
+        replan
+    }
+
+    /// How much slower than their configured figures the workers of `cur` run (the least of
+    /// their measured ratios, so that one straggler does not count for all): what a node not
+    /// measured yet would show beside them (on a shared machine, the same contention; with a
+    /// biased calibration, the same bias). 1 with nothing measured.
+    fn typical_contention(&self, cur: &Era) -> f64 {
+        cur.workers()
+            .filter_map(|n| {
+                let k = self.measured.get(&n)?.get();
+                let assumed = self.assumed.get(&n)?.0;
+                let configured = configured(&self.cfg, n).0;
+                (configured > 0.0).then(|| assumed * k / configured)
+            })
+            .filter(|k| k.is_finite() && *k > 0.0)
+            .reduce(f64::min)
+            .unwrap_or(1.0)
+    }
+
+    /// Nodes left out for their measured speed for long enough are planned as if they had
+    /// recovered (their configured figures times the workers' contention) and re-measured,
+    /// so a straggler that recovered comes back; each try waits twice as long as the last.
+    /// Whether that changes the plan (a node that would not pay even recovered stays out,
+    /// without a new epoch).
+    fn probation_due(&mut self, cur: &Era) -> bool {
+        let typical = self.typical_contention(cur);
+        let recovered = |n: NodeId| {
+            let (per_sample, fixed) = configured(&self.cfg, n);
+            (per_sample * typical, fixed * typical)
+        };
+        let margin = 1.0 + self.cfg.tuning.drift;
         let due: Vec<NodeId> = self
             .left_out
             .iter()
             .filter(|(n, since)| {
-                self.agreed >= **since + self.cfg.tuning.probation_steps
+                let wait = self.probation_wait.get(n).copied();
+                self.agreed >= **since + wait.unwrap_or(self.cfg.tuning.probation_steps)
                     && self.detector.is_alive(**n)
-                    && self.assumed.get(n) != Some(&configured(&self.cfg, **n))
+                    && self
+                        .assumed
+                        .get(n)
+                        .is_some_and(|a| a.0 > recovered(**n).0 * margin)
             })
             .map(|(n, _)| *n)
             .collect();
         for n in &due {
-            self.assumed.insert(*n, configured(&self.cfg, *n));
+            self.assumed.insert(*n, recovered(*n));
             self.measured.remove(n);
             self.left_out.insert(*n, self.agreed);
+            let wait = self.probation_wait.entry(*n);
+            *wait.or_insert(self.cfg.tuning.probation_steps) *= 2;
+            self.on_probation.insert(*n);
         }
-        !due.is_empty()
+        !due.is_empty() && self.plan_changes(cur)
+    }
+
+    /// Whether planning the live nodes now gives `cur` other batches or workers.
+    fn plan_changes(&mut self, cur: &Era) -> bool {
+        let live = self.detector.alive();
+        let shape =
+            |a: &[Assign]| -> Vec<(NodeId, u64)> { a.iter().map(|a| (a.node, a.batch)).collect() };
+        self.plan_live(&live)
+            .ok()
+            .and_then(|(p, sub)| {
+                assignments(&p, &live, &sub, &self.cfg.model, &self.cfg.training).ok()
+            })
+            .is_some_and(|(a, _)| shape(&a) != shape(&cur.assigns))
     }
 
     // ---- membership ------------------------------------------------------------------------

@@ -56,6 +56,50 @@ impl SpeedEstimate {
     }
 }
 
+/// The ring's measured time per step: per step, the least communication a worker of the ring
+/// exposed (the worker that finished computing last waits only for the ring itself), and their
+/// mean over the steps kept (a run's profile measures its ring the same way).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RingTime {
+    /// Ring size and seconds, per step measured.
+    steps: VecDeque<(usize, f64)>,
+}
+
+impl RingTime {
+    /// Steps kept.
+    const KEEP: usize = 64;
+
+    /// One step of a ring of `waits.len()` workers, each with the seconds it waited for the
+    /// ring after its compute.
+    pub fn add(&mut self, waits: &[f64]) {
+        let least = waits.iter().copied().fold(f64::INFINITY, f64::min);
+        if waits.len() < 2 || !least.is_finite() {
+            return;
+        }
+        if self.steps.len() == Self::KEEP {
+            self.steps.pop_front();
+        }
+        self.steps.push_back((waits.len(), least));
+    }
+
+    /// Forget every step (the ring changed).
+    pub fn clear(&mut self) {
+        self.steps.clear();
+    }
+
+    /// (ring size, mean seconds) once at least `min_steps` steps of one ring size are kept.
+    pub fn get(&self, min_steps: usize) -> Option<(usize, f64)> {
+        let n = self.steps.back()?.0;
+        let same: Vec<f64> = self
+            .steps
+            .iter()
+            .filter(|s| s.0 == n)
+            .map(|s| s.1)
+            .collect();
+        (same.len() >= min_steps.max(1)).then(|| (n, same.iter().sum::<f64>() / same.len() as f64))
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
@@ -70,6 +114,20 @@ fn median(mut v: Vec<f64>) -> f64 {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_ring_takes_the_least_wait_of_its_workers() {
+        let mut r = RingTime::default();
+        r.add(&[0.004, 0.001]);
+        assert_eq!(r.get(2), None, "one step is not enough");
+        r.add(&[0.003, 0.005]);
+        r.add(&[0.002]);
+        assert_eq!(r.get(2), Some((2, 0.002)), "a lone worker is no ring");
+        r.add(&[0.001, 0.001, 0.001]);
+        assert_eq!(r.get(2), None, "another ring size starts over");
+        r.clear();
+        assert_eq!(r.get(1), None);
+    }
 
     proptest! {
         /// One outlier in a steady stream moves the estimate by nothing; a lasting change is

@@ -69,6 +69,19 @@ pub enum Event {
         /// Per worker: (node, seconds per sample assumed, seconds per sample measured).
         speeds: Vec<(NodeId, f64, f64)>,
     },
+    /// The data-parallel ring measured slower (or faster) than the links the plan assumed:
+    /// every link's bandwidth is scaled by `scale` for planning, and the live nodes were
+    /// re-planned when that changed the plan.
+    LinksScaled {
+        /// The last agreed step when decided.
+        step: u64,
+        /// The ring's measured time per step, s.
+        ring_s: f64,
+        /// The factor on every link's bandwidth from now on.
+        scale: f64,
+        /// Whether the plan changed (a new epoch).
+        replanned: bool,
+    },
     /// This coordinator took over from a lost one (fail-over): `node` hosts term `term`, the
     /// predecessor was hosted by `from`, and training goes on from model version `step`.
     TookOver {
@@ -147,6 +160,7 @@ impl Event {
             Event::Admitted { .. } => "admitted",
             Event::Left { .. } => "left",
             Event::Rebalanced { .. } => "rebalanced",
+            Event::LinksScaled { .. } => "links-scaled",
             Event::CheckpointComplete { .. } => "checkpoint",
             Event::Refused(_) => "shard-refused",
             Event::Violation(_) => "violation",

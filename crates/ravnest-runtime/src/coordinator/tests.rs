@@ -314,6 +314,7 @@ fn complete_steps(ns: &mut [Node]) {
                     step: at.1,
                     digest: 7,
                     compute_ns: 1_000_000,
+                    comm_ns: 0,
                 });
             }
         }

@@ -307,7 +307,16 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let ns = self.computed(t);
         let range = 0..base.len();
         if mode == StepMode::Local {
-            return self.finish_step(st, w.epoch, s, local, range, None, false, ns);
+            return self.finish_step(
+                st,
+                w.epoch,
+                s,
+                local,
+                range,
+                None,
+                false,
+                Spent::compute(ns),
+            );
         }
         self.average(st, w, s, base, local, range, None, ns);
     }
@@ -417,10 +426,12 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         if r.mode == StepMode::Sync {
             self.compute.end_update(&mut next);
         }
+        let mut comm_ns = 0;
         if let Some(since) = r.computed {
             let span = self.span(since, SpanKind::Comm);
+            comm_ns = since.elapsed().as_nanos() as u64;
             self.count(|c| {
-                c.comm_ns += since.elapsed().as_nanos() as u64;
+                c.comm_ns += comm_ns;
                 c.copied_per_step = r.base.len() as u64;
                 c.spans.push(span);
             });
@@ -433,7 +444,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             r.range,
             r.layers,
             true,
-            r.compute_ns,
+            Spent {
+                compute_ns: r.compute_ns,
+                comm_ns,
+            },
         );
     }
 
@@ -449,7 +463,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         range: Range<usize>,
         layers: Option<LayerRange>,
         synced: bool,
-        compute_ns: u64,
+        spent: Spent,
     ) {
         let v = step + 1;
         // A stage's digest covers what it holds of its layers (their optimizer state too), as
@@ -486,7 +500,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 epoch,
                 step,
                 digest: d,
-                compute_ns,
+                compute_ns: spent.compute_ns,
+                comm_ns: spent.comm_ns,
             },
         );
         if synced {
@@ -729,7 +744,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                         p.range,
                         layers,
                         false,
-                        p.compute_ns,
+                        Spent::compute(p.compute_ns),
                     );
                 }
                 self.average(
@@ -779,6 +794,24 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 micro,
                 data,
             });
+        }
+    }
+}
+
+/// What a step cost this node: nanoseconds computing its share, and nanoseconds from the end of
+/// its compute until every collective came back (the communication the step exposed; 0 for a
+/// step without one).
+#[derive(Debug, Clone, Copy)]
+struct Spent {
+    compute_ns: u64,
+    comm_ns: u64,
+}
+
+impl Spent {
+    fn compute(compute_ns: u64) -> Self {
+        Spent {
+            compute_ns,
+            comm_ns: 0,
         }
     }
 }

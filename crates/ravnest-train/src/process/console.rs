@@ -284,6 +284,20 @@ pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
                 .collect::<Vec<_>>()
                 .join(", ")
         ),
+        Event::LinksScaled {
+            step,
+            ring_s,
+            scale,
+            replanned,
+        } => format!(
+            "after step {step}: the ring took {} per step: planning on links at {scale:.2}x their bandwidth{}",
+            ravnest_core::units::secs(*ring_s),
+            if *replanned {
+                ": re-planned"
+            } else {
+                " (the plan stays)"
+            }
+        ),
         Event::Refused(why) => format!("checkpoint shard refused: {why}"),
         Event::Resync { step, silent_ms } => format!(
             "no step agreed for {:.1} s though every node is alive (a message was lost): step {step} and on redone from what every node holds",
