@@ -349,6 +349,9 @@ pub struct Coordinator {
     /// Per node: the (seconds per sample of the whole model, fixed seconds per step) the
     /// planner is given (configured figures until a rebalance).
     assumed: BTreeMap<NodeId, StepCost>,
+    /// Per node: the spread of its measured step times (relative, robust to outliers), which
+    /// the planner charges as the wait for the slowest of noisy workers.
+    noise: BTreeMap<NodeId, f64>,
     /// The current data-parallel ring's measured time per step.
     ring: RingTime,
     /// The factor on every link's bandwidth the planner is given: 1 until a measured ring
@@ -453,6 +456,7 @@ impl Coordinator {
             last_synced: cfg.start_step,
             pending_checkpoint: None,
             measured: BTreeMap::new(),
+            noise: BTreeMap::new(),
             ring: RingTime::default(),
             link_scale: 1.0,
             link_scale_ring: 0,
@@ -779,10 +783,15 @@ impl Coordinator {
             }
             let ratio = r.compute_ns as f64 / 1e9 / predicted;
             let window = self.cfg.tuning.speed_window;
-            self.measured
+            let m = self
+                .measured
                 .entry(a.node)
-                .or_insert_with(|| SpeedEstimate::new(1.0, window))
-                .add(ratio);
+                .or_insert_with(|| SpeedEstimate::new(1.0, window));
+            m.add(ratio);
+            // Once the first figure (the plan's own 1.0) is out of the window.
+            if m.len() >= window {
+                self.noise.insert(a.node, m.log_spread());
+            }
         }
     }
 
@@ -865,16 +874,28 @@ impl Coordinator {
         for l in sub.pair_links.values_mut() {
             l.bandwidth_gbps *= self.link_scale;
         }
+        // A node whose noise was not measured: the median of the others' (on one machine, or
+        // one kind of cluster, noise is alike); 0 with none measured.
+        let mut known: Vec<f64> = self.noise.values().copied().collect();
+        known.sort_by(f64::total_cmp);
+        let typical_noise = known.get(known.len() / 2).copied().unwrap_or(0.0);
         for (k, id) in live.iter().enumerate() {
             if let Some(&(per_sample, fixed)) = self.assumed.get(id) {
                 sub.nodes[k].flops = self.cfg.train_flops / per_sample;
                 sub.nodes[k].step_overhead_s = fixed;
             }
+            sub.nodes[k].compute_spread = self.noise.get(id).copied().unwrap_or(typical_noise);
         }
         let key: Vec<u64> = sub
             .nodes
             .iter()
-            .flat_map(|n| [n.flops.to_bits(), n.step_overhead_s.to_bits()])
+            .flat_map(|n| {
+                [
+                    n.flops.to_bits(),
+                    n.step_overhead_s.to_bits(),
+                    n.compute_spread.to_bits(),
+                ]
+            })
             .chain([self.link_scale.to_bits()])
             .collect();
         if let Some((k, l, p)) = &self.plan_cache

@@ -42,6 +42,16 @@ impl SpeedEstimate {
         1.4826 * median(logs.iter().map(|x| (x - m).abs()).collect())
     }
 
+    /// How many figures are kept.
+    pub fn len(&self) -> usize {
+        self.recent.len()
+    }
+
+    /// Whether none is (never: an estimate starts from a figure).
+    pub fn is_empty(&self) -> bool {
+        self.recent.is_empty()
+    }
+
     /// The largest figure kept.
     pub fn max(&self) -> f64 {
         self.recent
