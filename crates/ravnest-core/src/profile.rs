@@ -401,6 +401,9 @@ pub struct RunFigures {
     pub nodes: Vec<NodeRun>,
     /// Probed pair links (node names).
     pub pairs: Vec<(String, String, Link)>,
+    /// The rings the coordinator measured while the run went on (nodes, seconds per step), in
+    /// order: the warm-up's too, where a larger ring may have run before a node was left out.
+    pub rings: Vec<(usize, f64)>,
 }
 
 fn mean(mut v: Vec<f64>) -> Option<f64> {
@@ -661,8 +664,15 @@ pub fn fit(r: &RunFigures) -> Profile {
     let ring_nodes =
         median(synced.iter().map(|c| c.len() as f64).collect()).unwrap_or(0.0) as usize;
     let scale = bandwidth_scale(r, ring_nodes, ring_s);
+    // Measured on rings of two sizes: their bandwidth and per-hop latency both, so that the
+    // ring the steady steps did not run costs what it cost.
+    let hop = two_ring_fit(r, (ring_nodes, ring_s));
+    let scale = hop.map_or(scale, |h| h.0);
     for n in &mut nodes {
         n.bandwidth_gbps *= scale;
+        if let Some((_, latency_ms)) = hop {
+            n.latency_ms = n.latency_ms.max(latency_ms);
+        }
     }
     Profile {
         profile: Measured {
@@ -683,10 +693,42 @@ pub fn fit(r: &RunFigures) -> Profile {
                 a: a.clone(),
                 b: b.clone(),
                 bandwidth_gbps: l.bandwidth_gbps * scale,
-                latency_ms: l.latency_ms,
+                latency_ms: hop.map_or(l.latency_ms, |h| l.latency_ms.max(h.1)),
             })
             .collect(),
     }
+}
+
+/// The ring of `steady` (nodes, seconds) and the last ring of another size the coordinator
+/// measured: the (bandwidth factor, latency in ms) that make the cost model's rings of both
+/// sizes take what they took, a ring of n costing 2(n - 1)/n of the gradient at the bandwidth
+/// plus 2(n - 1) hops of the latency. On one shared machine a hop costs more than its probe
+/// says (each process waits for a core), and a 3-node ring took twice a 2-node one where the
+/// bandwidth alone says 1.3x. `None` with one size measured, or when the two do not fit
+/// (a larger ring no slower).
+fn two_ring_fit(r: &RunFigures, steady: (usize, f64)) -> Option<(f64, f64)> {
+    let (n1, t1) = steady;
+    let &(n2, t2) = r.rings.iter().rev().find(|x| x.0 != n1 && x.0 >= 2)?;
+    if n1 < 2 || t1.is_nan() || t1 <= 0.0 || t2.is_nan() || t2 <= 0.0 {
+        return None;
+    }
+    // t = a X + b L: X the gradient's seconds at the bandwidth, L a hop's seconds.
+    let ab = |n: usize| (2.0 * (n as f64 - 1.0) / n as f64, 2.0 * (n as f64 - 1.0));
+    let ((a1, b1), (a2, b2)) = (ab(n1), ab(n2));
+    let det = a1 * b2 - a2 * b1;
+    let x = (t1 * b2 - t2 * b1) / det;
+    let l = (a1 * t2 - a2 * t1) / det;
+    if !(x.is_finite() && l.is_finite() && x > 0.0 && l > 0.0) {
+        return None;
+    }
+    let bottleneck = r
+        .pairs
+        .iter()
+        .map(|p| p.2.bandwidth_gbps)
+        .fold(f64::INFINITY, f64::min);
+    let bandwidth_gbps = r.grad_bytes * 8.0 / x / 1e9;
+    let scale = (bandwidth_gbps / bottleneck).min(1.0);
+    (scale.is_finite() && scale > 0.0).then_some((scale, l * 1e3))
 }
 
 /// The factor on every probed bandwidth that makes the cost model's ring of `n` nodes over

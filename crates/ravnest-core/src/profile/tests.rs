@@ -62,6 +62,7 @@ fn run() -> RunFigures {
             // Finishes last: waits for the ring only, 6 ms.
             node("slow", slow, steps(24, slow, 1.5, 6e-3, 0.5e-3)),
         ],
+        rings: Vec::new(),
         pairs: vec![
             ("fast-a".into(), "fast-b".into(), link(15.0, 0.03)),
             ("fast-a".into(), "slow".into(), link(14.0, 0.03)),
@@ -84,20 +85,48 @@ fn fit_scales_the_calibration_by_what_steady_steps_took() {
     assert!((p.profile.ring_s - 6e-3).abs() < 1e-15);
 }
 
-#[test]
-fn fit_links_make_the_cost_models_ring_take_the_measured_time() {
-    let p = fit(&run());
+/// The slowest bandwidth and the largest latency of a profile's links: what its ring runs at.
+fn ring_links(p: &Profile) -> (f64, f64) {
     let bottleneck = p
         .links
         .iter()
         .map(|l| l.bandwidth_gbps)
         .fold(f64::INFINITY, f64::min);
     let latency = p.links.iter().map(|l| l.latency_ms).fold(0.0, f64::max);
+    (bottleneck, latency)
+}
+
+#[test]
+fn fit_links_make_the_cost_models_ring_take_the_measured_time() {
+    let p = fit(&run());
+    let (bottleneck, latency) = ring_links(&p);
     let t = ring_allreduce_s(3, 1.2e6, bottleneck, latency);
     assert!((t - 6e-3).abs() < 1e-9, "{t}");
     // One factor on every link: their order is kept.
     assert!(p.links[2].bandwidth_gbps > p.links[0].bandwidth_gbps);
     assert!(p.nodes.iter().all(|n| n.bandwidth_gbps < 15.0));
+}
+
+/// The steady steps ran a ring of 3 in 6 ms; the coordinator also measured a ring of 2 in
+/// 3.5 ms. The profile's links make the cost model's rings of both sizes take what they took
+/// (bandwidth and per-hop latency both), not the one ring alone.
+#[test]
+fn rings_of_two_sizes_fit_bandwidth_and_latency() {
+    let mut r = run();
+    r.rings = vec![(3, 9e-3), (2, 3.5e-3)];
+    let p = fit(&r);
+    let (bottleneck, latency) = ring_links(&p);
+    for (n, want) in [(3, 6e-3), (2, 3.5e-3)] {
+        let t = ring_allreduce_s(n, 1.2e6, bottleneck, latency);
+        assert!(
+            (t - want).abs() < 1e-9,
+            "ring of {n}: {t} s, measured {want}"
+        );
+    }
+    assert!(p.nodes.iter().all(|n| n.latency_ms == latency));
+    // A larger ring no slower fits no latency: the one ring's rule holds.
+    r.rings = vec![(2, 7e-3)];
+    assert_eq!(fit(&r).links, fit(&run()).links);
 }
 
 #[test]

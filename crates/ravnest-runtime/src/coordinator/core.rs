@@ -1319,6 +1319,7 @@ impl Coordinator {
         self.emit(Event::LinksScaled {
             step: self.agreed,
             ring_s,
+            ring_nodes: n,
             scale,
             replanned: replan,
         });

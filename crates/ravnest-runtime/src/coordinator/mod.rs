@@ -77,6 +77,8 @@ pub enum Event {
         step: u64,
         /// The ring's measured time per step, s.
         ring_s: f64,
+        /// Nodes in that ring.
+        ring_nodes: usize,
         /// The factor on every link's bandwidth from now on.
         scale: f64,
         /// Whether the plan changed (a new epoch).

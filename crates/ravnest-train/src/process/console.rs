@@ -287,10 +287,11 @@ pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
         Event::LinksScaled {
             step,
             ring_s,
+            ring_nodes,
             scale,
             replanned,
         } => format!(
-            "after step {step}: the ring took {} per step: planning on links at {scale:.2}x their bandwidth{}",
+            "after step {step}: the ring of {ring_nodes} took {} per step: planning on links at {scale:.2}x their bandwidth{}",
             ravnest_core::units::secs(*ring_s),
             if *replanned {
                 ": re-planned"

@@ -706,8 +706,18 @@ fn coordinator_report(
         .filter(|(_, e)| matches!(e, Event::Planned { .. }))
         .count();
     let files = &h.su.files;
-    let profile_inputs =
+    let mut profile_inputs =
         profile_inputs(h, &cluster, [start_step + skip as u64, final_step], steady);
+    profile_inputs.rings = log
+        .events
+        .iter()
+        .filter_map(|(_, e)| match e {
+            Event::LinksScaled {
+                ring_s, ring_nodes, ..
+            } => Some((*ring_nodes, *ring_s)),
+            _ => None,
+        })
+        .collect();
     CoordinatorReport {
         steps: final_step,
         start_step,
@@ -790,6 +800,7 @@ fn profile_inputs(
             })
             .map(|(&(a, b), l)| (name(a), name(b), *l))
             .collect(),
+        rings: Vec::new(),
     }
 }
 
