@@ -11,6 +11,8 @@
 //! it (our own announcement is not heard back), a test says why on stderr and passes;
 //! `RAVNEST_REQUIRE_MDNS=1` makes that a failure.
 
+mod common;
+use common::free_ports;
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -178,15 +180,6 @@ fn discover_fails_clearly_and_in_time_when_nobody_announces() {
     assert!(!e.contains("panicked"), "{e}");
 }
 
-/// A free TCP port on loopback.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Lines of JSON from a child's stdout, on a channel.
 fn json_lines(child: &mut Child) -> std::sync::mpsc::Receiver<Value> {
     let out = child.stdout.take().unwrap();
@@ -223,10 +216,9 @@ fn a_node_found_by_discover_refuses_a_wrong_secret_and_lets_the_right_one_join()
     std::fs::create_dir_all(&dir).unwrap();
     // `a` trains alone after a second (min_nodes = 1), so that `b` joins a running cluster.
     let mut text = format!("[cluster]\nname = \"{cluster}\"\nsecret = \"right-secret\"\n\n");
-    for n in ["a", "b"] {
+    for (n, port) in ["a", "b"].into_iter().zip(free_ports(2)) {
         text += &format!(
-            "[[node]]\nname = \"{n}\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{}\"\n\n",
-            free_port()
+            "[[node]]\nname = \"{n}\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{port}\"\n\n"
         );
     }
     text += "[model]\nkind = \"mlp\"\ndims = [64, 32, 10]\n\n[training]\nglobal_batch = 64\n\n[run]\nsteps = 1000000\nmin_nodes = 1\nregister_timeout_s = 1\nheartbeat_ms = 100\nheartbeat_timeout_ms = 2000\n";

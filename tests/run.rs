@@ -14,6 +14,8 @@
 //!
 //! The tests run one at a time (they share the machine's cores and measure themselves).
 
+mod common;
+use common::free_ports;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -47,10 +49,9 @@ fn fresh_dir(name: &str) -> PathBuf {
 /// The demo's shape on free ports: two nodes and one emulating a 3x slower device.
 fn cluster_file(dir: &Path, nodes: &[(&str, f64)], steps: u64, every: u64) -> PathBuf {
     let mut t = String::from("[cluster]\nname = \"e2e\"\nsecret = \"e2e-secret\"\n\n");
-    for (name, slow) in nodes {
+    for ((name, slow), port) in nodes.iter().zip(free_ports(nodes.len())) {
         t += &format!(
-            "[[node]]\nname = \"{name}\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{}\"\nemulate_slowdown = {slow:.1}\n\n",
-            free_port()
+            "[[node]]\nname = \"{name}\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{port}\"\nemulate_slowdown = {slow:.1}\n\n"
         );
     }
     t += &format!(
@@ -816,10 +817,9 @@ fn a_stage_holder_killed_with_sigkill_is_restored_from_the_checkpoint_and_the_ru
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = fresh_dir("e2e-kill-stage");
     let mut t = String::from("[cluster]\nname = \"e2e-gpt\"\nsecret = \"e2e-secret\"\n\n");
-    for name in ["a", "b", "c"] {
+    for (name, port) in ["a", "b", "c"].into_iter().zip(free_ports(3)) {
         t += &format!(
-            "[[node]]\nname = \"{name}\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{}\"\nmemory_gib = 0.02\n\n",
-            free_port()
+            "[[node]]\nname = \"{name}\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{port}\"\nmemory_gib = 0.02\n\n"
         );
     }
     let text = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/eighty-days.txt");
