@@ -148,7 +148,7 @@ impl SimCompute {
             let mut s = self.0.lock().unwrap();
             for (j, &sd) in s.jitter.iter_mut().zip(spread) {
                 if sd > 0.0 {
-                    *j = (12f64.sqrt() * sd).min(ravnest_core::profile::SIM_MAX_WIDTH);
+                    *j = ravnest_core::cost::sim_width(sd);
                 }
             }
         }

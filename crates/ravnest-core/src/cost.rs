@@ -107,6 +107,13 @@ pub fn grad_buckets(model: &ModelSpec) -> Vec<GradBucket> {
 /// mean).
 pub const SIM_MAX_WIDTH: f64 = 1.9;
 
+/// The width of the uniform draw (relative to the mean) with which the simulator gives a node of
+/// relative standard deviation `spread` its step times: √12 × the spread, at most
+/// [`SIM_MAX_WIDTH`]. The planner's noise term and a profile's fit use the same draw.
+pub fn sim_width(spread: f64) -> f64 {
+    (12f64.sqrt() * spread.max(0.0)).min(SIM_MAX_WIDTH)
+}
+
 /// How much longer than its mean the slowest of data-parallel workers with these relative
 /// compute spreads computes, as a fraction of the (balanced) mean: each worker's step drawn
 /// independently and uniformly (as the simulator draws it, of width √12 × the spread), the
@@ -117,11 +124,7 @@ pub fn wait_for_slowest(spreads: &[f64]) -> f64 {
     if n < 2 {
         return 0.0;
     }
-    let w = spreads
-        .iter()
-        .map(|s| (12f64.sqrt() * s.max(0.0)).min(SIM_MAX_WIDTH))
-        .sum::<f64>()
-        / n as f64;
+    let w = spreads.iter().copied().map(sim_width).sum::<f64>() / n as f64;
     w * (n - 1) as f64 / (2.0 * (n + 1) as f64)
 }
 

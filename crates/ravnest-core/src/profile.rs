@@ -484,8 +484,7 @@ fn spread_factor(r: &RunFigures, measured: &[Option<(f64, f64, f64)>]) -> f64 {
             by.into_iter().map(|(b, (sum, k))| (b, sum / k)).collect()
         })
         .collect();
-    // Per version with at least two measured nodes: the slowest compute, and each node's
-    // (mean, uniform width).
+    // Per version with at least two measured nodes: each node's (compute, mean, spread).
     let mut by_version: std::collections::BTreeMap<u64, Vec<(f64, f64, f64)>> = Default::default();
     for (i, n) in r.nodes.iter().enumerate() {
         let Some((_, spread, _)) = measured[i] else {
@@ -496,7 +495,7 @@ fn spread_factor(r: &RunFigures, measured: &[Option<(f64, f64, f64)>]) -> f64 {
             by_version
                 .entry(s.version)
                 .or_default()
-                .push((s.compute_s, m, 12f64.sqrt() * spread));
+                .push((s.compute_s, m, spread));
         }
     }
     let steps: Vec<&Vec<(f64, f64, f64)>> = by_version.values().filter(|v| v.len() >= 2).collect();
@@ -513,8 +512,8 @@ fn spread_factor(r: &RunFigures, measured: &[Option<(f64, f64, f64)>]) -> f64 {
             .map(|v| {
                 let spans: Vec<(f64, f64)> = v
                     .iter()
-                    .map(|&(_, m, w)| {
-                        let w = (alpha * w).min(SIM_MAX_WIDTH);
+                    .map(|&(_, m, spread)| {
+                        let w = crate::cost::sim_width(alpha * spread);
                         (m * (1.0 - w / 2.0), m * (1.0 + w / 2.0))
                     })
                     .collect();
@@ -539,8 +538,6 @@ fn spread_factor(r: &RunFigures, measured: &[Option<(f64, f64, f64)>]) -> f64 {
     }
     0.5 * (lo + hi)
 }
-
-pub use crate::cost::SIM_MAX_WIDTH;
 
 /// The mean of the largest of independent uniform variables on `spans` (`(lo, hi)`, a point
 /// when equal): the largest lower bound plus the integral above it of P(max > t).

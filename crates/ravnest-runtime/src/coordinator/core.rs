@@ -40,7 +40,7 @@ use super::Event;
 use super::assign::{
     Assign, Holders, StepCost, SyncGroup, assignments, balanced_bound, compute_bound,
 };
-use super::measure::{RingTime, SpeedEstimate};
+use super::measure::{RingTime, SpeedEstimate, median};
 use crate::msg::{CheckpointDuty, Envelope, HeldVersion, Replica, SyncPolicy, Work};
 
 /// What the coordinator is given.
@@ -876,9 +876,7 @@ impl Coordinator {
         }
         // A node whose noise was not measured: the median of the others' (on one machine, or
         // one kind of cluster, noise is alike); 0 with none measured.
-        let mut known: Vec<f64> = self.noise.values().copied().collect();
-        known.sort_by(f64::total_cmp);
-        let typical_noise = known.get(known.len() / 2).copied().unwrap_or(0.0);
+        let typical_noise = median(self.noise.values().copied().collect());
         for (k, id) in live.iter().enumerate() {
             if let Some(&(per_sample, fixed)) = self.assumed.get(id) {
                 sub.nodes[k].flops = self.cfg.train_flops / per_sample;
@@ -1294,12 +1292,12 @@ impl Coordinator {
         let Some((n, ring_s)) = self.ring.get(min_steps) else {
             return false;
         };
-        let members: Vec<NodeId> = cur.workers().collect();
-        let links: Vec<_> = members
+        // The ring's own links, each member to the next (not every pair: this runs every step).
+        let ring = cur.assigns.first().map_or(&[][..], |a| &a.ring[..]);
+        let links: Vec<_> = ring
             .iter()
-            .enumerate()
-            .flat_map(|(i, &a)| members[i + 1..].iter().map(move |&b| (a, b)))
-            .map(|(a, b)| self.cfg.cluster.link(a, b))
+            .zip(ring.iter().cycle().skip(1))
+            .map(|(&a, &b)| self.cfg.cluster.link(a, b))
             .collect();
         let costs =
             ravnest_core::cost::Costs::new(&self.cfg.cluster, &self.cfg.model, &self.cfg.training);

@@ -110,7 +110,8 @@ impl RingTime {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median (0 for none).
+pub(super) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
     match n {
