@@ -646,13 +646,6 @@ fn min_workers(holders: usize) -> usize {
     holders.min(2)
 }
 
-/// Whether a split gives samples to at least [`min_workers`] nodes: a subset with a node that
-/// gets none (it cannot hold the model, or its share rounds to 0) is a smaller subset, and
-/// must keep the rule as one.
-fn enough_working(batch: &[u64], holders: usize) -> bool {
-    batch.iter().filter(|&&b| b > 0).count() >= min_workers(holders)
-}
-
 /// Data parallel over the nodes that can hold the model, and over subsets that leave out the
 /// slowest links (one candidate per access-bandwidth tier); the fastest is kept in `best`.
 fn data_parallel_tiers(costs: &Costs<'_>, best: &mut Option<Plan>) {
@@ -686,9 +679,7 @@ fn data_parallel_tiers(costs: &Costs<'_>, best: &mut Option<Plan>) {
             if workers.len() < min_workers(fit.len()) {
                 continue;
             }
-            let Some((w, b)) =
-                ravnest_dp(costs, &workers).filter(|(_, b)| enough_working(b, fit.len()))
-            else {
+            let Some((w, b)) = ravnest_dp(costs, &workers) else {
                 continue;
             };
             let names: Vec<&str> = fit
@@ -724,9 +715,7 @@ fn data_parallel_tiers(costs: &Costs<'_>, best: &mut Option<Plan>) {
             if workers.len() < min_workers(fit.len()) {
                 continue;
             }
-            let Some((w, b)) =
-                ravnest_dp(costs, &workers).filter(|(_, b)| enough_working(b, fit.len()))
-            else {
+            let Some((w, b)) = ravnest_dp(costs, &workers) else {
                 continue;
             };
             let note = (t > 0).then(|| {
@@ -959,9 +948,7 @@ pub(super) fn exhaustive_search(costs: &Costs<'_>, opts: PlanOptions) -> Option<
         if workers.len() < min_workers(holders) {
             continue;
         }
-        if let Some((w, b)) =
-            ravnest_dp(costs, &workers).filter(|(_, b)| enough_working(b, holders))
-        {
+        if let Some((w, b)) = ravnest_dp(costs, &workers) {
             let c = Candidate::Data {
                 workers: w,
                 batch: b,
