@@ -11,7 +11,8 @@
 # `run` needs an NVIDIA driver for CUDA 13.0 or later and CUDA 13 libraries (cudart, cublas,
 # cublasLt, curand, nvrtc) on LD_LIBRARY_PATH; it finds PyTorch's (pip's nvidia/cu13/lib) or
 # /usr/local/cuda's by itself. It prints the CPU/GPU comparison of every network and
-# `ravnest bench gpu` (ravnest vs PyTorch on the same GPU). CUDA_COMPUTE_CAP picks the GPU
+# `ravnest bench gpu` (ravnest vs PyTorch on the same GPU), then a GPT (gpt-small) on one node
+# and in three pipeline stages on the GPU (real runs). CUDA_COMPUTE_CAP picks the GPU
 # generation the kernels are built for (default 90: H100/H200; 86 for RTX 30xx, 89 for 40xx).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +60,45 @@ run() {
     "$kit/cuda-test" --nocapture --test-threads 1
     echo "== ravnest vs PyTorch on the same GPU"
     RAVNEST_PYTHON="${RAVNEST_PYTHON:-python3}" "$kit/ravnest" bench gpu "$@"
+    gpt
+}
+
+# A GPT on the GPU through real runs: gpt-small on one node (data parallel: its model state on
+# the device, the optimizer there), then split into three stage processes sharing the GPU
+# (pipeline), each a short run; the reports' samples/s, bits per byte and memory tables.
+gpt() {
+    local out
+    out=$(mktemp -d)
+    cat > "$out/solo.toml" <<'TOML'
+[cluster]
+name = "gpu-gpt-solo"
+secret = "gpu-check"
+[[node]]
+name = "solo"
+device = "cuda:0"
+address = "127.0.0.1:47841"
+[model]
+preset = "gpt-small"
+[training]
+global_batch = 16
+micro_batch = 16
+optimizer = "adamw"
+precision = "fp32"
+sync = "ring"
+[run]
+network = "gpt"
+dataset = "data/eighty-days.txt"
+steps = 60
+learning_rate = 0.001
+seed = 1
+checkpoint_every_steps = 0
+TOML
+    echo "== gpt-small, one node on the GPU (data parallel)"
+    "$kit/ravnest" run "$out/solo.toml" --out "$out/solo" | grep -E "trained|bits per byte|memory|solo "
+    echo "== gpt-small in three pipeline stages on the GPU"
+    "$kit/ravnest" run scenarios/pipeline-gpt-small.toml --device cuda --steps 60 --out "$out/pipe" \
+        | grep -E "trained|bits per byte|pipeline:|memory|stage-"
+    rm -rf "$out"
 }
 
 case "${1:-all}" in

@@ -319,7 +319,7 @@ fn bare_loop(
         dims: dims.to_vec(),
     };
     let c = ravnest_train::compute::CandleCompute::new(net, data, optim, 1, 1.0);
-    let mut model = c.initial_model();
+    let mut model = c.initial(None);
     let skip = ravnest_train::process::warmup_steps(steps);
     let mut t = Instant::now();
     for k in 0..steps {
@@ -327,9 +327,7 @@ fn bare_loop(
             t = Instant::now();
         }
         // (The gradient comes back to the host: a GPU's queued work is done by then.)
-        let g = c.gradient_sum_now(k * batch..(k + 1) * batch, &model);
-        let mean: Vec<f32> = g.iter().map(|x| x / batch as f32).collect();
-        c.step_now(&mut model, &mean);
+        c.train_step(&mut model, k * batch..(k + 1) * batch)?;
     }
     let secs = t.elapsed().as_secs_f64() * steps as f64 / (steps - skip) as f64;
     Ok((secs, c))
@@ -339,8 +337,6 @@ fn bare_loop(
 /// transport, actors, coordinator, checkpoint at the end) against a bare candle loop on the
 /// same model, data and steps. Alternates the two `rounds` times and keeps each one's best.
 pub fn overhead(steps: u64, rounds: usize) -> Result<String> {
-    use ravnest_runtime::Compute;
-
     let batch = 384u64;
     let dims = [64usize, 512, 512, 10];
     let mut autograd = f64::INFINITY;

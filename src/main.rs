@@ -2,6 +2,7 @@
 //! by the pure `ravnest-core` crate.
 
 mod bench_ddp;
+mod bench_gpt;
 mod bench_net;
 mod chaos;
 mod report;
@@ -262,6 +263,22 @@ struct RunCmd {
 
 #[derive(Subcommand, Debug)]
 enum BenchWhat {
+    /// One node training a GPT (gpt-small at batch 16, gpt2-small's shape at batch 4) through
+    /// ravnest's compute against PyTorch's GPT2LMHeadModel of the same shape, one thread each.
+    /// The PyTorch side needs torch and transformers (RAVNEST_PYTHON, or python3), else it is
+    /// skipped.
+    #[command(after_help = "Example:\n  ravnest bench gpt --steps 5 --rounds 3")]
+    Gpt {
+        /// Timed steps per round.
+        #[arg(long, default_value_t = 5)]
+        steps: u64,
+        /// Interleaved rounds (each side's median is printed).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Python with torch and transformers (default: RAVNEST_PYTHON, else python3).
+        #[arg(long)]
+        python: Option<String>,
+    },
     /// One node through ravnest against a bare candle training loop: the framework's overhead.
     #[command(after_help = "Example:\n  ravnest bench overhead --steps 200 --rounds 3")]
     Overhead {
@@ -835,17 +852,17 @@ fn bench_command(what: BenchWhat) -> Result<()> {
             Ok(())
         }
         BenchWhat::Overhead { steps, rounds } => {
-            // One compute thread on both sides (candle reads RAYON_NUM_THREADS at each product;
-            // PyTorch is told set_num_threads(1)): run again with it set, if it is not.
-            if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-                let status = std::process::Command::new(std::env::current_exe()?)
-                    .args(std::env::args_os().skip(1))
-                    .env("RAYON_NUM_THREADS", "1")
-                    .status()
-                    .context("cannot restart with RAYON_NUM_THREADS=1")?;
-                std::process::exit(status.code().unwrap_or(2));
-            }
+            one_thread()?;
             emit(&bench_net::overhead(steps.max(1), rounds.max(1))?);
+            Ok(())
+        }
+        BenchWhat::Gpt {
+            steps,
+            rounds,
+            python,
+        } => {
+            one_thread()?;
+            emit(&bench_gpt::gpt(python, steps, rounds)?);
             Ok(())
         }
         BenchWhat::Chaos {
@@ -1131,6 +1148,21 @@ fn load(path: Option<&Path>) -> Result<(String, Scenario)> {
     };
     let scenario = ravnest_core::parse(&text, &origin)?;
     Ok((origin, scenario))
+}
+
+/// One compute thread on both sides of a one-node bench (candle reads RAYON_NUM_THREADS at
+/// each product; PyTorch is told set_num_threads(1)): run this command again with it set, if
+/// it is not.
+fn one_thread() -> Result<()> {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let status = std::process::Command::new(std::env::current_exe()?)
+            .args(std::env::args_os().skip(1))
+            .env("RAYON_NUM_THREADS", "1")
+            .status()
+            .context("cannot restart with RAYON_NUM_THREADS=1")?;
+        std::process::exit(status.code().unwrap_or(2));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ pub const SIM_DEFAULT: (&str, &str) = SHIPPED[0];
 pub const RUN_DEFAULT: (&str, &str) = SHIPPED[7];
 
 /// (name, TOML text) of every file in `scenarios/`, in report order (the 1,000-node one last).
-pub const SHIPPED: [(&str, &str); 13] = [
+pub const SHIPPED: [(&str, &str); 14] = [
     ("flaky-3090", include_str!("../scenarios/flaky-3090.toml")),
     ("homogeneous", include_str!("../scenarios/homogeneous.toml")),
     (
@@ -31,6 +31,10 @@ pub const SHIPPED: [(&str, &str); 13] = [
     ),
     ("local-text", include_str!("../scenarios/local-text.toml")),
     ("local-gpt", include_str!("../scenarios/local-gpt.toml")),
+    (
+        "pipeline-gpt-small",
+        include_str!("../scenarios/pipeline-gpt-small.toml"),
+    ),
     (
         "coordinator-crash",
         include_str!("../scenarios/coordinator-crash.toml"),

@@ -38,6 +38,7 @@ struct State {
     /// The buckets a data-parallel step hands its gradient over in, and when (the real
     /// runtime's, from the cost model: [`ravnest_core::cost::grad_buckets`]).
     buckets: Vec<GradBucket>,
+    copied_bytes: u64,
 }
 
 /// Simulated compute for every node of a cluster.
@@ -58,6 +59,7 @@ impl SimCompute {
             jitter: vec![JITTER; n],
             secs_per_sample,
             buckets: Vec::new(),
+            copied_bytes: 0,
         })))
     }
 
@@ -210,13 +212,99 @@ enum Fixed {
 /// Share of a layer range's training FLOPs spent in its forward pass (the cost model's).
 pub const FORWARD_SHARE: f64 = ravnest_core::cost::FORWARD_SHARE;
 
-impl Compute for SimCompute {
-    fn initial_model(&self) -> Vec<f32> {
-        self.toy().initial_model()
+/// The simulated model: the toy's whole vector on every node (a stage keeps only its layers
+/// current). Cheap enough to copy when a version is updated while another holds it.
+pub type SimModel = Arc<Vec<f32>>;
+
+impl SimCompute {
+    /// The values of `layers` (`None`: all) of `model`, in flat order.
+    fn parts<'a>(&self, model: &'a [f32], layers: Option<LayerRange>) -> Option<&'a [f32]> {
+        match layers {
+            None => Some(model),
+            Some(l) => model.get(self.toy().param_range(l)),
+        }
     }
 
-    fn param_range(&self, layers: LayerRange, _model_len: usize) -> Range<usize> {
+    /// `model`, to be changed: a copy when another version shares it (counted).
+    fn own<'a>(&self, model: &'a mut SimModel) -> &'a mut Vec<f32> {
+        if Arc::strong_count(model) > 1 {
+            self.0.lock().unwrap().copied_bytes += 4 * model.len() as u64;
+        }
+        Arc::make_mut(model)
+    }
+}
+
+impl Compute for SimCompute {
+    type Model = SimModel;
+    type StageGrad = Vec<f32>;
+
+    fn model_len(&self) -> usize {
+        self.toy().initial_model().len()
+    }
+
+    fn params(&self) -> usize {
+        self.model_len()
+    }
+
+    fn initial(&self, _layers: Option<LayerRange>) -> SimModel {
+        Arc::new(self.toy().initial_model())
+    }
+
+    fn export(&self, model: &SimModel, layers: Option<LayerRange>) -> Option<Vec<f32>> {
+        self.parts(model, layers).map(<[f32]>::to_vec)
+    }
+
+    fn import(
+        &self,
+        base: Option<&SimModel>,
+        layers: Option<LayerRange>,
+        values: Vec<f32>,
+    ) -> Result<SimModel, ComputeError> {
+        let mut m = base.map_or_else(|| self.toy().initial_model(), |b| b.to_vec());
+        let r = layers.map_or(0..m.len(), |l| self.toy().param_range(l));
+        let len = m.len();
+        match m.get_mut(r.clone()) {
+            Some(dst) if dst.len() == values.len() => dst.copy_from_slice(&values),
+            _ => {
+                return Err(ComputeError::Shape(format!(
+                    "{} values for {r:?} of a {len}-value model",
+                    values.len(),
+                )));
+            }
+        }
+        Ok(Arc::new(m))
+    }
+
+    fn digest(&self, model: &SimModel, layers: Option<LayerRange>) -> u64 {
+        self.parts(model, layers)
+            .map_or(0, ravnest_runtime::digest::digest)
+    }
+
+    fn state_stats(&self) -> ravnest_runtime::seams::StateStats {
+        let copied_bytes = self.0.lock().unwrap().copied_bytes;
+        ravnest_runtime::seams::StateStats {
+            copied_bytes,
+            ..Default::default()
+        }
+    }
+
+    fn param_range(&self, layers: LayerRange) -> Range<usize> {
         self.toy().param_range(layers)
+    }
+
+    fn stage_grad_values(&self, grad: Vec<f32>, scale: f32) -> Vec<f32> {
+        grad.into_iter().map(|x| x * scale).collect()
+    }
+
+    fn apply_stage_grad(
+        &self,
+        model: &mut SimModel,
+        layers: LayerRange,
+        grad: Vec<f32>,
+        scale: f32,
+    ) -> Result<(), ComputeError> {
+        let mean = self.stage_grad_values(grad, scale);
+        self.apply_update(model, self.toy().param_range(layers), &mean)
     }
 
     fn runs_stages(&self) -> bool {
@@ -229,10 +317,13 @@ impl Compute for SimCompute {
         _step: u64,
         samples: Range<u64>,
         layers: LayerRange,
-        params: &[f32],
+        model: &SimModel,
         input: Option<&[f32]>,
     ) -> Result<Vec<f32>, ComputeError> {
         let share = self.layer_share(layers)?;
+        let params = model
+            .get(self.toy().param_range(layers))
+            .unwrap_or_default();
         let n = samples.end - samples.start;
         if params.len() != layers.len() * toy::DIM
             || input.is_some_and(|x| x.len() != n as usize * toy::DIM)
@@ -254,10 +345,11 @@ impl Compute for SimCompute {
         _step: u64,
         samples: Range<u64>,
         layers: LayerRange,
-        _params: &[f32],
+        _model: &SimModel,
         _input: Option<&[f32]>,
         output: &[f32],
         grad_out: Option<&[f32]>,
+        acc: Option<Vec<f32>>,
     ) -> Result<(Vec<f32>, Vec<f32>), ComputeError> {
         let share = self.layer_share(layers)?;
         let n = samples.end - samples.start;
@@ -271,18 +363,50 @@ impl Compute for SimCompute {
         }
         let secs = self.secs(node, n, share * (1.0 - FORWARD_SHARE), Fixed::NotCharged);
         tokio::time::sleep(std::time::Duration::from_nanos((secs * 1e9) as u64)).await;
-        Ok(toy::chain_backward(samples, layers, output, grad_out))
+        let (g, grad_in) = toy::chain_backward(samples, layers, output, grad_out);
+        // Summed as a runtime that starts from zeros would (the same bits).
+        let mut sum = acc.unwrap_or_else(|| vec![0.0; g.len()]);
+        if sum.len() != g.len() {
+            return Err(ComputeError::Shape(format!(
+                "the backward of layers {layers} gave {} gradient values for {}",
+                g.len(),
+                sum.len()
+            )));
+        }
+        for (a, b) in sum.iter_mut().zip(&g) {
+            *a += b;
+        }
+        Ok((sum, grad_in))
     }
 
     /// The buckets the real runtime hands the simulated model's gradient over in
     /// ([`SimCompute::with_buckets`]), so the simulator overlaps communication with compute
     /// exactly as far as the real runtime does and the cost model says.
-    fn buckets(&self, params: usize) -> Vec<Range<usize>> {
-        self.toy_buckets(params).into_iter().map(|b| b.0).collect()
+    fn buckets(&self) -> Vec<Range<usize>> {
+        self.toy_buckets(self.params())
+            .into_iter()
+            .map(|b| b.0)
+            .collect()
     }
 
-    fn apply_update(&self, model: &mut [f32], range: Range<usize>, mean_gradient: &[f32]) {
-        toy::apply(&mut model[range], mean_gradient);
+    fn apply_update(
+        &self,
+        model: &mut SimModel,
+        range: Range<usize>,
+        mean_gradient: &[f32],
+    ) -> Result<(), ComputeError> {
+        let m = self.own(model);
+        let len = m.len();
+        match m.get_mut(range.clone()) {
+            Some(w) if w.len() == mean_gradient.len() => {
+                toy::apply(w, mean_gradient);
+                Ok(())
+            }
+            _ => Err(ComputeError::Shape(format!(
+                "an update of {} values for {range:?} of a {len}-value model",
+                mean_gradient.len(),
+            ))),
+        }
     }
 
     async fn gradient_sum(
@@ -290,7 +414,7 @@ impl Compute for SimCompute {
         node: NodeId,
         _step: u64,
         samples: Range<u64>,
-        model: Arc<Vec<f32>>,
+        model: SimModel,
         ready: BucketSink,
     ) -> Result<(), ComputeError> {
         let secs = self.secs(node, samples.end - samples.start, 1.0, Fixed::Charged);

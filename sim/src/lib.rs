@@ -220,17 +220,31 @@ pub struct SimReport {
 
 /// The simulator's checkpoint store: the latest complete checkpoint, in memory.
 #[derive(Debug, Default)]
-pub struct MemStore(Mutex<Option<(ravnest_core::checkpoint::Manifest, Vec<f32>)>>);
+pub struct MemStore(
+    Mutex<Option<(ravnest_core::checkpoint::Manifest, Vec<f32>)>>,
+    ravnest_runtime::checkpoint::ShardParts,
+);
 
 impl Store for MemStore {
+    fn put(
+        &self,
+        step: u64,
+        layers: ravnest_core::LayerRange,
+        offset: u64,
+        values: &[f32],
+    ) -> Result<(), StoreError> {
+        self.1.put(step, layers, offset, values);
+        Ok(())
+    }
+
+    fn forget(&self, step: u64, layers: Option<ravnest_core::LayerRange>) {
+        self.1.forget(step, layers);
+    }
+
     /// Merge shards in layer order into one model (data parallel: one shard). The checkpoint
     /// actor has checked each shard's digest already.
-    fn commit(
-        &self,
-        manifest: &ravnest_core::checkpoint::Manifest,
-        shards: &[Vec<f32>],
-    ) -> Result<(), StoreError> {
-        let merged: Vec<f32> = shards.iter().flatten().copied().collect();
+    fn commit(&self, manifest: &ravnest_core::checkpoint::Manifest) -> Result<(), StoreError> {
+        let merged: Vec<f32> = self.1.take(manifest).concat();
         *self.0.lock().unwrap() = Some((manifest.clone(), merged));
         Ok(())
     }
@@ -724,7 +738,11 @@ async fn simulate(
     first_plan: &ravnest_core::Plan,
 ) -> Result<SimReport, SimError> {
     let t0 = Instant::now();
-    let trace = Trace::default();
+    let trace = if std::env::var_os("RAVNEST_DUMP_TRACE").is_some() {
+        Trace::keeping()
+    } else {
+        Trace::default()
+    };
     let cluster = s.cluster.clone();
     let net = SimNet::new(cluster.clone(), host, opts.seed, t0, trace.clone());
     let net_task = tokio::spawn(net.clone().run());
@@ -747,6 +765,7 @@ async fn simulate(
         || opts.host_crash_on_loss.is_some();
     let nodes = Nodes::new(compute.clone(), cluster.ids().collect(), grad_bytes)
         .heartbeat(opts.heartbeat)
+        .observe()
         .counters(counters.clone());
     let (nodes, verdicts) = watching(nodes, failover, host, opts);
     let sup = launch.nodes(nodes).await.map_err(spawned)?;
@@ -933,16 +952,21 @@ fn model_error(
     let reference = toy.reference_model(steps_completed, u64::from(s.training.global_batch));
     let mut max_err: f64 = 0.0;
     let mut covered = vec![false; reference.len()];
-    for c in counters
+    let observed = counters
         .values()
-        .filter(|c| c.model.0 == steps_completed && steps_completed > 0)
-    {
-        let r = c.model_range.clone();
-        for (a, b) in c.model.1[r.clone()].iter().zip(&reference[r.clone()]) {
-            max_err = max_err.max(f64::from((a - b).abs()));
-        }
-        for x in &mut covered[r] {
-            *x = true;
+        .filter_map(|c| c.observed.as_ref())
+        .filter(|o| o.version == steps_completed && steps_completed > 0);
+    for o in observed {
+        for r in &o.slots {
+            let Some(held) = o.range(r.clone()) else {
+                continue;
+            };
+            for (a, b) in held.iter().zip(&reference[r.clone()]) {
+                max_err = max_err.max(f64::from((a - b).abs()));
+            }
+            for x in &mut covered[r.clone()] {
+                *x = true;
+            }
         }
     }
     if steps_completed > 0
@@ -1272,7 +1296,22 @@ fn report(
         checkpoints,
         checkpoint_rounds_s: checkpoint_rounds(log),
         trace_len: trace.len(),
-        trace_hash: trace.hash(),
+        trace_hash: {
+            if let Some(p) = std::env::var_os("RAVNEST_DUMP_TRACE") {
+                let t: Vec<String> = trace
+                    .entries()
+                    .iter()
+                    .map(|e| {
+                        format!(
+                            "{} {} {:?} {:?} {:x}",
+                            e.t_ns, e.what, e.from, e.to, e.digest
+                        )
+                    })
+                    .collect();
+                std::fs::write(p, t.join("\n")).unwrap();
+            }
+            trace.hash()
+        },
         timeline: timeline::Timeline::default(),
     }
 }

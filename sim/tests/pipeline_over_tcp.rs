@@ -44,6 +44,7 @@ fn a_pipeline_trains_over_real_tcp() {
         let launch = Launch::new(net.clone()).at(t0);
         let nodes = Nodes::new(compute.clone(), (0..4).map(NodeId).collect(), 1 << 20)
             .heartbeat(Duration::from_millis(50))
+            .observe()
             .counters(counters.clone());
         let sup = launch.nodes(nodes).await.unwrap();
         let config = Config {
@@ -84,16 +85,20 @@ fn a_pipeline_trains_over_real_tcp() {
         let counters = counters.lock().unwrap();
         let mut covered = vec![false; reference.len()];
         for (id, c) in counters.iter() {
-            let r = c.model_range.clone();
-            assert_eq!(c.model.0, STEPS, "node {id:?} version");
+            let o = c.observed.as_ref().expect("observed");
+            assert_eq!(c.version, STEPS, "node {id:?} version");
+            assert_eq!(o.version, STEPS, "node {id:?} observed version");
+            let [r] = &o.slots[..] else {
+                panic!("node {id:?}: one slot per stage, got {:?}", o.slots)
+            };
             assert!(
                 r.len() < reference.len(),
                 "node {id:?} holds only its stage's layers"
             );
-            for (a, b) in c.model.1[r.clone()].iter().zip(&reference[r.clone()]) {
+            for (a, b) in o.values.iter().zip(&reference[r.clone()]) {
                 assert!((a - b).abs() < 1e-5, "node {id:?}: {a} vs {b}");
             }
-            covered[r].iter_mut().for_each(|x| *x = true);
+            covered[r.clone()].iter_mut().for_each(|x| *x = true);
         }
         assert!(covered.iter().all(|&c| c), "every layer is held by a stage");
     });

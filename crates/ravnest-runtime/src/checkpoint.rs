@@ -6,6 +6,11 @@
 //! that digest must be the one the replicas agreed on. A refused shard changes nothing (the
 //! previous checkpoint stays the latest); on completion the merged model goes to a [`Store`]
 //! (files in `ravnest run`, memory in the simulator) and the completion is logged.
+//!
+//! A shard arrives in parts ([`crate::msg::SHARD_PART`] values each, in order); each part goes
+//! to the store as it comes ([`Store::put`]: a file on disk in `ravnest run`), its digest is
+//! folded in as it passes, and the store merges the parts into the checkpoint's files when the
+//! round completes. So the process hosting the checkpoint actor never holds the model whole.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -44,8 +49,22 @@ pub enum StoreError {
 
 /// Where complete checkpoints go.
 pub trait Store: Send + Sync + 'static {
-    /// Commit a complete checkpoint: `shards[i]` holds the values of `manifest.shards[i]`.
-    fn commit(&self, manifest: &Manifest, shards: &[Vec<f32>]) -> Result<(), StoreError>;
+    /// Keep `values`, which start at `offset` of the shard of `layers` for checkpoint `step`
+    /// (parts come in order; offset 0 starts the shard afresh).
+    fn put(
+        &self,
+        step: u64,
+        layers: LayerRange,
+        offset: u64,
+        values: &[f32],
+    ) -> Result<(), StoreError>;
+
+    /// Forget the shards put for `step` (`layers`: that one only): a refused shard, an
+    /// abandoned round, or rounds older than a completed one.
+    fn forget(&self, step: u64, layers: Option<LayerRange>);
+
+    /// Commit a complete checkpoint from the shards put for it, one per `manifest.shards`.
+    fn commit(&self, manifest: &Manifest) -> Result<(), StoreError>;
 
     /// The latest complete checkpoint, read back: (version, the whole model). What layers held
     /// only by lost nodes are restored from.
@@ -86,13 +105,57 @@ pub enum CkMsg {
 /// Checkpoint versions whose shards are kept before their round opens, at most.
 pub const EARLY_VERSIONS: usize = 8;
 
-/// Open rounds, the shard values received so far, and shards that came before their round.
+/// A shard whose parts are coming in: values received, the digest so far, the whole's length.
+#[derive(Debug)]
+struct Incoming {
+    received: u64,
+    digest: crate::digest::Digest,
+    total: u64,
+}
+
+/// Open rounds, shards whose parts are coming in, and shards that came before their round.
 #[derive(Debug, Default)]
 pub struct CkState {
     agg: Aggregator,
-    data: BTreeMap<(u64, LayerRange), Vec<f32>>,
-    early: BTreeMap<u64, Vec<(ShardMeta, Vec<f32>)>>,
+    incoming: BTreeMap<(u64, LayerRange), Incoming>,
+    early: BTreeMap<u64, Vec<ShardMeta>>,
     open: std::collections::BTreeSet<u64>,
+}
+
+/// The shards of the steps put to it, kept in memory (a simulated or test [`Store`]'s).
+#[derive(Debug, Default)]
+pub struct ShardParts(std::sync::Mutex<BTreeMap<(u64, LayerRange), Vec<f32>>>);
+
+impl ShardParts {
+    /// [`Store::put`].
+    pub fn put(&self, step: u64, layers: LayerRange, offset: u64, values: &[f32]) {
+        let mut m = self.0.lock().unwrap();
+        let v = m.entry((step, layers)).or_default();
+        if offset == 0 {
+            v.clear();
+        }
+        v.extend_from_slice(values);
+    }
+
+    /// [`Store::forget`].
+    pub fn forget(&self, step: u64, layers: Option<LayerRange>) {
+        self.0
+            .lock()
+            .unwrap()
+            .retain(|k, _| k.0 != step || layers.is_some_and(|l| l != k.1));
+    }
+
+    /// The shards of `manifest`, in its order, taken out (and every older step's forgotten).
+    pub fn take(&self, manifest: &Manifest) -> Vec<Vec<f32>> {
+        let mut m = self.0.lock().unwrap();
+        let out = manifest
+            .shards
+            .iter()
+            .map(|s| m.remove(&(manifest.step, s.layers)).unwrap_or_default())
+            .collect();
+        m.retain(|k, _| k.0 > manifest.step);
+        out
+    }
 }
 
 impl<T: Transport> CheckpointActor<T> {
@@ -104,25 +167,18 @@ impl<T: Transport> CheckpointActor<T> {
         }
     }
 
-    /// A shard for an open round: refused, kept, or the last one (then commit).
-    fn offer(&self, st: &mut CkState, now: u64, step: u64, meta: ShardMeta, model: Vec<f32>) {
-        let key = (step, meta.layers);
+    /// A whole shard (its parts in the store) for an open round: refused, kept, or the last
+    /// one (then commit).
+    fn offer(&self, st: &mut CkState, now: u64, step: u64, meta: ShardMeta) {
         let from = Some(Addr::Node(meta.node));
+        let layers = meta.layers;
         match st.agg.shard(step, meta) {
-            Ok(None) => {
-                st.data.insert(key, model);
-            }
+            Ok(None) => {}
             Ok(Some(manifest)) => {
-                st.data.insert(key, model);
-                let shards: Vec<Vec<f32>> = manifest
-                    .shards
-                    .iter()
-                    .map(|m| st.data.remove(&(step, m.layers)).unwrap_or_default())
-                    .collect();
-                st.data.retain(|k, _| k.0 > step);
                 st.early.retain(|s, _| *s > step);
                 st.open.retain(|s| *s > step);
-                let event = match self.store.commit(&manifest, &shards) {
+                st.incoming.retain(|k, _| k.0 > step);
+                let event = match self.store.commit(&manifest) {
                     Ok(()) => Event::CheckpointComplete {
                         step,
                         digest: manifest.shards.first().map_or(0, |m| m.digest),
@@ -134,13 +190,110 @@ impl<T: Transport> CheckpointActor<T> {
                 self.record(now, "checkpoint-complete", None, step, Some(event));
             }
             // A stale, unexpected or corrupted shard: refused and traced; nothing changes.
-            Err(e) => self.record(
+            Err(e) => {
+                self.store.forget(step, Some(layers));
+                self.record(
+                    now,
+                    "shard-refused",
+                    from,
+                    step,
+                    Some(Event::Refused(e.to_string())),
+                )
+            }
+        }
+    }
+
+    /// A part of a shard: to the store, its digest folded in; when it completes the shard,
+    /// the whole is checked against the digest it claims and offered.
+    #[allow(clippy::too_many_arguments)]
+    fn part(
+        &self,
+        st: &mut CkState,
+        now: u64,
+        node: ravnest_core::NodeId,
+        step: u64,
+        layers: LayerRange,
+        digest: u64,
+        part: &[f32],
+        offset: u64,
+        total: u64,
+    ) {
+        let key = (step, layers);
+        let refuse = |st: &mut CkState, why: String| {
+            st.incoming.remove(&key);
+            self.store.forget(step, Some(layers));
+            self.record(
                 now,
                 "shard-refused",
-                from,
+                Some(Addr::Node(node)),
                 step,
-                Some(Event::Refused(e.to_string())),
-            ),
+                Some(Event::Refused(format!(
+                    "step {step}, layers {layers} from node {}: {why}",
+                    node.0
+                ))),
+            );
+        };
+        if offset == 0 {
+            st.incoming.insert(
+                key,
+                Incoming {
+                    received: 0,
+                    digest: crate::digest::Digest::default(),
+                    total,
+                },
+            );
+        }
+        let Some(inc) = st.incoming.get_mut(&key) else {
+            return refuse(
+                st,
+                format!("a part at {offset} of a shard that never started"),
+            );
+        };
+        if inc.received != offset || inc.total != total || offset + part.len() as u64 > total {
+            let why = format!(
+                "a part at {offset} of {total} values after {} of {}",
+                inc.received, inc.total
+            );
+            return refuse(st, why);
+        }
+        inc.digest.update(part);
+        inc.received += part.len() as u64;
+        if let Err(e) = self.store.put(step, layers, offset, part) {
+            return refuse(st, format!("could not be kept: {e}"));
+        }
+        if inc.received < total {
+            return;
+        }
+        let actual = inc.digest.finish();
+        st.incoming.remove(&key);
+        // The values must be what their digest says, whatever round they are for.
+        if actual != digest {
+            return refuse(
+                st,
+                format!(
+                    "its values have digest {actual:016x}, not the {digest:016x} it claims (corrupted)"
+                ),
+            );
+        }
+        let meta = ShardMeta {
+            node,
+            layers,
+            digest,
+            bytes: total * self.bytes_per_elem,
+        };
+        if st.open.contains(&step) {
+            self.offer(st, now, step, meta);
+        } else if st.agg.last_complete().is_none_or(|c| step > c) {
+            // Before its round: kept for when the replicas have agreed on the version.
+            st.early.entry(step).or_default().push(meta);
+            // Too many waiting: the newest goes (the oldest opens next).
+            while st.early.len() > EARLY_VERSIONS {
+                if let Some((s, _)) = st.early.pop_last() {
+                    self.store.forget(s, None);
+                }
+            }
+        } else {
+            self.store.forget(step, Some(layers));
         }
     }
 }
@@ -174,9 +327,8 @@ impl<T: Transport> Actor for CheckpointActor<T> {
             Envelope::CheckpointBegin { step, shards } => {
                 st.agg.begin(step, &shards);
                 st.open.insert(step);
-                st.data.retain(|k, _| k.0 != step);
-                for (meta, model) in st.early.remove(&step).unwrap_or_default() {
-                    self.offer(st, now, step, meta, model);
+                for meta in st.early.remove(&step).unwrap_or_default() {
+                    self.offer(st, now, step, meta);
                 }
             }
             Envelope::Restore { to, epoch } => {
@@ -197,50 +349,23 @@ impl<T: Transport> Actor for CheckpointActor<T> {
             Envelope::CheckpointAbandon { step } => {
                 st.agg.abandon(step);
                 st.open.remove(&step);
-                st.data.retain(|k, _| k.0 != step);
+                st.incoming.retain(|k, _| k.0 != step);
                 st.early.remove(&step);
+                self.store.forget(step, None);
             }
             Envelope::Shard {
                 step,
                 layers,
                 digest,
                 model,
+                offset,
+                total,
                 ..
             } => {
                 let Addr::Node(node) = from else {
                     return Ok(());
                 };
-                // The values must be what their digest says, whatever round they are for.
-                let actual = crate::digest::digest(&model);
-                if actual != digest {
-                    self.record(
-                        now,
-                        "shard-refused",
-                        Some(from),
-                        step,
-                        Some(Event::Refused(format!(
-                            "step {step}, layers {layers} from node {}: its values have digest {actual:016x}, not the {digest:016x} it claims (corrupted)",
-                            node.0
-                        ))),
-                    );
-                    return Ok(());
-                }
-                let meta = ShardMeta {
-                    node,
-                    layers,
-                    digest,
-                    bytes: model.len() as u64 * self.bytes_per_elem,
-                };
-                if st.open.contains(&step) {
-                    self.offer(st, now, step, meta, model);
-                } else if st.agg.last_complete().is_none_or(|c| step > c) {
-                    // Before its round: keep it for when the replicas have agreed on the version.
-                    st.early.entry(step).or_default().push((meta, model));
-                    // Too many waiting: the newest goes (the oldest opens next).
-                    while st.early.len() > EARLY_VERSIONS {
-                        st.early.pop_last();
-                    }
-                }
+                self.part(st, now, node, step, layers, digest, &model, offset, total);
             }
             _ => {}
         }
@@ -273,11 +398,21 @@ mod tests {
 
     /// Keeps the steps committed.
     #[derive(Default)]
-    struct Mem(Mutex<Vec<(u64, Vec<f32>)>>);
+    struct Mem(Mutex<Vec<(u64, Vec<f32>)>>, ShardParts);
 
     impl Store for Mem {
-        fn commit(&self, m: &Manifest, shards: &[Vec<f32>]) -> Result<(), StoreError> {
-            self.0.lock().unwrap().push((m.step, shards.concat()));
+        fn put(&self, step: u64, l: LayerRange, at: u64, v: &[f32]) -> Result<(), StoreError> {
+            self.1.put(step, l, at, v);
+            Ok(())
+        }
+        fn forget(&self, step: u64, layers: Option<LayerRange>) {
+            self.1.forget(step, layers);
+        }
+        fn commit(&self, m: &Manifest) -> Result<(), StoreError> {
+            self.0
+                .lock()
+                .unwrap()
+                .push((m.step, self.1.take(m).concat()));
             Ok(())
         }
     }
@@ -299,16 +434,22 @@ mod tests {
                     shards: vec![(LayerRange::new(0, 2), digest(good))],
                 },
             );
-            inbox(
-                node,
-                Envelope::Shard {
-                    step,
-                    layers: LayerRange::new(0, 2),
-                    digest: digest(good),
-                    virtual_bytes: 4 * sent.len() as u64,
-                    model: sent,
-                },
-            );
+            // In two parts.
+            let total = sent.len() as u64;
+            for (k, part) in sent.chunks(3).enumerate() {
+                inbox(
+                    node,
+                    Envelope::Shard {
+                        step,
+                        layers: LayerRange::new(0, 2),
+                        digest: digest(good),
+                        virtual_bytes: 4 * part.len() as u64,
+                        model: part.to_vec(),
+                        offset: 3 * k as u64,
+                        total,
+                    },
+                );
+            }
         };
         let v10: Vec<f32> = vec![1.0, 2.0, 3.0, 4.0];
         round(10, &v10, v10.clone());

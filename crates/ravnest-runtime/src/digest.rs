@@ -46,32 +46,84 @@ pub fn sample_range(step: u64, global_batch: u64, offset: u64, batch: u64) -> Ra
 /// over pairs of words, folded at the end with the length. Each lane update is a bijection of
 /// the word it takes in, so changing any one value always changes that lane.
 pub fn digest(model: &[f32]) -> u64 {
-    const K: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut lanes: [u64; 4] = [
-        0x243F_6A88_85A3_08D3,
-        0x1319_8A2E_0370_7344,
-        0xA409_3822_299F_31D0,
-        0x082E_FA98_EC4E_6C89,
-    ];
-    let word = |a: f32, b: f32| u64::from(a.to_bits()) | (u64::from(b.to_bits()) << 32);
-    let blocks = model.chunks_exact(8);
-    let rest = blocks.remainder();
-    for c in blocks {
-        for (i, lane) in lanes.iter_mut().enumerate() {
+    let mut d = Digest::default();
+    d.update(model);
+    d.finish()
+}
+
+/// [`digest`] of values that come in pieces (a model held tensor by tensor): the same result
+/// as over their concatenation, without making it.
+#[derive(Debug, Clone)]
+pub struct Digest {
+    lanes: [u64; 4],
+    pending: [f32; 8],
+    held: usize,
+    len: u64,
+}
+
+impl Default for Digest {
+    fn default() -> Self {
+        Digest {
+            lanes: [
+                0x243F_6A88_85A3_08D3,
+                0x1319_8A2E_0370_7344,
+                0xA409_3822_299F_31D0,
+                0x082E_FA98_EC4E_6C89,
+            ],
+            pending: [0.0; 8],
+            held: 0,
+            len: 0,
+        }
+    }
+}
+
+impl Digest {
+    fn block(&mut self, c: &[f32]) {
+        const K: u64 = 0x9E37_79B9_7F4A_7C15;
+        let word = |a: f32, b: f32| u64::from(a.to_bits()) | (u64::from(b.to_bits()) << 32);
+        for (i, lane) in self.lanes.iter_mut().enumerate() {
             *lane = (*lane ^ word(c[2 * i], c[2 * i + 1]))
                 .wrapping_mul(K)
                 .rotate_left(29);
         }
     }
-    let mut h = Fnv::default();
-    for lane in lanes {
-        h.u64(lane);
+
+    /// Fold the next values in.
+    pub fn update(&mut self, mut values: &[f32]) {
+        self.len += values.len() as u64;
+        if self.held > 0 {
+            let take = (8 - self.held).min(values.len());
+            self.pending[self.held..self.held + take].copy_from_slice(&values[..take]);
+            self.held += take;
+            values = &values[take..];
+            if self.held < 8 {
+                return;
+            }
+            let block = self.pending;
+            self.block(&block);
+            self.held = 0;
+        }
+        let blocks = values.chunks_exact(8);
+        let rest = blocks.remainder();
+        for c in blocks {
+            self.block(c);
+        }
+        self.pending[..rest.len()].copy_from_slice(rest);
+        self.held = rest.len();
     }
-    for x in rest {
-        h.u64(u64::from(x.to_bits()));
+
+    /// The digest of everything folded in.
+    pub fn finish(&self) -> u64 {
+        let mut h = Fnv::default();
+        for lane in self.lanes {
+            h.u64(lane);
+        }
+        for x in &self.pending[..self.held] {
+            h.u64(u64::from(x.to_bits()));
+        }
+        h.u64(self.len);
+        h.finish()
     }
-    h.u64(model.len() as u64);
-    h.finish()
 }
 
 #[cfg(test)]
@@ -100,6 +152,24 @@ mod tests {
             let mut longer = model.clone();
             longer.push(0.0);
             prop_assert_ne!(d, digest(&longer));
+        }
+    }
+
+    proptest! {
+        /// Folding values in pieces gives the digest of their concatenation.
+        #[test]
+        fn pieces_digest_as_their_concatenation(
+            model in prop::collection::vec(any::<f32>(), 0..60),
+            cuts in prop::collection::vec(0usize..60, 0..6),
+        ) {
+            let mut bounds: Vec<usize> = cuts.iter().map(|c| c % (model.len() + 1)).collect();
+            bounds.extend([0, model.len()]);
+            bounds.sort_unstable();
+            let mut d = Digest::default();
+            for w in bounds.windows(2) {
+                d.update(&model[w[0]..w[1]]);
+            }
+            prop_assert_eq!(d.finish(), digest(&model));
         }
     }
 

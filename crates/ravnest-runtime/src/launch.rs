@@ -59,6 +59,7 @@ pub struct Nodes<C> {
     first_start: Start,
     counters: Counters,
     succession: Option<Succession>,
+    observe: bool,
 }
 
 impl<C> std::fmt::Debug for Nodes<C> {
@@ -80,6 +81,7 @@ impl<C> Nodes<C> {
             first_start: Start::Fresh,
             counters: Counters::default(),
             succession: None,
+            observe: false,
         }
     }
 
@@ -105,6 +107,13 @@ impl<C> Nodes<C> {
     /// [`Succession`] says.
     pub fn succession(mut self, s: Succession) -> Self {
         self.succession = Some(s);
+        self
+    }
+
+    /// Export each node's model into the counters after every step (tests and the
+    /// simulator's checkers compare them; a copy per step, so never in a real run).
+    pub fn observe(mut self) -> Self {
+        self.observe = true;
         self
     }
 
@@ -154,7 +163,7 @@ impl<T: Transport> Launch<T> {
             let (transport, t0) = (self.transport.clone(), self.t0);
             let (compute, counters) = (n.compute, n.counters);
             let (grad_bytes, model_bytes) = (n.grad_bytes, n.model_bytes);
-            let succession = n.succession;
+            let (succession, observe) = (n.succession, n.observe);
             Arc::new(move |id: NodeId| NodeActor {
                 id,
                 transport: transport.clone(),
@@ -164,6 +173,7 @@ impl<T: Transport> Launch<T> {
                 counters: counters.clone(),
                 t0,
                 succession: succession.clone(),
+                observe,
             })
         };
         let supervisor = SupervisorActor {

@@ -344,17 +344,23 @@ pub enum Envelope {
         step: u64,
     },
     /// (Node → checkpoint) a shard of a checkpoint version, sent by its writer when it reaches
-    /// the version; the checkpoint actor keeps it until the coordinator opens the round with
-    /// the digest every replica agreed on. Not charged to the simulated network.
+    /// the version, in parts of at most [`SHARD_PART`] values in order (so that neither side
+    /// holds a large shard at once: the checkpoint actor hands each part to its store); the
+    /// checkpoint actor keeps it until the coordinator opens the round with the digest every
+    /// replica agreed on.
     Shard {
         /// Model version.
         step: u64,
         /// Layers covered.
         layers: LayerRange,
-        /// Digest of the shard.
+        /// Digest of the whole shard.
         digest: u64,
-        /// The values.
+        /// This part's values.
         model: Vec<f32>,
+        /// Where they start in the shard.
+        offset: u64,
+        /// Values in the whole shard.
+        total: u64,
         /// Bytes they stand for (the network charges them: a checkpoint takes time).
         virtual_bytes: u64,
     },
@@ -445,6 +451,9 @@ pub struct Replica {
     /// The cluster with the figures the coordinator plans with (measured speeds and links).
     pub cluster: ClusterSpec,
 }
+
+/// Values per part of a checkpoint shard ([`Envelope::Shard`]): 4 MiB.
+pub const SHARD_PART: usize = 1 << 20;
 
 /// Bytes of a control message on the wire (header, ids, small fields).
 pub const CONTROL_BYTES: u64 = 256;

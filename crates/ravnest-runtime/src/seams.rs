@@ -62,69 +62,185 @@ pub enum ComputeError {
     Backend(String),
 }
 
+/// What a node's calibration measures ([`Compute::probe`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Probe {
+    /// A whole training step of the model.
+    Whole,
+    /// The model does not fit this node whole: the forward and backward of `layers` (`share`
+    /// of the model's training work), in micro-batches of `micro` samples, stand for a step.
+    Layers {
+        /// The layers run.
+        layers: LayerRange,
+        /// Their share of the model's training FLOPs.
+        share: f64,
+        /// Samples per micro-batch.
+        micro: u64,
+        /// Values per sample of their input (0: the samples themselves).
+        input: usize,
+    },
+}
+
+/// Model state a backend holds and copies, counted as it happens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StateStats {
+    /// Bytes of parameters, gradients and optimizer state alive now (values shared by several
+    /// versions counted once).
+    pub held_bytes: u64,
+    /// The most bytes alive at once.
+    pub peak_bytes: u64,
+    /// Bytes of model state copied by step work (computing, applying updates, digests); what
+    /// travels (exports, imports) is not counted here.
+    pub copied_bytes: u64,
+}
+
 /// Where a backend hands each finished bucket of a step's gradient sum: (bucket index, values).
 /// Owned, so that a backend may run its compute on a thread of its own.
 pub type BucketSink = Arc<dyn Fn(usize, Vec<f32>) + Send + Sync>;
 
-/// How a node computes one training step and applies an update.
+/// How a node computes one training step and applies an update, and what it holds.
+///
+/// The backend owns the model state: a [`Compute::Model`] is one version of what a node holds
+/// (the layers of its stage, or the whole model), parameters and optimizer state in the
+/// backend's own form (candle tensors on the node's device; the simulator's host vector). The
+/// runtime keeps versions as opaque handles and never copies one: an update makes new values
+/// in the version it is applied to, and leaves every other version as it was. What crosses to
+/// host memory is only what travels: gradient buckets for the all-reduce, and layers that
+/// move ([`Compute::export`] / [`Compute::import`]: a fetch, a checkpoint shard, an average).
 pub trait Compute: Send + Sync + 'static {
-    /// The model every node starts from (the same on every node: seeded).
-    fn initial_model(&self) -> Vec<f32>;
+    /// One version of what a node holds. Cloning it is cheap (it shares the values).
+    type Model: Clone + Send + Sync + std::fmt::Debug + 'static;
+    /// A pipeline stage's parameter gradient, summed over the micro-batches of a step, kept
+    /// where the backend computes until the step's synchronization asks for it.
+    type StageGrad: Send + Sync + std::fmt::Debug + 'static;
 
-    /// The version [`Compute::initial_model`] is (a resumed run starts from a checkpoint).
+    /// Values of the whole model in its flat form (parameters, then optimizer state): the
+    /// order of the wire and of checkpoints.
+    fn model_len(&self) -> usize;
+
+    /// Parameters of the whole model (a gradient has this many; they come first in the flat
+    /// form).
+    fn params(&self) -> usize;
+
+    /// The model a run starts from (the same on every node: seeded, or the checkpoint a
+    /// resumed run starts from), holding `layers` (`None`: all of them). A backend may make
+    /// the values where they are first used, so that a stage never builds the layers it does
+    /// not run.
+    fn initial(&self, layers: Option<LayerRange>) -> Self::Model;
+
+    /// The version [`Compute::initial`] is (a resumed run starts from a checkpoint).
     fn initial_version(&self) -> u64 {
         0
     }
 
-    /// How many values at the front of a `model_len`-value model are parameters (a gradient
-    /// has this many); the rest is optimizer state.
-    fn params(&self, model_len: usize) -> usize {
-        model_len
+    /// `model` keeping only `layers` (a stage drops what it no longer runs). A backend that
+    /// holds its model whole may return it as it is.
+    fn retain(&self, model: &Self::Model, _layers: LayerRange) -> Self::Model {
+        model.clone()
     }
 
-    /// The buckets a gradient of `params` values is produced in: disjoint ranges covering it,
+    /// The values of `layers` (`None`: the whole model) in the flat order of
+    /// [`Compute::layer_slots`], for what must travel; `None` when `model` does not hold them.
+    fn export(&self, model: &Self::Model, layers: Option<LayerRange>) -> Option<Vec<f32>>;
+
+    /// [`Compute::export`] in parts of at most `part` values, each handed to `out` as it is
+    /// made (what a checkpoint shard travels in); false when `model` does not hold `layers`.
+    fn export_parts(
+        &self,
+        model: &Self::Model,
+        layers: Option<LayerRange>,
+        part: usize,
+        out: &mut dyn FnMut(Vec<f32>),
+    ) -> bool {
+        let Some(all) = self.export(model, layers) else {
+            return false;
+        };
+        if all.len() <= part.max(1) {
+            out(all);
+        } else {
+            for c in all.chunks(part.max(1)) {
+                out(c.to_vec());
+            }
+        }
+        true
+    }
+
+    /// `base` (or nothing) with `layers` (`None`: the whole model) set from `values`, as
+    /// [`Compute::export`] made them.
+    fn import(
+        &self,
+        base: Option<&Self::Model>,
+        layers: Option<LayerRange>,
+        values: Vec<f32>,
+    ) -> Result<Self::Model, ComputeError>;
+
+    /// The digest ([`crate::digest::digest`]) of what [`Compute::export`] gives for `layers`,
+    /// computed where the values are (0 when `model` does not hold them). Replicas compare it
+    /// after every synchronized step.
+    fn digest(&self, model: &Self::Model, layers: Option<LayerRange>) -> u64 {
+        self.export(model, layers)
+            .map_or(0, |v| crate::digest::digest(&v))
+    }
+
+    /// The buckets a gradient is produced in: disjoint ranges of the parameters covering them,
     /// in the order [`Compute::gradient_sum`] finishes them (the last layers first, as
     /// backward runs), so each can be reduced while the rest is still being computed.
-    fn buckets(&self, params: usize) -> Vec<Range<usize>> {
-        std::iter::once(0..params).collect()
+    fn buckets(&self) -> Vec<Range<usize>> {
+        std::iter::once(0..self.params()).collect()
     }
 
     /// Apply the optimizer to parameters `range` of `model` (and their optimizer state) with
     /// the averaged gradient of those parameters. A step's update is applied bucket by bucket,
     /// then [`Compute::end_update`] once.
-    fn apply_update(&self, model: &mut [f32], range: Range<usize>, mean_gradient: &[f32]);
+    fn apply_update(
+        &self,
+        model: &mut Self::Model,
+        range: Range<usize>,
+        mean_gradient: &[f32],
+    ) -> Result<(), ComputeError>;
 
     /// Called once after every part of a step's update was applied (an optimizer's step
     /// counter advances here).
-    fn end_update(&self, _model: &mut [f32]) {}
+    fn end_update(&self, _model: &mut Self::Model) {}
 
     /// A gradient bucket's buffer, done with: a backend may reuse it for the next step's
     /// buckets (memory it already has mapped, allocated and freed on its own thread).
     fn recycle(&self, _buffer: Vec<f32>) {}
 
-    /// Forward and backward over the global sample indices `samples` of `step` with model
-    /// `model`. Hands the *sum* over those samples of the per-sample gradient to `ready`, bucket
-    /// by bucket, in the order of [`Compute::buckets`], each as soon as it is known.
+    /// Forward and backward over the global sample indices `samples` of `step` with `model`.
+    /// Hands the *sum* over those samples of the per-sample gradient to `ready`, bucket by
+    /// bucket, in the order of [`Compute::buckets`], each as soon as it is known.
     fn gradient_sum(
         &self,
         node: NodeId,
         step: u64,
         samples: Range<u64>,
-        model: Arc<Vec<f32>>,
+        model: Self::Model,
         ready: BucketSink,
     ) -> impl Future<Output = Result<(), ComputeError>> + Send;
 
-    /// Where `layers`' parameters sit in a model vector of `model_len` values. A backend that
-    /// does not split its model by layer holds it as one slice.
-    fn param_range(&self, _layers: LayerRange, model_len: usize) -> Range<usize> {
-        0..model_len
+    /// Where `layers`' parameters sit in the flat model. A backend that does not split its
+    /// model by layer holds it as one range.
+    fn param_range(&self, _layers: LayerRange) -> Range<usize> {
+        0..self.params()
     }
 
-    /// Every part of a `model_len`-value model that belongs to `layers`: their parameters
-    /// ([`Compute::param_range`]) first, then their optimizer state where it sits apart. What a
-    /// stage holds, fetches, hands over and writes into a checkpoint shard.
-    fn layer_slots(&self, layers: LayerRange, model_len: usize) -> Vec<Range<usize>> {
-        std::iter::once(self.param_range(layers, model_len)).collect()
+    /// Every part of the flat model that belongs to `layers`: their parameters
+    /// ([`Compute::param_range`]) first, then their optimizer state where it sits apart. What
+    /// a stage holds, fetches, hands over and writes into a checkpoint shard.
+    fn layer_slots(&self, layers: LayerRange) -> Vec<Range<usize>> {
+        std::iter::once(self.param_range(layers)).collect()
+    }
+
+    /// What this backend's model state costs the nodes it serves, counted.
+    fn state_stats(&self) -> StateStats {
+        StateStats::default()
+    }
+
+    /// What a calibration step is on this node ([`Probe`]): the whole model's step, or for a
+    /// model too big for it, a few layers standing for it.
+    fn probe(&self) -> Probe {
+        Probe::Whole
     }
 
     /// Whether this backend runs pipeline stages ([`Compute::stage_forward`] and
@@ -133,25 +249,24 @@ pub trait Compute: Send + Sync + 'static {
         false
     }
 
-    /// Forward of one micro-batch through `layers` (parameters `params`, the model's slice at
-    /// [`Compute::param_range`]): from `input`, the previous stage's output, or from the
-    /// samples on the first stage. Returns the output activations.
+    /// Forward of one micro-batch through `layers` of `model`: from `input`, the previous
+    /// stage's output, or from the samples on the first stage. Returns the output activations.
     fn stage_forward(
         &self,
         _node: NodeId,
         _step: u64,
         _samples: Range<u64>,
         _layers: LayerRange,
-        _params: &[f32],
+        _model: &Self::Model,
         _input: Option<&[f32]>,
     ) -> impl Future<Output = Result<Vec<f32>, ComputeError>> + Send {
         std::future::ready(Err(ComputeError::Unsupported(NO_STAGES)))
     }
 
     /// Backward of one micro-batch through `layers`, given the forward's `input` and `output`
-    /// and the gradient of the output (`None` on the last stage: from the loss). Returns (the
-    /// *sum* over the samples of the gradient of the layers' parameters, the gradient of the
-    /// input).
+    /// and the gradient of the output (`None` on the last stage: from the loss). Adds the
+    /// *sum* over the samples of the gradient of the layers' parameters to `acc` (`None`: the
+    /// first micro-batch of the step) and returns it with the gradient of the input.
     #[allow(clippy::too_many_arguments)]
     fn stage_backward(
         &self,
@@ -159,12 +274,31 @@ pub trait Compute: Send + Sync + 'static {
         _step: u64,
         _samples: Range<u64>,
         _layers: LayerRange,
-        _params: &[f32],
+        _model: &Self::Model,
         _input: Option<&[f32]>,
         _output: &[f32],
         _grad_out: Option<&[f32]>,
-    ) -> impl Future<Output = Result<(Vec<f32>, Vec<f32>), ComputeError>> + Send {
+        _acc: Option<Self::StageGrad>,
+    ) -> impl Future<Output = Result<(Self::StageGrad, Vec<f32>), ComputeError>> + Send {
         std::future::ready(Err(ComputeError::Unsupported(NO_STAGES)))
+    }
+
+    /// A stage's gradient times `scale`, as host values in the order of the stage's
+    /// parameters ([`Compute::param_range`]): what its sync group all-reduces.
+    fn stage_grad_values(&self, _grad: Self::StageGrad, _scale: f32) -> Vec<f32> {
+        Vec::new()
+    }
+
+    /// Apply a stage's own gradient times `scale` to `layers` of `model` (a sync group of one,
+    /// or a local step: nothing travels), then end the update.
+    fn apply_stage_grad(
+        &self,
+        _model: &mut Self::Model,
+        _layers: LayerRange,
+        _grad: Self::StageGrad,
+        _scale: f32,
+    ) -> Result<(), ComputeError> {
+        Err(ComputeError::Unsupported(NO_STAGES))
     }
 }
 

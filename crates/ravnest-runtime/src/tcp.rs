@@ -53,7 +53,7 @@ pub use state::TcpTransport;
 use state::*;
 
 /// Wire protocol version; peers with another version are refused.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 impl TcpTransport {
     /// Bind this node's address and start accepting peers.

@@ -4,6 +4,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use candle_core::Tensor;
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
@@ -15,6 +16,7 @@ use crate::data::Dataset;
 use crate::gpt::StageInput;
 use crate::net::Network;
 use crate::optim::Optim;
+use crate::state::{CandleModel, Grad, Held, ModelState, Source};
 
 /// Candle training for one node.
 #[derive(Debug)]
@@ -29,8 +31,8 @@ pub struct CandleCompute {
     pub seed: u64,
     /// Emulated slowdown: after computing, sleep `(slowdown − 1)` times as long.
     pub slowdown: f64,
-    /// Start from this (version, model) instead of the seeded initial weights.
-    pub resume: Option<(u64, Vec<f32>)>,
+    /// Start from this checkpoint instead of the seeded initial weights.
+    pub resume: Option<Resume>,
     /// Extra slowdowns over time (a cluster file's `slowdown` faults for this node):
     /// (from s, to s, factor), seconds since training started here ([`CandleCompute::started`]).
     pub schedule: Vec<(f64, f64, f64)>,
@@ -43,6 +45,38 @@ pub struct CandleCompute {
     spare: Arc<Mutex<Vec<Vec<f32>>>>,
     /// The memory ledger of a pipeline stage (see [`Ledger`]).
     pub ledger: Arc<Mutex<Ledger>>,
+    /// Samples per micro-batch of a pipeline stage (the file's `micro_batch`): what a
+    /// calibration of layers runs ([`Compute::probe`]).
+    pub micro_batch: u64,
+    /// The model state this backend makes and updates (per tensor, on the device).
+    state: Arc<ModelState>,
+}
+
+/// The checkpoint a resumed run starts from: its version, and where its values are read from.
+#[derive(Debug, Clone)]
+pub struct Resume {
+    /// The version (steps done).
+    pub version: u64,
+    /// The values (a checkpoint read tensor by tensor, or a flat model).
+    pub source: Source,
+    /// AdamW's step count in it.
+    pub step_count: f32,
+}
+
+/// A pipeline stage's gradient, summed over its micro-batches, where the stage computes:
+/// per tensor (index, its gradient), counted while it lives. On the CPU the hand-written
+/// backward adds each micro-batch's gradient into host buffers in place; elsewhere candle's
+/// autograd gives tensors, summed as they come.
+#[derive(Debug)]
+pub struct CandleGrad {
+    sum: GradSum,
+    _held: Held,
+}
+
+#[derive(Debug)]
+enum GradSum {
+    Host(Vec<(usize, Vec<f32>)>),
+    Device(Vec<(usize, Tensor)>),
 }
 
 /// What a pipeline stage holds, counted: its layers' weights, gradients and optimizer state,
@@ -78,6 +112,7 @@ pub struct Stats {
 impl CandleCompute {
     /// A compute backend.
     pub fn new(net: Network, data: Arc<Dataset>, optim: Optim, seed: u64, slowdown: f64) -> Self {
+        let state = Arc::new(ModelState::new(net.clone(), optim, seed));
         CandleCompute {
             net,
             data,
@@ -92,6 +127,8 @@ impl CandleCompute {
             worker: crate::worker::ComputeThread::default(),
             spare: Arc::default(),
             ledger: Arc::default(),
+            micro_batch: 4,
+            state,
         }
     }
 
@@ -129,12 +166,24 @@ impl CandleCompute {
 
     /// Parameters (the flat model is parameters then optimizer state).
     pub fn params(&self) -> usize {
-        self.net.params()
+        self.state.layout.params
     }
 
     /// Length of the flat model (parameters and optimizer state).
     pub fn model_len(&self) -> usize {
-        self.params() + self.optim.state_len(self.params())
+        self.state.layout.model_len()
+    }
+
+    /// The seeded initial model (or the resumed checkpoint), whole and flat: the single-node
+    /// reference of tests and benchmarks.
+    pub fn initial_model(&self) -> Vec<f32> {
+        let m = ravnest_runtime::Compute::initial(self, None);
+        self.state.export(&m, None).unwrap_or_default()
+    }
+
+    /// The model state (layout, counts).
+    pub fn model_state(&self) -> &ModelState {
+        &self.state
     }
 
     /// Counters so far.
@@ -152,6 +201,7 @@ impl CandleCompute {
             perm: self.perm.clone(),
             stats: self.stats.clone(),
             spare: self.spare.clone(),
+            state: self.state.clone(),
         }
     }
 
@@ -166,26 +216,49 @@ impl CandleCompute {
         self.job().batch(samples)
     }
 
-    /// The gradient sum over `samples`, bucket by bucket to `sink` (see
-    /// [`Network::grad_buckets`]); records the batch's mean loss. Synchronous, CPU-bound.
-    pub fn gradient_buckets(
-        &self,
-        samples: Range<u64>,
-        model: &[f32],
-        sink: &mut dyn FnMut(usize, Vec<f32>),
-    ) -> Result<(), ComputeError> {
-        self.job().gradient_buckets(samples, model, sink)
-    }
-
-    /// The whole gradient sum, synchronously (for tests and the single-node baseline).
+    /// The whole gradient sum over `samples` of the flat model `model`, synchronously (for
+    /// tests and the single-node baseline).
     pub fn gradient_sum_now(&self, samples: Range<u64>, model: &[f32]) -> Vec<f32> {
         let buckets = self.net.grad_buckets();
         let mut g = vec![0.0f32; self.params()];
-        self.gradient_buckets(samples, model, &mut |k, v| {
-            g[buckets[k].clone()].copy_from_slice(&v)
-        })
-        .unwrap_or_else(|e| panic!("{e}"));
+        let m = self
+            .state
+            .import(None, None, model.to_vec(), &crate::device::current())
+            .unwrap_or_else(|e| panic!("{e}"));
+        self.job()
+            .gradient_buckets(samples, &m, &mut |k, v| {
+                g[buckets[k].clone()].copy_from_slice(&v)
+            })
+            .unwrap_or_else(|e| panic!("{e}"));
         g
+    }
+
+    /// One whole training step of `model` on `samples`, here and now: the gradient sum,
+    /// weighted by 1 / samples in place, each bucket applied as backward hands it over, then
+    /// the step ended. What a node does in a step, without the runtime (a bare loop to
+    /// compare the framework with).
+    pub fn train_step(
+        &self,
+        model: &mut CandleModel,
+        samples: Range<u64>,
+    ) -> Result<(), ComputeError> {
+        let buckets = self.net.grad_buckets();
+        let inv = 1.0 / (samples.end - samples.start).max(1) as f32;
+        let dev = crate::device::current();
+        let mut parts = Vec::with_capacity(buckets.len());
+        self.job()
+            .gradient_buckets(samples, model, &mut |k, mut g| {
+                for x in &mut g {
+                    *x *= inv;
+                }
+                parts.push((k, g));
+            })?;
+        for (k, g) in parts {
+            self.state
+                .update_range(model, buckets[k].clone(), &g, &dev)?;
+        }
+        self.state.end_update(model);
+        Ok(())
     }
 
     /// The emulated slowdown now: the node's own, times any scheduled one that is active.
@@ -215,7 +288,11 @@ struct Job {
     perm: Arc<Mutex<(u64, Vec<u32>)>>,
     stats: Arc<Mutex<Stats>>,
     spare: Arc<Mutex<Vec<Vec<f32>>>>,
+    state: Arc<ModelState>,
 }
+
+/// Buffers kept for reuse (gradient buckets, a stage's gradient sums).
+type Spare = Arc<Mutex<Vec<Vec<f32>>>>;
 
 /// Gradient buffers kept for reuse, at most.
 const SPARE_BUFFERS: usize = 16;
@@ -251,7 +328,7 @@ impl Job {
     fn gradient_buckets(
         &self,
         samples: Range<u64>,
-        model: &[f32],
+        model: &CandleModel,
         sink: &mut dyn FnMut(usize, Vec<f32>),
     ) -> Result<(), ComputeError> {
         let (x, y) = self.batch(samples);
@@ -262,10 +339,50 @@ impl Job {
             buf.resize(n, 0.0);
             buf
         };
-        let loss = self
-            .net
-            .loss_and_grad_buckets_into(&model[..self.net.params()], &x, &y, sink, &mut zeroed)
-            .map_err(|e| ComputeError::Backend(format!("candle forward/backward: {e}")))?;
+        let dev = crate::device::current();
+        let all = 0..self.state.layout.tensors.len();
+        let vars = self.state.vars(model, all, &dev)?;
+        let failed =
+            |e: candle_core::Error| ComputeError::Backend(format!("candle forward/backward: {e}"));
+        let loss = match &self.net {
+            Network::Gpt(g) => {
+                // One bucket: the whole gradient, in the flat order.
+                let p = by_layer(g, &vars);
+                let all = 0..g.planner_layers();
+                let mut buf = zeroed(self.state.layout.params);
+                let loss = if dev.is_cpu() {
+                    // Written in place into the bucket, tensor by tensor.
+                    let mut slices: Vec<&mut [f32]> = Vec::new();
+                    let mut rest = buf.as_mut_slice();
+                    for t in &self.state.layout.tensors {
+                        let (mine, more) = rest.split_at_mut(t.len);
+                        slices.push(mine);
+                        rest = more;
+                    }
+                    let ts = detached(&p);
+                    let refs: Vec<&[Tensor]> = ts.iter().map(Vec::as_slice).collect();
+                    g.fast_backward(all, &refs, StageInput::Tokens(&x), None, None, &mut slices)
+                        .map_err(failed)?
+                        .1
+                } else {
+                    let (grads, _, loss) = g
+                        .stage_backward_with(&dev, all, &p, StageInput::Tokens(&x), None, None)
+                        .map_err(failed)?;
+                    let mut at = 0;
+                    for t in &grads {
+                        let n = t.elem_count();
+                        crate::state::read(t, |v| buf[at..at + n].copy_from_slice(v))?;
+                        at += n;
+                    }
+                    loss
+                };
+                sink(0, buf);
+                loss
+            }
+            net => net
+                .loss_and_grad_buckets_held(&dev, &vars, &x, &y, sink, &mut zeroed)
+                .map_err(failed)?,
+        };
         let mut s = self.stats.lock().unwrap();
         s.last_loss = loss / y.len().max(1) as f64;
         s.samples += y.len() as u64;
@@ -278,7 +395,7 @@ impl Job {
     fn emulated(
         &self,
         samples: Range<u64>,
-        model: &[f32],
+        model: &CandleModel,
         slowdown: f64,
         ready: &BucketSink,
     ) -> (Result<(), ComputeError>, Duration) {
@@ -303,34 +420,37 @@ impl Job {
     }
 }
 
-/// The parts of a `model_len`-value flat model (`[params | optimizer state]`) that belong to
-/// `layers`: for the GPT, the layers' parameters and each of their state tensors (AdamW's step
-/// count rides with the layers that start at 0); other networks are one slice.
-pub fn layer_slots(
-    net: &Network,
-    optim: &Optim,
-    layers: LayerRange,
-    model_len: usize,
-) -> Vec<Range<usize>> {
-    let Network::Gpt(g) = net else {
-        return std::iter::once(0..model_len).collect();
-    };
-    let ranges = g.layer_ranges();
-    let (lo, hi) = (layers.range().start, layers.range().end);
-    if lo >= hi || hi > ranges.len() {
-        return std::iter::once(model_len + 1..model_len + 1).collect();
-    }
-    let r = ranges[lo].start..ranges[hi - 1].end;
-    let p = g.params();
-    let tensors = optim.state_names().len();
-    let mut out: Vec<Range<usize>> = (0..=tensors)
-        .map(|k| k * p + r.start..k * p + r.end)
-        .collect();
-    if lo == 0 && optim.state_len(p) > tensors * p {
-        let t = (tensors + 1) * p;
-        out.push(t..t + 1);
-    }
-    out
+/// The parts of the flat model (`[params | optimizer state | step count]`) that belong to
+/// `layers`, in the order a shard of them travels: for the GPT, the layers' parameters, each of
+/// their state tensors, and AdamW's step count; other networks are one slice. An empty range
+/// past the end when `layers` are not the network's.
+pub fn layer_slots(net: &Network, optim: &Optim, layers: LayerRange) -> Vec<Range<usize>> {
+    let layout = crate::state::Layout::of(net, optim);
+    let len = layout.model_len();
+    layout
+        .slots(Some(layers))
+        .unwrap_or_else(|| std::iter::once(len + 1..len + 1).collect())
+}
+
+/// The tensors of variables grouped by layer, detached (what the hand-written CPU pass reads:
+/// no autograd graph is built on them).
+fn detached(p: &[Vec<candle_core::Var>]) -> Vec<Vec<Tensor>> {
+    p.iter()
+        .map(|l| l.iter().map(|v| v.as_tensor().detach()).collect())
+        .collect()
+}
+
+/// A GPT's parameter variables (the whole model's, in flat order) grouped by layer.
+fn by_layer(g: &crate::gpt::Gpt, vars: &[candle_core::Var]) -> Vec<Vec<candle_core::Var>> {
+    let mut rest = vars;
+    (0..g.planner_layers())
+        .map(|l| {
+            let n = g.layer_params(l).len().min(rest.len());
+            let (this, more) = rest.split_at(n);
+            rest = more;
+            this.to_vec()
+        })
+        .collect()
 }
 
 impl CandleCompute {
@@ -343,12 +463,17 @@ impl CandleCompute {
     }
 
     /// One stage operation on the compute thread, with the node's emulated slowdown: `op`
-    /// gets the GPT, the samples' tokens and the compute device.
+    /// gets the GPT, the samples' tokens, the compute device and the model state.
     async fn stage_op<R: Send + 'static>(
         &self,
         step: u64,
         samples: Range<u64>,
-        op: impl FnOnce(&crate::gpt::Gpt, &[f32], &candle_core::Device) -> candle_core::Result<R>
+        op: impl FnOnce(
+            &crate::gpt::Gpt,
+            &[f32],
+            &candle_core::Device,
+            &ModelState,
+        ) -> Result<R, ComputeError>
         + Send
         + 'static,
     ) -> Result<R, ComputeError> {
@@ -368,7 +493,7 @@ impl CandleCompute {
             .run(move || {
                 let t = Instant::now();
                 let (tokens, _) = job.batch(samples);
-                let r = op(&g, &tokens, &crate::device::current());
+                let r = op(&g, &tokens, &crate::device::current(), &job.state);
                 let took = t.elapsed();
                 if slowdown > 1.0 {
                     std::thread::sleep(took.mul_f64(slowdown - 1.0));
@@ -378,39 +503,110 @@ impl CandleCompute {
             .await
             .ok_or_else(|| ComputeError::Backend("the compute thread is gone".into()))?;
         self.stats.lock().unwrap().real_compute_s += real.as_secs_f64();
-        result.map_err(|e| ComputeError::Backend(format!("candle stage: {e}")))
+        result
+    }
+
+    /// The parameter variables of `layers` of `model`, grouped by layer, made on `dev`.
+    fn stage_vars(
+        state: &ModelState,
+        model: &CandleModel,
+        layers: LayerRange,
+        dev: &candle_core::Device,
+    ) -> Result<Vec<Vec<candle_core::Var>>, ComputeError> {
+        let idx = state
+            .layout
+            .indices(Some(layers))
+            .ok_or_else(|| ComputeError::Shape(format!("no layers {layers} in this network")))?;
+        let vars = state.vars(model, idx.clone(), dev)?;
+        let mut out: Vec<Vec<candle_core::Var>> = Vec::new();
+        let mut last = None;
+        for (i, v) in idx.zip(vars) {
+            let l = state.layout.tensors[i].layer;
+            if l != last || out.is_empty() {
+                out.push(Vec::new());
+                last = l;
+            }
+            out.last_mut().expect("pushed").push(v);
+        }
+        Ok(out)
     }
 }
 
+fn stage_failed(e: candle_core::Error) -> ComputeError {
+    ComputeError::Backend(format!("candle stage: {e}"))
+}
+
 impl Compute for CandleCompute {
-    fn initial_model(&self) -> Vec<f32> {
-        if let Some((_, m)) = &self.resume {
-            return m.clone();
+    type Model = CandleModel;
+    type StageGrad = CandleGrad;
+
+    fn model_len(&self) -> usize {
+        self.state.layout.model_len()
+    }
+
+    fn params(&self) -> usize {
+        self.state.layout.params
+    }
+
+    fn initial(&self, layers: Option<LayerRange>) -> CandleModel {
+        match &self.resume {
+            Some(r) => self.state.at_source(layers, &r.source, r.step_count),
+            None => self.state.at_source(layers, &Source::Seeded, 0.0),
         }
-        let mut m = self.net.init(self.seed);
-        m.resize(self.model_len(), 0.0);
-        m
     }
 
     fn initial_version(&self) -> u64 {
-        self.resume.as_ref().map_or(0, |r| r.0)
+        self.resume.as_ref().map_or(0, |r| r.version)
     }
 
-    fn params(&self, _model_len: usize) -> usize {
-        self.params()
+    fn retain(&self, model: &CandleModel, layers: LayerRange) -> CandleModel {
+        self.state.retain(model, layers)
     }
 
-    fn buckets(&self, _params: usize) -> Vec<Range<usize>> {
+    fn export(&self, model: &CandleModel, layers: Option<LayerRange>) -> Option<Vec<f32>> {
+        self.state.export(model, layers)
+    }
+
+    fn import(
+        &self,
+        base: Option<&CandleModel>,
+        layers: Option<LayerRange>,
+        values: Vec<f32>,
+    ) -> Result<CandleModel, ComputeError> {
+        self.state
+            .import(base, layers, values, &crate::device::current())
+    }
+
+    fn digest(&self, model: &CandleModel, layers: Option<LayerRange>) -> u64 {
+        self.state.digest(model, layers)
+    }
+
+    fn export_parts(
+        &self,
+        model: &CandleModel,
+        layers: Option<LayerRange>,
+        part: usize,
+        out: &mut dyn FnMut(Vec<f32>),
+    ) -> bool {
+        self.state.export_parts(model, layers, part, out)
+    }
+
+    fn buckets(&self) -> Vec<Range<usize>> {
         self.net.grad_buckets()
     }
 
-    fn apply_update(&self, model: &mut [f32], range: Range<usize>, mean_gradient: &[f32]) {
-        self.optim
-            .step_range(model, self.params(), range, mean_gradient);
+    fn apply_update(
+        &self,
+        model: &mut CandleModel,
+        range: Range<usize>,
+        mean_gradient: &[f32],
+    ) -> Result<(), ComputeError> {
+        self.state
+            .update_range(model, range, mean_gradient, &crate::device::current())
     }
 
-    fn end_update(&self, model: &mut [f32]) {
-        self.optim.end_step(model, self.params());
+    fn end_update(&self, model: &mut CandleModel) {
+        self.state.end_update(model);
     }
 
     fn recycle(&self, buffer: Vec<f32>) {
@@ -420,23 +616,53 @@ impl Compute for CandleCompute {
         }
     }
 
-    fn param_range(&self, layers: LayerRange, model_len: usize) -> Range<usize> {
-        match self.gpt() {
-            Some(g) => {
-                let r = g.layer_ranges();
-                let (lo, hi) = (layers.range().start, layers.range().end);
-                if lo >= hi || hi > r.len() {
-                    // Out of range: an empty slice past the end, which the node refuses.
-                    return model_len + 1..model_len + 1;
-                }
-                r[lo].start..r[hi - 1].end
-            }
-            None => 0..model_len,
+    fn param_range(&self, layers: LayerRange) -> Range<usize> {
+        let layout = &self.state.layout;
+        match layout.indices(Some(layers)) {
+            Some(idx) => layout.param_range(&idx),
+            None => 0..0,
         }
     }
 
-    fn layer_slots(&self, layers: LayerRange, model_len: usize) -> Vec<Range<usize>> {
-        layer_slots(&self.net, &self.optim, layers, model_len)
+    fn layer_slots(&self, layers: LayerRange) -> Vec<Range<usize>> {
+        layer_slots(&self.net, &self.optim, layers)
+    }
+
+    fn state_stats(&self) -> ravnest_runtime::seams::StateStats {
+        self.state.counter.stats()
+    }
+
+    /// A GPT whose state and one micro-batch's activations exceed this node's memory budget
+    /// is measured by one block (layer 1) standing for the model by its share of the work, so
+    /// that a model no node holds is never built whole to be measured.
+    fn probe(&self) -> ravnest_runtime::seams::Probe {
+        use ravnest_runtime::seams::Probe;
+        let Some(g) = self.gpt() else {
+            return Probe::Whole;
+        };
+        let budget = self.ledger.lock().unwrap().budget;
+        let spec = self.net.model_spec();
+        let micro = self.micro_batch.max(1);
+        let per_param = ravnest_core::model::state_bytes_per_param(
+            ravnest_core::Precision::Fp32,
+            self.optim.kind,
+        );
+        let state: u64 = spec.layers.iter().map(|l| l.params * per_param).sum();
+        let acts: u64 = spec
+            .layers
+            .iter()
+            .map(|l| l.activation_elems_per_sample * micro * 4)
+            .sum();
+        if budget == 0 || state + acts <= budget || g.layers == 0 {
+            return Probe::Whole;
+        }
+        let total: f64 = spec.layers.iter().map(|l| l.fwd_flops_per_sample).sum();
+        Probe::Layers {
+            layers: LayerRange::new(1, 2),
+            share: spec.layers[1].fwd_flops_per_sample / total.max(1.0),
+            micro,
+            input: g.seq * g.hidden,
+        }
     }
 
     fn runs_stages(&self) -> bool {
@@ -449,20 +675,29 @@ impl Compute for CandleCompute {
         step: u64,
         samples: Range<u64>,
         layers: LayerRange,
-        params: &[f32],
+        model: &CandleModel,
         input: Option<&[f32]>,
     ) -> Result<Vec<f32>, ComputeError> {
         let rows = samples.end - samples.start;
         let kept_in = input.map_or(0, |i| i.len() as u64 * 4);
         self.count(layers, rows, kept_in)?;
-        let (params, input) = (params.to_vec(), input.map(<[f32]>::to_vec));
+        let (model, input) = (model.clone(), input.map(<[f32]>::to_vec));
         let out = self
-            .stage_op(step, samples, move |g, tokens, dev| {
+            .stage_op(step, samples, move |g, tokens, dev, state| {
+                let p = Self::stage_vars(state, &model, layers, dev)?;
                 let inp = match &input {
                     Some(h) => StageInput::Hidden(h),
                     None => StageInput::Tokens(tokens),
                 };
-                g.stage_forward(dev, layers.range(), &params, inp, Some(tokens))
+                if dev.is_cpu() {
+                    let ts = detached(&p);
+                    let refs: Vec<&[Tensor]> = ts.iter().map(Vec::as_slice).collect();
+                    return g
+                        .fast_forward(layers.range(), &refs, inp, Some(tokens))
+                        .map_err(stage_failed);
+                }
+                g.stage_forward_with(dev, layers.range(), &p, inp, Some(tokens))
+                    .map_err(stage_failed)
             })
             .await?;
         let mut l = self.ledger.lock().unwrap();
@@ -480,30 +715,55 @@ impl Compute for CandleCompute {
         step: u64,
         samples: Range<u64>,
         layers: LayerRange,
-        params: &[f32],
+        model: &CandleModel,
         input: Option<&[f32]>,
-        _output: &[f32],
+        output: &[f32],
         grad_out: Option<&[f32]>,
-    ) -> Result<(Vec<f32>, Vec<f32>), ComputeError> {
+        acc: Option<CandleGrad>,
+    ) -> Result<(CandleGrad, Vec<f32>), ComputeError> {
         let rows = samples.end - samples.start;
         self.count(layers, rows, 0)?;
-        let kept = (input.map_or(0, <[f32]>::len) + _output.len()) as u64 * 4;
-        let (params, input) = (params.to_vec(), input.map(<[f32]>::to_vec));
+        let kept = (input.map_or(0, <[f32]>::len) + output.len()) as u64 * 4;
+        let (model, input) = (model.clone(), input.map(<[f32]>::to_vec));
         let grad_out = grad_out.map(<[f32]>::to_vec);
-        let (g, gin, loss) = self
-            .stage_op(step, samples, move |g, tokens, dev| {
+        let counter = self.state.counter.clone();
+        let spare = self.spare.clone();
+        let (sum, gin, loss) = self
+            .stage_op(step, samples, move |g, tokens, dev, state| {
+                let p = Self::stage_vars(state, &model, layers, dev)?;
                 let inp = match &input {
                     Some(h) => StageInput::Hidden(h),
                     None => StageInput::Tokens(tokens),
                 };
-                g.stage_backward(
-                    dev,
-                    layers.range(),
-                    &params,
-                    inp,
-                    Some(tokens),
-                    grad_out.as_deref(),
-                )
+                let r = layers.range();
+                let idx = state.layout.indices(Some(layers)).unwrap_or(0..0);
+                if dev.is_cpu() {
+                    // Added in place into the stage's buffers (zeros at its first micro-batch).
+                    let mut sum = acc.unwrap_or_else(|| host_zeros(state, idx, &counter, &spare));
+                    let GradSum::Host(bufs) = &mut sum.sum else {
+                        return Err(ComputeError::Backend("a device gradient on the CPU".into()));
+                    };
+                    let mut slices: Vec<&mut [f32]> =
+                        bufs.iter_mut().map(|b| b.1.as_mut_slice()).collect();
+                    let ts = detached(&p);
+                    let refs: Vec<&[Tensor]> = ts.iter().map(Vec::as_slice).collect();
+                    let (gin, loss) = g
+                        .fast_backward(
+                            r,
+                            &refs,
+                            inp,
+                            Some(tokens),
+                            grad_out.as_deref(),
+                            &mut slices,
+                        )
+                        .map_err(stage_failed)?;
+                    return Ok((sum, gin, loss));
+                }
+                let (grads, gin, loss) = g
+                    .stage_backward_with(dev, r, &p, inp, Some(tokens), grad_out.as_deref())
+                    .map_err(stage_failed)?;
+                let sum = accumulate(acc, idx.start, grads, &counter).map_err(stage_failed)?;
+                Ok((sum, gin, loss))
             })
             .await?;
         {
@@ -516,7 +776,67 @@ impl Compute for CandleCompute {
             s.last_loss = loss / rows.max(1) as f64;
             s.samples += rows;
         }
-        Ok((g, gin))
+        Ok((sum, gin))
+    }
+
+    fn stage_grad_values(&self, grad: CandleGrad, scale: f32) -> Vec<f32> {
+        let mut out = Vec::new();
+        match &grad.sum {
+            GradSum::Host(bufs) => {
+                for (_, v) in bufs {
+                    out.extend(v.iter().map(|x| x * scale));
+                }
+            }
+            GradSum::Device(ts) => {
+                for (_, t) in ts {
+                    let _ = crate::state::read(t, |v| out.extend(v.iter().map(|x| x * scale)));
+                }
+            }
+        }
+        out
+    }
+
+    fn apply_stage_grad(
+        &self,
+        model: &mut CandleModel,
+        _layers: LayerRange,
+        grad: CandleGrad,
+        scale: f32,
+    ) -> Result<(), ComputeError> {
+        // On the compute thread, where the stage's tensors are made: its allocator reuses what
+        // the last step's update freed.
+        let (state, spare) = (self.state.clone(), self.spare.clone());
+        let mut m = std::mem::replace(model, state.empty());
+        let (m, r) = self
+            .worker
+            .run_here(move || {
+                let dev = crate::device::current();
+                let CandleGrad { sum, _held } = grad;
+                let each: Vec<(usize, Result<(), ComputeError>)> = match &sum {
+                    GradSum::Host(bufs) => bufs
+                        .iter()
+                        .map(|(i, v)| (*i, Grad::Host(v)))
+                        .map(|(i, g)| (i, state.update(&mut m, i, g, scale, &dev)))
+                        .collect(),
+                    GradSum::Device(ts) => ts
+                        .iter()
+                        .map(|(i, t)| (*i, state.update(&mut m, *i, Grad::Device(t), scale, &dev)))
+                        .collect(),
+                };
+                if let Some((_, Err(e))) = each.into_iter().find(|r| r.1.is_err()) {
+                    return (m, Err(e));
+                }
+                state.end_update(&mut m);
+                if let GradSum::Host(bufs) = sum {
+                    let mut pool = spare.lock().unwrap();
+                    pool.extend(bufs.into_iter().map(|b| b.1));
+                    pool.truncate(SPARE_BUFFERS.max(64));
+                }
+                (m, Ok(()))
+            })
+            .ok_or_else(|| ComputeError::Backend("the compute thread is gone".into()))?;
+        *model = m;
+        r
     }
 
     async fn gradient_sum(
@@ -524,7 +844,7 @@ impl Compute for CandleCompute {
         _node: NodeId,
         step: u64,
         samples: Range<u64>,
-        model: Arc<Vec<f32>>,
+        model: CandleModel,
         ready: BucketSink,
     ) -> Result<(), ComputeError> {
         if samples.is_empty() {
@@ -544,6 +864,8 @@ impl Compute for CandleCompute {
                 st.slowdown = (slowdown, step);
             }
         }
+        // The gradient of the whole model, while backward makes it, is counted as held.
+        let held = Held::new(&self.state.counter, 4 * self.params() as u64);
         let (result, real) = self
             .worker
             .run(move || job.emulated(samples, &model, slowdown, &ready))
@@ -552,8 +874,78 @@ impl Compute for CandleCompute {
                 let e = ComputeError::Backend("the compute thread is gone".into());
                 (Err(e), Duration::ZERO)
             });
+        drop(held);
         self.stats.lock().unwrap().real_compute_s += real.as_secs_f64();
         result
+    }
+}
+
+/// A stage's gradient buffers for tensors `idx`, zero, counted as held.
+fn host_zeros(
+    state: &ModelState,
+    idx: Range<usize>,
+    counter: &Arc<crate::state::StateCounter>,
+    spare: &Spare,
+) -> CandleGrad {
+    // The last step's buffers where it left them (the allocator then sees no new ones).
+    let mut pool = spare.lock().unwrap();
+    let bufs: Vec<(usize, Vec<f32>)> = idx
+        .map(|i| {
+            let n = state.layout.tensors[i].len;
+            let mut b = match pool.iter().position(|b| b.capacity() >= n) {
+                Some(k) => pool.swap_remove(k),
+                None => Vec::with_capacity(n),
+            };
+            b.clear();
+            b.resize(n, 0.0);
+            (i, b)
+        })
+        .collect();
+    let bytes = bufs.iter().map(|b| 4 * b.1.len() as u64).sum();
+    CandleGrad {
+        sum: GradSum::Host(bufs),
+        _held: Held::new(counter, bytes),
+    }
+}
+
+/// `acc` (a stage's gradient so far, `None` at its first micro-batch) plus `grads` (the
+/// gradients of tensors `first..`), counted as held.
+fn accumulate(
+    acc: Option<CandleGrad>,
+    first: usize,
+    grads: Vec<Tensor>,
+    counter: &Arc<crate::state::StateCounter>,
+) -> candle_core::Result<CandleGrad> {
+    match acc {
+        None => {
+            let bytes = grads.iter().map(|t| 4 * t.elem_count() as u64).sum();
+            Ok(CandleGrad {
+                sum: GradSum::Device(
+                    grads
+                        .into_iter()
+                        .enumerate()
+                        .map(|(k, t)| (first + k, t))
+                        .collect(),
+                ),
+                _held: Held::new(counter, bytes),
+            })
+        }
+        Some(mut a) => {
+            let GradSum::Device(ts) = &mut a.sum else {
+                candle_core::bail!("host gradient buffers off the CPU");
+            };
+            if ts.len() != grads.len() {
+                candle_core::bail!(
+                    "a micro-batch's backward gave {} gradients for {} tensors",
+                    grads.len(),
+                    ts.len()
+                );
+            }
+            for ((_, s), g) in ts.iter_mut().zip(grads) {
+                *s = s.add(&g)?;
+            }
+            Ok(a)
+        }
     }
 }
 

@@ -14,6 +14,7 @@ pub mod mlp;
 pub mod net;
 pub mod optim;
 pub mod process;
+pub mod state;
 pub mod store;
 pub mod summary;
 pub mod worker;

@@ -38,6 +38,16 @@ pub fn matmul_flops_in(budget: Duration, dtype: candle_core::DType) -> f64 {
     2.0 * (n * n * n) as f64 * reps as f64 / t.elapsed().as_secs_f64()
 }
 
+/// This process's resident memory now and its peak so far (Linux `VmRSS`, `VmHWM`), bytes.
+pub fn resident_memory() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib = |key: &str| -> Option<u64> {
+        let line = text.lines().find(|l| l.starts_with(key))?;
+        line.split_whitespace().nth(1)?.parse().ok()
+    };
+    Some((kib("VmRSS:")? * 1024, kib("VmHWM:")? * 1024))
+}
+
 /// Memory available for training (Linux `MemAvailable`), if it can be read.
 pub fn available_memory() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;

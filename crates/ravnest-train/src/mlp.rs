@@ -23,6 +23,10 @@ pub struct LayerSlots {
     pub bias: Range<usize>,
     /// `fc{i}.weight`: `dims[i + 1] x dims[i]`, row-major.
     pub weight: Range<usize>,
+    /// Index of `fc{i}.bias` among the network's tensors.
+    pub bias_at: usize,
+    /// Index of `fc{i}.weight` among the network's tensors.
+    pub weight_at: usize,
 }
 
 /// The MLP's buckets: gradient ranges in the order backward finishes them, each the layers
@@ -88,10 +92,11 @@ fn softmax_cross_entropy(logits: &[f32], k: usize, y: &[u32]) -> (f64, Vec<f32>)
 
 /// Σ over the batch of the cross-entropy loss of an MLP (ReLU between layers), handing the
 /// gradient sum to `sink` bucket by bucket: `sink(k, values)` for bucket k of `buckets`
-/// (from [`buckets`]), in order. `x` holds `y.len()` rows of `dims[0]` values.
+/// (from [`buckets`]), in order. `x` holds `y.len()` rows of `dims[0]` values; `params[i]` is
+/// the network's tensor i, as it is held on the CPU (read in place).
 pub fn loss_and_grad(
     shape: &Shape<'_>,
-    model: &[f32],
+    params: &[Tensor],
     x: &[f32],
     y: &[u32],
     sink: &mut dyn FnMut(usize, Vec<f32>),
@@ -106,30 +111,25 @@ pub fn loss_and_grad(
     let b = y.len();
     let n = dims.len() - 1;
     let weights: Vec<Tensor> = (0..n)
-        .map(|i| {
-            Tensor::from_slice(
-                &model[slots[i].weight.clone()],
-                (dims[i + 1], dims[i]),
-                &dev,
-            )
-        })
+        .map(|i| params[slots[i].weight_at].reshape((dims[i + 1], dims[i])))
         .collect::<candle_core::Result<_>>()?;
     // Forward, keeping each layer's input (ReLU output) for backward.
     let mut acts = vec![Tensor::from_slice(x, (b, dims[0]), &dev)?];
     for i in 0..n {
         let z = acts[i].matmul(&weights[i].t()?)?;
-        let bias = &model[slots[i].bias.clone()];
         let relu = i + 1 < n;
-        let h = with_values(&z, |z| {
-            let mut h = Vec::with_capacity(z.len());
-            for row in z.chunks_exact(dims[i + 1]) {
-                for (v, bj) in row.iter().zip(bias) {
-                    let s = v + bj;
-                    h.push(if relu { s.max(0.0) } else { s });
+        let h = with_values(&params[slots[i].bias_at], |bias| {
+            with_values(&z, |z| {
+                let mut h = Vec::with_capacity(z.len());
+                for row in z.chunks_exact(dims[i + 1]) {
+                    for (v, bj) in row.iter().zip(bias) {
+                        let s = v + bj;
+                        h.push(if relu { s.max(0.0) } else { s });
+                    }
                 }
-            }
-            h
-        })?;
+                h
+            })
+        })??;
         acts.push(Tensor::from_vec(h, (b, dims[i + 1]), &dev)?);
     }
     // Softmax cross-entropy: loss = Σ −log p[y]; its gradient by the logits is p − onehot(y).

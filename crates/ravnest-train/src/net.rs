@@ -195,10 +195,13 @@ impl Network {
                 .find(|p| p.name == name)
                 .map_or(0..0, |p| p.offset..p.offset + p.len())
         };
+        let at = |name: String| layout.iter().position(|p| p.name == name).unwrap_or(0);
         (0..dims.len() - 1)
             .map(|i| crate::mlp::LayerSlots {
                 bias: find(format!("fc{i}.bias")),
                 weight: find(format!("fc{i}.weight")),
+                bias_at: at(format!("fc{i}.bias")),
+                weight_at: at(format!("fc{i}.weight")),
             })
             .collect()
     }
@@ -237,9 +240,29 @@ impl Network {
         sink: &mut dyn FnMut(usize, Vec<f32>),
         zeroed: &mut dyn FnMut(usize) -> Vec<f32>,
     ) -> candle_core::Result<f64> {
+        let dev = crate::device::current();
+        let vars: Vec<Var> = self
+            .tensors(model, &dev)?
+            .into_iter()
+            .map(|t| Var::from_tensor(&t))
+            .collect::<candle_core::Result<_>>()?;
+        self.loss_and_grad_buckets_held(&dev, &vars, x, y, sink, zeroed)
+    }
+
+    /// [`Network::loss_and_grad_buckets_into`] with the parameters as they are held (`vars[i]`:
+    /// tensor i of [`Network::layout`], on `dev`): nothing is copied to compute.
+    pub fn loss_and_grad_buckets_held(
+        &self,
+        dev: &Device,
+        vars: &[Var],
+        x: &[f32],
+        y: &[u32],
+        sink: &mut dyn FnMut(usize, Vec<f32>),
+        zeroed: &mut dyn FnMut(usize) -> Vec<f32>,
+    ) -> candle_core::Result<f64> {
         match self {
             // The hand-written backward reads values on the CPU; on a GPU, candle's autograd.
-            Network::Mlp { dims } if crate::device::on_cpu() => {
+            Network::Mlp { dims } if dev.is_cpu() => {
                 let slots = self.mlp_slots();
                 let buckets = crate::mlp::buckets(&slots, BUCKET_MIN_PARAMS);
                 let shape = crate::mlp::Shape {
@@ -247,12 +270,23 @@ impl Network {
                     slots: &slots,
                     buckets: &buckets,
                 };
-                crate::mlp::loss_and_grad(&shape, model, x, y, sink, zeroed)
+                // Detached: the hand-written step builds no autograd graph.
+                let params: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().detach()).collect();
+                crate::mlp::loss_and_grad(&shape, &params, x, y, sink, zeroed)
             }
             _ => {
-                let (loss, g) = self.loss_and_grad_sum(model, x, y)?;
+                let (loss, grads) = self.loss_and_grads(dev, vars, x, y)?;
+                let layout = self.layout();
                 for (k, r) in self.grad_buckets().into_iter().enumerate() {
-                    sink(k, g[r].to_vec());
+                    let mut buf = zeroed(r.len());
+                    for (p, g) in layout.iter().zip(&grads) {
+                        if p.offset >= r.start && p.offset + p.len() <= r.end {
+                            let at = p.offset - r.start;
+                            buf[at..at + p.len()]
+                                .copy_from_slice(&g.flatten_all()?.to_vec1::<f32>()?);
+                        }
+                    }
+                    sink(k, buf);
                 }
                 Ok(loss)
             }
@@ -451,28 +485,45 @@ impl Network {
         if let Network::Gpt(g) = self {
             return g.loss_and_grad_sum(dev, model, x);
         }
-        let dev = dev.clone();
         let vars: Vec<Var> = self
-            .tensors(model, &dev)?
+            .tensors(model, dev)?
             .into_iter()
             .map(|t| Var::from_tensor(&t))
             .collect::<candle_core::Result<_>>()?;
+        let (loss, grads) = self.loss_and_grads(dev, &vars, x, y)?;
+        let mut out = Vec::with_capacity(model.len());
+        for g in grads {
+            out.extend(g.flatten_all()?.to_vec1::<f32>()?);
+        }
+        Ok((loss, out))
+    }
+
+    /// Σ over the batch of the cross-entropy loss, and its gradient per tensor, through
+    /// candle's autograd with the parameters as they are held (`vars[i]`: tensor i of
+    /// [`Network::layout`]). Not for the GPT ([`crate::gpt`]).
+    pub fn loss_and_grads(
+        &self,
+        dev: &Device,
+        vars: &[Var],
+        x: &[f32],
+        y: &[u32],
+    ) -> candle_core::Result<(f64, Vec<Tensor>)> {
         let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let xb = Tensor::from_slice(x, (y.len(), self.inputs()), &dev)?;
-        let yb = Tensor::from_slice(y, y.len(), &dev)?;
+        let xb = Tensor::from_slice(x, (y.len(), self.inputs()), dev)?;
+        let yb = Tensor::from_slice(y, y.len(), dev)?;
         let logp = candle_nn::ops::log_softmax(&self.forward(&ts, &xb)?, D::Minus1)?;
         let loss = logp.gather(&yb.unsqueeze(1)?, 1)?.sum_all()?.neg()?;
-        let grads = loss.backward()?;
-        let mut out = Vec::with_capacity(model.len());
-        for (v, p) in vars.iter().zip(self.layout()) {
-            match grads.get(v.as_tensor()) {
-                Some(g) => out.extend(g.flatten_all()?.to_vec1::<f32>()?),
-                None => out.extend(std::iter::repeat_n(0.0, p.len())),
-            }
-        }
+        let mut grads = loss.backward()?;
+        let each = vars
+            .iter()
+            .map(|v| match grads.remove(v.as_tensor()) {
+                Some(g) => Ok(g),
+                None => v.as_tensor().zeros_like(),
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
         Ok((
             f64::from(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?),
-            out,
+            each,
         ))
     }
 

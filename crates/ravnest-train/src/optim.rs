@@ -90,6 +90,78 @@ impl Optim {
         }
     }
 
+    /// One tensor's update in one pass, into new buffers: (new parameters, new state) from
+    /// the parameters `w`, their state (`state[k]` as [`Optim::state_names`] orders them) and
+    /// their gradient `grad` times `scale`; `t` is the step count before this step (AdamW's
+    /// bias correction). The same operations in the same order as [`Optim::step_range`], so
+    /// the result is bit for bit the same.
+    pub fn update(
+        &self,
+        w: &[f32],
+        state: &[&[f32]],
+        grad: &[f32],
+        scale: f32,
+        t: f32,
+    ) -> (Vec<f32>, Vec<Vec<f32>>) {
+        debug_assert_eq!(w.len(), grad.len());
+        let g = |i: usize| grad[i] * scale;
+        match self.kind {
+            Optimizer::Sgd => {
+                let w: Vec<f32> = (0..w.len()).map(|i| w[i] - self.lr * g(i)).collect();
+                (w, Vec::new())
+            }
+            Optimizer::SgdMomentum => {
+                let (mut nw, mut nv) = (Vec::with_capacity(w.len()), Vec::with_capacity(w.len()));
+                for i in 0..w.len() {
+                    let v = self.momentum * state[0][i] + g(i);
+                    nv.push(v);
+                    nw.push(w[i] - self.lr * v);
+                }
+                (nw, vec![nv])
+            }
+            Optimizer::Adamw => {
+                let (m, v) = (state[0], state[1]);
+                let t = t + 1.0;
+                let b1 = self.momentum;
+                let c1 = 1.0 - b1.powf(t);
+                let c2 = 1.0 - BETA2.powf(t);
+                let n = w.len();
+                let (mut nw, mut nm, mut nv) = (
+                    Vec::with_capacity(n),
+                    Vec::with_capacity(n),
+                    Vec::with_capacity(n),
+                );
+                for i in 0..n {
+                    let g = g(i);
+                    let mi = b1 * m[i] + (1.0 - b1) * g;
+                    let vi = BETA2 * v[i] + (1.0 - BETA2) * g * g;
+                    let update = (mi / c1) / ((vi / c2).sqrt() + EPS);
+                    nw.push(w[i] - self.lr * (update + self.weight_decay * w[i]));
+                    nm.push(mi);
+                    nv.push(vi);
+                }
+                (nw, vec![nm, nv])
+            }
+        }
+    }
+
+    /// AdamW's constants for step number `t + 1` (the step count before it is `t`):
+    /// (β1, 1 − β1, β2, 1 − β2, bias corrections c1 and c2, ε), each computed once on the host
+    /// so that every device applies the same values.
+    pub fn adamw_constants(&self, t: f32) -> [f32; 7] {
+        let t = t + 1.0;
+        let b1 = self.momentum;
+        [
+            b1,
+            1.0 - b1,
+            BETA2,
+            1.0 - BETA2,
+            1.0 - b1.powf(t),
+            1.0 - BETA2.powf(t),
+            EPS,
+        ]
+    }
+
     /// After every range of a step was applied: advance the step counter (AdamW).
     pub fn end_step(&self, model: &mut [f32], params: usize) {
         if self.kind == Optimizer::Adamw

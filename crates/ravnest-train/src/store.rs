@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use ravnest_core::LayerRange;
 use ravnest_core::checkpoint::Manifest;
 use ravnest_runtime::checkpoint::{Store, StoreError};
 use safetensors::{Dtype, SafeTensors};
@@ -22,6 +23,10 @@ use safetensors::{Dtype, SafeTensors};
 use crate::gpt::Gpt;
 use crate::net::Network;
 use crate::optim::Optim;
+
+pub mod reader;
+mod write;
+pub use reader::CheckpointReader;
 
 /// Where a run's checkpoints go.
 #[derive(Debug, Clone)]
@@ -68,33 +73,6 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 /// (name, shape, offset, len) of a tensor in the flat vector.
 type Entry = (String, Vec<usize>, usize, usize);
-
-/// Serialize `entries` of `flat` as one safetensors file.
-fn serialize(
-    entries: &[Entry],
-    flat: &[f32],
-    meta: HashMap<String, String>,
-) -> std::io::Result<Vec<u8>> {
-    let bytes: Vec<(&str, &[usize], Vec<u8>)> = entries
-        .iter()
-        .map(|(name, shape, off, len)| {
-            let raw = flat[*off..off + len]
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect();
-            (name.as_str(), shape.as_slice(), raw)
-        })
-        .collect();
-    let views = bytes
-        .iter()
-        .map(|(n, shape, raw)| {
-            safetensors::tensor::TensorView::new(Dtype::F32, shape.to_vec(), raw)
-                .map(|v| (n.to_string(), v))
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(std::io::Error::other)?;
-    safetensors::serialize(views, Some(meta)).map_err(std::io::Error::other)
-}
 
 /// Read `entries` from the safetensors file at `path` into `flat`, checking every tensor.
 fn read_into(
@@ -357,6 +335,24 @@ impl CheckpointFiles {
 
     /// Write the checkpoint of `step` (flat model = parameters then optimizer state).
     pub fn write(&self, step: u64, flat: &[f32], manifest_json: &str) -> std::io::Result<PathBuf> {
+        let mut fill = |off: usize, len: usize, out: &mut Vec<f32>| -> std::io::Result<()> {
+            let v = flat
+                .get(off..off + len)
+                .ok_or_else(|| std::io::Error::other("a flat model too short for the network"))?;
+            out.extend_from_slice(v);
+            Ok(())
+        };
+        self.write_from(step, &mut fill, manifest_json)
+    }
+
+    /// Write the checkpoint of `step`, each tensor's flat values asked of `fill(offset, len,
+    /// buffer)` in turn (one tensor in memory at a time).
+    fn write_from(
+        &self,
+        step: u64,
+        fill: &mut write::Fill<'_>,
+        manifest_json: &str,
+    ) -> std::io::Result<PathBuf> {
         std::fs::create_dir_all(&self.dir)?;
         let optim = self.optim_entries();
         if !optim.is_empty() {
@@ -367,7 +363,7 @@ impl CheckpointFiles {
                     self.optim.kind.as_str().to_string(),
                 ),
             ]);
-            write_atomic(&self.optim_path(step), &serialize(&optim, flat, meta)?)?;
+            write::safetensors_atomic(&self.optim_path(step), &optim, &meta, fill)?;
         }
         let mut meta: HashMap<String, String> = self.meta.clone().into_iter().collect();
         meta.insert("format".into(), "pt".into());
@@ -376,7 +372,7 @@ impl CheckpointFiles {
         meta.insert("optimizer".into(), self.optim.kind.as_str().to_string());
         meta.insert("learning_rate".into(), self.optim.lr.to_string());
         let path = self.path(step);
-        write_atomic(&path, &serialize(&self.weight_entries(), flat, meta)?)?;
+        write::safetensors_atomic(&path, &self.weight_entries(), &meta, fill)?;
         write_atomic(
             &self.dir.join(format!("step-{step:08}.json")),
             manifest_json.as_bytes(),
@@ -413,6 +409,18 @@ impl CheckpointFiles {
                 message: format!("`{}` is not a step number", s.trim()),
             }),
         }
+    }
+
+    /// The weights of the checkpoint of `step` alone (what an evaluation needs), checked.
+    pub fn load_weights(&self, step: u64) -> Result<Vec<f32>, LoadError> {
+        let mut flat = vec![0.0f32; self.net.params()];
+        read_into(
+            &self.path(step),
+            &self.weight_entries(),
+            &mut flat,
+            "network",
+        )?;
+        Ok(flat)
     }
 
     /// Read the checkpoint of `step` back into a flat vector (weights, then the optimizer
@@ -461,27 +469,77 @@ impl Store for CheckpointFiles {
         self.load(step).ok().map(|m| (step, m))
     }
 
-    fn commit(&self, manifest: &Manifest, shards: &[Vec<f32>]) -> Result<(), StoreError> {
-        // Each shard holds its layers' slots (parameters, then their optimizer state).
+    fn put(
+        &self,
+        step: u64,
+        layers: LayerRange,
+        offset: u64,
+        values: &[f32],
+    ) -> Result<(), StoreError> {
+        let file = write::part_file(&self.dir, step, layers);
+        write::put_part(&file, offset, values)
+            .map_err(|source| StoreError::Write { path: file, source })
+    }
+
+    fn forget(&self, step: u64, layers: Option<LayerRange>) {
+        let _ = match layers {
+            Some(l) => std::fs::remove_file(write::part_file(&self.dir, step, l)),
+            None => std::fs::remove_dir_all(write::parts_dir(&self.dir, step)),
+        };
+    }
+
+    /// Merge the shards' parts on disk into the checkpoint's files, tensor by tensor: each
+    /// shard holds its layers' slots (parameters, then their optimizer state, then AdamW's
+    /// step count, which every stage's shard carries).
+    fn commit(&self, manifest: &Manifest) -> Result<(), StoreError> {
         let p = self.net.params();
         let want = p + self.optim.state_len(p);
-        let got: usize = shards.iter().map(Vec::len).sum();
-        let mut flat = vec![0.0f32; want];
-        let mut covered = 0;
-        for (meta, values) in manifest.shards.iter().zip(shards) {
-            let slots = crate::compute::layer_slots(&self.net, &self.optim, meta.layers, want);
-            if !ravnest_runtime::seams::scatter(&mut flat, &slots, values) {
+        let mut pieces: Vec<write::Piece> = Vec::new();
+        let mut got = 0;
+        for meta in &manifest.shards {
+            let file = write::part_file(&self.dir, manifest.step, meta.layers);
+            let held = std::fs::metadata(&file).map_or(0, |m| m.len() as usize / 4);
+            let slots = crate::compute::layer_slots(&self.net, &self.optim, meta.layers);
+            let mut at = 0;
+            for r in slots {
+                at += r.len();
+                pieces.push((r.clone(), file.clone(), at - r.len()));
+            }
+            got += held;
+            if held != at {
                 return Err(StoreError::Size { got, want });
             }
-            covered += values.len();
         }
-        if covered != want {
+        pieces.sort_by_key(|x| x.0.start);
+        // Every value of the model in some shard.
+        let mut end = 0;
+        for x in &pieces {
+            if x.0.start > end {
+                break;
+            }
+            end = end.max(x.0.end);
+        }
+        if end != want {
             return Err(StoreError::Size { got, want });
         }
         let path = self.path(manifest.step);
-        self.write(manifest.step, &flat, &manifest_json(manifest, &path))
+        let mut fill =
+            |off: usize, len: usize, out: &mut Vec<f32>| write::read_pieces(&pieces, off, len, out);
+        let written = self
+            .write_from(manifest.step, &mut fill, &manifest_json(manifest, &path))
             .map(|_| ())
-            .map_err(|source| StoreError::Write { path, source })
+            .map_err(|source| StoreError::Write { path, source });
+        // This round's parts, and any older round's, are done with.
+        if let Ok(rd) = std::fs::read_dir(self.dir.join(".parts")) {
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let step: Option<u64> = name.strip_prefix("step-").and_then(|s| s.parse().ok());
+                if step.is_some_and(|s| s <= manifest.step) {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+        written
     }
 }
 
@@ -603,7 +661,11 @@ mod tests {
             .map(|t| (t.name.clone(), t.shape.clone(), t.offset, t.len()))
             .collect();
         let bare = dir.join("bare.safetensors");
-        std::fs::write(&bare, serialize(&entries, &flat, HashMap::new()).unwrap()).unwrap();
+        let mut fill = |off: usize, len: usize, out: &mut Vec<f32>| -> std::io::Result<()> {
+            out.extend_from_slice(&flat[off..off + len]);
+            Ok(())
+        };
+        write::safetensors_atomic(&bare, &entries, &HashMap::new(), &mut fill).unwrap();
         let e = load_gpt(&bare).unwrap_err().to_string();
         assert!(
             e.starts_with(&bare.display().to_string())

@@ -79,6 +79,34 @@ pub struct NodeReport {
     pub stage_memory: Option<(u64, u64)>,
     /// The emulated slowdown at the end.
     pub slowdown: Slowdown,
+    /// MiB of model state (parameters, gradients, optimizer state) this node held at most at
+    /// once, counted as its backend made and dropped them.
+    #[serde(default)]
+    pub held_state_mib: f64,
+    /// The process's peak resident memory (`VmHWM`) when its training ended, MiB.
+    #[serde(default)]
+    pub peak_rss_mib: f64,
+    /// Its resident memory before any model state was made (data loaded, runtime started), MiB.
+    #[serde(default)]
+    pub rss_before_model_mib: f64,
+    /// Copies of the state it holds made per step by step work (0: updates make the next
+    /// version in place of the old, versions share what they have in common).
+    #[serde(default)]
+    pub full_model_copies_per_step: f64,
+}
+
+impl NodeReport {
+    /// Its memory row: held state, peak RSS, RSS before the model, copies per step.
+    fn memory_text(&self) -> String {
+        format!(
+            "{:<13} {:>10.1} MiB {:>9.0} MiB {:>12.0} MiB {:>12.2}\n",
+            self.node,
+            self.held_state_mib,
+            self.peak_rss_mib,
+            self.rss_before_model_mib,
+            self.full_model_copies_per_step
+        )
+    }
 }
 
 /// An emulated slowdown.
@@ -119,6 +147,9 @@ pub struct CoordinatorReport {
     pub target_accuracy: f64,
     /// The character model's continuation of a test context (the GPT's sampled one).
     pub sample: Option<Sample>,
+    /// MiB of the whole model's state: parameters, one gradient and the optimizer state.
+    #[serde(default)]
+    pub model_state_mib: f64,
     /// The GPT: bits per byte on the held-out text (mean cross-entropy per token ÷ ln 2), and
     /// the file's target.
     #[serde(default)]
@@ -248,6 +279,17 @@ impl RunReport {
         for n in &self.nodes {
             out += &n.text(c, wall);
         }
+        out += &format!(
+            "\n{:<13} {:>14} {:>13} {:>16} {:>12}\n",
+            "memory", "held state", "peak RSS", "RSS before model", "copies/step"
+        );
+        for r in self.nodes.iter().filter_map(|n| n.report.as_ref()) {
+            out += &r.memory_text();
+        }
+        out += &format!(
+            "model state (parameters, gradients, optimizer state): {:.1} MiB\n",
+            c.model_state_mib
+        );
         out += &format!(
             "\n{} distinct plan(s); {} re-plan(s) for measured speeds\n",
             c.plans, c.rebalances

@@ -13,6 +13,11 @@ use std::sync::mpsc::{Sender, channel};
 
 type Task = Box<dyn FnOnce() + Send>;
 
+thread_local! {
+    /// Set on a compute thread.
+    static ON_COMPUTE_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// Niceness of the compute thread (0 is normal, 19 the lowest priority). Lowering one's own
 /// priority needs no privilege.
 pub const COMPUTE_NICE: i32 = 10;
@@ -32,6 +37,7 @@ impl ComputeThread {
                 .name("ravnest-compute".into())
                 .spawn(move || {
                     lower_priority();
+                    ON_COMPUTE_THREAD.with(|c| c.set(true));
                     while let Ok(task) = recv.recv() {
                         task();
                     }
@@ -41,6 +47,22 @@ impl ComputeThread {
             }
         }
         tx.clone()
+    }
+
+    /// Run `f` on the compute thread and wait for it here, blocking (`f` runs here when this
+    /// is the compute thread). For short work that should allocate where the compute does
+    /// (the optimizer's new state: one thread's allocator then reuses what the last step
+    /// freed). `None` if the thread is gone.
+    pub fn run_here<R: Send + 'static>(&self, f: impl FnOnce() -> R + Send + 'static) -> Option<R> {
+        if ON_COMPUTE_THREAD.with(|c| c.get()) {
+            return Some(f());
+        }
+        let (done, result) = std::sync::mpsc::channel();
+        let task: Task = Box::new(move || {
+            let _ = done.send(f());
+        });
+        self.sender()?.send(task).ok()?;
+        result.recv().ok()
     }
 
     /// Run `f` on the compute thread and wait for its result without blocking the runtime;

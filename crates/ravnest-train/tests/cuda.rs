@@ -111,3 +111,86 @@ fn twenty_sgd_steps_on_the_gpu_end_where_the_cpu_does() {
         );
     }
 }
+
+/// The optimizer a GPU node runs (candle operations) gives the bits the CPU's fused pass gives,
+/// for every optimizer, so replicas on different device kinds stay bit-identical (the rule in
+/// docs/architecture.md, "Replicas and digests").
+#[test]
+fn the_optimizer_gives_the_cpus_bits_on_the_gpu() {
+    use ravnest_core::Optimizer;
+    use ravnest_train::optim::Optim;
+    use ravnest_train::state::optimizer_step_on;
+    let Some(gpu) = gpu() else { return };
+    let n = 4099;
+    let w: Vec<f32> = (0..n)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0)
+        .collect();
+    let g: Vec<f32> = (0..n)
+        .map(|i| ((i * 13 % 97) as f32 - 48.0) / 90.0)
+        .collect();
+    for kind in [Optimizer::Sgd, Optimizer::SgdMomentum, Optimizer::Adamw] {
+        let optim = Optim {
+            kind,
+            lr: 0.003,
+            momentum: 0.9,
+            weight_decay: 0.01,
+        };
+        let state: Vec<Vec<f32>> = (0..optim.state_names().len())
+            .map(|k| {
+                (0..n)
+                    .map(|i| ((i * (k + 3) % 17) as f32) / 170.0)
+                    .collect()
+            })
+            .collect();
+        for (scale, t) in [(1.0f32, 0.0f32), (0.25, 7.0), (1.0 / 48.0, 123.0)] {
+            let cpu = optimizer_step_on(&Device::Cpu, &optim, &w, &state, &g, scale, t).unwrap();
+            let on = optimizer_step_on(&gpu, &optim, &w, &state, &g, scale, t).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&cpu.0),
+                bits(&on.0),
+                "{kind:?} parameters, scale {scale}, t {t}"
+            );
+            for (a, b) in cpu.1.iter().zip(&on.1) {
+                assert_eq!(bits(a), bits(b), "{kind:?} state, scale {scale}, t {t}");
+            }
+        }
+        eprintln!("{kind:?}: the GPU's update has the CPU's bits");
+    }
+}
+
+/// A GPT's stages on the GPU (candle's autograd) give the CPU's hand-written pass's loss and
+/// gradients (relative 1e-4).
+#[test]
+fn a_gpt_stage_computes_the_same_on_the_gpu_as_on_the_cpu() {
+    use ravnest_train::gpt::{Gpt, StageInput};
+    let Some(gpu) = gpu() else { return };
+    let g = Gpt {
+        layers: 2,
+        hidden: 64,
+        heads: 4,
+        seq: 16,
+        vocab: 64,
+    };
+    let flat = g.init(3);
+    let toks: Vec<f32> = (0..3 * (g.seq + 1))
+        .map(|i| ((i * 7 + 1) % g.vocab) as f32)
+        .collect();
+    let all = 0..g.planner_layers();
+    let (cpu_loss, cpu_grad) = g.loss_and_grad_sum(&Device::Cpu, &flat, &toks).unwrap();
+    let p = g.weights(&gpu, &flat).unwrap();
+    let (grads, _, gpu_loss) = g
+        .stage_backward_with(&gpu, all, &p, StageInput::Tokens(&toks), None, None)
+        .unwrap();
+    let mut gpu_grad = Vec::new();
+    for t in grads {
+        gpu_grad.extend(t.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    }
+    assert!(
+        (cpu_loss - gpu_loss).abs() < 1e-4 * cpu_loss.abs(),
+        "{cpu_loss} vs {gpu_loss}"
+    );
+    let r = relative(&gpu_grad, &cpu_grad);
+    assert!(r < 1e-4, "gradient differs by {r:e}");
+    eprintln!("gpt: loss {cpu_loss:.5} (cpu) vs {gpu_loss:.5} (gpu), gradient {r:.1e}");
+}

@@ -11,7 +11,7 @@ use ravnest_core::{NodeId, Optimizer};
 use ravnest_runtime::coordinator::{Config, Event, Tuning};
 use ravnest_runtime::node::Counters;
 use ravnest_runtime::tcp::LoopbackCluster;
-use ravnest_runtime::{Compute, Launch, Nodes};
+use ravnest_runtime::{Launch, Nodes};
 use ravnest_train::compute::CandleCompute;
 use ravnest_train::data::Dataset;
 use ravnest_train::net::Network;
@@ -81,6 +81,7 @@ async fn equivalence(net: Network, data: Dataset, sync: &str) {
     let nodes = Nodes::new(compute.clone(), ids, 4 * compute.model_len() as u64)
         .grad_bytes(4 * compute.params() as u64)
         .heartbeat(Duration::from_millis(50))
+        .observe()
         .counters(counters.clone());
     let sup = launch.nodes(nodes).await.unwrap();
     let model = net.model_spec();
@@ -147,10 +148,15 @@ async fn equivalence(net: Network, data: Dataset, sync: &str) {
     }
     let counters = counters.lock().unwrap();
     for (id, c) in counters.iter() {
-        assert_eq!(c.model.0, STEPS, "node {id:?} version");
-        let worst = c
-            .model
-            .1
+        assert_eq!(c.version, STEPS, "node {id:?} version");
+        let o = c.observed.as_ref().expect("observed");
+        assert_eq!(
+            o.slots,
+            vec![0..reference.len()],
+            "node {id:?} holds the whole model"
+        );
+        let worst = o
+            .values
             .iter()
             .zip(&reference)
             .map(|(a, b)| (a - b).abs())

@@ -11,10 +11,28 @@ fn slots(net: &Network, n: usize) -> Vec<LayerSlots> {
         let p = layout.iter().find(|p| p.name == name).unwrap();
         p.offset..p.offset + p.len()
     };
+    let at = |name: String| layout.iter().position(|p| p.name == name).unwrap();
     (0..n)
         .map(|i| LayerSlots {
             bias: find(format!("fc{i}.bias")),
             weight: find(format!("fc{i}.weight")),
+            bias_at: at(format!("fc{i}.bias")),
+            weight_at: at(format!("fc{i}.weight")),
+        })
+        .collect()
+}
+
+/// The network's tensors of the flat model `w`, on the CPU.
+fn tensors(net: &Network, w: &[f32]) -> Vec<candle_core::Tensor> {
+    net.layout()
+        .iter()
+        .map(|p| {
+            candle_core::Tensor::from_slice(
+                &w[p.offset..p.offset + p.len()],
+                p.shape.as_slice(),
+                &candle_core::Device::Cpu,
+            )
+            .unwrap()
         })
         .collect()
 }
@@ -48,7 +66,7 @@ fn equals_candle_autograd() {
         };
         let loss = loss_and_grad(
             &shape,
-            &w,
+            &tensors(&net, &w),
             &x,
             &y,
             &mut |k, v| {

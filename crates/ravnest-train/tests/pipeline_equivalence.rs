@@ -205,6 +205,7 @@ async fn pipeline_equals(stages: usize, kind: Optimizer, reference: &[f32]) -> f
     let nodes = Nodes::new(compute.clone(), ids.clone(), 4 * compute.model_len() as u64)
         .grad_bytes(4 * compute.params() as u64)
         .heartbeat(Duration::from_millis(50))
+        .observe()
         .counters(counters.clone());
     let sup = launch.nodes(nodes).await.unwrap();
     let costs = Costs::new(&s.cluster, &s.model, &s.training);
@@ -268,8 +269,10 @@ async fn pipeline_equals(stages: usize, kind: Optimizer, reference: &[f32]) -> f
     let ranges = GPT.layer_ranges();
     let mut held: Vec<(NodeId, LayerRange)> = Vec::new();
     for (id, c) in counters.iter() {
-        assert_eq!(c.model.0, STEPS, "node {id:?} version");
-        let r = c.model_range.clone();
+        assert_eq!(c.version, STEPS, "node {id:?} version");
+        let o = c.observed.as_ref().expect("observed");
+        assert_eq!(o.version, STEPS, "node {id:?} observed version");
+        let r = o.slots[0].clone();
         assert!(
             r.len() < params,
             "node {id:?} holds only its stage's layers, not the whole model: {r:?}"
@@ -306,12 +309,14 @@ async fn pipeline_equals(stages: usize, kind: Optimizer, reference: &[f32]) -> f
     // Each stage's layers, parameters and optimizer state, against single-node training.
     let mut worst_all = 0.0f32;
     for (id, l) in &held {
-        let model = &counters[id].model.1;
-        let slots: Vec<Range<usize>> = compute.layer_slots(*l, model.len());
-        assert_eq!(slots[0], compute.param_range(*l, model.len()));
+        let o = counters[id].observed.as_ref().expect("observed");
+        let slots: Vec<Range<usize>> = compute.layer_slots(*l);
+        assert_eq!(slots, o.slots, "node {id:?} exports its layers' slots");
+        assert_eq!(slots[0], compute.param_range(*l));
         let (mut worst, mut values) = (0.0f32, 0usize);
         for r in &slots {
-            for (a, b) in model[r.clone()].iter().zip(&reference[r.clone()]) {
+            let held = o.range(r.clone()).expect("held");
+            for (a, b) in held.iter().zip(&reference[r.clone()]) {
                 worst = worst.max((a - b).abs());
             }
             values += r.len();

@@ -9,7 +9,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use ravnest_core::{LayerRange, NodeId};
 
 use super::state::{Fetch, NodeMsg, NodeState};
-use super::versions::Version;
+use super::versions::{Keep, Version};
 use super::{NodeActor, Start, Verdict, spawn_link_probes};
 use crate::collective::{CollectiveActor, CollectiveMsg};
 use crate::msg::{Addr, Envelope, Work};
@@ -17,6 +17,9 @@ use crate::seams::{Compute, Transport};
 
 /// Requests for versions this node has not made yet, kept at most.
 const REQUESTS_MAX: usize = 64;
+
+/// A node's state, as this backend's node holds it.
+type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
 
 impl<T: Transport, C: Compute> NodeActor<T, C> {
     pub(super) fn me(&self) -> Addr {
@@ -35,7 +38,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
 
     /// A new epoch. A node still running the previous one finishes that epoch's steps below
     /// the new one's first step, then switches; any other node switches now.
-    async fn on_work(&self, st: &mut NodeState, w: Work) {
+    async fn on_work(&self, st: &mut State<C>, w: Work) {
         if w.epoch <= st.epoch {
             return;
         }
@@ -61,7 +64,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     /// Abandon a step in progress (its epoch is over).
-    fn drop_step(&self, st: &mut NodeState) {
+    fn drop_step(&self, st: &mut State<C>) {
         if st.running.take().is_some() || st.pipe.take().is_some() {
             self.count(|c| c.aborted += 1);
         }
@@ -69,7 +72,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
 
     /// Make `w` the epoch being run: from its first step's version, which this node holds, or
     /// fetches (whole, or the layers it lacks).
-    pub(super) fn activate(&self, st: &mut NodeState, w: Work) {
+    pub(super) fn activate(&self, st: &mut State<C>, w: Work) {
         st.versions.truncate_after(w.step);
         st.fetching = None;
         st.early_pipe
@@ -82,11 +85,12 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             .as_ref()
             .map(|s| s.fetch.clone())
             .unwrap_or_default();
+        // The only holder of its layers (a stage of a single pipeline) keeps one version.
+        let alone = w.stage.is_some() && w.ring.len() <= 1;
+        st.versions.keep(if alone { Keep::One } else { Keep::Two });
         if !fetch.is_empty() {
-            let model = st
-                .versions
-                .get(w.step)
-                .map_or_else(|| self.compute.initial_model(), |v| (*v.model).clone());
+            // The fetched layers go on top of what this node holds of that version.
+            let model = st.versions.get(w.step).map(|v| v.model.clone());
             for &(peer, layers) in &fetch {
                 self.ask_state(peer, w.step, Some(layers));
             }
@@ -105,7 +109,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             self.ask_state(peer, w.step, None);
             st.fetching = Some(Fetch {
                 version: w.step,
-                model: Vec::new(),
+                model: None,
                 missing: BTreeSet::new(),
                 whole: true,
             });
@@ -126,7 +130,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
 
     /// Start the next step if the epoch allows it: switch to the next epoch at its first step,
     /// stop at the grant or the run's end.
-    pub(super) async fn advance(&self, st: &mut NodeState) {
+    pub(super) async fn advance(&self, st: &mut State<C>) {
         if st.running.is_some() || st.pipe.is_some() || st.fetching.is_some() || st.halted {
             return;
         }
@@ -149,97 +153,36 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         self.run_step(st, s).await;
     }
 
-    /// This node's training step time as a function of its batch: steps of `batch` and of a
-    /// quarter of it, alternating, the optimizer applied to a scratch copy, for about
-    /// `duration_ms` after a warm-up step; a line through the two means gives the fixed cost
-    /// per step and the cost per sample.
-    async fn calibrate(&self, st: &NodeState, batch: u64, duration_ms: u64) -> Envelope {
+    /// This node's training step time as a function of its batch ([`super::calibrate`]),
+    /// from its latest version (or the initial model), the optimizer applied to a scratch
+    /// version.
+    async fn calibrate(&self, st: &State<C>, batch: u64, duration_ms: u64) -> Envelope {
         let model = st
             .versions
             .latest()
             .and_then(|v| st.versions.get(v))
-            .map_or_else(
-                || Arc::new(self.compute.initial_model()),
-                |v| v.model.clone(),
-            );
-        let scratch = Arc::new(std::sync::Mutex::new((*model).clone()));
-        let params = self.compute.params(model.len());
-        let buckets = self.compute.buckets(params);
-        let apply: crate::seams::BucketSink = {
-            let (scratch, compute) = (scratch.clone(), self.compute.clone());
-            Arc::new(move |k: usize, g: Vec<f32>| {
-                if let Some(r) = buckets.get(k) {
-                    compute.apply_update(&mut scratch.lock().unwrap(), r.clone(), &g);
-                }
-            })
-        };
-        let sizes = [batch.max(1), (batch / 4).max(1)];
-        let _ = self
-            .compute
-            .gradient_sum(self.id, 0, 0..sizes[0], model.clone(), apply.clone())
-            .await;
-        // Seconds per step of `b` samples, over `runs` steps.
-        let time = |b: u64, k: u64| {
-            let (model, apply, scratch) = (model.clone(), apply.clone(), scratch.clone());
-            async move {
-                let t = tokio::time::Instant::now();
-                let _ = self
-                    .compute
-                    .gradient_sum(self.id, k, 0..b, model, apply)
-                    .await;
-                self.compute.end_update(&mut scratch.lock().unwrap());
-                t.elapsed().as_secs_f64()
-            }
-        };
-        // First half: both sizes, alternating, for the line through them.
-        let half = u128::from(duration_ms / 2);
-        let start = tokio::time::Instant::now();
-        let (mut spent, mut runs, mut k) = ([0.0f64; 2], [0u32; 2], 0u64);
-        while k < 6 || (start.elapsed().as_millis() < half && k < 10_000) {
-            let which = (k % 2) as usize;
-            spent[which] += time(sizes[which], k).await;
-            runs[which] += 1;
-            k += 1;
-        }
-        let mean = |i: usize| spent[i] / f64::from(runs[i].max(1));
-        let (t1, t2) = (mean(0), mean(1));
-        let (b1, b2) = (sizes[0] as f64, sizes[1] as f64);
-        let slope = if b1 > b2 { (t1 - t2) / (b1 - b2) } else { 0.0 };
-        let (per_sample_s, overhead_s) = if slope > 0.0 && t1 - slope * b1 >= 0.0 {
-            (slope, t1 - slope * b1)
-        } else {
-            // Noise hid the fixed cost: call it all per-sample.
-            (t1 / b1, 0.0)
-        };
-        // Second half: the full size only, every node at once, as training loads the machine
-        // (small steps load it less, so the first half runs a little fast): the solo figure,
-        // and the scale the line is brought to.
-        let start = tokio::time::Instant::now();
-        let (mut full, mut n) = (0.0f64, 0u32);
-        while n < 3 || (start.elapsed().as_millis() < half && n < 10_000) {
-            full += time(sizes[0], k).await;
-            n += 1;
-            k += 1;
-        }
-        let full = full / f64::from(n);
-        let scale = full / (overhead_s + per_sample_s * b1).max(1e-12);
+            .map(|v| v.model.clone());
+        let bench = super::calibrate::Bench::new(self.compute.clone(), self.id, model);
+        let c = super::calibrate::calibrate(&bench, batch, duration_ms).await;
         Envelope::Measured {
-            samples_per_s: b1 / full.max(1e-12),
-            per_sample_s: per_sample_s * scale,
-            overhead_s: overhead_s * scale,
+            samples_per_s: c.samples_per_s,
+            per_sample_s: c.per_sample_s,
+            overhead_s: c.overhead_s,
         }
     }
 
     /// The latest checkpoint, to restore layers held only by lost nodes from: keep it as a
     /// synchronized whole version (the newer ones are dropped: training goes back to it) and
     /// answer the halt again.
-    fn on_restored(&self, st: &mut NodeState, epoch: u64, checkpoint: Option<(u64, Vec<f32>)>) {
-        if let Some((version, model)) = checkpoint {
+    fn on_restored(&self, st: &mut State<C>, epoch: u64, checkpoint: Option<(u64, Vec<f32>)>) {
+        if let Some((version, values)) = checkpoint
+            && let Ok(model) = self.compute.import(None, None, values)
+        {
             st.versions.truncate_after(version);
             st.versions.insert(
                 version,
                 Version {
-                    model: Arc::new(model),
+                    model,
                     synced: true,
                     layers: None,
                 },
@@ -249,7 +192,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     /// Stop every step of `epoch` and earlier, and tell the coordinator what is held.
-    fn on_halt(&self, st: &mut NodeState, epoch: u64) {
+    fn on_halt(&self, st: &mut State<C>, epoch: u64) {
         self.drop_step(st);
         st.halted = true;
         st.next_work = None;
@@ -266,7 +209,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         );
     }
 
-    fn on_grant(&self, st: &mut NodeState, epoch: u64, until: u64) {
+    fn on_grant(&self, st: &mut State<C>, epoch: u64, until: u64) {
         for w in [&mut st.work, &mut st.next_work].into_iter().flatten() {
             if w.epoch == epoch {
                 w.until = w.until.max(until);
@@ -277,7 +220,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     /// A peer asks for a version: send it, or keep the request until this node makes it.
     pub(super) fn on_state_request(
         &self,
-        st: &mut NodeState,
+        st: &mut State<C>,
         version: u64,
         to: NodeId,
         layers: Option<LayerRange>,
@@ -289,18 +232,14 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             }
             return;
         };
-        let model = &v.model;
-        let slots = match layers {
-            Some(l) => self.compute.layer_slots(l, model.len()),
-            None => std::iter::once(0..model.len()).collect(),
-        };
-        if let Some(part) = crate::seams::gather(model, &slots) {
+        if let Some(part) = self.compute.export(&v.model, layers) {
+            let len = self.compute.model_len().max(1) as u64;
             self.send(
                 Addr::Node(to),
                 Envelope::State {
                     version,
-                    model: part.to_vec(),
-                    virtual_bytes: self.model_bytes * part.len() as u64 / model.len().max(1) as u64,
+                    virtual_bytes: self.model_bytes * part.len() as u64 / len,
+                    model: part,
                     layers,
                 },
             );
@@ -308,7 +247,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     /// Serve the requests waiting for a version this node just made.
-    pub(super) fn serve_requests(&self, st: &mut NodeState) {
+    pub(super) fn serve_requests(&self, st: &mut State<C>) {
         let Some(latest) = st.versions.latest() else {
             return;
         };
@@ -324,7 +263,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     /// A version (or some layers of one) from a peer.
     async fn on_state(
         &self,
-        st: &mut NodeState,
+        st: &mut State<C>,
         version: u64,
         model: Vec<f32>,
         layers: Option<LayerRange>,
@@ -336,11 +275,17 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return;
         }
         match layers {
-            None if f.whole => f.model = model,
+            None if f.whole => match self.compute.import(None, None, model) {
+                Ok(m) => f.model = Some(m),
+                Err(_) => return,
+            },
             Some(l) if !f.whole => {
-                let slots = self.compute.layer_slots(l, f.model.len());
-                if !f.missing.contains(&l) || !crate::seams::scatter(&mut f.model, &slots, &model) {
+                if !f.missing.contains(&l) {
                     return;
+                }
+                match self.compute.import(f.model.as_ref(), Some(l), model) {
+                    Ok(m) => f.model = Some(m),
+                    Err(_) => return,
                 }
                 f.missing.remove(&l);
                 if !f.missing.is_empty() {
@@ -361,11 +306,16 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             }
             _ => new,
         };
+        let Some(model) = f.model else { return };
+        let model = match layers {
+            Some(l) => self.compute.retain(&model, l),
+            None => model,
+        };
         st.versions.truncate_after(f.version);
         st.versions.insert(
             f.version,
             Version {
-                model: Arc::new(f.model),
+                model,
                 synced: true,
                 layers,
             },
@@ -390,7 +340,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         self.t0.elapsed().as_millis() as u64
     }
 
-    async fn on_net(&self, st: &mut NodeState, from: Addr, env: Envelope) {
+    async fn on_net(&self, st: &mut State<C>, from: Addr, env: Envelope) {
         if from == Addr::Coordinator
             && let Some(w) = &mut st.watch
         {
@@ -487,14 +437,14 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
 
 impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
     type Msg = NodeMsg;
-    type State = NodeState;
+    type State = State<C>;
     type Arguments = Start;
 
     async fn pre_start(
         &self,
         myself: ActorRef<NodeMsg>,
         start: Start,
-    ) -> Result<NodeState, ActorProcessingErr> {
+    ) -> Result<State<C>, ActorProcessingErr> {
         let outcomes = {
             let me = myself.clone();
             Arc::new(move |o| {
@@ -527,7 +477,7 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                 }),
             );
         }
-        let mut st = NodeState {
+        let mut st = State::<C> {
             me: Some(myself.clone()),
             collective: Some(collective),
             ..NodeState::default()
@@ -549,7 +499,7 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                 st.versions.insert(
                     v,
                     Version {
-                        model: Arc::new(self.compute.initial_model()),
+                        model: self.compute.initial(None),
                         synced: true,
                         layers: None,
                     },
@@ -565,7 +515,7 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
         &self,
         _myself: ActorRef<NodeMsg>,
         msg: NodeMsg,
-        st: &mut NodeState,
+        st: &mut State<C>,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             NodeMsg::Net(from, env) => self.on_net(st, from, env).await,
@@ -582,7 +532,7 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
     async fn post_stop(
         &self,
         _myself: ActorRef<NodeMsg>,
-        st: &mut NodeState,
+        st: &mut State<C>,
     ) -> Result<(), ActorProcessingErr> {
         if let Some(t) = st.watch_ticker.take() {
             t.abort();

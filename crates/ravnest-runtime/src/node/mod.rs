@@ -8,6 +8,7 @@
 //! epoch switches, [`step`] one step's work (data parallel or a pipeline stage).
 
 pub mod actor;
+pub mod calibrate;
 pub mod state;
 pub mod step;
 pub mod versions;
@@ -60,15 +61,17 @@ pub struct NodeCounters {
     pub batch: u64,
     /// Steps abandoned under it (a halt).
     pub aborted: u64,
-    /// The latest model version this node holds, and the version number.
-    pub model: (u64, Arc<Vec<f32>>),
-    /// The part of `model` that version applies to (a pipeline stage keeps only its layers
-    /// current; the rest is stale).
-    pub model_range: Range<usize>,
-    /// Gradient values copied per step outside the compute backend and the collectives (the
-    /// weighting is applied in place; this counts the copy of the previous version that the
-    /// update is applied to).
-    pub copied_per_step: u64,
+    /// The latest model version this node made.
+    pub version: u64,
+    /// The layers it holds of that version (`None`: the whole model).
+    pub layers: Option<ravnest_core::LayerRange>,
+    /// What the node holds of that version, exported after each step when the nodes were
+    /// launched to be observed ([`crate::Nodes::observe`]: tests and the simulator's
+    /// checkers); `None` otherwise (a real run never copies its model to report it).
+    pub observed: Option<Observed>,
+    /// The whole model at the run's last version, exported once there by a node that holds
+    /// it whole (what a report evaluates when no final checkpoint could be read).
+    pub final_model: Option<Vec<f32>>,
     /// Activity intervals, in order (for timelines).
     pub spans: Vec<Span>,
     /// After each step: (version made, `compute_ns`, `comm_ns`, ns since the start, the step's
@@ -88,6 +91,33 @@ impl NodeCounters {
             (end.1 - start.1) as f64 / wall,
             (end.2 - start.2) as f64 / wall,
         ))
+    }
+}
+
+/// A node's model as an observer sees it: version `version`'s values at `slots` of the flat
+/// model (parameters, then optimizer state), in order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Observed {
+    /// The version.
+    pub version: u64,
+    /// Where the values sit in the flat model.
+    pub slots: Vec<Range<usize>>,
+    /// The values.
+    pub values: Vec<f32>,
+}
+
+impl Observed {
+    /// The values of flat-model range `r`, if the node holds all of it.
+    pub fn range(&self, r: Range<usize>) -> Option<&[f32]> {
+        let mut at = 0;
+        for s in &self.slots {
+            if s.start <= r.start && r.end <= s.end {
+                let off = at + r.start - s.start;
+                return self.values.get(off..off + r.len());
+            }
+            at += s.len();
+        }
+        None
     }
 }
 
@@ -113,6 +143,8 @@ pub struct NodeActor<T, C> {
     pub t0: Instant,
     /// Fail-over: how the node watches the coordinator, and whom it tells what it decides.
     pub succession: Option<Succession>,
+    /// Export the model into the counters after every step ([`NodeCounters::observed`]).
+    pub observe: bool,
 }
 
 /// Fail-over on a node: it watches the coordinator (hosted by `host` at the start) and

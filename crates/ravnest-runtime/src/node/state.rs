@@ -40,11 +40,11 @@ pub(super) struct EarlyInput {
 }
 
 /// A model version being fetched from peers before an epoch can start here: the whole model
-/// (`missing` empty, `whole`), or some layers on top of this node's own copy.
+/// (`missing` empty, `whole`), or some layers on top of this node's own copy (`model`).
 #[derive(Debug)]
-pub(super) struct Fetch {
+pub(super) struct Fetch<M> {
     pub version: u64,
-    pub model: Vec<f32>,
+    pub model: Option<M>,
     pub missing: BTreeSet<LayerRange>,
     pub whole: bool,
 }
@@ -52,9 +52,9 @@ pub(super) struct Fetch {
 /// A peer's request for a version: (version, who, layers).
 pub(super) type Request = (u64, NodeId, Option<LayerRange>);
 
-/// A node's mutable state.
-#[derive(Debug, Default)]
-pub struct NodeState {
+/// A node's mutable state (`M`: the backend's model, `G`: its stage gradient).
+#[derive(Debug)]
+pub struct NodeState<M, G> {
     pub(super) me: Option<ActorRef<NodeMsg>>,
     /// The newest epoch seen.
     pub(super) epoch: u64,
@@ -64,13 +64,13 @@ pub struct NodeState {
     pub(super) next_work: Option<Work>,
     /// Stopped by a halt until the next epoch arrives.
     pub(super) halted: bool,
-    pub(super) versions: Versions,
+    pub(super) versions: Versions<M>,
     /// The data-parallel step in progress.
-    pub(super) running: Option<Running>,
+    pub(super) running: Option<Running<M>>,
     /// The pipeline stage step in progress.
-    pub(super) pipe: Option<Pipe>,
+    pub(super) pipe: Option<Pipe<M, G>>,
     pub(super) early_pipe: Vec<EarlyInput>,
-    pub(super) fetching: Option<Fetch>,
+    pub(super) fetching: Option<Fetch<M>>,
     /// Versions asked for before this node had them.
     pub(super) requests: Vec<Request>,
     pub(super) collective: Option<ActorRef<CollectiveMsg>>,
@@ -83,20 +83,43 @@ pub struct NodeState {
     pub(super) watch_ticker: Option<tokio::task::JoinHandle<()>>,
 }
 
+impl<M, G> Default for NodeState<M, G> {
+    fn default() -> Self {
+        NodeState {
+            me: None,
+            epoch: 0,
+            work: None,
+            next_work: None,
+            halted: false,
+            versions: Versions::default(),
+            running: None,
+            pipe: None,
+            early_pipe: Vec::new(),
+            fetching: None,
+            requests: Vec::new(),
+            collective: None,
+            group: None,
+            probes: ProbeWaiters::default(),
+            probe_seq: 0,
+            watch: None,
+            watch_ticker: None,
+        }
+    }
+}
+
 /// A step whose collectives are running.
 #[derive(Debug)]
-pub(crate) struct Running {
+pub(crate) struct Running<M> {
     pub(super) epoch: u64,
     pub(super) step: u64,
     pub(super) mode: StepMode,
-    pub(super) base: Arc<Vec<f32>>,
-    /// The part of the model this node keeps current (digested, reported).
-    pub(super) range: Range<usize>,
     pub(super) layers: Option<LayerRange>,
-    /// Where each collective's result goes: parameter ranges (a gradient), or the model range
-    /// (an averaged model).
+    /// Where each collective's result goes: parameter ranges (a gradient), or nothing (an
+    /// averaged model: the exported layers come back whole).
     pub(super) targets: Vec<Range<usize>>,
-    pub(super) next: Option<Vec<f32>>,
+    /// The version being made: version `step` (shared, not copied) with the results applied
+    /// to it as they come back.
+    pub(super) next: M,
     pub(super) pending: usize,
     /// When the compute ended (the collectives may still run).
     pub(super) computed: Option<Instant>,
@@ -105,7 +128,7 @@ pub(crate) struct Running {
 
 /// A pipeline stage's step in progress.
 #[derive(Debug)]
-pub(crate) struct Pipe {
+pub(crate) struct Pipe<M, G> {
     pub(super) epoch: u64,
     pub(super) step: u64,
     pub(super) global_batch: u64,
@@ -114,13 +137,13 @@ pub(crate) struct Pipe {
     /// Global sample ranges of the micro-batches.
     pub(super) micros: Vec<Range<u64>>,
     /// Model version `step`.
-    pub(super) model: Arc<Vec<f32>>,
-    /// This stage's layers, and where their parameters sit in `model`.
+    pub(super) model: M,
+    /// This stage's layers, and where their parameters sit in the flat model.
     pub(super) layers: LayerRange,
     pub(super) range: Range<usize>,
     /// Forward input and output per micro-batch awaiting its backward.
     pub(super) saved: BTreeMap<u32, (Option<Vec<f32>>, Vec<f32>)>,
-    /// Σ of the layers' parameter gradients so far.
-    pub(super) grad: Vec<f32>,
+    /// Σ of the layers' parameter gradients so far (kept by the backend).
+    pub(super) grad: Option<G>,
     pub(super) compute_ns: u64,
 }

@@ -18,18 +18,17 @@ use tokio::time::Instant;
 
 use super::state::{EarlyInput, NodeMsg, NodeState, Pipe, Running};
 use super::versions::Version;
-use super::{NodeActor, Span, SpanKind};
+use super::{NodeActor, Observed, Span, SpanKind};
 use crate::collective::{CollectiveMsg, Group, Outcome};
-use crate::digest::{digest, sample_range};
+use crate::digest::sample_range;
 use crate::msg::{Addr, Envelope, StageWork, StepMode, Work};
 use crate::seams::{BucketSink, Compute, ComputeError, Transport};
 
 /// Buckets collected from a backend: (index, values).
 type Parts = Arc<Mutex<Vec<(usize, Vec<f32>)>>>;
 
-/// Models at least this large are copied beside the compute (smaller ones, the simulator's,
-/// when the first bucket comes back: no thread, no wall-clock time in a simulation).
-const COPY_BESIDE_MIN: usize = 1 << 16;
+/// A node's state, as this backend's node holds it.
+type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
 
 /// Steps of history kept per node (a few MB at most).
 const HISTORY_MAX: usize = 1 << 18;
@@ -74,7 +73,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     /// The epoch's sync group (built once per epoch, shared by its collectives).
-    fn group(&self, st: &mut NodeState, w: &Work) -> Arc<Group> {
+    fn group(&self, st: &mut State<C>, w: &Work) -> Arc<Group> {
         match &st.group {
             Some((e, g)) if *e == w.epoch => g.clone(),
             _ => {
@@ -91,7 +90,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
 
     fn start_collective(
         &self,
-        st: &NodeState,
+        st: &State<C>,
         id: CollId,
         group: Arc<Group>,
         data: Vec<f32>,
@@ -108,7 +107,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     /// Run step `s` of the current epoch (this node holds version `s`).
-    pub(super) async fn run_step(&self, st: &mut NodeState, s: u64) {
+    pub(super) async fn run_step(&self, st: &mut State<C>, s: u64) {
         let Some(w) = st.work.clone() else { return };
         let Some(base) = st.versions.get(s).map(|v| v.model.clone()) else {
             return;
@@ -124,22 +123,22 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     /// A synchronous data-parallel step: buckets enter their collectives as backward makes them.
-    async fn sync_step(&self, st: &mut NodeState, w: &Work, s: u64, base: Arc<Vec<f32>>) {
-        let params = self.compute.params(base.len());
-        let buckets = self.compute.buckets(params);
+    async fn sync_step(&self, st: &mut State<C>, w: &Work, s: u64, base: C::Model) {
+        let params = self.compute.params();
+        let buckets = self.compute.buckets();
         let group = self.group(st, w);
+        // The next version starts as version s (shared, not copied); each reduced bucket is
+        // applied to it as it comes back.
         st.running = Some(Running {
             epoch: w.epoch,
             step: s,
             mode: StepMode::Sync,
-            range: 0..base.len(),
             layers: None,
             targets: buckets.clone(),
-            next: None,
+            next: base.clone(),
             pending: buckets.len(),
             computed: None,
             compute_ns: 0,
-            base: base.clone(),
         });
         // Weight b_i / B, applied once, in place: the group's sum is the mean gradient of the
         // whole global batch.
@@ -166,15 +165,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         });
         let t = Instant::now();
         let samples = sample_range(s, w.global_batch, w.offset, w.batch);
-        // The copy of version s that the update is applied to is made while the backend
-        // computes (on another thread: it is a model's worth of memory traffic per step).
-        let copy = self.copy_beside(st, &base);
-        let (result, next) = tokio::join!(self.gradient_sum(s, samples, w.chunk, base, sink), copy);
-        if let Some(r) = st.running.as_mut()
-            && r.next.is_none()
-        {
-            r.next = next;
-        }
+        let result = self.gradient_sum(s, samples, w.chunk, base, sink).await;
         let ns = self.computed(t);
         self.after_compute(st, w.epoch, ns, result);
     }
@@ -188,7 +179,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         s: u64,
         samples: Range<u64>,
         chunk: u64,
-        model: Arc<Vec<f32>>,
+        model: C::Model,
         ready: BucketSink,
     ) -> Result<(), ComputeError> {
         if chunk == 0 || chunk >= samples.end - samples.start {
@@ -226,30 +217,9 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         Ok(())
     }
 
-    /// A copy of `base` made on a blocking thread (into a retired buffer), for large models;
-    /// `None` for small ones (the copy is made when the first bucket comes back).
-    fn copy_beside(
-        &self,
-        st: &mut NodeState,
-        base: &Arc<Vec<f32>>,
-    ) -> impl std::future::Future<Output = Option<Vec<f32>>> + use<T, C> {
-        let job = (base.len() >= COPY_BESIDE_MIN).then(|| (st.versions.spare(), base.clone()));
-        async move {
-            let (buf, base) = job?;
-            tokio::task::spawn_blocking(move || {
-                let mut buf = buf;
-                buf.clear();
-                buf.extend_from_slice(&base);
-                buf
-            })
-            .await
-            .ok()
-        }
-    }
-
     fn after_compute(
         &self,
-        st: &mut NodeState,
+        st: &mut State<C>,
         epoch: u64,
         ns: u64,
         result: Result<(), ComputeError>,
@@ -269,13 +239,13 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     /// the models (weighted by batch share) with the group.
     async fn local_step(
         &self,
-        st: &mut NodeState,
+        st: &mut State<C>,
         w: &Work,
         s: u64,
-        base: Arc<Vec<f32>>,
+        base: C::Model,
         mode: StepMode,
     ) {
-        let params = self.compute.params(base.len());
+        let params = self.compute.params();
         let parts: Parts = Arc::default();
         let sink: BucketSink = {
             let parts = parts.clone();
@@ -290,7 +260,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             self.computed(t);
             return self.fail(w.epoch, e.to_string());
         }
-        let buckets = self.compute.buckets(params);
+        let buckets = self.compute.buckets();
         let mut mean = vec![0.0f32; params];
         let inv = 1.0 / w.batch.max(1) as f32;
         let parts = std::mem::take(&mut *parts.lock().unwrap());
@@ -301,55 +271,52 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 }
             }
         }
-        let mut local = (*base).clone();
-        self.compute.apply_update(&mut local, 0..params, &mean);
+        let mut local = base;
+        if let Err(e) = self.compute.apply_update(&mut local, 0..params, &mean) {
+            self.computed(t);
+            return self.fail(w.epoch, e.to_string());
+        }
         self.compute.end_update(&mut local);
         let ns = self.computed(t);
-        let range = 0..base.len();
         if mode == StepMode::Local {
-            return self.finish_step(
-                st,
-                w.epoch,
-                s,
-                local,
-                range,
-                None,
-                false,
-                Spent::compute(ns),
-            );
+            return self.finish_step(st, w.epoch, s, local, None, false, Spent::compute(ns));
         }
-        self.average(st, w, s, base, local, range, None, ns);
+        self.average(st, w, s, local, None, ns);
     }
 
-    /// Start averaging `local` (this node's model after a local step) over `range` with the
-    /// group, weighted by this node's batch share.
-    #[allow(clippy::too_many_arguments)]
+    /// Start averaging `local` (this node's model after a local step: `layers` of it, or the
+    /// whole) with the group, weighted by this node's batch share. The values travel: they
+    /// are exported, and the average is imported back.
     fn average(
         &self,
-        st: &mut NodeState,
+        st: &mut State<C>,
         w: &Work,
         s: u64,
-        base: Arc<Vec<f32>>,
-        local: Vec<f32>,
-        range: Range<usize>,
+        local: C::Model,
         layers: Option<LayerRange>,
         ns: u64,
     ) {
         let share = w.batch as f32 / w.global_batch.max(1) as f32;
-        let contribution: Vec<f32> = local[range.clone()].iter().map(|x| x * share).collect();
+        let Some(mut contribution) = self.compute.export(&local, layers) else {
+            return self.fail(
+                w.epoch,
+                format!("this node does not hold {layers:?} to average"),
+            );
+        };
+        for x in &mut contribution {
+            *x *= share;
+        }
         let group = self.group(st, w);
         st.running = Some(Running {
             epoch: w.epoch,
             step: s,
             mode: StepMode::Average,
-            range: range.clone(),
             layers,
-            targets: vec![range],
-            next: Some(local),
+            targets: std::iter::once(0..contribution.len()).collect(),
+            next: local,
             pending: 1,
             computed: Some(Instant::now()),
             compute_ns: ns,
-            base,
         });
         let id = CollId {
             epoch: w.epoch,
@@ -360,7 +327,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     /// A collective ended.
-    pub(super) fn on_outcome(&self, st: &mut NodeState, outcome: Outcome) {
+    pub(super) fn on_outcome(&self, st: &mut State<C>, outcome: Outcome) {
         let id = match &outcome {
             Outcome::Done { id, .. } | Outcome::Aborted { id } => *id,
         };
@@ -387,33 +354,37 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let Some(target) = r.targets.get(id.bucket as usize).cloned() else {
             return;
         };
-        if r.next.is_none() {
-            r.next = Some(st.versions.copy_of(&r.base));
-        }
-        let Some(r) = st.running.as_mut() else { return };
-        let next = r.next.as_mut().expect("just set");
-        if target.len() != sum.len() || target.end > next.len() {
-            let reason = format!(
+        let applied = if target.len() != sum.len() {
+            Err(format!(
                 "the collective of step {} bucket {} gave {} values for {}",
                 id.step,
                 id.bucket,
                 sum.len(),
                 target.len()
-            );
+            ))
+        } else if r.mode == StepMode::Average {
+            self.compute
+                .import(Some(&r.next), r.layers, sum)
+                .map(|m| r.next = m)
+                .map_err(|e| e.to_string())
+        } else {
+            let applied = self
+                .compute
+                .apply_update(&mut r.next, target, &sum)
+                .map_err(|e| e.to_string());
+            self.compute.recycle(sum);
+            applied
+        };
+        if let Err(reason) = applied {
             st.running = None;
             return self.fail(id.epoch, reason);
         }
-        match r.mode {
-            StepMode::Average => next[target].copy_from_slice(&sum),
-            _ => self.compute.apply_update(next, target, &sum),
-        }
-        self.compute.recycle(sum);
         r.pending = r.pending.saturating_sub(1);
         self.try_finish(st);
     }
 
     /// Finish the running step once its compute ended and every collective came back.
-    fn try_finish(&self, st: &mut NodeState) {
+    fn try_finish(&self, st: &mut State<C>) {
         if !st
             .running
             .as_ref()
@@ -422,7 +393,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return;
         }
         let Some(r) = st.running.take() else { return };
-        let mut next = r.next.unwrap_or_else(|| (*r.base).clone());
+        let mut next = r.next;
         if r.mode == StepMode::Sync {
             self.compute.end_update(&mut next);
         }
@@ -432,7 +403,6 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             comm_ns = since.elapsed().as_nanos() as u64;
             self.count(|c| {
                 c.comm_ns += comm_ns;
-                c.copied_per_step = r.base.len() as u64;
                 c.spans.push(span);
             });
         }
@@ -441,7 +411,6 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             r.epoch,
             r.step,
             next,
-            r.range,
             r.layers,
             true,
             Spent {
@@ -456,30 +425,49 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     #[allow(clippy::too_many_arguments)]
     fn finish_step(
         &self,
-        st: &mut NodeState,
+        st: &mut State<C>,
         epoch: u64,
         step: u64,
-        model: Vec<f32>,
-        range: Range<usize>,
+        model: C::Model,
         layers: Option<LayerRange>,
         synced: bool,
         spent: Spent,
     ) {
         let v = step + 1;
+        // A stage's new version holds its layers only (the others were not updated).
+        let model = match layers {
+            Some(l) => self.compute.retain(&model, l),
+            None => model,
+        };
         // A stage's digest covers what it holds of its layers (their optimizer state too), as
         // its checkpoint shard does.
-        let d = match layers {
-            Some(l) => crate::seams::gather(&model, &self.compute.layer_slots(l, model.len()))
-                .map_or(0, |part| digest(&part)),
-            None => digest(&model[range.clone()]),
-        };
-        // Versions are shared, not copied: the counters and the version store hold one buffer.
-        let model = Arc::new(model);
-        let snapshot = model.clone();
+        let d = self.compute.digest(&model, layers);
+        let observed = self.observe.then(|| {
+            let slots = match layers {
+                Some(l) => self.compute.layer_slots(l),
+                None => std::iter::once(0..self.compute.model_len()).collect(),
+            };
+            let values = self.compute.export(&model, layers).unwrap_or_default();
+            Observed {
+                version: v,
+                slots,
+                values,
+            }
+        });
+        let last = st.work.as_ref().is_some_and(|w| v == w.end);
+        let final_model = (last && layers.is_none())
+            .then(|| self.compute.export(&model, None))
+            .flatten();
         let now_ns = self.t0.elapsed().as_nanos() as u64;
         self.count(|c| {
-            c.model = (v, snapshot);
-            c.model_range = range.clone();
+            c.version = v;
+            c.layers = layers;
+            if observed.is_some() {
+                c.observed = observed;
+            }
+            if final_model.is_some() {
+                c.final_model = final_model;
+            }
             c.steps += 1;
             if c.history.len() < HISTORY_MAX {
                 c.history
@@ -514,7 +502,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     /// The writer of a sync group sends its shard of a checkpoint version when it makes it.
-    fn write_shard(&self, st: &mut NodeState, v: u64, model: &[f32]) {
+    fn write_shard(&self, st: &mut State<C>, v: u64, model: &C::Model) {
         let Some(w) = st.work.as_mut() else { return };
         let Some(duty) = w.checkpoint.as_mut() else {
             return;
@@ -525,21 +513,33 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return;
         }
         let layers = duty.layers;
-        let slots = self.compute.layer_slots(layers, model.len());
-        if let Some(shard) = crate::seams::gather(model, &slots) {
-            let shard = &shard[..];
-            self.send(
-                Addr::Checkpoint,
-                Envelope::Shard {
-                    step: v,
-                    layers,
-                    digest: digest(shard),
-                    virtual_bytes: (self.model_bytes as f64 * shard.len() as f64
-                        / model.len().max(1) as f64) as u64,
-                    model: shard.to_vec(),
-                },
-            );
-        }
+        // In parts, made one at a time: a shard never sits whole in host memory here.
+        let d = self.compute.digest(model, Some(layers));
+        let total: usize = self
+            .compute
+            .layer_slots(layers)
+            .iter()
+            .map(|r| r.len())
+            .sum();
+        let per_value = self.model_bytes as f64 / self.compute.model_len().max(1) as f64;
+        let mut offset = 0u64;
+        self.compute
+            .export_parts(model, Some(layers), crate::msg::SHARD_PART, &mut |part| {
+                let len = part.len() as u64;
+                self.send(
+                    Addr::Checkpoint,
+                    Envelope::Shard {
+                        step: v,
+                        layers,
+                        digest: d,
+                        virtual_bytes: (per_value * part.len() as f64) as u64,
+                        model: part,
+                        offset,
+                        total: total as u64,
+                    },
+                );
+                offset += len;
+            });
     }
 
     // ---- pipeline stages ------------------------------------------------------------------
@@ -548,24 +548,21 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     /// arrive ([`NodeActor::pump`]).
     async fn start_stage(
         &self,
-        st: &mut NodeState,
+        st: &mut State<C>,
         w: &Work,
         sw: StageWork,
         s: u64,
-        model: Arc<Vec<f32>>,
+        model: C::Model,
     ) {
         let layers = sw.layers;
-        let range = self.compute.param_range(layers, model.len());
-        if sw.stage >= sw.stages || layers.is_empty() || range.end > model.len() {
+        let range = self.compute.param_range(layers);
+        let params = self.compute.params();
+        if sw.stage >= sw.stages || layers.is_empty() || range.end > params || range.is_empty() {
             return self.fail(
                 w.epoch,
                 format!(
-                    "malformed stage work: stage {} of {}, layers {layers}, parameters {}..{} of a {}-value model",
-                    sw.stage,
-                    sw.stages,
-                    range.start,
-                    range.end,
-                    model.len()
+                    "malformed stage work: stage {} of {}, layers {layers}, parameters {}..{} of a model of {params}",
+                    sw.stage, sw.stages, range.start, range.end,
                 ),
             );
         }
@@ -588,7 +585,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             epoch: w.epoch,
             step: s,
             global_batch: w.global_batch,
-            grad: vec![0.0; range.len()],
+            grad: None,
             sw,
             run,
             micros,
@@ -602,15 +599,25 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     /// One forward or backward of the stage's schedule; `Err` says why the step cannot go on.
-    async fn stage_op(&self, p: &mut Pipe, ready: Ready) -> Result<(), String> {
-        let params = &p.model[p.range.clone()];
+    async fn stage_op(
+        &self,
+        p: &mut Pipe<C::Model, C::StageGrad>,
+        ready: Ready,
+    ) -> Result<(), String> {
         match ready {
             Ready::Forward { micro, input } => {
                 let samples = p.micros[micro as usize].clone();
                 let n = samples.end - samples.start;
                 let out = self
                     .compute
-                    .stage_forward(self.id, p.step, samples, p.layers, params, input.as_deref())
+                    .stage_forward(
+                        self.id,
+                        p.step,
+                        samples,
+                        p.layers,
+                        &p.model,
+                        input.as_deref(),
+                    )
                     .await
                     .map_err(|e| e.to_string())?;
                 if let Some(next) = p.sw.next {
@@ -632,6 +639,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 let samples = p.micros[micro as usize].clone();
                 let n = samples.end - samples.start;
                 let (input, output) = p.saved.remove(&micro).unwrap_or_default();
+                let acc = p.grad.take();
                 let (g, grad_in) = self
                     .compute
                     .stage_backward(
@@ -639,24 +647,15 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                         p.step,
                         samples,
                         p.layers,
-                        params,
+                        &p.model,
                         input.as_deref(),
                         &output,
                         grad.as_deref(),
+                        acc,
                     )
                     .await
                     .map_err(|e| e.to_string())?;
-                if g.len() != p.grad.len() {
-                    return Err(format!(
-                        "the backward of layers {} gave {} gradient values for {} parameters",
-                        p.layers,
-                        g.len(),
-                        p.grad.len()
-                    ));
-                }
-                for (a, b) in p.grad.iter_mut().zip(&g) {
-                    *a += b;
-                }
+                p.grad = Some(g);
                 if let Some(prev) = p.sw.prev {
                     self.send(
                         Addr::Node(prev),
@@ -676,7 +675,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
 
     /// Run every operation of the stage's schedule whose input is here, in order; when the
     /// schedule is done, hand the layers' gradient to the stage's sync group.
-    async fn pump(&self, st: &mut NodeState) {
+    async fn pump(&self, st: &mut State<C>) {
         while let Some(p) = st.pipe.as_mut() {
             let Some(ready) = p.run.next_ready() else {
                 break;
@@ -697,74 +696,89 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         }
     }
 
-    /// The stage's schedule is done: reduce its layers' gradient (or, under local SGD, apply
-    /// it and maybe average the layers).
-    fn stage_done(&self, st: &mut NodeState, p: Pipe) {
+    /// The stage's schedule is done: reduce its layers' gradient with the stage's sync group
+    /// (a group of one applies it where it is: nothing travels), or, under local SGD, apply it
+    /// and maybe average the layers.
+    fn stage_done(&self, st: &mut State<C>, p: Pipe<C::Model, C::StageGrad>) {
         let Some(w) = st.work.clone() else { return };
+        let Some(grad) = p.grad else {
+            return self.fail(
+                p.epoch,
+                format!(
+                    "step {} of layers {} computed no gradient",
+                    p.step, p.layers
+                ),
+            );
+        };
         let layers = Some(p.sw.layers);
-        match w.mode(p.step) {
-            StepMode::Sync => {
-                let scale = 1.0 / p.global_batch.max(1) as f32;
-                let contribution: Vec<f32> = p.grad.iter().map(|x| x * scale).collect();
-                let group = self.group(st, &w);
-                st.running = Some(Running {
-                    epoch: p.epoch,
-                    step: p.step,
-                    mode: StepMode::Sync,
-                    range: p.range.clone(),
-                    layers,
-                    targets: vec![p.range.clone()],
-                    next: None,
-                    pending: 1,
-                    computed: Some(Instant::now()),
-                    compute_ns: p.compute_ns,
-                    base: p.model.clone(),
-                });
-                let id = CollId {
-                    epoch: p.epoch,
-                    step: p.step,
-                    bucket: 0,
-                };
-                // A stage's gradient stands for its layers' bytes, not the whole model's.
-                self.start_collective(st, id, group, contribution, p.sw.sync_bytes);
-            }
-            mode => {
-                let inv = 1.0 / w.batch.max(1) as f32;
-                let mean: Vec<f32> = p.grad.iter().map(|x| x * inv).collect();
-                let mut local = (*p.model).clone();
-                self.compute
-                    .apply_update(&mut local, p.range.clone(), &mean);
-                self.compute.end_update(&mut local);
-                if mode == StepMode::Local {
-                    return self.finish_step(
-                        st,
-                        p.epoch,
-                        p.step,
-                        local,
-                        p.range,
-                        layers,
-                        false,
-                        Spent::compute(p.compute_ns),
-                    );
-                }
-                self.average(
-                    st,
-                    &w,
-                    p.step,
-                    p.model,
-                    local,
-                    p.range,
-                    layers,
-                    p.compute_ns,
-                );
-            }
+        let mode = w.mode(p.step);
+        let alone = w.ring.len() <= 1;
+        if mode == StepMode::Sync && !alone {
+            let scale = 1.0 / p.global_batch.max(1) as f32;
+            let contribution = self.compute.stage_grad_values(grad, scale);
+            let group = self.group(st, &w);
+            st.running = Some(Running {
+                epoch: p.epoch,
+                step: p.step,
+                mode: StepMode::Sync,
+                layers,
+                targets: vec![p.range.clone()],
+                next: p.model,
+                pending: 1,
+                computed: Some(Instant::now()),
+                compute_ns: p.compute_ns,
+            });
+            let id = CollId {
+                epoch: p.epoch,
+                step: p.step,
+                bucket: 0,
+            };
+            // A stage's gradient stands for its layers' bytes, not the whole model's.
+            return self.start_collective(st, id, group, contribution, p.sw.sync_bytes);
+        }
+        // Applied here: the only holder of these layers makes the next version from this one
+        // in place of it (nobody can need version `step` once `step + 1` exists).
+        if st.versions.keeps_one() {
+            st.versions.take(p.step);
+        }
+        let scale = match mode {
+            StepMode::Sync => 1.0 / p.global_batch.max(1) as f32,
+            _ => 1.0 / w.batch.max(1) as f32,
+        };
+        let mut next = p.model;
+        if let Err(e) = self
+            .compute
+            .apply_stage_grad(&mut next, p.sw.layers, grad, scale)
+        {
+            return self.fail(p.epoch, e.to_string());
+        }
+        match mode {
+            StepMode::Sync => self.finish_step(
+                st,
+                p.epoch,
+                p.step,
+                next,
+                layers,
+                true,
+                Spent::compute(p.compute_ns),
+            ),
+            StepMode::Local => self.finish_step(
+                st,
+                p.epoch,
+                p.step,
+                next,
+                layers,
+                false,
+                Spent::compute(p.compute_ns),
+            ),
+            StepMode::Average => self.average(st, &w, p.step, next, layers, p.compute_ns),
         }
     }
 
     /// An activation or gradient from a neighbouring stage.
     pub(super) async fn on_stage_input(
         &self,
-        st: &mut NodeState,
+        st: &mut State<C>,
         epoch: u64,
         step: u64,
         is_grad: bool,

@@ -2,9 +2,13 @@
 //! agreed on. Two of each are enough: when a node is lost mid-step, the survivors are at most
 //! one step (or one averaging period) apart, so the newest synchronized version that every one
 //! of them holds is among each one's last two.
+//!
+//! A node that is the only holder of its layers (a stage of a single pipeline) keeps one: no
+//! peer can be a step behind it on those layers, and a loss of any stage restores the latest
+//! checkpoint anyway. A version is the backend's handle ([`crate::seams::Compute::Model`]):
+//! keeping one shares its values, it never copies them.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use ravnest_core::LayerRange;
 
@@ -12,86 +16,80 @@ use crate::msg::HeldVersion;
 
 /// One version of the model.
 #[derive(Debug, Clone)]
-pub struct Version {
-    /// The values (parameters, then optimizer state).
-    pub model: Arc<Vec<f32>>,
+pub struct Version<M> {
+    /// The values (the backend's handle).
+    pub model: M,
     /// Whether every replica agreed on it.
     pub synced: bool,
     /// The layers it is current for (`None`: the whole model).
     pub layers: Option<LayerRange>,
 }
 
-/// Versions kept, by number (version k: the model after k steps), and the buffers of retired
-/// ones for the next version to be written into: a step then reuses memory that is already
-/// mapped instead of faulting in a fresh model's worth of pages (a few percent of a small
-/// model's step).
-#[derive(Debug, Clone, Default)]
-pub struct Versions(BTreeMap<u64, Version>, Vec<Vec<f32>>);
+/// How many versions a node keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Keep {
+    /// The two newest and the two newest synchronized ones (replicas may be a step apart).
+    #[default]
+    Two,
+    /// The newest only (the node is the only holder of what it runs).
+    One,
+}
 
-/// Retired buffers kept for reuse.
-const SPARE: usize = 2;
+/// Versions kept, by number (version k: the model after k steps).
+#[derive(Debug, Clone)]
+pub struct Versions<M>(BTreeMap<u64, Version<M>>, Keep);
 
-impl Versions {
+impl<M> Default for Versions<M> {
+    fn default() -> Self {
+        Versions(BTreeMap::new(), Keep::default())
+    }
+}
+
+impl<M> Versions<M> {
     /// The newest version.
     pub fn latest(&self) -> Option<u64> {
         self.0.keys().next_back().copied()
     }
 
     /// Version `v`, if kept.
-    pub fn get(&self, v: u64) -> Option<&Version> {
+    pub fn get(&self, v: u64) -> Option<&Version<M>> {
         self.0.get(&v)
     }
 
+    /// How many to keep from now on (older ones go at the next insertion).
+    pub fn keep(&mut self, keep: Keep) {
+        self.1 = keep;
+    }
+
+    /// Whether only the newest version is kept.
+    pub fn keeps_one(&self) -> bool {
+        self.1 == Keep::One
+    }
+
+    /// Take version `v` out (to make the next one from it in place, where only one is kept).
+    pub fn take(&mut self, v: u64) -> Option<Version<M>> {
+        self.0.remove(&v)
+    }
+
     /// Keep version `v` (replacing one of the same number); forget all but the two newest and
-    /// the two newest synchronized ones.
-    pub fn insert(&mut self, v: u64, version: Version) {
+    /// the two newest synchronized ones (or all but the newest, under [`Keep::One`]).
+    pub fn insert(&mut self, v: u64, version: Version<M>) {
         self.0.insert(v, version);
-        let newest: Vec<u64> = self.0.keys().rev().take(2).copied().collect();
+        let (newest_n, synced_n) = match self.1 {
+            Keep::Two => (2, 2),
+            Keep::One => (1, 0),
+        };
+        let newest: Vec<u64> = self.0.keys().rev().take(newest_n).copied().collect();
         let synced: Vec<u64> = self
             .0
             .iter()
             .rev()
             .filter(|(_, x)| x.synced)
-            .take(2)
+            .take(synced_n)
             .map(|(k, _)| *k)
             .collect();
-        let retired: Vec<u64> = self
-            .0
-            .keys()
-            .filter(|k| !newest.contains(k) && !synced.contains(k))
-            .copied()
-            .collect();
-        for k in retired {
-            if let Some(old) = self.0.remove(&k) {
-                self.recycle(old.model);
-            }
-        }
-    }
-
-    /// Keep a model buffer for reuse if nothing else holds it.
-    fn recycle(&mut self, model: Arc<Vec<f32>>) {
-        if self.1.len() < SPARE
-            && let Ok(buf) = Arc::try_unwrap(model)
-        {
-            self.1.push(buf);
-        }
-    }
-
-    /// A retired buffer (or an empty one) to write a new version into.
-    pub fn spare(&mut self) -> Vec<f32> {
-        self.1.pop().unwrap_or_default()
-    }
-
-    /// A copy of `model`, written into a retired buffer when there is one.
-    pub fn copy_of(&mut self, model: &[f32]) -> Vec<f32> {
-        match self.1.pop() {
-            Some(mut buf) => {
-                buf.clear();
-                buf.extend_from_slice(model);
-                buf
-            }
-            None => model.to_vec(),
-        }
+        self.0
+            .retain(|k, _| newest.contains(k) || synced.contains(k));
     }
 
     /// Forget every version newer than `v` (steps that will be redone).
@@ -117,9 +115,9 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn v(synced: bool) -> Version {
+    fn v(synced: bool) -> Version<()> {
         Version {
-            model: Arc::new(vec![]),
+            model: (),
             synced,
             layers: None,
         }

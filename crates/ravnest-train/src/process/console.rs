@@ -110,7 +110,7 @@ pub(super) fn spawn_progress(say: Say, p: Progress) -> tokio::task::JoinHandle<(
                 .lock()
                 .unwrap()
                 .get(&p.me)
-                .map_or((0, 0), |c| (c.model.0, c.steps));
+                .map_or((0, 0), |c| (c.version, c.steps));
             let now = std::time::Instant::now();
             // The first interval starts when training started here.
             let (t, a) = last.unwrap_or_else(|| (*p.compute.started.get().expect("started"), 0));

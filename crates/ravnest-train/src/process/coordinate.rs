@@ -501,14 +501,15 @@ fn pipeline_figures(
 /// context continued greedily; for the GPT, bits per byte and a sampled continuation.
 fn evaluate(h: &Host<'_>) -> (f64, Option<Sample>, Option<f64>) {
     let (s, su) = (&h.opts.scenario, h.su);
-    let model = match su.files.load(s.run.steps) {
+    // The weights alone: the optimizer state is not needed to evaluate.
+    let model = match su.files.load_weights(s.run.steps) {
         Ok(m) => m,
         Err(_) => h
             .counters
             .lock()
             .unwrap()
             .get(&su.me)
-            .map(|c| c.model.1.to_vec())
+            .and_then(|c| c.final_model.clone())
             .unwrap_or_default(),
     };
     let weights = &model[..su.compute.params().min(model.len())];
@@ -659,6 +660,10 @@ fn coordinator_report(
 ) -> CoordinatorReport {
     let s = &h.opts.scenario;
     let (log, start_step) = (&t.log, t.start_step);
+    // The training's peak memory, before the final model is read to be evaluated.
+    if let Some((_, peak)) = crate::measure::resident_memory() {
+        let _ = h.su.trained_peak_rss.set(peak);
+    }
     let (accuracy, sample, bits_per_byte) = evaluate(h);
     let final_step = start_step + log.step_done_ns.len() as u64;
     let trained = final_step - start_step;
@@ -756,7 +761,14 @@ fn coordinator_report(
         }),
         profile_file: None,
         profile_inputs: Some(profile_inputs),
+        model_state_mib: model_state_mib(h.su),
     }
+}
+
+/// MiB of the whole model's state: its parameters, one gradient, and the optimizer state.
+fn model_state_mib(su: &super::setup::Setup) -> f64 {
+    let c = &su.compute;
+    (c.model_len() + c.params()) as f64 * 4.0 / f64::from(1u32 << 20)
 }
 
 /// What the run's profile is fitted from, but the nodes' steps (their reports bring them):

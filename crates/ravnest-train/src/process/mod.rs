@@ -509,6 +509,39 @@ fn node_report(
             factor: stats.slowdown.0,
             since_step: stats.slowdown.1,
         },
+        ..memory_report(su, &c)
+    }
+}
+
+/// What this node's model state cost: the most its backend held at once, the process's peak
+/// resident memory when training ended (against what it held before the model existed), and
+/// the copies of the state it holds made per step (counted by the backend).
+fn memory_report(su: &Setup, c: &ravnest_runtime::node::NodeCounters) -> NodeReport {
+    let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
+    let state = ravnest_runtime::Compute::state_stats(su.compute.as_ref());
+    let peak = su
+        .trained_peak_rss
+        .get()
+        .copied()
+        .or_else(|| crate::measure::resident_memory().map(|m| m.1))
+        .unwrap_or(0);
+    // One version of what the node holds: its layers' parameters and optimizer state.
+    let one_version = match c.layers {
+        Some(l) => ravnest_runtime::Compute::layer_slots(su.compute.as_ref(), l)
+            .iter()
+            .map(|r| r.len())
+            .sum::<usize>(),
+        None => su.compute.model_len(),
+    } as u64
+        * 4;
+    NodeReport {
+        held_state_mib: mib(state.peak_bytes),
+        peak_rss_mib: mib(peak),
+        rss_before_model_mib: mib(su.rss_before_model),
+        full_model_copies_per_step: state.copied_bytes as f64
+            / one_version.max(1) as f64
+            / c.steps.max(1) as f64,
+        ..NodeReport::default()
     }
 }
 

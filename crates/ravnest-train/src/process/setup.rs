@@ -7,9 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ravnest_core::{NodeId, Scenario};
-use ravnest_runtime::Compute;
 use ravnest_runtime::msg::Capabilities;
-use tokio::time::Instant;
 
 use super::console::Say;
 use super::options::{Options, RunError, coordinator_of};
@@ -143,6 +141,11 @@ pub fn optim_for(s: &Scenario) -> Optim {
 /// What a node process has once it is ready to register.
 pub(super) struct Setup {
     pub me: NodeId,
+    /// Resident bytes before any model state was made.
+    pub rss_before_model: u64,
+    /// The peak resident bytes when training ended, where the process goes on to evaluate
+    /// the model (the coordinator's host) and reads it before.
+    pub trained_peak_rss: Arc<std::sync::OnceLock<u64>>,
     pub compute: Arc<CandleCompute>,
     pub test: Dataset,
     pub files: CheckpointFiles,
@@ -189,6 +192,9 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
     let data = load_dataset(s, &opts.origin)?;
     let (train, test) = data.split();
     let net = network_for(s, &opts.origin, &data)?;
+    drop(data);
+    // What the process holds before any model state exists (the bar its peak is held to).
+    let rss_before_model = crate::measure::resident_memory().map_or(0, |m| m.0);
     let optim = optim_for(s);
     let slowdown = s
         .run
@@ -225,16 +231,32 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
     if me == coordinator_of(s) {
         compute.resume = guard_checkpoints(opts, say, &files)?;
     }
-    let (caps, solo) = measure(opts, say, me, &compute, run_device, slowdown).await;
-    compute.ledger.lock().unwrap().budget = caps.memory_bytes;
+    compute.micro_batch = u64::from(s.training.micro_batch).max(1);
+    // The memory budget before measuring: a model it cannot hold is measured by its layers.
+    let memory = free_memory(s, me);
+    compute.ledger.lock().unwrap().budget = memory;
+    let compute = Arc::new(compute);
+    let (caps, solo) = measure(opts, say, me, &compute, run_device, slowdown, memory).await;
     Ok(Setup {
         me,
-        compute: Arc::new(compute),
+        rss_before_model,
+        trained_peak_rss: Arc::default(),
+        compute,
         test,
         files,
         caps,
         solo_samples_per_s: solo,
     })
+}
+
+/// Free memory where the model lives (the GPU's, or the machine's), capped by the file's
+/// figure (its `memory_gib` less the reserve): a node may emulate a smaller card than the
+/// machine it runs on.
+fn free_memory(s: &Scenario, me: NodeId) -> u64 {
+    let configured = s.cluster.nodes[me.index()].memory_bytes;
+    crate::device::free_memory(&crate::device::current())
+        .or_else(crate::measure::available_memory)
+        .map_or(configured, |m| m.min(configured))
 }
 
 /// On the coordinator's host (the only writer): never write over another run's checkpoints by
@@ -243,7 +265,7 @@ fn guard_checkpoints(
     opts: &Options,
     say: &Say,
     files: &CheckpointFiles,
-) -> Result<Option<(u64, Vec<f32>)>, RunError> {
+) -> Result<Option<crate::compute::Resume>, RunError> {
     if !opts.join && crate::store::guard(&files.dir, opts.resume, opts.overwrite)? {
         say.cluster(format!(
             "--overwrite: removed the previous checkpoints in {}",
@@ -255,12 +277,17 @@ fn guard_checkpoints(
     }
     match files.latest()? {
         Some(step) => {
-            let flat = files.load(step)?;
+            // Read tensor by tensor as the nodes need them: no node holds the whole model.
+            let reader = crate::store::CheckpointReader::open(files, step)?;
             say.cluster(format!(
                 "resuming from the checkpoint of step {step} ({})",
                 files.path(step).display()
             ));
-            Ok(Some((step, flat)))
+            Ok(Some(crate::compute::Resume {
+                version: step,
+                step_count: reader.step_count,
+                source: crate::state::Source::Checkpoint(Arc::new(reader)),
+            }))
         }
         None => Err(RunError::Config(format!(
             "--resume: no checkpoint in {} (its `latest` file is missing)",
@@ -275,9 +302,10 @@ async fn measure(
     opts: &Options,
     say: &Say,
     me: NodeId,
-    compute: &CandleCompute,
+    compute: &Arc<CandleCompute>,
     run_device: crate::device::RunDevice,
     slowdown: f64,
+    memory: u64,
 ) -> (Capabilities, f64) {
     let s = &opts.scenario;
     let gflops =
@@ -290,30 +318,18 @@ async fn measure(
             crate::measure::matmul_flops_in(Duration::from_millis(150), candle_core::DType::BF16)
         }) / 1e9
     });
-    let model = Arc::new(compute.initial_model());
+    // The model's training step, or for a model this node cannot hold, a block standing for it.
+    let bench = ravnest_runtime::node::calibrate::Bench::new(compute.clone(), me, None);
     let b = u64::from(s.training.global_batch).clamp(1, 512);
-    let noop: ravnest_runtime::seams::BucketSink = Arc::new(|_: usize, _: Vec<f32>| {});
-    let _ = compute
-        .gradient_sum(me, 0, 0..b.min(8), model.clone(), noop.clone())
-        .await;
+    bench.step(b.min(8), 0).await;
     // The best of three: other processes on the machine may be measuring at the same time.
     // (The plan uses the in-situ figure every node measures at once after registering.)
     let mut best = f64::INFINITY;
     for _ in 0..3 {
-        let t = Instant::now();
-        let _ = compute
-            .gradient_sum(me, 0, 0..b, model.clone(), noop.clone())
-            .await;
-        best = best.min(t.elapsed().as_secs_f64());
+        best = best.min(bench.step(b, 0).await);
     }
+    drop(bench);
     let solo = b as f64 / best.max(1e-9);
-    // Free memory where the model lives: the GPU's, or the machine's.
-    // The file's figure (its `memory_gib` less the reserve) is a cap: a node may emulate a
-    // smaller card than the machine it runs on.
-    let configured = s.cluster.nodes[me.index()].memory_bytes;
-    let memory = crate::device::free_memory(&dev)
-        .or_else(crate::measure::available_memory)
-        .map_or(configured, |m| m.min(configured));
     let train_flops = compute.net.model_spec().train_flops_per_sample();
     let caps = Capabilities {
         flops: solo * train_flops,

@@ -17,6 +17,9 @@
 use std::ops::Range;
 
 use candle_core::{D, DType, Device, Tensor, Var};
+
+mod fast;
+pub mod ops;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -68,6 +71,20 @@ pub enum StageInput<'a> {
     Tokens(&'a [f32]),
     /// The previous stage's hidden states, `rows · seq · hidden` values.
     Hidden(&'a [f32]),
+}
+
+/// The seeded initial values of `p`, tensor `index` of the model: a ChaCha stream of its own.
+fn init_tensor(p: &GptParam, seed: u64, index: usize) -> Vec<f32> {
+    let n: usize = p.shape.iter().product();
+    match p.init {
+        Init::Normal(std) => {
+            let stream = (index as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ stream);
+            (0..n).map(|_| std * normal(&mut rng)).collect()
+        }
+        Init::Zeros => vec![0.0; n],
+        Init::Ones => vec![1.0; n],
+    }
 }
 
 fn normal(rng: &mut ChaCha8Rng) -> f32 {
@@ -152,19 +169,21 @@ impl Gpt {
         self.layer_ranges().last().map_or(0, |r| r.end)
     }
 
-    /// Seeded initial weights (GPT-2's scheme), tensor by tensor.
+    /// Seeded initial weights (GPT-2's scheme), tensor by tensor ([`Gpt::init_tensor`]).
     pub fn init(&self, seed: u64) -> Vec<f32> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let mut out = Vec::with_capacity(self.params());
-        for p in self.params_in_order() {
-            let n: usize = p.shape.iter().product();
-            match p.init {
-                Init::Normal(std) => out.extend((0..n).map(|_| std * normal(&mut rng))),
-                Init::Zeros => out.extend(std::iter::repeat_n(0.0, n)),
-                Init::Ones => out.extend(std::iter::repeat_n(1.0, n)),
-            }
+        for (i, p) in self.params_in_order().iter().enumerate() {
+            out.extend(init_tensor(p, seed, i));
         }
         out
+    }
+
+    /// The seeded initial values of tensor `index` (in [`Gpt::params_in_order`]) alone: each
+    /// tensor draws from its own stream, so a stage makes its layers without the others.
+    pub fn init_tensor(&self, seed: u64, index: usize) -> Vec<f32> {
+        self.params_in_order()
+            .get(index)
+            .map_or_else(Vec::new, |p| init_tensor(p, seed, index))
     }
 
     /// The stage's tensors from its parameter slice `params` (layers `layers`), as autograd
@@ -383,7 +402,20 @@ impl Gpt {
         tokens: Option<&[f32]>,
     ) -> candle_core::Result<Vec<f32>> {
         let p = self.stage_tensors(layers.clone(), params, dev)?;
-        let (out, _) = self.stage_graph(dev, layers, &p, input, tokens)?;
+        self.stage_forward_with(dev, layers, &p, input, tokens)
+    }
+
+    /// [`Gpt::stage_forward`] with the layers' parameters as they are held (`p[i]`: layer
+    /// `layers.start + i`'s tensors in [`Gpt::layer_params`] order).
+    pub fn stage_forward_with(
+        &self,
+        dev: &Device,
+        layers: Range<usize>,
+        p: &[Vec<Var>],
+        input: StageInput<'_>,
+        tokens: Option<&[f32]>,
+    ) -> candle_core::Result<Vec<f32>> {
+        let (out, _) = self.stage_graph(dev, layers, p, input, tokens)?;
         out.flatten_all()?.to_dtype(DType::F32)?.to_vec1()
     }
 
@@ -401,7 +433,27 @@ impl Gpt {
         grad_out: Option<&[f32]>,
     ) -> candle_core::Result<(Vec<f32>, Vec<f32>, f64)> {
         let p = self.stage_tensors(layers.clone(), params, dev)?;
-        let (out, var) = self.stage_graph(dev, layers, &p, input, tokens)?;
+        let (grads, grad_in, loss) =
+            self.stage_backward_with(dev, layers, &p, input, tokens, grad_out)?;
+        let mut flat = Vec::with_capacity(params.len());
+        for g in grads {
+            flat.extend(g.flatten_all()?.to_vec1::<f32>()?);
+        }
+        Ok((flat, grad_in, loss))
+    }
+
+    /// [`Gpt::stage_backward`] with the layers' parameters as they are held: the gradient of
+    /// each of `p`'s tensors (in order, where they are), the gradient of the input, the loss.
+    pub fn stage_backward_with(
+        &self,
+        dev: &Device,
+        layers: Range<usize>,
+        p: &[Vec<Var>],
+        input: StageInput<'_>,
+        tokens: Option<&[f32]>,
+        grad_out: Option<&[f32]>,
+    ) -> candle_core::Result<(Vec<Tensor>, Vec<f32>, f64)> {
+        let (out, var) = self.stage_graph(dev, layers, p, input, tokens)?;
         let (objective, loss) = match grad_out {
             None => {
                 let l = f64::from(out.to_dtype(DType::F32)?.to_scalar::<f32>()?);
@@ -419,13 +471,13 @@ impl Gpt {
                 ((out * g)?.sum_all()?, f64::NAN)
             }
         };
-        let grads = objective.backward()?;
-        let mut flat = Vec::with_capacity(params.len());
+        let mut grads = objective.backward()?;
+        let mut each = Vec::with_capacity(p.iter().map(Vec::len).sum());
         for v in p.iter().flatten() {
-            match grads.get(v.as_tensor()) {
-                Some(g) => flat.extend(g.flatten_all()?.to_vec1::<f32>()?),
-                None => flat.extend(std::iter::repeat_n(0.0, v.elem_count())),
-            }
+            each.push(match grads.remove(v.as_tensor()) {
+                Some(g) => g,
+                None => v.as_tensor().zeros_like()?,
+            });
         }
         let grad_in = match &var {
             Some(v) => match grads.get(v.as_tensor()) {
@@ -434,7 +486,7 @@ impl Gpt {
             },
             None => Vec::new(),
         };
-        Ok((flat, grad_in, loss))
+        Ok((each, grad_in, loss))
     }
 
     /// The whole model: (Σ over rows of the mean loss per token, its gradient) for `tokens`.
@@ -464,10 +516,35 @@ impl Gpt {
         ids: &[u32],
         rows: usize,
     ) -> candle_core::Result<Tensor> {
-        let all = 0..self.planner_layers();
-        let p = self.stage_tensors(all.clone(), &model[..self.params()], dev)?;
+        let p = self.weights(dev, model)?;
+        self.logits_with(dev, &p, ids, rows)
+    }
+
+    /// The whole model's weights (`model`'s parameters) as tensors on `dev`, made once for an
+    /// evaluation or a generation (the outputs are detached: each pass's graph goes with it).
+    pub fn weights(&self, dev: &Device, model: &[f32]) -> candle_core::Result<Vec<Vec<Var>>> {
+        let params = model.get(..self.params()).ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "{} values for {} parameters",
+                model.len(),
+                self.params()
+            ))
+        })?;
+        self.stage_tensors(0..self.planner_layers(), params, dev)
+    }
+
+    /// [`Gpt::logits`] with the weights made once ([`Gpt::weights`]).
+    pub fn logits_with(
+        &self,
+        dev: &Device,
+        p: &[Vec<Var>],
+        ids: &[u32],
+        rows: usize,
+    ) -> candle_core::Result<Tensor> {
         let x = Tensor::from_slice(ids, rows * self.seq, dev)?;
-        self.run_layers(all, &p, x, rows)
+        Ok(self
+            .run_layers(0..self.planner_layers(), p, x, rows)?
+            .detach())
     }
 
     /// (mean loss per token in nats, next-token accuracy) over `tokens` (rows of `seq + 1`),
@@ -482,12 +559,13 @@ impl Gpt {
         let w = self.seq + 1;
         let rows = tokens.len() / w;
         let (mut loss, mut right) = (0.0, 0usize);
+        let p = self.weights(dev, model)?;
         for part in tokens.chunks(chunk.max(1) * w) {
             let (x, y) = self.split_tokens(part, dev)?;
             let n = part.len() / w;
-            let all = 0..self.planner_layers();
-            let p = self.stage_tensors(all.clone(), &model[..self.params()], dev)?;
-            let logits = self.run_layers(all, &p, x, n)?;
+            let logits = self
+                .run_layers(0..self.planner_layers(), &p, x, n)?
+                .detach();
             loss += f64::from(self.loss_sum(&logits, &y)?.to_scalar::<f32>()?);
             let pred = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
             right += pred
@@ -535,6 +613,7 @@ impl Gpt {
         seed: u64,
     ) -> candle_core::Result<Vec<u32>> {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let p = self.weights(dev, model)?;
         let mut ids: Vec<u32> = prompt.to_vec();
         if ids.is_empty() {
             ids.push(b'\n' as u32);
@@ -548,7 +627,7 @@ impl Gpt {
             let at = tail.len() - 1;
             let mut window = tail.to_vec();
             window.resize(self.seq, *tail.last().unwrap_or(&0));
-            let logits = self.logits(dev, model, &window, 1)?;
+            let logits = self.logits_with(dev, &p, &window, 1)?;
             let row: Vec<f32> = logits.get(at)?.to_vec1()?;
             ids.push(sample(&row, temperature, &mut rng));
         }

@@ -1,0 +1,621 @@
+//! The GPT's forward and backward written out layer by layer on the CPU, without candle's
+//! autograd: candle's matrix products (the `gemm` crate) do the heavy lifting, every other
+//! operation is one pass over contiguous values ([`super::ops`]), and what the backward needs
+//! is kept from the forward instead of rebuilt.
+//!
+//! Why by hand (as the MLP's step, [`crate::mlp`]): candle's autograd makes every operation a
+//! graph node, builds the causal mask again for every block on every pass, and accumulates
+//! each node's gradient into zeros made for it, so a backward allocated several times the
+//! model's gradient at once; and a stage's backward ran the forward again. Here a block's
+//! backward allocates its own activations' gradients and its parameters' once.
+//!
+//! Checked against the autograd path (the reference: [`super::Gpt::stage_backward_with`]) in
+//! the tests below, forward and gradients, for every kind of stage.
+
+use candle_core::{Device, Tensor};
+
+use super::ops;
+use super::{Gpt, LN_EPS, StageInput};
+
+type Result<T> = candle_core::Result<T>;
+
+/// `x`'s values (a contiguous f32 tensor on the CPU), read in place.
+fn values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    match (&*storage, layout.contiguous_offsets()) {
+        (candle_core::Storage::Cpu(cpu), Some((a, b))) => Ok(f(&cpu.as_slice::<f32>()?[a..b])),
+        _ => candle_core::bail!("the fast path reads contiguous f32 tensors on the CPU"),
+    }
+}
+
+fn tensor(v: Vec<f32>, shape: (usize, usize)) -> Result<Tensor> {
+    Tensor::from_vec(v, shape, &Device::Cpu)
+}
+
+fn to_vec(t: &Tensor) -> Result<Vec<f32>> {
+    values(t, <[f32]>::to_vec)
+}
+
+/// `a · b` (a matrix product; `b` may be a transposed view).
+fn mm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    a.matmul(b)
+}
+
+/// What a block's forward keeps for its backward.
+struct BlockSaved {
+    xhat1: Vec<f32>,
+    rstd1: Vec<f32>,
+    n1: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    att: Tensor,
+    y: Tensor,
+    xhat2: Vec<f32>,
+    rstd2: Vec<f32>,
+    n2: Tensor,
+    f: Vec<f32>,
+    th: Vec<f32>,
+    u: Tensor,
+}
+
+/// What the head's forward keeps: the final LayerNorm's pieces and the probabilities.
+struct HeadSaved {
+    xhat: Vec<f32>,
+    rstd: Vec<f32>,
+    n: Tensor,
+    probs: Vec<f32>,
+    targets: Vec<u32>,
+}
+
+enum Saved {
+    Embed(Vec<u32>),
+    Block(Box<BlockSaved>),
+    Head(HeadSaved),
+}
+
+/// The parameters of one layer as the fast path reads them (its tensors in
+/// [`Gpt::layer_params`] order, contiguous on the CPU).
+type Layer = [Tensor];
+
+impl Gpt {
+    fn embed_forward(&self, p: &Layer, ids: &[u32]) -> Result<Vec<f32>> {
+        let h = self.hidden;
+        let mut x = vec![0.0f32; ids.len() * h];
+        values(&p[0], |wte| {
+            values(&p[1], |wpe| {
+                for (n, (&id, row)) in ids.iter().zip(x.chunks_exact_mut(h)).enumerate() {
+                    let (a, b) = (id as usize * h, (n % self.seq) * h);
+                    for ((o, t), s) in row.iter_mut().zip(&wte[a..a + h]).zip(&wpe[b..b + h]) {
+                        *o = t + s;
+                    }
+                }
+            })
+        })??;
+        Ok(x)
+    }
+
+    fn block_forward(
+        &self,
+        p: &Layer,
+        x: Vec<f32>,
+        rows: usize,
+        save: bool,
+    ) -> Result<(Vec<f32>, Option<BlockSaved>)> {
+        let (s, h, a) = (self.seq, self.hidden, self.heads);
+        let d = h / a;
+        let n = rows * s;
+        let eps = LN_EPS as f32;
+        let (n1, xhat1, rstd1) = values(&p[0], |g| {
+            values(&p[1], |b| ops::layer_norm(&x, g, b, h, eps))
+        })??;
+        let n1 = tensor(n1, (n, h))?;
+        let qkv = mm(&n1, &p[2])?;
+        let [q, k, v] = values(&qkv, |qkv| {
+            values(&p[3], |bias| ops::split_heads(qkv, bias, s, a, d))
+        })??;
+        drop(qkv);
+        let shape = (rows * a, s, d);
+        let (q, k, v) = (
+            Tensor::from_vec(q, shape, &Device::Cpu)?,
+            Tensor::from_vec(k, shape, &Device::Cpu)?,
+            Tensor::from_vec(v, shape, &Device::Cpu)?,
+        );
+        let mut att = to_vec(&q.matmul(&k.t()?)?)?;
+        ops::causal_softmax(&mut att, s, 1.0 / (d as f32).sqrt());
+        let att = Tensor::from_vec(att, (rows * a, s, s), &Device::Cpu)?;
+        let yh = att.matmul(&v)?;
+        let mut y = vec![0.0f32; n * h];
+        values(&yh, |yh| ops::merge_heads(yh, s, a, d, &mut y, h, 0))?;
+        drop(yh);
+        let y = tensor(y, (n, h))?;
+        let mut x2 = to_vec(&mm(&y, &p[4])?)?;
+        values(&p[5], |b| ops::add_bias(&mut x2, b))?;
+        for (o, i) in x2.iter_mut().zip(&x) {
+            *o += i;
+        }
+        drop(x);
+        let (n2, xhat2, rstd2) = values(&p[6], |g| {
+            values(&p[7], |b| ops::layer_norm(&x2, g, b, h, eps))
+        })??;
+        let n2 = tensor(n2, (n, h))?;
+        let mut f = to_vec(&mm(&n2, &p[8])?)?;
+        values(&p[9], |b| ops::add_bias(&mut f, b))?;
+        let (u, th) = ops::gelu(&f);
+        let u = tensor(u, (n, 4 * h))?;
+        let mut out = to_vec(&mm(&u, &p[10])?)?;
+        values(&p[11], |b| ops::add_bias(&mut out, b))?;
+        for (o, i) in out.iter_mut().zip(&x2) {
+            *o += i;
+        }
+        let saved = save.then(|| BlockSaved {
+            xhat1,
+            rstd1,
+            n1,
+            q,
+            k,
+            v,
+            att,
+            y,
+            xhat2,
+            rstd2,
+            n2,
+            f,
+            th,
+            u,
+        });
+        Ok((out, saved))
+    }
+
+    /// The head: (Σ over rows of the mean loss per token, what its backward needs).
+    fn head_forward(&self, p: &Layer, x: &[f32], targets: Vec<u32>) -> Result<(f64, HeadSaved)> {
+        let (h, vocab) = (self.hidden, self.vocab);
+        let n = x.len() / h;
+        let (nv, xhat, rstd) = values(&p[0], |g| {
+            values(&p[1], |b| ops::layer_norm(x, g, b, h, LN_EPS as f32))
+        })??;
+        let nt = tensor(nv, (n, h))?;
+        let mut probs = to_vec(&mm(&nt, &p[2].t()?)?)?;
+        let mut loss = 0.0f64;
+        for (row, &t) in probs.chunks_exact_mut(vocab).zip(&targets) {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let target = row[t as usize] - max;
+            let mut sum = 0.0f32;
+            for v in row.iter_mut() {
+                *v = (*v - max).exp();
+                sum += *v;
+            }
+            loss -= f64::from(target - sum.ln());
+            let inv = 1.0 / sum;
+            for v in row.iter_mut() {
+                *v *= inv;
+            }
+        }
+        let saved = HeadSaved {
+            xhat,
+            rstd,
+            n: nt,
+            probs,
+            targets,
+        };
+        Ok((loss / self.seq as f64, saved))
+    }
+
+    fn block_backward(
+        &self,
+        p: &Layer,
+        sv: BlockSaved,
+        dout: Vec<f32>,
+        acc: &mut [&mut [f32]],
+    ) -> Result<Vec<f32>> {
+        let (s, h, a) = (self.seq, self.hidden, self.heads);
+        let d = h / a;
+        let n = dout.len() / h;
+        let rows = n / s;
+        ops::sum_rows(&dout, acc[11]);
+        let dout_t = tensor(dout, (n, h))?;
+        // MLP out: u · W + b.
+        add_into(acc[10], &mm(&sv.u.t()?, &dout_t)?)?;
+        let mut df = to_vec(&mm(&dout_t, &p[10].t()?)?)?;
+        drop(sv.u);
+        ops::gelu_back(&mut df, &sv.f, &sv.th);
+        ops::sum_rows(&df, acc[9]);
+        let df = tensor(df, (n, 4 * h))?;
+        add_into(acc[8], &mm(&sv.n2.t()?, &df)?)?;
+        let dn2 = to_vec(&mm(&df, &p[8].t()?)?)?;
+        drop(df);
+        // The residual: dx2 = dout + LayerNorm 2's backward.
+        let mut dx2 = to_vec(&dout_t)?;
+        drop(dout_t);
+        let (dg2, db2) = pair(acc, 6, 7);
+        values(&p[6], |g| {
+            ops::layer_norm_back(&dn2, &sv.xhat2, &sv.rstd2, g, &mut dx2, dg2, db2)
+        })?;
+        drop(dn2);
+        // Attention's projection.
+        ops::sum_rows(&dx2, acc[5]);
+        let dx2_t = tensor(dx2, (n, h))?;
+        add_into(acc[4], &mm(&sv.y.t()?, &dx2_t)?)?;
+        let dy = to_vec(&mm(&dx2_t, &p[4].t()?)?)?;
+        // Attention: back to heads, the inverse of merge_heads.
+        let mut dyh = vec![0.0f32; n * h];
+        for r in 0..rows {
+            for head in 0..a {
+                for t in 0..s {
+                    let src = &dy[(r * s + t) * h + head * d..][..d];
+                    dyh[((r * a + head) * s + t) * d..][..d].copy_from_slice(src);
+                }
+            }
+        }
+        drop(dy);
+        let dyh = Tensor::from_vec(dyh, (rows * a, s, d), &Device::Cpu)?;
+        let mut datt = to_vec(&dyh.matmul(&sv.v.t()?)?)?;
+        let dv = sv.att.t()?.matmul(&dyh)?;
+        drop(dyh);
+        values(&sv.att, |att| {
+            ops::causal_softmax_back(&mut datt, att, s, 1.0 / (d as f32).sqrt())
+        })?;
+        let dscores = Tensor::from_vec(datt, (rows * a, s, s), &Device::Cpu)?;
+        let dq = dscores.matmul(&sv.k)?;
+        let dk = dscores.t()?.matmul(&sv.q)?;
+        drop(dscores);
+        let mut dqkv = vec![0.0f32; n * 3 * h];
+        for (i, part) in [&dq, &dk, &dv].into_iter().enumerate() {
+            values(part, |x| {
+                ops::merge_heads(x, s, a, d, &mut dqkv, 3 * h, i * h)
+            })?;
+        }
+        drop((dq, dk, dv));
+        ops::sum_rows(&dqkv, acc[3]);
+        let dqkv = tensor(dqkv, (n, 3 * h))?;
+        add_into(acc[2], &mm(&sv.n1.t()?, &dqkv)?)?;
+        let dn1 = to_vec(&mm(&dqkv, &p[2].t()?)?)?;
+        drop(dqkv);
+        // The residual: dx = dx2 + LayerNorm 1's backward.
+        let mut dx = to_vec(&dx2_t)?;
+        drop(dx2_t);
+        let (dg1, db1) = pair(acc, 0, 1);
+        values(&p[0], |g| {
+            ops::layer_norm_back(&dn1, &sv.xhat1, &sv.rstd1, g, &mut dx, dg1, db1)
+        })?;
+        Ok(dx)
+    }
+
+    fn head_backward(&self, p: &Layer, sv: HeadSaved, acc: &mut [&mut [f32]]) -> Result<Vec<f32>> {
+        let (h, vocab) = (self.hidden, self.vocab);
+        let n = sv.targets.len();
+        // d(loss)/d(logits) = (p − onehot(target)) / seq.
+        let scale = 1.0 / self.seq as f32;
+        let mut dl = sv.probs;
+        for (row, &t) in dl.chunks_exact_mut(vocab).zip(&sv.targets) {
+            row[t as usize] -= 1.0;
+            for v in row.iter_mut() {
+                *v *= scale;
+            }
+        }
+        let dl = tensor(dl, (n, vocab))?;
+        add_into(acc[2], &mm(&dl.t()?, &sv.n)?)?;
+        let dn = to_vec(&mm(&dl, &p[2])?)?;
+        drop(dl);
+        let mut dx = vec![0.0f32; n * h];
+        let (dg, db) = pair(acc, 0, 1);
+        values(&p[0], |g| {
+            ops::layer_norm_back(&dn, &sv.xhat, &sv.rstd, g, &mut dx, dg, db)
+        })?;
+        Ok(dx)
+    }
+
+    fn embed_backward(&self, ids: &[u32], dx: &[f32], acc: &mut [&mut [f32]]) {
+        let h = self.hidden;
+        let (dwte, dwpe) = pair(acc, 0, 1);
+        for (k, (&id, row)) in ids.iter().zip(dx.chunks_exact(h)).enumerate() {
+            for (o, v) in dwte[id as usize * h..][..h].iter_mut().zip(row) {
+                *o += v;
+            }
+            for (o, v) in dwpe[(k % self.seq) * h..][..h].iter_mut().zip(row) {
+                *o += v;
+            }
+        }
+    }
+
+    /// The tokens' inputs and targets, checked.
+    fn ids(&self, tokens: &[f32]) -> Result<(Vec<u32>, Vec<u32>)> {
+        let w = self.seq + 1;
+        if tokens.is_empty() || !tokens.len().is_multiple_of(w) {
+            candle_core::bail!("{} tokens are not rows of {w}", tokens.len());
+        }
+        let pick = |skip: usize| -> Vec<u32> {
+            tokens
+                .chunks_exact(w)
+                .flat_map(|r| r[skip..skip + self.seq].iter().map(|&t| t as u32))
+                .collect()
+        };
+        let (x, y) = (pick(0), pick(1));
+        if let Some(bad) = x.iter().chain(&y).find(|&&t| t as usize >= self.vocab) {
+            candle_core::bail!("token {bad} is outside the vocabulary of {}", self.vocab);
+        }
+        Ok((x, y))
+    }
+
+    /// Layers `layers` forward on the CPU by hand, keeping what the backward needs when
+    /// `save`: (the output: hidden states, or on the last stage the loss sum as one value;
+    /// what was kept, first layer first).
+    fn fast_run(
+        &self,
+        layers: std::ops::Range<usize>,
+        p: &[&Layer],
+        input: StageInput<'_>,
+        tokens: Option<&[f32]>,
+        save: bool,
+    ) -> Result<(Vec<f32>, Vec<Saved>)> {
+        let rows = self.rows_of(&layers, input)?;
+        let mut kept = Vec::new();
+        let mut x = match input {
+            StageInput::Hidden(h) => h.to_vec(),
+            StageInput::Tokens(_) => Vec::new(),
+        };
+        for (i, l) in layers.enumerate() {
+            if l == 0 {
+                let StageInput::Tokens(t) = input else {
+                    candle_core::bail!("the embedding takes tokens");
+                };
+                let (ids, _) = self.ids(t)?;
+                x = self.embed_forward(p[i], &ids)?;
+                if save {
+                    kept.push(Saved::Embed(ids));
+                }
+            } else if l == self.layers + 1 {
+                let t = tokens
+                    .or(match input {
+                        StageInput::Tokens(t) => Some(t),
+                        StageInput::Hidden(_) => None,
+                    })
+                    .ok_or_else(|| {
+                        candle_core::Error::Msg("the last stage needs the targets".into())
+                    })?;
+                let (_, targets) = self.ids(t)?;
+                if targets.len() != rows * self.seq {
+                    candle_core::bail!(
+                        "{} targets for {rows} rows of hidden states",
+                        targets.len()
+                    );
+                }
+                let (loss, sv) = self.head_forward(p[i], &x, targets)?;
+                if save {
+                    kept.push(Saved::Head(sv));
+                }
+                x = vec![loss as f32];
+            } else {
+                let (out, sv) = self.block_forward(p[i], x, rows, save)?;
+                x = out;
+                if let Some(sv) = sv {
+                    kept.push(Saved::Block(Box::new(sv)));
+                }
+            }
+        }
+        Ok((x, kept))
+    }
+
+    /// [`Gpt::stage_forward_with`] by hand on the CPU (`p[i]`: layer `layers.start + i`'s
+    /// tensors).
+    pub fn fast_forward(
+        &self,
+        layers: std::ops::Range<usize>,
+        p: &[&Layer],
+        input: StageInput<'_>,
+        tokens: Option<&[f32]>,
+    ) -> Result<Vec<f32>> {
+        Ok(self.fast_run(layers, p, input, tokens, false)?.0)
+    }
+
+    /// [`Gpt::stage_backward_with`] by hand on the CPU: the forward, keeping what the backward
+    /// needs, then the backward, each parameter's gradient *added* into `acc` (one slice per
+    /// tensor of the layers, in order: a stage sums its micro-batches there, a data-parallel
+    /// step writes its gradient bucket in place). Returns (the input's gradient, empty on the
+    /// first stage; the loss sum, NaN unless the last stage).
+    pub fn fast_backward(
+        &self,
+        layers: std::ops::Range<usize>,
+        p: &[&Layer],
+        input: StageInput<'_>,
+        tokens: Option<&[f32]>,
+        grad_out: Option<&[f32]>,
+        acc: &mut [&mut [f32]],
+    ) -> Result<(Vec<f32>, f64)> {
+        let last = layers.end == self.planner_layers();
+        let want: usize = p.iter().map(|l| l.len()).sum();
+        if acc.len() != want {
+            candle_core::bail!("{} gradient buffers for {want} tensors", acc.len());
+        }
+        let (out, kept) = self.fast_run(layers.clone(), p, input, tokens, true)?;
+        let (loss, mut dx) = match grad_out {
+            None if last => (f64::from(out[0]), Vec::new()),
+            None => candle_core::bail!("a stage before the last needs its output's gradient"),
+            Some(g) if g.len() == out.len() && !last => (f64::NAN, g.to_vec()),
+            Some(g) => candle_core::bail!(
+                "an output gradient of {} values for {} outputs",
+                g.len(),
+                out.len()
+            ),
+        };
+        drop(out);
+        // Each layer's buffers: the layers' tensors in order.
+        let mut ends: Vec<usize> = p
+            .iter()
+            .scan(0, |at, l| {
+                *at += l.len();
+                Some(*at)
+            })
+            .collect();
+        let mut rest: &mut [&mut [f32]] = acc;
+        for (i, sv) in kept.into_iter().enumerate().rev() {
+            let start = ends[i] - p[i].len();
+            let (head, mine) = rest.split_at_mut(start);
+            rest = head;
+            ends.truncate(i);
+            match sv {
+                Saved::Head(sv) => dx = self.head_backward(p[i], sv, mine)?,
+                Saved::Block(sv) => {
+                    dx = self.block_backward(p[i], *sv, std::mem::take(&mut dx), mine)?
+                }
+                Saved::Embed(ids) => {
+                    self.embed_backward(&ids, &dx, mine);
+                    dx = Vec::new();
+                }
+            }
+        }
+        Ok((dx, loss))
+    }
+}
+
+/// Add the values of `t` into `acc`.
+fn add_into(acc: &mut [f32], t: &Tensor) -> Result<()> {
+    values(t, |v| {
+        for (a, x) in acc.iter_mut().zip(v) {
+            *a += x;
+        }
+    })
+}
+
+/// Two of the buffers at once (`i < j`).
+fn pair<'a>(acc: &'a mut [&mut [f32]], i: usize, j: usize) -> (&'a mut [f32], &'a mut [f32]) {
+    let (a, b) = acc.split_at_mut(j);
+    (&mut *a[i], &mut *b[0])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Var;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn gpt() -> Gpt {
+        Gpt {
+            layers: 2,
+            hidden: 16,
+            heads: 4,
+            seq: 6,
+            vocab: 20,
+        }
+    }
+
+    fn tokens(g: &Gpt, rows: usize) -> Vec<f32> {
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        (0..rows * (g.seq + 1))
+            .map(|_| rng.random_range(0..g.vocab) as f32)
+            .collect()
+    }
+
+    /// The model's tensors by layer: as variables (the autograd reference) and as tensors.
+    fn params(g: &Gpt) -> Vec<Vec<Var>> {
+        let flat = g.init(2);
+        // Biases and LayerNorm gains away from 0 and 1, so their gradients are exercised.
+        let mut rng = ChaCha8Rng::seed_from_u64(8);
+        let mut at = 0;
+        (0..g.planner_layers())
+            .map(|l| {
+                g.layer_params(l)
+                    .iter()
+                    .map(|p| {
+                        let n: usize = p.shape.iter().product();
+                        let v: Vec<f32> = flat[at..at + n]
+                            .iter()
+                            .map(|x| x + rng.random_range(-0.05f32..0.05))
+                            .collect();
+                        at += n;
+                        Var::from_vec(v, p.shape.as_slice(), &Device::Cpu).unwrap()
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn close(a: &[f32], b: &[f32], what: &str) {
+        assert_eq!(a.len(), b.len(), "{what}");
+        let scale = b.iter().map(|x| x.abs()).fold(0.0f32, f32::max).max(1e-6);
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(
+                (x - y).abs() <= 2e-5 * scale + 1e-6,
+                "{what}[{i}]: {x} vs {y} (scale {scale})"
+            );
+        }
+    }
+
+    /// Every kind of stage (the whole model, the first, a middle and the last), forward and
+    /// backward, against candle's autograd of the same layers.
+    #[test]
+    fn the_hand_written_pass_equals_autograd() {
+        let g = gpt();
+        let dev = Device::Cpu;
+        let p = params(&g);
+        let toks = tokens(&g, 3);
+        let hidden: Vec<f32> = (0..3 * g.seq * g.hidden)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 6.0)
+            .collect();
+        let dout: Vec<f32> = (0..3 * g.seq * g.hidden)
+            .map(|i| ((i * 5 % 11) as f32 - 5.0) / 50.0)
+            .collect();
+        let all = g.planner_layers();
+        for (layers, from_tokens, last) in [
+            (0..all, true, true),
+            (0..2, true, false),
+            (1..3, false, false),
+            (2..all, false, true),
+        ] {
+            let input = if from_tokens {
+                StageInput::Tokens(&toks)
+            } else {
+                StageInput::Hidden(&hidden)
+            };
+            let vars = &p[layers.clone()];
+            let ts: Vec<Vec<Tensor>> = vars
+                .iter()
+                .map(|l| l.iter().map(|v| v.as_tensor().detach()).collect())
+                .collect();
+            let refs: Vec<&Layer> = ts.iter().map(Vec::as_slice).collect();
+            let want = g
+                .stage_forward_with(&dev, layers.clone(), vars, input, Some(&toks))
+                .unwrap();
+            let got = g
+                .fast_forward(layers.clone(), &refs, input, Some(&toks))
+                .unwrap();
+            close(&got, &want, &format!("forward of {layers:?}"));
+            let grad_out = (!last).then_some(dout.as_slice());
+            let (wg, win, wl) = g
+                .stage_backward_with(&dev, layers.clone(), vars, input, Some(&toks), grad_out)
+                .unwrap();
+            // Added into what the buffers held: twice, from 0.5.
+            let mut bufs: Vec<Vec<f32>> = wg.iter().map(|t| vec![0.5; t.elem_count()]).collect();
+            let (mut gin, mut gl) = (Vec::new(), 0.0);
+            for _ in 0..2 {
+                let mut acc: Vec<&mut [f32]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+                (gin, gl) = g
+                    .fast_backward(
+                        layers.clone(),
+                        &refs,
+                        input,
+                        Some(&toks),
+                        grad_out,
+                        &mut acc,
+                    )
+                    .unwrap();
+            }
+            for (k, (a, b)) in bufs.iter().zip(&wg).enumerate() {
+                let want: Vec<f32> = b
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|x| 0.5 + 2.0 * x)
+                    .collect();
+                close(a, &want, &format!("gradient {k} of {layers:?}"));
+            }
+            close(&gin, &win, &format!("input gradient of {layers:?}"));
+            if last {
+                assert!((gl - wl).abs() < 1e-4 * wl.abs(), "{gl} vs {wl}");
+            }
+        }
+    }
+}

@@ -1,0 +1,1047 @@
+//! What a node holds of the model, on its device: per tensor, the parameters (a candle `Var`)
+//! and their optimizer state, made where they are first used.
+//!
+//! A [`CandleModel`] is one version of what a node holds: a map from tensor index to a shared
+//! [`Cell`], and AdamW's step count. Versions share the cells they have in common; an update
+//! replaces a tensor's cell in the version it is applied to and leaves every other version as
+//! it was, so keeping a version never copies it and a tensor no version holds any more is freed
+//! at once. A cell starts from a [`Source`] (the seeded initial weights, a flat model that
+//! travelled, or a checkpoint on disk) and is made into device tensors the first time a step
+//! uses it: a stage builds only its layers, and a node that serves layers it does not run (a
+//! resumed checkpoint, a restored one) reads them from the source without ever building them.
+//!
+//! The flat form (the wire's and the checkpoints'): parameters of every tensor in layout order,
+//! then each optimizer state tensor in the same order, then AdamW's step count. A stage's part
+//! is its layers' ranges of each ([`Layout::slots`]), the step count included, so a stage
+//! fetched by a node that does not start at layer 0 gets the step count it needs.
+//!
+//! What the state costs is counted as it happens ([`StateCounter`]): every slot adds its bytes
+//! when it is made and takes them back when it is dropped, and a stage's gradient accumulator
+//! does the same, so `held_state_mib` is a measurement, not a formula.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use candle_core::{Device, Storage, Tensor, Var};
+use ravnest_core::LayerRange;
+use ravnest_runtime::seams::{ComputeError, StateStats};
+
+use crate::net::Network;
+use crate::optim::Optim;
+
+/// Bytes of model state alive, the most at once, and bytes copied by step work.
+#[derive(Debug, Default)]
+pub struct StateCounter {
+    held: AtomicU64,
+    peak: AtomicU64,
+    copied: AtomicU64,
+}
+
+impl StateCounter {
+    fn add(&self, bytes: u64) {
+        let now = self.held.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn sub(&self, bytes: u64) {
+        self.held.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    /// Count `bytes` of model state copied by step work.
+    pub fn copied(&self, bytes: u64) {
+        self.copied.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// The figures so far.
+    pub fn stats(&self) -> StateStats {
+        StateStats {
+            held_bytes: self.held.load(Ordering::Relaxed),
+            peak_bytes: self.peak.load(Ordering::Relaxed),
+            copied_bytes: self.copied.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Bytes held while this lives (a gradient accumulator, a slot).
+#[derive(Debug)]
+pub struct Held {
+    bytes: u64,
+    counter: Arc<StateCounter>,
+}
+
+impl Held {
+    /// Count `bytes` as held until this is dropped.
+    pub fn new(counter: &Arc<StateCounter>, bytes: u64) -> Held {
+        counter.add(bytes);
+        Held {
+            bytes,
+            counter: counter.clone(),
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.counter.sub(self.bytes);
+    }
+}
+
+/// One tensor, made: its parameters and its optimizer state, on the device.
+#[derive(Debug)]
+pub struct Slot {
+    /// The parameters (an autograd variable: backward gives their gradient).
+    pub param: Var,
+    /// The optimizer state tensors ([`Optim::state_names`]).
+    pub state: Vec<Tensor>,
+    _held: Held,
+}
+
+/// Where a tensor's values come from until it is made.
+#[derive(Debug, Clone)]
+pub enum Source {
+    /// The seeded initial weights; optimizer state zero.
+    Seeded,
+    /// A whole flat model in host memory (a restored checkpoint, a fetched whole model).
+    Flat(Arc<Vec<f32>>),
+    /// A checkpoint on disk, read tensor by tensor.
+    Checkpoint(Arc<crate::store::CheckpointReader>),
+}
+
+/// A tensor of one or more versions: made, or still at its source.
+#[derive(Debug)]
+pub struct Cell {
+    ready: OnceLock<Arc<Slot>>,
+    source: Mutex<Option<Source>>,
+}
+
+impl Cell {
+    fn at(source: Source) -> Arc<Cell> {
+        Arc::new(Cell {
+            ready: OnceLock::new(),
+            source: Mutex::new(Some(source)),
+        })
+    }
+
+    fn made(slot: Slot) -> Arc<Cell> {
+        let ready = OnceLock::new();
+        let _ = ready.set(Arc::new(slot));
+        Arc::new(Cell {
+            ready,
+            source: Mutex::new(None),
+        })
+    }
+}
+
+/// One version of what a node holds ([`crate::compute::CandleCompute`]'s model).
+#[derive(Debug, Clone)]
+pub struct CandleModel {
+    cells: BTreeMap<usize, Arc<Cell>>,
+    /// AdamW's step count (steps applied so far).
+    t: f32,
+}
+
+impl CandleModel {
+    /// Tensors held (indices into [`Layout::tensors`]).
+    pub fn tensors(&self) -> impl Iterator<Item = usize> + '_ {
+        self.cells.keys().copied()
+    }
+
+    /// The optimizer's step count.
+    pub fn step_count(&self) -> f32 {
+        self.t
+    }
+}
+
+/// One tensor of the network in the flat form.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorMeta {
+    /// Name.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Offset of its parameters in the flat form.
+    pub offset: usize,
+    /// Elements.
+    pub len: usize,
+    /// The planner layer it belongs to (`None`: a network that is not split by layer).
+    pub layer: Option<usize>,
+}
+
+/// The network's tensors and the flat form's shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// Every tensor, in flat order.
+    pub tensors: Vec<TensorMeta>,
+    /// Parameters in all.
+    pub params: usize,
+    /// Optimizer state tensors per parameter tensor.
+    pub states: usize,
+    /// Whether AdamW's step count ends the flat form.
+    pub step_count: bool,
+}
+
+impl Layout {
+    /// The layout of `net` trained with `optim`.
+    pub fn of(net: &Network, optim: &Optim) -> Layout {
+        let layer_of: Vec<Option<usize>> = match net {
+            Network::Gpt(g) => (0..g.planner_layers())
+                .flat_map(|l| std::iter::repeat_n(Some(l), g.layer_params(l).len()))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let tensors: Vec<TensorMeta> = net
+            .layout()
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| TensorMeta {
+                len: p.len(),
+                name: p.name,
+                shape: p.shape,
+                offset: p.offset,
+                layer: layer_of.get(i).copied().flatten(),
+            })
+            .collect();
+        let params = tensors.iter().map(|t| t.len).sum();
+        let states = optim.state_names().len();
+        Layout {
+            step_count: optim.state_len(params) > states * params,
+            tensors,
+            params,
+            states,
+        }
+    }
+
+    /// Values of the flat form.
+    pub fn model_len(&self) -> usize {
+        self.params * (1 + self.states) + usize::from(self.step_count)
+    }
+
+    /// Whether tensors belong to layers (a network that runs pipeline stages).
+    pub fn layered(&self) -> bool {
+        self.tensors.first().is_some_and(|t| t.layer.is_some())
+    }
+
+    /// The tensors of `layers` (`None`, or a network not split by layer: all of them); `None`
+    /// when `layers` is not a range of the network's layers.
+    pub fn indices(&self, layers: Option<LayerRange>) -> Option<Range<usize>> {
+        let Some(l) = layers.filter(|_| self.layered()) else {
+            return Some(0..self.tensors.len());
+        };
+        let r = l.range();
+        let first = self.tensors.iter().position(|t| t.layer == Some(r.start))?;
+        let end = self
+            .tensors
+            .iter()
+            .rposition(|t| t.layer.is_some_and(|x| x + 1 == r.end))?
+            + 1;
+        (r.start < r.end && first < end).then_some(first..end)
+    }
+
+    /// Where the parameters of tensors `idx` sit in the flat form.
+    pub fn param_range(&self, idx: &Range<usize>) -> Range<usize> {
+        match (self.tensors.get(idx.start), idx.end.checked_sub(1)) {
+            (Some(a), Some(z)) if idx.start < idx.end && z < self.tensors.len() => {
+                let z = &self.tensors[z];
+                a.offset..z.offset + z.len
+            }
+            _ => 0..0,
+        }
+    }
+
+    /// The flat form's ranges that `layers` export, in export order: their parameters, the
+    /// same range of each state tensor, then the step count.
+    pub fn slots(&self, layers: Option<LayerRange>) -> Option<Vec<Range<usize>>> {
+        let idx = self.indices(layers)?;
+        if idx == (0..self.tensors.len()) {
+            return Some(std::iter::once(0..self.model_len()).collect());
+        }
+        let r = self.param_range(&idx);
+        let p = self.params;
+        let mut out: Vec<Range<usize>> = (0..=self.states)
+            .map(|k| k * p + r.start..k * p + r.end)
+            .collect();
+        if self.step_count {
+            let t = (1 + self.states) * p;
+            out.push(t..t + 1);
+        }
+        Some(out)
+    }
+}
+
+/// Run `f` on a tensor's values: in place on the CPU, else (a GPU) through a host copy, which
+/// is counted in `copied` when given.
+fn with_values<R>(
+    t: &Tensor,
+    copied: Option<&StateCounter>,
+    f: impl FnOnce(&[f32]) -> R,
+) -> Result<R, ComputeError> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets())
+            && let Ok(all) = cpu.as_slice::<f32>()
+        {
+            return Ok(f(&all[a..b]));
+        }
+    }
+    let v: Vec<f32> = t
+        .flatten_all()
+        .and_then(|x| x.to_vec1())
+        .map_err(|e| ComputeError::Backend(format!("reading a tensor: {e}")))?;
+    if let Some(c) = copied {
+        c.copied(4 * v.len() as u64);
+    }
+    Ok(f(&v))
+}
+
+/// Run `f` on a tensor's values (in place on the CPU, through a host copy elsewhere).
+pub fn read<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, ComputeError> {
+    with_values(t, None, f)
+}
+
+fn backend(what: &str) -> impl Fn(candle_core::Error) -> ComputeError + '_ {
+    move |e| ComputeError::Backend(format!("{what}: {e}"))
+}
+
+/// The model state of one backend: its layout, where tensors are made, and the counts.
+#[derive(Debug)]
+pub struct ModelState {
+    /// The network.
+    pub net: Network,
+    /// The optimizer.
+    pub optim: Optim,
+    /// The flat form.
+    pub layout: Layout,
+    /// Seed of the initial weights.
+    pub seed: u64,
+    /// Bytes held and copied.
+    pub counter: Arc<StateCounter>,
+    /// A network that is not split by layer draws its initial weights in one stream.
+    whole_init: OnceLock<Arc<Vec<f32>>>,
+}
+
+/// A gradient for [`ModelState::update`]: host values, or a tensor where the model is.
+#[derive(Debug, Clone, Copy)]
+pub enum Grad<'a> {
+    /// Host values (an all-reduced bucket).
+    Host(&'a [f32]),
+    /// A tensor on the device (a stage's own gradient).
+    Device(&'a Tensor),
+}
+
+impl ModelState {
+    /// The state of `net` trained with `optim` from `seed`.
+    pub fn new(net: Network, optim: Optim, seed: u64) -> ModelState {
+        ModelState {
+            layout: Layout::of(&net, &optim),
+            net,
+            optim,
+            seed,
+            counter: Arc::default(),
+            whole_init: OnceLock::new(),
+        }
+    }
+
+    /// A model holding `layers` (`None`: all), each tensor still at `source`, `t` steps in.
+    pub fn at_source(&self, layers: Option<LayerRange>, source: &Source, t: f32) -> CandleModel {
+        let idx = self.layout.indices(layers).unwrap_or(0..0);
+        CandleModel {
+            cells: idx.map(|i| (i, Cell::at(source.clone()))).collect(),
+            t,
+        }
+    }
+
+    /// A model holding nothing.
+    pub fn empty(&self) -> CandleModel {
+        CandleModel {
+            cells: BTreeMap::new(),
+            t: 0.0,
+        }
+    }
+
+    /// `model` keeping only the tensors of `layers`.
+    pub fn retain(&self, model: &CandleModel, layers: LayerRange) -> CandleModel {
+        let Some(idx) = self.layout.indices(Some(layers)) else {
+            return model.clone();
+        };
+        CandleModel {
+            cells: model
+                .cells
+                .range(idx)
+                .map(|(k, c)| (*k, c.clone()))
+                .collect(),
+            t: model.t,
+        }
+    }
+
+    /// Tensor `i`'s initial weights.
+    fn seeded(&self, i: usize) -> Vec<f32> {
+        if let Network::Gpt(g) = &self.net {
+            return g.init_tensor(self.seed, i);
+        }
+        let all = self
+            .whole_init
+            .get_or_init(|| Arc::new(self.net.init(self.seed)));
+        let m = &self.layout.tensors[i];
+        all[m.offset..m.offset + m.len].to_vec()
+    }
+
+    /// Tensor `i`'s values at `source`: (parameters, each state tensor).
+    fn values_at(
+        &self,
+        source: &Source,
+        i: usize,
+    ) -> Result<(Vec<f32>, Vec<Vec<f32>>), ComputeError> {
+        let m = &self.layout.tensors[i];
+        let p = self.layout.params;
+        match source {
+            Source::Seeded => Ok((self.seeded(i), vec![vec![0.0; m.len]; self.layout.states])),
+            Source::Flat(flat) => {
+                let at = |k: usize| flat.get(k * p + m.offset..k * p + m.offset + m.len);
+                let param = at(0).ok_or_else(|| {
+                    ComputeError::Shape(format!(
+                        "a flat model of {} values lacks `{}`",
+                        flat.len(),
+                        m.name
+                    ))
+                })?;
+                let state = (1..=self.layout.states)
+                    .map(|k| at(k).map(<[f32]>::to_vec).unwrap_or_default())
+                    .collect();
+                Ok((param.to_vec(), state))
+            }
+            Source::Checkpoint(r) => {
+                let names = self.optim.state_names();
+                let param = r.tensor(&m.name, m.len)?;
+                let state = names
+                    .iter()
+                    .map(|s| r.tensor(&format!("{s}.{}", m.name), m.len))
+                    .collect::<Result<_, _>>()?;
+                Ok((param, state))
+            }
+        }
+    }
+
+    /// A slot made from values, counted.
+    fn slot(
+        &self,
+        i: usize,
+        param: Vec<f32>,
+        state: Vec<Vec<f32>>,
+        dev: &Device,
+    ) -> Result<Slot, ComputeError> {
+        let m = &self.layout.tensors[i];
+        let shape = m.shape.as_slice();
+        let param = Var::from_vec(param, shape, dev).map_err(backend("making a tensor"))?;
+        let state = state
+            .into_iter()
+            .map(|s| Tensor::from_vec(s, shape, dev))
+            .collect::<candle_core::Result<Vec<_>>>()
+            .map_err(backend("making a tensor"))?;
+        self.made(param, state)
+    }
+
+    fn made(&self, param: Var, state: Vec<Tensor>) -> Result<Slot, ComputeError> {
+        let bytes = 4 * param.elem_count() as u64 * (1 + state.len() as u64);
+        Ok(Slot {
+            param,
+            state,
+            _held: Held::new(&self.counter, bytes),
+        })
+    }
+
+    /// Tensor `i` of `model`, made on `dev` if it was still at its source.
+    pub fn get(
+        &self,
+        model: &CandleModel,
+        i: usize,
+        dev: &Device,
+    ) -> Result<Arc<Slot>, ComputeError> {
+        let cell = model.cells.get(&i).ok_or_else(|| {
+            ComputeError::Shape(format!(
+                "this node does not hold `{}`",
+                self.layout.tensors.get(i).map_or("?", |t| t.name.as_str())
+            ))
+        })?;
+        if let Some(s) = cell.ready.get() {
+            return Ok(s.clone());
+        }
+        let mut source = cell.source.lock().unwrap();
+        if let Some(s) = cell.ready.get() {
+            return Ok(s.clone());
+        }
+        let src = source
+            .clone()
+            .ok_or_else(|| ComputeError::Backend("a tensor without values".into()))?;
+        let (param, state) = self.values_at(&src, i)?;
+        let slot = Arc::new(self.slot(i, param, state, dev)?);
+        let _ = cell.ready.set(slot.clone());
+        // Made: the source (maybe a whole model in host memory) is not needed any more.
+        *source = None;
+        Ok(slot)
+    }
+
+    /// The parameter variables of tensors `idx` of `model`, made on `dev`.
+    pub fn vars(
+        &self,
+        model: &CandleModel,
+        idx: Range<usize>,
+        dev: &Device,
+    ) -> Result<Vec<Var>, ComputeError> {
+        idx.map(|i| self.get(model, i, dev).map(|s| s.param.clone()))
+            .collect()
+    }
+
+    /// Call `f(k, values)` for each part of tensor `i` in flat order (k = 0: parameters, then
+    /// each state tensor), without making it where it is still at its source.
+    fn each_part(
+        &self,
+        model: &CandleModel,
+        i: usize,
+        part: usize,
+        copied: Option<&StateCounter>,
+        f: &mut dyn FnMut(&[f32]),
+    ) -> Result<(), ComputeError> {
+        let cell = model
+            .cells
+            .get(&i)
+            .ok_or_else(|| ComputeError::Shape("a tensor this node does not hold".into()))?;
+        if let Some(s) = cell.ready.get() {
+            let t = if part == 0 {
+                s.param.as_tensor()
+            } else {
+                &s.state[part - 1]
+            };
+            return with_values(t, copied, |v| f(v));
+        }
+        let src = cell.source.lock().unwrap().clone();
+        match src {
+            Some(src) => {
+                let (param, state) = self.values_at(&src, i)?;
+                f(if part == 0 { &param } else { &state[part - 1] });
+                Ok(())
+            }
+            None => match cell.ready.get() {
+                Some(_) => self.each_part(model, i, part, copied, f),
+                None => Err(ComputeError::Backend("a tensor without values".into())),
+            },
+        }
+    }
+
+    /// Visit the values `layers` export, in export order.
+    fn visit(
+        &self,
+        model: &CandleModel,
+        layers: Option<LayerRange>,
+        copied: Option<&StateCounter>,
+        f: &mut dyn FnMut(&[f32]),
+    ) -> Result<(), ComputeError> {
+        let idx = self
+            .layout
+            .indices(layers)
+            .ok_or_else(|| ComputeError::Shape(format!("no layers {layers:?} in this network")))?;
+        if idx.clone().any(|i| !model.cells.contains_key(&i)) {
+            return Err(ComputeError::Shape(format!(
+                "this node does not hold layers {layers:?}"
+            )));
+        }
+        for part in 0..=self.layout.states {
+            for i in idx.clone() {
+                self.each_part(model, i, part, copied, f)?;
+            }
+        }
+        if self.layout.step_count {
+            f(&[model.t]);
+        }
+        Ok(())
+    }
+
+    /// The flat values of `layers` (what travels).
+    pub fn export(&self, model: &CandleModel, layers: Option<LayerRange>) -> Option<Vec<f32>> {
+        let len: usize = self.layout.slots(layers)?.iter().map(|r| r.len()).sum();
+        let mut out = Vec::with_capacity(len);
+        self.visit(model, layers, None, &mut |v| out.extend_from_slice(v))
+            .ok()?;
+        Some(out)
+    }
+
+    /// What [`ModelState::export`] gives, in parts of at most `part` values handed to `out`
+    /// as they fill: one part in host memory at a time. False when `model` lacks `layers`.
+    pub fn export_parts(
+        &self,
+        model: &CandleModel,
+        layers: Option<LayerRange>,
+        part: usize,
+        out: &mut dyn FnMut(Vec<f32>),
+    ) -> bool {
+        let part = part.max(1);
+        let mut buf: Vec<f32> = Vec::with_capacity(part);
+        let ok = self
+            .visit(model, layers, None, &mut |mut v: &[f32]| {
+                while !v.is_empty() {
+                    let n = (part - buf.len()).min(v.len());
+                    buf.extend_from_slice(&v[..n]);
+                    v = &v[n..];
+                    if buf.len() == part {
+                        out(std::mem::replace(&mut buf, Vec::with_capacity(part)));
+                    }
+                }
+            })
+            .is_ok();
+        if ok && !buf.is_empty() {
+            out(buf);
+        }
+        ok
+    }
+
+    /// [`ravnest_runtime::digest::digest`] of what [`ModelState::export`] gives, read in place.
+    pub fn digest(&self, model: &CandleModel, layers: Option<LayerRange>) -> u64 {
+        let mut d = ravnest_runtime::digest::Digest::default();
+        match self.visit(model, layers, Some(&self.counter), &mut |v| d.update(v)) {
+            Ok(()) => d.finish(),
+            Err(_) => 0,
+        }
+    }
+
+    /// `base` (or nothing) with `layers` (`None`: all, kept at the source until used) set from
+    /// their flat values.
+    pub fn import(
+        &self,
+        base: Option<&CandleModel>,
+        layers: Option<LayerRange>,
+        values: Vec<f32>,
+        dev: &Device,
+    ) -> Result<CandleModel, ComputeError> {
+        let slots = self
+            .layout
+            .slots(layers)
+            .ok_or_else(|| ComputeError::Shape(format!("no layers {layers:?} in this network")))?;
+        let want: usize = slots.iter().map(|r| r.len()).sum();
+        if values.len() != want {
+            return Err(ComputeError::Shape(format!(
+                "{} values for layers {layers:?}, which have {want}",
+                values.len()
+            )));
+        }
+        let t = if self.layout.step_count {
+            values[want - 1]
+        } else {
+            0.0
+        };
+        let idx = self.layout.indices(layers).unwrap_or(0..0);
+        if idx == (0..self.layout.tensors.len()) {
+            // The whole model: kept in host memory, made tensor by tensor where used.
+            return Ok(self.at_source(None, &Source::Flat(Arc::new(values)), t));
+        }
+        let mut model = base.cloned().unwrap_or(CandleModel {
+            cells: BTreeMap::new(),
+            t,
+        });
+        model.t = t;
+        let first = self.layout.param_range(&idx).start;
+        let part_len = self.layout.param_range(&idx).len();
+        for i in idx {
+            let m = &self.layout.tensors[i];
+            let at = |k: usize| {
+                let o = k * part_len + m.offset - first;
+                values[o..o + m.len].to_vec()
+            };
+            let state = (1..=self.layout.states).map(at).collect();
+            let slot = self.slot(i, at(0), state, dev)?;
+            model.cells.insert(i, Cell::made(slot));
+        }
+        Ok(model)
+    }
+
+    /// Apply the optimizer to tensor `i` of `model` with its gradient times `scale`: a new
+    /// cell for it in `model` (other versions keep the old one).
+    pub fn update(
+        &self,
+        model: &mut CandleModel,
+        i: usize,
+        grad: Grad<'_>,
+        scale: f32,
+        dev: &Device,
+    ) -> Result<(), ComputeError> {
+        let old = self.get(model, i, dev)?;
+        // No other version shares this tensor (a stage's only version, taken to be updated):
+        // in place, no new buffers.
+        let alone = model
+            .cells
+            .get(&i)
+            .is_some_and(|c| Arc::strong_count(c) == 1)
+            && Arc::strong_count(&old) == 2;
+        if alone && in_place(&self.optim, &old, grad, scale, model.t)? {
+            return Ok(());
+        }
+        let new = match fused(&self.optim, &old, grad, scale, model.t)? {
+            Some((w, state)) => self.slot(i, w, state, dev)?,
+            None => {
+                let (w, state) = composed(&self.optim, &old, grad, scale, model.t, dev)
+                    .map_err(backend("the optimizer"))?;
+                // A new variable copies its values (once, on the device).
+                self.counter.copied(4 * w.elem_count() as u64);
+                let w = Var::from_tensor(&w).map_err(backend("the optimizer"))?;
+                self.made(w, state)?
+            }
+        };
+        drop(old);
+        model.cells.insert(i, Cell::made(new));
+        Ok(())
+    }
+
+    /// Apply a step's host gradient of parameters `range` (a union of whole tensors).
+    pub fn update_range(
+        &self,
+        model: &mut CandleModel,
+        range: Range<usize>,
+        grad: &[f32],
+        dev: &Device,
+    ) -> Result<(), ComputeError> {
+        if grad.len() != range.len() {
+            return Err(ComputeError::Shape(format!(
+                "{} gradient values for parameters {range:?}",
+                grad.len()
+            )));
+        }
+        let mut covered = 0;
+        for i in 0..self.layout.tensors.len() {
+            let m = &self.layout.tensors[i];
+            if m.offset < range.start || m.offset + m.len > range.end {
+                continue;
+            }
+            let g = &grad[m.offset - range.start..m.offset - range.start + m.len];
+            self.update(model, i, Grad::Host(g), 1.0, dev)?;
+            covered += m.len;
+        }
+        if covered != range.len() {
+            return Err(ComputeError::Shape(format!(
+                "parameters {range:?} are not whole tensors"
+            )));
+        }
+        Ok(())
+    }
+
+    /// A step's update is done: AdamW's step count advances.
+    pub fn end_update(&self, model: &mut CandleModel) {
+        if self.layout.step_count {
+            model.t += 1.0;
+        }
+    }
+}
+
+/// The optimizer in one pass over host values, where the tensors are on the CPU; `None`
+/// elsewhere (a GPU: [`composed`]).
+#[allow(clippy::type_complexity)]
+fn fused(
+    optim: &Optim,
+    old: &Slot,
+    grad: Grad<'_>,
+    scale: f32,
+    t: f32,
+) -> Result<Option<(Vec<f32>, Vec<Vec<f32>>)>, ComputeError> {
+    let cpu = |t: &Tensor| t.device().is_cpu() && t.is_contiguous();
+    if !cpu(old.param.as_tensor()) || !old.state.iter().all(cpu) {
+        return Ok(None);
+    }
+    // The state tensors are read in place, one inside the other.
+    let run = |g: &[f32]| -> Result<(Vec<f32>, Vec<Vec<f32>>), ComputeError> {
+        with_values(old.param.as_tensor(), None, |w| match old.state.len() {
+            0 => Ok(optim.update(w, &[], g, scale, t)),
+            1 => with_values(&old.state[0], None, |a| optim.update(w, &[a], g, scale, t)),
+            _ => with_values(&old.state[0], None, |a| {
+                with_values(&old.state[1], None, |b| {
+                    optim.update(w, &[a, b], g, scale, t)
+                })
+            })?,
+        })?
+    };
+    match grad {
+        Grad::Host(g) => run(g).map(Some),
+        Grad::Device(g) if cpu(g) => with_values(g, None, |g| run(g))?.map(Some),
+        Grad::Device(_) => Ok(None),
+    }
+}
+
+/// One optimizer step of one tensor on `dev`, the way a node there takes it (the fused pass on
+/// the CPU, candle operations elsewhere): (new parameters, new state). What `tests/cuda.rs`
+/// holds to the CPU's bits on a GPU.
+#[allow(clippy::type_complexity)]
+pub fn optimizer_step_on(
+    dev: &Device,
+    optim: &Optim,
+    w: &[f32],
+    state: &[Vec<f32>],
+    grad: &[f32],
+    scale: f32,
+    t: f32,
+) -> Result<(Vec<f32>, Vec<Vec<f32>>), ComputeError> {
+    let made = backend("making a tensor");
+    let counter = Arc::new(StateCounter::default());
+    let slot = Slot {
+        param: Var::from_slice(w, w.len(), dev).map_err(&made)?,
+        state: state
+            .iter()
+            .map(|s| Tensor::from_slice(s, s.len(), dev))
+            .collect::<candle_core::Result<_>>()
+            .map_err(&made)?,
+        _held: Held::new(&counter, 0),
+    };
+    if let Some(r) = fused(optim, &slot, Grad::Host(grad), scale, t)? {
+        return Ok(r);
+    }
+    let (w, s) = composed(optim, &slot, Grad::Host(grad), scale, t, dev)
+        .map_err(backend("the optimizer"))?;
+    let read = |t: &Tensor| t.to_vec1::<f32>().map_err(backend("reading a tensor"));
+    Ok((read(&w)?, s.iter().map(read).collect::<Result<_, _>>()?))
+}
+
+/// A pass over a CPU tensor's values in place (candle's `InplaceOp1`).
+struct InPlace<'a>(&'a dyn Fn(&mut [f32]));
+
+impl candle_core::InplaceOp1 for InPlace<'_> {
+    fn name(&self) -> &'static str {
+        "ravnest-optimizer"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &mut candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        match (storage, layout.contiguous_offsets()) {
+            (candle_core::CpuStorage::F32(v), Some((a, b))) => {
+                (self.0)(&mut v[a..b]);
+                Ok(())
+            }
+            _ => candle_core::bail!("an in-place update of a contiguous f32 tensor"),
+        }
+    }
+}
+
+/// The optimizer's step on tensor `old` in place, when it and its state are contiguous f32
+/// values on the CPU and nothing else shares them (false otherwise: nothing was changed). The
+/// same operations, in the same order, as [`Optim::update`] (each state tensor first, then
+/// the parameters from the new state), so the bits are the fused pass's.
+fn in_place(
+    optim: &Optim,
+    old: &Slot,
+    grad: Grad<'_>,
+    scale: f32,
+    t: f32,
+) -> Result<bool, ComputeError> {
+    let cpu = |t: &Tensor| t.device().is_cpu() && t.is_contiguous();
+    if !cpu(old.param.as_tensor()) || !old.state.iter().all(cpu) {
+        return Ok(false);
+    }
+    let run = |g: &[f32]| -> candle_core::Result<()> {
+        let g = |i: usize| g[i] * scale;
+        let w = old.param.as_tensor();
+        match optim.kind {
+            ravnest_core::Optimizer::Sgd => w.inplace_op1(&InPlace(&|w: &mut [f32]| {
+                for (i, w) in w.iter_mut().enumerate() {
+                    *w -= optim.lr * g(i);
+                }
+            })),
+            ravnest_core::Optimizer::SgdMomentum => {
+                old.state[0].inplace_op1(&InPlace(&|v: &mut [f32]| {
+                    for (i, v) in v.iter_mut().enumerate() {
+                        *v = optim.momentum * *v + g(i);
+                    }
+                }))?;
+                let v = &old.state[0];
+                w.inplace_op1(&InPlace(&|w: &mut [f32]| {
+                    let _ = with_values(v, None, |v| {
+                        for (w, v) in w.iter_mut().zip(v) {
+                            *w -= optim.lr * v;
+                        }
+                    });
+                }))
+            }
+            ravnest_core::Optimizer::Adamw => {
+                let [b1, nb1, b2, nb2, c1, c2, eps] = optim.adamw_constants(t);
+                old.state[0].inplace_op1(&InPlace(&|m: &mut [f32]| {
+                    for (i, m) in m.iter_mut().enumerate() {
+                        *m = b1 * *m + nb1 * g(i);
+                    }
+                }))?;
+                old.state[1].inplace_op1(&InPlace(&|v: &mut [f32]| {
+                    for (i, v) in v.iter_mut().enumerate() {
+                        let g = g(i);
+                        *v = b2 * *v + nb2 * g * g;
+                    }
+                }))?;
+                let (m, v) = (&old.state[0], &old.state[1]);
+                w.inplace_op1(&InPlace(&|w: &mut [f32]| {
+                    let _ = with_values(m, None, |m| {
+                        with_values(v, None, |v| {
+                            for ((w, m), v) in w.iter_mut().zip(m).zip(v) {
+                                let update = (m / c1) / ((v / c2).sqrt() + eps);
+                                *w -= optim.lr * (update + optim.weight_decay * *w);
+                            }
+                        })
+                    });
+                }))
+            }
+        }
+    };
+    match grad {
+        Grad::Host(g) => run(g),
+        Grad::Device(g) if cpu(g) => with_values(g, None, |g| run(g))?,
+        Grad::Device(_) => return Ok(false),
+    }
+    .map_err(backend("the optimizer in place"))?;
+    Ok(true)
+}
+
+/// The optimizer as candle operations on the device, each one correctly rounded IEEE
+/// arithmetic (mul, add, sub, div, sqrt) in the order [`Optim::update`] computes them, the
+/// constants made once on the host: the same bits as the fused pass (tested on the CPU).
+fn composed(
+    optim: &Optim,
+    old: &Slot,
+    grad: Grad<'_>,
+    scale: f32,
+    t: f32,
+    dev: &Device,
+) -> candle_core::Result<(Tensor, Vec<Tensor>)> {
+    let w = old.param.as_tensor();
+    let k = |x: f32| Tensor::new(x, dev);
+    let g = match grad {
+        Grad::Host(g) => Tensor::from_slice(g, w.shape(), dev)?,
+        Grad::Device(g) => g.clone(),
+    };
+    let g = g.broadcast_mul(&k(scale)?)?;
+    let lr = k(optim.lr)?;
+    match optim.kind {
+        ravnest_core::Optimizer::Sgd => Ok((w.sub(&g.broadcast_mul(&lr)?)?, Vec::new())),
+        ravnest_core::Optimizer::SgdMomentum => {
+            let v = old.state[0].broadcast_mul(&k(optim.momentum)?)?.add(&g)?;
+            let w = w.sub(&v.broadcast_mul(&lr)?)?;
+            Ok((w, vec![v]))
+        }
+        ravnest_core::Optimizer::Adamw => {
+            let [b1, nb1, b2, nb2, c1, c2, eps] = optim.adamw_constants(t);
+            let m = old.state[0]
+                .broadcast_mul(&k(b1)?)?
+                .add(&g.broadcast_mul(&k(nb1)?)?)?;
+            let v = old.state[1]
+                .broadcast_mul(&k(b2)?)?
+                .add(&g.broadcast_mul(&k(nb2)?)?.mul(&g)?)?;
+            let update = m
+                .broadcast_div(&k(c1)?)?
+                .div(&v.broadcast_div(&k(c2)?)?.sqrt()?.broadcast_add(&k(eps)?)?)?;
+            let decay = w.broadcast_mul(&k(optim.weight_decay)?)?;
+            let w = w.sub(&update.add(&decay)?.broadcast_mul(&lr)?)?;
+            Ok((w, vec![m, v]))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use ravnest_core::Optimizer;
+
+    fn slot(counter: &Arc<StateCounter>, w: &[f32], state: &[Vec<f32>]) -> Slot {
+        let dev = Device::Cpu;
+        Slot {
+            param: Var::from_slice(w, w.len(), &dev).unwrap(),
+            state: state
+                .iter()
+                .map(|s| Tensor::from_slice(s, s.len(), &dev).unwrap())
+                .collect(),
+            _held: Held::new(counter, 0),
+        }
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    }
+
+    proptest! {
+        /// The optimizer as candle operations (what runs on a GPU) gives the same bits as the
+        /// fused pass (what runs on the CPU), for every optimizer, any values, any scale and
+        /// step count: each operation is one correctly rounded IEEE operation in the same
+        /// order, so replicas on different devices stay bit-identical (docs/architecture.md,
+        /// "Replicas and digests").
+        #[test]
+        fn the_device_optimizer_gives_the_fused_passs_bits(
+            kind in 0usize..3,
+            vals in prop::collection::vec(-4.0f32..4.0, 40),
+            scale in prop::sample::select(vec![1.0f32, 0.25, 1.0 / 3.0, 1.0 / 48.0]),
+            t in 0u32..50,
+        ) {
+            let kind = [Optimizer::Sgd, Optimizer::SgdMomentum, Optimizer::Adamw][kind];
+            let optim = Optim { kind, lr: 0.003, momentum: 0.9, weight_decay: 0.01 };
+            let n = 10;
+            let states = optim.state_names().len();
+            let w = &vals[..n];
+            let g = &vals[n..2 * n];
+            // Second moments are never negative.
+            let state: Vec<Vec<f32>> = (0..states)
+                .map(|k| vals[2 * n + 10 * k..2 * n + 10 * (k + 1)].iter().map(|x| if k == 1 { x.abs() } else { *x }).collect())
+                .collect();
+            let counter = Arc::new(StateCounter::default());
+            let old = slot(&counter, w, &state);
+            let (fw, fs) = fused(&optim, &old, Grad::Host(g), scale, t as f32).unwrap().unwrap();
+            let (cw, cs) = composed(&optim, &old, Grad::Host(g), scale, t as f32, &Device::Cpu).unwrap();
+            prop_assert_eq!(fw.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), bits(&cw));
+            for (a, b) in fs.iter().zip(&cs) {
+                prop_assert_eq!(a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), bits(b));
+            }
+            // And the fused pass is the flat optimizer's step, bit for bit.
+            let mut flat: Vec<f32> = w.to_vec();
+            for s in &state {
+                flat.extend(s);
+            }
+            if optim.state_len(n) > states * n {
+                flat.push(t as f32);
+            }
+            let mean: Vec<f32> = g.iter().map(|x| x * scale).collect();
+            optim.step_range(&mut flat, n, 0..n, &mean);
+            prop_assert_eq!(&flat[..n], &fw[..]);
+        }
+    }
+
+    #[test]
+    fn slots_of_a_stage_carry_the_step_count_and_tile_the_model() {
+        let g = crate::gpt::Gpt {
+            layers: 2,
+            hidden: 8,
+            heads: 2,
+            seq: 4,
+            vocab: 16,
+        };
+        let optim = Optim {
+            kind: Optimizer::Adamw,
+            lr: 1e-3,
+            momentum: 0.9,
+            weight_decay: 0.0,
+        };
+        let l = Layout::of(&Network::Gpt(g), &optim);
+        let len = l.model_len();
+        assert_eq!(len, 3 * l.params + 1);
+        let mut covered = vec![0u32; len];
+        for (a, b) in [(0, 1), (1, 3), (3, 4)] {
+            let slots = l.slots(Some(LayerRange::new(a, b))).unwrap();
+            assert_eq!(slots.last(), Some(&(len - 1..len)), "layers {a}..{b}");
+            for r in slots {
+                for c in &mut covered[r] {
+                    *c += 1;
+                }
+            }
+        }
+        // Every value once, the step count with every stage.
+        assert!(covered[..len - 1].iter().all(|&c| c == 1));
+        assert_eq!(covered[len - 1], 3);
+        assert_eq!(l.slots(None), Some(std::iter::once(0..len).collect()));
+        assert_eq!(l.slots(Some(LayerRange::new(3, 9))), None);
+    }
+}
