@@ -11,9 +11,14 @@
 //! - `exhaustive`: every node subset and arrangement, every layer split (DP above a budget):
 //!   the optimum under the cost model for small clusters, used as the oracle.
 
+mod baseline;
 pub mod batch;
+mod dp;
 mod eval;
+mod exact;
 pub mod layers;
+mod oracle;
+mod pipes;
 pub mod random;
 mod search;
 pub mod sync;
@@ -24,7 +29,10 @@ use crate::config::Scenario;
 use crate::cost::Costs;
 use crate::device::GIB;
 use crate::model::ModelSpec;
-use search::{baseline, covers_every_fit, exhaustive_search, ravnest_search};
+use baseline::baseline;
+use exact::covers_every_fit;
+use oracle::exhaustive_search;
+use search::ravnest_search;
 pub use types::*;
 
 /// Up to this many nodes, ravnest searches every arrangement before it says a model fits

@@ -449,16 +449,16 @@ proptest! {
         prop_assume!(c.cluster.nodes.len() <= 6);
         let costs = crate::cost::Costs::new(&c.cluster, &c.model, &c.training);
         let mut exact = None;
-        search::exact_single_pipeline(&costs, &mut exact);
+        exact::exact_single_pipeline(&costs, &mut exact);
         let mut brute = None;
         let ids: Vec<NodeId> = c.cluster.ids().collect();
         for s in 2..=ids.len().min(costs.layers()) {
             let all = layers::count_splits(costs.layers(), s) <= EXHAUSTIVE_MAX_SPLITS;
             let mut pools = Vec::new();
-            search::subsets(&ids, s, 0, &mut Vec::new(), &mut pools);
+            pipes::subsets(&ids, s, 0, &mut Vec::new(), &mut pools);
             for mut pool in pools {
-                search::permutations(&mut pool, 0, &mut |row: &[NodeId]| {
-                    search::search_grid(&costs, vec![row.to_vec()], all, &mut brute);
+                pipes::permutations(&mut pool, 0, &mut |row: &[NodeId]| {
+                    pipes::search_grid(&costs, vec![row.to_vec()], all, &mut brute);
                 });
             }
         }
