@@ -5,11 +5,13 @@ use crate::cluster::NodeId;
 use crate::cost::Costs;
 use crate::layers::LayerRange;
 
+use super::choice::Best;
 use super::dp::DP_SUBSETS_MAX_NODES;
 use super::eval::search_into;
 use super::pipes::pipe_candidate;
+use super::recovery;
 use super::sync::SyncFreedom;
-use super::types::{Plan, PlanOptions};
+use super::types::PlanOptions;
 
 /// Up to this many nodes, the single-replica pipeline is searched exactly (every subset of
 /// nodes, every stage order, every layer split).
@@ -47,7 +49,11 @@ pub(super) fn exact_pipe_applies(costs: &Costs<'_>) -> bool {
 /// starts at layer 0 is a whole pipeline of |set| stages. Exact under the cost model (the
 /// evaluation of the winner computes the same times), so it is the oracle's answer for one
 /// replica.
-pub(super) fn exact_single_pipeline(costs: &Costs<'_>, best: &mut Option<Plan>) {
+///
+/// The winner is the pipeline with the least objective (its step plus the recovery term of a
+/// single copy over its nodes, see `planner::recovery`), which the suffixes' step times give
+/// exactly; it is kept in `best` (of class `OnePipeline`).
+pub(super) fn exact_single_pipeline(costs: &Costs<'_>, best: &mut Best) {
     let n = costs.cluster.nodes.len();
     let l = costs.layers();
     if n < 2 || l < 2 {
@@ -56,10 +62,9 @@ pub(super) fn exact_single_pipeline(costs: &Costs<'_>, best: &mut Option<Plan>) 
     let id = |i: usize| NodeId(i as u32);
     let m = u64::from(costs.training.micro_batch);
     let k_mb = u64::from(costs.training.global_batch).div_ceil(m) as f64;
-    // No stage slower than this can beat `best` (the step is at least k_mb × slowest stage).
-    let limit = best
-        .as_ref()
-        .map_or(f64::INFINITY, |b| b.step.step_s / k_mb);
+    // No stage slower than this can beat `best` (the objective is at least the step, and the
+    // step at least k_mb × the slowest stage).
+    let limit = best.bound() / k_mb;
     let links: Vec<Vec<crate::cluster::Link>> = (0..n)
         .map(|a| (0..n).map(|b| costs.link(id(a), id(b))).collect())
         .collect();
@@ -126,18 +131,7 @@ pub(super) fn exact_single_pipeline(costs: &Costs<'_>, best: &mut Option<Plan>) 
             }
         }
     }
-    // The fastest whole pipeline (a suffix from layer 0 over 2 or more nodes).
-    let mut win: Option<(f64, usize, usize)> = None;
-    for mask in (1usize..(1 << n)).filter(|m| m.count_ones() >= 2) {
-        for v in (0..n).filter(|v| mask & (1 << v) != 0) {
-            let fv = f[at(mask, v, 0)];
-            let step = (k_mb + f64::from(mask.count_ones()) - 1.0) * fv;
-            if fv.is_finite() && win.is_none_or(|(s, _, _)| step < s) {
-                win = Some((step, mask, v));
-            }
-        }
-    }
-    let Some((_, mut mask, mut v)) = win else {
+    let Some((mut mask, mut v)) = winner(costs, k_mb, &|mask, v| f[at(mask, v, 0)]) else {
         return;
     };
     let (mut row, mut bounds, mut a) = (Vec::new(), vec![0], 0);
@@ -154,4 +148,36 @@ pub(super) fn exact_single_pipeline(costs: &Costs<'_>, best: &mut Option<Plan>) 
     }
     let c = pipe_candidate(costs, vec![row], bounds);
     search_into(costs, &[(c, SyncFreedom::Choose)], best);
+}
+
+/// The whole pipeline (a suffix from layer 0 over 2 or more nodes: `mask` and its first node)
+/// with the least objective, from `slowest(mask, v)`, the least slowest-stage time of each.
+fn winner(
+    costs: &Costs<'_>,
+    k_mb: f64,
+    slowest: &dyn Fn(usize, usize) -> f64,
+) -> Option<(usize, usize)> {
+    let n = costs.cluster.nodes.len();
+    let checkpoint = recovery::checkpoint_bytes(costs);
+    let mut win: Option<(f64, usize, usize)> = None;
+    for mask in (1usize..(1 << n)).filter(|m| m.count_ones() >= 2) {
+        let nodes = mask.count_ones() as usize;
+        let link = (0..n)
+            .filter(|v| mask & (1 << v) != 0)
+            .map(|v| costs.cluster.nodes[v].link.bandwidth_gbps)
+            .fold(f64::INFINITY, f64::min);
+        for v in (0..n).filter(|v| mask & (1 << v) != 0) {
+            let fv = slowest(mask, v);
+            if !fv.is_finite() {
+                continue;
+            }
+            let step = (k_mb + nodes as f64 - 1.0) * fv;
+            let objective =
+                step + recovery::price(costs, 1, nodes, link, checkpoint, step).charged_s();
+            if win.is_none_or(|(o, _, _)| objective < o) {
+                win = Some((objective, mask, v));
+            }
+        }
+    }
+    win.map(|(_, mask, v)| (mask, v))
 }

@@ -4,12 +4,13 @@
 use crate::cluster::NodeId;
 use crate::cost::Costs;
 
-use super::dp::{min_workers, ravnest_dp};
+use super::choice::Best;
+use super::dp::ravnest_dp;
 use super::eval::{Candidate, search_into};
 use super::layers;
 use super::pipes::search_grid;
 use super::sync::SyncFreedom;
-use super::types::{EXHAUSTIVE_MAX_SPLITS, Plan, PlanOptions};
+use super::types::{EXHAUSTIVE_MAX_SPLITS, LayoutClass, PlanOptions};
 
 /// The largest stage count to try: none (1) when pipelines are not allowed.
 pub(super) fn max_stages(n: usize, costs: &Costs<'_>, opts: PlanOptions) -> usize {
@@ -20,52 +21,55 @@ pub(super) fn max_stages(n: usize, costs: &Costs<'_>, opts: PlanOptions) -> usiz
     }
 }
 
-/// The exhaustive oracle: every data-parallel subset (minimax split), and every arrangement of
-/// S x R distinct nodes with every layer split (the DP split above the budget), the fastest
-/// kept. A grid is skipped when even perfect balance over its nodes cannot beat the best so
-/// far (exact: that bound is below every plan over those nodes).
-pub(super) fn exhaustive_search(costs: &Costs<'_>, opts: PlanOptions) -> Option<Plan> {
+/// The exhaustive oracle for `best`'s class: every data-parallel subset of one node
+/// ([`LayoutClass::OneWorker`]) or of two or more (minimax split), or every arrangement of S x
+/// R distinct nodes (R = 1, or R ≥ 2) with every layer split (the DP split above the budget),
+/// the best kept in `best`. A grid is skipped when even perfect balance over its nodes cannot
+/// beat the best so far (exact: that bound is below every plan over those nodes).
+pub(super) fn exhaustive_search(costs: &Costs<'_>, opts: PlanOptions, best: &mut Best) {
     let cluster = costs.cluster;
     let n = cluster.nodes.len();
     let ids: Vec<NodeId> = cluster.ids().collect();
-    let mut best: Option<Plan> = None;
-    // Every non-empty subset for data parallel, with the minimax split.
-    for mask in 1u32..(1 << n) {
-        let workers: Vec<NodeId> = ids
-            .iter()
-            .copied()
-            .filter(|i| mask & (1 << i.0) != 0)
-            .collect();
-        let holders = ids
-            .iter()
-            .filter(|&&i| costs.memory_bytes(costs.all(), 1) <= cluster.node(i).memory_bytes)
-            .count();
-        if workers.len() < min_workers(holders) {
-            continue;
+    let class = best.class();
+    if !class.is_pipeline() {
+        // Every subset of the class's size, with the minimax split.
+        for mask in 1u32..(1 << n) {
+            if (mask.count_ones() >= 2) != (class == LayoutClass::DataParallel) {
+                continue;
+            }
+            let workers: Vec<NodeId> = ids
+                .iter()
+                .copied()
+                .filter(|i| mask & (1 << i.0) != 0)
+                .collect();
+            if let Some((w, b)) = ravnest_dp(costs, &workers) {
+                let c = Candidate::Data {
+                    workers: w,
+                    batch: b,
+                    note: None,
+                };
+                search_into(costs, &[(c, SyncFreedom::Choose)], best);
+            }
         }
-        if let Some((w, b)) = ravnest_dp(costs, &workers) {
-            let c = Candidate::Data {
-                workers: w,
-                batch: b,
-                note: None,
-            };
-            search_into(costs, &[(c, SyncFreedom::Choose)], &mut best);
-        }
+        return;
     }
     // Every arrangement of S x R distinct nodes (replicas unordered: the first replica's stage-0
     // node id increases with the replica index), every layer split up to the budget.
+    let replicas = |s: usize| match class {
+        LayoutClass::OnePipeline => 1..=1,
+        _ => 2..=n / s,
+    };
     for s in 2..=max_stages(n, costs, opts) {
         let all_splits = layers::count_splits(costs.layers(), s) <= EXHAUSTIVE_MAX_SPLITS;
-        for r in 1..=n / s {
+        for r in replicas(s) {
             let mut slots = vec![NodeId(0); s * r];
             let mut used = vec![false; n];
             arrange(0, &mut slots, &mut used, &ids, s, r, &mut |slots| {
                 let grid: Vec<Vec<NodeId>> = slots.chunks(s).map(<[NodeId]>::to_vec).collect();
-                search_grid(costs, grid, all_splits, &mut best);
+                search_grid(costs, grid, all_splits, best);
             });
         }
     }
-    best
 }
 
 fn arrange(

@@ -3,15 +3,15 @@
 //! replicas, and the search of one grid; with the subsets and permutations the searches
 //! enumerate.
 
-use crate::cost::Costs;
 use crate::cluster::NodeId;
+use crate::cost::Costs;
 use crate::layers::LayerRange;
 
 use super::batch;
+use super::choice::Best;
 use super::eval::{Candidate, search_into};
 use super::layers::{self, Bounds};
 use super::sync::SyncFreedom;
-use super::types::Plan;
 
 /// Stage-group aggregates for the layer DP: the slowest member's throughput, the smallest
 /// memory, and the worst link to the next stage's member of the same replica.
@@ -199,7 +199,11 @@ pub(super) fn pipe_candidates(
 }
 
 /// The pipeline over `grid` split at `bounds`, its micro-batches dealt to the replicas.
-pub(super) fn pipe_candidate(costs: &Costs<'_>, grid: Vec<Vec<NodeId>>, bounds: Bounds) -> Candidate {
+pub(super) fn pipe_candidate(
+    costs: &Costs<'_>,
+    grid: Vec<Vec<NodeId>>,
+    bounds: Bounds,
+) -> Candidate {
     let micro = replica_micro(costs, &grid, &bounds);
     let samples = samples_from_micro(&micro, costs);
     Candidate::Pipe {
@@ -212,25 +216,21 @@ pub(super) fn pipe_candidate(costs: &Costs<'_>, grid: Vec<Vec<NodeId>>, bounds: 
 }
 
 /// Search the pipelines over `grid` (its layer splits: every one with `all_splits`, else the
-/// DP split and the two equal splits), keeping the fastest in `best`; skipped when even
-/// perfect balance over its nodes cannot beat `best` (an exact bound).
+/// DP split and the two equal splits), keeping the best in `best`; skipped when even perfect
+/// balance over its nodes cannot beat `best` (an exact bound).
 pub(super) fn search_grid(
     costs: &Costs<'_>,
     grid: Vec<Vec<NodeId>>,
     all_splits: bool,
-    best: &mut Option<Plan>,
+    best: &mut Best,
 ) {
-    if let Some(b) = best.as_ref()
-        && super::eval::perfect_balance_s(costs, &grid) >= b.step.step_s
-    {
+    if super::eval::perfect_balance_s(costs, &grid) >= best.bound() {
         return;
     }
     let mut cands = Vec::new();
     pipe_candidates(costs, grid, all_splits, &mut cands);
     search_into(costs, &cands, best);
 }
-
-
 
 /// Every `k`-subset of `ids[from..]` after `cur`, in lexicographic order, into `out`.
 pub(super) fn subsets(

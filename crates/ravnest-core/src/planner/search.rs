@@ -6,12 +6,13 @@ use crate::cluster::{ClusterSpec, NodeId};
 use crate::cost::Costs;
 use crate::layers::LayerRange;
 
+use super::choice::Best;
 use super::dp::data_parallel_tiers;
-use super::eval::{keep_best, search_into};
+use super::eval::search_into;
 use super::exact::{exact_pipe_applies, exact_single_pipeline};
 use super::layers;
 use super::pipes::{permutations, pipe_candidates, search_grid, stage_cost_fn, subsets};
-use super::types::{Plan, PlanOptions};
+use super::types::{LayoutClass, Plan, PlanOptions};
 
 /// Orders of nodes to deal into pipeline grids.
 fn node_orders(cluster: &ClusterSpec) -> Vec<Vec<NodeId>> {
@@ -35,14 +36,17 @@ fn node_orders(cluster: &ClusterSpec) -> Vec<Vec<NodeId>> {
     vec![by_mem, by_speed]
 }
 
-/// ravnest's candidate layouts, the fastest kept: data parallel over tiers of the nodes that
-/// hold the model, then (when allowed) pipelines of every stage count.
-pub(super) fn ravnest_search(costs: &Costs<'_>, opts: PlanOptions) -> Option<Plan> {
-    let cluster = costs.cluster;
-    let mut best: Option<Plan> = None;
-    data_parallel_tiers(costs, &mut best);
+/// ravnest's candidate layouts of `best`'s class, the best kept in `best`: data parallel over
+/// tiers of the nodes that hold the model, or (when allowed) pipelines of every stage count,
+/// single (one replica) or replicated.
+pub(super) fn ravnest_search(costs: &Costs<'_>, opts: PlanOptions, best: &mut Best) {
+    let class = best.class();
+    if !class.is_pipeline() {
+        data_parallel_tiers(costs, best);
+        return;
+    }
     if !opts.allow_pipeline {
-        return best;
+        return;
     }
     // Pipelines: S stages, R replicas. Grids are dealt from nodes sorted by memory (stage 0
     // holds the most in-flight activations) or by speed, the rank-order grid the baselines use,
@@ -51,12 +55,14 @@ pub(super) fn ravnest_search(costs: &Costs<'_>, opts: PlanOptions) -> Option<Pla
     // from N/S down by halving (dropping the smallest / slowest nodes of each order); when N/S
     // does not fit, a binary search finds the largest R that does. A candidate that cannot beat
     // the best so far even with perfect balance is not evaluated.
+    let cluster = costs.cluster;
     let n = cluster.nodes.len();
     let orders = node_orders(cluster);
     let rank: Vec<NodeId> = cluster.ids().collect();
     let params: Vec<u64> = costs.model.layers.iter().map(|x| x.params).collect();
-    if exact_pipe_applies(costs) {
-        exact_single_pipeline(costs, &mut best);
+    let single = class == LayoutClass::OnePipeline;
+    if single && exact_pipe_applies(costs) {
+        exact_single_pipeline(costs, best);
     }
     for s in 2..=n.min(costs.layers()) {
         let dealer = Dealer {
@@ -65,17 +71,15 @@ pub(super) fn ravnest_search(costs: &Costs<'_>, opts: PlanOptions) -> Option<Pla
             rank: &rank,
             need_orders: need_orders(costs, &params, s),
         };
-        pipelines_of(costs, &dealer, n / s, &mut best);
-        if n <= SMALL_CLUSTER && !exact_pipe_applies(costs) {
-            ordered_pipelines(costs, &orders, s, &mut best);
+        pipelines_of(costs, &dealer, n / s, best);
+        if single && n <= SMALL_CLUSTER && !exact_pipe_applies(costs) {
+            ordered_pipelines(costs, &orders, s, best);
         }
-        if s == 2 && n <= COLUMNS_MAX_NODES {
-            two_stage_columns(costs, &mut best);
+        if !single && s == 2 && n <= COLUMNS_MAX_NODES {
+            two_stage_columns(costs, best);
         }
     }
-    best
 }
-
 
 /// Up to this many nodes, ravnest tries every replica count and every stage order of its
 /// single-replica pipelines (the search stays in milliseconds).
@@ -89,7 +93,7 @@ const MAX_ORDERED_GRIDS: usize = 2000;
 /// most memory, in every stage order: the order decides which links carry the activations and
 /// which node holds the first stage's in-flight micro-batches. Nodes past the `s` chosen are
 /// left out, so a slow CPU does not become a stage of a GPU pipeline.
-fn ordered_pipelines(costs: &Costs<'_>, orders: &[Vec<NodeId>], s: usize, best: &mut Option<Plan>) {
+fn ordered_pipelines(costs: &Costs<'_>, orders: &[Vec<NodeId>], s: usize, best: &mut Best) {
     if s > MAX_ORDERED_STAGES {
         return;
     }
@@ -121,8 +125,6 @@ fn ordered_pipelines(costs: &Costs<'_>, orders: &[Vec<NodeId>], s: usize, best: 
     }
 }
 
-
-
 /// Up to this many nodes, every choice of two-stage pipeline replicas' columns is tried.
 const COLUMNS_MAX_NODES: usize = 8;
 
@@ -130,7 +132,7 @@ const COLUMNS_MAX_NODES: usize = 8;
 /// the second (R of each, R = 2..n/2), each column sorted by speed and paired fastest with
 /// fastest, and fastest with slowest: the replicas can differ, and the best split often puts slow nodes on a small first
 /// stage and fast ones on the rest.
-fn two_stage_columns(costs: &Costs<'_>, best: &mut Option<Plan>) {
+fn two_stage_columns(costs: &Costs<'_>, best: &mut Best) {
     let mut ids: Vec<NodeId> = costs.cluster.ids().collect();
     ids.sort();
     let speed = |a: &NodeId, b: &NodeId| {
@@ -151,10 +153,7 @@ fn two_stage_columns(costs: &Costs<'_>, best: &mut Option<Plan>) {
                 let (mut a, mut b) = (first.clone(), second);
                 a.sort_by(speed);
                 b.sort_by(speed);
-                if let Some(p) = best.as_ref()
-                    && super::eval::perfect_balance_s(costs, &[a.clone(), b.clone()])
-                        >= p.step.step_s
-                {
+                if super::eval::perfect_balance_s(costs, &[a.clone(), b.clone()]) >= best.bound() {
                     continue;
                 }
                 // Every pairing of three or fewer replicas; of more, fastest with fastest and
@@ -236,23 +235,26 @@ impl Dealer<'_> {
     }
 }
 
-/// Search the pipelines of `dealer.s` stages (up to `r_max` replicas), keeping the fastest in
-/// `best`.
-fn pipelines_of(costs: &Costs<'_>, dealer: &Dealer<'_>, r_max: usize, best: &mut Option<Plan>) {
+/// Search the pipelines of `dealer.s` stages (up to `r_max` replicas; one, or two and more,
+/// by `best`'s class), keeping the best in `best`.
+fn pipelines_of(costs: &Costs<'_>, dealer: &Dealer<'_>, r_max: usize, best: &mut Best) {
     let mut seen: Vec<Vec<Vec<NodeId>>> = Vec::new();
     let small = dealer.rank.len() <= SMALL_CLUSTER;
+    let replicated = best.class() == LayoutClass::Pipelines;
     for kind in 0..dealer.kinds() {
         for r in replica_counts(costs, dealer, kind, r_max) {
+            if (r >= 2) != replicated {
+                continue;
+            }
             if small && r >= 2 {
                 // Pair the replicas' nodes well: the dealt grid, then swaps.
-                let mut local = None;
+                let mut local = Best::new(best.class());
                 let grid = dealer.grid(kind, r);
                 let mut cands = Vec::new();
                 pipe_candidates(costs, grid.clone(), false, &mut cands);
                 search_into(costs, &cands, &mut local);
-                if let Some(p) = local {
-                    let p = polish_grid(costs, grid, p);
-                    keep_best(best, p);
+                if let Some(p) = local.into_plan() {
+                    best.offer(polish_grid(costs, grid, p));
                 }
             }
             let grid = dealer.grid(kind, r);
@@ -266,7 +268,7 @@ fn pipelines_of(costs: &Costs<'_>, dealer: &Dealer<'_>, r_max: usize, best: &mut
 }
 
 /// Improve `plan` (a pipeline over `grid`) by swapping two of its nodes, or one of its nodes for
-/// a node it leaves out, while that makes the step faster (a few passes).
+/// a node it leaves out, while that lowers its objective within its class (a few passes).
 fn polish_grid(costs: &Costs<'_>, mut grid: Vec<Vec<NodeId>>, mut plan: Plan) -> Plan {
     let s = grid[0].len();
     let slots: Vec<(usize, usize)> = (0..grid.len())
@@ -296,15 +298,16 @@ fn polish_grid(costs: &Costs<'_>, mut grid: Vec<Vec<NodeId>>, mut plan: Plan) ->
                     g[rb][kb] = g[ra][ka];
                 }
                 g[ra][ka] = other;
-                if super::eval::perfect_balance_s(costs, &g) >= plan.step.step_s {
+                if super::eval::perfect_balance_s(costs, &g) >= plan.objective_s() {
                     continue;
                 }
                 let mut cands = Vec::new();
                 pipe_candidates(costs, g.clone(), false, &mut cands);
-                let mut local = Some(plan.clone());
+                let mut local = Best::new(LayoutClass::of(&plan.layout));
+                local.offer(plan.clone());
                 search_into(costs, &cands, &mut local);
-                let p = local.expect("kept");
-                if p.step.step_s < plan.step.step_s {
+                let p = local.into_plan().expect("kept");
+                if p.objective_s() < plan.objective_s() {
                     plan = p;
                     grid = g;
                     continue 'restart;
