@@ -11,8 +11,10 @@ use super::types::{Alternative, LayoutClass, Plan};
 /// A kind of layout is searched no further than this many times the least objective found
 /// before it among the kinds that can win over it ([`search_classes`]): the winner stays exact
 /// (what is pruned is worse than a plan found), and the alternatives a plan reports are each
-/// kind's best up to there. Without it, the pipelines of a 10,000-node file whose data parallel
-/// wins were searched to the end for a runner-up line (0.72 s instead of 0.13 s).
+/// kind's best up to there. Searched to the end, the kinds that lose cost more than the
+/// winner: ravnest's plan() of the 1,000 / 10,000-node bench clusters took 56 / 548 ms
+/// (gpt2-small, data parallel wins) and 128 / 931 ms (gpt-7b, pipelines), against 35 / 319 and
+/// 105 / 709 ms with this cap (0.5 / 5.9 and 73 / 624 ms when data parallel came first).
 pub const ALTERNATIVES_WITHIN: f64 = 1.5;
 
 /// The best plan found so far of one class: what a search keeps, and the bound it prunes by.
