@@ -205,6 +205,49 @@ fn plan_text(name: &str, text: &str, needles: &[&str]) {
     expect_error(&["plan", p.to_str().unwrap()], needles);
 }
 
+/// Issue 34's second case as a file: one H100 holds a 1.3B GPT (bf16, SGD, batch 512) alone;
+/// the only other card that holds it, an RTX 4090, is behind a 0.66 Gbit/s link. Under the
+/// default (`auto`) the H100 trains alone and the plan prints what the second copy would cost
+/// per step; under `redundancy = "always"` both train, and the plan prints what the single
+/// copy would have saved.
+#[test]
+fn a_second_copy_behind_a_slow_link_is_printed_with_its_price() {
+    let text = |redundancy: &str| {
+        format!(
+            "[links]\nbandwidth_gbps = 100.0\nlatency_ms = 0.1\n\
+             [[node]]\nname = \"h100\"\ndevice = \"h100\"\n\
+             [[node]]\nname = \"rtx4090\"\ndevice = \"rtx4090\"\nbandwidth_gbps = 0.66\nlatency_ms = 5.0\n\
+             [[node]]\nname = \"rtx3060\"\ndevice = \"rtx3060\"\n\
+             [model]\npreset = \"gpt-1.3b\"\n\
+             [training]\nglobal_batch = 512\nmicro_batch = 4\nprecision = \"bf16\"\noptimizer = \"sgd\"\n\
+             redundancy = \"{redundancy}\"\n"
+        )
+    };
+    let plan = |redundancy: &str| {
+        let p = temp_file(&format!("second-copy-{redundancy}.toml"), &text(redundancy));
+        let out = ravnest(&["plan", p.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out)
+    };
+    let auto = plan("auto");
+    for needle in [
+        "split: data parallel: h100 512\n",
+        "recovery (1 copy of every layer): a lost node means restoring the latest checkpoint",
+        "expected 8.0 ms per step (1 node(s), one loss per 1000 h each); step + recovery 24.05 s",
+        "  data parallel over 2 nodes (2 copies): 55.01 s + 1.7 ms = 55.02 s: 30.97 s more per step",
+    ] {
+        assert!(auto.contains(needle), "expected `{needle}` in:\n{auto}");
+    }
+    let always = plan("always");
+    for needle in [
+        "split: data parallel: h100 439, rtx4090 73\n",
+        "recovery (2 copies of every layer): a lost node is re-planned from a surviving copy",
+        "  one worker (1 copy): 24.04 s + 8.0 ms = 24.05 s: one copy: `redundancy = \"always\"`",
+    ] {
+        assert!(always.contains(needle), "expected `{needle}` in:\n{always}");
+    }
+}
+
 #[test]
 fn the_good_file_plans() {
     let p = temp_file("good.toml", GOOD);
