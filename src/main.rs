@@ -4,6 +4,7 @@
 mod bench_ddp;
 mod bench_gpt;
 mod bench_net;
+mod bench_planners;
 mod chaos;
 mod report;
 mod run;
@@ -398,6 +399,9 @@ enum BenchWhat {
         /// The first seed of `--random`.
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// With `--random`: only the seeds whose cluster has at most this many nodes.
+        #[arg(long, default_value_t = 8)]
+        max_nodes: usize,
     },
     /// Simulated samples/s and capacity efficiency of ravnest, uniform and param-count on every
     /// shipped scenario the simulator runs (or the given files), with simulator speed.
@@ -776,13 +780,19 @@ fn bench_command(what: BenchWhat) -> Result<()> {
             files,
             random: Some(n),
             seed,
+            max_nodes,
         } => {
             if !files.is_empty() {
                 bail!("give scenario files or --random N, not both");
             }
-            bench_planners_random(seed, n)
+            emit(&bench_planners::random(seed, n, max_nodes)?);
+            Ok(())
         }
-        BenchWhat::Planners { files, .. } => bench_planners(&files),
+        BenchWhat::Planners { files, .. } => {
+            let inputs = bench_inputs(&files, &[])?;
+            emit(&bench_planners::scenarios(&inputs));
+            Ok(())
+        }
         BenchWhat::Sim {
             files,
             steps,
@@ -881,90 +891,6 @@ fn bench_command(what: BenchWhat) -> Result<()> {
             Ok(())
         }
     }
-}
-
-/// `bench planners`: every planner on every input, with its planning time.
-fn bench_planners(files: &[PathBuf]) -> Result<()> {
-    let inputs = bench_inputs(files, &[])?;
-    let mut rows = Vec::new();
-    for (name, s) in &inputs {
-        for kind in PlannerKind::ALL {
-            let t0 = Instant::now();
-            let p = ravnest_core::plan_scenario(kind, s);
-            rows.push(report::BenchRow {
-                scenario: name.clone(),
-                nodes: s.cluster.nodes.len(),
-                planner: kind,
-                result: p,
-                plan_ms: t0.elapsed().as_secs_f64() * 1e3,
-            });
-        }
-    }
-    emit(&report::bench_table(&rows));
-    Ok(())
-}
-
-/// `bench planners --random N`: ravnest against the exhaustive oracle on seeded random clusters.
-fn bench_planners_random(first: u64, n: u64) -> Result<()> {
-    use ravnest_core::planner::random::{random_case, summarize};
-    let mut ratios = Vec::new();
-    let (mut ours_s, mut oracle_s, mut worst) = (Vec::new(), Vec::new(), (0.0f64, 0u64));
-    let mut slowest = (0.0f64, 0u64);
-    let mut neither = 0;
-    for seed in first..first + n {
-        let c = random_case(seed);
-        let t0 = Instant::now();
-        let ours = ravnest_core::plan(PlannerKind::Ravnest, &c.cluster, &c.model, &c.training);
-        let dt = t0.elapsed().as_secs_f64();
-        ours_s.push(dt);
-        if dt > slowest.0 {
-            slowest = (dt, seed);
-        }
-        let t1 = Instant::now();
-        let oracle = ravnest_core::plan(PlannerKind::Exhaustive, &c.cluster, &c.model, &c.training);
-        oracle_s.push(t1.elapsed().as_secs_f64());
-        let r = match (&ours, &oracle) {
-            (Ok(o), Ok(x)) => o.step.step_s / x.step.step_s,
-            (Err(_), Ok(_)) => f64::INFINITY,
-            (Ok(_), Err(e)) => {
-                bail!("seed {seed}: the oracle found no plan where ravnest did: {e}")
-            }
-            (Err(_), Err(_)) => {
-                neither += 1;
-                continue;
-            }
-        };
-        if r > worst.0 {
-            worst = (r, seed);
-        }
-        ratios.push(r);
-    }
-    let q = summarize(&ratios);
-    let ms = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        let at = |f: f64| v[((v.len() as f64 - 1.0) * f).round() as usize] * 1e3;
-        format!(
-            "median {:.2} ms, p99 {:.1} ms, max {:.1} ms",
-            at(0.5),
-            at(0.99),
-            at(1.0)
-        )
-    };
-    emit(&format!(
-        "ravnest vs the exhaustive oracle on {n} random clusters (seeds {first}..{}), step time ratio (1 = the optimum under the cost model):\n  {} cases planned ({neither} fit nowhere for both)\n  median {:.3}, p90 {:.3}, p99 {:.3}, max {:.3} (seed {})\n  within 1%: {:.1}% of cases\n  planning time: ravnest {} (slowest: seed {}); oracle {}\n",
-        first + n,
-        q.cases,
-        q.median,
-        q.p90,
-        q.p99,
-        q.max,
-        worst.1,
-        q.within_1pct * 100.0,
-        ms(&mut ours_s),
-        slowest.1,
-        ms(&mut oracle_s),
-    ));
-    Ok(())
 }
 
 /// `bench sim`: every scenario under three planners.

@@ -4,6 +4,7 @@
 mod bench;
 mod catalog;
 mod plan;
+mod recovery;
 mod sim;
 mod text;
 

@@ -46,7 +46,10 @@ fn fresh_dir(name: &str) -> PathBuf {
     d
 }
 
-/// The demo's shape on free ports: two nodes and one emulating a 3x slower device.
+/// The demo's shape on free ports: two nodes and one emulating a 3x slower device. With
+/// `redundancy = "always"`: these tests lose, stop, add and resume data-parallel workers, and
+/// under the priced default a small MLP on loopback may train on one process alone, leaving
+/// the node under test idle (or making a leave's re-plans flip between one worker and two).
 fn cluster_file(dir: &Path, nodes: &[(&str, f64)], steps: u64, every: u64) -> PathBuf {
     let mut t = String::from("[cluster]\nname = \"e2e\"\nsecret = \"e2e-secret\"\n\n");
     for ((name, slow), port) in nodes.iter().zip(free_ports(nodes.len())) {
@@ -55,7 +58,7 @@ fn cluster_file(dir: &Path, nodes: &[(&str, f64)], steps: u64, every: u64) -> Pa
         );
     }
     t += &format!(
-        "[model]\nkind = \"mlp\"\ndims = [64, 512, 512, 10]\n\n[training]\nglobal_batch = 384\noptimizer = \"sgd-momentum\"\nsync = \"ring\"\n\n[run]\nsteps = {steps}\nlearning_rate = 0.05\nmomentum = 0.9\nseed = 3\ncheckpoint_every_steps = {every}\ntarget_accuracy = 0.85\nheartbeat_ms = 100\nheartbeat_timeout_ms = 2000\n"
+        "[model]\nkind = \"mlp\"\ndims = [64, 512, 512, 10]\n\n[training]\nglobal_batch = 384\noptimizer = \"sgd-momentum\"\nsync = \"ring\"\nredundancy = \"always\"\n\n[run]\nsteps = {steps}\nlearning_rate = 0.05\nmomentum = 0.9\nseed = 3\ncheckpoint_every_steps = {every}\ntarget_accuracy = 0.85\nheartbeat_ms = 100\nheartbeat_timeout_ms = 2000\n"
     );
     let p = dir.join("cluster.toml");
     std::fs::write(&p, t).unwrap();

@@ -218,7 +218,9 @@ pub struct SimReport {
     pub timeline: timeline::Timeline,
 }
 
-/// The simulator's checkpoint store: the latest complete checkpoint, in memory.
+/// The simulator's checkpoint store: the latest complete checkpoint, in memory, read back when
+/// the only copy of some layers is lost (a lone pipeline's stage): the restore the planner's
+/// recovery term prices.
 #[derive(Debug, Default)]
 pub struct MemStore(
     Mutex<Option<(ravnest_core::checkpoint::Manifest, Vec<f32>)>>,
@@ -247,6 +249,12 @@ impl Store for MemStore {
         let merged: Vec<f32> = self.1.take(manifest).concat();
         *self.0.lock().unwrap() = Some((manifest.clone(), merged));
         Ok(())
+    }
+
+    /// The latest complete checkpoint: what a lost only copy of some layers is restored from.
+    fn latest(&self) -> Option<(u64, Vec<f32>)> {
+        let held = self.0.lock().unwrap();
+        held.as_ref().map(|(m, values)| (m.step, values.clone()))
     }
 }
 
@@ -343,10 +351,10 @@ fn fault_at(f: &Fault) -> f64 {
 /// Run a scenario. Deterministic: the same scenario and options give the same report and hash.
 pub fn run(s: &Scenario, opts: &SimOptions) -> Result<SimReport, SimError> {
     let host = s.run.coordinator.unwrap_or(NodeId(0));
-    // The plan `ravnest plan` shows (one policy: data parallel when it fits). The toy model
-    // gets the model's layers when that plan is a pipeline, so that stages compute their part
-    // of it (the toy model of a data-parallel run is one vector, and its coordinator keeps to
-    // data parallel after losses).
+    // The plan `ravnest plan` shows (one policy: the least step time plus priced recovery).
+    // The toy model gets the model's layers when that plan is a pipeline, so that stages
+    // compute their part of it (the toy model of a data-parallel run is one vector, and its
+    // coordinator keeps to data parallel after losses).
     let first_plan = ravnest_core::plan_scenario(opts.planner, s)
         .map_err(|e| SimError::Unsupported(format!("no plan fits this cluster: {e}")))?;
     let layered = matches!(

@@ -280,6 +280,13 @@ pub fn plan_text(origin: &str, s: &Scenario, p: &Plan, cmp: &Comparisons) -> Str
         secs(p.step.sync_s),
         rate(p.step.samples_per_s)
     );
+    let t = &s.training;
+    out.push_str(&super::recovery::recovery_text(
+        p,
+        t.node_mtbf_h,
+        t.checkpoint_every_steps,
+        t.redundancy.as_str(),
+    ));
     if let Some(b) = &cmp.uniform {
         out.push('\n');
         out.push_str(&comparison_text(p, b, cmp.every_step.as_ref()));

@@ -102,10 +102,65 @@ pub struct TrainingSpec {
     /// cannot hold the global batch at once (`false`: every batch is computed at once).
     #[serde(default = "yes")]
     pub accumulate: bool,
+    /// Mean time between failures of one node, hours (`[training] node_mtbf_h`): the rate at
+    /// which the planner expects to lose each node it uses, to price recovery.
+    #[serde(default = "default_mtbf_h")]
+    pub node_mtbf_h: f64,
+    /// Whether a plan keeps two working copies of every layer for recovery's sake
+    /// (`[training] redundancy`).
+    #[serde(default)]
+    pub redundancy: Redundancy,
+    /// The steps between checkpoints a restore goes back over: the `[run]` table's
+    /// `checkpoint_every_steps` (what a real run writes; its run's steps when that is 0, only
+    /// the final checkpoint). A restore redoes half of it on average.
+    #[serde(default = "default_checkpoint_every")]
+    pub checkpoint_every_steps: u64,
 }
 
 fn yes() -> bool {
     true
+}
+
+/// Default [`TrainingSpec::node_mtbf_h`]: 1,000 hours per node (docs/cost-model.md says why).
+pub const DEFAULT_NODE_MTBF_H: f64 = 1000.0;
+
+fn default_mtbf_h() -> f64 {
+    DEFAULT_NODE_MTBF_H
+}
+
+fn default_checkpoint_every() -> u64 {
+    100
+}
+
+/// Whether a plan keeps a second working copy of every layer so that a lost node never takes
+/// the only one (`[training] redundancy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum Redundancy {
+    /// Priced: the planner minimizes step time plus the expected cost of recovering from lost
+    /// nodes, so a second copy is kept only when it costs less per step than the restores it
+    /// saves.
+    #[default]
+    Auto,
+    /// The most redundant layout that fits, the rule before priced recovery: data parallel
+    /// over two or more workers (every survivor of a loss, or of a cut-off group of nodes,
+    /// holds the whole model), else two or more pipeline replicas, else one copy; within
+    /// that, the least step time plus expected recovery.
+    Always,
+    /// Never for recovery's sake: the fastest plan by step time alone (its recovery cost is
+    /// still reported).
+    Never,
+}
+
+impl Redundancy {
+    /// The name in the file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Redundancy::Auto => "auto",
+            Redundancy::Always => "always",
+            Redundancy::Never => "never",
+        }
+    }
 }
 
 impl Default for TrainingSpec {
@@ -118,6 +173,9 @@ impl Default for TrainingSpec {
             sync: SyncPreference::Auto,
             local_sgd_threshold: 3.0,
             accumulate: true,
+            node_mtbf_h: DEFAULT_NODE_MTBF_H,
+            redundancy: Redundancy::Auto,
+            checkpoint_every_steps: default_checkpoint_every(),
         }
     }
 }

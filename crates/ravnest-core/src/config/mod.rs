@@ -56,7 +56,7 @@ pub fn parse(text: &str, origin: &str) -> Result<Scenario, ConfigError> {
 fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
     let default_link = resolve_default_link(ctx, file.links.as_ref())?;
     // Training (needed before nodes: precision decides throughput, reserve decides memory).
-    let (training, reserve_gib) = resolve_training(ctx, file.training.as_ref())?;
+    let (mut training, reserve_gib) = resolve_training(ctx, file.training.as_ref())?;
     let defaults = NodeDefaults {
         precision: training.precision,
         reserve_gib,
@@ -84,6 +84,12 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
         ..RunSettings::default()
     };
     let mut run = resolve_run(ctx, file.run.as_ref(), run, nodes.len())?;
+    // A restore goes back to the latest checkpoint a real run wrote (only the final one: to
+    // the start). `plan`, `sim` and `run` price recovery with this one figure.
+    training.checkpoint_every_steps = match run.checkpoint_every_steps {
+        0 => run.steps,
+        k => k,
+    };
 
     let model = resolve_model(ctx, file.model.as_ref())?;
     // A transformer's file trains the GPT unless `[run] network` says otherwise.

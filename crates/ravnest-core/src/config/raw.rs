@@ -5,7 +5,7 @@
 use serde::Deserialize;
 use toml::Spanned;
 
-use crate::cluster::SyncPreference;
+use crate::cluster::{Redundancy, SyncPreference};
 use crate::model::{Optimizer, Precision};
 
 #[derive(Debug, Deserialize)]
@@ -105,6 +105,8 @@ pub(super) struct TrainingToml {
     pub(super) local_sgd_threshold: Option<Spanned<f64>>,
     pub(super) accumulate: Option<bool>,
     pub(super) memory_reserve_gib: Option<Spanned<f64>>,
+    pub(super) node_mtbf_h: Option<Spanned<f64>>,
+    pub(super) redundancy: Option<Redundancy>,
 }
 
 #[derive(Debug, Deserialize)]

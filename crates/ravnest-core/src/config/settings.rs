@@ -38,6 +38,12 @@ pub(super) fn resolve_training(
         if let Some(a) = t.accumulate {
             training.accumulate = a;
         }
+        if let Some(x) = &t.node_mtbf_h {
+            training.node_mtbf_h = ctx.positive(x, "node_mtbf_h")?;
+        }
+        if let Some(r) = t.redundancy {
+            training.redundancy = r;
+        }
         if let Some(r) = &t.memory_reserve_gib {
             reserve_gib = ctx.non_negative(r, "memory_reserve_gib")?;
         }

@@ -206,3 +206,65 @@ fn a_node_smaller_than_the_reserve_is_kept_with_nothing_usable() {
     let s = parse(&BASE.replacen("#EXTRA", "memory_gib = 1", 1), "t.toml").unwrap();
     assert_eq!(s.cluster.nodes[1].memory_bytes, 0);
 }
+
+/// The recovery keys of `[training]`: a typo in a key or a value names the line and the nearest
+/// valid name; a failure rate no node has is refused; the checkpoint interval a restore is
+/// priced with is `[run]`'s (its run's steps when it writes only the final one).
+#[test]
+fn the_recovery_keys_are_checked_like_every_other() {
+    use crate::cluster::Redundancy;
+    // (Its message lists every valid key, longer than `refused` allows.)
+    let typo = BASE.replace("global_batch = 64", "global_batch = 64\nnode_mtbf = 100");
+    let e = parse(&typo, "t.toml").unwrap_err();
+    assert_eq!(e.at, Some((18, 1)), "{e}");
+    let shown = e.to_string();
+    assert!(shown.contains("unknown field `node_mtbf`"), "{shown}");
+    assert!(shown.contains("did you mean `node_mtbf_h`?"), "{shown}");
+    refused(
+        "global_batch = 64",
+        "global_batch = 64\nredundancy = \"alway\"",
+        18,
+        &[
+            "unknown variant `alway`",
+            "did you mean `always`?",
+            "auto, always, never",
+        ],
+    );
+    refused(
+        "global_batch = 64",
+        "global_batch = 64\nnode_mtbf_h = 0",
+        18,
+        &["`node_mtbf_h` must be greater than 0"],
+    );
+    refused(
+        "global_batch = 64",
+        "global_batch = 64\nnode_mtbf_h = 1e9",
+        18,
+        &["`node_mtbf_h`", "beyond any real cluster"],
+    );
+    let s = parse(
+        &BASE.replace(
+            "global_batch = 64",
+            "global_batch = 64\nnode_mtbf_h = 250\nredundancy = \"never\"",
+        ),
+        "t.toml",
+    )
+    .unwrap();
+    assert_eq!(s.training.node_mtbf_h, 250.0);
+    assert_eq!(s.training.redundancy, Redundancy::Never);
+    assert_eq!(s.training.checkpoint_every_steps, 100);
+    let d = parse(BASE, "t.toml").unwrap();
+    assert_eq!(d.training.node_mtbf_h, crate::cluster::DEFAULT_NODE_MTBF_H);
+    assert_eq!(d.training.redundancy, Redundancy::Auto);
+    let only_final = BASE.replace(
+        "learning_rate = 0.05",
+        "learning_rate = 0.05\nsteps = 400\ncheckpoint_every_steps = 0",
+    );
+    assert_eq!(
+        parse(&only_final, "t.toml")
+            .unwrap()
+            .training
+            .checkpoint_every_steps,
+        400
+    );
+}

@@ -6,7 +6,9 @@ use crate::cost::Costs;
 use crate::layers::LayerRange;
 use crate::units::bytes_u64;
 
+use super::choice::Best;
 use super::layers::Bounds;
+use super::recovery;
 use super::sync::{Backward, SyncFreedom, SyncPlan, choose_sync};
 use super::types::{Layout, NodePlan, Plan, PlannerKind, Role, StepPrediction};
 
@@ -32,22 +34,22 @@ pub(super) enum Candidate {
     },
 }
 
-/// Evaluate candidates, keeping the fastest in `best`. A pipeline candidate is skipped when even
-/// perfect balance over its nodes could not beat `best` (a cheap lower bound).
+/// Evaluate candidates, keeping the best of `best`'s class. A pipeline candidate is skipped
+/// when even perfect balance over its nodes could not beat `best` (a cheap lower bound: the
+/// objective is never below the step).
 pub(super) fn search_into(
     costs: &Costs<'_>,
     candidates: &[(Candidate, SyncFreedom)],
-    best: &mut Option<Plan>,
+    best: &mut Best,
 ) {
     for (c, freedom) in candidates {
-        if let (Candidate::Pipe { grid, .. }, Some(b)) = (c, best.as_ref())
-            && perfect_balance_s(costs, grid) >= b.step.step_s
+        if let Candidate::Pipe { grid, .. } = c
+            && perfect_balance_s(costs, grid) >= best.bound()
         {
             continue;
         }
-        let beat = best.as_ref().map_or(f64::INFINITY, |b| b.step.step_s);
-        if let Ok(p) = evaluate(costs, c, *freedom, beat) {
-            keep_best(best, p);
+        if let Ok(p) = evaluate(costs, c, *freedom, best.bound()) {
+            best.offer(p);
         }
     }
 }
@@ -129,7 +131,8 @@ impl From<NoFit> for Rejected {
     }
 }
 
-/// Evaluate a candidate; `beat` (seconds) skips building the plan when it would not be faster.
+/// Evaluate a candidate; `beat` (seconds of the objective, [`Plan::objective_s`]) skips
+/// building the plan when it would not be better.
 pub(super) fn evaluate(
     costs: &Costs<'_>,
     c: &Candidate,
@@ -172,10 +175,21 @@ pub(super) fn evaluate(
         sync,
         compute_max,
         noise_s,
+        copies,
+        working,
     } = shaped;
     let notes = note.iter().cloned().collect::<Vec<_>>();
     let step_s = compute_max + sync.per_step_s;
     if step_s >= beat {
+        return Err(Rejected::NotFaster);
+    }
+    let slowest = working
+        .iter()
+        .map(|&w| cluster.node(w).link.bandwidth_gbps)
+        .fold(f64::INFINITY, f64::min);
+    let checkpoint = recovery::checkpoint_bytes(costs);
+    let recovery = recovery::price(costs, copies, working.len(), slowest, checkpoint, step_s);
+    if step_s + recovery.charged_s() >= beat {
         return Err(Rejected::NotFaster);
     }
     let nodes = finish_nodes(costs, nodes, &layout, sync.per_step_s, step_s);
@@ -198,6 +212,9 @@ pub(super) fn evaluate(
         },
         sync,
         notes,
+        recovery,
+        alternatives: Vec::new(),
+        not_within: Vec::new(),
     })
 }
 
@@ -208,6 +225,10 @@ struct Shaped {
     compute_max: f64,
     /// Of `compute_max`: the wait for the slowest of noisy workers.
     noise_s: f64,
+    /// Working copies of every layer: data-parallel workers, or pipeline replicas.
+    copies: usize,
+    /// The nodes with work.
+    working: Vec<NodeId>,
 }
 
 /// The pipeline of a [`Candidate::Pipe`].
@@ -307,6 +328,8 @@ fn evaluate_data(
         sync,
         compute_max: cmax,
         noise_s,
+        copies: working.len(),
+        working,
     })
 }
 
@@ -380,6 +403,11 @@ fn evaluate_pipe(
         sync,
         compute_max: cmax,
         noise_s: 0.0,
+        copies: working.len(),
+        working: working
+            .iter()
+            .flat_map(|&r| grid[r].iter().copied())
+            .collect(),
     })
 }
 
@@ -499,12 +527,5 @@ fn idle_node(costs: &Costs<'_>, id: NodeId, reason: String) -> NodePlan {
         compute_s: 0.0,
         comm_s: 0.0,
         idle_s: 0.0,
-    }
-}
-
-/// Keep `p` in `best` when it is faster.
-pub(super) fn keep_best(best: &mut Option<Plan>, p: Plan) {
-    if best.as_ref().is_none_or(|b| p.step.step_s < b.step.step_s) {
-        *best = Some(p);
     }
 }

@@ -11,10 +11,17 @@
 //! - `exhaustive`: every node subset and arrangement, every layer split (DP above a budget):
 //!   the optimum under the cost model for small clusters, used as the oracle.
 
+mod baseline;
 pub mod batch;
+pub mod choice;
+mod dp;
 mod eval;
+mod exact;
 pub mod layers;
+mod oracle;
+mod pipes;
 pub mod random;
+pub mod recovery;
 mod search;
 pub mod sync;
 mod types;
@@ -24,7 +31,11 @@ use crate::config::Scenario;
 use crate::cost::Costs;
 use crate::device::GIB;
 use crate::model::ModelSpec;
-use search::{baseline, covers_every_fit, exhaustive_search, ravnest_search};
+use baseline::baseline;
+use choice::{Best, Found, choose, search_classes};
+use exact::covers_every_fit;
+use oracle::exhaustive_search;
+use search::ravnest_search;
 pub use types::*;
 
 /// Up to this many nodes, ravnest searches every arrangement before it says a model fits
@@ -50,13 +61,14 @@ pub fn plan_scenario(kind: PlannerKind, s: &Scenario) -> Result<Plan, PlanError>
     policy(kind, &s.cluster, &s.model, &s.training, s.runs_stages())
 }
 
-/// The one planning policy (the coordinator calls it with its backend's `runs_stages`):
-/// data parallel when a data-parallel plan fits; else, when the runtime runs stages, the
-/// fastest pipeline. Data parallel comes first because of what recovery costs: when a
-/// data-parallel worker is lost, every survivor still holds the whole model and the run goes
-/// on at the next step; when a pipeline stage's only holder is lost, its layers must be
-/// restored from the latest checkpoint and the steps since are trained again (and without a
-/// checkpoint the run stalls).
+/// The one planning policy (the coordinator calls it with its backend's `runs_stages`): every
+/// kind of layout the runtime can execute (data parallel; pipelines when it runs stages) is
+/// searched for its best plan, and the one with the least objective is chosen: the predicted
+/// step plus the priced recovery term, the expected seconds per step that losing nodes costs
+/// (a lost data-parallel worker or pipeline replica is re-planned from a surviving copy; a
+/// lost only copy of some layers is restored from the latest checkpoint and the steps since
+/// are trained again). `[training] redundancy` decides how the second copy is weighed (see
+/// [`crate::cluster::Redundancy`]); the plan lists the other kinds as its alternatives.
 pub fn policy(
     kind: PlannerKind,
     cluster: &ClusterSpec,
@@ -64,18 +76,10 @@ pub fn policy(
     training: &TrainingSpec,
     runs_stages: bool,
 ) -> Result<Plan, PlanError> {
-    let dp = PlanOptions {
-        allow_pipeline: false,
+    let opts = PlanOptions {
+        allow_pipeline: runs_stages,
     };
-    plan_with(kind, cluster, model, training, dp).or_else(|e| {
-        if !runs_stages {
-            return Err(e);
-        }
-        let pipe = PlanOptions {
-            allow_pipeline: true,
-        };
-        plan_with(kind, cluster, model, training, pipe)
-    })
+    plan_with(kind, cluster, model, training, opts)
 }
 
 /// [`plan`] with restrictions. When nothing fits at the file's micro-batch, ravnest (and the
@@ -102,7 +106,9 @@ pub fn plan_with(
     while smaller.micro_batch > 1 {
         smaller.micro_batch /= 2;
         if let Ok(mut p) = plan_at(kind, cluster, model, &smaller, opts)
-            && best.as_ref().is_none_or(|b| p.step.step_s < b.step.step_s)
+            && best
+                .as_ref()
+                .is_none_or(|b| p.objective_s() < b.objective_s())
         {
             p.notes.push(format!(
                 "micro-batch {} instead of the file's {}: nothing fits at {} (the fastest of \
@@ -131,19 +137,24 @@ fn plan_at(
     }
     let costs = Costs::new(cluster, model, training);
     let best = match kind {
-        PlannerKind::Ravnest => ravnest_search(&costs, opts).or_else(|| {
-            // The candidate layouts are heuristics; on a small cluster, make sure "fits nowhere"
-            // is true before saying it.
-            (cluster.nodes.len() <= FALLBACK_MAX_NODES && !covers_every_fit(&costs, opts))
-                .then(|| exhaustive_search(&costs, opts))
-                .flatten()
-                .map(|mut p| {
+        PlannerKind::Ravnest => {
+            let found = by_class(opts, training, |b| ravnest_search(&costs, opts, b));
+            if found.iter().any(Found::has_plan) {
+                choose(found, training.redundancy)
+            } else if cluster.nodes.len() <= FALLBACK_MAX_NODES && !covers_every_fit(&costs, opts) {
+                // The candidate layouts are heuristics; on a small cluster, make sure "fits
+                // nowhere" is true before saying it.
+                let found = by_class(opts, training, |b| exhaustive_search(&costs, opts, b));
+                choose(found, training.redundancy).map(|mut p| {
                     p.notes.push(
                         "no standard layout fit; found by searching every arrangement".into(),
                     );
                     p
                 })
-        }),
+            } else {
+                None
+            }
+        }
         PlannerKind::Uniform | PlannerKind::ParamCount => return baseline(&costs, kind, opts),
         PlannerKind::Exhaustive => {
             if cluster.nodes.len() > EXHAUSTIVE_MAX_NODES {
@@ -152,7 +163,8 @@ fn plan_at(
                     limit: EXHAUSTIVE_MAX_NODES,
                 });
             }
-            exhaustive_search(&costs, opts)
+            let found = by_class(opts, training, |b| exhaustive_search(&costs, opts, b));
+            choose(found, training.redundancy)
         }
     };
     match best {
@@ -162,6 +174,19 @@ fn plan_at(
         }
         None => Err(fits_nowhere(&costs)),
     }
+}
+
+/// The best plan `search` finds of each kind of layout `opts` allows
+/// ([`choice::search_classes`]).
+fn by_class(
+    opts: PlanOptions,
+    training: &TrainingSpec,
+    search: impl FnMut(&mut Best),
+) -> Vec<Found> {
+    let classes = LayoutClass::ALL
+        .into_iter()
+        .filter(|c| opts.allow_pipeline || !c.is_pipeline());
+    search_classes(classes, training.redundancy, search)
 }
 
 fn fits_nowhere(costs: &Costs<'_>) -> PlanError {

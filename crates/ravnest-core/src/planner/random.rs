@@ -103,6 +103,7 @@ pub fn random_case(seed: u64) -> Case {
         sync: SyncPreference::Auto,
         local_sgd_threshold: 3.0,
         accumulate: true,
+        ..TrainingSpec::default()
     };
     // Tight memory: a fraction of the cases cap some nodes, as `memory_gib` does.
     let tight = rng.chance(0.3);

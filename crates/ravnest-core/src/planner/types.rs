@@ -225,6 +225,142 @@ pub struct Plan {
     pub step: StepPrediction,
     /// Decisions worth telling the user, in order.
     pub notes: Vec<String>,
+    /// What losing one of its working nodes costs this plan, priced per step.
+    pub recovery: Recovery,
+    /// The best plan of each other kind of layout the planner compared (ravnest and
+    /// exhaustive), with why it was not chosen: what the choice traded.
+    pub alternatives: Vec<Alternative>,
+    /// The kinds of layout searched without a plan within
+    /// [`ALTERNATIVES_WITHIN`](super::choice::ALTERNATIVES_WITHIN) times the objective of
+    /// another kind's best (searched no further; none may fit at all).
+    pub not_within: Vec<LayoutClass>,
+}
+
+impl Plan {
+    /// What the planner minimizes: the step time, plus the expected recovery per step unless
+    /// `redundancy = "never"`.
+    pub fn objective_s(&self) -> f64 {
+        self.step.step_s + self.recovery.charged_s()
+    }
+}
+
+/// How a plan recovers from losing one of its working nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RecoveryKind {
+    /// Another working node holds every layer the lost one held: the survivors are re-planned
+    /// and go on from the step in flight.
+    Replan,
+    /// Some layer it held has no other working copy: the latest checkpoint is restored and the
+    /// steps since are trained again.
+    Restore,
+}
+
+/// The recovery term of a plan (see `planner::recovery`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Recovery {
+    /// Re-plan from a surviving copy, or restore from the checkpoint.
+    pub kind: RecoveryKind,
+    /// Working copies of every layer (data-parallel workers, or pipeline replicas).
+    pub copies: usize,
+    /// Working nodes, each of which may be lost.
+    pub nodes: usize,
+    /// Seconds one loss costs: noticing it, the steps redone and, for a restore, reading the
+    /// checkpoint.
+    pub per_loss_s: f64,
+    /// Of `per_loss_s`: the steps redone (the step in flight; for a restore, half a checkpoint
+    /// interval on average).
+    pub redo_s: f64,
+    /// Of `per_loss_s`: reading the checkpoint back (restore only).
+    pub read_s: f64,
+    /// Expected seconds per step: nodes × step ÷ MTBF × `per_loss_s`.
+    pub per_step_s: f64,
+    /// Whether the objective charges it (`redundancy` `auto` or `always`; not `never`).
+    pub charged: bool,
+}
+
+impl Recovery {
+    /// What the objective charges per step.
+    pub fn charged_s(&self) -> f64 {
+        if self.charged { self.per_step_s } else { 0.0 }
+    }
+}
+
+/// The kinds of layout the planner searches, each for its own best plan, before it chooses
+/// between them by the objective ([`Plan::objective_s`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LayoutClass {
+    /// Data parallel over two or more workers: every one holds a copy of the model.
+    DataParallel,
+    /// Data parallel on one worker: the only copy.
+    OneWorker,
+    /// Two or more pipeline replicas: every stage has a copy in another replica.
+    Pipelines,
+    /// One pipeline replica: every stage is the only copy of its layers.
+    OnePipeline,
+}
+
+impl LayoutClass {
+    /// Every class, in the order ties are broken (data parallel first, two copies first).
+    pub const ALL: [LayoutClass; 4] = [
+        LayoutClass::DataParallel,
+        LayoutClass::OneWorker,
+        LayoutClass::Pipelines,
+        LayoutClass::OnePipeline,
+    ];
+
+    /// The class of a plan's layout.
+    pub fn of(layout: &Layout) -> LayoutClass {
+        match layout {
+            Layout::DataParallel { workers } if *workers >= 2 => LayoutClass::DataParallel,
+            Layout::DataParallel { .. } => LayoutClass::OneWorker,
+            Layout::Pipeline { replicas, .. } if *replicas >= 2 => LayoutClass::Pipelines,
+            Layout::Pipeline { .. } => LayoutClass::OnePipeline,
+        }
+    }
+
+    /// Whether its plans are pipelines.
+    pub fn is_pipeline(self) -> bool {
+        matches!(self, LayoutClass::Pipelines | LayoutClass::OnePipeline)
+    }
+
+    /// Whether its plans keep two or more working copies of every layer.
+    pub fn redundant(self) -> bool {
+        matches!(self, LayoutClass::DataParallel | LayoutClass::Pipelines)
+    }
+
+    /// In a few words, for reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LayoutClass::DataParallel => "data parallel",
+            LayoutClass::OneWorker => "one worker",
+            LayoutClass::Pipelines => "pipeline replicas",
+            LayoutClass::OnePipeline => "one pipeline",
+        }
+    }
+}
+
+/// The best plan of a kind of layout the planner did not choose, and why.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Alternative {
+    /// Its kind.
+    pub class: LayoutClass,
+    /// Its shape.
+    pub layout: Layout,
+    /// Its step time.
+    pub step: StepPrediction,
+    /// Its recovery term.
+    pub recovery: Recovery,
+    /// Why it was not chosen.
+    pub why: String,
+}
+
+impl Alternative {
+    /// The objective of the plan it stands for ([`Plan::objective_s`]).
+    pub fn objective_s(&self) -> f64 {
+        self.step.step_s + self.recovery.charged_s()
+    }
 }
 
 /// Restrictions on the layouts a planner may choose.

@@ -1560,7 +1560,13 @@ impl Coordinator {
             .filter(|&v| v >= start)
             .min()
         else {
-            return self.finish(Event::Stalled("no live node holds the latest model".into()));
+            // The only copy of the latest model was lost (a lone data-parallel worker): restore
+            // the latest checkpoint, as for a lone pipeline stage's layers.
+            let why = "no live node holds the latest model";
+            if self.restore(why) {
+                return;
+            }
+            return self.finish(Event::Stalled(why.into()));
         };
         if let Some((from, term)) = self.taking_over.take() {
             let node = self.cfg.host.unwrap_or(from);
