@@ -362,10 +362,11 @@ impl<T: Transport> Actor for CheckpointActor<T> {
                 total,
                 ..
             } => {
-                let Addr::Node(node) = from else {
-                    return Ok(());
-                };
-                self.part(st, now, node, step, layers, digest, &model, offset, total);
+                if let Addr::Node(node) = from {
+                    self.part(st, now, node, step, layers, digest, &model, offset, total);
+                }
+                drop(model);
+                self.transport.stored();
             }
             _ => {}
         }

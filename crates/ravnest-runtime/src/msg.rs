@@ -452,8 +452,8 @@ pub struct Replica {
     pub cluster: ClusterSpec,
 }
 
-/// Values per part of a checkpoint shard ([`Envelope::Shard`]): 4 MiB.
-pub const SHARD_PART: usize = 1 << 20;
+/// Values per part of a checkpoint shard ([`Envelope::Shard`]): 1 MiB.
+pub const SHARD_PART: usize = 1 << 18;
 
 /// Bytes of a control message on the wire (header, ids, small fields).
 pub const CONTROL_BYTES: u64 = 256;

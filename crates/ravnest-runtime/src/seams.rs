@@ -46,6 +46,15 @@ pub trait Transport: Clone + Send + Sync + 'static {
     /// on; envelopes to [`Addr::Coordinator`] go there. A transport that hosts it in one fixed
     /// place (a test's) may ignore this.
     fn set_coordinator(&self, _host: ravnest_core::NodeId) {}
+    /// Envelopes from `from` to `to`'s host not yet delivered there (queued, or written and
+    /// not acknowledged): what a sender of many large parts paces itself on. A transport that
+    /// delivers at once says 0.
+    fn in_flight(&self, _from: Addr, _to: Addr) -> usize {
+        0
+    }
+    /// The checkpoint actor here has stored (or refused) a shard part it was handed: the
+    /// transport's count of parts waiting ([`Transport::in_flight`]) goes down.
+    fn stored(&self) {}
 }
 
 /// Why a compute backend could not do what it was asked.
@@ -143,26 +152,16 @@ pub trait Compute: Send + Sync + 'static {
     /// [`Compute::layer_slots`], for what must travel; `None` when `model` does not hold them.
     fn export(&self, model: &Self::Model, layers: Option<LayerRange>) -> Option<Vec<f32>>;
 
-    /// [`Compute::export`] in parts of at most `part` values, each handed to `out` as it is
-    /// made (what a checkpoint shard travels in); false when `model` does not hold `layers`.
-    fn export_parts(
+    /// Values `range` of what [`Compute::export`] gives for `layers` (one part of a shard that
+    /// travels in parts): only that part is made in host memory. `None` when `model` does not
+    /// hold `layers` or `range` is outside them.
+    fn export_range(
         &self,
         model: &Self::Model,
         layers: Option<LayerRange>,
-        part: usize,
-        out: &mut dyn FnMut(Vec<f32>),
-    ) -> bool {
-        let Some(all) = self.export(model, layers) else {
-            return false;
-        };
-        if all.len() <= part.max(1) {
-            out(all);
-        } else {
-            for c in all.chunks(part.max(1)) {
-                out(c.to_vec());
-            }
-        }
-        true
+        range: Range<usize>,
+    ) -> Option<Vec<f32>> {
+        self.export(model, layers)?.get(range).map(<[f32]>::to_vec)
     }
 
     /// `base` (or nothing) with `layers` (`None`: the whole model) set from `values`, as

@@ -55,6 +55,12 @@ use state::*;
 /// Wire protocol version; peers with another version are refused.
 pub const PROTOCOL_VERSION: u32 = 9;
 
+/// Checkpoint parts waiting to be stored in this process before its readers wait.
+const SHARD_PARTS_WAITING: u64 = 4;
+/// The longest a reader waits for them after one part (a checkpoint actor that stopped
+/// storing must not stall a peer's connection for good).
+const PART_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl TcpTransport {
     /// Bind this node's address and start accepting peers.
     pub async fn bind(cfg: TcpConfig, verbose: bool) -> std::io::Result<TcpTransport> {
@@ -85,6 +91,8 @@ impl TcpTransport {
                 auth_failures: AtomicU64::new(0),
                 unsent: AtomicU64::new(0),
                 settled: tokio::sync::Notify::new(),
+                parts_waiting: AtomicU64::new(0),
+                part_stored: tokio::sync::Notify::new(),
                 log: Mutex::default(),
                 printed: Mutex::default(),
                 verbose,
@@ -284,7 +292,23 @@ impl TcpTransport {
                 }
             }
         };
+        if matches!(env, Envelope::Shard { .. }) {
+            self.inner.parts_waiting.fetch_add(1, Ordering::SeqCst);
+        }
         inbox(from, env);
+    }
+
+    /// Wait (at most `PART_WAIT`) while more than `SHARD_PARTS_WAITING` checkpoint parts
+    /// wait to be stored here: a reader calls it after delivering one, so that a fast sender
+    /// is slowed by TCP's own flow control instead of filling this process's memory.
+    pub(crate) async fn parts_settle(&self) {
+        let deadline = tokio::time::Instant::now() + PART_WAIT;
+        while self.inner.parts_waiting.load(Ordering::SeqCst) > SHARD_PARTS_WAITING {
+            let stored = self.inner.part_stored.notified();
+            if tokio::time::timeout_at(deadline, stored).await.is_err() {
+                return;
+            }
+        }
     }
 
     /// Where a peer is dialed now.
@@ -389,6 +413,34 @@ impl Transport for TcpTransport {
             inbox(from, env);
         }
         inboxes.insert(addr, inbox);
+    }
+
+    fn stored(&self) {
+        let _ = self
+            .inner
+            .parts_waiting
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        self.inner.part_stored.notify_waiters();
+    }
+
+    fn in_flight(&self, _from: Addr, to: Addr) -> usize {
+        let Some(host) = self.host(to) else { return 0 };
+        if host == self.inner.cfg.me {
+            return match to {
+                Addr::Checkpoint => self.inner.parts_waiting.load(Ordering::SeqCst) as usize,
+                _ => 0,
+            };
+        }
+        // Queued frames are counted over every link (one counter): an over-count only paces.
+        let queued = self.inner.unsent.load(Ordering::SeqCst) as usize;
+        let unacked = self
+            .inner
+            .sessions
+            .lock()
+            .unwrap()
+            .get(&host)
+            .map_or(0, |s| s.unacked.len());
+        queued + unacked
     }
 
     fn send(&self, from: Addr, to: Addr, env: Envelope) -> Result<(), TransportError> {

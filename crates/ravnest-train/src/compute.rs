@@ -581,14 +581,13 @@ impl Compute for CandleCompute {
         self.state.digest(model, layers)
     }
 
-    fn export_parts(
+    fn export_range(
         &self,
         model: &CandleModel,
         layers: Option<LayerRange>,
-        part: usize,
-        out: &mut dyn FnMut(Vec<f32>),
-    ) -> bool {
-        self.state.export_parts(model, layers, part, out)
+        range: Range<usize>,
+    ) -> Option<Vec<f32>> {
+        self.state.export_range(model, layers, range)
     }
 
     fn buckets(&self) -> Vec<Range<usize>> {
@@ -892,7 +891,12 @@ fn host_zeros(
     let bufs: Vec<(usize, Vec<f32>)> = idx
         .map(|i| {
             let n = state.layout.tensors[i].len;
-            let mut b = match pool.iter().position(|b| b.capacity() >= n) {
+            // The smallest that holds it: a large buffer taken for a small tensor would leave
+            // the large tensor to a new one, and the pool would grow by a stage's gradient.
+            let fit = (0..pool.len())
+                .filter(|&k| pool[k].capacity() >= n)
+                .min_by_key(|&k| pool[k].capacity());
+            let mut b = match fit {
                 Some(k) => pool.swap_remove(k),
                 None => Vec::with_capacity(n),
             };

@@ -566,33 +566,41 @@ impl ModelState {
         Some(out)
     }
 
-    /// What [`ModelState::export`] gives, in parts of at most `part` values handed to `out`
-    /// as they fill: one part in host memory at a time. False when `model` lacks `layers`.
-    pub fn export_parts(
+    /// Values `range` of what [`ModelState::export`] gives: only the tensors that overlap it
+    /// are read (a device tensor is copied to the host once per part it lies in). `None` when
+    /// `model` lacks `layers` or `range` is outside them.
+    pub fn export_range(
         &self,
         model: &CandleModel,
         layers: Option<LayerRange>,
-        part: usize,
-        out: &mut dyn FnMut(Vec<f32>),
-    ) -> bool {
-        let part = part.max(1);
-        let mut buf: Vec<f32> = Vec::with_capacity(part);
-        let ok = self
-            .visit(model, layers, None, &mut |mut v: &[f32]| {
-                while !v.is_empty() {
-                    let n = (part - buf.len()).min(v.len());
-                    buf.extend_from_slice(&v[..n]);
-                    v = &v[n..];
-                    if buf.len() == part {
-                        out(std::mem::replace(&mut buf, Vec::with_capacity(part)));
-                    }
-                }
-            })
-            .is_ok();
-        if ok && !buf.is_empty() {
-            out(buf);
+        range: Range<usize>,
+    ) -> Option<Vec<f32>> {
+        let idx = self.layout.indices(layers)?;
+        if idx.clone().any(|i| !model.cells.contains_key(&i)) {
+            return None;
         }
-        ok
+        let mut out = Vec::with_capacity(range.len());
+        let mut at = 0;
+        for part in 0..=self.layout.states {
+            for i in idx.clone() {
+                let len = self.layout.tensors[i].len;
+                let (lo, hi) = (range.start.max(at), range.end.min(at + len));
+                if lo < hi {
+                    self.each_part(model, i, part, None, &mut |v| {
+                        out.extend_from_slice(&v[lo - at..hi - at])
+                    })
+                    .ok()?;
+                }
+                at += len;
+            }
+        }
+        if self.layout.step_count {
+            if range.start <= at && at < range.end {
+                out.push(model.t);
+            }
+            at += 1;
+        }
+        (range.end <= at && out.len() == range.len()).then_some(out)
     }
 
     /// [`ravnest_runtime::digest::digest`] of what [`ModelState::export`] gives, read in place.

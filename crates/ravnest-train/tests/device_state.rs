@@ -152,3 +152,42 @@ async fn a_stage_holds_its_layers_and_an_update_copies_nothing() {
         "layer 0 is not held"
     );
 }
+
+/// A shard travels in parts made one at a time (`export_range`): the parts, in order, are what
+/// `export` gives, for tensors still at their seed and for trained ones, whatever the part size;
+/// a range past the end is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_in_parts_is_the_shard() {
+    let c = backend();
+    let fresh = c.initial(None);
+    let mut trained = c.initial(None);
+    let g = gradient(&c, &trained, 0..4).await;
+    let mean: Vec<f32> = g.iter().map(|x| x / 4.0).collect();
+    c.apply_update(&mut trained, 0..c.params(), &mean).unwrap();
+    c.end_update(&mut trained);
+    for model in [&fresh, &trained] {
+        for l in [
+            None,
+            Some(LayerRange::new(0, 2)),
+            Some(LayerRange::new(3, 6)),
+        ] {
+            let whole = c.export(model, l).unwrap();
+            for part in [997, 4096, whole.len()] {
+                let mut joined = Vec::new();
+                let mut at = 0;
+                while at < whole.len() {
+                    let end = (at + part).min(whole.len());
+                    joined.extend(c.export_range(model, l, at..end).unwrap());
+                    at = end;
+                }
+                assert_eq!(joined, whole, "layers {l:?} in parts of {part}");
+            }
+            assert!(c.export_range(model, l, 0..whole.len() + 1).is_none());
+        }
+    }
+    let stage = c.initial(Some(LayerRange::new(3, 6)));
+    assert!(
+        c.export_range(&stage, Some(LayerRange::new(0, 2)), 0..1)
+            .is_none()
+    );
+}

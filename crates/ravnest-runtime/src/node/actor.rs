@@ -519,7 +519,7 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             NodeMsg::Net(from, env) => self.on_net(st, from, env).await,
-            NodeMsg::Collective(outcome) => self.on_outcome(st, outcome),
+            NodeMsg::Collective(outcome) => self.on_outcome(st, outcome).await,
             NodeMsg::Advance => self.advance(st).await,
             NodeMsg::Watch => {
                 let v = st.watch.as_mut().and_then(|w| w.tick(self.now_ms()));

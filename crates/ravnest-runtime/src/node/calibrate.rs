@@ -29,12 +29,14 @@ pub fn fit_line(t1: f64, b1: f64, t2: f64, b2: f64) -> (f64, f64) {
 
 /// What calibrating runs a step on: the model version it starts from, a scratch version the
 /// optimizer is applied to (so that the measured step includes it, and the model is left as it
-/// was), and what the backend said a step is.
+/// was), and what the backend said a step is. A probe of layers is made for the bench alone:
+/// it is its own scratch (`model` is `None`), so the optimizer updates it in place instead of
+/// copying it.
 pub struct Bench<C: Compute> {
     compute: Arc<C>,
     node: NodeId,
     probe: Probe,
-    model: C::Model,
+    model: Option<C::Model>,
     scratch: Arc<Mutex<C::Model>>,
 }
 
@@ -52,13 +54,16 @@ impl<C: Compute> Bench<C> {
     /// on the layers the backend names.
     pub fn new(compute: Arc<C>, node: NodeId, model: Option<C::Model>) -> Self {
         let probe = compute.probe();
-        let model = match (&probe, model) {
-            (Probe::Layers { layers, .. }, _) => compute.initial(Some(*layers)),
-            (Probe::Whole, Some(m)) => m,
-            (Probe::Whole, None) => compute.initial(None),
+        let (model, scratch) = match (&probe, model) {
+            (Probe::Layers { layers, .. }, _) => (None, compute.initial(Some(*layers))),
+            (Probe::Whole, Some(m)) => (Some(m.clone()), m),
+            (Probe::Whole, None) => {
+                let m = compute.initial(None);
+                (Some(m.clone()), m)
+            }
         };
         Bench {
-            scratch: Arc::new(Mutex::new(model.clone())),
+            scratch: Arc::new(Mutex::new(scratch)),
             compute,
             node,
             probe,
@@ -95,9 +100,12 @@ impl<C: Compute> Bench<C> {
                 }
             })
         };
+        let Some(model) = self.model.clone() else {
+            return;
+        };
         let _ = self
             .compute
-            .gradient_sum(self.node, k, 0..batch, self.model.clone(), apply)
+            .gradient_sum(self.node, k, 0..batch, model, apply)
             .await;
         self.compute.end_update(&mut self.scratch.lock().unwrap());
     }
@@ -114,6 +122,8 @@ impl<C: Compute> Bench<C> {
         input: usize,
     ) {
         let (c, node) = (&self.compute, self.node);
+        // A handle for the passes, let go before the optimizer updates the probe in place.
+        let model = self.scratch.lock().unwrap().clone();
         let mut acc = None;
         let mut start = 0;
         while start < batch {
@@ -121,7 +131,7 @@ impl<C: Compute> Bench<C> {
             let rows = (end - start) as usize;
             let x = (input > 0).then(|| vec![0.1f32; rows * input]);
             let Ok(out) = c
-                .stage_forward(node, k, start..end, layers, &self.model, x.as_deref())
+                .stage_forward(node, k, start..end, layers, &model, x.as_deref())
                 .await
             else {
                 return;
@@ -133,7 +143,7 @@ impl<C: Compute> Bench<C> {
                     k,
                     start..end,
                     layers,
-                    &self.model,
+                    &model,
                     x.as_deref(),
                     &out,
                     grad_out.as_deref(),
@@ -146,6 +156,7 @@ impl<C: Compute> Bench<C> {
             }
             start = end;
         }
+        drop(model);
         if let Some(g) = acc {
             let mut scratch = self.scratch.lock().unwrap();
             let _ = c.apply_stage_grad(&mut scratch, layers, g, 1.0 / batch.max(1) as f32);

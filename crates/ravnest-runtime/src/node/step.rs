@@ -10,6 +10,7 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use ravnest_core::LayerRange;
 use ravnest_core::collective::CollId;
@@ -32,6 +33,15 @@ type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
 
 /// Steps of history kept per node (a few MB at most).
 const HISTORY_MAX: usize = 1 << 18;
+
+/// Parts of a checkpoint shard on their way at once (made, queued or unacknowledged): 4 of
+/// [`crate::msg::SHARD_PART`] values, 4 MiB.
+const SHARD_AHEAD: usize = 4;
+/// How long a shard's writer waits in all for its parts to be acknowledged before it sends the
+/// rest unpaced.
+const SHARD_PATIENCE: Duration = Duration::from_secs(10);
+/// Between looks at what is on its way.
+const SHARD_NAP: Duration = Duration::from_millis(1);
 
 fn feed(run: &mut StageRun, is_grad: bool, micro: u32, data: Vec<f32>) -> bool {
     let r = if is_grad {
@@ -167,7 +177,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let samples = sample_range(s, w.global_batch, w.offset, w.batch);
         let result = self.gradient_sum(s, samples, w.chunk, base, sink).await;
         let ns = self.computed(t);
-        self.after_compute(st, w.epoch, ns, result);
+        self.after_compute(st, w.epoch, ns, result).await;
     }
 
     /// Forward and backward over `samples` of step `s` in micro-batches of `chunk` samples (0:
@@ -217,7 +227,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         Ok(())
     }
 
-    fn after_compute(
+    async fn after_compute(
         &self,
         st: &mut State<C>,
         epoch: u64,
@@ -232,7 +242,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             r.computed = Some(Instant::now());
             r.compute_ns = ns;
         }
-        self.try_finish(st);
+        self.try_finish(st).await;
     }
 
     /// A local-SGD step: apply this node's own mean gradient; on an averaging step, then average
@@ -279,7 +289,9 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         self.compute.end_update(&mut local);
         let ns = self.computed(t);
         if mode == StepMode::Local {
-            return self.finish_step(st, w.epoch, s, local, None, false, Spent::compute(ns));
+            return self
+                .finish_step(st, w.epoch, s, local, None, false, Spent::compute(ns))
+                .await;
         }
         self.average(st, w, s, local, None, ns);
     }
@@ -327,7 +339,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     /// A collective ended.
-    pub(super) fn on_outcome(&self, st: &mut State<C>, outcome: Outcome) {
+    pub(super) async fn on_outcome(&self, st: &mut State<C>, outcome: Outcome) {
         let id = match &outcome {
             Outcome::Done { id, .. } | Outcome::Aborted { id } => *id,
         };
@@ -380,11 +392,11 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return self.fail(id.epoch, reason);
         }
         r.pending = r.pending.saturating_sub(1);
-        self.try_finish(st);
+        self.try_finish(st).await;
     }
 
     /// Finish the running step once its compute ended and every collective came back.
-    fn try_finish(&self, st: &mut State<C>) {
+    async fn try_finish(&self, st: &mut State<C>) {
         if !st
             .running
             .as_ref()
@@ -417,13 +429,14 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 compute_ns: r.compute_ns,
                 comm_ns,
             },
-        );
+        )
+        .await;
     }
 
     /// Record model version `step + 1`, report it, write a checkpoint shard when one is due,
     /// serve peers waiting for it, and go on.
     #[allow(clippy::too_many_arguments)]
-    fn finish_step(
+    async fn finish_step(
         &self,
         st: &mut State<C>,
         epoch: u64,
@@ -493,7 +506,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             },
         );
         if synced {
-            self.write_shard(st, v, &model);
+            self.write_shard(st, v, &model).await;
         }
         self.serve_requests(st);
         if let Some(me) = &st.me {
@@ -502,7 +515,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     /// The writer of a sync group sends its shard of a checkpoint version when it makes it.
-    fn write_shard(&self, st: &mut State<C>, v: u64, model: &C::Model) {
+    async fn write_shard(&self, st: &mut State<C>, v: u64, model: &C::Model) {
         let Some(w) = st.work.as_mut() else { return };
         let Some(duty) = w.checkpoint.as_mut() else {
             return;
@@ -513,7 +526,9 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return;
         }
         let layers = duty.layers;
-        // In parts, made one at a time: a shard never sits whole in host memory here.
+        // In parts, each made when the one before the last few has arrived: a shard never sits
+        // whole in host memory here (nor in the transport's queue, which keeps a part until the
+        // peer acknowledges it).
         let d = self.compute.digest(model, Some(layers));
         let total: usize = self
             .compute
@@ -522,24 +537,41 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             .map(|r| r.len())
             .sum();
         let per_value = self.model_bytes as f64 / self.compute.model_len().max(1) as f64;
-        let mut offset = 0u64;
-        self.compute
-            .export_parts(model, Some(layers), crate::msg::SHARD_PART, &mut |part| {
-                let len = part.len() as u64;
-                self.send(
-                    Addr::Checkpoint,
-                    Envelope::Shard {
-                        step: v,
-                        layers,
-                        digest: d,
-                        virtual_bytes: (per_value * part.len() as f64) as u64,
-                        model: part,
-                        offset,
-                        total: total as u64,
-                    },
-                );
-                offset += len;
-            });
+        let mut offset = 0;
+        let mut patience = SHARD_PATIENCE;
+        while offset < total {
+            patience = self.pace(Addr::Checkpoint, patience).await;
+            let end = (offset + crate::msg::SHARD_PART).min(total);
+            let Some(part) = self.compute.export_range(model, Some(layers), offset..end) else {
+                return;
+            };
+            self.send(
+                Addr::Checkpoint,
+                Envelope::Shard {
+                    step: v,
+                    layers,
+                    digest: d,
+                    virtual_bytes: (per_value * part.len() as f64) as u64,
+                    model: part,
+                    offset: offset as u64,
+                    total: total as u64,
+                },
+            );
+            offset = end;
+        }
+    }
+
+    /// Wait while more than [`SHARD_AHEAD`] envelopes to `to` are on their way, for at most
+    /// `patience` in all (a peer that stopped acknowledging gets the rest unpaced: the failure
+    /// detector, not this wait, decides about it); what is left of the patience.
+    async fn pace(&self, to: Addr, mut patience: Duration) -> Duration {
+        let me = self.me();
+        while self.transport.in_flight(me, to) > SHARD_AHEAD && !patience.is_zero() {
+            let nap = SHARD_NAP.min(patience);
+            tokio::time::sleep(nap).await;
+            patience -= nap;
+        }
+        patience
     }
 
     // ---- pipeline stages ------------------------------------------------------------------
@@ -692,14 +724,14 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         if st.pipe.as_ref().is_some_and(|p| p.run.done())
             && let Some(p) = st.pipe.take()
         {
-            self.stage_done(st, p);
+            self.stage_done(st, p).await;
         }
     }
 
     /// The stage's schedule is done: reduce its layers' gradient with the stage's sync group
     /// (a group of one applies it where it is: nothing travels), or, under local SGD, apply it
     /// and maybe average the layers.
-    fn stage_done(&self, st: &mut State<C>, p: Pipe<C::Model, C::StageGrad>) {
+    async fn stage_done(&self, st: &mut State<C>, p: Pipe<C::Model, C::StageGrad>) {
         let Some(w) = st.work.clone() else { return };
         let Some(grad) = p.grad else {
             return self.fail(
@@ -753,24 +785,30 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return self.fail(p.epoch, e.to_string());
         }
         match mode {
-            StepMode::Sync => self.finish_step(
-                st,
-                p.epoch,
-                p.step,
-                next,
-                layers,
-                true,
-                Spent::compute(p.compute_ns),
-            ),
-            StepMode::Local => self.finish_step(
-                st,
-                p.epoch,
-                p.step,
-                next,
-                layers,
-                false,
-                Spent::compute(p.compute_ns),
-            ),
+            StepMode::Sync => {
+                self.finish_step(
+                    st,
+                    p.epoch,
+                    p.step,
+                    next,
+                    layers,
+                    true,
+                    Spent::compute(p.compute_ns),
+                )
+                .await
+            }
+            StepMode::Local => {
+                self.finish_step(
+                    st,
+                    p.epoch,
+                    p.step,
+                    next,
+                    layers,
+                    false,
+                    Spent::compute(p.compute_ns),
+                )
+                .await
+            }
             StepMode::Average => self.average(st, &w, p.step, next, layers, p.compute_ns),
         }
     }

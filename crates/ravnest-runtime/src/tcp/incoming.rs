@@ -137,7 +137,11 @@ impl TcpTransport {
                             _ => break Some("replaced by a newer connection".into()),
                         }
                     };
+                    let part = matches!(env, crate::msg::Envelope::Shard { .. });
                     self.deliver(from, to, env);
+                    if part {
+                        self.parts_settle().await;
+                    }
                     // Acknowledge once what has arrived so far is delivered.
                     if read.is_drained()
                         && (write.write_all(&delivered.to_le_bytes()).await.is_err()

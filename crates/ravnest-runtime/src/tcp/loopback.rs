@@ -83,6 +83,16 @@ impl Transport for LoopbackCluster {
             .send(from, to, env)
     }
 
+    fn in_flight(&self, from: Addr, to: Addr) -> usize {
+        self.host(from).map_or(0, |t| t.in_flight(from, to))
+    }
+
+    fn stored(&self) {
+        if let Some(t) = self.host(Addr::Checkpoint) {
+            t.stored();
+        }
+    }
+
     fn set_coordinator(&self, host: NodeId) {
         for t in self.nodes.values() {
             t.set_coordinator(host);

@@ -53,6 +53,12 @@ pub(super) struct Inner {
     pub(super) unsent: AtomicU64,
     /// Told whenever frames leave the queues or are acknowledged (what `drain` waits on).
     pub(super) settled: tokio::sync::Notify,
+    /// Checkpoint shard parts handed to this process's checkpoint inbox and not yet stored
+    /// (what paces their senders: a local writer directly, a remote one through the reader
+    /// that waits before reading on).
+    pub(super) parts_waiting: AtomicU64,
+    /// Told when one of them is stored.
+    pub(super) part_stored: tokio::sync::Notify,
     pub(super) log: Mutex<Vec<String>>,
     /// Lines printed so far by shape (digits left out), for printing a repeated one once.
     pub(super) printed: Mutex<BTreeMap<String, u64>>,

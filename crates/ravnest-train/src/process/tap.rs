@@ -84,4 +84,12 @@ impl Transport for Tap {
     fn set_coordinator(&self, host: ravnest_core::NodeId) {
         self.inner.set_coordinator(host);
     }
+
+    fn in_flight(&self, from: Addr, to: Addr) -> usize {
+        self.inner.in_flight(from, to)
+    }
+
+    fn stored(&self) {
+        self.inner.stored();
+    }
 }
