@@ -28,20 +28,16 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// mimalloc's `mi_option_purge_delay` (its place in `mi_option_e`, the same in v2 and v3).
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
-/// Pages freed and not reused for this long go back to the kernel. mimalloc's default (1 s)
-/// kept what calibration and the first steps had freed resident for the whole run: a pipeline
-/// stage of `scenarios/pipeline-gpt-small.toml` peaked at 150-160 MiB where it holds 56 MiB of
-/// state and uses about 100 MiB (the same run at 100 ms); a step's buffers come back within a
-/// step, so they stay.
-const PURGE_DELAY_MS: std::ffi::c_long = 100;
-
+/// From now on, freed pages go back to the kernel at once. mimalloc keeps them a second by
+/// default, which is what makes it fast (a GPT step allocates and frees its activations; given
+/// back after 100 ms, gpt-small trained at 4.9 samples/s instead of 6.1); a node whose plan
+/// needs more than half of its memory budget cannot afford it: a pipeline stage of
+/// `scenarios/pipeline-gpt-small.toml` peaked at 150-162 MiB where it holds 56 MiB of state,
+/// 115-119 MiB with this (see docs/architecture.md).
 #[allow(unsafe_code)]
-fn tune_allocator() {
-    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
-        return; // the user's, read by mimalloc at start
-    }
+fn purge_at_once() {
     // SAFETY: setting an option is allowed at any time; mimalloc reads it at each purge.
-    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, PURGE_DELAY_MS) };
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0) };
 }
 
 #[derive(Parser, Debug)]
@@ -445,7 +441,10 @@ enum BenchWhat {
 }
 
 fn main() -> ExitCode {
-    tune_allocator();
+    // The environment's MIMALLOC_PURGE_DELAY, read by mimalloc at start, wins.
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        ravnest_train::measure::on_tight_memory(purge_at_once);
+    }
     init_logs();
     let cli = Cli::parse();
     match run(cli) {

@@ -150,6 +150,9 @@ impl CandleCompute {
         let mut l = self.ledger.lock().unwrap();
         let need = state + l.held + extra_held + graph;
         l.peak = l.peak.max(need);
+        if l.budget > 0 && need > l.budget / 2 {
+            crate::measure::memory_is_tight();
+        }
         if l.budget > 0 && need > l.budget {
             let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
             return Err(ComputeError::Backend(format!(

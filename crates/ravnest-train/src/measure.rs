@@ -38,6 +38,27 @@ pub fn matmul_flops_in(budget: Duration, dtype: candle_core::DType) -> f64 {
     2.0 * (n * n * n) as f64 * reps as f64 / t.elapsed().as_secs_f64()
 }
 
+/// What the binary does when this process's memory turns out tight (see [`memory_is_tight`]):
+/// its allocator's business, so the binary sets it ([`on_tight_memory`]).
+static ON_TIGHT_MEMORY: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+
+/// Call `f` once when a node's plan needs more than half of its memory budget: an allocator
+/// that keeps freed pages for speed should give them back at once from then on.
+pub fn on_tight_memory(f: fn()) {
+    let _ = ON_TIGHT_MEMORY.set(f);
+}
+
+/// This process's node needs more than half of its memory budget (the first call runs the
+/// binary's [`on_tight_memory`] hook; later ones do nothing).
+pub fn memory_is_tight() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Some(f) = ON_TIGHT_MEMORY.get() {
+            f();
+        }
+    });
+}
+
 /// This process's resident memory now and its peak so far (Linux `VmRSS`, `VmHWM`), bytes.
 pub fn resident_memory() -> Option<(u64, u64)> {
     let text = std::fs::read_to_string("/proc/self/status").ok()?;
