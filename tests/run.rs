@@ -456,10 +456,13 @@ fn ctrl_c_on_a_worker_leaves_cleanly_without_a_replan_for_a_loss() {
             .any(|e| e.contains("`b` lost") || e.contains("aborted")),
         "a clean leave is not a loss: {said:?}"
     );
-    // One plan without b when it leaves: no storm of re-plans.
+    // One plan without b when it leaves: no storm of re-plans. (The leave's own line says
+    // "planned out"; it is not a plan: counted, it made a third re-plan for measured speed,
+    // which a busy machine can bring, fail the test.)
     let after: Vec<&String> = said
         .iter()
         .skip_while(|e| !e.contains("asked to leave"))
+        .skip(1)
         .filter(|e| e.contains(": planned "))
         .collect();
     assert!(!after.is_empty() && after.len() <= 3, "{after:?}");
