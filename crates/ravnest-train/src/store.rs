@@ -427,13 +427,8 @@ impl CheckpointFiles {
     /// state from its file), checking every tensor.
     pub fn load(&self, step: u64) -> Result<Vec<f32>, LoadError> {
         let p = self.net.params();
-        let mut flat = vec![0.0f32; p + self.optim.state_len(p)];
-        read_into(
-            &self.path(step),
-            &self.weight_entries(),
-            &mut flat,
-            "network",
-        )?;
+        let mut flat = self.load_weights(step)?;
+        flat.resize(p + self.optim.state_len(p), 0.0);
         let optim = self.optim_entries();
         if !optim.is_empty() {
             read_into(&self.optim_path(step), &optim, &mut flat, "optimizer")?;
