@@ -50,9 +50,7 @@ struct Figures {
 }
 
 fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    Ok(ravnest_runtime::tcp::spare_ports(1)?[0])
 }
 
 /// The cluster file of the ravnest side.

@@ -264,9 +264,7 @@ fn one_node_run(
     device: &str,
     out: &std::path::Path,
 ) -> Result<f64> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
+    let port = ravnest_runtime::tcp::spare_ports(1)?[0];
     let widths: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
     let text = format!(
         "[cluster]\nname = \"bench\"\n[[node]]\nname = \"solo\"\ndevice = \"{device}\"\naddress = \"127.0.0.1:{port}\"\n[model]\nkind = \"mlp\"\ndims = [{}]\n[training]\nglobal_batch = {batch}\noptimizer = \"sgd-momentum\"\nsync = \"ring\"\n[run]\nsteps = {steps}\nlearning_rate = 0.05\nseed = 1\ncheckpoint_every_steps = 0\n",

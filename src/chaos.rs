@@ -176,7 +176,10 @@ fn cluster_text(addresses: &[SocketAddr], listens: &[SocketAddr]) -> String {
 }
 
 fn free_addr() -> Result<SocketAddr> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+    Ok(SocketAddr::from((
+        [127, 0, 0, 1],
+        ravnest_runtime::tcp::spare_ports(1)?[0],
+    )))
 }
 
 /// A safetensors file's float tensors (name -> values), optimizer state left out.
@@ -330,20 +333,17 @@ fn run_one(
     let dir = root.join(format!("seed-{seed}"));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
-    // The nodes' ports stay held until the proxies have theirs, so that no proxy takes one.
-    let held = (0..3)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
-        .collect::<std::io::Result<Vec<_>>>()?;
-    let listens = held
-        .iter()
-        .map(|l| l.local_addr())
-        .collect::<std::io::Result<Vec<_>>>()?;
+    // The nodes' ports lie below the ephemeral range, where no proxy's port (nor any outgoing
+    // connection's) is taken from.
+    let listens: Vec<SocketAddr> = ravnest_runtime::tcp::spare_ports(3)?
+        .into_iter()
+        .map(|p| SocketAddr::from(([127, 0, 0, 1], p)))
+        .collect();
     let proxies = listens
         .iter()
         .map(|&l| rt.block_on(Proxy::start("127.0.0.1:0".parse().expect("addr"), l)))
         .collect::<std::io::Result<Vec<_>>>()?;
     let addresses: Vec<SocketAddr> = proxies.iter().map(|p| p.addr()).collect();
-    drop(held);
     let file = dir.join("cluster.toml");
     std::fs::write(&file, cluster_text(&addresses, &listens))?;
     let out = dir.join("out");

@@ -31,11 +31,7 @@ fn exe() -> &'static str {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    ravnest_runtime::tcp::spare_ports(1).unwrap()[0]
 }
 
 /// A fresh directory under the target dir.

@@ -1,13 +1,7 @@
 //! Helpers the end-to-end tests share.
 
-/// `n` distinct free ports: every listener is held until all are chosen (ports taken one at a
-/// time, each released before the next is asked for, can come back twice: CI once gave `a`
-/// and `slow` the same one).
+/// `n` distinct free ports, below the kernel's ephemeral range (see `spare_ports`: CI once gave
+/// `a` and `slow` the same one, and once a port taken by an outgoing connection in between).
 pub fn free_ports(n: usize) -> Vec<u16> {
-    let held: Vec<std::net::TcpListener> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    held.iter()
-        .map(|l| l.local_addr().unwrap().port())
-        .collect()
+    ravnest_runtime::tcp::spare_ports(n).unwrap()
 }

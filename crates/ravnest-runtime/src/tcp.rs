@@ -31,6 +31,7 @@ mod handshake;
 mod incoming;
 mod loopback;
 mod outgoing;
+mod ports;
 mod state;
 
 use std::net::SocketAddr;
@@ -49,6 +50,7 @@ pub use channel::{Channel, NOISE_PROTOCOL};
 pub use config::{LIVE_MS, PeerDownHook, TcpConfig};
 pub use handshake::{HandshakeError, dial_as, fetch_cluster_file};
 pub use loopback::LoopbackCluster;
+pub use ports::spare_ports;
 pub use state::TcpTransport;
 use state::*;
 
@@ -76,6 +78,16 @@ impl TcpTransport {
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {addr}: {e}")))?;
+        TcpTransport::on(cfg, listener, verbose)
+    }
+
+    /// Start accepting peers on a listener already bound (one that was never let go, so no
+    /// other socket can take its port between choosing it and listening on it).
+    pub fn on(
+        cfg: TcpConfig,
+        listener: TcpListener,
+        verbose: bool,
+    ) -> std::io::Result<TcpTransport> {
         let local = listener.local_addr()?;
         let t = TcpTransport {
             inner: Arc::new(Inner {

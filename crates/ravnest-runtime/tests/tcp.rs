@@ -57,9 +57,8 @@ async fn pair(secret_a: &[u8], secret_b: &[u8]) -> (TcpTransport, TcpTransport) 
 /// Two transports, each with its secret and whether it encrypts.
 async fn pair_with(a: (&[u8], bool), b: (&[u8], bool)) -> (TcpTransport, TcpTransport) {
     let mut peers = BTreeMap::new();
-    for i in 0..2 {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        peers.insert(NodeId(i), l.local_addr().unwrap());
+    for (i, port) in (0..2).zip(ravnest_runtime::tcp::spare_ports(2).unwrap()) {
+        peers.insert(NodeId(i), SocketAddr::from(([127, 0, 0, 1], port)));
     }
     let cfg = |me: u32, (secret, encrypt): (&[u8], bool)| TcpConfig {
         me: NodeId(me),
@@ -147,17 +146,12 @@ async fn right_secret_delivers_and_an_unreachable_peer_is_a_peer_down_event() {
 
 /// Two transports whose node 0 is reached through a fault-injecting proxy.
 async fn proxied_pair() -> (TcpTransport, TcpTransport, ravnest_runtime::chaos::Proxy) {
-    let real = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let ports = ravnest_runtime::tcp::spare_ports(2).unwrap();
+    let real = SocketAddr::from(([127, 0, 0, 1], ports[0]));
     let proxy = ravnest_runtime::chaos::Proxy::start("127.0.0.1:0".parse().unwrap(), real)
         .await
         .unwrap();
-    let b_addr = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let b_addr = SocketAddr::from(([127, 0, 0, 1], ports[1]));
     let peers = BTreeMap::from([(NodeId(0), proxy.addr()), (NodeId(1), b_addr)]);
     let cfg = |me: u32, listen: Option<SocketAddr>| TcpConfig {
         me: NodeId(me),
@@ -351,10 +345,9 @@ async fn garbage_after_handshake_drops_only_that_connection() {
 }
 
 async fn sharing(file: Option<&str>) -> TcpTransport {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let mut peers = BTreeMap::new();
-    peers.insert(NodeId(0), l.local_addr().unwrap());
-    drop(l);
+    let port = ravnest_runtime::tcp::spare_ports(1).unwrap()[0];
+    peers.insert(NodeId(0), SocketAddr::from(([127, 0, 0, 1], port)));
     TcpTransport::bind(
         TcpConfig {
             me: NodeId(0),

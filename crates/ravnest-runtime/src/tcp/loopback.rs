@@ -35,13 +35,16 @@ impl LoopbackCluster {
         encrypt: bool,
     ) -> std::io::Result<LoopbackCluster> {
         let mut peers = BTreeMap::new();
+        let mut listeners = Vec::new();
         for i in 0..n {
-            // Reserve a free port by binding and releasing it.
-            let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+            // Each port is held from the start: a port bound and let go can be taken by any
+            // socket (another cluster's outgoing connection) before it is bound again.
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
             peers.insert(NodeId(i), l.local_addr()?);
+            listeners.push(l);
         }
         let mut nodes = BTreeMap::new();
-        for i in 0..n {
+        for (i, listener) in (0..n).zip(listeners) {
             let cfg = TcpConfig {
                 me: NodeId(i),
                 peers: peers.clone(),
@@ -53,7 +56,7 @@ impl LoopbackCluster {
                 cluster_file: None,
                 encrypt,
             };
-            nodes.insert(NodeId(i), TcpTransport::bind(cfg, false).await?);
+            nodes.insert(NodeId(i), TcpTransport::on(cfg, listener, false)?);
         }
         Ok(LoopbackCluster { nodes })
     }
