@@ -202,6 +202,10 @@ pub trait Compute: Send + Sync + 'static {
     /// counter advances here).
     fn end_update(&self, _model: &mut Self::Model) {}
 
+    /// A version no one will roll back to any more, handed back at the first update of the
+    /// step that makes the next: a backend may write that step's update into its buffers.
+    fn retire(&self, _old: Self::Model) {}
+
     /// A gradient bucket's buffer, done with: a backend may reuse it for the next step's
     /// buckets (memory it already has mapped, allocated and freed on its own thread).
     fn recycle(&self, _buffer: Vec<f32>) {}

@@ -611,6 +611,10 @@ impl Compute for CandleCompute {
         self.state.end_update(model);
     }
 
+    fn retire(&self, old: CandleModel) {
+        self.state.retire(old);
+    }
+
     fn recycle(&self, buffer: Vec<f32>) {
         let mut spare = self.spare.lock().unwrap();
         if spare.len() < SPARE_BUFFERS {

@@ -319,6 +319,8 @@ pub struct ModelState {
     pub counter: Arc<StateCounter>,
     /// A network that is not split by layer draws its initial weights in one stream.
     whole_init: OnceLock<Arc<Vec<f32>>>,
+    /// Buffers of a retired version, by tensor, for the running step's update to write into.
+    spare: Mutex<BTreeMap<usize, Slot>>,
 }
 
 /// A gradient for [`ModelState::update`]: host values, or a tensor where the model is.
@@ -340,6 +342,7 @@ impl ModelState {
             seed,
             counter: Arc::default(),
             whole_init: OnceLock::new(),
+            spare: Mutex::default(),
         }
     }
 
@@ -680,7 +683,17 @@ impl ModelState {
             .get(&i)
             .is_some_and(|c| Arc::strong_count(c) == 1)
             && Arc::strong_count(&old) == 2;
-        if alone && in_place(&self.optim, &old, grad, scale, model.t)? {
+        if alone && step_into(&self.optim, &old, None, grad, scale, model.t)? {
+            return Ok(());
+        }
+        // A retired version's buffers of this tensor, where there are: written over, no new
+        // buffers.
+        let spare = self.spare.lock().unwrap().remove(&i);
+        if let Some(spare) = spare
+            && step_into(&self.optim, &spare, Some(&old), grad, scale, model.t)?
+        {
+            drop(old);
+            model.cells.insert(i, Cell::made(spare));
             return Ok(());
         }
         let new = match fused(&self.optim, &old, grad, scale, model.t)? {
@@ -731,10 +744,30 @@ impl ModelState {
         Ok(())
     }
 
-    /// A step's update is done: AdamW's step count advances.
+    /// A step's update is done: AdamW's step count advances; spare buffers left unused go.
     pub fn end_update(&self, model: &mut CandleModel) {
         if self.layout.step_count {
             model.t += 1.0;
+        }
+        self.spare.lock().unwrap().clear();
+    }
+
+    /// A version no one needs any more: the tensors only it holds become the spare buffers
+    /// that the running step's update writes into (one allocation and its page faults fewer
+    /// per tensor per step). Tensors another version (or a reader) still shares are left be.
+    pub fn retire(&self, old: CandleModel) {
+        let mut spare = self.spare.lock().unwrap();
+        for (i, cell) in old.cells {
+            let Ok(cell) = Arc::try_unwrap(cell) else {
+                continue;
+            };
+            if let Some(slot) = cell
+                .ready
+                .into_inner()
+                .and_then(|s| Arc::try_unwrap(s).ok())
+            {
+                spare.insert(i, slot);
+            }
         }
     }
 }
@@ -828,69 +861,101 @@ impl candle_core::InplaceOp1 for InPlace<'_> {
     }
 }
 
-/// The optimizer's step on tensor `old` in place, when it and its state are contiguous f32
-/// values on the CPU and nothing else shares them (false otherwise: nothing was changed). The
-/// same operations, in the same order, as [`Optim::update`] (each state tensor first, then
-/// the parameters from the new state), so the bits are the fused pass's.
-fn in_place(
+/// `dst[i] = f(src[i], a[i], b[i])` over a CPU tensor's values, in place (`src`: another
+/// tensor of the same length, or `dst`'s own values where `None`); one pass of zipped slices,
+/// which the compiler vectorizes.
+fn map_into<F: Fn(f32, f32, f32) -> f32>(
+    dst: &Tensor,
+    src: Option<&Tensor>,
+    a: &[f32],
+    b: &[f32],
+    f: F,
+) -> candle_core::Result<()> {
+    dst.inplace_op1(&InPlace(&|d: &mut [f32]| match src {
+        None => {
+            for ((d, a), b) in d.iter_mut().zip(a).zip(b) {
+                *d = f(*d, *a, *b);
+            }
+        }
+        Some(s) => {
+            let _ = with_values(s, None, |s| {
+                for (((d, s), a), b) in d.iter_mut().zip(s).zip(a).zip(b) {
+                    *d = f(*s, *a, *b);
+                }
+            });
+        }
+    }))
+}
+
+/// The optimizer's step of tensor `src` written into `dst`'s buffers (`src` itself where
+/// `None`: in place), when both are contiguous f32 values on the CPU of one shape and nothing
+/// else shares `dst` (false otherwise: nothing was changed). The same operations, in the same
+/// order, as [`Optim::update`] (each state tensor first, then the parameters from the new
+/// state), so the bits are the fused pass's.
+fn step_into(
     optim: &Optim,
-    old: &Slot,
+    dst: &Slot,
+    src: Option<&Slot>,
     grad: Grad<'_>,
     scale: f32,
     t: f32,
 ) -> Result<bool, ComputeError> {
     let cpu = |t: &Tensor| t.device().is_cpu() && t.is_contiguous();
-    if !cpu(old.param.as_tensor()) || !old.state.iter().all(cpu) {
+    let fits = |s: &Slot| {
+        cpu(s.param.as_tensor())
+            && s.state.len() == dst.state.len()
+            && s.state.iter().all(cpu)
+            && s.param.elem_count() == dst.param.elem_count()
+    };
+    if !fits(dst) || !src.is_none_or(fits) {
         return Ok(false);
     }
+    let from = |k: Option<usize>| {
+        src.map(|s| match k {
+            None => s.param.as_tensor(),
+            Some(k) => &s.state[k],
+        })
+    };
     let run = |g: &[f32]| -> candle_core::Result<()> {
-        let g = |i: usize| g[i] * scale;
-        let w = old.param.as_tensor();
+        if g.len() != dst.param.elem_count() {
+            candle_core::bail!("{} gradient values for {}", g.len(), dst.param.elem_count());
+        }
+        let w = dst.param.as_tensor();
+        let lr = optim.lr;
         match optim.kind {
-            ravnest_core::Optimizer::Sgd => w.inplace_op1(&InPlace(&|w: &mut [f32]| {
-                for (i, w) in w.iter_mut().enumerate() {
-                    *w -= optim.lr * g(i);
-                }
-            })),
+            ravnest_core::Optimizer::Sgd => {
+                map_into(w, from(None), g, g, |w, g, _| w - lr * (g * scale))
+            }
             ravnest_core::Optimizer::SgdMomentum => {
-                old.state[0].inplace_op1(&InPlace(&|v: &mut [f32]| {
-                    for (i, v) in v.iter_mut().enumerate() {
-                        *v = optim.momentum * *v + g(i);
-                    }
-                }))?;
-                let v = &old.state[0];
-                w.inplace_op1(&InPlace(&|w: &mut [f32]| {
-                    let _ = with_values(v, None, |v| {
-                        for (w, v) in w.iter_mut().zip(v) {
-                            *w -= optim.lr * v;
-                        }
-                    });
-                }))
+                let mu = optim.momentum;
+                map_into(&dst.state[0], from(Some(0)), g, g, |v, g, _| {
+                    mu * v + g * scale
+                })?;
+                with_values(&dst.state[0], None, |v| {
+                    map_into(w, from(None), v, v, |w, v, _| w - lr * v)
+                })
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?
             }
             ravnest_core::Optimizer::Adamw => {
                 let [b1, nb1, b2, nb2, c1, c2, eps] = optim.adamw_constants(t);
-                old.state[0].inplace_op1(&InPlace(&|m: &mut [f32]| {
-                    for (i, m) in m.iter_mut().enumerate() {
-                        *m = b1 * *m + nb1 * g(i);
-                    }
-                }))?;
-                old.state[1].inplace_op1(&InPlace(&|v: &mut [f32]| {
-                    for (i, v) in v.iter_mut().enumerate() {
-                        let g = g(i);
-                        *v = b2 * *v + nb2 * g * g;
-                    }
-                }))?;
-                let (m, v) = (&old.state[0], &old.state[1]);
-                w.inplace_op1(&InPlace(&|w: &mut [f32]| {
-                    let _ = with_values(m, None, |m| {
-                        with_values(v, None, |v| {
-                            for ((w, m), v) in w.iter_mut().zip(m).zip(v) {
-                                let update = (m / c1) / ((v / c2).sqrt() + eps);
-                                *w -= optim.lr * (update + optim.weight_decay * *w);
-                            }
+                let wd = optim.weight_decay;
+                map_into(&dst.state[0], from(Some(0)), g, g, |m, g, _| {
+                    b1 * m + nb1 * (g * scale)
+                })?;
+                map_into(&dst.state[1], from(Some(1)), g, g, |v, g, _| {
+                    let g = g * scale;
+                    b2 * v + nb2 * g * g
+                })?;
+                with_values(&dst.state[0], None, |m| {
+                    with_values(&dst.state[1], None, |v| {
+                        map_into(w, from(None), m, v, |w, m, v| {
+                            let update = (m / c1) / ((v / c2).sqrt() + eps);
+                            w - lr * (update + wd * w)
                         })
-                    });
-                }))
+                    })
+                })
+                .and_then(|r| r)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?
             }
         }
     };

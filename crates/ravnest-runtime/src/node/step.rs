@@ -380,6 +380,14 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 .map(|m| r.next = m)
                 .map_err(|e| e.to_string())
         } else {
+            if r.pending == r.targets.len() {
+                // Every peer of this collective computed from version `step`: none will roll
+                // back past it, so what keeping version `step + 1` will forget is free now, and
+                // the update may write into its memory.
+                for old in st.versions.doomed_by(r.step + 1, true) {
+                    self.compute.retire(old);
+                }
+            }
             let applied = self
                 .compute
                 .apply_update(&mut r.next, target, &sum)

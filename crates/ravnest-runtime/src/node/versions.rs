@@ -75,21 +75,29 @@ impl<M> Versions<M> {
     /// the two newest synchronized ones (or all but the newest, under [`Keep::One`]).
     pub fn insert(&mut self, v: u64, version: Version<M>) {
         self.0.insert(v, version);
-        let (newest_n, synced_n) = match self.1 {
-            Keep::Two => (2, 2),
-            Keep::One => (1, 0),
-        };
-        let newest: Vec<u64> = self.0.keys().rev().take(newest_n).copied().collect();
-        let synced: Vec<u64> = self
+        let kept = kept(self.0.iter().map(|(k, x)| (*k, x.synced)), self.1);
+        self.0.retain(|k, _| kept.contains(k));
+    }
+
+    /// Take out now the versions that keeping version `v` (`synced` or not) will forget, so
+    /// that the step making `v` can reuse their memory.
+    pub fn doomed_by(&mut self, v: u64, synced: bool) -> Vec<M> {
+        let all = self
             .0
             .iter()
-            .rev()
-            .filter(|(_, x)| x.synced)
-            .take(synced_n)
-            .map(|(k, _)| *k)
+            .filter(|(k, _)| **k != v)
+            .map(|(k, x)| (*k, x.synced));
+        let kept = kept(all.chain([(v, synced)]), self.1);
+        let gone: Vec<u64> = self
+            .0
+            .keys()
+            .filter(|k| !kept.contains(k))
+            .copied()
             .collect();
-        self.0
-            .retain(|k, _| newest.contains(k) || synced.contains(k));
+        gone.iter()
+            .filter_map(|k| self.0.remove(k))
+            .map(|x| x.model)
+            .collect()
     }
 
     /// Forget every version newer than `v` (steps that will be redone).
@@ -108,6 +116,21 @@ impl<M> Versions<M> {
             })
             .collect()
     }
+}
+
+/// Of versions `(number, synced)`, the numbers kept under `keep`: the newest and the newest
+/// synchronized ones.
+fn kept(versions: impl Iterator<Item = (u64, bool)>, keep: Keep) -> Vec<u64> {
+    let (newest_n, synced_n) = match keep {
+        Keep::Two => (2, 2),
+        Keep::One => (1, 0),
+    };
+    let mut all: Vec<(u64, bool)> = versions.collect();
+    all.sort_unstable();
+    all.dedup_by_key(|x| x.0);
+    let mut out: Vec<u64> = all.iter().rev().take(newest_n).map(|x| x.0).collect();
+    out.extend(all.iter().rev().filter(|x| x.1).take(synced_n).map(|x| x.0));
+    out
 }
 
 #[cfg(test)]
@@ -139,6 +162,34 @@ mod tests {
             want.dedup();
             let held: Vec<u64> = vs.held().iter().map(|h| h.version).collect();
             prop_assert_eq!(held, want);
+        }
+    }
+
+    proptest! {
+        /// Taking out first what a new version will forget, then keeping it, leaves what
+        /// keeping it alone leaves; what was taken out is exactly what that forgets.
+        #[test]
+        fn doomed_versions_are_the_ones_an_insert_forgets(
+            synced in prop::collection::vec(any::<bool>(), 1..30),
+            one in any::<bool>(),
+        ) {
+            let (mut plain, mut early) = (Versions::default(), Versions::default());
+            let keep = if one { Keep::One } else { Keep::Two };
+            plain.keep(keep);
+            early.keep(keep);
+            for (k, s) in synced.iter().enumerate() {
+                let k = k as u64;
+                let before: Vec<u64> = plain.held().iter().map(|h| h.version).collect();
+                plain.insert(k, Version { model: k, synced: *s, layers: None });
+                let mut gone = early.doomed_by(k, *s);
+                early.insert(k, Version { model: k, synced: *s, layers: None });
+                let after: Vec<u64> = plain.held().iter().map(|h| h.version).collect();
+                prop_assert_eq!(&after, &early.held().iter().map(|h| h.version).collect::<Vec<_>>());
+                let mut want: Vec<u64> = before.into_iter().filter(|b| !after.contains(b)).collect();
+                gone.sort_unstable();
+                want.sort_unstable();
+                prop_assert_eq!(gone, want);
+            }
         }
     }
 
