@@ -28,15 +28,25 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// mimalloc's `mi_option_purge_delay` (its place in `mi_option_e`, the same in v2 and v3).
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
-/// From now on, freed pages go back to the kernel at once. mimalloc keeps them a second by
-/// default, which is what makes it fast (a GPT step allocates and frees its activations; given
-/// back after 100 ms, gpt-small trained at 4.9 samples/s instead of 6.1); a node whose plan
-/// needs more than half of its memory budget cannot afford it: a pipeline stage of
-/// `scenarios/pipeline-gpt-small.toml` peaked at 150-162 MiB where it holds 56 MiB of state,
-/// 115-119 MiB with this (see docs/architecture.md).
+/// Freed pages stay with the process (mimalloc never purges them): a training step frees its
+/// activations and allocates them again on the next step, seconds later at gpt2-small's shape,
+/// so mimalloc's default (give pages back after a second) had the kernel zero and fault them
+/// in again every step: a quarter of the step in `clear_page_erms` (perf, gpt2-small's shape at
+/// batch 4), 0.42 samples/s against 0.56 with this. What the process holds is then the high
+/// water of its working set, as with PyTorch on glibc.
+#[allow(unsafe_code)]
+fn keep_freed_pages() {
+    // SAFETY: setting an option is allowed at any time; mimalloc reads it at each purge.
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+}
+
+/// From now on, freed pages go back to the kernel at once: a node whose plan needs more than
+/// half of its memory budget cannot keep its high water (given back after a second, a pipeline
+/// stage of `scenarios/pipeline-gpt-small.toml` peaked at 150-162 MiB where it holds 56 MiB of
+/// state; 115-119 MiB with this; see docs/architecture.md).
 #[allow(unsafe_code)]
 fn purge_at_once() {
-    // SAFETY: setting an option is allowed at any time; mimalloc reads it at each purge.
+    // SAFETY: as above.
     unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0) };
 }
 
@@ -443,6 +453,7 @@ enum BenchWhat {
 fn main() -> ExitCode {
     // The environment's MIMALLOC_PURGE_DELAY, read by mimalloc at start, wins.
     if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        keep_freed_pages();
         ravnest_train::measure::on_tight_memory(purge_at_once);
     }
     init_logs();
