@@ -553,12 +553,14 @@ fn a_node_absent_from_the_file_joins_a_running_cluster_and_gets_a_batch_share() 
     assert!(applied.is_some_and(|k| k > 0), "{newbie_events:?}");
 }
 
+/// Also: a checkpoint damaged on disk after it was written is refused by name at `--resume`,
+/// and the run resumes from the one before it, ending with the same bytes all the same.
 #[test]
 fn resumed_run_ends_with_the_same_bytes_as_an_uninterrupted_one() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = fresh_dir("e2e-resume");
     // One node: the split (and so the float summation order) cannot depend on measured speeds.
-    let file = cluster_file(&dir, &[("solo", 1.0)], 30, 15);
+    let file = cluster_file(&dir, &[("solo", 1.0)], 30, 10);
     let f = file.to_str().unwrap();
     let (a, b) = (dir.join("a"), dir.join("b"));
     let run = |args: &[&str]| {
@@ -568,6 +570,8 @@ fn resumed_run_ends_with_the_same_bytes_as_an_uninterrupted_one() {
             "{args:?}: {}",
             String::from_utf8_lossy(&o.stderr)
         );
+        // With --json the cluster's lines are events on stdout.
+        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr)
     };
     run(&["run", f, "--json", "--out", a.to_str().unwrap()]);
     run(&[
@@ -575,12 +579,26 @@ fn resumed_run_ends_with_the_same_bytes_as_an_uninterrupted_one() {
         f,
         "--json",
         "--steps",
-        "15",
+        "20",
         "--out",
         b.to_str().unwrap(),
     ]);
     assert!(!b.join("checkpoints/step-00000030.safetensors").exists());
-    run(&["run", f, "--json", "--resume", "--out", b.to_str().unwrap()]);
+    // One bit of one weight of the newest checkpoint flips on disk.
+    let newest = b.join("checkpoints/step-00000020.safetensors");
+    let mut bytes = std::fs::read(&newest).unwrap();
+    let n = bytes.len();
+    bytes[n - 3] ^= 0x10;
+    std::fs::write(&newest, &bytes).unwrap();
+    let said = run(&["run", f, "--json", "--resume", "--out", b.to_str().unwrap()]);
+    for needle in [
+        "the checkpoint of step 20 is refused",
+        "step-00000020.safetensors",
+        "changed or damaged",
+        "resuming from the checkpoint of step 10",
+    ] {
+        assert!(said.contains(needle), "`{needle}` not in: {said}");
+    }
     // Tensor by tensor (the file's layout order is not fixed), bit for bit, and the metadata.
     let x = tensors(&a.join("checkpoints/step-00000030.safetensors"));
     let y = tensors(&b.join("checkpoints/step-00000030.safetensors"));

@@ -25,6 +25,7 @@ use crate::net::Network;
 use crate::optim::Optim;
 
 pub mod reader;
+mod verify;
 mod write;
 pub use reader::CheckpointReader;
 
@@ -373,10 +374,7 @@ impl CheckpointFiles {
         meta.insert("learning_rate".into(), self.optim.lr.to_string());
         let path = self.path(step);
         write::safetensors_atomic(&path, &self.weight_entries(), &meta, fill)?;
-        write_atomic(
-            &self.dir.join(format!("step-{step:08}.json")),
-            manifest_json.as_bytes(),
-        )?;
+        write_atomic(&self.manifest_path(step), manifest_json.as_bytes())?;
         if let Network::Gpt(g) = &self.net {
             self.hugging_face_folder(g, &path)?;
         }
@@ -459,8 +457,10 @@ fn manifest_json(m: &Manifest, file: &Path) -> String {
 }
 
 impl Store for CheckpointFiles {
+    /// The newest checkpoint whose values match its manifest's digests (a damaged one is
+    /// passed over for the one before it).
     fn latest(&self) -> Option<(u64, Vec<f32>)> {
-        let step = CheckpointFiles::latest(self).ok()??;
+        let (step, _) = self.newest_intact().ok()??;
         self.load(step).ok().map(|m| (step, m))
     }
 
@@ -577,6 +577,83 @@ mod tests {
             );
             std::fs::remove_dir_all(&dir).unwrap();
         }
+    }
+
+    /// A checkpoint whose bytes changed after it was written is refused by name and the one
+    /// before it is taken; where none is intact, the newest one's fault is the error.
+    #[test]
+    fn a_damaged_checkpoint_is_refused_for_the_one_before() {
+        let dir = std::env::temp_dir().join(format!("ravnest-store-dmg-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let files = CheckpointFiles {
+            dir: dir.clone(),
+            net: Network::Mlp {
+                dims: vec![3, 4, 2],
+            },
+            optim: Optim {
+                kind: Optimizer::Adamw,
+                lr: 0.1,
+                momentum: 0.9,
+                weight_decay: 0.0,
+            },
+            meta: BTreeMap::new(),
+        };
+        let p = files.net.params();
+        let layers = files.net.model_spec().layers.len() as u32;
+        for step in [5u64, 7] {
+            let flat: Vec<f32> = (0..p + files.optim.state_len(p))
+                .map(|i| (i as u64 * step) as f32 * 0.01)
+                .collect();
+            // Two shards, as two stages write them, each with the digest of its slots.
+            let shards: Vec<String> = [(0, 1), (1, layers)]
+                .iter()
+                .map(|&(a, b)| {
+                    let slots = crate::compute::layer_slots(
+                        &files.net,
+                        &files.optim,
+                        LayerRange { start: a, end: b },
+                    );
+                    let values = ravnest_runtime::seams::gather(&flat, &slots).unwrap();
+                    let d = ravnest_runtime::digest::digest(&values);
+                    format!(
+                        "{{\"node\":0,\"layers\":[{a},{b}],\"digest\":\"{d:016x}\",\"bytes\":0}}"
+                    )
+                })
+                .collect();
+            let manifest = format!("{{\"step\":{step},\"shards\":[{}]}}", shards.join(","));
+            files.write(step, &flat, &manifest).unwrap();
+        }
+        assert_eq!(files.newest_intact().unwrap(), Some((7, vec![])));
+        // One value of step 7's optimizer state changes on disk (the file's last bytes).
+        let optim = files.optim_path(7);
+        let mut bytes = std::fs::read(&optim).unwrap();
+        let n = bytes.len();
+        bytes[n - 6] ^= 0x40;
+        std::fs::write(&optim, &bytes).unwrap();
+        let (step, refused) = files.newest_intact().unwrap().unwrap();
+        assert_eq!(step, 5);
+        assert_eq!(refused.len(), 1);
+        assert!(
+            refused[0].contains("step 7")
+                && refused[0].contains(&files.path(7).display().to_string())
+                && refused[0].contains("changed or damaged"),
+            "{refused:?}"
+        );
+        assert_eq!(Store::latest(&files).unwrap().0, 5);
+        // A weight of step 5 too: nothing intact is left, and that is an error, not a start
+        // from scratch.
+        let weights = files.path(5);
+        let mut bytes = std::fs::read(&weights).unwrap();
+        let n = bytes.len();
+        bytes[n - 2] ^= 0x01;
+        std::fs::write(&weights, &bytes).unwrap();
+        let e = files.newest_intact().unwrap_err().to_string();
+        assert!(
+            e.contains("layers") && e.contains("step-00000007.json"),
+            "{e}"
+        );
+        assert!(Store::latest(&files).is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

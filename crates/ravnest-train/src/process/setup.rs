@@ -275,8 +275,13 @@ fn guard_checkpoints(
     if !opts.resume {
         return Ok(None);
     }
-    match files.latest()? {
-        Some(step) => {
+    // The newest checkpoint whose values give the digests the replicas agreed on: a damaged
+    // one is said and passed over, never trained on.
+    match files.newest_intact()? {
+        Some((step, refused)) => {
+            for line in refused {
+                say.cluster(format!("--resume: {line}"));
+            }
             // Read tensor by tensor as the nodes need them: no node holds the whole model.
             let reader = crate::store::CheckpointReader::open(files, step)?;
             say.cluster(format!(
