@@ -25,6 +25,7 @@
 //! failure detector). Envelopes queued for a peer that cannot be reached within the connect
 //! window are lost, as on any network; the detector and the coordinator's aborts deal with it.
 
+mod agreed;
 mod channel;
 mod config;
 mod handshake;
@@ -46,9 +47,10 @@ use crate::msg::{Addr, Envelope};
 use crate::seams::{Inbox, Transport, TransportError};
 use crate::wire;
 
+pub use agreed::HandshakeError;
 pub use channel::{Channel, NOISE_PROTOCOL};
 pub use config::{LIVE_MS, PeerDownHook, TcpConfig};
-pub use handshake::{HandshakeError, dial_as, fetch_cluster_file};
+pub use handshake::{dial_as, fetch_cluster_file};
 pub use loopback::LoopbackCluster;
 pub use ports::spare_ports;
 pub use state::TcpTransport;

@@ -38,8 +38,8 @@ use tokio::io::{
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
+use super::agreed::{HandshakeError, HmacSha256, Transcript};
 use super::config::HANDSHAKE_TIMEOUT;
-use super::handshake::{HandshakeError, HmacSha256, Transcript};
 
 /// The channel's Noise protocol. AES-256-GCM rather than ChaCha20-Poly1305: with snow's ring
 /// backend it seals and opens 3-5x faster on CPUs with AES instructions (every x86 server of the

@@ -12,6 +12,7 @@ use tokio::sync::mpsc;
 
 use crate::wire;
 
+use super::agreed::*;
 use super::channel::{self, AUTH_FAILED, RECORD_SPAN, Rx, Tx};
 use super::handshake::*;
 use super::state::*;
