@@ -74,22 +74,37 @@ pub struct NodeCounters {
     pub final_model: Option<Vec<f32>>,
     /// Activity intervals, in order (for timelines).
     pub spans: Vec<Span>,
-    /// After each step: (version made, `compute_ns`, `comm_ns`, ns since the start, the step's
-    /// batch), so a report can leave out the first steps (warm-up) of a run, and a profile can
-    /// tell each step's figures (differences of consecutive entries) at its batch.
-    pub history: Vec<(u64, u64, u64, u64, u64)>,
+    /// A mark after each step, so a report can leave out the first steps (warm-up) of a run,
+    /// and a profile can tell each step's figures (differences of consecutive marks) at its
+    /// batch.
+    pub history: Vec<StepMark>,
+}
+
+/// Where a node's counters stood after one step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StepMark {
+    /// The model version the step made.
+    pub version: u64,
+    /// [`NodeCounters::compute_ns`] so far.
+    pub compute_ns: u64,
+    /// [`NodeCounters::comm_ns`] so far.
+    pub comm_ns: u64,
+    /// Nanoseconds since the node started.
+    pub at_ns: u64,
+    /// The step's batch on this node.
+    pub batch: u64,
 }
 
 impl NodeCounters {
     /// (busy, comm) fractions of the wall time between making version `from` and the last
     /// step, or `None` when that span is not in the history.
     pub fn steady_fractions(&self, from: u64) -> Option<(f64, f64)> {
-        let start = self.history.iter().find(|h| h.0 == from)?;
+        let start = self.history.iter().find(|h| h.version == from)?;
         let end = self.history.last()?;
-        let wall = end.3.checked_sub(start.3).filter(|w| *w > 0)? as f64;
+        let wall = end.at_ns.checked_sub(start.at_ns).filter(|w| *w > 0)? as f64;
         Some((
-            (end.1 - start.1) as f64 / wall,
-            (end.2 - start.2) as f64 / wall,
+            (end.compute_ns - start.compute_ns) as f64 / wall,
+            (end.comm_ns - start.comm_ns) as f64 / wall,
         ))
     }
 }

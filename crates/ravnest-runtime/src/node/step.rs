@@ -491,8 +491,13 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             }
             c.steps += 1;
             if c.history.len() < HISTORY_MAX {
-                c.history
-                    .push((v, c.compute_ns, c.comm_ns, now_ns, c.batch));
+                c.history.push(super::StepMark {
+                    version: v,
+                    compute_ns: c.compute_ns,
+                    comm_ns: c.comm_ns,
+                    at_ns: now_ns,
+                    batch: c.batch,
+                });
             }
         });
         st.versions.insert(

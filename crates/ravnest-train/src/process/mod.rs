@@ -419,7 +419,7 @@ fn progress_of(opts: &Options, su: &Setup, net: &Tap, counters: &Counters) -> Pr
 /// Each step after the first `warmup` of `history` (the latest [`STEADY_STEPS_MAX`]), as the
 /// differences of consecutive entries.
 fn steady_steps(
-    history: &[(u64, u64, u64, u64, u64)],
+    history: &[ravnest_runtime::node::StepMark],
     warmup: u64,
 ) -> Vec<ravnest_core::profile::StepSample> {
     let from = (warmup as usize).max(1);
@@ -429,11 +429,11 @@ fn steady_steps(
         .map(|w| {
             let (a, b) = (w[0], w[1]);
             ravnest_core::profile::StepSample {
-                version: b.0,
-                batch: b.4,
-                compute_s: b.1.saturating_sub(a.1) as f64 / 1e9,
-                comm_s: b.2.saturating_sub(a.2) as f64 / 1e9,
-                period_s: b.3.saturating_sub(a.3) as f64 / 1e9,
+                version: b.version,
+                batch: b.batch,
+                compute_s: b.compute_ns.saturating_sub(a.compute_ns) as f64 / 1e9,
+                comm_s: b.comm_ns.saturating_sub(a.comm_ns) as f64 / 1e9,
+                period_s: b.at_ns.saturating_sub(a.at_ns) as f64 / 1e9,
             }
         })
         .collect();
