@@ -797,33 +797,14 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         {
             return self.fail(p.epoch, e.to_string());
         }
-        match mode {
-            StepMode::Sync => {
-                self.finish_step(
-                    st,
-                    p.epoch,
-                    p.step,
-                    next,
-                    layers,
-                    true,
-                    Spent::compute(p.compute_ns),
-                )
-                .await
-            }
-            StepMode::Local => {
-                self.finish_step(
-                    st,
-                    p.epoch,
-                    p.step,
-                    next,
-                    layers,
-                    false,
-                    Spent::compute(p.compute_ns),
-                )
-                .await
-            }
-            StepMode::Average => self.average(st, &w, p.step, next, layers, p.compute_ns),
+        if mode == StepMode::Average {
+            return self.average(st, &w, p.step, next, layers, p.compute_ns);
         }
+        // A synchronized step's version is one every replica agreed on; a local one's is not.
+        let synced = mode == StepMode::Sync;
+        let spent = Spent::compute(p.compute_ns);
+        self.finish_step(st, p.epoch, p.step, next, layers, synced, spent)
+            .await
     }
 
     /// An activation or gradient from a neighbouring stage.
