@@ -1069,6 +1069,17 @@ mod tests {
             for (a, b) in fs.iter().zip(&cs) {
                 prop_assert_eq!(a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), bits(b));
             }
+            // Written into a retired version's buffers, and in place: the same bits.
+            let spare = slot(&counter, &vals[30..30 + n], &vec![vec![7.0; n]; states]);
+            prop_assert!(step_into(&optim, &spare, Some(&old), Grad::Host(g), scale, t as f32).unwrap());
+            let alone = slot(&counter, w, &state);
+            prop_assert!(step_into(&optim, &alone, None, Grad::Host(g), scale, t as f32).unwrap());
+            for into in [&spare, &alone] {
+                prop_assert_eq!(fw.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), bits(into.param.as_tensor()));
+                for (a, b) in fs.iter().zip(&into.state) {
+                    prop_assert_eq!(a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), bits(b));
+                }
+            }
             // And the fused pass is the flat optimizer's step, bit for bit.
             let mut flat: Vec<f32> = w.to_vec();
             for s in &state {

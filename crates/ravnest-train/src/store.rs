@@ -543,24 +543,33 @@ mod tests {
     use super::*;
     use ravnest_core::Optimizer;
 
+    /// Checkpoint files in `dir` for `net` trained with `kind` (lr 0.1, momentum 0.9).
+    fn files_at(dir: &Path, net: Network, kind: Optimizer) -> CheckpointFiles {
+        CheckpointFiles {
+            dir: dir.to_path_buf(),
+            net,
+            optim: Optim {
+                kind,
+                lr: 0.1,
+                momentum: 0.9,
+                weight_decay: 0.0,
+            },
+            meta: BTreeMap::new(),
+        }
+    }
+
     #[test]
     fn write_then_load_is_exact_for_every_optimizer() {
         for kind in [Optimizer::Sgd, Optimizer::SgdMomentum, Optimizer::Adamw] {
             let dir =
                 std::env::temp_dir().join(format!("ravnest-store-{}-{kind:?}", std::process::id()));
-            let files = CheckpointFiles {
-                dir: dir.clone(),
-                net: Network::Mlp {
+            let files = files_at(
+                &dir,
+                Network::Mlp {
                     dims: vec![3, 4, 2],
                 },
-                optim: Optim {
-                    kind,
-                    lr: 0.1,
-                    momentum: 0.9,
-                    weight_decay: 0.0,
-                },
-                meta: BTreeMap::new(),
-            };
+                kind,
+            );
             let p = files.net.params();
             let flat: Vec<f32> = (0..p + files.optim.state_len(p))
                 .map(|i| i as f32 * 0.5 - 3.0)
@@ -585,19 +594,13 @@ mod tests {
     fn a_damaged_checkpoint_is_refused_for_the_one_before() {
         let dir = std::env::temp_dir().join(format!("ravnest-store-dmg-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let files = CheckpointFiles {
-            dir: dir.clone(),
-            net: Network::Mlp {
+        let files = files_at(
+            &dir,
+            Network::Mlp {
                 dims: vec![3, 4, 2],
             },
-            optim: Optim {
-                kind: Optimizer::Adamw,
-                lr: 0.1,
-                momentum: 0.9,
-                weight_decay: 0.0,
-            },
-            meta: BTreeMap::new(),
-        };
+            Optimizer::Adamw,
+        );
         let p = files.net.params();
         let layers = files.net.model_spec().layers.len() as u32;
         for step in [5u64, 7] {
@@ -699,17 +702,7 @@ mod tests {
         let run = std::env::temp_dir().join(format!("ravnest-store-gpt-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&run);
         let dir = run.join("checkpoints");
-        let files = CheckpointFiles {
-            dir: dir.clone(),
-            net: Network::Gpt(g),
-            optim: Optim {
-                kind: Optimizer::Adamw,
-                lr: 0.1,
-                momentum: 0.9,
-                weight_decay: 0.0,
-            },
-            meta: BTreeMap::new(),
-        };
+        let files = files_at(&dir, Network::Gpt(g), Optimizer::Adamw);
         let p = files.net.params();
         let flat: Vec<f32> = (0..p + files.optim.state_len(p))
             .map(|i| (i % 13) as f32 * 0.25 - 1.0)
