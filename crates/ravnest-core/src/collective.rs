@@ -16,7 +16,7 @@
 pub use crate::coll_types::{CollEffect, CollId, CollInput, CollMsg};
 use crate::planner::sync::Collective;
 use crate::ps::PsMember;
-use crate::ring::RingMember;
+use crate::ring::{RingMember, RingMode, valid_bounds};
 use crate::ring2d::Ring2dMember;
 
 /// The algorithm a [`Member`] runs.
@@ -32,7 +32,23 @@ enum Algo {
 pub struct Member {
     id: CollId,
     n: usize,
+    len: usize,
+    /// A part of a ring all-reduce over uneven chunks ([`Member::part`]): each message is
+    /// charged by its length, not as one of n equal pieces.
+    uneven: bool,
     algo: Algo,
+}
+
+/// Half of a ring all-reduce over uneven chunks: what sharded data parallel runs (a
+/// reduce-scatter of the gradient to each part's owner, an all-gather of the parameters
+/// from them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RingPart {
+    /// Which half (or both).
+    pub mode: RingMode,
+    /// Chunk c is `bounds[c]..bounds[c + 1]`; rank r owns chunk r + 1 (mod n) (see
+    /// [`RingMember::with_bounds`]).
+    pub bounds: Vec<usize>,
 }
 
 impl Member {
@@ -55,7 +71,39 @@ impl Member {
             Collective::ParamServer => Algo::Ps(PsMember::new(id, rank, n, len)),
             _ => Algo::Ring(RingMember::new(id, rank, n, len)),
         };
-        Member { id, n, algo }
+        Member {
+            id,
+            n,
+            len,
+            uneven: false,
+            algo,
+        }
+    }
+
+    /// The member at `rank` of a flat ring of `n` running `part` over vectors of `len`
+    /// elements; `None` when the part's bounds do not tile them in n chunks.
+    pub fn part(id: CollId, rank: usize, n: usize, len: usize, part: &RingPart) -> Option<Member> {
+        if rank >= n || !valid_bounds(&part.bounds, n, len) {
+            return None;
+        }
+        let ring = RingMember::with_mode(id, 0, part.mode, rank, n, len);
+        Some(Member {
+            id,
+            n,
+            len,
+            uneven: true,
+            algo: Algo::Ring(ring.with_bounds(part.bounds.clone())),
+        })
+    }
+
+    /// The bytes `msg` is charged on a simulated network when the whole vector stands for
+    /// `virtual_bytes`: its share by [`Member::pieces_of`], or by its length for uneven chunks.
+    pub fn charge(&self, msg: &CollMsg, virtual_bytes: u64) -> u64 {
+        if self.uneven {
+            let len = msg.data().len() as u128;
+            return (u128::from(virtual_bytes) * len / self.len.max(1) as u128) as u64;
+        }
+        virtual_bytes / self.pieces_of(msg) as u64
     }
 
     /// Its collective.

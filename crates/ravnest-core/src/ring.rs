@@ -49,6 +49,14 @@ pub fn segments_for(len: usize, n: usize) -> usize {
     chunk.div_ceil(SEGMENT_ELEMS).max(1)
 }
 
+/// Whether `bounds` cuts `len` values into `n` chunks: n + 1 entries rising from 0 to `len`.
+pub fn valid_bounds(bounds: &[usize], n: usize, len: usize) -> bool {
+    bounds.len() == n + 1
+        && bounds.first() == Some(&0)
+        && bounds.last() == Some(&len)
+        && bounds.windows(2).all(|w| w[0] <= w[1])
+}
+
 /// Which chunk rank `rank` sends to `rank + 1` at `step` (0..n-1) of `phase`, and which chunk
 /// it receives from `rank - 1` at the same step.
 pub fn schedule(phase: Phase, step: usize, rank: usize, n: usize) -> (usize, usize) {
@@ -90,6 +98,9 @@ pub struct RingMember {
     rank: usize,
     n: usize,
     len: usize,
+    /// Chunk c is `bounds[c]..bounds[c + 1]` (n + 1 entries): equal chunks unless
+    /// [`RingMember::with_bounds`] set others.
+    bounds: Vec<usize>,
     segments: usize,
     buf: Vec<f32>,
     state: State,
@@ -134,6 +145,7 @@ impl RingMember {
             rank,
             n,
             len,
+            bounds: (0..=n).map(|c| c * len / n).collect(),
             segments,
             buf: Vec::new(),
             state: State::Waiting,
@@ -152,6 +164,33 @@ impl RingMember {
         self.segments = segments;
         self.next = vec![self.first; segments];
         self
+    }
+
+    /// The same member with chunks of the given sizes: chunk c is `bounds[c]..bounds[c + 1]`,
+    /// so that rank r ends a reduce-scatter owning `bounds[r + 1]..bounds[r + 2]` (mod n) and
+    /// starts an all-gather owning it. Uneven shards: each rank owns the part of the vector
+    /// it was given, of any size, empty ones included. Every rank of a ring must pass the same
+    /// bounds; the segment count is chosen again for the largest chunk. Call before `Start`.
+    ///
+    /// # Panics
+    /// When `bounds` does not have n + 1 entries, rising from 0 to the vector's length.
+    pub fn with_bounds(mut self, bounds: Vec<usize>) -> Self {
+        assert!(
+            valid_bounds(&bounds, self.n, self.len),
+            "chunk bounds {bounds:?} do not tile {} values in {} chunks",
+            self.len,
+            self.n
+        );
+        let largest = bounds.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+        self.bounds = bounds;
+        self.with_segments(largest.div_ceil(SEGMENT_ELEMS).max(1))
+    }
+
+    /// The element range of segment `j` of chunk `c`.
+    fn segment(&self, c: usize, j: usize) -> Range<usize> {
+        let (a, b) = (self.bounds[c], self.bounds[c + 1]);
+        let inner = chunk_range(b - a, self.segments, j);
+        a + inner.start..a + inner.end
     }
 
     /// Whether the collective has finished or aborted.
@@ -178,7 +217,7 @@ impl RingMember {
     fn send(&self, u: usize, seg: usize) -> CollEffect {
         let (phase, step) = self.phase_step(u);
         let (c, _) = schedule(phase, step, self.rank, self.n);
-        let range = segment_range(self.len, self.n, c, self.segments, seg);
+        let range = self.segment(c, seg);
         CollEffect::Send {
             to: (self.rank + 1) % self.n,
             msg: CollMsg::Chunk(RingChunk {
@@ -240,7 +279,7 @@ impl RingMember {
                     Phase::AllGather => self.n - 1 + c.step,
                 };
                 let (_, want) = schedule(c.phase, c.step, self.rank, self.n);
-                let range = segment_range(self.len, self.n, want, self.segments, seg);
+                let range = self.segment(want, seg);
                 if u < self.next[seg]
                     || u >= self.end
                     || c.chunk != want
@@ -266,7 +305,7 @@ impl RingMember {
             let Some(c) = self.early.remove(&(seg, u)) else {
                 return;
             };
-            let range = segment_range(self.len, self.n, c.chunk, self.segments, seg);
+            let range = self.segment(c.chunk, seg);
             match c.phase {
                 Phase::ReduceScatter => {
                     for (x, y) in self.buf[range].iter_mut().zip(&c.data) {
@@ -304,9 +343,21 @@ mod tests {
     ) -> Vec<Option<Vec<f32>>> {
         let n = vectors.len();
         let len = vectors[0].len();
-        let mut members: Vec<RingMember> = (0..n)
+        let members: Vec<RingMember> = (0..n)
             .map(|r| RingMember::new(CollId::epoch(7), r, n, len).with_segments(segments))
             .collect();
+        drive(members, vectors, choices, lose_at)
+    }
+
+    /// Drive `members` (rank order), each started with its vector, under the interleaving
+    /// `choices` picks.
+    fn drive(
+        mut members: Vec<RingMember>,
+        vectors: &[Vec<f32>],
+        choices: &[usize],
+        lose_at: Option<usize>,
+    ) -> Vec<Option<Vec<f32>>> {
+        let n = vectors.len();
         let mut links: Vec<VecDeque<RingChunk>> = vec![VecDeque::new(); n]; // links[r]: r -> r+1
         let mut started = vec![false; n];
         let mut result: Vec<Option<Vec<f32>>> = vec![None; n];
@@ -374,6 +425,55 @@ mod tests {
                 prop_assert_eq!(o.len(), len);
                 for j in 0..len { prop_assert!((o[j] - oracle[j]).abs() <= 1e-4 * oracle[j].abs().max(1.0), "rank {r} elem {j}"); }
                 prop_assert_eq!(o, out[0].as_ref().unwrap(), "ranks disagree bit for bit");
+            }
+        }
+
+        /// Uneven chunks (empty ones too): a reduce-scatter leaves rank r owning the sum of
+        /// chunk r + 1, and an all-gather started from those owned sums gives every rank the
+        /// whole sum, under any interleaving; a full all-reduce over the same bounds agrees.
+        #[test]
+        fn uneven_reduce_scatter_then_all_gather_equals_the_sum(
+            n in 1usize..6,
+            len in 0usize..40,
+            cuts in prop::collection::vec(0usize..40, 5),
+            elems in 1usize..4,
+            seed_vals in prop::collection::vec(-100i32..100, 6 * 40),
+            choices in prop::collection::vec(0usize..1000, 0..300),
+        ) {
+            let mut inner: Vec<usize> = cuts[..n - 1].iter().map(|c| c % (len + 1)).collect();
+            inner.sort_unstable();
+            let bounds: Vec<usize> = std::iter::once(0).chain(inner).chain([len]).collect();
+            let vectors: Vec<Vec<f32>> = (0..n)
+                .map(|r| (0..len).map(|j| seed_vals[r * 40 + j] as f32 / 8.0).collect())
+                .collect();
+            let oracle: Vec<f32> = (0..len).map(|j| vectors.iter().map(|v| v[j]).sum()).collect();
+            let id = CollId::epoch(9);
+            let member = |mode, r| {
+                let m = RingMember::with_mode(id, 0, mode, r, n, len).with_bounds(bounds.clone());
+                // Small segments, so that pieces of one chunk interleave too.
+                let most = bounds.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+                m.with_segments(most.div_ceil(elems).max(1))
+            };
+            let scattered = drive((0..n).map(|r| member(RingMode::ReduceScatter, r)).collect(), &vectors, &choices, None);
+            let close = |a: f32, b: f32| (a - b).abs() <= 1e-4 * b.abs().max(1.0);
+            let mut owned = Vec::new();
+            for (r, o) in scattered.iter().enumerate() {
+                let o = o.as_ref().unwrap_or_else(|| panic!("rank {r} did not finish"));
+                let c = (r + 1) % n;
+                for j in bounds[c]..bounds[c + 1] {
+                    prop_assert!(close(o[j], oracle[j]), "rank {r} elem {j}: {} vs {}", o[j], oracle[j]);
+                }
+                owned.push(o.clone());
+            }
+            let gathered = drive((0..n).map(|r| member(RingMode::AllGather, r)).collect(), &owned, &choices, None);
+            let full = drive((0..n).map(|r| member(RingMode::Full, r)).collect(), &vectors, &choices, None);
+            for (r, (g, f)) in gathered.iter().zip(&full).enumerate() {
+                let (g, f) = (g.as_ref().expect("gathered"), f.as_ref().expect("reduced"));
+                for j in 0..len {
+                    prop_assert!(close(g[j], oracle[j]), "rank {r} elem {j}");
+                    prop_assert!(close(f[j], oracle[j]), "rank {r} elem {j}");
+                }
+                prop_assert_eq!(g, gathered[0].as_ref().unwrap(), "ranks disagree bit for bit");
             }
         }
 
