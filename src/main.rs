@@ -5,6 +5,7 @@ mod bench_ddp;
 mod bench_gpt;
 mod bench_net;
 mod bench_planners;
+mod bench_sharded;
 mod chaos;
 mod report;
 mod run;
@@ -304,6 +305,22 @@ enum BenchWhat {
         /// Python with torch and transformers (default: RAVNEST_PYTHON, else python3).
         #[arg(long)]
         python: Option<String>,
+    },
+    /// One cluster file trained as the planner chooses and as a pipeline (`[training] layout =
+    /// "pipeline"`), real runs side by side: samples/s of each, and each node's held state
+    /// against its plan. Default: scenarios/sharded-gpt-small.toml, where the model's state
+    /// fits no node and the planner chooses sharded data parallel.
+    #[command(after_help = "Example:\n  ravnest bench sharded --steps 30 --rounds 3")]
+    Sharded {
+        /// The cluster file (default: the embedded scenarios/sharded-gpt-small.toml; its
+        /// dataset is read from the current folder).
+        file: Option<PathBuf>,
+        /// Steps per run.
+        #[arg(long, default_value_t = 30)]
+        steps: u64,
+        /// Interleaved rounds (each side's median is printed).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
     },
     /// One node through ravnest against a bare candle training loop: the framework's overhead.
     #[command(after_help = "Example:\n  ravnest bench overhead --steps 200 --rounds 3")]
@@ -888,6 +905,30 @@ fn bench_command(what: BenchWhat) -> Result<()> {
                 batch,
                 slowdown,
                 python,
+            })?);
+            Ok(())
+        }
+        BenchWhat::Sharded {
+            file,
+            steps,
+            rounds,
+        } => {
+            let (origin, text) = match file {
+                Some(f) => (
+                    f.display().to_string(),
+                    std::fs::read_to_string(&f)
+                        .with_context(|| format!("cannot read {}", f.display()))?,
+                ),
+                None => (
+                    "scenarios/sharded-gpt-small.toml".to_string(),
+                    include_str!("../scenarios/sharded-gpt-small.toml").to_string(),
+                ),
+            };
+            emit(&bench_sharded::sharded(&bench_sharded::ShardedArgs {
+                text,
+                origin,
+                steps,
+                rounds,
             })?);
             Ok(())
         }

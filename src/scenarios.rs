@@ -11,7 +11,7 @@ pub const SIM_DEFAULT: (&str, &str) = SHIPPED[0];
 pub const RUN_DEFAULT: (&str, &str) = SHIPPED[7];
 
 /// (name, TOML text) of every file in `scenarios/`, in report order (the 1,000-node one last).
-pub const SHIPPED: [(&str, &str); 14] = [
+pub const SHIPPED: [(&str, &str); 15] = [
     ("flaky-3090", include_str!("../scenarios/flaky-3090.toml")),
     ("homogeneous", include_str!("../scenarios/homogeneous.toml")),
     (
@@ -34,6 +34,10 @@ pub const SHIPPED: [(&str, &str); 14] = [
     (
         "pipeline-gpt-small",
         include_str!("../scenarios/pipeline-gpt-small.toml"),
+    ),
+    (
+        "sharded-gpt-small",
+        include_str!("../scenarios/sharded-gpt-small.toml"),
     ),
     (
         "coordinator-crash",

@@ -389,6 +389,26 @@ impl Compute for SimCompute {
             .collect()
     }
 
+    fn set_params(
+        &self,
+        model: &mut SimModel,
+        range: Range<usize>,
+        values: &[f32],
+    ) -> Result<(), ComputeError> {
+        let m = self.own(model);
+        let len = m.len();
+        match m.get_mut(range.clone()) {
+            Some(w) if w.len() == values.len() => {
+                w.copy_from_slice(values);
+                Ok(())
+            }
+            _ => Err(ComputeError::Shape(format!(
+                "{} values for {range:?} of a {len}-value model",
+                values.len(),
+            ))),
+        }
+    }
+
     fn apply_update(
         &self,
         model: &mut SimModel,

@@ -360,6 +360,7 @@ pub fn run(s: &Scenario, opts: &SimOptions) -> Result<SimReport, SimError> {
     let layered = matches!(
         first_plan.layout,
         ravnest_core::planner::Layout::Pipeline { .. }
+            | ravnest_core::planner::Layout::Sharded { .. }
     );
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()

@@ -20,6 +20,7 @@ fn scenario(name: &str) -> Scenario {
         "local-digits" => include_str!("../../scenarios/local-digits.toml"),
         "local-text" => include_str!("../../scenarios/local-text.toml"),
         "local-gpt" => include_str!("../../scenarios/local-gpt.toml"),
+        "sharded-gpt-small" => include_str!("../../scenarios/sharded-gpt-small.toml"),
         "large-1000" => include_str!("../../scenarios/large-1000.toml"),
         other => panic!("unknown scenario {other}"),
     };
@@ -502,6 +503,7 @@ fn sim_runs_the_plan_at_the_predicted_speed_on_every_scenario() {
         "local-digits",
         "local-text",
         "local-gpt",
+        "sharded-gpt-small",
         "coordinator-crash",
         "coordinator-crash-replan",
         "large-1000",

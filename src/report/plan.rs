@@ -38,6 +38,9 @@ fn layout_text(p: &Plan) -> String {
         } => format!(
             "{replicas} pipeline replica(s) x {stages} stages, micro-batch {micro_batch}, 1F1B schedule"
         ),
+        Layout::Sharded { workers, .. } => format!(
+            "sharded data parallel over {workers} nodes (optimizer state in parts sized by memory)"
+        ),
     }
 }
 
@@ -254,8 +257,14 @@ pub fn plan_text(origin: &str, s: &Scenario, p: &Plan, cmp: &Comparisons) -> Str
     );
     let _ = writeln!(out, "planner {}: {}", p.planner, layout_text(p));
     let _ = writeln!(out, "split: {}", p.split_line());
-    if let Layout::Pipeline { bounds, .. } = &p.layout {
-        let _ = writeln!(out, "stage layers: {}", bounds_text(bounds));
+    match &p.layout {
+        Layout::Pipeline { bounds, .. } => {
+            let _ = writeln!(out, "stage layers: {}", bounds_text(bounds));
+        }
+        Layout::Sharded { bounds, .. } => {
+            let _ = writeln!(out, "part layers: {}", bounds_text(bounds));
+        }
+        Layout::DataParallel { .. } => {}
     }
     out.push('\n');
     out.push_str(&node_table(p, s.model.layers.len()));

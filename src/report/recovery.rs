@@ -22,6 +22,7 @@ fn shape(layout: &Layout) -> String {
         Layout::Pipeline {
             stages, replicas, ..
         } => format!("{replicas} pipeline replicas x {stages} stages"),
+        Layout::Sharded { workers, .. } => format!("sharded data parallel over {workers} nodes"),
     }
 }
 

@@ -20,5 +20,6 @@ pub(super) fn short_layout(p: &Plan) -> String {
         Layout::Pipeline {
             stages, replicas, ..
         } => format!("pp {replicas}x{stages}"),
+        Layout::Sharded { workers, .. } => format!("zero x{workers}"),
     }
 }

@@ -115,6 +115,37 @@ pub struct TrainingSpec {
     /// the final checkpoint). A restore redoes half of it on average.
     #[serde(default = "default_checkpoint_every")]
     pub checkpoint_every_steps: u64,
+    /// The kinds of layout the planner may choose from (`[training] layout`).
+    #[serde(default)]
+    pub layout: LayoutChoice,
+}
+
+/// Which kinds of layout a plan may have (`[training] layout`): the planner's choice by the
+/// objective, or one kind the user asks for (to compare kinds side by side, or to keep one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum LayoutChoice {
+    /// Every kind the runtime runs; the least objective wins.
+    #[default]
+    Auto,
+    /// Data parallel only (one worker or more), every worker holding the whole model.
+    DataParallel,
+    /// Pipelines only (one replica or more).
+    Pipeline,
+    /// Sharded data parallel only.
+    Sharded,
+}
+
+impl LayoutChoice {
+    /// The name in the file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LayoutChoice::Auto => "auto",
+            LayoutChoice::DataParallel => "data-parallel",
+            LayoutChoice::Pipeline => "pipeline",
+            LayoutChoice::Sharded => "sharded",
+        }
+    }
 }
 
 fn yes() -> bool {
@@ -176,6 +207,7 @@ impl Default for TrainingSpec {
             node_mtbf_h: DEFAULT_NODE_MTBF_H,
             redundancy: Redundancy::Auto,
             checkpoint_every_steps: default_checkpoint_every(),
+            layout: LayoutChoice::Auto,
         }
     }
 }

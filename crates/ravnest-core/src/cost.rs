@@ -218,6 +218,35 @@ impl<'a> Costs<'a> {
         self.params(layers) * self.state_per_param
     }
 
+    /// Bytes per parameter of what sharded data parallel keeps only for its own part: the
+    /// persistent state less the weights and the gradient every worker holds whole (the
+    /// optimizer state, and the master weights of mixed precision).
+    fn part_bytes_per_param(&self) -> u64 {
+        self.state_per_param.saturating_sub(2 * self.elem)
+    }
+
+    /// Memory a sharded data-parallel worker owning `part` needs with `in_flight` samples of
+    /// activations: every weight and gradient, `part`'s optimizer state, the activations.
+    pub fn shard_memory_bytes(&self, part: LayerRange, in_flight: u64) -> u64 {
+        let all = self.all();
+        2 * self.grad_bytes(all)
+            + self.params(part) * self.part_bytes_per_param()
+            + self.activation_bytes_per_sample(all) * in_flight
+    }
+
+    /// The state a sharded data-parallel worker owning `part` keeps between steps: every
+    /// weight, and `part`'s optimizer state (the gradient lives for a step only).
+    pub fn shard_held_bytes(&self, part: LayerRange) -> u64 {
+        self.grad_bytes(self.all()) + self.params(part) * self.part_bytes_per_param()
+    }
+
+    /// Bytes of optimizer state `node` can hold as a sharded worker beside every weight and
+    /// gradient and one sample's activations; `None` when not even those fit.
+    pub fn shard_room(&self, node: NodeId) -> Option<u64> {
+        let base = self.shard_memory_bytes(LayerRange::from(0..0), 1);
+        self.cluster.node(node).memory_bytes.checked_sub(base)
+    }
+
     /// Activation bytes retained per sample in flight through `layers`.
     pub fn activation_bytes_per_sample(&self, layers: LayerRange) -> u64 {
         let r = layers.range();

@@ -24,7 +24,9 @@ pub mod ring;
 pub mod ring2d;
 pub mod units;
 
-pub use cluster::{ClusterSpec, Link, NodeId, NodeSpec, Redundancy, SyncPreference, TrainingSpec};
+pub use cluster::{
+    ClusterSpec, LayoutChoice, Link, NodeId, NodeSpec, Redundancy, SyncPreference, TrainingSpec,
+};
 pub use config::{ConfigError, Scenario, parse};
 pub use layers::LayerRange;
 pub use model::{ModelSpec, Optimizer, Precision};

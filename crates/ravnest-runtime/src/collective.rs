@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use ravnest_core::NodeId;
-use ravnest_core::collective::{CollEffect, CollId, CollInput, CollMsg, Member};
+use ravnest_core::collective::{CollEffect, CollId, CollInput, CollMsg, Member, RingPart};
 use ravnest_core::planner::sync::Collective;
 
 use crate::msg::{Addr, Envelope};
@@ -62,6 +62,9 @@ pub enum CollectiveMsg {
         data: Vec<f32>,
         /// Bytes the whole vector stands for.
         virtual_bytes: u64,
+        /// Half of a flat-ring all-reduce over uneven chunks (sharded data parallel), in
+        /// place of the group's collective; `None`: the group's whole all-reduce.
+        part: Option<RingPart>,
     },
     /// A message from the network.
     Net(CollMsg),
@@ -126,6 +129,7 @@ impl<T: Transport> CollectiveActor<T> {
         group: Arc<Group>,
         data: Vec<f32>,
         virtual_bytes: u64,
+        part: Option<RingPart>,
     ) {
         if st.void(id) || st.running.contains_key(&id) {
             (self.outcomes)(Outcome::Aborted { id });
@@ -135,14 +139,22 @@ impl<T: Transport> CollectiveActor<T> {
             (self.outcomes)(Outcome::Aborted { id });
             return;
         };
-        let mut member = Member::new(
-            group.collective,
-            group.group_size as usize,
-            id,
-            rank,
-            group.ring.len(),
-            data.len(),
-        );
+        let (n, len) = (group.ring.len(), data.len());
+        let member = match &part {
+            Some(p) => Member::part(id, rank, n, len, p),
+            None => Some(Member::new(
+                group.collective,
+                group.group_size as usize,
+                id,
+                rank,
+                n,
+                len,
+            )),
+        };
+        let Some(mut member) = member else {
+            (self.outcomes)(Outcome::Aborted { id });
+            return;
+        };
         let mut effects = member.handle(CollInput::Start(data));
         if let Some(early) = st.early.remove(&id) {
             st.early_count -= early.len();
@@ -170,7 +182,7 @@ impl<T: Transport> CollectiveActor<T> {
                         continue;
                     };
                     // Each message is charged its share of the bytes the vector stands for.
-                    let virtual_bytes = r.virtual_bytes / r.member.pieces_of(&msg) as u64;
+                    let virtual_bytes = r.member.charge(&msg, r.virtual_bytes);
                     // A failed send means this node is being torn down or the cluster changed
                     // under it; the failure detector handles both.
                     let _ = self.transport.send(
@@ -254,7 +266,8 @@ impl<T: Transport> Actor for CollectiveActor<T> {
                 group,
                 data,
                 virtual_bytes,
-            } => self.start(st, id, group, data, virtual_bytes),
+                part,
+            } => self.start(st, id, group, data, virtual_bytes, part),
             CollectiveMsg::Net(m) => self.on_msg(st, m),
             CollectiveMsg::Halt(epoch) => self.halt(st, epoch),
         }

@@ -84,6 +84,21 @@ pub struct Work {
     pub stage: Option<StageWork>,
     /// This node writes a checkpoint shard of these layers at each checkpoint version.
     pub checkpoint: Option<CheckpointDuty>,
+    /// Sharded data parallel: the part of the optimizer state this node holds and updates
+    /// (`None`: it holds the state of every layer it computes).
+    pub shard: Option<ShardWork>,
+}
+
+/// A sharded data-parallel worker's part: it holds every weight, and the optimizer state of
+/// `parts[rank]` only, where `rank` is its place in [`Work::ring`]. The parts tile the model's
+/// layers in the order of the ring's chunks: rank r's part comes right after rank r - 1's,
+/// and rank n - 1 owns the first layers (a reduce-scatter leaves rank r owning chunk r + 1).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ShardWork {
+    /// This node's part.
+    pub owned: LayerRange,
+    /// Each rank's part, in ring order.
+    pub parts: Vec<LayerRange>,
 }
 
 /// Which versions a writer checkpoints: the first synchronized version at or past each

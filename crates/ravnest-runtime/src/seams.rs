@@ -188,6 +188,25 @@ pub trait Compute: Send + Sync + 'static {
         std::iter::once(0..self.params()).collect()
     }
 
+    /// Sharded data parallel: `model` keeping the optimizer state of `owned` only, every
+    /// parameter still held. A backend that holds its model whole may return it as it is.
+    fn shard(&self, model: &Self::Model, _owned: LayerRange) -> Self::Model {
+        model.clone()
+    }
+
+    /// Set parameters `range` (whole tensors) of `model` from `values`: what an all-gather
+    /// of a sharded step brought from the part's owner.
+    fn set_params(
+        &self,
+        _model: &mut Self::Model,
+        _range: Range<usize>,
+        _values: &[f32],
+    ) -> Result<(), ComputeError> {
+        Err(ComputeError::Unsupported(
+            "set parameters (sharded data parallel)",
+        ))
+    }
+
     /// Apply the optimizer to parameters `range` of `model` (and their optimizer state) with
     /// the averaged gradient of those parameters. A step's update is applied bucket by bucket,
     /// then [`Compute::end_update`] once.

@@ -611,6 +611,20 @@ impl Compute for CandleCompute {
         self.state.end_update(model);
     }
 
+    fn shard(&self, model: &CandleModel, owned: LayerRange) -> CandleModel {
+        self.state.shard(model, owned)
+    }
+
+    fn set_params(
+        &self,
+        model: &mut CandleModel,
+        range: Range<usize>,
+        values: &[f32],
+    ) -> Result<(), ComputeError> {
+        self.state
+            .set_params(model, range, values, &crate::device::current())
+    }
+
     fn retire(&self, old: CandleModel) {
         self.state.retire(old);
     }

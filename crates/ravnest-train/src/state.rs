@@ -114,6 +114,9 @@ pub enum Source {
 pub struct Cell {
     ready: OnceLock<Arc<Slot>>,
     source: Mutex<Option<Source>>,
+    /// Only the parameters are held, not the optimizer state (another sharded worker's
+    /// part).
+    bare: bool,
 }
 
 impl Cell {
@@ -121,15 +124,18 @@ impl Cell {
         Arc::new(Cell {
             ready: OnceLock::new(),
             source: Mutex::new(Some(source)),
+            bare: false,
         })
     }
 
     fn made(slot: Slot) -> Arc<Cell> {
         let ready = OnceLock::new();
+        let bare = slot.state.is_empty();
         let _ = ready.set(Arc::new(slot));
         Arc::new(Cell {
             ready,
             source: Mutex::new(None),
+            bare,
         })
     }
 }
@@ -378,6 +384,88 @@ impl ModelState {
         }
     }
 
+    /// Sharded data parallel: `model` keeping the optimizer state of `owned`'s tensors only
+    /// (every parameter stays, shared with `model`; nothing is copied).
+    pub fn shard(&self, model: &CandleModel, owned: LayerRange) -> CandleModel {
+        let own = self.layout.indices(Some(owned)).unwrap_or(0..0);
+        let cells = model
+            .cells
+            .iter()
+            .map(|(&i, c)| {
+                if own.contains(&i) || c.bare {
+                    return (i, c.clone());
+                }
+                let bare = match c.ready.get() {
+                    Some(s) => Cell {
+                        ready: OnceLock::from(Arc::new(Slot {
+                            param: s.param.clone(),
+                            state: Vec::new(),
+                            _held: Held::new(&self.counter, 4 * s.param.elem_count() as u64),
+                        })),
+                        source: Mutex::new(None),
+                        bare: true,
+                    },
+                    None => Cell {
+                        ready: OnceLock::new(),
+                        source: Mutex::new(c.source.lock().unwrap().clone()),
+                        bare: true,
+                    },
+                };
+                (i, Arc::new(bare))
+            })
+            .collect();
+        CandleModel { cells, t: model.t }
+    }
+
+    /// Set the parameters `range` (whole tensors) of `model` from `values` (an all-gather's):
+    /// new tensors in `model` (other versions keep theirs), each keeping its optimizer state
+    /// where it has one.
+    pub fn set_params(
+        &self,
+        model: &mut CandleModel,
+        range: Range<usize>,
+        values: &[f32],
+        dev: &Device,
+    ) -> Result<(), ComputeError> {
+        if values.len() != range.len() {
+            return Err(ComputeError::Shape(format!(
+                "{} values for parameters {range:?}",
+                values.len()
+            )));
+        }
+        let mut covered = 0;
+        for i in 0..self.layout.tensors.len() {
+            let m = &self.layout.tensors[i];
+            if m.offset < range.start || m.offset + m.len > range.end {
+                continue;
+            }
+            let v = &values[m.offset - range.start..m.offset - range.start + m.len];
+            let old = self.get(model, i, dev)?;
+            // No other version shares this tensor: its values are written over, where they are.
+            let alone = model
+                .cells
+                .get(&i)
+                .is_some_and(|c| Arc::strong_count(c) == 1)
+                && Arc::strong_count(&old) == 2;
+            if alone && write_over(old.param.as_tensor(), v) {
+                covered += m.len;
+                continue;
+            }
+            let state = old.state.clone();
+            drop(old);
+            let param =
+                Var::from_slice(v, m.shape.as_slice(), dev).map_err(backend("making a tensor"))?;
+            model.cells.insert(i, Cell::made(self.made(param, state)?));
+            covered += m.len;
+        }
+        if covered != range.len() {
+            return Err(ComputeError::Shape(format!(
+                "parameters {range:?} are not whole tensors"
+            )));
+        }
+        Ok(())
+    }
+
     /// Tensor `i`'s initial weights.
     fn seeded(&self, i: usize) -> Vec<f32> {
         if let Network::Gpt(g) = &self.net {
@@ -477,7 +565,10 @@ impl ModelState {
         let src = source
             .clone()
             .ok_or_else(|| ComputeError::Backend("a tensor without values".into()))?;
-        let (param, state) = self.values_at(&src, i)?;
+        let (param, mut state) = self.values_at(&src, i)?;
+        if cell.bare {
+            state.clear();
+        }
         let slot = Arc::new(self.slot(i, param, state, dev)?);
         let _ = cell.ready.set(slot.clone());
         // Made: the source (maybe a whole model in host memory) is not needed any more.
@@ -510,11 +601,19 @@ impl ModelState {
             .cells
             .get(&i)
             .ok_or_else(|| ComputeError::Shape("a tensor this node does not hold".into()))?;
+        if part > 0 && cell.bare {
+            return Err(ComputeError::Shape(format!(
+                "this node does not hold the optimizer state of `{}`",
+                self.layout.tensors[i].name
+            )));
+        }
         if let Some(s) = cell.ready.get() {
             let t = if part == 0 {
                 s.param.as_tensor()
             } else {
-                &s.state[part - 1]
+                s.state.get(part - 1).ok_or_else(|| {
+                    ComputeError::Shape("optimizer state this node does not hold".into())
+                })?
             };
             return with_values(t, copied, |v| f(v));
         }
@@ -690,6 +789,7 @@ impl ModelState {
         // buffers.
         let spare = self.spare.lock().unwrap().remove(&i);
         if let Some(spare) = spare
+            && spare.state.len() == old.state.len()
             && step_into(&self.optim, &spare, Some(&old), grad, scale, model.t)?
         {
             drop(old);
@@ -836,6 +936,16 @@ pub fn optimizer_step_on(
         .map_err(backend("the optimizer"))?;
     let read = |t: &Tensor| t.to_vec1::<f32>().map_err(backend("reading a tensor"));
     Ok((read(&w)?, s.iter().map(read).collect::<Result<_, _>>()?))
+}
+
+/// `t`'s values replaced by `v`, in place, when `t` is contiguous f32 values of that length on
+/// the CPU (false otherwise: nothing was changed).
+fn write_over(t: &Tensor, v: &[f32]) -> bool {
+    if !t.device().is_cpu() || !t.is_contiguous() || t.elem_count() != v.len() {
+        return false;
+    }
+    t.inplace_op1(&InPlace(&|d: &mut [f32]| d.copy_from_slice(v)))
+        .is_ok()
 }
 
 /// A pass over a CPU tensor's values in place (candle's `InplaceOp1`).

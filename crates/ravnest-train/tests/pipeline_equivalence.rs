@@ -28,6 +28,9 @@ const STEPS: u64 = 5;
 const BATCH: u64 = 8;
 const MICRO: u64 = 2;
 const TOLERANCE: f32 = 1e-4;
+/// The largest relative difference of a slot (parameters, or one optimizer state tensor, of a
+/// node's layers): the norm of the difference over the norm of the single-node values.
+const RELATIVE: f64 = 1e-5;
 
 /// gpt-tiny's blocks (4, hidden 128, 4 heads, vocabulary 256) on windows of 32 bytes instead
 /// of 64, for CI's time.
@@ -66,8 +69,14 @@ fn optimizer_name(kind: Optimizer) -> &'static str {
 
 /// The cluster file: `nodes` CPU nodes of `memory_gib` each (no reserve), fp32, the GPT.
 fn cluster_text(nodes: usize, memory_gib: f64, kind: Optimizer) -> String {
+    cluster_of(&vec![memory_gib; nodes], kind, "pipeline")
+}
+
+/// The cluster file: a CPU node per entry of `memory_gib` (no reserve), fp32, the GPT, plans
+/// of the kind `layout` only.
+fn cluster_of(memory_gib: &[f64], kind: Optimizer, layout: &str) -> String {
     let mut t = String::from("[links]\nbandwidth_gbps = 10.0\nlatency_ms = 0.05\n\n");
-    for k in 0..nodes {
+    for (k, memory_gib) in memory_gib.iter().enumerate() {
         t += &format!(
             "[[node]]\nname = \"n{k}\"\ndevice = \"cpu\"\ntflops = 0.05\nmemory_gib = {memory_gib}\n\n"
         );
@@ -76,7 +85,7 @@ fn cluster_text(nodes: usize, memory_gib: f64, kind: Optimizer) -> String {
     t + &format!(
         "[model]\nkind = \"gpt\"\nlayers = {}\nhidden = {}\nheads = {}\nseq_len = {}\nvocab = {}\n\n\
          [training]\nglobal_batch = {BATCH}\nmicro_batch = {MICRO}\noptimizer = \"{}\"\n\
-         precision = \"fp32\"\nmemory_reserve_gib = 0\n",
+         precision = \"fp32\"\nmemory_reserve_gib = 0\nlayout = \"{layout}\"\n",
         g.layers,
         g.hidden,
         g.heads,
@@ -190,14 +199,56 @@ async fn pipeline_equals(stages: usize, kind: Optimizer, reference: &[f32]) -> f
     let memory_gib = memory_for(stages, kind);
     let s = ravnest_core::parse(&cluster_text(stages, memory_gib, kind), "pipeline-equiv").unwrap();
     let compute = backend(kind);
+    let (log, counters) = train_over_tcp(&s, &compute).await;
+    let counters = counters.lock().unwrap();
+    let planned: Vec<Vec<(NodeId, u64)>> = log
+        .events
+        .iter()
+        .filter_map(|(_, e)| match e {
+            Event::Planned { workers, .. } => Some(workers.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(planned.len(), 1, "one plan for the run: {planned:?}");
+    assert_eq!(planned[0].len(), stages, "every node works: {planned:?}");
+    let held = held_layers(&counters, &compute);
+    assert_eq!(
+        held.len(),
+        stages,
+        "the coordinator ran {} stages, not {stages}: {held:?}",
+        held.len()
+    );
+    let worst_all = compare(
+        &held,
+        &counters,
+        &compute,
+        reference,
+        &format!("{stages} stages, {kind:?}"),
+    );
+    eprintln!(
+        "{stages} stages, {kind:?}: {memory_gib:.5} GiB per node; max difference \
+         {worst_all:e}; trained in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    worst_all
+}
+
+/// Train `STEPS` steps of the cluster `s` over loopback TCP (a transport per node), every
+/// node computing with `compute`; the run's journal and each node's counters (with what it
+/// made last observed), after checking that it ran clean.
+async fn train_over_tcp(
+    s: &ravnest_core::Scenario,
+    compute: &Arc<CandleCompute>,
+) -> (ravnest_runtime::coordinator::RunLog, Counters) {
+    let nodes_n = s.cluster.nodes.len();
     assert_eq!(
         compute.net.model_spec(),
         s.model,
         "the file describes the network trained"
     );
     assert!(compute.runs_stages());
-    let ids: Vec<NodeId> = (0..stages as u32).map(NodeId).collect();
-    let tcp = LoopbackCluster::start(stages as u32, b"pipeline-equivalence")
+    let ids: Vec<NodeId> = (0..nodes_n as u32).map(NodeId).collect();
+    let tcp = LoopbackCluster::start(nodes_n as u32, b"pipeline-equivalence")
         .await
         .unwrap();
     let counters: Counters = Arc::default();
@@ -250,22 +301,18 @@ async fn pipeline_equals(stages: usize, kind: Optimizer, reference: &[f32]) -> f
         );
     }
     assert_eq!(log.step_done_ns.len() as u64, STEPS);
-    assert!(sent.iter().all(|&b| b > 0), "every stage sent: {sent:?}");
-    let planned: Vec<Vec<(NodeId, u64)>> = log
-        .events
-        .iter()
-        .filter_map(|(_, e)| match e {
-            Event::Planned { workers, .. } => Some(workers.clone()),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(planned.len(), 1, "one plan for the run: {planned:?}");
-    assert_eq!(planned[0].len(), stages, "every node works: {planned:?}");
+    assert!(sent.iter().all(|&b| b > 0), "every node sent: {sent:?}");
+    (log, counters)
+}
 
-    let counters = counters.lock().unwrap();
+/// What each node held whole at the end (a stage's layers, a sharded worker's part), from
+/// what it made: the parameter range its versions apply to is a run of whole layers, smaller
+/// than the model. Sorted by layer, checked to tile the model.
+fn held_layers(
+    counters: &std::collections::BTreeMap<NodeId, ravnest_runtime::node::NodeCounters>,
+    compute: &CandleCompute,
+) -> Vec<(NodeId, LayerRange)> {
     let params = compute.params();
-    // Each node's stage, from what it made: the parameter range its versions apply to is a
-    // run of whole layers, smaller than the model.
     let ranges = GPT.layer_ranges();
     let mut held: Vec<(NodeId, LayerRange)> = Vec::new();
     for (id, c) in counters.iter() {
@@ -275,7 +322,7 @@ async fn pipeline_equals(stages: usize, kind: Optimizer, reference: &[f32]) -> f
         let r = o.slots[0].clone();
         assert!(
             r.len() < params,
-            "node {id:?} holds only its stage's layers, not the whole model: {r:?}"
+            "node {id:?} holds only its layers, not the whole model: {r:?}"
         );
         let lo = ranges.iter().position(|x| x.start == r.start);
         let hi = ranges.iter().position(|x| x.end == r.end);
@@ -285,12 +332,6 @@ async fn pipeline_equals(stages: usize, kind: Optimizer, reference: &[f32]) -> f
         held.push((*id, LayerRange::from(lo..hi + 1)));
     }
     held.sort_by_key(|h| h.1.range().start);
-    assert_eq!(
-        held.len(),
-        stages,
-        "the coordinator ran {} stages, not {stages}: {held:?}",
-        held.len()
-    );
     let mut at = 0;
     for (id, l) in &held {
         assert_eq!(
@@ -303,40 +344,105 @@ async fn pipeline_equals(stages: usize, kind: Optimizer, reference: &[f32]) -> f
     assert_eq!(
         at,
         GPT.planner_layers(),
-        "every layer is held by a stage: {held:?}"
+        "every layer is held by a node: {held:?}"
     );
+    held
+}
 
-    // Each stage's layers, parameters and optimizer state, against single-node training.
+/// Each node's layers, parameters and optimizer state, against single-node training: the
+/// largest difference (each within [`TOLERANCE`]).
+fn compare(
+    held: &[(NodeId, LayerRange)],
+    counters: &std::collections::BTreeMap<NodeId, ravnest_runtime::node::NodeCounters>,
+    compute: &CandleCompute,
+    reference: &[f32],
+    what: &str,
+) -> f32 {
     let mut worst_all = 0.0f32;
-    for (id, l) in &held {
+    for (id, l) in held {
         let o = counters[id].observed.as_ref().expect("observed");
         let slots: Vec<Range<usize>> = compute.layer_slots(*l);
         assert_eq!(slots, o.slots, "node {id:?} exports its layers' slots");
         assert_eq!(slots[0], compute.param_range(*l));
-        let (mut worst, mut values) = (0.0f32, 0usize);
+        let (mut worst, mut worst_rel, mut values) = (0.0f32, 0.0f64, 0usize);
         for r in &slots {
             let held = o.range(r.clone()).expect("held");
+            let (mut diff, mut norm) = (0.0f64, 0.0f64);
             for (a, b) in held.iter().zip(&reference[r.clone()]) {
                 worst = worst.max((a - b).abs());
+                diff += f64::from(a - b).powi(2);
+                norm += f64::from(*b).powi(2);
+            }
+            if norm > 0.0 {
+                worst_rel = worst_rel.max((diff / norm).sqrt());
             }
             values += r.len();
         }
         eprintln!(
-            "{stages} stages, {kind:?}: node {id:?} layers {l}: {values} values (parameters and \
-             optimizer state), max |pipeline - single| = {worst:e}"
+            "{what}: node {id:?} layers {l}: {values} values (parameters and optimizer \
+             state), max |distributed - single| = {worst:e}, largest relative difference of a \
+             slot (|a - b| / |b| over its values) {worst_rel:e}"
         );
         assert!(
             worst < TOLERANCE,
-            "node {id:?} layers {l}: max |pipeline - single| = {worst}"
+            "node {id:?} layers {l}: max |distributed - single| = {worst}"
+        );
+        assert!(
+            worst_rel < RELATIVE,
+            "node {id:?} layers {l}: relative difference {worst_rel}"
         );
         worst_all = worst_all.max(worst);
     }
+    worst_all
+}
+
+/// Sharded data parallel over 3 nodes of three memory sizes: each holds every weight and the
+/// optimizer state of a part of the layers sized by its memory (three different sizes), and
+/// its part, parameters and optimizer state, equals single-node training.
+async fn sharded_equals(kind: Optimizer, reference: &[f32]) -> f32 {
+    let started = Instant::now();
+    let sizing = ravnest_core::parse(&cluster_of(&[1.0; 3], kind, "sharded"), "sizing").unwrap();
+    let costs = Costs::new(&sizing.cluster, &sizing.model, &sizing.training);
+    let all = costs.all();
+    // Room for 30%, 80% and 55% of the optimizer state beside the weights, the gradient and
+    // one sample's activations (workers accumulate): parts of three sizes, and the whole fits
+    // no node.
+    let base = costs.shard_memory_bytes(LayerRange::from(0..0), 1);
+    let state =
+        costs.shard_memory_bytes(all, 0) - costs.shard_memory_bytes(LayerRange::from(0..0), 0);
+    let gib = |share: f64| (base as f64 + state as f64 * share) / (1u64 << 30) as f64;
+    let memory = [gib(0.3), gib(0.8), gib(0.55)];
+    assert!(costs.memory_bytes(all, 1) as f64 > gib(0.8) * (1u64 << 30) as f64);
+    let s = ravnest_core::parse(&cluster_of(&memory, kind, "sharded"), "sharded-equiv").unwrap();
+    let compute = backend(kind);
+    let (log, counters) = train_over_tcp(&s, &compute).await;
+    let counters = counters.lock().unwrap();
+    let planned = log
+        .events
+        .iter()
+        .filter(|(_, e)| matches!(e, Event::Planned { .. }))
+        .count();
+    assert_eq!(planned, 1, "one plan for the run");
+    let held = held_layers(&counters, &compute);
+    assert_eq!(held.len(), 3, "a part per node: {held:?}");
+    let sizes: std::collections::BTreeSet<usize> = held
+        .iter()
+        .map(|(_, l)| compute.param_range(*l).len())
+        .collect();
+    assert_eq!(sizes.len(), 3, "parts of three sizes: {held:?}");
+    let worst = compare(
+        &held,
+        &counters,
+        &compute,
+        reference,
+        &format!("sharded, {kind:?}"),
+    );
     eprintln!(
-        "{stages} stages, {kind:?}: {memory_gib:.5} GiB per node; max difference \
-         {worst_all:e}; trained in {:.1} s",
+        "sharded, {kind:?}: parts {held:?} on {memory:?} GiB; max difference {worst:e}; \
+         trained in {:.1} s",
         started.elapsed().as_secs_f64()
     );
-    worst_all
+    worst
 }
 
 /// Pipelines of 2 and of 3 stages under `kind` against one single-node reference.
@@ -366,6 +472,7 @@ fn pipelines_equal_single_node(kind: Optimizer) {
         );
         pipeline_equals(2, kind, &reference).await;
         pipeline_equals(3, kind, &reference).await;
+        sharded_equals(kind, &reference).await;
     });
 }
 

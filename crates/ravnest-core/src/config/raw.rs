@@ -107,6 +107,7 @@ pub(super) struct TrainingToml {
     pub(super) memory_reserve_gib: Option<Spanned<f64>>,
     pub(super) node_mtbf_h: Option<Spanned<f64>>,
     pub(super) redundancy: Option<Redundancy>,
+    pub(super) layout: Option<crate::cluster::LayoutChoice>,
 }
 
 #[derive(Debug, Deserialize)]

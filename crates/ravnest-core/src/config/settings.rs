@@ -44,6 +44,9 @@ pub(super) fn resolve_training(
         if let Some(r) = t.redundancy {
             training.redundancy = r;
         }
+        if let Some(l) = t.layout {
+            training.layout = l;
+        }
         if let Some(r) = &t.memory_reserve_gib {
             reserve_gib = ctx.non_negative(r, "memory_reserve_gib")?;
         }

@@ -32,6 +32,14 @@ pub(super) enum Candidate {
         samples: Vec<u64>,
         note: Option<String>,
     },
+    /// Sharded data parallel: workers in part order, their batch shares, the layer bounds of
+    /// their parts (worker k owns `bounds[k]..bounds[k+1]`).
+    Shard {
+        workers: Vec<NodeId>,
+        batch: Vec<u64>,
+        bounds: Bounds,
+        note: Option<String>,
+    },
 }
 
 /// Evaluate candidates, keeping the best of `best`'s class. A pipeline candidate is skipped
@@ -109,6 +117,9 @@ fn idle_reason(costs: &Costs<'_>, layout: &Layout, id: NodeId) -> String {
         Layout::Pipeline { stages, .. } => {
             format!("left out: no complete replica of {stages} stages left for it")
         }
+        Layout::Sharded { .. } => {
+            "left out: its share or its part of the ring would slow the step".into()
+        }
     }
 }
 
@@ -169,6 +180,15 @@ pub(super) fn evaluate(
                 note,
             )
         }
+        Candidate::Shard {
+            workers,
+            batch,
+            bounds,
+            note,
+        } => (
+            evaluate_shard(costs, workers, batch, bounds, beat, &mut nodes)?,
+            note,
+        ),
     };
     let Shaped {
         layout,
@@ -330,6 +350,84 @@ fn evaluate_data(
         noise_s,
         copies: working.len(),
         working,
+    })
+}
+
+/// Place the workers of a sharded candidate in `nodes` (each owning its part of the layers'
+/// optimizer state), and price the reduce-scatter and all-gather around their ring.
+fn evaluate_shard(
+    costs: &Costs<'_>,
+    workers: &[NodeId],
+    batch: &[u64],
+    bounds: &Bounds,
+    beat: f64,
+    nodes: &mut [Option<NodePlan>],
+) -> Result<Shaped, Rejected> {
+    let cluster = costs.cluster;
+    let b_total = u64::from(costs.training.global_batch);
+    let all = costs.all();
+    let act = costs.activation_bytes_per_sample(all);
+    let mut cmax: f64 = 0.0;
+    for (k, (&w, &b)) in workers.iter().zip(batch).enumerate() {
+        let node = cluster.node(w);
+        let part = LayerRange::of_stage(bounds, k);
+        let state = costs.shard_memory_bytes(part, 0);
+        let (micro, mem) = match costs.training.accumulate {
+            true => accumulation(state, act, b, node.memory_bytes).ok_or(NoFit(
+                w,
+                state + act,
+                node.memory_bytes,
+            ))?,
+            false => (1, state + act * b),
+        };
+        if mem > node.memory_bytes {
+            return Err(NoFit(w, mem, node.memory_bytes).into());
+        }
+        let compute = costs.compute_s(w, all, b as f64);
+        cmax = cmax.max(compute);
+        nodes[w.index()] = Some(NodePlan {
+            id: w,
+            name: String::new(),
+            device: String::new(),
+            role: Role::Worker,
+            batch: b,
+            micro_batches: micro,
+            layers: Some(part),
+            grad_weight: b as f64 / b_total as f64,
+            memory_bytes: mem,
+            memory_limit_bytes: node.memory_bytes,
+            compute_s: compute,
+            comm_s: 0.0,
+            idle_s: 0.0,
+        });
+    }
+    let spreads: Vec<f64> = workers
+        .iter()
+        .map(|&w| cluster.node(w).compute_spread)
+        .collect();
+    let noise_s = cmax * crate::cost::wait_for_slowest(&spreads);
+    let cmax = cmax + noise_s;
+    if cmax >= beat {
+        return Err(Rejected::NotFaster);
+    }
+    // The ring runs in the order that leaves each worker owning its part after the
+    // reduce-scatter (rank r ends with chunk r + 1): the part order turned by one.
+    let mut ring = workers.to_vec();
+    ring.rotate_left(1);
+    let buckets = crate::cost::grad_buckets(costs.model);
+    let sync = super::sync::fixed_ring(costs, ring, costs.grad_bytes(all), cmax, &buckets);
+    Ok(Shaped {
+        layout: Layout::Sharded {
+            workers: workers.len(),
+            bounds: bounds.clone(),
+        },
+        sync,
+        compute_max: cmax,
+        noise_s,
+        // Each part of the optimizer state has one copy: a lost worker's part comes back from
+        // the latest checkpoint.
+        copies: 1,
+        working: workers.to_vec(),
     })
 }
 

@@ -23,6 +23,7 @@ mod pipes;
 pub mod random;
 pub mod recovery;
 mod search;
+mod sharded;
 pub mod sync;
 mod types;
 
@@ -82,12 +83,13 @@ pub fn policy(
     plan_with(kind, cluster, model, training, opts)
 }
 
-/// [`plan`] with restrictions. When nothing fits at the file's micro-batch, ravnest (and the
-/// oracle, which covers the same space) tries every halving of it down to 1 and keeps the
-/// fastest plan:
+/// [`plan`] with restrictions. When nothing fits at the file's micro-batch, or only sharded
+/// data parallel does, ravnest (and the oracle, which covers the same space) tries every
+/// halving of it down to 1 for a pipeline and keeps the fastest plan:
 /// a pipeline stage holds its in-flight micro-batches' activations, so a smaller micro-batch
 /// fits where the file's does not (the plan says so in a note, and the runtime runs the
-/// plan's micro-batch).
+/// plan's micro-batch). Sharded data parallel does not run micro-batches of the file's size
+/// (a worker accumulates over what it holds), so only the file's is tried for it.
 pub fn plan_with(
     kind: PlannerKind,
     cluster: &ClusterSpec,
@@ -96,22 +98,30 @@ pub fn plan_with(
     opts: PlanOptions,
 ) -> Result<Plan, PlanError> {
     let first = plan_at(kind, cluster, model, training, opts);
+    let sharded = |p: &Plan| matches!(p.layout, Layout::Sharded { .. });
+    let only_sharded = first.as_ref().is_ok_and(sharded);
     if !matches!(kind, PlannerKind::Ravnest | PlannerKind::Exhaustive)
-        || !matches!(first, Err(PlanError::ModelFitsNowhere { .. }))
+        || !(only_sharded || matches!(first, Err(PlanError::ModelFitsNowhere { .. })))
     {
         return first;
     }
+    let what = match only_sharded {
+        true => "only sharded data parallel fits",
+        false => "nothing fits",
+    };
     let mut smaller = training.clone();
     let mut best: Option<Plan> = None;
     while smaller.micro_batch > 1 {
         smaller.micro_batch /= 2;
         if let Ok(mut p) = plan_at(kind, cluster, model, &smaller, opts)
+            && !sharded(&p)
             && best
                 .as_ref()
+                .or(first.as_ref().ok())
                 .is_none_or(|b| p.objective_s() < b.objective_s())
         {
             p.notes.push(format!(
-                "micro-batch {} instead of the file's {}: nothing fits at {} (the fastest of \
+                "micro-batch {} instead of the file's {}: {what} at {} (the fastest of \
                  every halving that fits)",
                 smaller.micro_batch, training.micro_batch, training.micro_batch
             ));
@@ -185,7 +195,8 @@ fn by_class(
 ) -> Vec<Found> {
     let classes = LayoutClass::ALL
         .into_iter()
-        .filter(|c| opts.allow_pipeline || !c.is_pipeline());
+        .filter(|c| opts.allow_pipeline || !c.splits_layers())
+        .filter(|c| c.allowed_by(training.layout));
     search_classes(classes, training.redundancy, search)
 }
 
@@ -203,7 +214,6 @@ fn fits_nowhere(costs: &Costs<'_>) -> PlanError {
         optimizer: costs.training.optimizer.as_str().into(),
         state_gib: state,
         act_gib: act,
-        need_gib: state + act,
         largest: costs.cluster.node(largest).name.clone(),
         largest_gib: costs.cluster.node(largest).memory_bytes as f64 / GIB,
         nodes: costs.cluster.nodes.len(),
@@ -213,6 +223,8 @@ fn fits_nowhere(costs: &Costs<'_>) -> PlanError {
             .iter()
             .map(|n| n.memory_bytes as f64)
             .sum::<f64>()
+            / GIB,
+        sharded_gib: costs.shard_memory_bytes(crate::layers::LayerRange::from(0..0), 1) as f64
             / GIB,
     }
 }

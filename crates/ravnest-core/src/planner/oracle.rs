@@ -31,6 +31,14 @@ pub(super) fn exhaustive_search(costs: &Costs<'_>, opts: PlanOptions, best: &mut
     let n = cluster.nodes.len();
     let ids: Vec<NodeId> = cluster.ids().collect();
     let class = best.class();
+    if class == LayoutClass::Sharded {
+        // One candidate per worker set, as ravnest searches them: the oracle is exact over
+        // data parallel and pipelines, and compares the same sharded plans.
+        if opts.allow_pipeline {
+            super::sharded::sharded_search(costs, best);
+        }
+        return;
+    }
     if !class.is_pipeline() {
         // Every subset of the class's size, with the minimax split.
         for mask in 1u32..(1 << n) {

@@ -41,11 +41,14 @@ fn node_orders(cluster: &ClusterSpec) -> Vec<Vec<NodeId>> {
 /// single (one replica) or replicated.
 pub(super) fn ravnest_search(costs: &Costs<'_>, opts: PlanOptions, best: &mut Best) {
     let class = best.class();
-    if !class.is_pipeline() {
-        data_parallel_tiers(costs, best);
+    if class.splits_layers() && !opts.allow_pipeline {
         return;
     }
-    if !opts.allow_pipeline {
+    if class == LayoutClass::Sharded {
+        return super::sharded::sharded_search(costs, best);
+    }
+    if !class.is_pipeline() {
+        data_parallel_tiers(costs, best);
         return;
     }
     // Pipelines: S stages, R replicas. Grids are dealt from nodes sorted by memory (stage 0

@@ -590,6 +590,36 @@ fn every_step(
     }
 }
 
+/// Every-step synchronization around a ring in the given `order` (sharded data parallel,
+/// whose order places each part's owner): a reduce-scatter and an all-gather of `bytes`, what
+/// a ring all-reduce moves, overlapping the backward pass bucket by bucket as it does.
+pub fn fixed_ring(
+    costs: &Costs<'_>,
+    order: Vec<NodeId>,
+    bytes: u64,
+    compute_s: f64,
+    buckets: &[GradBucket],
+) -> SyncPlan {
+    let cluster = costs.cluster;
+    let (bw, lat) = ring_links(cluster, &order);
+    let round_s = ring_allreduce_s(order.len(), bytes as f64, bw, lat);
+    let group = SyncGroup {
+        order,
+        bytes,
+        round_s,
+        bottleneck_gbps: bw,
+        group_size: 0,
+    };
+    let chosen = Chosen {
+        collective: Collective::Ring,
+        groups: vec![group],
+        round_s,
+        reason: "gradients reduce-scattered to each part's owner, weights all-gathered from it"
+            .into(),
+    };
+    every_step(cluster, chosen, compute_s, Backward::Buckets(buckets))
+}
+
 /// Seconds in human units: [`crate::units::secs`] (kept here for the callers of the planner).
 pub fn secs(s: f64) -> String {
     crate::units::secs(s)

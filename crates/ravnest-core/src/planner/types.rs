@@ -73,8 +73,8 @@ pub enum PlanError {
     EmptyModel(String),
     /// Nothing fits.
     #[error(
-        "model `{model}` fits nowhere: one replica needs {} (weights, gradients and {optimizer} state {} + activations of one sample {}); the largest node `{largest}` has {} usable, and no pipeline over the {nodes} nodes ({} together) fits either",
-        gib(*.need_gib), gib(*.state_gib), gib(*.act_gib), gib(*.largest_gib), gib(*.total_gib)
+        "model `{model}` fits nowhere: one replica needs {} (weights, gradients and {optimizer} state {} + activations of one sample {}); the largest node `{largest}` has {} usable, and no pipeline over the {nodes} nodes ({} together) fits either, nor sharded data parallel (each worker holds every weight and gradient with one sample's activations, {}, beside its part of the {optimizer} state)",
+        gib(*.state_gib + *.act_gib), gib(*.state_gib), gib(*.act_gib), gib(*.largest_gib), gib(*.total_gib), gib(*.sharded_gib)
     )]
     ModelFitsNowhere {
         /// Model name.
@@ -85,8 +85,6 @@ pub enum PlanError {
         state_gib: f64,
         /// Activations of one sample through the whole model, GiB.
         act_gib: f64,
-        /// Total for one replica with one sample, GiB.
-        need_gib: f64,
         /// Node with the most memory.
         largest: String,
         /// Its usable memory, GiB.
@@ -95,6 +93,9 @@ pub enum PlanError {
         nodes: usize,
         /// All nodes' usable memory, GiB.
         total_gib: f64,
+        /// What every sharded data-parallel worker needs before its part of the optimizer
+        /// state, GiB.
+        sharded_gib: f64,
     },
     /// The equal split does not fit (uniform / param-count only).
     #[error("{planner}: no equal split fits this cluster's memory ({detail})")]
@@ -135,6 +136,17 @@ pub enum Layout {
         bounds: Bounds,
         /// Micro-batch size.
         micro_batch: u32,
+    },
+    /// Sharded data parallel: every worker computes its batch through the whole model and
+    /// holds every weight, but each holds (and updates) the optimizer state of its own part
+    /// of the layers, sized by its memory; gradients are reduce-scattered to the parts'
+    /// owners and the updated weights all-gathered from them.
+    Sharded {
+        /// Workers.
+        workers: usize,
+        /// Layer boundaries of the parts (workers + 1 entries): the k-th part is
+        /// `bounds[k]..bounds[k+1]`, each owned by one worker (its [`NodePlan::layers`]).
+        bounds: Bounds,
     },
 }
 
@@ -299,15 +311,18 @@ pub enum LayoutClass {
     Pipelines,
     /// One pipeline replica: every stage is the only copy of its layers.
     OnePipeline,
+    /// Sharded data parallel: each part of the optimizer state has one copy.
+    Sharded,
 }
 
 impl LayoutClass {
     /// Every class, in the order ties are broken (data parallel first, two copies first).
-    pub const ALL: [LayoutClass; 4] = [
+    pub const ALL: [LayoutClass; 5] = [
         LayoutClass::DataParallel,
         LayoutClass::OneWorker,
         LayoutClass::Pipelines,
         LayoutClass::OnePipeline,
+        LayoutClass::Sharded,
     ];
 
     /// The class of a plan's layout.
@@ -317,7 +332,25 @@ impl LayoutClass {
             Layout::DataParallel { .. } => LayoutClass::OneWorker,
             Layout::Pipeline { replicas, .. } if *replicas >= 2 => LayoutClass::Pipelines,
             Layout::Pipeline { .. } => LayoutClass::OnePipeline,
+            Layout::Sharded { .. } => LayoutClass::Sharded,
         }
+    }
+
+    /// Whether `[training] layout = choice` lets a plan be of this class.
+    pub fn allowed_by(self, choice: crate::cluster::LayoutChoice) -> bool {
+        use crate::cluster::LayoutChoice as C;
+        match choice {
+            C::Auto => true,
+            C::DataParallel => matches!(self, LayoutClass::DataParallel | LayoutClass::OneWorker),
+            C::Pipeline => self.is_pipeline(),
+            C::Sharded => self == LayoutClass::Sharded,
+        }
+    }
+
+    /// Whether its plans split the model by layer (pipelines, and sharded data parallel's
+    /// parts): only for a network the runtime runs in stages.
+    pub fn splits_layers(self) -> bool {
+        self.is_pipeline() || self == LayoutClass::Sharded
     }
 
     /// Whether its plans are pipelines.
@@ -337,6 +370,7 @@ impl LayoutClass {
             LayoutClass::OneWorker => "one worker",
             LayoutClass::Pipelines => "pipeline replicas",
             LayoutClass::OnePipeline => "one pipeline",
+            LayoutClass::Sharded => "sharded data parallel",
         }
     }
 }

@@ -7,7 +7,7 @@ use ravnest_core::cost::Costs;
 use ravnest_core::planner::{Layout, Plan, Role};
 use ravnest_core::{ClusterSpec, LayerRange, ModelSpec, NodeId, TrainingSpec};
 
-use crate::msg::StageWork;
+use crate::msg::{ShardWork, StageWork};
 
 /// One node's assignment in an epoch, before it becomes a [`crate::msg::Work`].
 #[derive(Debug, Clone, PartialEq)]
@@ -27,6 +27,8 @@ pub struct Assign {
     /// Data parallel: samples it computes at once, when its memory makes it accumulate
     /// gradients over micro-batches of its batch (0: the whole batch).
     pub chunk: u64,
+    /// Sharded data parallel: its part of the optimizer state.
+    pub shard: Option<ShardWork>,
 }
 
 /// A sync group: the layers its members hold and the members in ring order.
@@ -49,6 +51,7 @@ pub fn assignments(
 ) -> Result<(Vec<Assign>, Vec<SyncGroup>), String> {
     match &p.layout {
         Layout::DataParallel { .. } => Ok(data_parallel(p, live, model.layers.len() as u32)),
+        Layout::Sharded { .. } => sharded(p, live),
         Layout::Pipeline {
             stages,
             replicas,
@@ -99,10 +102,66 @@ fn data_parallel(p: &Plan, live: &[NodeId], layers: u32) -> (Vec<Assign>, Vec<Sy
                 stage: None,
                 flop_share: 1.0,
                 chunk,
+                shard: None,
             }
         })
         .collect();
     (assigns, vec![(LayerRange::new(0, layers), ring)])
+}
+
+/// Sharded data parallel: every worker holds every weight, in one ring whose order leaves
+/// each owning its part after a reduce-scatter (the part order turned by one, as the plan
+/// orders it); each part is a sync group of its one owner, who writes its checkpoint shard.
+fn sharded(p: &Plan, live: &[NodeId]) -> Result<(Vec<Assign>, Vec<SyncGroup>), String> {
+    let mut workers: Vec<(NodeId, u64, u64, LayerRange)> = p
+        .nodes
+        .iter()
+        .filter(|n| n.batch > 0)
+        .map(|n| {
+            let chunk = match n.micro_batches {
+                0 | 1 => 0,
+                k => n.batch.div_ceil(k),
+            };
+            let part = n.layers.ok_or("a sharded worker without a part")?;
+            Ok((live[n.id.index()], n.batch, chunk, part))
+        })
+        .collect::<Result<_, String>>()?;
+    workers.sort_by_key(|w| w.3.range().start);
+    let mut ring: Vec<(NodeId, LayerRange)> = workers.iter().map(|w| (w.0, w.3)).collect();
+    ring.rotate_left(1);
+    let mut at = 0;
+    for (_, _, _, part) in &workers {
+        if part.range().start != at || part.is_empty() {
+            return Err(format!(
+                "the sharded plan's parts do not tile the layers at {part}"
+            ));
+        }
+        at = part.range().end;
+    }
+    let order: Vec<NodeId> = ring.iter().map(|r| r.0).collect();
+    let parts: Vec<LayerRange> = ring.iter().map(|r| r.1).collect();
+    let mut offset = 0;
+    let assigns = workers
+        .iter()
+        .map(|&(node, batch, chunk, owned)| {
+            offset += batch;
+            Assign {
+                node,
+                offset: offset - batch,
+                batch,
+                ring: order.clone(),
+                stage: None,
+                flop_share: 1.0,
+                chunk,
+                shard: Some(ShardWork {
+                    owned,
+                    parts: parts.clone(),
+                }),
+            }
+        })
+        .collect();
+    let groups = workers.iter().map(|w| (w.3, vec![w.0])).collect();
+    Ok((assigns, groups))
 }
 
 /// A pipeline's shape: its stages, their layer bounds, the micro-batch.
@@ -170,6 +229,7 @@ fn pipeline(
                 flop_share,
                 stage: Some(stage_work(costs, shape, k, &grid[rep])),
                 chunk: 0,
+                shard: None,
             });
         }
     }
@@ -306,6 +366,7 @@ mod tests {
             stage: None,
             flop_share: 1.0,
             chunk: 0,
+            shard: None,
         };
         let split = [a(0, 30), a(1, 10)];
         let cost = |n: NodeId| if n.0 == 0 { (1.0, 0.0) } else { (3.0, 0.0) };

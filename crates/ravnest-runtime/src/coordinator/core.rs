@@ -220,12 +220,24 @@ struct Staffing {
     groups: Vec<SyncGroup>,
     holders: Holders,
     whole_holder: Option<NodeId>,
+    /// The parts the holders of a sharded epoch own (each with every weight).
+    shard_parts: BTreeMap<NodeId, LayerRange>,
 }
 
 impl Staffing {
-    /// A data-parallel node without the version: it fetches the whole model.
+    /// A data-parallel node without the version: it fetches the whole model. A sharded
+    /// worker holds what it needs when it holds the whole version, or, after a sharded epoch,
+    /// the same part (with every weight).
     fn lacks_model(&self, a: &Assign) -> bool {
-        a.stage.is_none() && !self.holders.contains_key(&a.node)
+        match (&a.stage, &a.shard, self.holders.get(&a.node)) {
+            (Some(_), _, _) => false,
+            (None, _, None) => true,
+            (None, None, Some(_)) => false,
+            (None, Some(_), Some(None)) => false,
+            (None, Some(sw), Some(Some(held))) => {
+                self.shard_parts.get(&a.node) != Some(held) || sw.owned != *held
+            }
+        }
     }
 
     /// The nodes that serve state in this epoch without working in it.
@@ -298,11 +310,15 @@ impl Era {
         }
     }
 
-    /// Who holds the version after this epoch's steps, with their layers.
+    /// Who holds the version after this epoch's steps, with their layers (a sharded
+    /// worker: its part's, beside every weight).
     fn holders(&self) -> Holders {
         self.assigns
             .iter()
-            .map(|a| (a.node, a.stage.as_ref().map(|s| s.layers)))
+            .map(|a| {
+                let layers = a.stage.as_ref().map(|s| s.layers);
+                (a.node, layers.or(a.shard.as_ref().map(|s| s.owned)))
+            })
             .collect()
     }
 }
@@ -370,6 +386,8 @@ pub struct Coordinator {
     left_out: BTreeMap<NodeId, u64>,
     /// Nodes that joined and wait for the next epoch.
     joiners: BTreeSet<NodeId>,
+    /// The part each worker of the latest sharded epoch owns (empty after any other epoch).
+    shard_parts: BTreeMap<NodeId, LayerRange>,
     /// Nodes that asked to leave: planned out at the next epoch, told to stop when no running
     /// epoch needs them.
     leaving: BTreeSet<NodeId>,
@@ -465,6 +483,7 @@ impl Coordinator {
             assumed,
             left_out: BTreeMap::new(),
             joiners: BTreeSet::new(),
+            shard_parts: BTreeMap::new(),
             leaving: BTreeSet::new(),
             over: 0,
             rebalanced_at: Vec::new(),
@@ -956,6 +975,12 @@ impl Coordinator {
             }
         }
         self.epoch += 1;
+        // Who owns which part from here: what a later sharded epoch may keep without a fetch.
+        self.shard_parts = s
+            .assigns
+            .iter()
+            .filter_map(|a| Some((a.node, a.shard.as_ref()?.owned)))
+            .collect();
         self.say_planned(from, &s.assigns);
         let until = (from + self.cfg.tuning.window.max(1)).min(self.cfg.steps);
         let group_size = s.plan.sync.groups.first().map_or(0, |g| g.group_size);
@@ -1031,6 +1056,7 @@ impl Coordinator {
             groups,
             holders,
             whole_holder,
+            shard_parts: self.shard_parts.clone(),
         };
         if s.assigns.iter().any(|a| s.lacks_model(a)) && s.whole_holder.is_none() {
             return Err(Unstaffed::Lost(
@@ -1148,6 +1174,7 @@ impl Coordinator {
                     at_end: self.cfg.checkpoint_at_end,
                     last: from,
                 }),
+                shard: a.shard.clone(),
             };
             self.send(a.node, Envelope::Work(Box::new(work)));
         }
@@ -1166,6 +1193,15 @@ impl Coordinator {
         }
         if at >= self.cfg.steps {
             return;
+        }
+        // A sharded epoch's parts of the optimizer state stay where they are: a plan that
+        // moves them (no node holds the whole model to fetch from) waits for a halt, which
+        // restores them from the checkpoint, instead of stopping a running epoch for it.
+        if cur.assigns.iter().any(|a| a.shard.is_some()) {
+            match self.staff(at, &cur.holders()) {
+                Ok(s) if !s.assigns.iter().any(|a| s.lacks_model(a)) => {}
+                _ => return,
+            }
         }
         if at > self.until {
             // The old epoch runs to the averaging step first.

@@ -85,8 +85,9 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             .as_ref()
             .map(|s| s.fetch.clone())
             .unwrap_or_default();
-        // The only holder of its layers (a stage of a single pipeline) keeps one version.
-        let alone = w.stage.is_some() && w.ring.len() <= 1;
+        // The only holder of its layers (a stage of a single pipeline, a sharded worker's part)
+        // keeps one version.
+        let alone = (w.stage.is_some() && w.ring.len() <= 1) || w.shard.is_some();
         st.versions.keep(if alone { Keep::One } else { Keep::Two });
         if !fetch.is_empty() {
             // The fetched layers go on top of what this node holds of that version.

@@ -124,6 +124,9 @@ pub(crate) struct Running<M> {
     /// When the compute ended (the collectives may still run).
     pub(super) computed: Option<Instant>,
     pub(super) compute_ns: u64,
+    /// A sharded data-parallel step: its chunks (each bucket runs a reduce-scatter, then an
+    /// all-gather).
+    pub(super) shard: Option<std::sync::Arc<super::shard::ShardLayout>>,
 }
 
 /// A pipeline stage's step in progress.

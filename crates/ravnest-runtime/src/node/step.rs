@@ -13,10 +13,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ravnest_core::LayerRange;
-use ravnest_core::collective::CollId;
+use ravnest_core::collective::{CollId, RingPart};
 use ravnest_core::pipeline::{Ready, StageRun, micro_batches};
+use ravnest_core::ring::RingMode;
 use tokio::time::Instant;
 
+use super::shard::{GATHER, ShardLayout};
 use super::state::{EarlyInput, NodeMsg, NodeState, Pipe, Running};
 use super::versions::Version;
 use super::{NodeActor, Observed, Span, SpanKind};
@@ -105,6 +107,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         group: Arc<Group>,
         data: Vec<f32>,
         virtual_bytes: u64,
+        part: Option<RingPart>,
     ) {
         if let Some(c) = &st.collective {
             let _ = c.cast(CollectiveMsg::Start {
@@ -112,6 +115,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 group,
                 data,
                 virtual_bytes,
+                part,
             });
         }
     }
@@ -133,9 +137,22 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     /// A synchronous data-parallel step: buckets enter their collectives as backward makes them.
-    async fn sync_step(&self, st: &mut State<C>, w: &Work, s: u64, base: C::Model) {
+    /// Sharded, each bucket is reduce-scattered to its parameters' owners instead (see
+    /// [`super::shard`]), and this node keeps only its own part's optimizer state.
+    async fn sync_step(&self, st: &mut State<C>, w: &Work, s: u64, mut base: C::Model) {
         let params = self.compute.params();
         let buckets = self.compute.buckets();
+        let mut shard = None;
+        if let Some(sw) = &w.shard {
+            let layout = ShardLayout::new(sw, &w.ring, self.id, params, |l| {
+                self.compute.param_range(l)
+            });
+            match layout {
+                Ok(l) => shard = Some(Arc::new(l)),
+                Err(e) => return self.fail(w.epoch, e),
+            }
+            base = self.compute.shard(&base, sw.owned);
+        }
         let group = self.group(st, w);
         // The next version starts as version s (shared, not copied); each reduced bucket is
         // applied to it as it comes back.
@@ -146,9 +163,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             layers: None,
             targets: buckets.clone(),
             next: base.clone(),
-            pending: buckets.len(),
+            pending: buckets.len() * if shard.is_some() { 2 } else { 1 },
             computed: None,
             compute_ns: 0,
+            shard: shard.clone(),
         });
         // Weight b_i / B, applied once, in place: the group's sum is the mean gradient of the
         // whole global batch.
@@ -164,12 +182,16 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 step: s,
                 bucket: k as u32,
             };
+            let part = shard
+                .as_ref()
+                .and_then(|l| Some(l.part(buckets.get(k)?, RingMode::ReduceScatter)));
             if let Some(c) = &coll {
                 let _ = c.cast(CollectiveMsg::Start {
                     id,
                     group: group.clone(),
                     data,
                     virtual_bytes,
+                    part,
                 });
             }
         });
@@ -329,13 +351,14 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             pending: 1,
             computed: Some(Instant::now()),
             compute_ns: ns,
+            shard: None,
         });
         let id = CollId {
             epoch: w.epoch,
             step: s,
             bucket: 0,
         };
-        self.start_collective(st, id, group, contribution, self.grad_bytes);
+        self.start_collective(st, id, group, contribution, self.grad_bytes, None);
     }
 
     /// A collective ended.
@@ -363,6 +386,9 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 ),
             );
         };
+        if let Some(layout) = r.shard.clone() {
+            return self.on_shard_outcome(st, id, sum, &layout).await;
+        }
         let Some(target) = r.targets.get(id.bucket as usize).cloned() else {
             return;
         };
@@ -400,6 +426,91 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return self.fail(id.epoch, reason);
         }
         r.pending = r.pending.saturating_sub(1);
+        self.try_finish(st).await;
+    }
+
+    /// A sharded step's collective of bucket `id` came back: a reduce-scatter gave this node
+    /// the summed gradient of the bucket's parameters it owns, which it updates (it alone holds
+    /// their optimizer state) and starts the all-gather of the updated values; an all-gather
+    /// brought the other owners' updated parameters.
+    async fn on_shard_outcome(
+        &self,
+        st: &mut State<C>,
+        id: CollId,
+        mut sum: Vec<f32>,
+        layout: &ShardLayout,
+    ) {
+        let gather = id.bucket & GATHER != 0;
+        let Some(r) = st.running.as_mut() else { return };
+        let Some(target) = r.targets.get((id.bucket & !GATHER) as usize).cloned() else {
+            return;
+        };
+        let mine = layout.mine(&target);
+        let local = |x: &Range<usize>| x.start - target.start..x.end - target.start;
+        let done = if sum.len() != target.len() {
+            Err(format!(
+                "the collective of step {} bucket {} gave {} values for {}",
+                id.step,
+                id.bucket & !GATHER,
+                sum.len(),
+                target.len()
+            ))
+        } else if gather {
+            let (before, after) = (target.start..mine.start, mine.end..target.end);
+            let set = |m: &mut C::Model, x: &Range<usize>| match x.is_empty() {
+                true => Ok(()),
+                false => self.compute.set_params(m, x.clone(), &sum[local(x)]),
+            };
+            let result = set(&mut r.next, &before).and_then(|()| set(&mut r.next, &after));
+            self.compute.recycle(sum);
+            result.map_err(|e| e.to_string())
+        } else {
+            if r.pending == 2 * r.targets.len() {
+                // The only holder of its part makes the next version from this one in place of
+                // it (a lost peer's part comes back from the checkpoint, not from a version
+                // here): what only version `step` held is updated where it is.
+                if st.versions.keeps_one() {
+                    drop(st.versions.take(r.step));
+                }
+                for old in st.versions.doomed_by(r.step + 1, true) {
+                    self.compute.retire(old);
+                }
+            }
+            let updated = match mine.is_empty() {
+                true => Ok(()),
+                false => self
+                    .compute
+                    .apply_update(&mut r.next, mine.clone(), &sum[local(&mine)])
+                    .map_err(|e| e.to_string()),
+            };
+            let exported = updated.and_then(|()| match mine.is_empty() {
+                true => Ok(()),
+                false => self
+                    .compute
+                    .export_range(&r.next, None, mine.clone())
+                    .map(|w| sum[local(&mine)].copy_from_slice(&w))
+                    .ok_or_else(|| format!("parameters {mine:?} could not be read back")),
+            });
+            let gather_id = CollId {
+                bucket: id.bucket | GATHER,
+                ..id
+            };
+            exported.map(|()| {
+                let part = layout.part(&target, RingMode::AllGather);
+                let virtual_bytes =
+                    self.grad_bytes * target.len() as u64 / self.compute.params().max(1) as u64;
+                if let Some((_, group)) = st.group.clone() {
+                    self.start_collective(st, gather_id, group, sum, virtual_bytes, Some(part));
+                }
+            })
+        };
+        if let Err(reason) = done {
+            st.running = None;
+            return self.fail(id.epoch, reason);
+        }
+        if let Some(r) = st.running.as_mut() {
+            r.pending = r.pending.saturating_sub(1);
+        }
         self.try_finish(st).await;
     }
 
@@ -460,6 +571,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             Some(l) => self.compute.retain(&model, l),
             None => model,
         };
+        // What this node holds whole (with optimizer state): a stage's layers, a sharded
+        // worker's part (beside every weight), else the whole model.
+        let shard = st.work.as_ref().and_then(|w| w.shard.as_ref());
+        let layers = layers.or(shard.map(|s| s.owned));
         // A stage's digest covers what it holds of its layers (their optimizer state too), as
         // its checkpoint shard does.
         let d = self.compute.digest(&model, layers);
@@ -772,6 +887,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 pending: 1,
                 computed: Some(Instant::now()),
                 compute_ns: p.compute_ns,
+                shard: None,
             });
             let id = CollId {
                 epoch: p.epoch,
@@ -779,7 +895,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 bucket: 0,
             };
             // A stage's gradient stands for its layers' bytes, not the whole model's.
-            return self.start_collective(st, id, group, contribution, p.sw.sync_bytes);
+            return self.start_collective(st, id, group, contribution, p.sw.sync_bytes, None);
         }
         // Applied here: the only holder of these layers makes the next version from this one
         // in place of it (nobody can need version `step` once `step + 1` exists).
