@@ -922,3 +922,140 @@ fn a_stage_holder_killed_with_sigkill_is_restored_from_the_checkpoint_and_the_ru
         "no final checkpoint"
     );
 }
+
+/// gpt-tiny on `memory_gib` per node (none: the machine's), AdamW, the shipped novel, a final
+/// checkpoint only; `layout` restricts the plan's kind.
+fn gpt_file(dir: &Path, name: &str, memory_gib: &[Option<f64>], layout: &str) -> PathBuf {
+    let mut t = format!("[cluster]\nname = \"{name}\"\nsecret = \"e2e-secret\"\n\n");
+    for (k, (m, port)) in memory_gib
+        .iter()
+        .zip(free_ports(memory_gib.len()))
+        .enumerate()
+    {
+        t += &format!(
+            "[[node]]\nname = \"n{k}\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{port}\"\n"
+        );
+        if let Some(m) = m {
+            t += &format!("memory_gib = {m}\n");
+        }
+        t += "\n";
+    }
+    t += &format!(
+        "[links]\nbandwidth_gbps = 40.0\nlatency_ms = 0.05\n\n[model]\npreset = \"gpt-tiny\"\n\n\
+         [training]\nglobal_batch = 12\nmicro_batch = 2\noptimizer = \"adamw\"\nprecision = \"fp32\"\n\
+         memory_reserve_gib = 0\nsync = \"ring\"\nlayout = \"{layout}\"\n\n\
+         [run]\nnetwork = \"gpt\"\ndataset = \"data/eighty-days.txt\"\nsteps = 8\n\
+         learning_rate = 0.003\nmomentum = 0.9\nweight_decay = 0.01\nseed = 1\n\
+         checkpoint_every_steps = 0\nheartbeat_timeout_ms = 10000\n"
+    );
+    let p = dir.join(format!("{name}.toml"));
+    std::fs::write(&p, t).unwrap();
+    p
+}
+
+/// Sharded data parallel over three processes whose memory budgets give them parts of three
+/// sizes (none holds the model whole) ends with the weights one process training alone ends
+/// with, within 1e-5 relative per tensor; the merged checkpoint holds every tensor once; each
+/// process held what the plan gave it (weights, gradient, its part's AdamW state) within 10%.
+#[test]
+fn sharded_data_parallel_over_three_processes_equals_one_process() {
+    use ravnest_core::LayerRange;
+    use ravnest_core::cost::Costs;
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = fresh_dir("e2e-sharded");
+    let sizing = gpt_file(&dir, "sizing", &[Some(1.0); 3], "sharded");
+    let s = ravnest_core::parse(&std::fs::read_to_string(&sizing).unwrap(), "sizing").unwrap();
+    let costs = Costs::new(&s.cluster, &s.model, &s.training);
+    let none = LayerRange::from(0..0);
+    let base = costs.shard_memory_bytes(none, 2) as f64;
+    let state =
+        (costs.shard_memory_bytes(costs.all(), 0) - costs.shard_memory_bytes(none, 0)) as f64;
+    let gib = |share: f64| (base + state * share) / (1u64 << 30) as f64;
+    let memory = [Some(gib(0.3)), Some(gib(0.8)), Some(gib(0.55))];
+    let sharded = gpt_file(&dir, "sharded", &memory, "sharded");
+    let alone = gpt_file(&dir, "alone", &[None], "auto");
+    let run = |file: &Path, out: &Path| {
+        let o = Command::new(exe())
+            .args(["run", file.to_str().unwrap(), "--json", "--out"])
+            .arg(out)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(
+            o.status.success(),
+            "{file:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        text.lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .collect::<Vec<_>>()
+    };
+    let events = run(&sharded, &dir.join("a"));
+    run(&alone, &dir.join("b"));
+    // The plan: three parts of three sizes; each process held about what it was given.
+    let s = ravnest_core::parse(&std::fs::read_to_string(&sharded).unwrap(), "sharded").unwrap();
+    let plan = ravnest_core::plan_scenario(ravnest_core::PlannerKind::Ravnest, &s).unwrap();
+    let costs = Costs::new(&s.cluster, &s.model, &s.training);
+    let parts: Vec<(String, LayerRange)> = plan
+        .nodes
+        .iter()
+        .map(|n| (n.name.clone(), n.layers.expect("a part")))
+        .collect();
+    let sizes: std::collections::BTreeSet<u64> = parts.iter().map(|p| costs.params(p.1)).collect();
+    assert_eq!(sizes.len(), 3, "parts of three sizes: {parts:?}");
+    let sum = summary(&events);
+    for (name, part) in &parts {
+        let node = sum["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["node"] == name.as_str())
+            .unwrap_or_else(|| panic!("no report of {name}"));
+        let held = node["report"]["held_state_mib"].as_f64().unwrap();
+        let want = costs.shard_memory_bytes(*part, 0) as f64 / (1 << 20) as f64;
+        assert!(
+            (held / want - 1.0).abs() <= 0.1,
+            "{name} held {held:.2} MiB, planned {want:.2} MiB (part {part})"
+        );
+    }
+    // The final weights, tensor by tensor.
+    let x = tensors(&dir.join("a/checkpoints/step-00000008.safetensors"));
+    let y = tensors(&dir.join("b/checkpoints/step-00000008.safetensors"));
+    assert_eq!(x.keys().collect::<Vec<_>>(), y.keys().collect::<Vec<_>>());
+    let floats = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    // AdamW's first steps move a weight whose gradient sums to about 0 by about ±lr, whichever
+    // side of 0 the sum's rounding falls on: a small tensor (a bias) can differ by 1e-4 of its
+    // norm between two summation orders. The model as a whole, and every value, must not.
+    let (mut diff, mut norm, mut worst_abs, mut worst_rel) = (0.0f64, 0.0f64, 0.0f32, 0.0f64);
+    for (k, (meta, bytes)) in &x {
+        if k == "__metadata__" || meta["dtype"] != "F32" {
+            continue;
+        }
+        let (a, b) = (floats(bytes), floats(&y[k].1));
+        let d: f64 = a
+            .iter()
+            .zip(&b)
+            .map(|(a, b)| f64::from(a - b).powi(2))
+            .sum();
+        let n: f64 = b.iter().map(|b| f64::from(*b).powi(2)).sum();
+        let most = a
+            .iter()
+            .zip(&b)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(most < 1e-4, "`{k}`: max |sharded - one| = {most:e}");
+        (diff, norm) = (diff + d, norm + n);
+        worst_abs = worst_abs.max(most);
+        worst_rel = worst_rel.max((d / n.max(f64::MIN_POSITIVE)).sqrt());
+    }
+    let rel = (diff / norm).sqrt();
+    eprintln!(
+        "sharded over 3 processes vs one: the weights differ by {rel:e} of their norm; the \
+         largest value difference {worst_abs:e}; the largest tensor's relative {worst_rel:e}"
+    );
+    assert!(rel < 1e-5, "the weights differ by {rel:e} of their norm");
+}
