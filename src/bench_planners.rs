@@ -51,6 +51,7 @@ pub fn random(first: u64, n: u64, max_nodes: usize) -> Result<String> {
     let (mut ours_s, mut oracle_s) = (Vec::new(), Vec::new());
     let (mut worst, mut slowest) = ((0.0f64, 0u64), (0.0f64, 0u64));
     let (mut neither, mut skipped, mut off) = (0, 0, Vec::new());
+    let mut kinds: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
     for seed in first..first + n {
         let c = random_case(seed);
         if c.cluster.nodes.len() > max_nodes {
@@ -67,6 +68,10 @@ pub fn random(first: u64, n: u64, max_nodes: usize) -> Result<String> {
         let t1 = Instant::now();
         let oracle = ravnest_core::plan(PlannerKind::Exhaustive, &c.cluster, &c.model, &c.training);
         oracle_s.push(t1.elapsed().as_secs_f64());
+        if let Ok(o) = &ours {
+            let class = ravnest_core::planner::LayoutClass::of(&o.layout);
+            *kinds.entry(class.as_str()).or_default() += 1;
+        }
         let r = match (&ours, &oracle) {
             (Ok(o), Ok(x)) => o.objective_s() / x.objective_s(),
             (Err(_), Ok(_)) => f64::INFINITY,
@@ -91,10 +96,12 @@ pub fn random(first: u64, n: u64, max_nodes: usize) -> Result<String> {
         true => String::new(),
         false => format!("  over 1%: seeds {}\n", off.join(", ")),
     };
+    let kinds: Vec<String> = kinds.iter().map(|(k, n)| format!("{k} {n}")).collect();
     Ok(format!(
-        "ravnest vs the exhaustive oracle on {n} random clusters (seeds {first}..{}; {skipped} with more than {max_nodes} nodes skipped), step + expected recovery ratio (1 = the optimum under the cost model):\n  {} cases planned ({neither} fit nowhere for both)\n  median {:.3}, p90 {:.3}, p99 {:.3}, max {:.3} (seed {})\n  within 1%: {:.1}% of cases\n{off}  planning time: ravnest {} (slowest: seed {}); oracle {}\n",
+        "ravnest vs the exhaustive oracle on {n} random clusters (seeds {first}..{}; {skipped} with more than {max_nodes} nodes skipped), step + expected recovery ratio (1 = the optimum under the cost model):\n  {} cases planned ({neither} fit nowhere for both); ravnest chose: {}\n  median {:.3}, p90 {:.3}, p99 {:.3}, max {:.3} (seed {})\n  within 1%: {:.1}% of cases\n{off}  planning time: ravnest {} (slowest: seed {}); oracle {}\n",
         first + n,
         q.cases,
+        kinds.join(", "),
         q.median,
         q.p90,
         q.p99,
