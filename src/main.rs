@@ -1004,6 +1004,7 @@ fn sim_sweep(first: u64, count: u64) -> Result<()> {
         ("coordinator-crash", 60, HostCrash::Steady),
         ("coordinator-crash-replan", 60, HostCrash::Replan),
         ("coordinator-crash", 60, HostCrash::Checkpoint),
+        ("sharded-gpt-small", 60, HostCrash::AsWritten),
     ] {
         let text = scenarios::SHIPPED
             .iter()

@@ -99,6 +99,10 @@ pub struct ShardWork {
     pub owned: LayerRange,
     /// Each rank's part, in ring order.
     pub parts: Vec<LayerRange>,
+    /// Layers of model version `step` (weights and optimizer state) this node lacks for its
+    /// part and its weights, and the peer to fetch each range from before computing (a part
+    /// moved by a re-plan, a node that joined).
+    pub fetch: Vec<(NodeId, LayerRange)>,
 }
 
 /// Which versions a writer checkpoints: the first synchronized version at or past each

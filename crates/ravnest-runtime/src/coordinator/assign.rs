@@ -156,6 +156,7 @@ fn sharded(p: &Plan, live: &[NodeId]) -> Result<(Vec<Assign>, Vec<SyncGroup>), S
                 shard: Some(ShardWork {
                     owned,
                     parts: parts.clone(),
+                    fetch: Vec::new(),
                 }),
             }
         })
@@ -299,6 +300,48 @@ pub fn fetch_plan(
     Ok(out)
 }
 
+/// What a sharded worker owning `owned` fetches of version `version` (weights and optimizer
+/// state of whole layers), each range from a holder: the layers of its part whose state it
+/// lacks, and, when it does not hold every weight, every layer it does not hold whole. It
+/// holds every weight when it holds the whole version, or held part `prior` in the sharded
+/// epoch before (and still holds it).
+pub fn shard_fetch(
+    holders: &Holders,
+    prior: Option<LayerRange>,
+    node: NodeId,
+    owned: LayerRange,
+    all: LayerRange,
+    version: u64,
+) -> Result<Fetches, String> {
+    let (held, weights) = match holders.get(&node) {
+        Some(None) => return Ok(Vec::new()),
+        Some(Some(h)) => (Some(*h), prior == Some(*h)),
+        None => (None, false),
+    };
+    let need = if weights { owned } else { all };
+    let mut out = Vec::new();
+    for piece in minus(need, held) {
+        out.extend(fetch_plan(holders, node, piece, version)?);
+    }
+    Ok(out)
+}
+
+/// The layers of `a` outside `b`: up to two ranges.
+fn minus(a: LayerRange, b: Option<LayerRange>) -> Vec<LayerRange> {
+    let Some(b) = b.filter(|b| !b.is_empty()) else {
+        return vec![a];
+    };
+    let (a0, a1) = (a.range().start as u32, a.range().end as u32);
+    let (b0, b1) = (b.range().start as u32, b.range().end as u32);
+    [
+        LayerRange::new(a0, b0.clamp(a0, a1)),
+        LayerRange::new(b1.clamp(a0, a1), a1),
+    ]
+    .into_iter()
+    .filter(|r| !r.is_empty())
+    .collect()
+}
+
 /// A node's compute cost: (seconds per sample of the whole model, fixed seconds per step).
 pub type StepCost = (f64, f64);
 
@@ -354,6 +397,45 @@ mod tests {
             fetch_plan(&whole, NodeId(3), LayerRange::new(1, 3), 0).unwrap(),
             vec![(NodeId(4), LayerRange::new(1, 3))]
         );
+    }
+
+    #[test]
+    fn a_sharded_worker_fetches_what_it_lacks() {
+        let l = LayerRange::new;
+        let all = l(0, 8);
+        let mut h = Holders::new();
+        h.insert(NodeId(0), Some(l(0, 3)));
+        h.insert(NodeId(1), Some(l(3, 8)));
+        // Same part as before: nothing to fetch.
+        assert_eq!(
+            shard_fetch(&h, Some(l(0, 3)), NodeId(0), l(0, 3), all, 4),
+            Ok(vec![])
+        );
+        // A part grown by a re-plan: the state of the layers it gains, from their owner.
+        assert_eq!(
+            shard_fetch(&h, Some(l(0, 3)), NodeId(0), l(0, 5), all, 4),
+            Ok(vec![(NodeId(1), l(3, 5))])
+        );
+        // A joiner: every layer, from the owners.
+        assert_eq!(
+            shard_fetch(&h, None, NodeId(2), l(5, 8), all, 4),
+            Ok(vec![(NodeId(0), l(0, 3)), (NodeId(1), l(3, 8))])
+        );
+        // A pipeline stage of 0..3 before (no other weights): the rest of the layers.
+        assert_eq!(
+            shard_fetch(&h, None, NodeId(0), l(0, 3), all, 4),
+            Ok(vec![(NodeId(1), l(3, 8))])
+        );
+        // The whole version: nothing. A layer nobody live holds: an error naming it.
+        let mut whole = Holders::new();
+        whole.insert(NodeId(3), None);
+        assert_eq!(
+            shard_fetch(&whole, None, NodeId(3), l(2, 4), all, 4),
+            Ok(vec![])
+        );
+        h.remove(&NodeId(1));
+        let e = shard_fetch(&h, None, NodeId(2), l(5, 8), all, 4).unwrap_err();
+        assert!(e.contains("layer 3 of model version 4"), "{e}");
     }
 
     #[test]

@@ -220,24 +220,13 @@ struct Staffing {
     groups: Vec<SyncGroup>,
     holders: Holders,
     whole_holder: Option<NodeId>,
-    /// The parts the holders of a sharded epoch own (each with every weight).
-    shard_parts: BTreeMap<NodeId, LayerRange>,
 }
 
 impl Staffing {
-    /// A data-parallel node without the version: it fetches the whole model. A sharded
-    /// worker holds what it needs when it holds the whole version, or, after a sharded epoch,
-    /// the same part (with every weight).
+    /// A data-parallel node without the version: it fetches the whole model. (A stage or a
+    /// sharded worker fetches the layers it lacks: `StageWork::fetch`, `ShardWork::fetch`.)
     fn lacks_model(&self, a: &Assign) -> bool {
-        match (&a.stage, &a.shard, self.holders.get(&a.node)) {
-            (Some(_), _, _) => false,
-            (None, _, None) => true,
-            (None, None, Some(_)) => false,
-            (None, Some(_), Some(None)) => false,
-            (None, Some(sw), Some(Some(held))) => {
-                self.shard_parts.get(&a.node) != Some(held) || sw.owned != *held
-            }
-        }
+        a.stage.is_none() && a.shard.is_none() && !self.holders.contains_key(&a.node)
     }
 
     /// The nodes that serve state in this epoch without working in it.
@@ -247,6 +236,12 @@ impl Staffing {
             .iter()
             .filter_map(|a| a.stage.as_ref())
             .flat_map(|sw| sw.fetch.iter().map(|f| f.0))
+            .chain(
+                self.assigns
+                    .iter()
+                    .filter_map(|a| a.shard.as_ref())
+                    .flat_map(|sw| sw.fetch.iter().map(|f| f.0)),
+            )
             .collect();
         if self.assigns.iter().any(|a| self.lacks_model(a)) {
             sources.extend(self.whole_holder);
@@ -1031,9 +1026,15 @@ impl Coordinator {
         let (mut assigns, groups) =
             assignments(&plan, &live, &sub, &self.cfg.model, &self.cfg.training)
                 .map_err(Unstaffed::Short)?;
+        let all = LayerRange::new(0, self.cfg.model.layers.len() as u32);
         for a in &mut assigns {
             if let Some(sw) = &mut a.stage {
                 sw.fetch = super::assign::fetch_plan(&holders, a.node, sw.layers, from)
+                    .map_err(Unstaffed::Lost)?;
+            }
+            if let Some(sw) = &mut a.shard {
+                let prior = self.shard_parts.get(&a.node).copied();
+                sw.fetch = super::assign::shard_fetch(&holders, prior, a.node, sw.owned, all, from)
                     .map_err(Unstaffed::Lost)?;
             }
         }
@@ -1056,7 +1057,6 @@ impl Coordinator {
             groups,
             holders,
             whole_holder,
-            shard_parts: self.shard_parts.clone(),
         };
         if s.assigns.iter().any(|a| s.lacks_model(a)) && s.whole_holder.is_none() {
             return Err(Unstaffed::Lost(
@@ -1194,14 +1194,12 @@ impl Coordinator {
         if at >= self.cfg.steps {
             return;
         }
-        // A sharded epoch's parts of the optimizer state stay where they are: a plan that
-        // moves them (no node holds the whole model to fetch from) waits for a halt, which
-        // restores them from the checkpoint, instead of stopping a running epoch for it.
-        if cur.assigns.iter().any(|a| a.shard.is_some()) {
-            match self.staff(at, &cur.holders()) {
-                Ok(s) if !s.assigns.iter().any(|a| s.lacks_model(a)) => {}
-                _ => return,
-            }
+        // A sharded epoch's parts move by fetches; a plan whose state some node could not
+        // fetch from a live holder waits (a halt restores it from the checkpoint) rather than
+        // stopping a running epoch for it.
+        if cur.assigns.iter().any(|a| a.shard.is_some()) && self.staff(at, &cur.holders()).is_err()
+        {
+            return;
         }
         if at > self.until {
             // The old epoch runs to the averaging step first.

@@ -80,11 +80,11 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         if let Some(c) = &st.collective {
             let _ = c.cast(CollectiveMsg::Halt(w.epoch.saturating_sub(1)));
         }
-        let fetch = w
-            .stage
-            .as_ref()
-            .map(|s| s.fetch.clone())
-            .unwrap_or_default();
+        let fetch = match (&w.stage, &w.shard) {
+            (Some(s), _) => s.fetch.clone(),
+            (None, Some(s)) => s.fetch.clone(),
+            (None, None) => Vec::new(),
+        };
         // The only holder of its layers (a stage of a single pipeline, a sharded worker's part)
         // keeps one version.
         let alone = (w.stage.is_some() && w.ring.len() <= 1) || w.shard.is_some();
@@ -174,11 +174,18 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
 
     /// The latest checkpoint, to restore layers held only by lost nodes from: keep it as a
     /// synchronized whole version (the newer ones are dropped: training goes back to it) and
-    /// answer the halt again.
+    /// answer the halt again. Before the run's first checkpoint, the run's start is the one to
+    /// go back to (the seeded model, or the checkpoint a resumed run started from).
     fn on_restored(&self, st: &mut State<C>, epoch: u64, checkpoint: Option<(u64, Vec<f32>)>) {
-        if let Some((version, values)) = checkpoint
-            && let Ok(model) = self.compute.import(None, None, values)
-        {
+        let restored = match checkpoint {
+            Some((version, values)) => self
+                .compute
+                .import(None, None, values)
+                .ok()
+                .map(|m| (version, m)),
+            None => Some((self.compute.initial_version(), self.compute.initial(None))),
+        };
+        if let Some((version, model)) = restored {
             st.versions.truncate_after(version);
             st.versions.insert(
                 version,
@@ -296,7 +303,13 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             _ => return,
         }
         let Some(f) = st.fetching.take() else { return };
-        let new = st.work.as_ref().and_then(Work::layers);
+        // A sharded worker holds every weight, and its part's optimizer state whole.
+        let shard = st
+            .work
+            .as_ref()
+            .and_then(|w| w.shard.as_ref())
+            .map(|s| s.owned);
+        let new = st.work.as_ref().and_then(Work::layers).or(shard);
         // The layers this node held at that version are still valid in it (the fetched ones
         // were copied in beside them): keep saying so, so that a fetch from here that is lost
         // (a reset, a halt) can be made again after a resync instead of finding no holder.
@@ -309,8 +322,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         };
         let Some(model) = f.model else { return };
         let model = match layers {
-            Some(l) => self.compute.retain(&model, l),
-            None => model,
+            Some(l) if shard.is_none() => self.compute.retain(&model, l),
+            _ => model,
         };
         st.versions.truncate_after(f.version);
         st.versions.insert(

@@ -125,6 +125,7 @@ mod tests {
         let sw = |owned| ShardWork {
             owned,
             parts: parts.clone(),
+            fetch: Vec::new(),
         };
         let lb = ShardLayout::new(&sw(parts[0]), &ring, b, 100, params_of).unwrap();
         assert_eq!(lb.bounds, vec![0, 10, 60, 100]);
