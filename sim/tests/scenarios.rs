@@ -356,6 +356,31 @@ fn seed_sweep_with_checkers() {
     );
 }
 
+/// Sweep seed 269 (8 cases): the straggler's pipeline re-planned at step 48 without two slow
+/// nodes, which only serve the layers they held; a reset then stalls a step and the halt's
+/// answers come back. The resume point used to be the oldest version any node held: the left-
+/// out nodes' 48, which no worker held any more (a lone stage keeps its newest), so the run
+/// restored the checkpoint, went back again and ended with the model incomplete. Only the
+/// running epochs' workers count now.
+#[test]
+fn nodes_left_out_of_a_re_plan_do_not_drag_the_resume_back() {
+    let text = format!(
+        "{}\n[[fault]]\nkind = \"reset\"\nbetween = [\"rtx4090\", \"rtx3090-3\"]\nat_s = 11.455\n\n\
+         [[fault]]\nkind = \"reset\"\nbetween = [\"rtx3090-1\", \"rtx3090-0\"]\nat_s = 31.639\n\n\
+         [[fault]]\nkind = \"reset\"\nbetween = [\"rtx3090-0\", \"rtx3090-3\"]\nat_s = 3.430\n",
+        include_str!("../../scenarios/straggler.toml")
+    );
+    let s = ravnest_core::parse(&text, "straggler-269").unwrap();
+    let r = run(&s, &opts(&s, 269, 60)).unwrap();
+    assert!(r.violations.is_empty(), "{:?}", r.violations);
+    assert_eq!(r.steps_completed, 60);
+    assert!(
+        r.plans >= 2,
+        "the re-plan without the slow nodes: {}",
+        r.plans
+    );
+}
+
 #[test]
 fn sharded_seed_sweep_with_checkers() {
     // Sharded data parallel: a worker's crash takes the only copy of its part's optimizer

@@ -1586,10 +1586,15 @@ impl Coordinator {
             .resume_from
             .take()
             .filter(|f| h.held.keys().any(|n| f.contains(n)));
+        // A node that does not work in the running epochs (left out, or only a source of their
+        // start's layers) holds their start at best: it does not drag the workers back to a
+        // version they no longer hold (a lone stage keeps only its newest).
+        let workers: BTreeSet<NodeId> = self.eras.iter().flat_map(Era::workers).collect();
         let Some(v) = h
             .held
             .iter()
             .filter(|(n, _)| from.as_ref().is_none_or(|f| f.contains(n)))
+            .filter(|(n, _)| workers.is_empty() || workers.contains(n))
             .filter_map(|(_, vs)| newest_synced(vs))
             .filter(|&v| v >= start)
             .min()
