@@ -427,19 +427,8 @@ impl ModelState {
         values: &[f32],
         dev: &Device,
     ) -> Result<(), ComputeError> {
-        if values.len() != range.len() {
-            return Err(ComputeError::Shape(format!(
-                "{} values for parameters {range:?}",
-                values.len()
-            )));
-        }
-        let mut covered = 0;
-        for i in 0..self.layout.tensors.len() {
+        self.each_tensor_in(range, values, "values", |i, v| {
             let m = &self.layout.tensors[i];
-            if m.offset < range.start || m.offset + m.len > range.end {
-                continue;
-            }
-            let v = &values[m.offset - range.start..m.offset - range.start + m.len];
             let old = self.get(model, i, dev)?;
             // No other version shares this tensor: its values are written over, where they are.
             let alone = model
@@ -448,14 +437,42 @@ impl ModelState {
                 .is_some_and(|c| Arc::strong_count(c) == 1)
                 && Arc::strong_count(&old) == 2;
             if alone && write_over(old.param.as_tensor(), v) {
-                covered += m.len;
-                continue;
+                return Ok(());
             }
             let state = old.state.clone();
             drop(old);
             let param =
                 Var::from_slice(v, m.shape.as_slice(), dev).map_err(backend("making a tensor"))?;
             model.cells.insert(i, Cell::made(self.made(param, state)?));
+            Ok(())
+        })
+    }
+
+    /// Call `f(i, its values)` for each tensor `i` whose parameters lie in `range`, its values
+    /// cut from `values` (one per parameter of `range`, `what` they are, for messages); an
+    /// error when their count is not the range's or `range` is not a run of whole tensors.
+    fn each_tensor_in(
+        &self,
+        range: Range<usize>,
+        values: &[f32],
+        what: &str,
+        mut f: impl FnMut(usize, &[f32]) -> Result<(), ComputeError>,
+    ) -> Result<(), ComputeError> {
+        if values.len() != range.len() {
+            return Err(ComputeError::Shape(format!(
+                "{} {what} for parameters {range:?}",
+                values.len()
+            )));
+        }
+        let mut covered = 0;
+        for (i, m) in self.layout.tensors.iter().enumerate() {
+            if m.offset < range.start || m.offset + m.len > range.end {
+                continue;
+            }
+            f(
+                i,
+                &values[m.offset - range.start..m.offset - range.start + m.len],
+            )?;
             covered += m.len;
         }
         if covered != range.len() {
@@ -820,28 +837,9 @@ impl ModelState {
         grad: &[f32],
         dev: &Device,
     ) -> Result<(), ComputeError> {
-        if grad.len() != range.len() {
-            return Err(ComputeError::Shape(format!(
-                "{} gradient values for parameters {range:?}",
-                grad.len()
-            )));
-        }
-        let mut covered = 0;
-        for i in 0..self.layout.tensors.len() {
-            let m = &self.layout.tensors[i];
-            if m.offset < range.start || m.offset + m.len > range.end {
-                continue;
-            }
-            let g = &grad[m.offset - range.start..m.offset - range.start + m.len];
-            self.update(model, i, Grad::Host(g), 1.0, dev)?;
-            covered += m.len;
-        }
-        if covered != range.len() {
-            return Err(ComputeError::Shape(format!(
-                "parameters {range:?} are not whole tensors"
-            )));
-        }
-        Ok(())
+        self.each_tensor_in(range, grad, "gradient values", |i, g| {
+            self.update(model, i, Grad::Host(g), 1.0, dev)
+        })
     }
 
     /// A step's update is done: AdamW's step count advances; spare buffers left unused go.

@@ -53,13 +53,7 @@ pub(super) fn ravnest_dp(costs: &Costs<'_>, workers: &[NodeId]) -> Option<(Vec<N
             *c = total;
         }
     }
-    let flops: Vec<f64> = workers
-        .iter()
-        .map(|&w| costs.cluster.node(w).flops)
-        .collect();
-    let mut b = batch::proportional_split(total, &flops, &caps)?;
-    let (t, fixed) = costs.step_costs(workers);
-    batch::polish_minimax(&mut b, &t, &fixed, &caps);
+    let b = split_by_speed(costs, workers, &caps)?;
     let (w, b): (Vec<NodeId>, Vec<u64>) = workers
         .iter()
         .copied()
@@ -67,6 +61,24 @@ pub(super) fn ravnest_dp(costs: &Costs<'_>, workers: &[NodeId]) -> Option<(Vec<N
         .filter(|(_, b)| *b > 0)
         .unzip();
     if w.is_empty() { None } else { Some((w, b)) }
+}
+
+/// The global batch over `workers`, each share within its cap: proportional to throughput,
+/// then polished to the minimax optimum. `None` when the caps cannot hold it.
+pub(super) fn split_by_speed(
+    costs: &Costs<'_>,
+    workers: &[NodeId],
+    caps: &[u64],
+) -> Option<Vec<u64>> {
+    let total = u64::from(costs.training.global_batch);
+    let flops: Vec<f64> = workers
+        .iter()
+        .map(|&w| costs.cluster.node(w).flops)
+        .collect();
+    let mut b = batch::proportional_split(total, &flops, caps)?;
+    let (t, fixed) = costs.step_costs(workers);
+    batch::polish_minimax(&mut b, &t, &fixed, caps);
+    Some(b)
 }
 
 /// Up to this many nodes that hold the model, every subset of them is tried as the

@@ -271,11 +271,8 @@ fn evaluate_data(
     beat: f64,
     nodes: &mut [Option<NodePlan>],
 ) -> Result<Shaped, Rejected> {
-    let cluster = costs.cluster;
-    let b_total = u64::from(costs.training.global_batch);
     let all = costs.all();
     let state = costs.state_bytes(all);
-    let act = costs.activation_bytes_per_sample(all);
     let mut cmax: f64 = 0.0;
     let mut working = Vec::with_capacity(workers.len());
     for (&w, &b) in workers.iter().zip(batch) {
@@ -286,46 +283,13 @@ fn evaluate_data(
             continue;
         }
         working.push(w);
-        let node = cluster.node(w);
         // ravnest accumulates gradients over micro-batches when a share does not fit at once
         // (unless the file says not to); the baselines compute each batch at once.
         let at_once = freedom == SyncFreedom::Baseline || !costs.training.accumulate;
-        let (micro, mem) = match at_once {
-            true => (1, state + act * b),
-            _ => accumulation(state, act, b, node.memory_bytes).ok_or(NoFit(
-                w,
-                state + act,
-                node.memory_bytes,
-            ))?,
-        };
-        if mem > node.memory_bytes {
-            return Err(NoFit(w, mem, node.memory_bytes).into());
-        }
-        let compute = costs.compute_s(w, all, b as f64);
+        let compute = place_worker(costs, (w, b), all, state, at_once, nodes)?;
         cmax = cmax.max(compute);
-        nodes[w.index()] = Some(NodePlan {
-            id: w,
-            name: String::new(),
-            device: String::new(),
-            role: Role::Worker,
-            batch: b,
-            micro_batches: micro,
-            layers: Some(all),
-            grad_weight: b as f64 / b_total as f64,
-            memory_bytes: mem,
-            memory_limit_bytes: node.memory_bytes,
-            compute_s: compute,
-            comm_s: 0.0,
-            idle_s: 0.0,
-        });
     }
-    // A step waits for the slowest worker: with measured noise, the largest of their draws.
-    let spreads: Vec<f64> = working
-        .iter()
-        .map(|&w| cluster.node(w).compute_spread)
-        .collect();
-    let noise_s = cmax * crate::cost::wait_for_slowest(&spreads);
-    let cmax = cmax + noise_s;
+    let (cmax, noise_s) = with_noise(costs, &working, cmax);
     if cmax >= beat {
         // The step is at least the compute: no sync makes it faster than `beat`.
         return Err(Rejected::NotFaster);
@@ -363,50 +327,22 @@ fn evaluate_shard(
     beat: f64,
     nodes: &mut [Option<NodePlan>],
 ) -> Result<Shaped, Rejected> {
-    let cluster = costs.cluster;
-    let b_total = u64::from(costs.training.global_batch);
     let all = costs.all();
-    let act = costs.activation_bytes_per_sample(all);
     let mut cmax: f64 = 0.0;
     for (k, (&w, &b)) in workers.iter().zip(batch).enumerate() {
-        let node = cluster.node(w);
         let part = LayerRange::of_stage(bounds, k);
         let state = costs.shard_memory_bytes(part, 0);
-        let (micro, mem) = match costs.training.accumulate {
-            true => accumulation(state, act, b, node.memory_bytes).ok_or(NoFit(
-                w,
-                state + act,
-                node.memory_bytes,
-            ))?,
-            false => (1, state + act * b),
-        };
-        if mem > node.memory_bytes {
-            return Err(NoFit(w, mem, node.memory_bytes).into());
-        }
-        let compute = costs.compute_s(w, all, b as f64);
+        let compute = place_worker(
+            costs,
+            (w, b),
+            part,
+            state,
+            !costs.training.accumulate,
+            nodes,
+        )?;
         cmax = cmax.max(compute);
-        nodes[w.index()] = Some(NodePlan {
-            id: w,
-            name: String::new(),
-            device: String::new(),
-            role: Role::Worker,
-            batch: b,
-            micro_batches: micro,
-            layers: Some(part),
-            grad_weight: b as f64 / b_total as f64,
-            memory_bytes: mem,
-            memory_limit_bytes: node.memory_bytes,
-            compute_s: compute,
-            comm_s: 0.0,
-            idle_s: 0.0,
-        });
     }
-    let spreads: Vec<f64> = workers
-        .iter()
-        .map(|&w| cluster.node(w).compute_spread)
-        .collect();
-    let noise_s = cmax * crate::cost::wait_for_slowest(&spreads);
-    let cmax = cmax + noise_s;
+    let (cmax, noise_s) = with_noise(costs, workers, cmax);
     if cmax >= beat {
         return Err(Rejected::NotFaster);
     }
@@ -429,6 +365,61 @@ fn evaluate_shard(
         copies: 1,
         working: workers.to_vec(),
     })
+}
+
+/// Place worker `w` computing `b` samples through the whole model in `nodes`, holding `layers`
+/// (their state `state` bytes) beside the activations of what it computes at once (the whole
+/// batch when `at_once`, else micro-batches its memory holds, gradients accumulated); its
+/// compute seconds, or why it does not fit.
+fn place_worker(
+    costs: &Costs<'_>,
+    (w, b): (NodeId, u64),
+    layers: LayerRange,
+    state: u64,
+    at_once: bool,
+    nodes: &mut [Option<NodePlan>],
+) -> Result<f64, Rejected> {
+    let node = costs.cluster.node(w);
+    let act = costs.activation_bytes_per_sample(costs.all());
+    let (micro, mem) = match at_once {
+        true => (1, state + act * b),
+        false => accumulation(state, act, b, node.memory_bytes).ok_or(NoFit(
+            w,
+            state + act,
+            node.memory_bytes,
+        ))?,
+    };
+    if mem > node.memory_bytes {
+        return Err(NoFit(w, mem, node.memory_bytes).into());
+    }
+    let compute = costs.compute_s(w, costs.all(), b as f64);
+    nodes[w.index()] = Some(NodePlan {
+        id: w,
+        name: String::new(),
+        device: String::new(),
+        role: Role::Worker,
+        batch: b,
+        micro_batches: micro,
+        layers: Some(layers),
+        grad_weight: b as f64 / f64::from(costs.training.global_batch),
+        memory_bytes: mem,
+        memory_limit_bytes: node.memory_bytes,
+        compute_s: compute,
+        comm_s: 0.0,
+        idle_s: 0.0,
+    });
+    Ok(compute)
+}
+
+/// A step waits for the slowest of `workers`: with measured noise, the largest of their draws.
+/// (The slowest compute `cmax` with that wait, the wait.)
+fn with_noise(costs: &Costs<'_>, workers: &[NodeId], cmax: f64) -> (f64, f64) {
+    let spreads: Vec<f64> = workers
+        .iter()
+        .map(|&w| costs.cluster.node(w).compute_spread)
+        .collect();
+    let noise_s = cmax * crate::cost::wait_for_slowest(&spreads);
+    (cmax + noise_s, noise_s)
 }
 
 /// How a data-parallel worker computes `batch` samples in `memory` bytes when the model's state

@@ -9,7 +9,6 @@
 use crate::cluster::NodeId;
 use crate::cost::Costs;
 
-use super::batch;
 use super::choice::Best;
 use super::eval::{Candidate, evaluate};
 use super::layers::Bounds;
@@ -88,13 +87,7 @@ fn candidate(costs: &Costs<'_>, workers: &[NodeId], note: Option<String>) -> Opt
             }
         })
         .collect();
-    let flops: Vec<f64> = workers
-        .iter()
-        .map(|&w| costs.cluster.node(w).flops)
-        .collect();
-    let mut b = batch::proportional_split(total, &flops, &caps)?;
-    let (t, fixed) = costs.step_costs(workers);
-    batch::polish_minimax(&mut b, &t, &fixed, &caps);
+    let b = super::dp::split_by_speed(costs, workers, &caps)?;
     if b.contains(&0) {
         return None;
     }

@@ -69,6 +69,15 @@ pub fn assignments(
     }
 }
 
+/// Samples a data-parallel (or sharded) worker computes at once: its batch over its
+/// micro-batches when its memory makes it accumulate (0: the whole batch at once).
+fn chunk_of(n: &ravnest_core::planner::NodePlan) -> u64 {
+    match n.micro_batches {
+        0 | 1 => 0,
+        k => n.batch.div_ceil(k),
+    }
+}
+
 /// Data parallel: every worker holds every layer, in one ring (the plan's order).
 fn data_parallel(p: &Plan, live: &[NodeId], layers: u32) -> (Vec<Assign>, Vec<SyncGroup>) {
     let workers: Vec<(NodeId, u64, u64)> = p
@@ -76,10 +85,7 @@ fn data_parallel(p: &Plan, live: &[NodeId], layers: u32) -> (Vec<Assign>, Vec<Sy
         .iter()
         .filter(|n| n.batch > 0)
         .map(|n| {
-            let chunk = match n.micro_batches {
-                0 | 1 => 0,
-                k => n.batch.div_ceil(k),
-            };
+            let chunk = chunk_of(n);
             (live[n.id.index()], n.batch, chunk)
         })
         .collect();
@@ -118,10 +124,7 @@ fn sharded(p: &Plan, live: &[NodeId]) -> Result<(Vec<Assign>, Vec<SyncGroup>), S
         .iter()
         .filter(|n| n.batch > 0)
         .map(|n| {
-            let chunk = match n.micro_batches {
-                0 | 1 => 0,
-                k => n.batch.div_ceil(k),
-            };
+            let chunk = chunk_of(n);
             let part = n.layers.ok_or("a sharded worker without a part")?;
             Ok((live[n.id.index()], n.batch, chunk, part))
         })
