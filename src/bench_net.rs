@@ -70,6 +70,7 @@ async fn one_round(net: &LoopbackCluster, n: usize, len: usize, epoch: u64) -> R
                                 Envelope::Coll {
                                     msg,
                                     virtual_bytes: bytes,
+                                    packing: ravnest_core::pack::Packing::Fp32,
                                 },
                             );
                         }

@@ -106,6 +106,7 @@ fn arrivals(flows: &[(u32, u32)]) -> Vec<f64> {
                     data: vec![],
                 },
                 virtual_bytes: 1_000_000,
+                packing: ravnest_core::pack::Packing::Fp32,
             };
             net.send(Addr::Node(NodeId(a)), Addr::Node(NodeId(b)), push)
                 .unwrap();

@@ -62,10 +62,18 @@ fn sync_head(p: &Plan) -> String {
         SyncMethod::LocalSgd {
             collective,
             local_steps,
-        } => format!(
-            "local SGD: {local_steps} local steps, then {}",
-            collective_text(collective)
-        ),
+            outer,
+        } => {
+            let outer = if outer.is_plain_average() {
+                String::new()
+            } else {
+                format!(" ({})", outer.describe())
+            };
+            format!(
+                "local SGD: {local_steps} local steps, then {}{outer}",
+                collective_text(collective)
+            )
+        }
     }
 }
 

@@ -118,6 +118,65 @@ pub struct TrainingSpec {
     /// The kinds of layout the planner may choose from (`[training] layout`).
     #[serde(default)]
     pub layout: LayoutChoice,
+    /// What a local-SGD round does with the replicas' models (`[training] outer_*`).
+    #[serde(default)]
+    pub outer: OuterSpec,
+}
+
+/// The outer step of local SGD: what each averaging round does with the replicas' progress
+/// since the last one (DiLoCo: an outer optimizer on the averaged delta).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct OuterSpec {
+    /// Plain averaging, or Nesterov momentum on the averaged delta (`outer_optimizer`).
+    pub optimizer: OuterOptimizer,
+    /// Outer learning rate (`outer_lr`; DiLoCo: 0.7). Ignored by plain averaging.
+    pub lr: f64,
+    /// Outer momentum (`outer_momentum`; DiLoCo: 0.9). Ignored by plain averaging.
+    pub momentum: f64,
+    /// What the round's values travel as (`outer_precision`).
+    pub precision: OuterPrecision,
+    /// Local steps per round, when the file pins them (`local_steps`); else the planner
+    /// chooses them from the measured link.
+    pub local_steps: Option<u32>,
+}
+
+impl Default for OuterSpec {
+    fn default() -> Self {
+        OuterSpec {
+            optimizer: OuterOptimizer::Average,
+            lr: 0.7,
+            momentum: 0.9,
+            precision: OuterPrecision::Auto,
+            local_steps: None,
+        }
+    }
+}
+
+/// The outer optimizer of local SGD.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum OuterOptimizer {
+    /// The replicas' models are averaged (weighted by batch share).
+    #[default]
+    Average,
+    /// DiLoCo: the averaged delta from the last round's model is an outer gradient, applied
+    /// with Nesterov momentum.
+    Nesterov,
+}
+
+/// What an outer round's values travel as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum OuterPrecision {
+    /// The planner's choice: `int8` deltas under Nesterov, exact `fp32` for plain averaging.
+    #[default]
+    Auto,
+    /// 4 bytes a value.
+    Fp32,
+    /// 2 bytes a value.
+    Fp16,
+    /// 1 byte a value, a shared exponent per 256.
+    Int8,
 }
 
 /// Which kinds of layout a plan may have (`[training] layout`): the planner's choice by the
@@ -208,6 +267,7 @@ impl Default for TrainingSpec {
             redundancy: Redundancy::Auto,
             checkpoint_every_steps: default_checkpoint_every(),
             layout: LayoutChoice::Auto,
+            outer: OuterSpec::default(),
         }
     }
 }

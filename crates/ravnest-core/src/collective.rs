@@ -14,6 +14,7 @@
 //! inputs through.
 
 pub use crate::coll_types::{CollEffect, CollId, CollInput, CollMsg};
+use crate::pack::Packing;
 use crate::planner::sync::Collective;
 use crate::ps::PsMember;
 use crate::ring::{RingMember, RingMode, valid_bounds};
@@ -36,6 +37,8 @@ pub struct Member {
     /// A part of a ring all-reduce over uneven chunks ([`Member::part`]): each message is
     /// charged by its length, not as one of n equal pieces.
     uneven: bool,
+    /// What its messages are rounded to, and travel as ([`Member::with_packing`]).
+    packing: Packing,
     algo: Algo,
 }
 
@@ -76,8 +79,27 @@ impl Member {
             n,
             len,
             uneven: false,
+            packing: Packing::Fp32,
             algo,
         }
+    }
+
+    /// The same member rounding every value it sends to `packing` ([`crate::pack`]): each
+    /// message then travels packed without further loss, and every member ends with the same
+    /// sum. Every member of a group must use the same packing. Call before `Start`.
+    pub fn with_packing(mut self, packing: Packing) -> Member {
+        self.packing = packing;
+        self.algo = match self.algo {
+            Algo::Ring(m) => Algo::Ring(m.with_packing(packing)),
+            Algo::Ring2d(m) => Algo::Ring2d(Box::new(m.with_packing(packing))),
+            Algo::Ps(m) => Algo::Ps(m.with_packing(packing)),
+        };
+        self
+    }
+
+    /// What its messages travel as.
+    pub fn packing(&self) -> Packing {
+        self.packing
     }
 
     /// The member at `rank` of a flat ring of `n` running `part` over vectors of `len`
@@ -92,6 +114,7 @@ impl Member {
             n,
             len,
             uneven: true,
+            packing: Packing::Fp32,
             algo: Algo::Ring(ring.with_bounds(part.bounds.clone())),
         })
     }
@@ -99,6 +122,12 @@ impl Member {
     /// The bytes `msg` is charged on a simulated network when the whole vector stands for
     /// `virtual_bytes`: its share by [`Member::pieces_of`], or by its length for uneven chunks.
     pub fn charge(&self, msg: &CollMsg, virtual_bytes: u64) -> u64 {
+        if self.packing != Packing::Fp32 {
+            // Its values' share of the vector, packed (at the rate a large vector packs: the
+            // simulator's small vectors stand for a model's).
+            let share = msg.data().len() as f64 / self.len.max(1) as f64;
+            return (virtual_bytes as f64 * share * self.packing.ratio()) as u64;
+        }
         if self.uneven {
             let len = msg.data().len() as u128;
             return (u128::from(virtual_bytes) * len / self.len.max(1) as u128) as u64;

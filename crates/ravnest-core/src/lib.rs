@@ -16,6 +16,8 @@ pub mod detector;
 pub mod device;
 pub mod layers;
 pub mod model;
+pub mod outer;
+pub mod pack;
 pub mod pipeline;
 pub mod planner;
 pub mod profile;

@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 
 use crate::coll_types::{CollEffect, CollId, CollInput, CollMsg};
+use crate::pack::{Packing, canon};
 
 /// One node's side of one parameter-server round.
 #[derive(Debug, Clone)]
@@ -18,6 +19,8 @@ pub struct PsMember {
     finished: bool,
     /// Contributions by rank (server), including its own at rank 0.
     got: BTreeMap<usize, Vec<f32>>,
+    /// What pushes and the sum are rounded to before they travel.
+    packing: Packing,
 }
 
 impl PsMember {
@@ -33,7 +36,15 @@ impl PsMember {
             started: false,
             finished: false,
             got: BTreeMap::new(),
+            packing: Packing::Fp32,
         }
+    }
+
+    /// The same member rounding what it sends to `packing` ([`crate::pack`]); the server
+    /// keeps the rounded sum it sends, so every rank ends with the same bits.
+    pub fn with_packing(mut self, packing: Packing) -> Self {
+        self.packing = packing;
+        self
     }
 
     /// Feed one input; returns the effects in order: a worker pushes its contribution to rank
@@ -49,12 +60,13 @@ impl PsMember {
                 self.finished = true;
                 vec![CollEffect::Aborted]
             }
-            CollInput::Start(v) if !self.started && v.len() == self.len => {
+            CollInput::Start(mut v) if !self.started && v.len() == self.len => {
                 self.started = true;
                 if self.rank == 0 {
                     self.got.insert(0, v);
                     self.try_finish()
                 } else {
+                    canon(self.packing, &mut v);
                     vec![CollEffect::Send {
                         to: 0,
                         msg: CollMsg::Push {
@@ -101,6 +113,7 @@ impl PsMember {
                 *s += *x;
             }
         }
+        canon(self.packing, &mut sum);
         self.finished = true;
         self.got.clear();
         let mut out: Vec<CollEffect> = (1..self.n)

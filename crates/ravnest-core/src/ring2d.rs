@@ -48,6 +48,15 @@ impl Ring2dMember {
         }
     }
 
+    /// The same member with every level's pieces rounded to `packing` (see
+    /// [`RingMember::with_packing`]).
+    pub fn with_packing(mut self, packing: crate::pack::Packing) -> Self {
+        self.a = self.a.with_packing(packing);
+        self.b = self.b.with_packing(packing);
+        self.c = self.c.with_packing(packing);
+        self
+    }
+
     /// Groups.
     pub fn groups(&self) -> usize {
         self.groups

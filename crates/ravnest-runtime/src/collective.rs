@@ -15,6 +15,7 @@ use std::sync::Arc;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use ravnest_core::NodeId;
 use ravnest_core::collective::{CollEffect, CollId, CollInput, CollMsg, Member, RingPart};
+use ravnest_core::pack::Packing;
 use ravnest_core::planner::sync::Collective;
 
 use crate::msg::{Addr, Envelope};
@@ -46,6 +47,9 @@ pub struct Group {
     pub collective: Collective,
     /// Nodes per group of a two-level ring.
     pub group_size: u32,
+    /// What its collectives' values travel as (an outer exchange may be packed; gradients
+    /// travel as `fp32`).
+    pub packing: Packing,
 }
 
 /// Messages a collective actor handles.
@@ -151,10 +155,11 @@ impl<T: Transport> CollectiveActor<T> {
                 len,
             )),
         };
-        let Some(mut member) = member else {
+        let Some(member) = member else {
             (self.outcomes)(Outcome::Aborted { id });
             return;
         };
+        let mut member = member.with_packing(group.packing);
         let mut effects = member.handle(CollInput::Start(data));
         if let Some(early) = st.early.remove(&id) {
             st.early_count -= early.len();
@@ -183,12 +188,17 @@ impl<T: Transport> CollectiveActor<T> {
                     };
                     // Each message is charged its share of the bytes the vector stands for.
                     let virtual_bytes = r.member.charge(&msg, r.virtual_bytes);
+                    let packing = r.member.packing();
                     // A failed send means this node is being torn down or the cluster changed
                     // under it; the failure detector handles both.
                     let _ = self.transport.send(
                         Addr::Node(self.id),
                         Addr::Node(peer),
-                        Envelope::Coll { msg, virtual_bytes },
+                        Envelope::Coll {
+                            msg,
+                            virtual_bytes,
+                            packing,
+                        },
                     );
                 }
                 CollEffect::Done(sum) => {

@@ -45,6 +45,7 @@ fn chunk(i: usize, len: usize) -> Envelope {
             data: vec![i as f32; len],
         }),
         virtual_bytes: 4 * len as u64,
+        packing: ravnest_core::pack::Packing::Fp32,
     }
 }
 

@@ -1,8 +1,10 @@
 //! What travels between nodes: addresses and typed envelopes.
 
 use ravnest_core::collective::{CollId, CollMsg};
-use ravnest_core::planner::sync::Collective;
+use ravnest_core::planner::sync::{Collective, Outer};
 use ravnest_core::{ClusterSpec, LayerRange, NodeId};
+
+use ravnest_core::pack::Packing;
 
 use crate::digest::Fnv;
 
@@ -31,7 +33,7 @@ pub enum StepMode {
 }
 
 /// How the steps of an epoch are synchronized.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum SyncPolicy {
     /// Every step is [`StepMode::Sync`].
     EveryStep,
@@ -40,6 +42,8 @@ pub enum SyncPolicy {
     LocalSgd {
         /// Steps per averaging period.
         local_steps: u32,
+        /// What an averaging step does with the replicas' models, and how they travel.
+        outer: Outer,
     },
 }
 
@@ -145,7 +149,7 @@ impl Work {
     pub fn mode(&self, s: u64) -> StepMode {
         match self.sync {
             SyncPolicy::EveryStep => StepMode::Sync,
-            SyncPolicy::LocalSgd { local_steps } => {
+            SyncPolicy::LocalSgd { local_steps, .. } => {
                 let h = u64::from(local_steps.max(1));
                 if (s + 1 - self.step).is_multiple_of(h) || s + 1 == self.end {
                     StepMode::Average
@@ -332,6 +336,8 @@ pub enum Envelope {
         msg: CollMsg,
         /// Bytes it stands for.
         virtual_bytes: u64,
+        /// What its values travel as on a real wire (they are already rounded to it).
+        packing: Packing,
     },
     /// (Coordinator → checkpoint) a checkpoint of model version `step`, which every replica
     /// agreed on, begins: one shard per layer range, with the digest each must have.

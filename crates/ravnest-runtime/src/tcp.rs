@@ -56,8 +56,9 @@ pub use ports::spare_ports;
 pub use state::TcpTransport;
 use state::*;
 
-/// Wire protocol version; peers with another version are refused.
-pub const PROTOCOL_VERSION: u32 = 9;
+/// Wire protocol version; peers with another version are refused (10: packed collective
+/// pieces and the outer step of local SGD).
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// Checkpoint parts waiting to be stored in this process before its readers wait.
 const SHARD_PARTS_WAITING: u64 = 4;

@@ -5,7 +5,8 @@
 //! frame   = len:u32le  body                  (len = body length, 8 ..= MAX_FRAME)
 //! body    = hlen:u32le header[hlen] payload  (payload length a multiple of 4)
 //! header  = bincode(from: Addr, to: Addr, envelope with its tensor emptied)
-//! payload = the tensor (collective piece, activations, state, shard or probe data), f32 LE
+//! payload = the tensor (collective piece, activations, state, shard or probe data), f32 LE,
+//!           or packed (`ravnest_core::pack`) where a collective piece says so
 //! ```
 //!
 //! Decoding never panics and never trusts a length: a frame longer than the limit is refused
@@ -13,6 +14,8 @@
 //! arrives (a peer that announces a gigabyte and sends ten bytes costs ten bytes).
 
 use tokio::io::{AsyncRead, AsyncReadExt};
+
+use ravnest_core::pack::{Packing, unpack};
 
 use crate::msg::{Addr, Envelope};
 
@@ -39,7 +42,8 @@ pub enum WireError {
     /// The header is not a valid envelope header.
     #[error("undecodable header: {0}")]
     Header(String),
-    /// The payload is not a whole number of f32s, or present where the envelope has none.
+    /// The payload is not a whole number of values (f32 or packed), or present where the
+    /// envelope has none.
     #[error("payload of {0} bytes does not fit the envelope")]
     Payload(u64),
     /// The connection closed or failed mid-frame.
@@ -51,6 +55,15 @@ fn config() -> impl bincode::config::Config {
     bincode::config::standard()
         .with_little_endian()
         .with_limit::<{ MAX_HEADER as usize }>()
+}
+
+/// How the tensor of an envelope travels: `f32`, or packed where a collective piece's
+/// values were rounded to a packing (it packs them without loss).
+fn packing_of(env: &Envelope) -> Packing {
+    match env {
+        Envelope::Coll { packing, .. } => *packing,
+        _ => Packing::Fp32,
+    }
 }
 
 /// Where the tensor of an envelope lives, if it has one.
@@ -65,40 +78,60 @@ fn payload_slot(env: &mut Envelope) -> Option<&mut Vec<f32>> {
     }
 }
 
-/// One outgoing frame: the length prefix and header as bytes, and the tensor moved out of the
-/// envelope (not copied) to be written straight from its own memory.
+/// The tensor of an outgoing frame.
+#[derive(Debug)]
+pub enum Payload {
+    /// `f32` values, already little-endian, moved out of the envelope (not copied).
+    F32(Vec<f32>),
+    /// Packed values.
+    Packed(Vec<u8>),
+}
+
+/// One outgoing frame: the length prefix and header as bytes, and the tensor to be written
+/// straight from its own memory.
 #[derive(Debug)]
 pub struct Frame {
     /// `len`, `hlen` and the header.
     pub head: Vec<u8>,
-    /// The tensor, already little-endian.
-    pub payload: Vec<f32>,
+    /// The tensor.
+    pub payload: Payload,
 }
 
 impl Frame {
     /// Frame `env` (its tensor is moved, not copied).
     pub fn new(from: Addr, to: Addr, mut env: Envelope) -> Frame {
-        let mut payload = payload_slot(&mut env)
+        let packing = packing_of(&env);
+        let mut values = payload_slot(&mut env)
             .map(std::mem::take)
             .unwrap_or_default();
-        if cfg!(target_endian = "big") {
-            for x in &mut payload {
-                *x = f32::from_bits(x.to_bits().to_le());
+        let payload = if packing == Packing::Fp32 {
+            if cfg!(target_endian = "big") {
+                for x in &mut values {
+                    *x = f32::from_bits(x.to_bits().to_le());
+                }
             }
-        }
+            Payload::F32(values)
+        } else {
+            Payload::Packed(ravnest_core::pack::pack(packing, &values))
+        };
         let header = bincode::serde::encode_to_vec((from, to, &env), config())
             .expect("an envelope header always encodes");
-        let body_len = 4 + header.len() + 4 * payload.len();
+        let mut frame = Frame {
+            head: Vec::new(),
+            payload,
+        };
+        let body_len = 4 + header.len() + frame.payload_bytes().len();
         let mut head = Vec::with_capacity(8 + header.len());
         head.extend_from_slice(&(body_len as u32).to_le_bytes());
         head.extend_from_slice(&(header.len() as u32).to_le_bytes());
         head.extend_from_slice(&header);
-        Frame { head, payload }
+        frame.head = head;
+        frame
     }
 
     /// Bytes on the wire, length prefix included.
     pub fn len(&self) -> usize {
-        self.head.len() + 4 * self.payload.len()
+        self.head.len() + self.payload_bytes().len()
     }
 
     /// Whether the frame is empty (never: a frame has at least its prefixes).
@@ -108,7 +141,10 @@ impl Frame {
 
     /// The tensor as bytes.
     pub fn payload_bytes(&self) -> &[u8] {
-        bytemuck::cast_slice(&self.payload)
+        match &self.payload {
+            Payload::F32(v) => bytemuck::cast_slice(v),
+            Payload::Packed(b) => b,
+        }
     }
 
     /// The whole frame in one buffer (tests and small messages).
@@ -136,13 +172,20 @@ fn decode_header(header: &[u8], payload_len: usize) -> Result<(Addr, Addr, Envel
             header.len() - used
         )));
     }
-    if !payload_len.is_multiple_of(4) {
+    if packing_of(&env).values_in(payload_len).is_none() {
         return Err(WireError::Payload(payload_len as u64));
     }
     match payload_slot(&mut env) {
         Some(slot) if !slot.is_empty() => Err(WireError::Header("tensor inside the header".into())),
         None if payload_len != 0 => Err(WireError::Payload(payload_len as u64)),
         _ => Ok((from, to, env)),
+    }
+}
+
+/// Put unpacked values (native order) into the envelope's tensor slot.
+fn put(env: &mut Envelope, values: Vec<f32>) {
+    if let Some(slot) = payload_slot(env) {
+        *slot = values;
     }
 }
 
@@ -170,7 +213,13 @@ pub fn decode(body: &[u8]) -> Result<(Addr, Addr, Envelope), WireError> {
     let header = &body[4..4 + hlen as usize];
     let payload = &body[4 + hlen as usize..];
     let (from, to, mut env) = decode_header(header, payload.len())?;
-    fill(&mut env, bytemuck::pod_collect_to_vec(payload));
+    match packing_of(&env) {
+        Packing::Fp32 => fill(&mut env, bytemuck::pod_collect_to_vec(payload)),
+        p => put(
+            &mut env,
+            unpack(p, payload).map_err(|_| WireError::Payload(payload.len() as u64))?,
+        ),
+    }
     Ok((from, to, env))
 }
 
@@ -222,6 +271,18 @@ pub async fn read_envelope<R: AsyncRead + Unpin>(
     }
     let payload_len = (len - 4 - hlen) as usize;
     let (from, to, mut env) = decode_header(&header, payload_len)?;
+    let packing = packing_of(&env);
+    if packing != Packing::Fp32 {
+        let mut bytes: Vec<u8> = Vec::new();
+        while bytes.len() < payload_len {
+            let at = bytes.len();
+            bytes.resize(at + (payload_len - at).min(4 * READ_STEP_ELEMS), 0);
+            r.read_exact(&mut bytes[at..]).await.map_err(io)?;
+        }
+        let values = unpack(packing, &bytes).map_err(|_| WireError::Payload(payload_len as u64))?;
+        put(&mut env, values);
+        return Ok(Some((from, to, env)));
+    }
     let want = payload_len / 4;
     let mut data: Vec<f32> = Vec::new();
     while data.len() < want {
@@ -262,6 +323,15 @@ mod tests {
                     data: vec![1.5, -2.0, f32::MIN_POSITIVE],
                 }),
                 virtual_bytes: 12,
+                packing: Packing::Fp32,
+            },
+            Envelope::Coll {
+                msg: CollMsg::Pull {
+                    id: CollId::epoch(4),
+                    data: vec![1.5, -2.0, 0.25, 0.0],
+                },
+                virtual_bytes: 8,
+                packing: Packing::Fp16,
             },
             Envelope::State {
                 version: 9,
@@ -277,6 +347,7 @@ mod tests {
                     data: vec![],
                 },
                 virtual_bytes: 0,
+                packing: Packing::Int8,
             },
             Envelope::Activation {
                 epoch: 2,
@@ -297,6 +368,39 @@ mod tests {
             let (from, to, back) = decode(&frame[4..]).unwrap();
             assert_eq!((from, to), (Addr::Node(NodeId(1)), Addr::Coordinator));
             assert_eq!(back, env);
+        }
+    }
+
+    /// A packed piece (values a collective already rounded) travels in its packed size and
+    /// comes back with the same bits, through a buffer and through a stream.
+    #[tokio::test]
+    async fn packed_pieces_travel_small_and_exact() {
+        for (packing, bytes) in [(Packing::Int8, 1000 + 4), (Packing::Fp16, 2000)] {
+            let mut data: Vec<f32> = (0..1000).map(|i| ((i * 37) % 101) as f32 - 50.3).collect();
+            ravnest_core::pack::canon(packing, &mut data);
+            let env = Envelope::Coll {
+                msg: CollMsg::Pull {
+                    id: CollId::epoch(2),
+                    data,
+                },
+                virtual_bytes: 4000,
+                packing,
+            };
+            let frame = Frame::new(Addr::Node(NodeId(0)), Addr::Node(NodeId(1)), env.clone());
+            assert_eq!(frame.payload_bytes().len(), bytes);
+            let whole = frame.to_bytes();
+            assert_eq!(decode(&whole[4..]).unwrap().2, env);
+            let mut r = whole.as_slice();
+            let got = read_envelope(&mut r, MAX_FRAME).await.unwrap().unwrap();
+            assert_eq!(got.2, env);
+            // A length that no count of values packs to is refused (an odd fp16 length; an
+            // int8 block of one exponent byte and no value).
+            let mut cut = whole.clone();
+            let drop = if packing == Packing::Fp16 { 1 } else { 1004 - 772 };
+            cut.truncate(cut.len() - drop);
+            let len = (cut.len() - 4) as u32;
+            cut[..4].copy_from_slice(&len.to_le_bytes());
+            assert!(decode(&cut[4..]).is_err());
         }
     }
 
@@ -387,7 +491,7 @@ mod tests {
                 let mut r: &[u8] = &bytes;
                 while let Ok(Some((from, to, env))) = read_envelope(&mut r, MAX_FRAME).await {
                     let frame = Frame::new(from, to, env);
-                    assert!(frame.payload.len() * 4 <= bytes.len());
+                    assert!(frame.payload_bytes().len() <= bytes.len());
                 }
             });
         }

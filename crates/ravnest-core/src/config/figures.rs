@@ -44,6 +44,7 @@ fn range(what: &str) -> Range {
         "learning_rate" => r(0.0, 10.0, "10"),
         "weight_decay" => r(0.0, 10.0, "10"),
         "local_sgd_threshold" => r(0.0, 1e6, "a million"),
+        "outer_lr" => r(0.0, 10.0, "10"),
         // A node that fails every 36 s trains nothing; a million hours is 114 years.
         "node_mtbf_h" => r(0.01, 1e6, "a million hours (114 years)"),
         "target_accuracy" => r(0.0, 1.0, "1, every test sample right"),

@@ -108,6 +108,11 @@ pub(super) struct TrainingToml {
     pub(super) node_mtbf_h: Option<Spanned<f64>>,
     pub(super) redundancy: Option<Redundancy>,
     pub(super) layout: Option<crate::cluster::LayoutChoice>,
+    pub(super) outer_optimizer: Option<crate::cluster::OuterOptimizer>,
+    pub(super) outer_lr: Option<Spanned<f64>>,
+    pub(super) outer_momentum: Option<Spanned<f64>>,
+    pub(super) outer_precision: Option<crate::cluster::OuterPrecision>,
+    pub(super) local_steps: Option<Spanned<u32>>,
 }
 
 #[derive(Debug, Deserialize)]

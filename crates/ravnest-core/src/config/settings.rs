@@ -47,6 +47,25 @@ pub(super) fn resolve_training(
         if let Some(l) = t.layout {
             training.layout = l;
         }
+        let outer = &mut training.outer;
+        if let Some(o) = t.outer_optimizer {
+            outer.optimizer = o;
+        }
+        if let Some(x) = &t.outer_lr {
+            outer.lr = ctx.positive(x, "outer_lr")?;
+        }
+        if let Some(x) = &t.outer_momentum {
+            outer.momentum = ctx.non_negative(x, "outer_momentum")?;
+            if outer.momentum >= 1.0 {
+                return Err(ctx.err(Some(&x.span()), "`outer_momentum` must be below 1"));
+            }
+        }
+        if let Some(p) = t.outer_precision {
+            outer.precision = p;
+        }
+        if let Some(h) = &t.local_steps {
+            outer.local_steps = Some(ctx.positive(h, "local_steps")?);
+        }
         if let Some(r) = &t.memory_reserve_gib {
             reserve_gib = ctx.non_negative(r, "memory_reserve_gib")?;
         }

@@ -3,8 +3,11 @@
 
 use serde::Serialize;
 
-use crate::cluster::{ClusterSpec, NodeId, SyncPreference};
+use crate::cluster::{
+    ClusterSpec, NodeId, OuterOptimizer, OuterPrecision, OuterSpec, SyncPreference,
+};
 use crate::cost::{Costs, GradBucket, bucketed_step_s, param_server_s, ring_allreduce_s};
+use crate::pack::Packing;
 
 /// The collective a sync round uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
@@ -19,7 +22,7 @@ pub enum Collective {
 }
 
 /// How gradients are synchronized.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 #[serde(tag = "method", rename_all = "kebab-case")]
 pub enum SyncMethod {
     /// One replica: nothing to synchronize.
@@ -35,7 +38,73 @@ pub enum SyncMethod {
         collective: Collective,
         /// Local steps between averaging rounds (H).
         local_steps: u32,
+        /// The round's outer step and what its values travel as.
+        #[serde(skip_serializing_if = "Outer::is_plain_average")]
+        outer: Outer,
     },
+}
+
+/// The outer step of a local-SGD round. Each replica contributes its model's change since the
+/// round's start (the *anchor*, a version every replica agreed on), weighted by batch share;
+/// with `Δ` the sum (the anchor minus the average model), the momentum becomes
+/// `m = momentum · m + Δ`, and the parameters `anchor − lr · (Δ + momentum · m)` (Nesterov, as
+/// DiLoCo). Optimizer state is averaged (`anchor − Δ`). With lr 1 and momentum 0 this is the
+/// plain average; exchanged exactly (`fp32`) it is computed from the values themselves.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, serde::Deserialize)]
+pub struct Outer {
+    /// Outer learning rate.
+    pub lr: f32,
+    /// Outer (Nesterov) momentum.
+    pub momentum: f32,
+    /// What the round's values travel as.
+    pub packing: Packing,
+}
+
+impl Outer {
+    /// The plain average of the replicas' models, exchanged as exact values.
+    pub const AVERAGE: Outer = Outer {
+        lr: 1.0,
+        momentum: 0.0,
+        packing: Packing::Fp32,
+    };
+
+    /// Whether this is [`Outer::AVERAGE`] (the models themselves travel, not their deltas).
+    pub fn is_plain_average(&self) -> bool {
+        *self == Outer::AVERAGE
+    }
+
+    /// The outer step `spec` asks for (the planner's packing where it says `auto`).
+    pub fn of(spec: &OuterSpec) -> Outer {
+        let (lr, momentum) = match spec.optimizer {
+            OuterOptimizer::Average => (1.0, 0.0),
+            OuterOptimizer::Nesterov => (spec.lr as f32, spec.momentum as f32),
+        };
+        let packing = match spec.precision {
+            OuterPrecision::Auto if spec.optimizer == OuterOptimizer::Nesterov => Packing::Int8,
+            OuterPrecision::Auto | OuterPrecision::Fp32 => Packing::Fp32,
+            OuterPrecision::Fp16 => Packing::Fp16,
+            OuterPrecision::Int8 => Packing::Int8,
+        };
+        Outer {
+            lr,
+            momentum,
+            packing,
+        }
+    }
+
+    /// Its name in reports.
+    pub fn describe(&self) -> String {
+        if self.lr == 1.0 && self.momentum == 0.0 {
+            format!("averaging ({})", self.packing.name())
+        } else {
+            format!(
+                "Nesterov outer step lr {} momentum {} on {} deltas",
+                self.lr,
+                self.momentum,
+                self.packing.name()
+            )
+        }
+    }
 }
 
 /// One group of nodes that hold the same parameters and average them.
@@ -499,7 +568,25 @@ fn local_sgd(costs: &Costs<'_>, chosen: Chosen, compute_s: f64, ratio: f64) -> S
         round_s,
         reason,
     } = chosen;
-    let h = local_steps_for(round_s, compute_s);
+    let outer = Outer::of(&costs.training.outer);
+    // A packed round moves fewer bytes: its groups' rounds again at the packed size.
+    let round_s = if outer.packing == Packing::Fp32 {
+        round_s
+    } else {
+        groups
+            .iter()
+            .map(|g| {
+                let bytes = g.bytes as f64 * outer.packing.ratio();
+                group_round_s(costs.cluster, collective, g, bytes)
+            })
+            .fold(0.0, f64::max)
+    };
+    let h = costs
+        .training
+        .outer
+        .local_steps
+        .unwrap_or_else(|| local_steps_for(round_s, compute_s))
+        .max(1);
     let why = if costs.training.sync == SyncPreference::LocalSgd {
         "`sync = \"local-sgd\"` asks for it".to_string()
     } else {
@@ -509,10 +596,15 @@ fn local_sgd(costs: &Costs<'_>, chosen: Chosen, compute_s: f64, ratio: f64) -> S
             crate::units::num(costs.training.local_sgd_threshold)
         )
     };
+    let outer_note = if outer.is_plain_average() {
+        String::new()
+    } else {
+        format!("; {}", outer.describe())
+    };
     let reason = format!(
         "local SGD with {h} local steps per averaging round: one round takes {} against {} of \
-         compute per step ({why}); averaging by {reason}. Local SGD is not step-for-step \
-         equal to synchronous SGD: set `sync = \"ring\"` for exact updates",
+         compute per step ({why}); averaging by {reason}{outer_note}. Local SGD is not \
+         step-for-step equal to synchronous SGD: set `sync = \"ring\"` for exact updates",
         secs(round_s),
         secs(compute_s),
     );
@@ -520,6 +612,7 @@ fn local_sgd(costs: &Costs<'_>, chosen: Chosen, compute_s: f64, ratio: f64) -> S
         method: SyncMethod::LocalSgd {
             collective,
             local_steps: h,
+            outer,
         },
         groups,
         round_s,

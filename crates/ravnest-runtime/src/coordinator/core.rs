@@ -299,7 +299,7 @@ impl Era {
     fn synchronized(&self, s: u64, end: u64) -> bool {
         match self.policy {
             SyncPolicy::EveryStep => true,
-            SyncPolicy::LocalSgd { local_steps } => {
+            SyncPolicy::LocalSgd { local_steps, .. } => {
                 (s + 1 - self.from).is_multiple_of(u64::from(local_steps.max(1))) || s + 1 == end
             }
         }
@@ -955,9 +955,10 @@ impl Coordinator {
             SyncMethod::LocalSgd {
                 local_steps,
                 collective,
+                outer,
             } => {
                 self.local_sgd = true;
-                (SyncPolicy::LocalSgd { local_steps }, collective)
+                (SyncPolicy::LocalSgd { local_steps, outer }, collective)
             }
             SyncMethod::EveryStep { collective } => (SyncPolicy::EveryStep, collective),
             SyncMethod::None => (SyncPolicy::EveryStep, Collective::Ring),
@@ -994,7 +995,7 @@ impl Coordinator {
         self.over = 0;
         // Under local SGD the nodes synchronize once a period: that is the step to wait for.
         let period = match policy {
-            SyncPolicy::LocalSgd { local_steps } => f64::from(local_steps.max(1)),
+            SyncPolicy::LocalSgd { local_steps, .. } => f64::from(local_steps.max(1)),
             SyncPolicy::EveryStep => 1.0,
         };
         self.predicted_step_ms = s.plan.step.step_s * 1e3 * period;
@@ -1187,7 +1188,7 @@ impl Coordinator {
             return;
         };
         let mut at = self.until.max(cur.from + 1);
-        if let SyncPolicy::LocalSgd { local_steps } = cur.policy {
+        if let SyncPolicy::LocalSgd { local_steps, .. } = cur.policy {
             let h = u64::from(local_steps.max(1));
             at = cur.from + (at - cur.from).div_ceil(h) * h;
         }

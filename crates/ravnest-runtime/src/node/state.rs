@@ -65,6 +65,8 @@ pub struct NodeState<M, G> {
     /// Stopped by a halt until the next epoch arrives.
     pub(super) halted: bool,
     pub(super) versions: Versions<M>,
+    /// The outer momentum of local SGD's last round (DiLoCo).
+    pub(super) outer_momentum: Option<OuterMomentum>,
     /// The data-parallel step in progress.
     pub(super) running: Option<Running<M>>,
     /// The pipeline stage step in progress.
@@ -92,6 +94,7 @@ impl<M, G> Default for NodeState<M, G> {
             next_work: None,
             halted: false,
             versions: Versions::default(),
+            outer_momentum: None,
             running: None,
             pipe: None,
             early_pipe: Vec::new(),
@@ -127,6 +130,31 @@ pub(crate) struct Running<M> {
     /// A sharded data-parallel step: its chunks (each bucket runs a reduce-scatter, then an
     /// all-gather).
     pub(super) shard: Option<std::sync::Arc<super::shard::ShardLayout>>,
+    /// An outer round that exchanges deltas: the anchor it started from.
+    pub(super) anchor: Option<Anchor>,
+}
+
+/// The anchor of an outer round: the version every replica agreed on at the round's start.
+#[derive(Debug)]
+pub(crate) struct Anchor {
+    /// Its version.
+    pub(super) version: u64,
+    /// Its exported values (parameters first).
+    pub(super) values: Vec<f32>,
+    /// How many of them are parameters.
+    pub(super) params: usize,
+}
+
+/// The momentum an outer round made (the same on every replica of the group). It carries over
+/// to the next round of the same epoch only: every epoch starts it again at zero, on every
+/// replica alike (a node that joins, or a restore, has none to bring).
+#[derive(Debug)]
+pub(crate) struct OuterMomentum {
+    pub(super) epoch: u64,
+    /// The version the round made.
+    pub(super) version: u64,
+    pub(super) layers: Option<LayerRange>,
+    pub(super) values: Vec<f32>,
 }
 
 /// A pipeline stage's step in progress.

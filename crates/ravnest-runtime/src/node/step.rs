@@ -14,18 +14,53 @@ use std::time::Duration;
 
 use ravnest_core::LayerRange;
 use ravnest_core::collective::{CollId, RingPart};
+use ravnest_core::pack::Packing;
 use ravnest_core::pipeline::{Ready, StageRun, micro_batches};
 use ravnest_core::ring::RingMode;
 use tokio::time::Instant;
 
 use super::shard::{GATHER, ShardLayout};
-use super::state::{EarlyInput, NodeMsg, NodeState, Pipe, Running};
+use super::state::{Anchor, EarlyInput, NodeMsg, NodeState, OuterMomentum, Pipe, Running};
 use super::versions::Version;
 use super::{NodeActor, Observed, Span, SpanKind};
 use crate::collective::{CollectiveMsg, Group, Outcome};
 use crate::digest::sample_range;
-use crate::msg::{Addr, Envelope, StageWork, StepMode, Work};
+use crate::msg::{Addr, Envelope, StageWork, StepMode, SyncPolicy, Work};
 use crate::seams::{BucketSink, Compute, ComputeError, Transport};
+
+/// An outer round's sum came back: in place, the round's new values from the anchor, the sum
+/// and the momentum of the round before (see [`ravnest_core::outer`]), whose successor
+/// replaces it.
+fn outer_values(
+    momentum: &mut Option<OuterMomentum>,
+    w: &Work,
+    step: u64,
+    layers: Option<LayerRange>,
+    anchor: &Anchor,
+    sum: &mut [f32],
+) -> Result<(), String> {
+    let SyncPolicy::LocalSgd { outer, .. } = w.sync else {
+        return Err("an outer round outside local SGD".into());
+    };
+    let before = momentum
+        .take()
+        .filter(|m| m.epoch == w.epoch && m.version == anchor.version && m.layers == layers);
+    let m = ravnest_core::outer::step(
+        &outer,
+        &anchor.values,
+        sum,
+        anchor.params,
+        before.as_ref().map(|m| m.values.as_slice()),
+    )
+    .ok_or_else(|| format!("the outer round of step {step} does not fit its anchor"))?;
+    *momentum = Some(OuterMomentum {
+        epoch: w.epoch,
+        version: step + 1,
+        layers,
+        values: m,
+    });
+    Ok(())
+}
 
 /// Buckets collected from a backend: (index, values).
 type Parts = Arc<Mutex<Vec<(usize, Vec<f32>)>>>;
@@ -89,10 +124,15 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         match &st.group {
             Some((e, g)) if *e == w.epoch => g.clone(),
             _ => {
+                let packing = match w.sync {
+                    SyncPolicy::LocalSgd { outer, .. } => outer.packing,
+                    SyncPolicy::EveryStep => Packing::Fp32,
+                };
                 let g = Arc::new(Group {
                     ring: w.ring.clone(),
                     collective: w.collective,
                     group_size: w.group_size,
+                    packing,
                 });
                 st.group = Some((w.epoch, g.clone()));
                 g
@@ -167,6 +207,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             computed: None,
             compute_ns: 0,
             shard: shard.clone(),
+            anchor: None,
         });
         // Weight b_i / B, applied once, in place: the group's sum is the mean gradient of the
         // whole global batch.
@@ -320,7 +361,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
 
     /// Start averaging `local` (this node's model after a local step: `layers` of it, or the
     /// whole) with the group, weighted by this node's batch share. The values travel: they
-    /// are exported, and the average is imported back.
+    /// are exported, and the average is imported back. Under an outer optimizer, or packed,
+    /// what travels is the change since the round's anchor ([`ravnest_core::outer`]).
     fn average(
         &self,
         st: &mut State<C>,
@@ -337,8 +379,21 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 format!("this node does not hold {layers:?} to average"),
             );
         };
-        for x in &mut contribution {
-            *x *= share;
+        let anchor = match self.anchor(st, w, s, layers) {
+            Ok(a) => a,
+            Err(e) => return self.fail(w.epoch, e),
+        };
+        match &anchor {
+            Some(a) => {
+                if !ravnest_core::outer::contribution(&mut contribution, &a.values, share) {
+                    return self.fail(w.epoch, format!("anchor {} has another length", a.version));
+                }
+            }
+            None => {
+                for x in &mut contribution {
+                    *x *= share;
+                }
+            }
         }
         let group = self.group(st, w);
         st.running = Some(Running {
@@ -352,6 +407,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             computed: Some(Instant::now()),
             compute_ns: ns,
             shard: None,
+            anchor,
         });
         let id = CollId {
             epoch: w.epoch,
@@ -359,6 +415,41 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             bucket: 0,
         };
         self.start_collective(st, id, group, contribution, self.grad_bytes, None);
+    }
+
+    /// The anchor of the outer round that step `s` ends: the epoch's first version or its
+    /// last round's, which every replica agreed on (`None`: a plain average of values).
+    fn anchor(
+        &self,
+        st: &State<C>,
+        w: &Work,
+        s: u64,
+        layers: Option<LayerRange>,
+    ) -> Result<Option<Anchor>, String> {
+        let SyncPolicy::LocalSgd { local_steps, outer } = w.sync else {
+            return Ok(None);
+        };
+        if outer.is_plain_average() {
+            return Ok(None);
+        }
+        let h = u64::from(local_steps.max(1));
+        let version = w.step + (s.saturating_sub(w.step) / h) * h;
+        let values = st
+            .versions
+            .get(version)
+            .and_then(|v| self.compute.export(&v.model, layers))
+            .ok_or_else(|| {
+                format!("this node no longer holds version {version}, the anchor of step {s}'s outer round")
+            })?;
+        let params = match layers {
+            Some(l) => self.compute.param_range(l).len(),
+            None => self.compute.params(),
+        };
+        Ok(Some(Anchor {
+            version,
+            values,
+            params,
+        }))
     }
 
     /// A collective ended.
@@ -401,10 +492,24 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 target.len()
             ))
         } else if r.mode == StepMode::Average {
-            self.compute
-                .import(Some(&r.next), r.layers, sum)
-                .map(|m| r.next = m)
-                .map_err(|e| e.to_string())
+            let mut sum = sum;
+            let outer = match (r.anchor.take(), st.work.as_ref()) {
+                (Some(anchor), Some(w)) => outer_values(
+                    &mut st.outer_momentum,
+                    w,
+                    r.step,
+                    r.layers,
+                    &anchor,
+                    &mut sum,
+                ),
+                _ => Ok(()),
+            };
+            outer.and_then(|()| {
+                self.compute
+                    .import(Some(&r.next), r.layers, sum)
+                    .map(|m| r.next = m)
+                    .map_err(|e| e.to_string())
+            })
         } else {
             if r.pending == r.targets.len() {
                 // Every peer of this collective computed from version `step`: none will roll
@@ -888,6 +993,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 computed: Some(Instant::now()),
                 compute_ns: p.compute_ns,
                 shard: None,
+                anchor: None,
             });
             let id = CollId {
                 epoch: p.epoch,
