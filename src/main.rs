@@ -6,6 +6,7 @@ mod bench_gpt;
 mod bench_net;
 mod bench_planners;
 mod bench_sharded;
+mod bench_slow_link;
 mod chaos;
 mod report;
 mod run;
@@ -321,6 +322,51 @@ enum BenchWhat {
         /// Interleaved rounds (each side's median is printed).
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+    },
+    /// Real node processes on a shaped link (Linux network namespaces, `tc tbf`), one run per
+    /// way of synchronizing on the same data and samples: a ring every step, plain local SGD,
+    /// DiLoCo (Nesterov outer step, fp32) and DiLoCo on fp16 / int8 deltas. Prints wall time,
+    /// synchronization bytes, compute utilisation, loss and held-out accuracy. Needs root and
+    /// iproute2. Default data: Fashion-MNIST when Debian's dataset-fashion-mnist is installed,
+    /// else the embedded digits.
+    #[command(
+        after_help = "Example:\n  ravnest bench slow-link --rate-mbit 100 --steps 300\n  ravnest bench slow-link --runs ring,diloco-int8 --steps 60 --json"
+    )]
+    SlowLink {
+        /// Node processes.
+        #[arg(long, default_value_t = 2)]
+        nodes: usize,
+        /// Each node's egress rate, Mbit/s.
+        #[arg(long, default_value_t = 100.0)]
+        rate_mbit: f64,
+        /// Steps per run.
+        #[arg(long, default_value_t = 300)]
+        steps: u64,
+        /// MLP widths (default: 784,1024,1024,10 on Fashion-MNIST, 64,1024,1024,10 on digits).
+        #[arg(long, value_delimiter = ',')]
+        dims: Vec<usize>,
+        /// Global batch.
+        #[arg(long, default_value_t = 256)]
+        batch: u64,
+        /// Dataset: `digits`, or an IDX / CSV path.
+        #[arg(long)]
+        data: Option<String>,
+        /// Local steps per round (default: the planner's, from the measured link).
+        #[arg(long)]
+        local_steps: Option<u32>,
+        /// Runs, comma-separated (default all): ring, local-sgd, diloco, diloco-fp16,
+        /// diloco-int8.
+        #[arg(long, value_delimiter = ',')]
+        runs: Vec<String>,
+        /// Inner optimizer.
+        #[arg(long, default_value = "sgd-momentum")]
+        optimizer: String,
+        /// Inner learning rate.
+        #[arg(long, default_value_t = 0.05)]
+        lr: f64,
+        /// Print the figures as JSON (one line) after the table.
+        #[arg(long)]
+        json: bool,
     },
     /// One node through ravnest against a bare candle training loop: the framework's overhead.
     #[command(after_help = "Example:\n  ravnest bench overhead --steps 200 --rounds 3")]
@@ -930,6 +976,46 @@ fn bench_command(what: BenchWhat) -> Result<()> {
                 steps,
                 rounds,
             })?);
+            Ok(())
+        }
+        BenchWhat::SlowLink {
+            nodes,
+            rate_mbit,
+            steps,
+            dims,
+            batch,
+            data,
+            local_steps,
+            runs,
+            optimizer,
+            lr,
+            json,
+        } => {
+            let (default_data, default_dims) = bench_slow_link::default_data();
+            let data_given = data.is_some();
+            let data = data.unwrap_or(default_data);
+            let dims = match (dims.is_empty(), data_given) {
+                (false, _) => dims,
+                (true, false) => default_dims,
+                (true, true) if data == "digits" => vec![64, 1024, 1024, 10],
+                (true, true) => vec![784, 1024, 1024, 10],
+            };
+            let (table, figures) = bench_slow_link::slow_link(&bench_slow_link::SlowLinkArgs {
+                nodes,
+                rate_mbit,
+                steps,
+                dims,
+                batch,
+                data,
+                local_steps,
+                variants: runs,
+                optimizer,
+                lr,
+            })?;
+            emit(&table);
+            if json {
+                emit(&format!("{}\n", serde_json::to_string(&figures)?));
+            }
             Ok(())
         }
         BenchWhat::Overhead { steps, rounds } => {

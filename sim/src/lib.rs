@@ -773,6 +773,9 @@ async fn simulate(
         || opts.host_crash_in_round.is_some()
         || opts.host_crash_on_loss.is_some();
     let nodes = Nodes::new(compute.clone(), cluster.ids().collect(), grad_bytes)
+        .round_factor(ravnest_core::planner::sync::round_bytes_per_gradient_byte(
+            &costs,
+        ))
         .heartbeat(opts.heartbeat)
         .observe()
         .counters(counters.clone());

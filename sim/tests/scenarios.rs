@@ -60,7 +60,11 @@ fn same_seed_same_trace_hash_and_another_seed_another() {
         );
         assert!(a.violations.is_empty(), "{name}: {:?}", a.violations);
         assert_eq!(a.steps_completed, 20);
-        assert!(a.max_model_error < 1e-5);
+        // DiLoCo's outer step is another update than synchronous SGD's (slow-link).
+        assert!(
+            a.max_model_error < 1e-5 || a.local_sgd_steps.is_some(),
+            "{name}"
+        );
     }
     // Progress output only reads the log: the run is the same with it.
     let s = scenario("flaky-3090");
@@ -280,17 +284,19 @@ fn a_straggler_is_rebalanced_with_measured_speed() {
     assert!(k <= 10, "re-planned {k} steps after the slowdown");
 }
 
+/// On the slow link, DiLoCo on int8 deltas (a round moves the parameters and the optimizer
+/// state, packed) keeps the remote node training, where a ring every step leaves it out (its
+/// link would make every round crawl), and trains faster than the ring.
 #[test]
 fn local_sgd_on_a_slow_link_beats_a_ring_every_step() {
-    let s = scenario("slow-link");
+    let mut s = scenario("slow-link");
+    s.training.outer.optimizer = ravnest_core::cluster::OuterOptimizer::Nesterov;
     let local = run(&s, &opts(&s, 2, 600)).unwrap();
     assert!(local.violations.is_empty(), "{:?}", local.violations);
     let mut exact = s.clone();
     exact.training.sync = ravnest_core::SyncPreference::Ring;
     let ring = run(&exact, &opts(&exact, 2, 600)).unwrap();
     assert!(ring.violations.is_empty(), "{:?}", ring.violations);
-    // Under local SGD the remote node trains and averages once; with an exact ring every step
-    // the planner leaves it out (its link would make every round crawl).
     assert_eq!(local.nodes[4].steps, 600);
     assert_eq!(ring.nodes[4].steps, 0);
     assert!(
@@ -299,35 +305,42 @@ fn local_sgd_on_a_slow_link_beats_a_ring_every_step() {
         local.samples_per_s,
         ring.samples_per_s
     );
-    // For the toy model local SGD with share-weighted averaging equals synchronous SGD.
-    assert!(local.max_model_error < 1e-3);
+    assert!(local.max_model_error.is_finite());
 }
 
-/// DiLoCo on the slow link: a Nesterov outer step on int8 deltas. Every checker holds, each
-/// node sends about a quarter of the bytes of exact averaging, and the run is deterministic.
+/// DiLoCo on the slow link, H pinned: the same rounds on int8 deltas send about a quarter of
+/// the bytes of fp32 ones, every checker holds, and the run is deterministic.
 #[test]
 fn diloco_rounds_on_int8_deltas_send_a_quarter_of_the_bytes() {
-    let s = scenario("slow-link");
-    let plain = run(&s, &opts(&s, 2, 200)).unwrap();
-    let mut d = s.clone();
-    d.training.outer.optimizer = ravnest_core::cluster::OuterOptimizer::Nesterov;
-    let plan = ravnest_core::plan_scenario(ravnest_core::PlannerKind::Ravnest, &d).unwrap();
-    let ravnest_core::planner::sync::SyncMethod::LocalSgd { outer, .. } = plan.sync.method else {
+    let mut s = scenario("slow-link");
+    s.training.outer.optimizer = ravnest_core::cluster::OuterOptimizer::Nesterov;
+    s.training.outer.local_steps = Some(20);
+    // Local SGD over data-parallel workers, whatever H = 20 costs.
+    s.training.sync = ravnest_core::SyncPreference::LocalSgd;
+    s.training.redundancy = ravnest_core::Redundancy::Always;
+    let plan = ravnest_core::plan_scenario(ravnest_core::PlannerKind::Ravnest, &s).unwrap();
+    let ravnest_core::planner::sync::SyncMethod::LocalSgd {
+        outer, local_steps, ..
+    } = plan.sync.method
+    else {
         panic!("slow-link plans local SGD: {:?}", plan.sync.method);
     };
     assert_eq!(outer.packing, ravnest_core::pack::Packing::Int8);
-    assert_eq!((outer.lr, outer.momentum), (0.7, 0.9));
-    let a = run(&d, &opts(&d, 2, 200)).unwrap();
+    assert_eq!((outer.lr, outer.momentum, local_steps), (0.7, 0.9, 20));
+    let a = run(&s, &opts(&s, 2, 200)).unwrap();
     assert!(a.violations.is_empty(), "{:?}", a.violations);
-    let b = run(&d, &opts(&d, 2, 200)).unwrap();
+    let b = run(&s, &opts(&s, 2, 200)).unwrap();
     assert_eq!(a.trace_hash, b.trace_hash);
+    let mut exact = s.clone();
+    exact.training.outer.precision = ravnest_core::cluster::OuterPrecision::Fp32;
+    let full = run(&exact, &opts(&exact, 2, 200)).unwrap();
+    assert!(full.violations.is_empty(), "{:?}", full.violations);
     let sent = |r: &ravnest_sim::SimReport| r.nodes.iter().map(|n| n.bytes_sent).sum::<u64>();
-    let ratio = sent(&a) as f64 / sent(&plain) as f64;
+    let ratio = sent(&a) as f64 / sent(&full) as f64;
     assert!(
-        (0.2..0.4).contains(&ratio),
+        (0.2..0.35).contains(&ratio),
         "int8 rounds sent {ratio} of fp32's bytes"
     );
-    assert!(a.max_model_error.is_finite());
 }
 
 #[test]

@@ -60,7 +60,8 @@ impl Optimizer {
         }
     }
 
-    fn state_bytes_per_param(self) -> u64 {
+    /// Bytes of its state per parameter (f32 values).
+    pub fn state_bytes_per_param(self) -> u64 {
         match self {
             Optimizer::Sgd => 0,
             Optimizer::SgdMomentum => 4,

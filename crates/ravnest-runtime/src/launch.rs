@@ -55,6 +55,7 @@ pub struct Nodes<C> {
     ids: Vec<NodeId>,
     grad_bytes: u64,
     model_bytes: u64,
+    round_factor: f64,
     heartbeat: Duration,
     first_start: Start,
     counters: Counters,
@@ -77,6 +78,7 @@ impl<C> Nodes<C> {
             ids,
             grad_bytes: model_bytes,
             model_bytes,
+            round_factor: 1.0,
             heartbeat: Duration::from_millis(100),
             first_start: Start::Fresh,
             counters: Counters::default(),
@@ -88,6 +90,13 @@ impl<C> Nodes<C> {
     /// A gradient of another size than the model (a model with optimizer state in it).
     pub fn grad_bytes(mut self, bytes: u64) -> Self {
         self.grad_bytes = bytes;
+        self
+    }
+
+    /// What a local-SGD round stands for per byte of gradient, beyond the values it exchanges
+    /// (the simulator: the plan's parameters and optimizer state per gradient byte).
+    pub fn round_factor(mut self, factor: f64) -> Self {
+        self.round_factor = factor;
         self
     }
 
@@ -162,7 +171,8 @@ impl<T: Transport> Launch<T> {
         let make_node = {
             let (transport, t0) = (self.transport.clone(), self.t0);
             let (compute, counters) = (n.compute, n.counters);
-            let (grad_bytes, model_bytes) = (n.grad_bytes, n.model_bytes);
+            let (grad_bytes, model_bytes, round_factor) =
+                (n.grad_bytes, n.model_bytes, n.round_factor);
             let (succession, observe) = (n.succession, n.observe);
             Arc::new(move |id: NodeId| NodeActor {
                 id,
@@ -170,6 +180,7 @@ impl<T: Transport> Launch<T> {
                 compute: compute.clone(),
                 grad_bytes,
                 model_bytes,
+                round_factor,
                 counters: counters.clone(),
                 t0,
                 succession: succession.clone(),

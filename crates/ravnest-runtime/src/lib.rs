@@ -19,6 +19,7 @@ pub mod coordinator;
 pub mod digest;
 pub mod launch;
 pub mod msg;
+pub mod netns;
 pub mod node;
 pub mod seams;
 pub mod supervisor;

@@ -103,6 +103,7 @@ impl TcpTransport {
                 tasks: Mutex::default(),
                 down: AtomicBool::new(false),
                 bytes_sent: AtomicU64::new(0),
+                sync_bytes_sent: AtomicU64::new(0),
                 auth_failures: AtomicU64::new(0),
                 unsent: AtomicU64::new(0),
                 settled: tokio::sync::Notify::new(),
@@ -154,6 +155,12 @@ impl TcpTransport {
     /// Bytes written to sockets so far (frames, with headers).
     pub fn bytes_sent(&self) -> u64 {
         self.inner.bytes_sent.load(Ordering::Relaxed)
+    }
+
+    /// Of [`TcpTransport::bytes_sent`], the bytes of collective frames: what synchronizing
+    /// gradients or models cost, without measurement, control and checkpoint traffic.
+    pub fn sync_bytes_sent(&self) -> u64 {
+        self.inner.sync_bytes_sent.load(Ordering::Relaxed)
     }
 
     /// Connections closed because a record arriving on them failed authentication (tampered

@@ -95,6 +95,8 @@ pub struct Frame {
     pub head: Vec<u8>,
     /// The tensor.
     pub payload: Payload,
+    /// Whether it is a collective's piece (synchronization traffic, counted apart).
+    pub sync: bool,
 }
 
 impl Frame {
@@ -119,6 +121,7 @@ impl Frame {
         let mut frame = Frame {
             head: Vec::new(),
             payload,
+            sync: matches!(env, Envelope::Coll { .. }),
         };
         let body_len = 4 + header.len() + frame.payload_bytes().len();
         let mut head = Vec::with_capacity(8 + header.len());
@@ -396,7 +399,11 @@ mod tests {
             // A length that no count of values packs to is refused (an odd fp16 length; an
             // int8 block of one exponent byte and no value).
             let mut cut = whole.clone();
-            let drop = if packing == Packing::Fp16 { 1 } else { 1004 - 772 };
+            let drop = if packing == Packing::Fp16 {
+                1
+            } else {
+                1004 - 772
+            };
             cut.truncate(cut.len() - drop);
             let len = (cut.len() - 4) as u32;
             cut[..4].copy_from_slice(&len.to_le_bytes());

@@ -70,6 +70,9 @@ pub struct NodeReport {
     pub steady_steps: Vec<ravnest_core::profile::StepSample>,
     /// Bytes it sent.
     pub bytes_sent: u64,
+    /// Of them, the bytes of gradient and model synchronization (collective frames).
+    #[serde(default)]
+    pub sync_bytes_sent: u64,
     /// Its samples/s alone, measured before training.
     pub solo_samples_per_s: f64,
     /// Its last batch's mean loss.
@@ -495,6 +498,7 @@ mod tests {
             compute_s: 0.5,
             comm_s: 0.25,
             bytes_sent: 2_500_000,
+            sync_bytes_sent: 2_000_000,
             ..NodeReport::default()
         };
         RunReport {

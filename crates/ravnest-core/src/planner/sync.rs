@@ -565,22 +565,20 @@ fn local_sgd(costs: &Costs<'_>, chosen: Chosen, compute_s: f64, ratio: f64) -> S
     let Chosen {
         collective,
         groups,
-        round_s,
+        round_s: _,
         reason,
     } = chosen;
     let outer = Outer::of(&costs.training.outer);
-    // A packed round moves fewer bytes: its groups' rounds again at the packed size.
-    let round_s = if outer.packing == Packing::Fp32 {
-        round_s
-    } else {
-        groups
-            .iter()
-            .map(|g| {
-                let bytes = g.bytes as f64 * outer.packing.ratio();
-                group_round_s(costs.cluster, collective, g, bytes)
-            })
-            .fold(0.0, f64::max)
-    };
+    // A round moves what the replicas hold, not a gradient: the parameters and their optimizer
+    // state in the flat f32 form, packed. The groups' rounds again at that size.
+    let round_s = groups
+        .iter()
+        .map(|g| {
+            let bytes =
+                g.bytes as f64 * round_bytes_per_gradient_byte(costs) * outer.packing.ratio();
+            group_round_s(costs.cluster, collective, g, bytes)
+        })
+        .fold(0.0, f64::max);
     let h = costs
         .training
         .outer
@@ -619,6 +617,13 @@ fn local_sgd(costs: &Costs<'_>, chosen: Chosen, compute_s: f64, ratio: f64) -> S
         per_step_s: round_s / f64::from(h),
         reason,
     }
+}
+
+/// Bytes a local-SGD round moves (unpacked) per byte of gradient: the flat form's f32
+/// parameters and optimizer state, against the gradient's element.
+pub fn round_bytes_per_gradient_byte(costs: &Costs<'_>) -> f64 {
+    let t = costs.training;
+    (4 + t.optimizer.state_bytes_per_param()) as f64 / t.precision.element_bytes() as f64
 }
 
 /// Seconds one round of `collective` over `group` takes for `bytes` (a bucket's share of the

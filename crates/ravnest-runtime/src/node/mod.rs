@@ -153,6 +153,10 @@ pub struct NodeActor<T, C> {
     pub grad_bytes: u64,
     /// Bytes one model copy stands for.
     pub model_bytes: u64,
+    /// Bytes a local-SGD round stands for per byte of gradient, where the backend's flat form
+    /// does not say it (the simulator's toy has no optimizer state: the plan's figure); 1: the
+    /// values exchanged, as many f32s as the gradient's bytes say per parameter.
+    pub round_factor: f64,
     /// Counters.
     pub counters: Counters,
     /// Start of the run (spans are measured from it).

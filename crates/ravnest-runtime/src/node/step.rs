@@ -414,7 +414,15 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             step: s,
             bucket: 0,
         };
-        self.start_collective(st, id, group, contribution, self.grad_bytes, None);
+        // The values exchanged, in gradient bytes per parameter's worth of them.
+        let params = match layers {
+            Some(l) => self.compute.param_range(l).len(),
+            None => self.compute.params(),
+        };
+        let virtual_bytes = (self.grad_bytes as f64 * contribution.len() as f64
+            / params.max(1) as f64
+            * self.round_factor) as u64;
+        self.start_collective(st, id, group, contribution, virtual_bytes, None);
     }
 
     /// The anchor of the outer round that step `s` ends: the epoch's first version or its

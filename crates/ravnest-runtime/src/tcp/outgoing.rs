@@ -215,6 +215,11 @@ impl TcpTransport {
                 self.inner
                     .bytes_sent
                     .fetch_add(f.len() as u64, Ordering::Relaxed);
+                if f.sync {
+                    self.inner
+                        .sync_bytes_sent
+                        .fetch_add(f.len() as u64, Ordering::Relaxed);
+                }
                 next = if failed { None } else { rx.try_recv().ok() };
             }
             failed = failed || w.flush().await.is_err();

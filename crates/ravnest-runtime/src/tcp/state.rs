@@ -47,6 +47,8 @@ pub(super) struct Inner {
     pub(super) tasks: Mutex<Vec<AbortHandle>>,
     pub(super) down: AtomicBool,
     pub(super) bytes_sent: AtomicU64,
+    /// Of them, bytes of collective frames (gradient and model synchronization).
+    pub(super) sync_bytes_sent: AtomicU64,
     /// Connections closed because a record failed authentication.
     pub(super) auth_failures: AtomicU64,
     /// Frames queued on links and not yet written and flushed (or dropped with their link).

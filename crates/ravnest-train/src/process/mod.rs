@@ -499,6 +499,7 @@ fn node_report(
         steady_comm: steady.map(|s| s.1),
         steady_steps,
         bytes_sent: tcp.bytes_sent(),
+        sync_bytes_sent: tcp.sync_bytes_sent(),
         solo_samples_per_s: su.solo_samples_per_s,
         last_loss: stats.last_loss.is_finite().then_some(stats.last_loss),
         stage_memory: {
