@@ -5,7 +5,8 @@
 //! pairs on a bridge (in a namespace of its own too), and each node's egress is shaped with a
 //! token bucket (`tc qdisc ... tbf`) to the given rate. The runs: a ring every step (exact
 //! synchronous SGD), plain local SGD (averaging every H steps), DiLoCo (a Nesterov outer step
-//! on the averaged delta, fp32) and DiLoCo on int8 deltas. For each: wall time, synchronization
+//! on the averaged delta, fp32), DiLoCo on fp16 and int8 deltas, and DiLoCo on int8 deltas
+//! with each round's exchange overlapped with the next round (`outer_overlap`). For each: wall time, synchronization
 //! bytes sent per node and per sample, compute utilisation (each node's compute time over its
 //! training time), the last training loss and the held-out accuracy. Needs root and `ip`
 //! / `tc` (iproute2); where namespaces cannot be made it says so and stops.
@@ -44,7 +45,7 @@ pub struct SlowLinkArgs {
 }
 
 /// One way of synchronizing: (name, `[training]` lines).
-pub const VARIANTS: [(&str, &str); 5] = [
+pub const VARIANTS: [(&str, &str); 6] = [
     // Every node trains, as under DDP (the planner alone would leave a node behind a slow link
     // out of an every-step ring).
     ("ring", "sync = \"ring\"\nredundancy = \"always\"\n"),
@@ -63,6 +64,11 @@ pub const VARIANTS: [(&str, &str); 5] = [
     (
         "diloco-int8",
         "sync = \"local-sgd\"\nouter_optimizer = \"nesterov\"\nouter_precision = \"int8\"\n",
+    ),
+    (
+        "overlap-int8",
+        "sync = \"local-sgd\"\nouter_optimizer = \"nesterov\"\nouter_precision = \"int8\"\n\
+         outer_overlap = true\n",
     ),
 ];
 

@@ -325,7 +325,8 @@ enum BenchWhat {
     },
     /// Real node processes on a shaped link (Linux network namespaces, `tc tbf`), one run per
     /// way of synchronizing on the same data and samples: a ring every step, plain local SGD,
-    /// DiLoCo (Nesterov outer step, fp32) and DiLoCo on fp16 / int8 deltas. Prints wall time,
+    /// DiLoCo (Nesterov outer step, fp32), DiLoCo on fp16 / int8 deltas, and on int8 deltas
+    /// with each exchange overlapped with the next round. Prints wall time,
     /// synchronization bytes, compute utilisation, loss and held-out accuracy. Needs root and
     /// iproute2. Default data: Fashion-MNIST when Debian's dataset-fashion-mnist is installed,
     /// else the embedded digits.
@@ -355,7 +356,7 @@ enum BenchWhat {
         #[arg(long)]
         local_steps: Option<u32>,
         /// Runs, comma-separated (default all): ring, local-sgd, diloco, diloco-fp16,
-        /// diloco-int8.
+        /// diloco-int8, overlap-int8.
         #[arg(long, value_delimiter = ',')]
         runs: Vec<String>,
         /// Inner optimizer.

@@ -343,6 +343,70 @@ fn diloco_rounds_on_int8_deltas_send_a_quarter_of_the_bytes() {
     );
 }
 
+/// Overlapped DiLoCo rounds (each exchange runs during the next round, its outer step one
+/// round late): every checker holds, the run is deterministic, and it trains faster than the
+/// same rounds waited for, with the same bytes.
+#[test]
+fn overlapped_outer_rounds_hide_the_exchange() {
+    let mut s = scenario("slow-link");
+    s.training.outer.local_steps = Some(10);
+    s.training.sync = ravnest_core::SyncPreference::LocalSgd;
+    s.training.redundancy = ravnest_core::Redundancy::Always;
+    let waited = run(&s, &opts(&s, 4, 200)).unwrap();
+    assert!(waited.violations.is_empty(), "{:?}", waited.violations);
+    s.training.outer.overlap = true;
+    let a = run(&s, &opts(&s, 4, 200)).unwrap();
+    assert!(a.violations.is_empty(), "{:?}", a.violations);
+    assert_eq!(a.steps_completed, 200);
+    assert_eq!(run(&s, &opts(&s, 4, 200)).unwrap().trace_hash, a.trace_hash);
+    assert!(
+        a.samples_per_s > 1.05 * waited.samples_per_s,
+        "{} vs {}",
+        a.samples_per_s,
+        waited.samples_per_s
+    );
+    let sent = |r: &ravnest_sim::SimReport| r.nodes.iter().map(|n| n.bytes_sent).sum::<u64>();
+    let ratio = sent(&a) as f64 / sent(&waited) as f64;
+    assert!((0.95..1.05).contains(&ratio), "{ratio}");
+    // A crash inside an overlapped round: the epoch's rounds are void, the run goes on.
+    let mut f = s.clone();
+    f.faults = vec![ravnest_core::config::Fault::Crash {
+        node: ravnest_core::NodeId(1),
+        at_s: 9.0,
+    }];
+    let r = run(&f, &opts(&f, 4, 200)).unwrap();
+    assert!(r.violations.is_empty(), "{:?}", r.violations);
+    assert_eq!(r.steps_completed, 200);
+}
+
+/// A node crashes during a DiLoCo round (its collective aborts under the others): the round's
+/// partial sums are dropped, the survivors go back to the round's anchor and train on, every
+/// checker holds (each step applied once, checkpoints agree), and the run ends every step.
+#[test]
+fn a_crash_during_an_outer_round_is_survived_without_double_counting() {
+    let mut s = scenario("slow-link");
+    s.training.outer.local_steps = Some(8);
+    let mut during = 0;
+    for at_s in [3.0, 6.0, 9.0, 12.0, 15.0] {
+        let mut f = s.clone();
+        f.faults = vec![ravnest_core::config::Fault::Crash {
+            node: ravnest_core::NodeId(1),
+            at_s,
+        }];
+        let r = run(&f, &opts(&f, 3, 120)).unwrap();
+        assert!(
+            r.violations.is_empty(),
+            "crash at {at_s}: {:?}",
+            r.violations
+        );
+        assert_eq!(r.steps_completed, 120, "crash at {at_s}");
+        if r.nodes.iter().any(|n| n.aborted > 0) {
+            during += 1;
+        }
+    }
+    assert!(during > 0, "no crash fell inside an outer round");
+}
+
 #[test]
 fn a_parameter_server_round_trains_the_same_model() {
     let mut s = scenario("homogeneous");

@@ -138,6 +138,10 @@ pub struct OuterSpec {
     /// Local steps per round, when the file pins them (`local_steps`); else the planner
     /// chooses them from the measured link.
     pub local_steps: Option<u32>,
+    /// Each round's exchange overlapped with the next round's compute, its outer step applied
+    /// one round late (`outer_overlap`).
+    #[serde(default)]
+    pub overlap: bool,
 }
 
 impl Default for OuterSpec {
@@ -148,6 +152,7 @@ impl Default for OuterSpec {
             momentum: 0.9,
             precision: OuterPrecision::Auto,
             local_steps: None,
+            overlap: false,
         }
     }
 }

@@ -36,7 +36,22 @@ pub fn step(
     params: usize,
     momentum: Option<&[f32]>,
 ) -> Option<Vec<f32>> {
+    step_onto(outer, anchor, anchor, delta, params, momentum)
+}
+
+/// [`step`] with the outer step applied to `base`'s parameters instead of the round's anchor
+/// (an overlapped round applies one round late, onto the anchor of the round after it); the
+/// optimizer state is still the round's average, `anchor − Δ`.
+pub fn step_onto(
+    outer: &Outer,
+    base: &[f32],
+    anchor: &[f32],
+    delta: &mut [f32],
+    params: usize,
+    momentum: Option<&[f32]>,
+) -> Option<Vec<f32>> {
     if delta.len() != anchor.len()
+        || base.len() != anchor.len()
         || params > delta.len()
         || momentum.is_some_and(|m| m.len() != params)
     {
@@ -45,8 +60,8 @@ pub fn step(
     let (mu, lr) = (outer.momentum, outer.lr);
     let mut m = momentum.map_or_else(|| vec![0.0; params], <[f32]>::to_vec);
     let (dp, ds) = delta.split_at_mut(params);
-    let (ap, as_) = anchor.split_at(params);
-    for ((d, a), m) in dp.iter_mut().zip(ap).zip(m.iter_mut()) {
+    let (bp, as_) = (&base[..params], &anchor[params..]);
+    for ((d, a), m) in dp.iter_mut().zip(bp).zip(m.iter_mut()) {
         *m = mu * *m + *d;
         *d = a - lr * (*d + mu * *m);
     }
@@ -67,6 +82,7 @@ mod tests {
             lr,
             momentum,
             packing: Packing::Fp32,
+            overlap: false,
         }
     }
 
@@ -112,6 +128,11 @@ mod tests {
         let m2 = step(&o, &anchor, &mut again, 2, Some(&m)).unwrap();
         assert!((m2[0] - 0.95).abs() < 1e-6 && (m2[1] + 1.9).abs() < 1e-6);
         assert!(step(&o, &anchor, &mut [0.0; 2], 2, None).is_none());
+        // Onto another base: its parameters move, the state is still the round's average.
+        let mut d = [0.5f32, -1.0, 4.0];
+        step_onto(&o, &[0.0, 0.0, 99.0], &anchor, &mut d, 2, None).unwrap();
+        assert!((d[0] + 0.7 * 0.95).abs() < 1e-6 && (d[1] - 0.7 * 1.9).abs() < 1e-6);
+        assert_eq!(d[2], 6.0);
         assert!(step(&o, &anchor, &mut [0.0; 3], 2, Some(&[0.0])).is_none());
     }
 }

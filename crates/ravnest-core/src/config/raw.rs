@@ -113,6 +113,7 @@ pub(super) struct TrainingToml {
     pub(super) outer_momentum: Option<Spanned<f64>>,
     pub(super) outer_precision: Option<crate::cluster::OuterPrecision>,
     pub(super) local_steps: Option<Spanned<u32>>,
+    pub(super) outer_overlap: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -66,6 +66,19 @@ pub(super) fn resolve_training(
         if let Some(h) = &t.local_steps {
             outer.local_steps = Some(ctx.positive(h, "local_steps")?);
         }
+        if let Some(o) = t.outer_overlap {
+            outer.overlap = o;
+        }
+        // Applied one round late, DiLoCo's 0.7 / 0.9 overshoot (the delayed momentum adds up
+        // the same direction twice): overlapped rounds default to the plain delayed step.
+        if outer.overlap {
+            if t.outer_lr.is_none() {
+                outer.lr = 1.0;
+            }
+            if t.outer_momentum.is_none() {
+                outer.momentum = 0.0;
+            }
+        }
         if let Some(r) = &t.memory_reserve_gib {
             reserve_gib = ctx.non_negative(r, "memory_reserve_gib")?;
         }

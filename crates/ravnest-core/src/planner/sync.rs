@@ -58,6 +58,9 @@ pub struct Outer {
     pub momentum: f32,
     /// What the round's values travel as.
     pub packing: Packing,
+    /// The round's exchange runs during the next round, and its outer step applies at that
+    /// round's end (one round late; the run's last round waits for its own).
+    pub overlap: bool,
 }
 
 impl Outer {
@@ -66,6 +69,7 @@ impl Outer {
         lr: 1.0,
         momentum: 0.0,
         packing: Packing::Fp32,
+        overlap: false,
     };
 
     /// Whether this is [`Outer::AVERAGE`] (the models themselves travel, not their deltas).
@@ -89,16 +93,22 @@ impl Outer {
             lr,
             momentum,
             packing,
+            overlap: spec.overlap,
         }
     }
 
     /// Its name in reports.
     pub fn describe(&self) -> String {
+        let late = if self.overlap {
+            ", each round's exchange overlapped with the next round"
+        } else {
+            ""
+        };
         if self.lr == 1.0 && self.momentum == 0.0 {
-            format!("averaging ({})", self.packing.name())
+            format!("averaging ({}){late}", self.packing.name())
         } else {
             format!(
-                "Nesterov outer step lr {} momentum {} on {} deltas",
+                "Nesterov outer step lr {} momentum {} on {} deltas{late}",
                 self.lr,
                 self.momentum,
                 self.packing.name()
@@ -614,7 +624,12 @@ fn local_sgd(costs: &Costs<'_>, chosen: Chosen, compute_s: f64, ratio: f64) -> S
         },
         groups,
         round_s,
-        per_step_s: round_s / f64::from(h),
+        // Overlapped, a round costs only what a round's compute does not hide.
+        per_step_s: if outer.overlap {
+            (round_s - f64::from(h) * compute_s).max(0.0) / f64::from(h)
+        } else {
+            round_s / f64::from(h)
+        },
         reason,
     }
 }

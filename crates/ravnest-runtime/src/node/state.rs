@@ -67,6 +67,8 @@ pub struct NodeState<M, G> {
     pub(super) versions: Versions<M>,
     /// The outer momentum of local SGD's last round (DiLoCo).
     pub(super) outer_momentum: Option<OuterMomentum>,
+    /// Overlapped outer rounds whose step is still to apply, by the step that started them.
+    pub(super) rounds: BTreeMap<u64, Delayed>,
     /// The data-parallel step in progress.
     pub(super) running: Option<Running<M>>,
     /// The pipeline stage step in progress.
@@ -95,6 +97,7 @@ impl<M, G> Default for NodeState<M, G> {
             halted: false,
             versions: Versions::default(),
             outer_momentum: None,
+            rounds: BTreeMap::new(),
             running: None,
             pipe: None,
             early_pipe: Vec::new(),
@@ -132,6 +135,27 @@ pub(crate) struct Running<M> {
     pub(super) shard: Option<std::sync::Arc<super::shard::ShardLayout>>,
     /// An outer round that exchanges deltas: the anchor it started from.
     pub(super) anchor: Option<Anchor>,
+    /// An overlapped round's step: which rounds' outer steps it applies.
+    pub(super) overlap: Option<Overlapped>,
+}
+
+/// The outer steps an overlapped round's step applies to its anchor, in order: the previous
+/// round's (its exchange ran during this round), and at the run's last step its own.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Overlapped {
+    pub(super) prev: Option<u64>,
+    pub(super) last: bool,
+}
+
+/// An overlapped outer round (`Outer::overlap`): its exchange runs during the next round.
+#[derive(Debug)]
+pub(crate) struct Delayed {
+    pub(super) epoch: u64,
+    pub(super) layers: Option<LayerRange>,
+    /// Its anchor (the average optimizer state is `anchor − Δ`).
+    pub(super) anchor: Anchor,
+    /// The group's sum, once it came back.
+    pub(super) sum: Option<Vec<f32>>,
 }
 
 /// The anchor of an outer round: the version every replica agreed on at the round's start.

@@ -20,7 +20,9 @@ use ravnest_core::ring::RingMode;
 use tokio::time::Instant;
 
 use super::shard::{GATHER, ShardLayout};
-use super::state::{Anchor, EarlyInput, NodeMsg, NodeState, OuterMomentum, Pipe, Running};
+use super::state::{
+    Anchor, Delayed, EarlyInput, NodeMsg, NodeState, OuterMomentum, Overlapped, Pipe, Running,
+};
 use super::versions::Version;
 use super::{NodeActor, Observed, Span, SpanKind};
 use crate::collective::{CollectiveMsg, Group, Outcome};
@@ -60,6 +62,41 @@ fn outer_values(
         values: m,
     });
     Ok(())
+}
+
+/// An overlapped round's outer step, applied one round late onto `base` (the anchor of the
+/// round after it): its new values, the momentum carried on (see [`ravnest_core::outer`]).
+fn late_outer_step(
+    momentum: &mut Option<OuterMomentum>,
+    w: &Work,
+    d: Delayed,
+    base: &[f32],
+) -> Result<Vec<f32>, String> {
+    let SyncPolicy::LocalSgd { outer, .. } = w.sync else {
+        return Err("an outer round outside local SGD".into());
+    };
+    let mut sum = d
+        .sum
+        .ok_or("an outer round applied before its sum came back")?;
+    let before = momentum
+        .take()
+        .filter(|m| m.epoch == w.epoch && m.layers == d.layers);
+    let m = ravnest_core::outer::step_onto(
+        &outer,
+        base,
+        &d.anchor.values,
+        &mut sum,
+        d.anchor.params,
+        before.as_ref().map(|m| m.values.as_slice()),
+    )
+    .ok_or("an outer round does not fit its anchor")?;
+    *momentum = Some(OuterMomentum {
+        epoch: w.epoch,
+        version: d.anchor.version,
+        layers: d.layers,
+        values: m,
+    });
+    Ok(sum)
 }
 
 /// Buckets collected from a backend: (index, values).
@@ -208,6 +245,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             compute_ns: 0,
             shard: shard.clone(),
             anchor: None,
+            overlap: None,
         });
         // Weight b_i / B, applied once, in place: the group's sum is the mean gradient of the
         // whole global batch.
@@ -357,6 +395,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 .await;
         }
         self.average(st, w, s, local, None, ns);
+        // An overlapped round's step may have all it needs already.
+        self.try_finish(st).await;
     }
 
     /// Start averaging `local` (this node's model after a local step: `layers` of it, or the
@@ -396,6 +436,28 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             }
         }
         let group = self.group(st, w);
+        let id = CollId {
+            epoch: w.epoch,
+            step: s,
+            bucket: 0,
+        };
+        let overlap = matches!(w.sync, SyncPolicy::LocalSgd { outer, .. } if outer.overlap);
+        if let (true, Some(a)) = (overlap, anchor.as_ref()) {
+            let Some(base) = st.versions.get(a.version).map(|v| v.model.clone()) else {
+                return self.fail(w.epoch, format!("anchor {} is gone", a.version));
+            };
+            let virtual_bytes = self.round_bytes(contribution.len(), layers);
+            return self.overlapped(
+                st,
+                w,
+                s,
+                layers,
+                base,
+                anchor,
+                ns,
+                (id, group, contribution, virtual_bytes),
+            );
+        }
         st.running = Some(Running {
             epoch: w.epoch,
             step: s,
@@ -408,21 +470,166 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             compute_ns: ns,
             shard: None,
             anchor,
+            overlap: None,
         });
-        let id = CollId {
-            epoch: w.epoch,
-            step: s,
-            bucket: 0,
-        };
-        // The values exchanged, in gradient bytes per parameter's worth of them.
+        let virtual_bytes = self.round_bytes(contribution.len(), layers);
+        self.start_collective(st, id, group, contribution, virtual_bytes, None);
+    }
+
+    /// The bytes an outer round of `len` exchanged values of `layers` stands for: the
+    /// gradient's bytes per parameter's worth of them.
+    fn round_bytes(&self, len: usize, layers: Option<LayerRange>) -> u64 {
         let params = match layers {
             Some(l) => self.compute.param_range(l).len(),
             None => self.compute.params(),
         };
-        let virtual_bytes = (self.grad_bytes as f64 * contribution.len() as f64
-            / params.max(1) as f64
-            * self.round_factor) as u64;
+        (self.grad_bytes as f64 * len as f64 / params.max(1) as f64 * self.round_factor) as u64
+    }
+
+    /// An overlapped round's step: its exchange starts and runs during the next round; the
+    /// new version is the round's anchor (`base`) with the previous round's outer step applied
+    /// (and at the run's last step its own too), once their sums are in.
+    #[allow(clippy::too_many_arguments)]
+    fn overlapped(
+        &self,
+        st: &mut State<C>,
+        w: &Work,
+        s: u64,
+        layers: Option<LayerRange>,
+        base: C::Model,
+        anchor: Option<Anchor>,
+        ns: u64,
+        (id, group, contribution, virtual_bytes): (CollId, Arc<Group>, Vec<f32>, u64),
+    ) {
+        let Some(anchor) = anchor else { return };
+        st.rounds.retain(|_, d| d.epoch == w.epoch);
+        let prev = st.rounds.keys().next_back().copied().filter(|p| *p < s);
+        let last = s + 1 == w.end;
+        st.rounds.insert(
+            s,
+            Delayed {
+                epoch: w.epoch,
+                layers,
+                anchor,
+                sum: None,
+            },
+        );
+        let waiting = prev
+            .into_iter()
+            .chain(last.then_some(s))
+            .filter(|k| st.rounds.get(k).is_some_and(|d| d.sum.is_none()))
+            .count();
+        st.running = Some(Running {
+            epoch: w.epoch,
+            step: s,
+            mode: StepMode::Average,
+            layers,
+            targets: Vec::new(),
+            next: base,
+            pending: waiting,
+            computed: Some(Instant::now()),
+            compute_ns: ns,
+            shard: None,
+            anchor: None,
+            overlap: Some(Overlapped { prev, last }),
+        });
         self.start_collective(st, id, group, contribution, virtual_bytes, None);
+        if waiting == 0 {
+            self.apply_overlapped(st, w);
+        }
+    }
+
+    /// The running overlapped step's outer steps, now that their sums are in.
+    fn apply_overlapped(&self, st: &mut State<C>, w: &Work) {
+        let Some(r) = st.running.as_mut() else { return };
+        let Some(o) = r.overlap else { return };
+        let order: Vec<u64> = o.prev.into_iter().chain(o.last.then_some(r.step)).collect();
+        if order.is_empty() {
+            return;
+        }
+        let Some(mut values) = st.rounds.get(&r.step).map(|d| d.anchor.values.clone()) else {
+            return;
+        };
+        let mut failed = None;
+        for k in order {
+            let Some(d) = st.rounds.remove(&k) else {
+                failed = Some(format!("the outer round of step {k} is gone"));
+                break;
+            };
+            match late_outer_step(&mut st.outer_momentum, w, d, &values) {
+                Ok(v) => values = v,
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        let applied = match failed {
+            Some(e) => Err(e),
+            None => self
+                .compute
+                .import(Some(&r.next), r.layers, values)
+                .map(|m| r.next = m)
+                .map_err(|e| e.to_string()),
+        };
+        if let Err(e) = applied {
+            st.running = None;
+            self.fail(w.epoch, e);
+        }
+    }
+
+    /// A collective of an overlapped round ended: its sum is kept for the step that applies
+    /// it (which goes on if it was waiting for it); an abort fails the epoch (the step that
+    /// applies it would wait for ever). `false`: not such a round.
+    async fn on_round_outcome(&self, st: &mut State<C>, outcome: &mut Outcome) -> bool {
+        let id = match outcome {
+            Outcome::Done { id, .. } | Outcome::Aborted { id } => *id,
+        };
+        if !st
+            .rounds
+            .get(&id.step)
+            .is_some_and(|d| d.epoch == id.epoch && d.sum.is_none())
+        {
+            return false;
+        }
+        let Outcome::Done { sum, .. } = outcome else {
+            // Its epoch's rounds are void. A halted or replaced epoch's rounds end so (their
+            // outer steps are lost with the epoch); the running epoch's cannot go on.
+            st.rounds.retain(|_, d| d.epoch != id.epoch);
+            if st.running.as_ref().is_some_and(|r| r.epoch == id.epoch) {
+                st.running = None;
+            }
+            // (After a halt its collectives abort by order: nothing to report.)
+            if !st.halted && st.work.as_ref().is_some_and(|w| w.epoch == id.epoch) {
+                self.count(|c| c.aborted += 1);
+                self.fail(
+                    id.epoch,
+                    format!("the outer round of step {} could not run", id.step),
+                );
+            }
+            return true;
+        };
+        if let Some(d) = st.rounds.get_mut(&id.step) {
+            d.sum = Some(std::mem::take(sum));
+        }
+        let needed = st.running.as_ref().is_some_and(|r| {
+            r.epoch == id.epoch
+                && r.overlap
+                    .is_some_and(|o| o.prev == Some(id.step) || (o.last && r.step == id.step))
+        });
+        if needed {
+            let ready = st.running.as_mut().is_some_and(|r| {
+                r.pending = r.pending.saturating_sub(1);
+                r.pending == 0
+            });
+            if ready {
+                if let Some(w) = st.work.clone() {
+                    self.apply_overlapped(st, &w);
+                }
+                self.try_finish(st).await;
+            }
+        }
+        true
     }
 
     /// The anchor of the outer round that step `s` ends: the epoch's first version or its
@@ -461,7 +668,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     /// A collective ended.
-    pub(super) async fn on_outcome(&self, st: &mut State<C>, outcome: Outcome) {
+    pub(super) async fn on_outcome(&self, st: &mut State<C>, mut outcome: Outcome) {
+        if self.on_round_outcome(st, &mut outcome).await {
+            return;
+        }
         let id = match &outcome {
             Outcome::Done { id, .. } | Outcome::Aborted { id } => *id,
         };
@@ -1002,6 +1212,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 compute_ns: p.compute_ns,
                 shard: None,
                 anchor: None,
+                overlap: None,
             });
             let id = CollId {
                 epoch: p.epoch,
@@ -1028,7 +1239,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return self.fail(p.epoch, e.to_string());
         }
         if mode == StepMode::Average {
-            return self.average(st, &w, p.step, next, layers, p.compute_ns);
+            self.average(st, &w, p.step, next, layers, p.compute_ns);
+            return self.try_finish(st).await;
         }
         // A synchronized step's version is one every replica agreed on; a local one's is not.
         let synced = mode == StepMode::Sync;
