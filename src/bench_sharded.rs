@@ -75,16 +75,12 @@ fn run(a: &ShardedArgs, text: &str, dir: &Path) -> Result<Figures> {
         .output()
         .context("cannot start `ravnest run`")?;
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let summary = stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find(|v| v["event"] == "summary")
-        .with_context(|| {
-            format!(
-                "`ravnest run` of {} gave no summary ({})",
-                a.origin, out.status
-            )
-        })?;
+    let summary = summary_of(&stdout).with_context(|| {
+        format!(
+            "`ravnest run` of {} gave no summary ({})",
+            a.origin, out.status
+        )
+    })?;
     let s = ravnest_core::parse(text, &a.origin)?;
     let plan = ravnest_core::plan_scenario(ravnest_core::PlannerKind::Ravnest, &s)?;
     let layout = match plan.layout {
@@ -110,6 +106,14 @@ fn run(a: &ShardedArgs, text: &str, dir: &Path) -> Result<Figures> {
             .unwrap_or(0.0),
         held,
     })
+}
+
+/// The `summary` event among a `ravnest run --json`'s lines.
+pub fn summary_of(stdout: &str) -> Option<Value> {
+    stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["event"] == "summary")
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -160,17 +160,13 @@ fn run(net: &ShapedNet, name: &str, text: &str, dir: &Path, nodes: usize) -> Res
         let _ = c.wait();
     }
     let stdout = String::from_utf8_lossy(&first.stdout);
-    let summary = stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find(|v| v["event"] == "summary")
-        .with_context(|| {
-            format!(
-                "the `{name}` run gave no summary ({}); its logs are in {}",
-                first.status,
-                dir.display()
-            )
-        })?;
+    let summary = crate::bench_sharded::summary_of(&stdout).with_context(|| {
+        format!(
+            "the `{name}` run gave no summary ({}); its logs are in {}",
+            first.status,
+            dir.display()
+        )
+    })?;
     let sync = plan_sync(&stdout);
     figures(name, &summary, text, sync)
 }

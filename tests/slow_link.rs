@@ -92,8 +92,8 @@ fn diloco_on_int8_deltas_sends_far_fewer_bytes_than_a_ring_on_a_shaped_link() {
 }
 
 /// The cluster file of the kill test: three nodes on the shaped link, DiLoCo on int8 deltas
-/// every 2 steps, a model whose round takes far longer than its 2 steps of compute (so most of
-/// the run is outer exchanges, and a kill at any time falls inside one).
+/// every 2 steps, a model whose round takes far longer than its 2 steps of compute, and only
+/// the final checkpoint.
 fn kill_file(steps: u64) -> String {
     let mut t = String::from("[cluster]\nname = \"slow-kill\"\nsecret = \"slow-kill-secret\"\n\n");
     for i in 0..3 {
@@ -103,13 +103,30 @@ fn kill_file(steps: u64) -> String {
         );
     }
     t += &format!(
-        "[model]\nkind = \"mlp\"\ndims = [64, 1024, 1024, 10]\n\n[training]\nglobal_batch = 96\n\
+        "[model]\nkind = \"mlp\"\ndims = [64, 1024, 1024, 10]\n\n[training]\nglobal_batch = 48\n\
          optimizer = \"sgd-momentum\"\nsync = \"local-sgd\"\nouter_optimizer = \"nesterov\"\n\
          outer_precision = \"int8\"\nlocal_steps = 2\nredundancy = \"always\"\n\n[run]\n\
          steps = {steps}\nlearning_rate = 0.05\nseed = 5\ndataset = \"digits\"\n\
-         checkpoint_every_steps = 10\nheartbeat_ms = 100\nheartbeat_timeout_ms = 1500\n"
+         checkpoint_every_steps = 0\nheartbeat_ms = 100\nheartbeat_timeout_ms = 1500\n"
     );
     t
+}
+
+/// Bytes queued in namespace `ns`'s link shaper: a node in the middle of sending a round.
+fn queued(ns: &str) -> u64 {
+    let out = Command::new("ip")
+        .args([
+            "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", "eth0",
+        ])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+        .unwrap_or_default();
+    out.split_whitespace()
+        .skip_while(|w| *w != "backlog")
+        .nth(1)
+        .and_then(|b| b.strip_suffix('b'))
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(0)
 }
 
 #[test]
@@ -120,7 +137,7 @@ fn a_node_killed_during_an_outer_exchange_is_survived_without_double_counting() 
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("cluster.toml");
-    let steps = 40;
+    let steps = 60;
     std::fs::write(&file, kill_file(steps)).unwrap();
     let node = |i: usize, out: Stdio| {
         Command::new("ip")
@@ -133,8 +150,7 @@ fn a_node_killed_during_an_outer_exchange_is_survived_without_double_counting() 
             .spawn()
             .unwrap()
     };
-    let mut n1 = node(1, Stdio::null());
-    let mut n2 = node(2, Stdio::null());
+    let mut others = vec![node(1, Stdio::null()), node(2, Stdio::null())];
     let mut n0 = node(0, Stdio::piped());
     let lines = BufReader::new(n0.stdout.take().unwrap()).lines();
     let (tx, rx) = std::sync::mpsc::channel::<Value>();
@@ -145,26 +161,35 @@ fn a_node_killed_during_an_outer_exchange_is_survived_without_double_counting() 
             }
         }
     });
-    // Training under way (a few rounds done): kill n2 (`ip netns exec` became the node).
+    // The first plan names its workers; the victim is one of them besides the coordinator's
+    // node, killed while its shaper holds a round's bytes (after the plan, a worker sends
+    // nothing else in bulk: no checkpoint before the last step).
     let deadline = Instant::now() + Duration::from_secs(240);
+    let mut victim = None;
     let mut events = Vec::new();
     while let Ok(v) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-        let go = v["event"] == "progress" && v["step"].as_u64() >= Some(6);
+        let what = v["what"].as_str().unwrap_or_default().to_string();
         events.push(v);
-        if go {
+        if what.contains("planned") {
+            victim = [2usize, 1]
+                .into_iter()
+                .find(|i| what.contains(&format!("n{i}=")));
             break;
         }
     }
-    assert!(
-        events.last().is_some_and(|v| v["event"] == "progress"),
-        "no progress before the kill: {events:?}"
-    );
+    let victim = victim.unwrap_or_else(|| panic!("no plan with a second worker: {events:?}"));
+    let mut seen = 0;
+    while seen < 16_000 && Instant::now() < deadline {
+        seen = queued(&net.ns(victim));
+    }
+    assert!(seen >= 16_000, "the victim never sent a round");
+    let child = &mut others[victim - 1];
     let killed = Command::new("kill")
-        .args(["-9", &n2.id().to_string()])
+        .args(["-9", &child.id().to_string()])
         .status()
         .unwrap();
     assert!(killed.success());
-    let _ = n2.wait();
+    let _ = child.wait();
     let mut summary = None;
     while let Ok(v) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
         if v["event"] == "summary" {
@@ -173,13 +198,17 @@ fn a_node_killed_during_an_outer_exchange_is_survived_without_double_counting() 
         }
     }
     let s0 = n0.wait().unwrap();
-    let _ = n1.wait();
+    for mut c in others {
+        let _ = c.wait();
+    }
     let s = summary.expect("the coordinator's summary");
     assert!(s0.success(), "the run failed after the kill: {s}");
     let coord = &s["coordinator"];
     assert_eq!(coord["steps"], steps, "{s}");
     assert!(
-        coord["notable_events"].to_string().contains("`n2` lost"),
+        coord["notable_events"]
+            .to_string()
+            .contains(&format!("`n{victim}` lost")),
         "{s}"
     );
     // The kill fell inside an exchange: the survivors abandoned its collective.
