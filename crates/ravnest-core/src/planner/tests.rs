@@ -246,8 +246,15 @@ fn one_slow_node_gets_a_third_of_the_share() {
         pair_links: BTreeMap::new(),
     };
     let model = crate::model::preset("mlp-digits").unwrap().build();
+    // The model is tiny, so its rounds are local SGD: DiLoCo's int8 rounds keep their cost
+    // (the parameters and AdamW's state) below what the slow node adds; plain fp32 averaging
+    // of all that state would leave it out.
     let training = TrainingSpec {
         global_batch: 700,
+        outer: crate::cluster::OuterSpec {
+            optimizer: crate::cluster::OuterOptimizer::Nesterov,
+            ..Default::default()
+        },
         ..TrainingSpec::default()
     };
     let p = plan(PlannerKind::Ravnest, &cluster, &model, &training).unwrap();
