@@ -211,9 +211,8 @@ fn figures(name: &str, summary: &Value, text: &str, sync: String) -> Result<Figu
 
 /// What the run's last plan said about synchronization, shortened: `H = 12`, or `every step`.
 fn plan_sync(stdout: &str) -> String {
-    let text = stdout;
-    if let Some(i) = text.rfind("local SGD with ") {
-        let rest = &text[i + "local SGD with ".len()..];
+    if let Some(i) = stdout.rfind("local SGD with ") {
+        let rest = &stdout[i + "local SGD with ".len()..];
         let h: String = rest.chars().take_while(char::is_ascii_digit).collect();
         return format!("H = {h}");
     }

@@ -175,8 +175,6 @@ pub(crate) struct Anchor {
 #[derive(Debug)]
 pub(crate) struct OuterMomentum {
     pub(super) epoch: u64,
-    /// The version the round made.
-    pub(super) version: u64,
     pub(super) layers: Option<LayerRange>,
     pub(super) values: Vec<f32>,
 }

@@ -30,15 +30,16 @@ use crate::digest::sample_range;
 use crate::msg::{Addr, Envelope, StageWork, StepMode, SyncPolicy, Work};
 use crate::seams::{BucketSink, Compute, ComputeError, Transport};
 
-/// An outer round's sum came back: in place, the round's new values from the anchor, the sum
-/// and the momentum of the round before (see [`ravnest_core::outer`]), whose successor
-/// replaces it.
-fn outer_values(
+/// An outer round's step, in place in `sum` (the group's sum becomes the new values): from
+/// the round's anchor onto `base` (the anchor itself, or, for an overlapped round applied one
+/// round late, the next anchor), with the momentum of the epoch's round before (see
+/// [`ravnest_core::outer`]), which it replaces.
+fn outer_step(
     momentum: &mut Option<OuterMomentum>,
     w: &Work,
-    step: u64,
     layers: Option<LayerRange>,
     anchor: &Anchor,
+    base: &[f32],
     sum: &mut [f32],
 ) -> Result<(), String> {
     let SyncPolicy::LocalSgd { outer, .. } = w.sync else {
@@ -46,57 +47,27 @@ fn outer_values(
     };
     let before = momentum
         .take()
-        .filter(|m| m.epoch == w.epoch && m.version == anchor.version && m.layers == layers);
-    let m = ravnest_core::outer::step(
+        .filter(|m| m.epoch == w.epoch && m.layers == layers);
+    let m = ravnest_core::outer::step_onto(
         &outer,
+        base,
         &anchor.values,
         sum,
         anchor.params,
         before.as_ref().map(|m| m.values.as_slice()),
     )
-    .ok_or_else(|| format!("the outer round of step {step} does not fit its anchor"))?;
+    .ok_or_else(|| {
+        format!(
+            "the outer round from version {} does not fit it",
+            anchor.version
+        )
+    })?;
     *momentum = Some(OuterMomentum {
         epoch: w.epoch,
-        version: step + 1,
         layers,
         values: m,
     });
     Ok(())
-}
-
-/// An overlapped round's outer step, applied one round late onto `base` (the anchor of the
-/// round after it): its new values, the momentum carried on (see [`ravnest_core::outer`]).
-fn late_outer_step(
-    momentum: &mut Option<OuterMomentum>,
-    w: &Work,
-    d: Delayed,
-    base: &[f32],
-) -> Result<Vec<f32>, String> {
-    let SyncPolicy::LocalSgd { outer, .. } = w.sync else {
-        return Err("an outer round outside local SGD".into());
-    };
-    let mut sum = d
-        .sum
-        .ok_or("an outer round applied before its sum came back")?;
-    let before = momentum
-        .take()
-        .filter(|m| m.epoch == w.epoch && m.layers == d.layers);
-    let m = ravnest_core::outer::step_onto(
-        &outer,
-        base,
-        &d.anchor.values,
-        &mut sum,
-        d.anchor.params,
-        before.as_ref().map(|m| m.values.as_slice()),
-    )
-    .ok_or("an outer round does not fit its anchor")?;
-    *momentum = Some(OuterMomentum {
-        epoch: w.epoch,
-        version: d.anchor.version,
-        layers: d.layers,
-        values: m,
-    });
-    Ok(sum)
 }
 
 /// Buckets collected from a backend: (index, values).
@@ -441,23 +412,22 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             step: s,
             bucket: 0,
         };
+        let virtual_bytes = self.round_bytes(contribution.len(), layers);
         let overlap = matches!(w.sync, SyncPolicy::LocalSgd { outer, .. } if outer.overlap);
-        if let (true, Some(a)) = (overlap, anchor.as_ref()) {
-            let Some(base) = st.versions.get(a.version).map(|v| v.model.clone()) else {
-                return self.fail(w.epoch, format!("anchor {} is gone", a.version));
-            };
-            let virtual_bytes = self.round_bytes(contribution.len(), layers);
-            return self.overlapped(
-                st,
-                w,
-                s,
-                layers,
-                base,
-                anchor,
-                ns,
-                (id, group, contribution, virtual_bytes),
-            );
-        }
+        let anchor = match (overlap, anchor) {
+            (true, Some(a)) => {
+                let Some(base) = st.versions.get(a.version).map(|v| v.model.clone()) else {
+                    return self.fail(w.epoch, format!("anchor {} is gone", a.version));
+                };
+                let ready = self.overlapped(st, w, s, layers, base, a, ns);
+                self.start_collective(st, id, group, contribution, virtual_bytes, None);
+                if ready {
+                    self.apply_overlapped(st, w);
+                }
+                return;
+            }
+            (_, anchor) => anchor,
+        };
         st.running = Some(Running {
             epoch: w.epoch,
             step: s,
@@ -472,23 +442,29 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             anchor,
             overlap: None,
         });
-        let virtual_bytes = self.round_bytes(contribution.len(), layers);
         self.start_collective(st, id, group, contribution, virtual_bytes, None);
     }
 
     /// The bytes an outer round of `len` exchanged values of `layers` stands for: the
     /// gradient's bytes per parameter's worth of them.
     fn round_bytes(&self, len: usize, layers: Option<LayerRange>) -> u64 {
-        let params = match layers {
-            Some(l) => self.compute.param_range(l).len(),
-            None => self.compute.params(),
-        };
+        let params = self.params_of(layers);
         (self.grad_bytes as f64 * len as f64 / params.max(1) as f64 * self.round_factor) as u64
     }
 
-    /// An overlapped round's step: its exchange starts and runs during the next round; the
-    /// new version is the round's anchor (`base`) with the previous round's outer step applied
-    /// (and at the run's last step its own too), once their sums are in.
+    /// How many parameters `layers` (`None`: the whole model) have: the first values of
+    /// their export.
+    fn params_of(&self, layers: Option<LayerRange>) -> usize {
+        match layers {
+            Some(l) => self.compute.param_range(l).len(),
+            None => self.compute.params(),
+        }
+    }
+
+    /// An overlapped round's step: its exchange (started by the caller) runs during the next
+    /// round; the new version is the round's anchor (`base`) with the previous round's outer
+    /// step applied (and at the run's last step its own too), once their sums are in. Whether
+    /// they are in already.
     #[allow(clippy::too_many_arguments)]
     fn overlapped(
         &self,
@@ -497,11 +473,9 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         s: u64,
         layers: Option<LayerRange>,
         base: C::Model,
-        anchor: Option<Anchor>,
+        anchor: Anchor,
         ns: u64,
-        (id, group, contribution, virtual_bytes): (CollId, Arc<Group>, Vec<f32>, u64),
-    ) {
-        let Some(anchor) = anchor else { return };
+    ) -> bool {
         st.rounds.retain(|_, d| d.epoch == w.epoch);
         let prev = st.rounds.keys().next_back().copied().filter(|p| *p < s);
         let last = s + 1 == w.end;
@@ -533,10 +507,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             anchor: None,
             overlap: Some(Overlapped { prev, last }),
         });
-        self.start_collective(st, id, group, contribution, virtual_bytes, None);
-        if waiting == 0 {
-            self.apply_overlapped(st, w);
-        }
+        waiting == 0
     }
 
     /// The running overlapped step's outer steps, now that their sums are in.
@@ -556,8 +527,19 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 failed = Some(format!("the outer round of step {k} is gone"));
                 break;
             };
-            match late_outer_step(&mut st.outer_momentum, w, d, &values) {
-                Ok(v) => values = v,
+            let Some(mut sum) = d.sum else {
+                failed = Some(format!("the outer round of step {k} has no sum yet"));
+                break;
+            };
+            match outer_step(
+                &mut st.outer_momentum,
+                w,
+                d.layers,
+                &d.anchor,
+                &values,
+                &mut sum,
+            ) {
+                Ok(()) => values = sum,
                 Err(e) => {
                     failed = Some(e);
                     break;
@@ -656,14 +638,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             .ok_or_else(|| {
                 format!("this node no longer holds version {version}, the anchor of step {s}'s outer round")
             })?;
-        let params = match layers {
-            Some(l) => self.compute.param_range(l).len(),
-            None => self.compute.params(),
-        };
         Ok(Some(Anchor {
             version,
             values,
-            params,
+            params: self.params_of(layers),
         }))
     }
 
@@ -712,12 +690,12 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         } else if r.mode == StepMode::Average {
             let mut sum = sum;
             let outer = match (r.anchor.take(), st.work.as_ref()) {
-                (Some(anchor), Some(w)) => outer_values(
+                (Some(anchor), Some(w)) => outer_step(
                     &mut st.outer_momentum,
                     w,
-                    r.step,
                     r.layers,
                     &anchor,
+                    &anchor.values,
                     &mut sum,
                 ),
                 _ => Ok(()),
