@@ -6,9 +6,10 @@
 //! token bucket (`tc qdisc ... tbf`) to the given rate. The runs: a ring every step (exact
 //! synchronous SGD), plain local SGD (averaging every H steps), DiLoCo (a Nesterov outer step
 //! on the averaged delta, fp32), DiLoCo on fp16 and int8 deltas, and DiLoCo on int8 deltas
-//! with each round's exchange overlapped with the next round (`outer_overlap`). For each: wall time, synchronization
-//! bytes sent per node and per sample, compute utilisation (each node's compute time over its
-//! training time), the last training loss and the held-out accuracy. Needs root and `ip`
+//! with each round's exchange overlapped with the inner steps after it (`outer_overlap`). For
+//! each: wall time, synchronization bytes sent per node and per sample, compute utilisation
+//! (each node's compute time over its training time), the last training loss and the
+//! held-out accuracy. Needs root and `ip`
 //! / `tc` (iproute2); where namespaces cannot be made it says so and stops.
 
 use std::fmt::Write as _;
@@ -156,8 +157,19 @@ fn run(net: &ShapedNet, name: &str, text: &str, dir: &Path, nodes: usize) -> Res
         others.push(spawn(i)?);
     }
     let first = spawn(0)?.wait_with_output()?;
-    for mut c in others {
-        let _ = c.wait();
+    let mut failed = Vec::new();
+    for (i, mut c) in others.into_iter().enumerate() {
+        if !c.wait().is_ok_and(|st| st.success()) {
+            failed.push(format!("n{}", i + 1));
+        }
+    }
+    // A node that left the run leaves figures of another cluster: not comparable.
+    if !failed.is_empty() {
+        bail!(
+            "the `{name}` run lost {} (it exited with an error); its logs are in {}",
+            failed.join(", "),
+            dir.display()
+        );
     }
     let stdout = String::from_utf8_lossy(&first.stdout);
     let summary = crate::bench_sharded::summary_of(&stdout).with_context(|| {

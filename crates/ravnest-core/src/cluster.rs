@@ -138,10 +138,14 @@ pub struct OuterSpec {
     /// Local steps per round, when the file pins them (`local_steps`); else the planner
     /// chooses them from the measured link.
     pub local_steps: Option<u32>,
-    /// Each round's exchange overlapped with the next round's compute, its outer step applied
-    /// one round late (`outer_overlap`).
+    /// Each round's exchange overlapped with the inner steps after it, its outer step merged
+    /// a few steps later (`outer_overlap`).
     #[serde(default)]
     pub overlap: bool,
+    /// Steps between an overlapped round and the merge of its outer step, when the file pins
+    /// them (`outer_delay`); else the planner's, from the measured link.
+    #[serde(default)]
+    pub delay: Option<u32>,
 }
 
 impl Default for OuterSpec {
@@ -153,6 +157,7 @@ impl Default for OuterSpec {
             precision: OuterPrecision::Auto,
             local_steps: None,
             overlap: false,
+            delay: None,
         }
     }
 }

@@ -10,7 +10,9 @@
 //! - optimizer state: `a − Δ`, the weighted average.
 //!
 //! Every replica computes this from the same anchor, sum and momentum, so all end with the
-//! same bits. With lr 1 and μ 0 it is the weighted average of the models.
+//! same bits. With lr 1 and μ 0 it is the weighted average of the models. An overlapped
+//! round is merged a few inner steps after it: each replica then goes on from the round's
+//! values with its own progress since the round carried over ([`carry_onto`]).
 
 use crate::planner::sync::Outer;
 
@@ -36,22 +38,7 @@ pub fn step(
     params: usize,
     momentum: Option<&[f32]>,
 ) -> Option<Vec<f32>> {
-    step_onto(outer, anchor, anchor, delta, params, momentum)
-}
-
-/// [`step`] with the outer step applied to `base`'s parameters instead of the round's anchor
-/// (an overlapped round applies one round late, onto the anchor of the round after it); the
-/// optimizer state is still the round's average, `anchor − Δ`.
-pub fn step_onto(
-    outer: &Outer,
-    base: &[f32],
-    anchor: &[f32],
-    delta: &mut [f32],
-    params: usize,
-    momentum: Option<&[f32]>,
-) -> Option<Vec<f32>> {
     if delta.len() != anchor.len()
-        || base.len() != anchor.len()
         || params > delta.len()
         || momentum.is_some_and(|m| m.len() != params)
     {
@@ -60,8 +47,8 @@ pub fn step_onto(
     let (mu, lr) = (outer.momentum, outer.lr);
     let mut m = momentum.map_or_else(|| vec![0.0; params], <[f32]>::to_vec);
     let (dp, ds) = delta.split_at_mut(params);
-    let (bp, as_) = (&base[..params], &anchor[params..]);
-    for ((d, a), m) in dp.iter_mut().zip(bp).zip(m.iter_mut()) {
+    let (ap, as_) = anchor.split_at(params);
+    for ((d, a), m) in dp.iter_mut().zip(ap).zip(m.iter_mut()) {
         *m = mu * *m + *d;
         *d = a - lr * (*d + mu * *m);
     }
@@ -69,6 +56,22 @@ pub fn step_onto(
         *d = a - *d;
     }
     Some(m)
+}
+
+/// What a replica goes on from after an overlapped round's outer step is merged, in place
+/// in `now` (its values at the merge): the merged parameters with the inner progress since the
+/// round (`now − at`, `at` its values when the round started its exchange) carried over onto
+/// them, and its own optimizer state (DiLoCo keeps the inner optimizer local). So each inner
+/// step counts once: up to the round in the merged values, after it in the carry, which the
+/// next round's delta includes. `false` when the lengths do not fit (nothing is changed).
+pub fn carry_onto(merged: &[f32], at: &[f32], now: &mut [f32], params: usize) -> bool {
+    if merged.len() != now.len() || at.len() != now.len() || params > now.len() {
+        return false;
+    }
+    for ((x, m), a) in now[..params].iter_mut().zip(merged).zip(at) {
+        *x = m + (*x - a);
+    }
+    true
 }
 
 #[cfg(test)]
@@ -83,6 +86,7 @@ mod tests {
             momentum,
             packing: Packing::Fp32,
             overlap: false,
+            delay: 0,
         }
     }
 
@@ -112,6 +116,30 @@ mod tests {
         }
     }
 
+    proptest! {
+        /// Merged, a replica keeps its inner progress since the round (each step counted once:
+        /// the next round's delta from the merged values includes it) and its own state.
+        #[test]
+        fn the_carry_keeps_inner_progress_once(
+            merged in proptest::collection::vec(-5.0f32..5.0, 6),
+            at in proptest::collection::vec(-5.0f32..5.0, 6),
+            step in proptest::collection::vec(-1.0f32..1.0, 6),
+            params in 0usize..=6,
+        ) {
+            let mut now: Vec<f32> = at.iter().zip(&step).map(|(a, d)| a + d).collect();
+            let before = now.clone();
+            prop_assert!(carry_onto(&merged, &at, &mut now, params));
+            for i in 0..6 {
+                let want = if i < params { merged[i] + (before[i] - at[i]) } else { before[i] };
+                prop_assert!((now[i] - want).abs() < 1e-5, "value {i}: {} vs {want}", now[i]);
+            }
+            let mut same = at.clone();
+            prop_assert!(carry_onto(&merged, &at, &mut same, params));
+            prop_assert_eq!(&same[..params], &merged[..params]);
+            prop_assert!(!carry_onto(&merged[..5], &at, &mut now, params));
+        }
+    }
+
     /// Two rounds by hand: the Nesterov recurrence and the momentum it carries.
     #[test]
     fn nesterov_matches_the_recurrence() {
@@ -128,11 +156,6 @@ mod tests {
         let m2 = step(&o, &anchor, &mut again, 2, Some(&m)).unwrap();
         assert!((m2[0] - 0.95).abs() < 1e-6 && (m2[1] + 1.9).abs() < 1e-6);
         assert!(step(&o, &anchor, &mut [0.0; 2], 2, None).is_none());
-        // Onto another base: its parameters move, the state is still the round's average.
-        let mut d = [0.5f32, -1.0, 4.0];
-        step_onto(&o, &[0.0, 0.0, 99.0], &anchor, &mut d, 2, None).unwrap();
-        assert!((d[0] + 0.7 * 0.95).abs() < 1e-6 && (d[1] - 0.7 * 1.9).abs() < 1e-6);
-        assert_eq!(d[2], 6.0);
         assert!(step(&o, &anchor, &mut [0.0; 3], 2, Some(&[0.0])).is_none());
     }
 }

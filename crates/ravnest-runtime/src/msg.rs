@@ -30,6 +30,21 @@ pub enum StepMode {
     Local,
     /// Local step, then average the models (weighted by batch share) over the ring.
     Average,
+    /// Local step, then start an overlapped round's exchange and go on without it (the
+    /// version made is this replica's own).
+    Launch,
+    /// Local step, then merge the overlapped round launched `delay` steps before: the version
+    /// made is the round's outer step, which every replica agrees on; this replica goes on
+    /// from it with its inner progress since the round carried over.
+    Merge,
+}
+
+impl StepMode {
+    /// Whether the version a step of this mode makes is one every replica of its group agrees
+    /// on (checkpoints and restarts take only these).
+    pub fn synchronized(self) -> bool {
+        matches!(self, StepMode::Sync | StepMode::Average | StepMode::Merge)
+    }
 }
 
 /// How the steps of an epoch are synchronized.
@@ -144,20 +159,62 @@ impl CheckpointDuty {
     }
 }
 
+impl SyncPolicy {
+    /// How step `s` of an epoch that starts at step `from`, in a run of `end` steps, is
+    /// synchronized: the one schedule nodes and the coordinator both follow.
+    ///
+    /// Under local SGD a round ends every `local_steps` steps from `from`, and the run's last
+    /// step is a round waited for. Overlapped, a round is launched there and merged `delay`
+    /// steps later (see [`crate::msg::StepMode::Merge`]); a round whose merge would not come
+    /// before the run's last step is left to that last step's round.
+    pub fn mode(&self, from: u64, end: u64, s: u64) -> StepMode {
+        let SyncPolicy::LocalSgd { local_steps, outer } = self else {
+            return StepMode::Sync;
+        };
+        if s + 1 >= end {
+            return StepMode::Average;
+        }
+        let h = u64::from((*local_steps).max(1));
+        let delay = u64::from(outer.delay_within(*local_steps));
+        let i = s + 1 - from.min(s + 1);
+        if delay == 0 {
+            return if i.is_multiple_of(h) {
+                StepMode::Average
+            } else {
+                StepMode::Local
+            };
+        }
+        if i.is_multiple_of(h) && s + delay + 1 < end {
+            StepMode::Launch
+        } else if i > delay && (i - delay).is_multiple_of(h) {
+            StepMode::Merge
+        } else {
+            StepMode::Local
+        }
+    }
+
+    /// The first version at or after `v` that a step of this schedule synchronizes (or
+    /// `end`): where an epoch may hand over to the next.
+    pub fn next_synchronized(&self, from: u64, end: u64, v: u64) -> u64 {
+        (v.max(from)..end)
+            .find(|&v| v == from || self.mode(from, end, v - 1).synchronized())
+            .unwrap_or(end)
+    }
+
+    /// The newest version at or before `v` (and not before `from`) that the schedule
+    /// synchronizes: the anchor of a round that ends at step `v`.
+    pub fn last_synchronized(&self, from: u64, end: u64, v: u64) -> u64 {
+        (from..=v.max(from))
+            .rev()
+            .find(|&v| v == from || self.mode(from, end, v - 1).synchronized())
+            .unwrap_or(from)
+    }
+}
+
 impl Work {
     /// How step `s` of this epoch is synchronized.
     pub fn mode(&self, s: u64) -> StepMode {
-        match self.sync {
-            SyncPolicy::EveryStep => StepMode::Sync,
-            SyncPolicy::LocalSgd { local_steps, .. } => {
-                let h = u64::from(local_steps.max(1));
-                if (s + 1 - self.step).is_multiple_of(h) || s + 1 == self.end {
-                    StepMode::Average
-                } else {
-                    StepMode::Local
-                }
-            }
-        }
+        self.sync.mode(self.step, self.end, s)
     }
 
     /// The layers this node computes (`None`: the whole model).
@@ -779,5 +836,91 @@ impl Envelope {
             _ => return false,
         }
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use ravnest_core::planner::sync::Outer;
+
+    fn local_sgd(h: u32, delay: u32) -> SyncPolicy {
+        let mut outer = Outer {
+            lr: 0.7,
+            momentum: 0.9,
+            ..Outer::AVERAGE
+        };
+        outer.overlap = delay > 0;
+        outer.delay = delay;
+        SyncPolicy::LocalSgd {
+            local_steps: h,
+            outer,
+        }
+    }
+
+    proptest! {
+        /// The schedule against a simple oracle: rounds every `h` steps from the epoch's first;
+        /// overlapped, each launch merged `delay` steps later (before the next launch), and a
+        /// launch whose merge would not come before the last step left to the last step's
+        /// waited round; the last step always a waited round. The versions the schedule
+        /// synchronizes are what `next_synchronized` and `last_synchronized` find.
+        #[test]
+        fn schedule_matches_its_oracle(
+            h in 1u32..12,
+            delay in 0u32..14,
+            from in 0u64..30,
+            len in 1u64..80,
+        ) {
+            let p = local_sgd(h, delay);
+            let end = from + len;
+            let d = u64::from(delay.min(h.saturating_sub(1)));
+            let hh = u64::from(h);
+            let mut launched: Option<u64> = None;
+            for s in from..end {
+                let i = s + 1 - from;
+                let want = if s + 1 == end {
+                    StepMode::Average
+                } else if d == 0 {
+                    if i % hh == 0 { StepMode::Average } else { StepMode::Local }
+                } else if i % hh == 0 && s + d < end - 1 {
+                    StepMode::Launch
+                } else if i > d && (i - d) % hh == 0 {
+                    StepMode::Merge
+                } else {
+                    StepMode::Local
+                };
+                let got = p.mode(from, end, s);
+                prop_assert_eq!(got, want, "step {}", s);
+                match got {
+                    StepMode::Launch => {
+                        prop_assert!(launched.is_none(), "step {}: a round still open", s);
+                        launched = Some(s);
+                    }
+                    StepMode::Merge => {
+                        prop_assert_eq!(launched.take(), Some(s - d), "step {}", s);
+                    }
+                    StepMode::Average => prop_assert!(launched.is_none(), "step {}", s),
+                    _ => {}
+                }
+            }
+            prop_assert!(launched.is_none());
+            let synced = |v: u64| v == from || p.mode(from, end, v - 1).synchronized();
+            for v in from..=end {
+                let next = p.next_synchronized(from, end, v);
+                prop_assert!(next >= v && (next == end || synced(next)));
+                prop_assert!((v..next).all(|u| !synced(u)));
+                let last = p.last_synchronized(from, end, v.min(end - 1));
+                prop_assert!(last <= v && synced(last));
+                prop_assert!((last + 1..=v.min(end - 1)).all(|u| !synced(u)));
+            }
+        }
+    }
+
+    #[test]
+    fn every_step_is_synchronous() {
+        assert_eq!(SyncPolicy::EveryStep.mode(3, 10, 5), StepMode::Sync);
+        assert!(StepMode::Sync.synchronized() && !StepMode::Launch.synchronized());
+        assert_eq!(SyncPolicy::EveryStep.next_synchronized(3, 10, 5), 5);
     }
 }

@@ -114,6 +114,7 @@ pub(super) struct TrainingToml {
     pub(super) outer_precision: Option<crate::cluster::OuterPrecision>,
     pub(super) local_steps: Option<Spanned<u32>>,
     pub(super) outer_overlap: Option<bool>,
+    pub(super) outer_delay: Option<Spanned<u32>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -69,15 +69,15 @@ pub(super) fn resolve_training(
         if let Some(o) = t.outer_overlap {
             outer.overlap = o;
         }
-        // Applied one round late, DiLoCo's 0.7 / 0.9 overshoot (the delayed momentum adds up
-        // the same direction twice): overlapped rounds default to the plain delayed step.
-        if outer.overlap {
-            if t.outer_lr.is_none() {
-                outer.lr = 1.0;
+        if let Some(d) = &t.outer_delay {
+            if t.outer_overlap == Some(false) {
+                return Err(ctx.err(
+                    Some(&d.span()),
+                    "`outer_delay` is for overlapped rounds, and `outer_overlap = false`",
+                ));
             }
-            if t.outer_momentum.is_none() {
-                outer.momentum = 0.0;
-            }
+            outer.overlap = true;
+            outer.delay = Some(ctx.positive(d, "outer_delay")?);
         }
         if let Some(r) = &t.memory_reserve_gib {
             reserve_gib = ctx.non_negative(r, "memory_reserve_gib")?;

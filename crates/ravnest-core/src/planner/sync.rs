@@ -58,9 +58,13 @@ pub struct Outer {
     pub momentum: f32,
     /// What the round's values travel as.
     pub packing: Packing,
-    /// The round's exchange runs during the next round, and its outer step applies at that
-    /// round's end (one round late; the run's last round waits for its own).
+    /// The round's exchange runs during the following inner steps, and its outer step is
+    /// merged `delay` steps after the round (the inner progress made meanwhile carried over
+    /// onto it); the run's last round waits for its own.
     pub overlap: bool,
+    /// Steps an overlapped round's outer step comes after its round (at least 1, below the
+    /// round's length; the planner's from the link, or `outer_delay`). 0 when not overlapped.
+    pub delay: u32,
 }
 
 impl Outer {
@@ -70,6 +74,7 @@ impl Outer {
         momentum: 0.0,
         packing: Packing::Fp32,
         overlap: false,
+        delay: 0,
     };
 
     /// Whether this is [`Outer::AVERAGE`] (the models themselves travel, not their deltas).
@@ -94,15 +99,32 @@ impl Outer {
             momentum,
             packing,
             overlap: spec.overlap,
+            delay: if spec.overlap {
+                spec.delay.unwrap_or(0)
+            } else {
+                0
+            },
+        }
+    }
+
+    /// Steps between a round and its merge for rounds of `h` steps (0: waited for).
+    pub fn delay_within(&self, h: u32) -> u32 {
+        if self.overlap {
+            self.delay.max(1).min(h.saturating_sub(1))
+        } else {
+            0
         }
     }
 
     /// Its name in reports.
     pub fn describe(&self) -> String {
         let late = if self.overlap {
-            ", each round's exchange overlapped with the next round"
+            format!(
+                ", each round's exchange overlapped with the {} inner steps after it",
+                self.delay.max(1)
+            )
         } else {
-            ""
+            String::new()
         };
         if self.lr == 1.0 && self.momentum == 0.0 {
             format!("averaging ({}){late}", self.packing.name())
@@ -292,6 +314,18 @@ pub fn local_steps_for(round_s: f64, compute_s: f64) -> u32 {
     }
     let h = (round_s / (LOCAL_SGD_COMM_SHARE * compute_s)).ceil();
     h.clamp(2.0, f64::from(LOCAL_SGD_MAX_STEPS)) as u32
+}
+
+/// Steps an overlapped round's exchange gets before its outer step is merged: what the
+/// round takes in steps of compute, with half again for a link that runs slower than measured,
+/// and below the round's `h` steps (0 when `h` is 1: nothing to overlap with).
+pub fn merge_delay_for(round_s: f64, compute_s: f64, h: u32) -> u32 {
+    let wanted = if compute_s > 0.0 {
+        (1.5 * round_s / compute_s).ceil().max(1.0)
+    } else {
+        1.0
+    };
+    wanted.min(f64::from(h.saturating_sub(1))) as u32
 }
 
 /// How an every-step round meets the compute of its step.
@@ -578,7 +612,7 @@ fn local_sgd(costs: &Costs<'_>, chosen: Chosen, compute_s: f64, ratio: f64) -> S
         round_s: _,
         reason,
     } = chosen;
-    let outer = Outer::of(&costs.training.outer);
+    let mut outer = Outer::of(&costs.training.outer);
     // A round moves what the replicas hold, not a gradient: the parameters and their optimizer
     // state in the flat f32 form, packed. The groups' rounds again at that size.
     let round_s = groups
@@ -595,6 +629,10 @@ fn local_sgd(costs: &Costs<'_>, chosen: Chosen, compute_s: f64, ratio: f64) -> S
         .local_steps
         .unwrap_or_else(|| local_steps_for(round_s, compute_s))
         .max(1);
+    if outer.overlap && costs.training.outer.delay.is_none() {
+        outer.delay = merge_delay_for(round_s, compute_s, h);
+    }
+    let delay = outer.delay_within(h);
     let why = if costs.training.sync == SyncPreference::LocalSgd {
         "`sync = \"local-sgd\"` asks for it".to_string()
     } else {
@@ -625,11 +663,7 @@ fn local_sgd(costs: &Costs<'_>, chosen: Chosen, compute_s: f64, ratio: f64) -> S
         groups,
         round_s,
         // Overlapped, a round costs only what a round's compute does not hide.
-        per_step_s: if outer.overlap {
-            (round_s - f64::from(h) * compute_s).max(0.0) / f64::from(h)
-        } else {
-            round_s / f64::from(h)
-        },
+        per_step_s: (round_s - f64::from(delay) * compute_s).max(0.0) / f64::from(h),
         reason,
     }
 }

@@ -297,12 +297,7 @@ impl Era {
 
     /// Whether step `s` of this epoch is synchronized (every replica agrees after it).
     fn synchronized(&self, s: u64, end: u64) -> bool {
-        match self.policy {
-            SyncPolicy::EveryStep => true,
-            SyncPolicy::LocalSgd { local_steps, .. } => {
-                (s + 1 - self.from).is_multiple_of(u64::from(local_steps.max(1))) || s + 1 == end
-            }
-        }
+        self.policy.mode(self.from, end, s).synchronized()
     }
 
     /// Who holds the version after this epoch's steps, with their layers (a sharded
@@ -1187,11 +1182,9 @@ impl Coordinator {
         let Some(cur) = self.eras.last().cloned() else {
             return;
         };
-        let mut at = self.until.max(cur.from + 1);
-        if let SyncPolicy::LocalSgd { local_steps, .. } = cur.policy {
-            let h = u64::from(local_steps.max(1));
-            at = cur.from + (at - cur.from).div_ceil(h) * h;
-        }
+        let at =
+            cur.policy
+                .next_synchronized(cur.from, self.cfg.steps, self.until.max(cur.from + 1));
         if at >= self.cfg.steps {
             return;
         }

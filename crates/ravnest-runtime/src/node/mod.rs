@@ -9,6 +9,7 @@
 
 pub mod actor;
 pub mod calibrate;
+mod rounds;
 mod shard;
 pub mod state;
 pub mod step;

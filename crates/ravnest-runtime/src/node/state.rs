@@ -67,8 +67,10 @@ pub struct NodeState<M, G> {
     pub(super) versions: Versions<M>,
     /// The outer momentum of local SGD's last round (DiLoCo).
     pub(super) outer_momentum: Option<OuterMomentum>,
-    /// Overlapped outer rounds whose step is still to apply, by the step that started them.
-    pub(super) rounds: BTreeMap<u64, Delayed>,
+    /// Overlapped outer rounds still to merge, by the step that launched them.
+    pub(super) rounds: BTreeMap<u64, Launched>,
+    /// What this replica goes on from after a merge: its own values, not the merged version.
+    pub(super) carry: Option<Carry>,
     /// The data-parallel step in progress.
     pub(super) running: Option<Running<M>>,
     /// The pipeline stage step in progress.
@@ -98,6 +100,7 @@ impl<M, G> Default for NodeState<M, G> {
             versions: Versions::default(),
             outer_momentum: None,
             rounds: BTreeMap::new(),
+            carry: None,
             running: None,
             pipe: None,
             early_pipe: Vec::new(),
@@ -135,27 +138,33 @@ pub(crate) struct Running<M> {
     pub(super) shard: Option<std::sync::Arc<super::shard::ShardLayout>>,
     /// An outer round that exchanges deltas: the anchor it started from.
     pub(super) anchor: Option<Anchor>,
-    /// An overlapped round's step: which rounds' outer steps it applies.
-    pub(super) overlap: Option<Overlapped>,
+    /// A merge step: the step that launched the round it merges.
+    pub(super) merge: Option<u64>,
 }
 
-/// The outer steps an overlapped round's step applies to its anchor, in order: the previous
-/// round's (its exchange ran during this round), and at the run's last step its own.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Overlapped {
-    pub(super) prev: Option<u64>,
-    pub(super) last: bool,
-}
-
-/// An overlapped outer round (`Outer::overlap`): its exchange runs during the next round.
+/// An overlapped outer round (`Outer::overlap`): its exchange runs during the inner steps
+/// after it, until the step that merges it.
 #[derive(Debug)]
-pub(crate) struct Delayed {
+pub(crate) struct Launched {
     pub(super) epoch: u64,
     pub(super) layers: Option<LayerRange>,
-    /// Its anchor (the average optimizer state is `anchor − Δ`).
+    /// Its anchor.
     pub(super) anchor: Anchor,
+    /// This replica's values when it launched the round (its inner progress after them is
+    /// carried over onto the merged values).
+    pub(super) at: Vec<f32>,
     /// The group's sum, once it came back.
     pub(super) sum: Option<Vec<f32>>,
+}
+
+/// The values a replica goes on from at step `version` of `epoch` in place of that version
+/// (the merged one, which every replica agrees on): its own progress since the round on top.
+#[derive(Debug)]
+pub(crate) struct Carry {
+    pub(super) epoch: u64,
+    pub(super) version: u64,
+    pub(super) layers: Option<LayerRange>,
+    pub(super) values: Vec<f32>,
 }
 
 /// The anchor of an outer round: the version every replica agreed on at the round's start.

@@ -19,56 +19,15 @@ use ravnest_core::pipeline::{Ready, StageRun, micro_batches};
 use ravnest_core::ring::RingMode;
 use tokio::time::Instant;
 
+use super::rounds::outer_step;
 use super::shard::{GATHER, ShardLayout};
-use super::state::{
-    Anchor, Delayed, EarlyInput, NodeMsg, NodeState, OuterMomentum, Overlapped, Pipe, Running,
-};
+use super::state::{EarlyInput, NodeMsg, NodeState, Pipe, Running};
 use super::versions::Version;
 use super::{NodeActor, Observed, Span, SpanKind};
 use crate::collective::{CollectiveMsg, Group, Outcome};
 use crate::digest::sample_range;
 use crate::msg::{Addr, Envelope, StageWork, StepMode, SyncPolicy, Work};
 use crate::seams::{BucketSink, Compute, ComputeError, Transport};
-
-/// An outer round's step, in place in `sum` (the group's sum becomes the new values): from
-/// the round's anchor onto `base` (the anchor itself, or, for an overlapped round applied one
-/// round late, the next anchor), with the momentum of the epoch's round before (see
-/// [`ravnest_core::outer`]), which it replaces.
-fn outer_step(
-    momentum: &mut Option<OuterMomentum>,
-    w: &Work,
-    layers: Option<LayerRange>,
-    anchor: &Anchor,
-    base: &[f32],
-    sum: &mut [f32],
-) -> Result<(), String> {
-    let SyncPolicy::LocalSgd { outer, .. } = w.sync else {
-        return Err("an outer round outside local SGD".into());
-    };
-    let before = momentum
-        .take()
-        .filter(|m| m.epoch == w.epoch && m.layers == layers);
-    let m = ravnest_core::outer::step_onto(
-        &outer,
-        base,
-        &anchor.values,
-        sum,
-        anchor.params,
-        before.as_ref().map(|m| m.values.as_slice()),
-    )
-    .ok_or_else(|| {
-        format!(
-            "the outer round from version {} does not fit it",
-            anchor.version
-        )
-    })?;
-    *momentum = Some(OuterMomentum {
-        epoch: w.epoch,
-        layers,
-        values: m,
-    });
-    Ok(())
-}
 
 /// Buckets collected from a backend: (index, values).
 type Parts = Arc<Mutex<Vec<(usize, Vec<f32>)>>>;
@@ -123,12 +82,12 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         ns
     }
 
-    fn fail(&self, epoch: u64, reason: String) {
+    pub(super) fn fail(&self, epoch: u64, reason: String) {
         self.send(Addr::Coordinator, Envelope::StepFailed { epoch, reason });
     }
 
     /// The epoch's sync group (built once per epoch, shared by its collectives).
-    fn group(&self, st: &mut State<C>, w: &Work) -> Arc<Group> {
+    pub(super) fn group(&self, st: &mut State<C>, w: &Work) -> Arc<Group> {
         match &st.group {
             Some((e, g)) if *e == w.epoch => g.clone(),
             _ => {
@@ -148,7 +107,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         }
     }
 
-    fn start_collective(
+    pub(super) fn start_collective(
         &self,
         st: &State<C>,
         id: CollId,
@@ -173,6 +132,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let Some(w) = st.work.clone() else { return };
         let Some(base) = st.versions.get(s).map(|v| v.model.clone()) else {
             return;
+        };
+        let base = match self.start_from(st, &w, s, base) {
+            Ok(b) => b,
+            Err(e) => return self.fail(w.epoch, e),
         };
         self.count(|c| c.batch = w.batch);
         if let Some(sw) = w.stage.clone() {
@@ -216,7 +179,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             compute_ns: 0,
             shard: shard.clone(),
             anchor: None,
-            overlap: None,
+            merge: None,
         });
         // Weight b_i / B, applied once, in place: the group's sum is the mean gradient of the
         // whole global batch.
@@ -365,284 +328,9 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 .finish_step(st, w.epoch, s, local, None, false, Spent::compute(ns))
                 .await;
         }
-        self.average(st, w, s, local, None, ns);
-        // An overlapped round's step may have all it needs already.
+        self.round(st, w, s, local, None, ns, mode);
+        // A merge may have all it needs already.
         self.try_finish(st).await;
-    }
-
-    /// Start averaging `local` (this node's model after a local step: `layers` of it, or the
-    /// whole) with the group, weighted by this node's batch share. The values travel: they
-    /// are exported, and the average is imported back. Under an outer optimizer, or packed,
-    /// what travels is the change since the round's anchor ([`ravnest_core::outer`]).
-    fn average(
-        &self,
-        st: &mut State<C>,
-        w: &Work,
-        s: u64,
-        local: C::Model,
-        layers: Option<LayerRange>,
-        ns: u64,
-    ) {
-        let share = w.batch as f32 / w.global_batch.max(1) as f32;
-        let Some(mut contribution) = self.compute.export(&local, layers) else {
-            return self.fail(
-                w.epoch,
-                format!("this node does not hold {layers:?} to average"),
-            );
-        };
-        let anchor = match self.anchor(st, w, s, layers) {
-            Ok(a) => a,
-            Err(e) => return self.fail(w.epoch, e),
-        };
-        match &anchor {
-            Some(a) => {
-                if !ravnest_core::outer::contribution(&mut contribution, &a.values, share) {
-                    return self.fail(w.epoch, format!("anchor {} has another length", a.version));
-                }
-            }
-            None => {
-                for x in &mut contribution {
-                    *x *= share;
-                }
-            }
-        }
-        let group = self.group(st, w);
-        let id = CollId {
-            epoch: w.epoch,
-            step: s,
-            bucket: 0,
-        };
-        let virtual_bytes = self.round_bytes(contribution.len(), layers);
-        let overlap = matches!(w.sync, SyncPolicy::LocalSgd { outer, .. } if outer.overlap);
-        let anchor = match (overlap, anchor) {
-            (true, Some(a)) => {
-                let Some(base) = st.versions.get(a.version).map(|v| v.model.clone()) else {
-                    return self.fail(w.epoch, format!("anchor {} is gone", a.version));
-                };
-                let ready = self.overlapped(st, w, s, layers, base, a, ns);
-                self.start_collective(st, id, group, contribution, virtual_bytes, None);
-                if ready {
-                    self.apply_overlapped(st, w);
-                }
-                return;
-            }
-            (_, anchor) => anchor,
-        };
-        st.running = Some(Running {
-            epoch: w.epoch,
-            step: s,
-            mode: StepMode::Average,
-            layers,
-            targets: std::iter::once(0..contribution.len()).collect(),
-            next: local,
-            pending: 1,
-            computed: Some(Instant::now()),
-            compute_ns: ns,
-            shard: None,
-            anchor,
-            overlap: None,
-        });
-        self.start_collective(st, id, group, contribution, virtual_bytes, None);
-    }
-
-    /// The bytes an outer round of `len` exchanged values of `layers` stands for: the
-    /// gradient's bytes per parameter's worth of them.
-    fn round_bytes(&self, len: usize, layers: Option<LayerRange>) -> u64 {
-        let params = self.params_of(layers);
-        (self.grad_bytes as f64 * len as f64 / params.max(1) as f64 * self.round_factor) as u64
-    }
-
-    /// How many parameters `layers` (`None`: the whole model) have: the first values of
-    /// their export.
-    fn params_of(&self, layers: Option<LayerRange>) -> usize {
-        match layers {
-            Some(l) => self.compute.param_range(l).len(),
-            None => self.compute.params(),
-        }
-    }
-
-    /// An overlapped round's step: its exchange (started by the caller) runs during the next
-    /// round; the new version is the round's anchor (`base`) with the previous round's outer
-    /// step applied (and at the run's last step its own too), once their sums are in. Whether
-    /// they are in already.
-    #[allow(clippy::too_many_arguments)]
-    fn overlapped(
-        &self,
-        st: &mut State<C>,
-        w: &Work,
-        s: u64,
-        layers: Option<LayerRange>,
-        base: C::Model,
-        anchor: Anchor,
-        ns: u64,
-    ) -> bool {
-        st.rounds.retain(|_, d| d.epoch == w.epoch);
-        let prev = st.rounds.keys().next_back().copied().filter(|p| *p < s);
-        let last = s + 1 == w.end;
-        st.rounds.insert(
-            s,
-            Delayed {
-                epoch: w.epoch,
-                layers,
-                anchor,
-                sum: None,
-            },
-        );
-        let waiting = prev
-            .into_iter()
-            .chain(last.then_some(s))
-            .filter(|k| st.rounds.get(k).is_some_and(|d| d.sum.is_none()))
-            .count();
-        st.running = Some(Running {
-            epoch: w.epoch,
-            step: s,
-            mode: StepMode::Average,
-            layers,
-            targets: Vec::new(),
-            next: base,
-            pending: waiting,
-            computed: Some(Instant::now()),
-            compute_ns: ns,
-            shard: None,
-            anchor: None,
-            overlap: Some(Overlapped { prev, last }),
-        });
-        waiting == 0
-    }
-
-    /// The running overlapped step's outer steps, now that their sums are in.
-    fn apply_overlapped(&self, st: &mut State<C>, w: &Work) {
-        let Some(r) = st.running.as_mut() else { return };
-        let Some(o) = r.overlap else { return };
-        let order: Vec<u64> = o.prev.into_iter().chain(o.last.then_some(r.step)).collect();
-        if order.is_empty() {
-            return;
-        }
-        let Some(mut values) = st.rounds.get(&r.step).map(|d| d.anchor.values.clone()) else {
-            return;
-        };
-        let mut failed = None;
-        for k in order {
-            let Some(d) = st.rounds.remove(&k) else {
-                failed = Some(format!("the outer round of step {k} is gone"));
-                break;
-            };
-            let Some(mut sum) = d.sum else {
-                failed = Some(format!("the outer round of step {k} has no sum yet"));
-                break;
-            };
-            match outer_step(
-                &mut st.outer_momentum,
-                w,
-                d.layers,
-                &d.anchor,
-                &values,
-                &mut sum,
-            ) {
-                Ok(()) => values = sum,
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
-            }
-        }
-        let applied = match failed {
-            Some(e) => Err(e),
-            None => self
-                .compute
-                .import(Some(&r.next), r.layers, values)
-                .map(|m| r.next = m)
-                .map_err(|e| e.to_string()),
-        };
-        if let Err(e) = applied {
-            st.running = None;
-            self.fail(w.epoch, e);
-        }
-    }
-
-    /// A collective of an overlapped round ended: its sum is kept for the step that applies
-    /// it (which goes on if it was waiting for it); an abort fails the epoch (the step that
-    /// applies it would wait for ever). `false`: not such a round.
-    async fn on_round_outcome(&self, st: &mut State<C>, outcome: &mut Outcome) -> bool {
-        let id = match outcome {
-            Outcome::Done { id, .. } | Outcome::Aborted { id } => *id,
-        };
-        if !st
-            .rounds
-            .get(&id.step)
-            .is_some_and(|d| d.epoch == id.epoch && d.sum.is_none())
-        {
-            return false;
-        }
-        let Outcome::Done { sum, .. } = outcome else {
-            // Its epoch's rounds are void. A halted or replaced epoch's rounds end so (their
-            // outer steps are lost with the epoch); the running epoch's cannot go on.
-            st.rounds.retain(|_, d| d.epoch != id.epoch);
-            if st.running.as_ref().is_some_and(|r| r.epoch == id.epoch) {
-                st.running = None;
-            }
-            // (After a halt its collectives abort by order: nothing to report.)
-            if !st.halted && st.work.as_ref().is_some_and(|w| w.epoch == id.epoch) {
-                self.count(|c| c.aborted += 1);
-                self.fail(
-                    id.epoch,
-                    format!("the outer round of step {} could not run", id.step),
-                );
-            }
-            return true;
-        };
-        if let Some(d) = st.rounds.get_mut(&id.step) {
-            d.sum = Some(std::mem::take(sum));
-        }
-        let needed = st.running.as_ref().is_some_and(|r| {
-            r.epoch == id.epoch
-                && r.overlap
-                    .is_some_and(|o| o.prev == Some(id.step) || (o.last && r.step == id.step))
-        });
-        if needed {
-            let ready = st.running.as_mut().is_some_and(|r| {
-                r.pending = r.pending.saturating_sub(1);
-                r.pending == 0
-            });
-            if ready {
-                if let Some(w) = st.work.clone() {
-                    self.apply_overlapped(st, &w);
-                }
-                self.try_finish(st).await;
-            }
-        }
-        true
-    }
-
-    /// The anchor of the outer round that step `s` ends: the epoch's first version or its
-    /// last round's, which every replica agreed on (`None`: a plain average of values).
-    fn anchor(
-        &self,
-        st: &State<C>,
-        w: &Work,
-        s: u64,
-        layers: Option<LayerRange>,
-    ) -> Result<Option<Anchor>, String> {
-        let SyncPolicy::LocalSgd { local_steps, outer } = w.sync else {
-            return Ok(None);
-        };
-        if outer.is_plain_average() {
-            return Ok(None);
-        }
-        let h = u64::from(local_steps.max(1));
-        let version = w.step + (s.saturating_sub(w.step) / h) * h;
-        let values = st
-            .versions
-            .get(version)
-            .and_then(|v| self.compute.export(&v.model, layers))
-            .ok_or_else(|| {
-                format!("this node no longer holds version {version}, the anchor of step {s}'s outer round")
-            })?;
-        Ok(Some(Anchor {
-            version,
-            values,
-            params: self.params_of(layers),
-        }))
     }
 
     /// A collective ended.
@@ -690,14 +378,9 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         } else if r.mode == StepMode::Average {
             let mut sum = sum;
             let outer = match (r.anchor.take(), st.work.as_ref()) {
-                (Some(anchor), Some(w)) => outer_step(
-                    &mut st.outer_momentum,
-                    w,
-                    r.layers,
-                    &anchor,
-                    &anchor.values,
-                    &mut sum,
-                ),
+                (Some(anchor), Some(w)) => {
+                    outer_step(&mut st.outer_momentum, w, r.layers, &anchor, &mut sum)
+                }
                 _ => Ok(()),
             };
             outer.and_then(|()| {
@@ -816,7 +499,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     /// Finish the running step once its compute ended and every collective came back.
-    async fn try_finish(&self, st: &mut State<C>) {
+    pub(super) async fn try_finish(&self, st: &mut State<C>) {
         if !st
             .running
             .as_ref()
@@ -844,7 +527,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             r.step,
             next,
             r.layers,
-            true,
+            r.mode.synchronized(),
             Spent {
                 compute_ns: r.compute_ns,
                 comm_ns,
@@ -1190,7 +873,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 compute_ns: p.compute_ns,
                 shard: None,
                 anchor: None,
-                overlap: None,
+                merge: None,
             });
             let id = CollId {
                 epoch: p.epoch,
@@ -1216,8 +899,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         {
             return self.fail(p.epoch, e.to_string());
         }
-        if mode == StepMode::Average {
-            self.average(st, &w, p.step, next, layers, p.compute_ns);
+        if matches!(mode, StepMode::Average | StepMode::Launch | StepMode::Merge) {
+            self.round(st, &w, p.step, next, layers, p.compute_ns, mode);
             return self.try_finish(st).await;
         }
         // A synchronized step's version is one every replica agreed on; a local one's is not.

@@ -1,0 +1,361 @@
+//! Local SGD's outer rounds on a node: what a replica contributes, the outer step on the
+//! group's sum, and overlapped rounds.
+//!
+//! A waited round ([`StepMode::Average`]) exchanges and applies its outer step within its
+//! step. An overlapped round is launched ([`StepMode::Launch`]): its exchange starts, and the
+//! replica goes on with its inner steps from its own values. `delay` steps later the round is
+//! merged ([`StepMode::Merge`]): the version that step makes is the round's outer step on its
+//! anchor, the same on every replica (checkpoints, restarts and the next round's anchor take
+//! it), while the replica goes on from it with its inner progress since the launch carried
+//! over ([`ravnest_core::outer::carry_onto`], held as a [`Carry`] for the next step).
+
+use ravnest_core::LayerRange;
+use ravnest_core::collective::CollId;
+use tokio::time::Instant;
+
+use super::NodeActor;
+use super::state::{Anchor, Carry, Launched, NodeState, OuterMomentum, Running};
+use crate::collective::Outcome;
+use crate::msg::{StepMode, SyncPolicy, Work};
+use crate::seams::{Compute, Transport};
+
+/// A node's state, as this backend's node holds it.
+type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
+
+/// An outer round's step, in place in `sum` (the group's sum becomes the new values), from
+/// the round's anchor, with the momentum of the epoch's round before (see
+/// [`ravnest_core::outer`]), which it replaces.
+pub(super) fn outer_step(
+    momentum: &mut Option<OuterMomentum>,
+    w: &Work,
+    layers: Option<LayerRange>,
+    anchor: &Anchor,
+    sum: &mut [f32],
+) -> Result<(), String> {
+    let SyncPolicy::LocalSgd { outer, .. } = w.sync else {
+        return Err("an outer round outside local SGD".into());
+    };
+    let before = momentum
+        .take()
+        .filter(|m| m.epoch == w.epoch && m.layers == layers);
+    let m = ravnest_core::outer::step(
+        &outer,
+        &anchor.values,
+        sum,
+        anchor.params,
+        before.as_ref().map(|m| m.values.as_slice()),
+    )
+    .ok_or_else(|| {
+        format!(
+            "the outer round from version {} does not fit it",
+            anchor.version
+        )
+    })?;
+    *momentum = Some(OuterMomentum {
+        epoch: w.epoch,
+        layers,
+        values: m,
+    });
+    Ok(())
+}
+
+impl<T: Transport, C: Compute> NodeActor<T, C> {
+    /// The round step `s` ends (`mode`: waited for, launched, or merged), from `local`, this
+    /// node's model after the step's local update (`layers` of it, or the whole). The values
+    /// travel: they are exported, and the round's values are imported back. Under an outer
+    /// optimizer, or packed, what travels is the change since the round's anchor, weighted by
+    /// this node's batch share.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn round(
+        &self,
+        st: &mut State<C>,
+        w: &Work,
+        s: u64,
+        local: C::Model,
+        layers: Option<LayerRange>,
+        ns: u64,
+        mode: StepMode,
+    ) {
+        if mode == StepMode::Merge {
+            return self.merge(st, w, s, local, layers, ns);
+        }
+        let share = w.batch as f32 / w.global_batch.max(1) as f32;
+        let Some(mut contribution) = self.compute.export(&local, layers) else {
+            return self.fail(
+                w.epoch,
+                format!("this node does not hold {layers:?} to average"),
+            );
+        };
+        let anchor = match self.anchor(st, w, s, layers) {
+            Ok(a) => a,
+            Err(e) => return self.fail(w.epoch, e),
+        };
+        let at = (mode == StepMode::Launch).then(|| contribution.clone());
+        match &anchor {
+            Some(a) => {
+                if !ravnest_core::outer::contribution(&mut contribution, &a.values, share) {
+                    return self.fail(w.epoch, format!("anchor {} has another length", a.version));
+                }
+            }
+            None => {
+                for x in &mut contribution {
+                    *x *= share;
+                }
+            }
+        }
+        let group = self.group(st, w);
+        let id = CollId {
+            epoch: w.epoch,
+            step: s,
+            bucket: 0,
+        };
+        let virtual_bytes = self.round_bytes(contribution.len(), layers);
+        let len = contribution.len();
+        let mut running = Running {
+            epoch: w.epoch,
+            step: s,
+            mode,
+            layers,
+            targets: std::iter::once(0..len).collect(),
+            next: local,
+            pending: 1,
+            computed: Some(Instant::now()),
+            compute_ns: ns,
+            shard: None,
+            anchor: None,
+            merge: None,
+        };
+        match (mode, anchor, at) {
+            (StepMode::Launch, Some(anchor), Some(at)) => {
+                st.rounds.retain(|_, r| r.epoch == w.epoch);
+                st.rounds.insert(
+                    s,
+                    Launched {
+                        epoch: w.epoch,
+                        layers,
+                        anchor,
+                        at,
+                        sum: None,
+                    },
+                );
+                // The replica goes on from its own values: nothing to wait for.
+                running.targets.clear();
+                running.pending = 0;
+            }
+            (StepMode::Launch, ..) => {
+                return self.fail(w.epoch, "an overlapped round without an anchor".into());
+            }
+            (_, anchor, _) => running.anchor = anchor,
+        }
+        st.running = Some(running);
+        self.start_collective(st, id, group, contribution, virtual_bytes, None);
+    }
+
+    /// The bytes an outer round of `len` exchanged values of `layers` stands for: the
+    /// gradient's bytes per parameter's worth of them.
+    fn round_bytes(&self, len: usize, layers: Option<LayerRange>) -> u64 {
+        let params = self.params_of(layers);
+        (self.grad_bytes as f64 * len as f64 / params.max(1) as f64 * self.round_factor) as u64
+    }
+
+    /// How many parameters `layers` (`None`: the whole model) have: the first values of
+    /// their export.
+    fn params_of(&self, layers: Option<LayerRange>) -> usize {
+        match layers {
+            Some(l) => self.compute.param_range(l).len(),
+            None => self.compute.params(),
+        }
+    }
+
+    /// Step `s` merges the epoch's launched round (its sum may still be on its way).
+    fn merge(
+        &self,
+        st: &mut State<C>,
+        w: &Work,
+        s: u64,
+        local: C::Model,
+        layers: Option<LayerRange>,
+        ns: u64,
+    ) {
+        st.rounds.retain(|_, r| r.epoch == w.epoch);
+        let Some((&k, round)) = st.rounds.range(..s).next_back() else {
+            return self.fail(
+                w.epoch,
+                format!("step {s} merges an outer round that this node never launched"),
+            );
+        };
+        let ready = round.sum.is_some();
+        st.running = Some(Running {
+            epoch: w.epoch,
+            step: s,
+            mode: StepMode::Merge,
+            layers,
+            targets: Vec::new(),
+            next: local,
+            pending: usize::from(!ready),
+            computed: Some(Instant::now()),
+            compute_ns: ns,
+            shard: None,
+            anchor: None,
+            merge: Some(k),
+        });
+        if ready {
+            self.apply_merge(st, w);
+        }
+    }
+
+    /// The running merge step's round is in: its version becomes the round's outer step, and
+    /// this replica's own values (its progress since the launch on top) wait for the next step.
+    fn apply_merge(&self, st: &mut State<C>, w: &Work) {
+        let Some(r) = st.running.as_mut() else { return };
+        let Some(k) = r.merge else { return };
+        let merged = match st.rounds.remove(&k) {
+            Some(round) => self.merged(&mut st.outer_momentum, w, round, &r.next, r.layers),
+            None => Err(format!("the outer round of step {k} is gone")),
+        };
+        match merged {
+            Ok((model, values)) => {
+                r.next = model;
+                st.carry = Some(Carry {
+                    epoch: w.epoch,
+                    version: r.step + 1,
+                    layers: r.layers,
+                    values,
+                });
+            }
+            Err(e) => {
+                st.running = None;
+                self.fail(w.epoch, e);
+            }
+        }
+    }
+
+    /// A launched round merged into `local`: (the merged version, this replica's own values).
+    fn merged(
+        &self,
+        momentum: &mut Option<OuterMomentum>,
+        w: &Work,
+        round: Launched,
+        local: &C::Model,
+        layers: Option<LayerRange>,
+    ) -> Result<(C::Model, Vec<f32>), String> {
+        let mut sum = round
+            .sum
+            .ok_or("an outer round merged before its sum came")?;
+        let mut own = self
+            .compute
+            .export(local, layers)
+            .ok_or_else(|| format!("this node does not hold {layers:?} to merge"))?;
+        outer_step(momentum, w, round.layers, &round.anchor, &mut sum)?;
+        if !ravnest_core::outer::carry_onto(&sum, &round.at, &mut own, round.anchor.params) {
+            return Err(format!(
+                "the outer round from version {} does not fit this node's values",
+                round.anchor.version
+            ));
+        }
+        let model = self
+            .compute
+            .import(Some(local), layers, sum)
+            .map_err(|e| e.to_string())?;
+        Ok((model, own))
+    }
+
+    /// The model step `s` starts from: version `s`, or, right after a merge, this replica's
+    /// own values in place of it.
+    pub(super) fn start_from(
+        &self,
+        st: &mut State<C>,
+        w: &Work,
+        s: u64,
+        base: C::Model,
+    ) -> Result<C::Model, String> {
+        match st.carry.take() {
+            Some(c) if c.epoch == w.epoch && c.version == s => self
+                .compute
+                .import(Some(&base), c.layers, c.values)
+                .map_err(|e| e.to_string()),
+            _ => Ok(base),
+        }
+    }
+
+    /// A collective of an overlapped round ended: its sum is kept for the step that merges it
+    /// (which goes on if it was waiting for it); an abort fails the epoch (the merge would wait
+    /// for ever). `false`: not such a round.
+    pub(super) async fn on_round_outcome(&self, st: &mut State<C>, outcome: &mut Outcome) -> bool {
+        let id = match outcome {
+            Outcome::Done { id, .. } | Outcome::Aborted { id } => *id,
+        };
+        if !st
+            .rounds
+            .get(&id.step)
+            .is_some_and(|r| r.epoch == id.epoch && r.sum.is_none())
+        {
+            return false;
+        }
+        let Outcome::Done { sum, .. } = outcome else {
+            // Its epoch's rounds are void. A halted or replaced epoch's rounds end so (their
+            // outer steps are lost with the epoch); the running epoch's cannot go on.
+            st.rounds.retain(|_, r| r.epoch != id.epoch);
+            if st.running.as_ref().is_some_and(|r| r.epoch == id.epoch) {
+                st.running = None;
+            }
+            // (After a halt its collectives abort by order: nothing to report.)
+            if !st.halted && st.work.as_ref().is_some_and(|w| w.epoch == id.epoch) {
+                self.count(|c| c.aborted += 1);
+                self.fail(
+                    id.epoch,
+                    format!("the outer round of step {} could not run", id.step),
+                );
+            }
+            return true;
+        };
+        if let Some(r) = st.rounds.get_mut(&id.step) {
+            r.sum = Some(std::mem::take(sum));
+        }
+        let waiting = st
+            .running
+            .as_ref()
+            .is_some_and(|r| r.epoch == id.epoch && r.merge == Some(id.step) && r.pending > 0);
+        if waiting {
+            if let Some(r) = st.running.as_mut() {
+                r.pending = 0;
+            }
+            if let Some(w) = st.work.clone() {
+                self.apply_merge(st, &w);
+            }
+            self.try_finish(st).await;
+        }
+        true
+    }
+
+    /// The anchor of the outer round that step `s` ends: the newest version the schedule
+    /// synchronized (the epoch's first, a waited round's, or a merge's), which every replica
+    /// agreed on (`None`: a plain average of values).
+    fn anchor(
+        &self,
+        st: &State<C>,
+        w: &Work,
+        s: u64,
+        layers: Option<LayerRange>,
+    ) -> Result<Option<Anchor>, String> {
+        let SyncPolicy::LocalSgd { outer, .. } = w.sync else {
+            return Ok(None);
+        };
+        if outer.is_plain_average() {
+            return Ok(None);
+        }
+        let version = w.sync.last_synchronized(w.step, w.end, s);
+        let values = st
+            .versions
+            .get(version)
+            .and_then(|v| self.compute.export(&v.model, layers))
+            .ok_or_else(|| {
+                format!("this node no longer holds version {version}, the anchor of step {s}'s outer round")
+            })?;
+        Ok(Some(Anchor {
+            version,
+            values,
+            params: self.params_of(layers),
+        }))
+    }
+}
