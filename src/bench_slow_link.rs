@@ -43,6 +43,8 @@ pub struct SlowLinkArgs {
     pub optimizer: String,
     /// Learning rate.
     pub lr: f64,
+    /// Where each run's files stay (`None`: a temporary folder, removed after a good run).
+    pub keep: Option<PathBuf>,
 }
 
 /// One way of synchronizing: (name, `[training]` lines).
@@ -88,6 +90,8 @@ pub struct Figures {
     pub sync_bytes_per_sample: f64,
     /// Mean over nodes of compute time / the run's training time.
     pub utilisation: f64,
+    /// Mean over nodes of the time steps waited for their collectives / the training time.
+    pub link_wait: f64,
     /// The coordinator's last training loss.
     pub loss: f64,
     /// Held-out accuracy of the final model.
@@ -172,6 +176,7 @@ fn run(net: &ShapedNet, name: &str, text: &str, dir: &Path, nodes: usize) -> Res
         );
     }
     let stdout = String::from_utf8_lossy(&first.stdout);
+    std::fs::write(dir.join("n0.out"), stdout.as_bytes())?;
     let summary = crate::bench_sharded::summary_of(&stdout).with_context(|| {
         format!(
             "the `{name}` run gave no summary ({}); its logs are in {}",
@@ -206,6 +211,11 @@ fn figures(name: &str, summary: &Value, text: &str, sync: String) -> Result<Figu
         .map(|r| r["compute_s"].as_f64().unwrap_or(0.0) / train_s.max(1e-9))
         .sum::<f64>()
         / n;
+    let link_wait = reports
+        .iter()
+        .map(|r| r["comm_s"].as_f64().unwrap_or(0.0) / train_s.max(1e-9))
+        .sum::<f64>()
+        / n;
     let steps = c["steps"].as_f64().unwrap_or(0.0);
     let s = ravnest_core::parse(text, "slow-link")?;
     let samples = steps * f64::from(s.training.global_batch);
@@ -216,6 +226,7 @@ fn figures(name: &str, summary: &Value, text: &str, sync: String) -> Result<Figu
         sync_bytes_per_node: sync_bytes / n,
         sync_bytes_per_sample: sync_bytes / samples.max(1.0),
         utilisation,
+        link_wait,
         loss: c["last_loss"].as_f64().unwrap_or(f64::NAN),
         accuracy: c["accuracy"].as_f64().unwrap_or(f64::NAN),
     })
@@ -250,7 +261,9 @@ pub fn slow_link(a: &SlowLinkArgs) -> Result<(String, Vec<Figures>)> {
         v
     };
     let net = ShapedNet::up(a.nodes, a.rate_mbit).map_err(anyhow::Error::msg)?;
-    let dir = std::env::temp_dir().join(format!("ravnest-bench-slow-link-{}", std::process::id()));
+    let dir = a.keep.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("ravnest-bench-slow-link-{}", std::process::id()))
+    });
     let mut all = Vec::new();
     for (name, training) in chosen {
         let f = run(
@@ -270,7 +283,9 @@ pub fn slow_link(a: &SlowLinkArgs) -> Result<(String, Vec<Figures>)> {
         all.push(f);
     }
     drop(net);
-    let _ = std::fs::remove_dir_all(&dir);
+    if a.keep.is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
     Ok((table(a, &all), all))
 }
 
@@ -282,7 +297,7 @@ fn table(a: &SlowLinkArgs, all: &[Figures]) -> String {
     );
     let _ = writeln!(
         out,
-        "{:<12} {:>12} {:>9} {:>14} {:>12} {:>10} {:>10} {:>9} {:>9}",
+        "{:<12} {:>12} {:>9} {:>14} {:>12} {:>10} {:>10} {:>8} {:>9} {:>9}",
         "run",
         "sync",
         "wall s",
@@ -290,6 +305,7 @@ fn table(a: &SlowLinkArgs, all: &[Figures]) -> String {
         "B/sample",
         "fewer B",
         "compute",
+        "waits",
         "loss",
         "accuracy"
     );
@@ -303,7 +319,7 @@ fn table(a: &SlowLinkArgs, all: &[Figures]) -> String {
         });
         let _ = writeln!(
             out,
-            "{:<12} {:>12} {:>9.1} {:>14.2} {:>12.0} {:>10} {:>10.3} {:>9.4} {:>9.4}",
+            "{:<12} {:>12} {:>9.1} {:>14.2} {:>12.0} {:>10} {:>10.3} {:>8.3} {:>9.4} {:>9.4}",
             f.name,
             f.sync,
             f.train_s,
@@ -311,6 +327,7 @@ fn table(a: &SlowLinkArgs, all: &[Figures]) -> String {
             f.sync_bytes_per_sample,
             fewer,
             f.utilisation,
+            f.link_wait,
             f.loss,
             f.accuracy
         );

@@ -365,6 +365,10 @@ enum BenchWhat {
         /// Inner learning rate.
         #[arg(long, default_value_t = 0.05)]
         lr: f64,
+        /// Keep each run's cluster file, node logs, outputs and the first node's report in
+        /// DIR/RUN (default: a temporary folder, removed when every run went well).
+        #[arg(long)]
+        keep: Option<PathBuf>,
         /// Print the figures as JSON (one line) after the table.
         #[arg(long)]
         json: bool,
@@ -990,6 +994,7 @@ fn bench_command(what: BenchWhat) -> Result<()> {
             runs,
             optimizer,
             lr,
+            keep,
             json,
         } => {
             let (default_data, default_dims) = bench_slow_link::default_data();
@@ -1012,6 +1017,7 @@ fn bench_command(what: BenchWhat) -> Result<()> {
                 variants: runs,
                 optimizer,
                 lr,
+                keep,
             })?;
             emit(&table);
             if json {
