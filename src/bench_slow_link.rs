@@ -138,10 +138,17 @@ fn run(net: &ShapedNet, name: &str, text: &str, dir: &Path, nodes: usize) -> Res
     let file = dir.join("cluster.toml");
     std::fs::write(&file, text)?;
     let exe = std::env::current_exe()?;
+    // Each node stands for a machine of its own: it gets its share of this one's cores, as
+    // `ravnest run` gives the processes it starts (more compute threads than cores make the
+    // start-up calibration, and so the plan's balance, a matter of scheduling luck).
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = std::env::var("RAYON_NUM_THREADS")
+        .unwrap_or_else(|_| (cores / nodes.max(1)).max(1).to_string());
     let spawn = |i: usize| -> Result<Child> {
         let log = std::fs::File::create(dir.join(format!("n{i}.log")))?;
         Command::new("ip")
             .args(["netns", "exec", &net.ns(i)])
+            .env("RAYON_NUM_THREADS", &threads)
             .arg(&exe)
             .arg("run")
             .arg(&file)

@@ -104,42 +104,42 @@ impl Optim {
         t: f32,
     ) -> (Vec<f32>, Vec<Vec<f32>>) {
         debug_assert_eq!(w.len(), grad.len());
-        let g = |i: usize| grad[i] * scale;
+        // Each output is one pass over zipped slices (no indexing, no pushes), so the loops
+        // vectorize; the per-element arithmetic is unchanged.
+        let (lr, mu) = (self.lr, self.momentum);
+        let g = grad.iter().map(|g| g * scale);
         match self.kind {
             Optimizer::Sgd => {
-                let w: Vec<f32> = (0..w.len()).map(|i| w[i] - self.lr * g(i)).collect();
+                let w: Vec<f32> = w.iter().zip(g).map(|(w, g)| w - lr * g).collect();
                 (w, Vec::new())
             }
             Optimizer::SgdMomentum => {
-                let (mut nw, mut nv) = (Vec::with_capacity(w.len()), Vec::with_capacity(w.len()));
-                for i in 0..w.len() {
-                    let v = self.momentum * state[0][i] + g(i);
-                    nv.push(v);
-                    nw.push(w[i] - self.lr * v);
-                }
+                let nv: Vec<f32> = state[0].iter().zip(g).map(|(s, g)| mu * s + g).collect();
+                let nw: Vec<f32> = w.iter().zip(&nv).map(|(w, v)| w - lr * v).collect();
                 (nw, vec![nv])
             }
             Optimizer::Adamw => {
-                let (m, v) = (state[0], state[1]);
                 let t = t + 1.0;
-                let b1 = self.momentum;
-                let c1 = 1.0 - b1.powf(t);
-                let c2 = 1.0 - BETA2.powf(t);
-                let n = w.len();
-                let (mut nw, mut nm, mut nv) = (
-                    Vec::with_capacity(n),
-                    Vec::with_capacity(n),
-                    Vec::with_capacity(n),
-                );
-                for i in 0..n {
-                    let g = g(i);
-                    let mi = b1 * m[i] + (1.0 - b1) * g;
-                    let vi = BETA2 * v[i] + (1.0 - BETA2) * g * g;
-                    let update = (mi / c1) / ((vi / c2).sqrt() + EPS);
-                    nw.push(w[i] - self.lr * (update + self.weight_decay * w[i]));
-                    nm.push(mi);
-                    nv.push(vi);
-                }
+                let (c1, c2) = (1.0 - mu.powf(t), 1.0 - BETA2.powf(t));
+                let wd = self.weight_decay;
+                let nm: Vec<f32> = state[0]
+                    .iter()
+                    .zip(g.clone())
+                    .map(|(m, g)| mu * m + (1.0 - mu) * g)
+                    .collect();
+                let nv: Vec<f32> = state[1]
+                    .iter()
+                    .zip(g)
+                    .map(|(v, g)| BETA2 * v + (1.0 - BETA2) * g * g)
+                    .collect();
+                let nw: Vec<f32> = w
+                    .iter()
+                    .zip(nm.iter().zip(&nv))
+                    .map(|(w, (mi, vi))| {
+                        let update = (mi / c1) / ((vi / c2).sqrt() + EPS);
+                        w - lr * (update + wd * w)
+                    })
+                    .collect();
                 (nw, vec![nm, nv])
             }
         }

@@ -181,6 +181,11 @@ pub enum SyncFreedom {
 
 /// Target share of compute that amortized local-SGD communication may take.
 const LOCAL_SGD_COMM_SHARE: f64 = 0.1;
+/// Overlapped rounds hide their exchange behind compute: the share of the time the link may
+/// be busy with rounds (the rest left for other traffic and for a link slower than measured).
+/// More rounds for the same samples train better (Fashion-MNIST, 300 steps on 100 Mbit/s:
+/// 75 local steps reached the ring's accuracy, 150 fell 0.7 to 1 point short).
+const LOCAL_SGD_OVERLAP_LINK_SHARE: f64 = 0.2;
 /// Cap on local steps (DiLoCo uses 500).
 pub const LOCAL_SGD_MAX_STEPS: u32 = 500;
 
@@ -307,12 +312,19 @@ pub fn server_for(cluster: &ClusterSpec, nodes: &[NodeId]) -> NodeId {
         .expect("non-empty group")
 }
 
-/// Local steps so that amortized communication is at most 10% of compute, in [2, 500].
-pub fn local_steps_for(round_s: f64, compute_s: f64) -> u32 {
+/// Local steps so that amortized communication is at most 10% of compute, in [2, 500];
+/// `overlapped` rounds, so that the link is busy with rounds at most a fifth of the time
+/// (their exchange then also fits well within the steps before its merge,
+/// [`merge_delay_for`]).
+pub fn local_steps_for(round_s: f64, compute_s: f64, overlapped: bool) -> u32 {
     if compute_s <= 0.0 {
         return LOCAL_SGD_MAX_STEPS;
     }
-    let h = (round_s / (LOCAL_SGD_COMM_SHARE * compute_s)).ceil();
+    let share = match overlapped {
+        true => LOCAL_SGD_OVERLAP_LINK_SHARE,
+        false => LOCAL_SGD_COMM_SHARE,
+    };
+    let h = (round_s / (share * compute_s)).ceil();
     h.clamp(2.0, f64::from(LOCAL_SGD_MAX_STEPS)) as u32
 }
 
@@ -627,7 +639,7 @@ fn local_sgd(costs: &Costs<'_>, chosen: Chosen, compute_s: f64, ratio: f64) -> S
         .training
         .outer
         .local_steps
-        .unwrap_or_else(|| local_steps_for(round_s, compute_s))
+        .unwrap_or_else(|| local_steps_for(round_s, compute_s, outer.overlap))
         .max(1);
     if outer.overlap && costs.training.outer.delay.is_none() {
         outer.delay = merge_delay_for(round_s, compute_s, h);
@@ -859,8 +871,11 @@ mod tests {
 
     #[test]
     fn local_steps_amortize_to_a_tenth() {
-        assert_eq!(local_steps_for(5.0, 1.0), 50);
-        assert_eq!(local_steps_for(0.01, 1.0), 2);
-        assert_eq!(local_steps_for(1e9, 1.0), LOCAL_SGD_MAX_STEPS);
+        assert_eq!(local_steps_for(5.0, 1.0, false), 50);
+        assert_eq!(local_steps_for(0.01, 1.0, false), 2);
+        assert_eq!(local_steps_for(1e9, 1.0, false), LOCAL_SGD_MAX_STEPS);
+        // Overlapped: the link busy a fifth of the time, the merge well inside the round.
+        assert_eq!(local_steps_for(5.0, 1.0, true), 25);
+        assert!(merge_delay_for(5.0, 1.0, 25) < 25 / 2);
     }
 }

@@ -124,7 +124,8 @@ pub const DEFAULT_WAIT_FOR_NODES_MS: u64 = 120_000;
 /// Knobs of the grant and of rebalancing.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Tuning {
-    /// Steps nodes may run past the last agreed step.
+    /// Steps nodes may run past the last agreed step (a local-SGD epoch's: at least a round,
+    /// [`SyncPolicy::window`]).
     pub window: u64,
     /// Each node's speed is the median of its last this many per-step figures.
     pub speed_window: usize,
@@ -826,7 +827,7 @@ impl Coordinator {
     /// half a window (fewer messages; nodes never wait while reports keep coming).
     fn extend_grant(&mut self) {
         let Some(cur) = self.eras.last() else { return };
-        let window = self.cfg.tuning.window.max(1);
+        let window = cur.policy.window(self.cfg.tuning.window);
         let until = (self.agreed + window).min(self.cfg.steps);
         if until <= self.until
             || (until < self.cfg.steps && until < self.until + window.div_ceil(2))
@@ -973,7 +974,7 @@ impl Coordinator {
             .filter_map(|a| Some((a.node, a.shard.as_ref()?.owned)))
             .collect();
         self.say_planned(from, &s.assigns);
-        let until = (from + self.cfg.tuning.window.max(1)).min(self.cfg.steps);
+        let until = (from + policy.window(self.cfg.tuning.window)).min(self.cfg.steps);
         let group_size = s.plan.sync.groups.first().map_or(0, |g| g.group_size);
         self.send_work(&s, from, until, policy, collective, group_size);
         let sources = s.sources();

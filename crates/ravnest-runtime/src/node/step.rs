@@ -560,8 +560,13 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let shard = st.work.as_ref().and_then(|w| w.shard.as_ref());
         let layers = layers.or(shard.map(|s| s.owned));
         // A stage's digest covers what it holds of its layers (their optimizer state too), as
-        // its checkpoint shard does.
-        let d = self.compute.digest(&model, layers);
+        // its checkpoint shard does. Only a synchronized version's digest is compared (replicas
+        // differ between local SGD's rounds): the others are not hashed, and report 0.
+        let d = if synced {
+            self.compute.digest(&model, layers)
+        } else {
+            0
+        };
         let observed = self.observe.then(|| {
             let slots = match layers {
                 Some(l) => self.compute.layer_slots(l),
