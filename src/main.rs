@@ -331,7 +331,7 @@ enum BenchWhat {
     /// iproute2. Default data: Fashion-MNIST when Debian's dataset-fashion-mnist is installed,
     /// else the embedded digits.
     #[command(
-        after_help = "Example:\n  ravnest bench slow-link --rate-mbit 100 --steps 300\n  ravnest bench slow-link --runs ring,diloco-int8 --steps 60 --json"
+        after_help = "Example:\n  ravnest bench slow-link --rate-mbit 100 --steps 600\n  ravnest bench slow-link --runs ring,diloco-int8 --steps 60 --json"
     )]
     SlowLink {
         /// Node processes.
@@ -340,8 +340,9 @@ enum BenchWhat {
         /// Each node's egress rate, Mbit/s.
         #[arg(long, default_value_t = 100.0)]
         rate_mbit: f64,
-        /// Steps per run.
-        #[arg(long, default_value_t = 300)]
+        /// Steps per run (600 by default: a run's start-up and its last, waited round weigh on
+        /// a shorter one's utilisation; the ring every step takes about 7 minutes of it).
+        #[arg(long, default_value_t = 600)]
         steps: u64,
         /// MLP widths (default: 784,1024,1024,10 on Fashion-MNIST, 64,1024,1024,10 on digits).
         #[arg(long, value_delimiter = ',')]
