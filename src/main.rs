@@ -333,47 +333,7 @@ enum BenchWhat {
     #[command(
         after_help = "Example:\n  ravnest bench slow-link --rate-mbit 100 --steps 600\n  ravnest bench slow-link --runs ring,diloco-int8 --steps 60 --json"
     )]
-    SlowLink {
-        /// Node processes.
-        #[arg(long, default_value_t = 2)]
-        nodes: usize,
-        /// Each node's egress rate, Mbit/s.
-        #[arg(long, default_value_t = 100.0)]
-        rate_mbit: f64,
-        /// Steps per run (600 by default: a run's start-up and its last, waited round weigh on
-        /// a shorter one's utilisation; the ring every step takes about 7 minutes of it).
-        #[arg(long, default_value_t = 600)]
-        steps: u64,
-        /// MLP widths (default: 784,1024,1024,10 on Fashion-MNIST, 64,1024,1024,10 on digits).
-        #[arg(long, value_delimiter = ',')]
-        dims: Vec<usize>,
-        /// Global batch.
-        #[arg(long, default_value_t = 256)]
-        batch: u64,
-        /// Dataset: `digits`, or an IDX / CSV path.
-        #[arg(long)]
-        data: Option<String>,
-        /// Local steps per round (default: the planner's, from the measured link).
-        #[arg(long)]
-        local_steps: Option<u32>,
-        /// Runs, comma-separated (default all): ring, local-sgd, diloco, diloco-fp16,
-        /// diloco-int8, overlap-int8.
-        #[arg(long, value_delimiter = ',')]
-        runs: Vec<String>,
-        /// Inner optimizer.
-        #[arg(long, default_value = "sgd-momentum")]
-        optimizer: String,
-        /// Inner learning rate.
-        #[arg(long, default_value_t = 0.05)]
-        lr: f64,
-        /// Keep each run's cluster file, node logs, outputs and the first node's report in
-        /// DIR/RUN (default: a temporary folder, removed when every run went well).
-        #[arg(long)]
-        keep: Option<PathBuf>,
-        /// Print the figures as JSON (one line) after the table.
-        #[arg(long)]
-        json: bool,
-    },
+    SlowLink(SlowLinkCli),
     /// One node through ravnest against a bare candle training loop: the framework's overhead.
     #[command(after_help = "Example:\n  ravnest bench overhead --steps 200 --rounds 3")]
     Overhead {
@@ -517,6 +477,50 @@ enum BenchWhat {
         #[arg(long, default_value_t = 0)]
         first: u64,
     },
+}
+
+/// `bench slow-link`'s options.
+#[derive(Debug, clap::Args)]
+struct SlowLinkCli {
+    /// Node processes.
+    #[arg(long, default_value_t = 2)]
+    nodes: usize,
+    /// Each node's egress rate, Mbit/s.
+    #[arg(long, default_value_t = 100.0)]
+    rate_mbit: f64,
+    /// Steps per run (600 by default: a run's start-up and its last, waited round weigh on
+    /// a shorter one's utilisation; the ring every step takes about 7 minutes of it).
+    #[arg(long, default_value_t = 600)]
+    steps: u64,
+    /// MLP widths (default: 784,1024,1024,10 on Fashion-MNIST, 64,1024,1024,10 on digits).
+    #[arg(long, value_delimiter = ',')]
+    dims: Vec<usize>,
+    /// Global batch.
+    #[arg(long, default_value_t = 256)]
+    batch: u64,
+    /// Dataset: `digits`, or an IDX / CSV path.
+    #[arg(long)]
+    data: Option<String>,
+    /// Local steps per round (default: the planner's, from the measured link).
+    #[arg(long)]
+    local_steps: Option<u32>,
+    /// Runs, comma-separated (default all): ring, local-sgd, diloco, diloco-fp16,
+    /// diloco-int8, overlap-int8.
+    #[arg(long, value_delimiter = ',')]
+    runs: Vec<String>,
+    /// Inner optimizer.
+    #[arg(long, default_value = "sgd-momentum")]
+    optimizer: String,
+    /// Inner learning rate.
+    #[arg(long, default_value_t = 0.05)]
+    lr: f64,
+    /// Keep each run's cluster file, node logs, outputs and the first node's report in
+    /// DIR/RUN (default: a temporary folder, removed when every run went well).
+    #[arg(long)]
+    keep: Option<PathBuf>,
+    /// Print the figures as JSON (one line) after the table.
+    #[arg(long)]
+    json: bool,
 }
 
 fn main() -> ExitCode {
@@ -964,68 +968,8 @@ fn bench_command(what: BenchWhat) -> Result<()> {
             file,
             steps,
             rounds,
-        } => {
-            let (origin, text) = match file {
-                Some(f) => (
-                    f.display().to_string(),
-                    std::fs::read_to_string(&f)
-                        .with_context(|| format!("cannot read {}", f.display()))?,
-                ),
-                None => (
-                    "scenarios/sharded-gpt-small.toml".to_string(),
-                    include_str!("../scenarios/sharded-gpt-small.toml").to_string(),
-                ),
-            };
-            emit(&bench_sharded::sharded(&bench_sharded::ShardedArgs {
-                text,
-                origin,
-                steps,
-                rounds,
-            })?);
-            Ok(())
-        }
-        BenchWhat::SlowLink {
-            nodes,
-            rate_mbit,
-            steps,
-            dims,
-            batch,
-            data,
-            local_steps,
-            runs,
-            optimizer,
-            lr,
-            keep,
-            json,
-        } => {
-            let (default_data, default_dims) = bench_slow_link::default_data();
-            let data_given = data.is_some();
-            let data = data.unwrap_or(default_data);
-            let dims = match (dims.is_empty(), data_given) {
-                (false, _) => dims,
-                (true, false) => default_dims,
-                (true, true) if data == "digits" => vec![64, 1024, 1024, 10],
-                (true, true) => vec![784, 1024, 1024, 10],
-            };
-            let (table, figures) = bench_slow_link::slow_link(&bench_slow_link::SlowLinkArgs {
-                nodes,
-                rate_mbit,
-                steps,
-                dims,
-                batch,
-                data,
-                local_steps,
-                variants: runs,
-                optimizer,
-                lr,
-                keep,
-            })?;
-            emit(&table);
-            if json {
-                emit(&format!("{}\n", serde_json::to_string(&figures)?));
-            }
-            Ok(())
-        }
+        } => sharded_command(file, steps, rounds),
+        BenchWhat::SlowLink(a) => slow_link_command(a),
         BenchWhat::Overhead { steps, rounds } => {
             one_thread()?;
             emit(&bench_net::overhead(steps.max(1), rounds.max(1))?);
@@ -1045,17 +989,72 @@ fn bench_command(what: BenchWhat) -> Result<()> {
             seed,
             keep,
             list,
-        } => {
-            if list {
-                for s in seed..seed + schedules {
-                    emit(&format!("seed {s}: {:?}\n", chaos::schedule(s)));
-                }
-                return Ok(());
-            }
-            emit(&chaos::bench(seed, schedules, keep)?);
-            Ok(())
-        }
+        } => chaos_command(schedules, seed, keep, list),
     }
+}
+
+/// `bench chaos`: its schedules listed, or run.
+fn chaos_command(schedules: u64, seed: u64, keep: Option<PathBuf>, list: bool) -> Result<()> {
+    if list {
+        for s in seed..seed + schedules {
+            emit(&format!("seed {s}: {:?}\n", chaos::schedule(s)));
+        }
+        return Ok(());
+    }
+    emit(&chaos::bench(seed, schedules, keep)?);
+    Ok(())
+}
+
+/// `bench sharded`: on a scenario file, or the embedded sharded GPT.
+fn sharded_command(file: Option<PathBuf>, steps: u64, rounds: usize) -> Result<()> {
+    let (origin, text) = match file {
+        Some(f) => (
+            f.display().to_string(),
+            std::fs::read_to_string(&f).with_context(|| format!("cannot read {}", f.display()))?,
+        ),
+        None => (
+            "scenarios/sharded-gpt-small.toml".to_string(),
+            include_str!("../scenarios/sharded-gpt-small.toml").to_string(),
+        ),
+    };
+    emit(&bench_sharded::sharded(&bench_sharded::ShardedArgs {
+        text,
+        origin,
+        steps,
+        rounds,
+    })?);
+    Ok(())
+}
+
+/// `bench slow-link`: the runs side by side (the data and widths defaulted here).
+fn slow_link_command(a: SlowLinkCli) -> Result<()> {
+    let (default_data, default_dims) = bench_slow_link::default_data();
+    let data_given = a.data.is_some();
+    let data = a.data.unwrap_or(default_data);
+    let dims = match (a.dims.is_empty(), data_given) {
+        (false, _) => a.dims,
+        (true, false) => default_dims,
+        (true, true) if data == "digits" => vec![64, 1024, 1024, 10],
+        (true, true) => vec![784, 1024, 1024, 10],
+    };
+    let (table, figures) = bench_slow_link::slow_link(&bench_slow_link::SlowLinkArgs {
+        nodes: a.nodes,
+        rate_mbit: a.rate_mbit,
+        steps: a.steps,
+        dims,
+        batch: a.batch,
+        data,
+        local_steps: a.local_steps,
+        variants: a.runs,
+        optimizer: a.optimizer,
+        lr: a.lr,
+        keep: a.keep,
+    })?;
+    emit(&table);
+    if a.json {
+        emit(&format!("{}\n", serde_json::to_string(&figures)?));
+    }
+    Ok(())
 }
 
 /// `bench sim`: every scenario under three planners.

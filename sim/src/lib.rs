@@ -410,12 +410,12 @@ fn config(s: &Scenario, opts: &SimOptions, train_flops: f64, layered: bool) -> C
 }
 
 /// The run's bound, virtual seconds: every step at the slowest node's full-batch time, plus
-/// sync over the slowest link, twenty times over, plus the fault schedule. A run that needs
-/// longer is a bug.
+/// sync over the slowest link, twenty times over, plus the fault schedule, plus twenty times
+/// the largest fixed cost per step. A run that needs longer is a bug.
 fn bound_s(
     s: &Scenario,
     opts: &SimOptions,
-    secs_per_sample: &[f64],
+    (secs_per_sample, fixed_s): (&[f64], &[f64]),
     grad_bytes: u64,
     last_fault: f64,
 ) -> f64 {
@@ -426,7 +426,11 @@ fn bound_s(
             .iter()
             .map(|n| n.link.transfer_s(2.0 * grad_bytes as f64))
             .fold(0.0, f64::max);
-    20.0 * worst_step * opts.steps as f64 + last_fault + 60.0
+    let worst_fixed_s = fixed_s.iter().copied().fold(0.0, f64::max);
+    20.0 * worst_step * opts.steps as f64
+        + last_fault
+        + 60.0
+        + 20.0 * worst_fixed_s * opts.steps as f64
 }
 
 /// What the fault schedule acts on.
@@ -747,11 +751,7 @@ async fn simulate(
     first_plan: &ravnest_core::Plan,
 ) -> Result<SimReport, SimError> {
     let t0 = Instant::now();
-    let trace = if std::env::var_os("RAVNEST_DUMP_TRACE").is_some() {
-        Trace::keeping()
-    } else {
-        Trace::default()
-    };
+    let trace = new_trace();
     let cluster = s.cluster.clone();
     let net = SimNet::new(cluster.clone(), host, opts.seed, t0, trace.clone());
     let net_task = tokio::spawn(net.clone().run());
@@ -760,8 +760,9 @@ async fn simulate(
     // Seconds per sample, and fixed seconds per step (0 unless a measured profile says).
     let ids: Vec<NodeId> = cluster.ids().collect();
     let (secs_per_sample, fixed_s) = costs.step_costs(&ids);
-    let compute = sim_compute(&costs, (&secs_per_sample, &fixed_s), opts.seed, layered)
-        .with_spread(&opts.compute_spread);
+    let per_step = (&secs_per_sample[..], &fixed_s[..]);
+    let compute =
+        sim_compute(&costs, per_step, opts.seed, layered).with_spread(&opts.compute_spread);
     let toy = compute.toy();
     let compute = Arc::new(compute);
     let grad_bytes = costs.grad_bytes(all);
@@ -803,9 +804,7 @@ async fn simulate(
 
     let actions = schedule(&s.faults);
     let last_fault = actions.last().map_or(0.0, |a| a.0);
-    let worst_fixed_s = fixed_s.iter().copied().fold(0.0, f64::max);
-    let bound_s = bound_s(s, opts, &secs_per_sample, grad_bytes, last_fault)
-        + 20.0 * worst_fixed_s * opts.steps as f64;
+    let bound_s = bound_s(s, opts, per_step, grad_bytes, last_fault);
     let deadline = t0 + Duration::from_secs_f64(bound_s);
 
     let progress = opts.progress.then(|| spawn_progress(&log, opts.steps, t0));
@@ -831,10 +830,9 @@ async fn simulate(
         }
     }
     let end_ns = t0.elapsed().as_nanos() as u64;
-    for (i, since) in down_since.iter().enumerate() {
-        if let Some(a) = since {
-            down[i].push((*a, end_ns));
-        }
+    // Nodes still down at the end: their interval closes there.
+    for (d, a) in down.iter_mut().zip(&down_since) {
+        d.extend(a.map(|a| (a, end_ns)));
     }
     successions.abort();
     hosted.stop();
@@ -848,17 +846,7 @@ async fn simulate(
     let log = log.snapshot();
     let counters = counters.lock().unwrap().clone();
     let mut r = report(
-        s,
-        opts,
-        toy,
-        first_plan,
-        &log,
-        &counters,
-        &net,
-        &trace,
-        end_ns,
-        (&secs_per_sample, &fixed_s),
-        violations,
+        s, opts, toy, first_plan, &log, &counters, &net, &trace, end_ns, per_step, violations,
     );
     if let Some(f) = triggered {
         r.faults.push(fault_report(s, &log, &f));
@@ -1202,6 +1190,32 @@ fn checkpoint_rounds(log: &RunLog) -> Vec<(f64, f64)> {
         .collect()
 }
 
+/// A run's trace: every entry kept only where it is to be dumped (`RAVNEST_DUMP_TRACE`).
+fn new_trace() -> Trace {
+    match std::env::var_os("RAVNEST_DUMP_TRACE") {
+        Some(_) => Trace::keeping(),
+        None => Trace::default(),
+    }
+}
+
+/// The trace's hash; with `RAVNEST_DUMP_TRACE=PATH`, every entry written to PATH first.
+fn dumped_hash(trace: &Trace) -> u64 {
+    if let Some(p) = std::env::var_os("RAVNEST_DUMP_TRACE") {
+        let t: Vec<String> = trace
+            .entries()
+            .iter()
+            .map(|e| {
+                format!(
+                    "{} {} {:?} {:?} {:x}",
+                    e.t_ns, e.what, e.from, e.to, e.digest
+                )
+            })
+            .collect();
+        std::fs::write(p, t.join("\n")).unwrap();
+    }
+    trace.hash()
+}
+
 /// The run's report: throughput, checkers, per-node and per-fault figures.
 #[allow(clippy::too_many_arguments)]
 fn report(
@@ -1308,22 +1322,7 @@ fn report(
         checkpoints,
         checkpoint_rounds_s: checkpoint_rounds(log),
         trace_len: trace.len(),
-        trace_hash: {
-            if let Some(p) = std::env::var_os("RAVNEST_DUMP_TRACE") {
-                let t: Vec<String> = trace
-                    .entries()
-                    .iter()
-                    .map(|e| {
-                        format!(
-                            "{} {} {:?} {:?} {:x}",
-                            e.t_ns, e.what, e.from, e.to, e.digest
-                        )
-                    })
-                    .collect();
-                std::fs::write(p, t.join("\n")).unwrap();
-            }
-            trace.hash()
-        },
+        trace_hash: dumped_hash(trace),
         timeline: timeline::Timeline::default(),
     }
 }
