@@ -423,17 +423,7 @@ impl Job {
     }
 }
 
-/// The parts of the flat model (`[params | optimizer state | step count]`) that belong to
-/// `layers`, in the order a shard of them travels: for the GPT, the layers' parameters, each of
-/// their state tensors, and AdamW's step count; other networks are one slice. An empty range
-/// past the end when `layers` are not the network's.
-pub fn layer_slots(net: &Network, optim: &Optim, layers: LayerRange) -> Vec<Range<usize>> {
-    let layout = crate::state::Layout::of(net, optim);
-    let len = layout.model_len();
-    layout
-        .slots(Some(layers))
-        .unwrap_or_else(|| std::iter::once(len + 1..len + 1).collect())
-}
+pub use crate::layout::layer_slots;
 
 /// The tensors of variables grouped by layer, detached (what the hand-written CPU pass reads:
 /// no autograd graph is built on them).

@@ -9,6 +9,7 @@ pub mod device;
 pub mod discover;
 pub mod events;
 pub mod gpt;
+pub mod layout;
 pub mod measure;
 pub mod mlp;
 pub mod net;

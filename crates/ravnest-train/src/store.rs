@@ -494,7 +494,7 @@ impl Store for CheckpointFiles {
         for meta in &manifest.shards {
             let file = write::part_file(&self.dir, manifest.step, meta.layers);
             let held = std::fs::metadata(&file).map_or(0, |m| m.len() as usize / 4);
-            let slots = crate::compute::layer_slots(&self.net, &self.optim, meta.layers);
+            let slots = crate::layout::layer_slots(&self.net, &self.optim, meta.layers);
             let mut at = 0;
             for r in slots {
                 at += r.len();
@@ -611,7 +611,7 @@ mod tests {
             let shards: Vec<String> = [(0, 1), (1, layers)]
                 .iter()
                 .map(|&(a, b)| {
-                    let slots = crate::compute::layer_slots(
+                    let slots = crate::layout::layer_slots(
                         &files.net,
                         &files.optim,
                         LayerRange { start: a, end: b },

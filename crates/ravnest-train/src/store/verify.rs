@@ -62,7 +62,7 @@ impl CheckpointFiles {
                 end: b as u32,
             };
             let mut d = Digest::default();
-            for r in crate::compute::layer_slots(&self.net, &self.optim, layers) {
+            for r in crate::layout::layer_slots(&self.net, &self.optim, layers) {
                 for (name, _, off, len) in &entries {
                     let (lo, hi) = (r.start.max(*off), r.end.min(off + len));
                     if lo >= hi {
