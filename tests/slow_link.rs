@@ -240,10 +240,12 @@ fn killed_during_an_exchange(name: &str, extra: &str) {
         aborted >= 1,
         "no outer exchange was under way at the kill: {s}"
     );
-    // Every step once: the final checkpoint is the last step's, and the model still learned.
+    // Every step once: the final checkpoint is the last step's, and the model still learned:
+    // three times chance on the digits' 10 classes (60 steps end at 0.61-0.81 over ten runs;
+    // a round counted twice, or a diverged one, ends near chance).
     assert_eq!(
         coord["checkpoints"].as_array().unwrap().last(),
         Some(&Value::from(steps))
     );
-    assert!(coord["accuracy"].as_f64().unwrap() > 0.5, "{s}");
+    assert!(coord["accuracy"].as_f64().unwrap() > 0.3, "{s}");
 }

@@ -379,6 +379,29 @@ fn overlapped_outer_rounds_hide_the_exchange() {
     assert_eq!(r.steps_completed, 200);
 }
 
+/// A node slows down under DiLoCo (the straggler file's minute at a third of its speed): the
+/// coordinator re-plans the same nodes at a round, and the outer momentum goes on into the new
+/// epoch (`Work::outer_from`). Every replica holds the same one, so every merged version still
+/// agrees (the checkers hold), waited or overlapped.
+#[test]
+fn a_rebalance_between_outer_rounds_keeps_the_replicas_agreed() {
+    let mut s = scenario("straggler");
+    s.training.sync = ravnest_core::SyncPreference::LocalSgd;
+    s.training.outer.local_steps = Some(5);
+    s.training.outer.optimizer = ravnest_core::cluster::OuterOptimizer::Nesterov;
+    for overlap in [false, true] {
+        s.training.outer.overlap = overlap;
+        let r = run(&s, &opts(&s, 3, 200)).unwrap();
+        assert!(
+            r.violations.is_empty(),
+            "overlap {overlap}: {:?}",
+            r.violations
+        );
+        assert_eq!(r.steps_completed, 200, "overlap {overlap}");
+        assert!(r.plans >= 2, "overlap {overlap}: {} plans", r.plans);
+    }
+}
+
 /// A node crashes during a DiLoCo round (its collective aborts under the others): the round's
 /// partial sums are dropped, the survivors go back to the round's anchor and train on, every
 /// checker holds (each step applied once, checkpoints agree), and the run ends every step.

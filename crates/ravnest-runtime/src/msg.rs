@@ -106,6 +106,10 @@ pub struct Work {
     /// Sharded data parallel: the part of the optimizer state this node holds and updates
     /// (`None`: it holds the state of every layer it computes).
     pub shard: Option<ShardWork>,
+    /// Local SGD's outer momentum goes on from epoch `outer_from`'s round that made version
+    /// `step` (every replica of the group holds the same one: the coordinator switched between
+    /// epochs of the same sync groups at that round); `None`: it starts again at zero.
+    pub outer_from: Option<u64>,
 }
 
 /// A sharded data-parallel worker's part: it holds every weight, and the optimizer state of
@@ -727,6 +731,9 @@ impl Envelope {
                 }
                 for n in &w.ring {
                     h.u64(u64::from(n.0));
+                }
+                if let Some(e) = w.outer_from {
+                    h.u64(e);
                 }
                 if let Some(sw) = &w.stage {
                     for x in [

@@ -540,7 +540,7 @@ impl Coordinator {
             self.finish(Event::Finished);
         } else {
             let holders = self.initial.clone();
-            self.begin_epoch(self.cfg.start_step, &holders);
+            self.begin_epoch(self.cfg.start_step, &holders, None);
         }
         std::mem::take(&mut self.out)
     }
@@ -929,7 +929,7 @@ impl Coordinator {
 
     /// Plan the live nodes and start a new epoch at step `from`, where `holders` hold version
     /// `from`. Nodes that do not hold it fetch it (whole, or the layers they lack).
-    fn begin_epoch(&mut self, from: u64, holders: &Holders) {
+    fn begin_epoch(&mut self, from: u64, holders: &Holders, switched_from: Option<&Era>) {
         let s = match self.staff(from, holders) {
             Ok(s) => s,
             Err(Unstaffed::Lost(why)) => {
@@ -976,7 +976,21 @@ impl Coordinator {
         self.say_planned(from, &s.assigns);
         let until = (from + policy.window(self.cfg.tuning.window)).min(self.cfg.steps);
         let group_size = s.plan.sync.groups.first().map_or(0, |g| g.group_size);
-        self.send_work(&s, from, until, policy, collective, group_size);
+        // A switch at a round between local-SGD epochs of the same groups: every replica made
+        // that round, so every one holds the same outer momentum, and it goes on.
+        let outer_from = switched_from
+            .filter(|e| e.groups == s.groups)
+            .filter(|e| matches!(e.policy, SyncPolicy::LocalSgd { .. }))
+            .filter(|_| matches!(policy, SyncPolicy::LocalSgd { .. }))
+            .map(|e| e.epoch);
+        self.send_work(
+            &s,
+            (from, until),
+            policy,
+            collective,
+            group_size,
+            outer_from,
+        );
         let sources = s.sources();
         self.eras.push(Era {
             epoch: self.epoch,
@@ -1090,7 +1104,7 @@ impl Coordinator {
             return;
         };
         self.joiners.clear();
-        self.begin_epoch(w.from, &w.holders);
+        self.begin_epoch(w.from, &w.holders, None);
     }
 
     /// Training waited for nodes for longer than it may: the run stops, saying why.
@@ -1137,11 +1151,11 @@ impl Coordinator {
     fn send_work(
         &mut self,
         s: &Staffing,
-        from: u64,
-        until: u64,
+        (from, until): (u64, u64),
         sync: SyncPolicy,
         collective: Collective,
         group_size: u32,
+        outer_from: Option<u64>,
     ) {
         let writers: BTreeMap<NodeId, LayerRange> = s
             .groups
@@ -1172,6 +1186,7 @@ impl Coordinator {
                     last: from,
                 }),
                 shard: a.shard.clone(),
+                outer_from,
             };
             self.send(a.node, Envelope::Work(Box::new(work)));
         }
@@ -1208,7 +1223,7 @@ impl Coordinator {
                 );
             }
         }
-        self.begin_epoch(at, &cur.holders());
+        self.begin_epoch(at, &cur.holders(), Some(&cur));
     }
 
     /// Whether measurements say a re-plan is worth it (see the module's notes on noise), and
@@ -1654,7 +1669,7 @@ impl Coordinator {
         self.reports.clear();
         self.eras.clear();
         self.joiners.clear();
-        self.begin_epoch(v, holders);
+        self.begin_epoch(v, holders, None);
     }
 
     /// No live node holds some layers of the version to resume from (their only holders were

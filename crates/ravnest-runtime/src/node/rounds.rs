@@ -28,16 +28,14 @@ type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
 pub(super) fn outer_step(
     momentum: &mut Option<OuterMomentum>,
     w: &Work,
-    layers: Option<LayerRange>,
+    (layers, made): (Option<LayerRange>, u64),
     anchor: &Anchor,
     sum: &mut [f32],
 ) -> Result<(), String> {
     let SyncPolicy::LocalSgd { outer, .. } = w.sync else {
         return Err("an outer round outside local SGD".into());
     };
-    let before = momentum
-        .take()
-        .filter(|m| m.epoch == w.epoch && m.layers == layers);
+    let before = momentum.take().filter(|m| m.goes_on(w, layers));
     let m = ravnest_core::outer::step(
         &outer,
         &anchor.values,
@@ -53,6 +51,7 @@ pub(super) fn outer_step(
     })?;
     *momentum = Some(OuterMomentum {
         epoch: w.epoch,
+        version: made,
         layers,
         values: m,
     });
@@ -210,7 +209,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let Some(r) = st.running.as_mut() else { return };
         let Some(k) = r.merge else { return };
         let merged = match st.rounds.remove(&k) {
-            Some(round) => self.merged(&mut st.outer_momentum, w, round, &r.next, r.layers),
+            Some(round) => {
+                let made = (w, r.step + 1);
+                self.merged(&mut st.outer_momentum, made, round, &r.next, r.layers)
+            }
             None => Err(format!("the outer round of step {k} is gone")),
         };
         match merged {
@@ -234,7 +236,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     fn merged(
         &self,
         momentum: &mut Option<OuterMomentum>,
-        w: &Work,
+        (w, made): (&Work, u64),
         round: Launched,
         local: &C::Model,
         layers: Option<LayerRange>,
@@ -246,7 +248,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             .compute
             .export(local, layers)
             .ok_or_else(|| format!("this node does not hold {layers:?} to merge"))?;
-        outer_step(momentum, w, round.layers, &round.anchor, &mut sum)?;
+        outer_step(momentum, w, (round.layers, made), &round.anchor, &mut sum)?;
         if !ravnest_core::outer::carry_onto(&sum, &round.at, &mut own, round.anchor.params) {
             return Err(format!(
                 "the outer round from version {} does not fit this node's values",

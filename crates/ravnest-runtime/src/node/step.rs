@@ -379,7 +379,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             let mut sum = sum;
             let outer = match (r.anchor.take(), st.work.as_ref()) {
                 (Some(anchor), Some(w)) => {
-                    outer_step(&mut st.outer_momentum, w, r.layers, &anchor, &mut sum)
+                    let made = (r.layers, id.step + 1);
+                    outer_step(&mut st.outer_momentum, w, made, &anchor, &mut sum)
                 }
                 _ => Ok(()),
             };
