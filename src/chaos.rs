@@ -4,16 +4,19 @@
 //! Every node sits behind a fault-injecting proxy (its `address` is the proxy, its `listen` the
 //! real port), so connections can be reset and delayed on the path. A schedule is a few faults,
 //! each fired when the cluster reaches a step: `kill -9` of a worker (and its rejoin with
-//! `--join`), a frozen process (SIGSTOP, then SIGCONT), a reset of every connection to a node, a
-//! delayed link, a forged connection that claims a live node id, a forged connection that sends
-//! a corrupted or oversized frame after authenticating, and a port in use at the start. After
+//! `--join`), `kill -9` of the coordinator's process (another node takes over), the
+//! coordinator's process frozen past the failure timeout (another node takes over; thawed, the
+//! stale coordinator learns of the newer term from the first node it reaches and steps down), a
+//! frozen process (SIGSTOP, then SIGCONT), a reset of every connection to a node, a delayed
+//! link, a forged connection that claims a live node id, a forged connection that sends a
+//! corrupted or oversized frame after authenticating, and a port in use at the start. After
 //! each run: the exit code is the one the schedule calls for; every checkpoint is there and
 //! readable; the final model equals, within float tolerance, a single-node run of the same steps
-//! (every step applies the whole global batch, whoever computed it).
+//! (every step applies the whole global batch, whoever computed it); and the checkpoints' terms
+//! never go down from one step to the next (a stale coordinator wrote none after its successor).
 //!
 //! The schedule is a pure function of its seed ([`schedule`]); a failing one prints the seed and
-//! the command that replays it. The coordinator's own process is frozen but never killed: its
-//! fail-over is another issue's work.
+//! the command that replays it.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -42,11 +45,20 @@ const SECRET: &str = "chaos-secret";
 /// share of one step (about 12%) would be about 6e-4.
 const TOLERANCE: f64 = 3e-4;
 
+/// The coordinator's process is frozen this long at least: past the nodes' silence (three
+/// heartbeat timeouts of the cluster file, 4.5 s), so that another node takes over.
+const LONG_FREEZE_MS: u64 = 5500;
+
 /// One injected fault.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Fault {
     /// `kill -9` of a worker; restarted with `--join` after `rejoin_ms` if given.
     Kill { node: usize, rejoin_ms: Option<u64> },
+    /// `kill -9` of the coordinator's process (node 0): the next node takes over.
+    KillCoordinator,
+    /// SIGSTOP of the coordinator's process past the failure timeout, SIGCONT after `ms`:
+    /// another node takes over, and the thawed one must step down.
+    FreezeCoordinator { ms: u64 },
     /// SIGSTOP of a node's process, SIGCONT after `ms`.
     Freeze { node: usize, ms: u64 },
     /// Every connection to the node is reset on the path.
@@ -114,8 +126,8 @@ pub fn schedule(seed: u64) -> Schedule {
         let at_ms = r.range(0, WINDOW_MS);
         let any = r.below(3) as usize;
         let worker = r.range(1, 2) as usize;
-        let fault = match r.below(6) {
-            // One kill per schedule: two lost workers leave one node, a different test.
+        let fault = match r.below(8) {
+            // One loss per schedule: two lost nodes leave one, a different test.
             0 if !killed => {
                 killed = true;
                 Fault::Kill {
@@ -123,6 +135,17 @@ pub fn schedule(seed: u64) -> Schedule {
                     rejoin_ms: (r.below(3) != 0).then(|| r.range(200, 1500)),
                 }
             }
+            6 if !killed => {
+                killed = true;
+                Fault::KillCoordinator
+            }
+            7 if !killed => {
+                killed = true;
+                Fault::FreezeCoordinator {
+                    ms: r.range(LONG_FREEZE_MS, LONG_FREEZE_MS + 2500),
+                }
+            }
+            6 | 7 => Fault::Reset { node: any },
             0 | 1 => Fault::Freeze {
                 node: any,
                 ms: r.range(100, 2500),
@@ -237,15 +260,60 @@ fn worst_difference(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32
     worst
 }
 
-/// Every checkpoint a run of [`STEPS`] writes, present and readable; the final one's weights.
+/// Every checkpoint a run of [`STEPS`] writes, present and readable, and written by one
+/// coordinator term at a time: the terms in their manifests never go down from one step to the
+/// next (a stale coordinator wrote nothing after its successor did). A round that a lost
+/// coordinator had open died with it; its successor checkpoints the first synchronized version
+/// after it took over instead, so each interval of [`EVERY`] steps must hold one checkpoint,
+/// and the last step its own. The final one's weights.
 fn checkpoints(out: &Path) -> Result<BTreeMap<String, Vec<f32>>> {
     let dir = out.join("checkpoints");
-    let mut last = None;
-    for step in (EVERY..=STEPS).step_by(EVERY as usize) {
-        let f = dir.join(format!("step-{step:08}.safetensors"));
-        last = Some(weights(&f).with_context(|| format!("checkpoint of step {step}"))?);
+    let mut steps: Vec<u64> = std::fs::read_dir(&dir)
+        .with_context(|| format!("no checkpoint folder {}", dir.display()))?
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.strip_prefix("step-")?
+                .strip_suffix(".safetensors")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    steps.sort_unstable();
+    for k in (EVERY..STEPS).step_by(EVERY as usize) {
+        if !steps.iter().any(|s| (k..k + EVERY).contains(s)) {
+            bail!(
+                "no checkpoint between steps {k} and {} (have {steps:?})",
+                k + EVERY - 1
+            );
+        }
     }
-    last.context("no checkpoint")
+    let mut last = None;
+    let mut terms: Vec<(u64, u64)> = Vec::new();
+    for &step in &steps {
+        let f = dir.join(format!("step-{step:08}.safetensors"));
+        let w = weights(&f).with_context(|| format!("checkpoint of step {step}"))?;
+        if step == STEPS {
+            last = Some(w);
+        }
+        let m = dir.join(format!("step-{step:08}.json"));
+        let text = std::fs::read_to_string(&m)
+            .with_context(|| format!("manifest of the checkpoint of step {step}"))?;
+        let v: Value =
+            serde_json::from_str(&text).with_context(|| format!("{} is not JSON", m.display()))?;
+        let term = v["term"]
+            .as_u64()
+            .with_context(|| format!("{} records no term", m.display()))?;
+        if let Some((s0, t0)) = terms.last()
+            && *t0 > term
+        {
+            bail!(
+                "the checkpoint of step {step} was written by term {term}, after term {t0} wrote step {s0}: a stale coordinator wrote after its successor"
+            );
+        }
+        terms.push((step, term));
+    }
+    last.with_context(|| format!("no checkpoint of the last step, {STEPS} (have {steps:?})"))
 }
 
 /// Single-node training of the same file and steps: the model every chaos run must end with.
@@ -438,6 +506,16 @@ fn inject(
             rejoin_ms.map(|ms| (at(ms), Later::Rejoin(node)))
         }
         Fault::Freeze { node, ms } => pid(node).map(|p| {
+            signal(p, "-STOP");
+            (at(ms), Later::Cont(p))
+        }),
+        Fault::KillCoordinator => {
+            if let Some(p) = pid(0) {
+                signal(p, "-KILL");
+            }
+            None
+        }
+        Fault::FreezeCoordinator { ms } => pid(0).map(|p| {
             signal(p, "-STOP");
             (at(ms), Later::Cont(p))
         }),
@@ -684,8 +762,13 @@ mod tests {
                     for t in f {
                         kinds.insert(match t.fault {
                             Fault::Kill { node, .. } => {
-                                assert_ne!(node, 0, "the coordinator is never killed");
+                                assert_ne!(node, 0, "a worker's kill is not the coordinator's");
                                 "kill"
+                            }
+                            Fault::KillCoordinator => "kill-coordinator",
+                            Fault::FreezeCoordinator { ms } => {
+                                assert!(ms >= LONG_FREEZE_MS);
+                                "freeze-coordinator"
                             }
                             Fault::Freeze { .. } => "freeze",
                             Fault::Reset { .. } => "reset",
@@ -703,6 +786,6 @@ mod tests {
                 }
             }
         }
-        assert_eq!(kinds.len(), 7, "{kinds:?}");
+        assert_eq!(kinds.len(), 9, "{kinds:?}");
     }
 }

@@ -111,7 +111,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let register_timeout = Duration::from_secs(scenario.run.register_timeout_s);
     match &args.node {
         Some(node) => {
-            ravnest_train::process::run(Options {
+            let ran = ravnest_train::process::run(Options {
                 scenario,
                 origin: args.origin.clone(),
                 node: node.clone(),
@@ -134,7 +134,13 @@ pub fn run(args: RunArgs) -> Result<()> {
                 spans: args.spans,
                 announce: args.announce,
                 newcomer,
-            })?;
+            });
+            if let Err(ravnest_train::process::RunError::SteppedDown(why)) = &ran {
+                // A stale coordinator that stepped down: said, and not a failure of the run.
+                eprintln!("{why}");
+                std::process::exit(ravnest_train::process::STEPPED_DOWN_EXIT);
+            }
+            ran?;
             Ok(())
         }
         None => local_cluster(&args, &scenario, &out),
@@ -320,7 +326,8 @@ impl Bars {
 /// reports are kept, events are shown. A node that exits with an error before its report
 /// failed to start or to go on (a port in use, a bad dataset): the run cannot do what was
 /// asked, so the others are stopped now rather than left waiting. A node killed by a signal is
-/// a lost node, which the cluster survives (and which may rejoin with `--join`).
+/// a lost node, which the cluster survives (and which may rejoin with `--join`); so is a stale
+/// coordinator that stepped down (`STEPPED_DOWN_EXIT`) once a newer term took over.
 fn watch(
     args: &RunArgs,
     rx: &mpsc::Receiver<(usize, Option<RunEvent>)>,
@@ -335,7 +342,8 @@ fn watch(
             open -= 1;
             if reports[i].is_none() {
                 let status = children[i].1.wait()?;
-                if status.code().is_some_and(|c| c != 0) {
+                let stepped_down = status.code() == Some(ravnest_train::process::STEPPED_DOWN_EXIT);
+                if status.code().is_some_and(|c| c != 0) && !stepped_down {
                     for (_, c) in children.iter_mut() {
                         let _ = c.kill();
                         let _ = c.wait();
@@ -413,7 +421,9 @@ fn finish(
     let mut failed = Vec::new();
     for (name, child) in children.iter_mut() {
         let status = child.wait()?;
-        if !status.success() {
+        if status.code() == Some(ravnest_train::process::STEPPED_DOWN_EXIT) {
+            failed.push(format!("{name} (stepped down)"));
+        } else if !status.success() {
             failed.push(format!("{name} ({status})"));
         }
     }

@@ -103,6 +103,7 @@ fn a_gpt_checkpoint_folder_loads_as_gpt2_with_the_same_logits() {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("checkpoint-hf");
     let _ = std::fs::remove_dir_all(&dir);
     let files = CheckpointFiles {
+        term: 0,
         dir: dir.clone(),
         net: net.clone(),
         optim: Optim {

@@ -827,6 +827,7 @@ fn gpt_checkpoints(name: &str) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
     let _ = std::fs::remove_dir_all(&dir);
     let files = ravnest_train::store::CheckpointFiles {
+        term: 0,
         dir: dir.join("checkpoints"),
         net,
         optim: ravnest_train::optim::Optim {
@@ -909,6 +910,7 @@ fn error_generate_refuses_an_mlp_checkpoint_and_a_wrong_tensor() {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("generate-mlp");
     let _ = std::fs::remove_dir_all(&dir);
     let files = ravnest_train::store::CheckpointFiles {
+        term: 0,
         dir: dir.clone(),
         net: Network::Mlp {
             dims: vec![4, 8, 3],

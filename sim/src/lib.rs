@@ -668,6 +668,11 @@ impl Coordinating {
         succeeds: Option<(ravnest_runtime::msg::Replica, NodeId)>,
     ) -> Result<(), ravnest_runtime::LaunchError> {
         let launch = &self.launch;
+        let lease = succeeds
+            .as_ref()
+            .map_or((0, self.config.host.unwrap_or(NodeId(0))), |(r, _)| {
+                (r.term, r.host)
+            });
         let ck = launch
             .checkpoints(self.store.clone(), self.element_bytes)
             .await?;
@@ -685,7 +690,7 @@ impl Coordinating {
             .unwrap()
             .extend([ck.get_cell(), coord.get_cell()]);
         if let Some((nodes, period)) = &self.leases {
-            let leases = spawn_leases(launch.transport().clone(), nodes.clone(), *period);
+            let leases = spawn_leases(launch.transport().clone(), nodes.clone(), *period, lease);
             *self.hosted.leases.lock().unwrap() = Some(leases);
         }
         let done = self.done.clone();

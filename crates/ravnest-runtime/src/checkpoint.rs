@@ -36,6 +36,17 @@ pub enum StoreError {
         /// Values expected.
         want: usize,
     },
+    /// A coordinator of a newer term wrote to this checkpoint folder: this writer's term is
+    /// stale (its coordinator was cut off or frozen while another node took over).
+    #[error(
+        "refused: a coordinator of term {folder} writes to this checkpoint folder, and this one's term ({ours}) is older"
+    )]
+    Superseded {
+        /// The newest term that wrote to the folder.
+        folder: u32,
+        /// This writer's term.
+        ours: u32,
+    },
     /// Writing failed.
     #[error("{}: {source}", path.display())]
     Write {
@@ -69,6 +80,12 @@ pub trait Store: Send + Sync + 'static {
     /// The latest complete checkpoint, read back: (version, the whole model). What layers held
     /// only by lost nodes are restored from.
     fn latest(&self) -> Option<(u64, Vec<f32>)> {
+        None
+    }
+
+    /// The newer coordinator term that wrote to this store, if one did (this writer's
+    /// coordinator is then stale: it must neither write nor restore from here).
+    fn superseded(&self) -> Option<u32> {
         None
     }
 }
@@ -182,6 +199,10 @@ impl<T: Transport> CheckpointActor<T> {
                     Ok(()) => Event::CheckpointComplete {
                         step,
                         digest: manifest.shards.first().map_or(0, |m| m.digest),
+                    },
+                    Err(StoreError::Superseded { folder, .. }) => Event::Superseded {
+                        step,
+                        newer: folder,
                     },
                     Err(e) => {
                         Event::Violation(format!("checkpoint {step} could not be stored: {e}"))
@@ -332,6 +353,12 @@ impl<T: Transport> Actor for CheckpointActor<T> {
                 }
             }
             Envelope::Restore { to, epoch } => {
+                if let Some(newer) = self.store.superseded() {
+                    // A newer term's checkpoints are not this stale coordinator's to restore.
+                    let event = Event::Superseded { step: 0, newer };
+                    self.record(now, "restore", Some(from), 0, Some(event));
+                    return Ok(());
+                }
                 let checkpoint = self.store.latest();
                 self.record(
                     now,

@@ -526,6 +526,15 @@ pub enum Envelope {
         /// Where peers reach it.
         address: String,
     },
+    /// (Coordinator → nodes, with fail-over) the coordinator's lease, every heartbeat period:
+    /// it is there, of `term`, hosted by `host`. A node that knows a newer term answers the
+    /// host with its replica ([`Envelope::Succession`]), and that coordinator steps down.
+    Lease {
+        /// The coordinator's term.
+        term: u32,
+        /// Its host.
+        host: NodeId,
+    },
 }
 
 /// What a successor needs to go on: sent by the coordinator to the nodes.
@@ -631,6 +640,7 @@ impl Envelope {
             Envelope::Succession(_) => "succession",
             Envelope::Leave => "leave",
             Envelope::Member { .. } => "member",
+            Envelope::Lease { .. } => "lease",
         }
     }
 
@@ -702,6 +712,10 @@ impl Envelope {
                 h.u64(u64::from(id.0));
                 h.bytes(name.as_bytes());
                 h.bytes(address.as_bytes());
+            }
+            Envelope::Lease { term, host } => {
+                h.u64(u64::from(*term));
+                h.u64(u64::from(host.0));
             }
             Envelope::Succession(r) => {
                 for x in [

@@ -351,14 +351,15 @@ pub fn scatter(model: &mut [f32], slots: &[Range<usize>], values: &[f32]) -> boo
 /// What a backend without pipeline support cannot do.
 pub const NO_STAGES: &str = "run pipeline stages";
 
-/// Liveness beats: a task that sends a heartbeat from `from` to each of `to` every `period`
-/// (a node's to its coordinator; the coordinator's leases to the nodes). It ends when `from`
-/// can no longer send here: its process is down, or no longer hosts it.
+/// Liveness beats: a task that sends `beat` from `from` to each of `to` every `period` (a
+/// node's heartbeat to its coordinator; the coordinator's lease to the nodes). It ends when
+/// `from` can no longer send here: its process is down, or no longer hosts it.
 pub fn spawn_beats<T: Transport>(
     transport: T,
     from: Addr,
     to: Vec<Addr>,
     period: std::time::Duration,
+    beat: Envelope,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(period);
@@ -366,7 +367,7 @@ pub fn spawn_beats<T: Transport>(
         loop {
             tick.tick().await;
             for &a in &to {
-                match transport.send(from, a, Envelope::Heartbeat) {
+                match transport.send(from, a, beat.clone()) {
                     Err(TransportError::SenderDown(_)) => return,
                     Err(TransportError::Unknown(x)) if x == from => return,
                     _ => {}

@@ -58,8 +58,9 @@ use state::*;
 
 /// Wire protocol version; peers with another version are refused (10: packed collective
 /// pieces and the outer step of local SGD; 11: the merge delay of overlapped rounds; 12: the
-/// outer momentum going on across a switch, `Work::outer_from`).
-pub const PROTOCOL_VERSION: u32 = 12;
+/// outer momentum going on across a switch, `Work::outer_from`; 13: the coordinator's lease
+/// carries its term, `Envelope::Lease`).
+pub const PROTOCOL_VERSION: u32 = 13;
 
 /// Checkpoint parts waiting to be stored in this process before its readers wait.
 const SHARD_PARTS_WAITING: u64 = 4;

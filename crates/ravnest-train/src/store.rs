@@ -40,6 +40,11 @@ pub struct CheckpointFiles {
     pub optim: Optim,
     /// What else the weights file's metadata records (seed, dataset, ...).
     pub meta: BTreeMap<String, String>,
+    /// The term of the coordinator whose checkpoint actor writes here (0: the first; a
+    /// successor's is one more). The folder remembers the newest term that wrote to it (the
+    /// `term` file); a write of an older term is refused, so a stale coordinator (cut off or
+    /// frozen while another node took over) cannot overwrite its successor's checkpoints.
+    pub term: u32,
 }
 
 /// A checkpoint could not be read.
@@ -348,6 +353,32 @@ impl CheckpointFiles {
 
     /// Write the checkpoint of `step`, each tensor's flat values asked of `fill(offset, len,
     /// buffer)` in turn (one tensor in memory at a time).
+    /// The newest coordinator term that wrote to this folder (its `term` file; 0 without one).
+    pub fn folder_term(&self) -> u32 {
+        std::fs::read_to_string(self.dir.join("term"))
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Before a write: refuse it if a newer term wrote here; record this term if it is newer.
+    fn claim_folder(&self) -> Result<(), StoreError> {
+        let folder = self.folder_term();
+        if folder > self.term {
+            return Err(StoreError::Superseded {
+                folder,
+                ours: self.term,
+            });
+        }
+        if self.term > folder || !self.dir.join("term").exists() {
+            let path = self.dir.join("term");
+            std::fs::create_dir_all(&self.dir)
+                .and_then(|()| write_atomic(&path, format!("{}\n", self.term).as_bytes()))
+                .map_err(|source| StoreError::Write { path, source })?;
+        }
+        Ok(())
+    }
+
     fn write_from(
         &self,
         step: u64,
@@ -372,6 +403,7 @@ impl CheckpointFiles {
         meta.insert("model".into(), self.net.config_json().to_string());
         meta.insert("optimizer".into(), self.optim.kind.as_str().to_string());
         meta.insert("learning_rate".into(), self.optim.lr.to_string());
+        meta.insert("term".into(), self.term.to_string());
         let path = self.path(step);
         write::safetensors_atomic(&path, &self.weight_entries(), &meta, fill)?;
         write_atomic(&self.manifest_path(step), manifest_json.as_bytes())?;
@@ -435,7 +467,7 @@ impl CheckpointFiles {
     }
 }
 
-fn manifest_json(m: &Manifest, file: &Path) -> String {
+fn manifest_json(m: &Manifest, file: &Path, term: u32) -> String {
     let shards: Vec<serde_json::Value> = m
         .shards
         .iter()
@@ -450,6 +482,7 @@ fn manifest_json(m: &Manifest, file: &Path) -> String {
         .collect();
     serde_json::json!({
         "step": m.step,
+        "term": term,
         "file": file.file_name().and_then(|f| f.to_str()),
         "shards": shards,
     })
@@ -459,6 +492,10 @@ fn manifest_json(m: &Manifest, file: &Path) -> String {
 impl Store for CheckpointFiles {
     /// The newest checkpoint whose values match its manifest's digests (a damaged one is
     /// passed over for the one before it).
+    fn superseded(&self) -> Option<u32> {
+        Some(self.folder_term()).filter(|f| *f > self.term)
+    }
+
     fn latest(&self) -> Option<(u64, Vec<f32>)> {
         let (step, _) = self.newest_intact().ok()??;
         self.load(step).ok().map(|m| (step, m))
@@ -518,10 +555,15 @@ impl Store for CheckpointFiles {
             return Err(StoreError::Size { got, want });
         }
         let path = self.path(manifest.step);
+        self.claim_folder()?;
         let mut fill =
             |off: usize, len: usize, out: &mut Vec<f32>| write::read_pieces(&pieces, off, len, out);
         let written = self
-            .write_from(manifest.step, &mut fill, &manifest_json(manifest, &path))
+            .write_from(
+                manifest.step,
+                &mut fill,
+                &manifest_json(manifest, &path, self.term),
+            )
             .map(|_| ())
             .map_err(|source| StoreError::Write { path, source });
         // This round's parts, and any older round's, are done with.
@@ -546,6 +588,7 @@ mod tests {
     /// Checkpoint files in `dir` for `net` trained with `kind` (lr 0.1, momentum 0.9).
     fn files_at(dir: &Path, net: Network, kind: Optimizer) -> CheckpointFiles {
         CheckpointFiles {
+            term: 0,
             dir: dir.to_path_buf(),
             net,
             optim: Optim {
@@ -659,6 +702,45 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// A stale coordinator's checkpoint actor (an older term) cannot write into a folder its
+    /// successor (a newer term) wrote to; the successor's checkpoint stays, and records its term.
+    #[test]
+    fn a_write_of_an_older_term_is_refused_and_the_newer_one_stays() {
+        use ravnest_core::checkpoint::ShardMeta;
+        let dir = std::env::temp_dir().join(format!("ravnest-store-t-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let net = Network::Mlp {
+            dims: vec![3, 4, 2],
+        };
+        let old = files_at(&dir, net, Optimizer::Sgd);
+        let new = CheckpointFiles {
+            term: 1,
+            ..old.clone()
+        };
+        let n = old.net.params() + old.optim.state_len(old.net.params());
+        let layers = LayerRange::new(0, 2);
+        let commit = |f: &CheckpointFiles, step: u64, x: f32| {
+            f.put(step, layers, 0, &vec![x; n]).unwrap();
+            let shards = vec![ShardMeta {
+                node: ravnest_core::NodeId(0),
+                layers,
+                digest: 0,
+                bytes: 4 * n as u64,
+            }];
+            f.commit(&Manifest { step, shards })
+        };
+        commit(&old, 10, 1.0).unwrap();
+        commit(&new, 20, 2.0).unwrap();
+        assert_eq!(new.folder_term(), 1);
+        let e = commit(&old, 30, 3.0).unwrap_err().to_string();
+        assert!(e.contains("term 1") && e.contains("(0) is older"), "{e}");
+        assert!(!old.path(30).exists(), "the stale write left a file");
+        assert_eq!(new.load(20).unwrap()[0], 2.0);
+        let manifest = std::fs::read_to_string(new.manifest_path(20)).unwrap();
+        assert!(manifest.contains("\"term\":1"), "{manifest}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn a_checkpoint_of_another_network_is_refused_by_name() {
         let dir = std::env::temp_dir().join(format!("ravnest-store-x-{}", std::process::id()));
@@ -669,6 +751,7 @@ mod tests {
             weight_decay: 0.0,
         };
         let a = CheckpointFiles {
+            term: 0,
             dir: dir.clone(),
             net: Network::Mlp {
                 dims: vec![3, 4, 2],
@@ -678,6 +761,7 @@ mod tests {
         };
         a.write(1, &vec![0.0; a.net.params()], "{}").unwrap();
         let b = CheckpointFiles {
+            term: 0,
             net: Network::Mlp {
                 dims: vec![3, 5, 2],
             },

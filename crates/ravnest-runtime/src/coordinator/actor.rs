@@ -162,14 +162,17 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
     }
 }
 
-/// The coordinator's leases (fail-over): a heartbeat from [`Addr::Coordinator`] to each of
-/// `nodes` every `period`, so that every node, idle ones too, knows it is there
-/// ([`crate::seams::spawn_beats`]).
+/// The coordinator's leases (fail-over): [`Envelope::Lease`] of coordinator term `term`
+/// hosted by `host`, from [`Addr::Coordinator`] to each of `nodes` every `period`, so that
+/// every node, idle ones too, knows it is there, and a node that knows a newer term can tell
+/// this one to step down ([`crate::seams::spawn_beats`]).
 pub fn spawn_leases<T: Transport>(
     transport: T,
     nodes: Vec<NodeId>,
     period: Duration,
+    (term, host): (u32, NodeId),
 ) -> tokio::task::JoinHandle<()> {
     let to = nodes.into_iter().map(Addr::Node).collect();
-    crate::seams::spawn_beats(transport, Addr::Coordinator, to, period)
+    let lease = Envelope::Lease { term, host };
+    crate::seams::spawn_beats(transport, Addr::Coordinator, to, period, lease)
 }

@@ -141,6 +141,15 @@ pub enum Event {
         /// Why the live nodes cannot train.
         why: String,
     },
+    /// The checkpoint of `step` (0: a restore from the folder) was refused: a coordinator of the
+    /// newer term `newer` writes to the folder (this one is stale: cut off or frozen while
+    /// another node took over).
+    Superseded {
+        /// The checkpoint refused (0: the restore).
+        step: u64,
+        /// The newer term.
+        newer: u32,
+    },
     /// Training cannot go on.
     Stalled(String),
     /// All steps done.
@@ -167,6 +176,7 @@ impl Event {
             Event::Refused(_) => "shard-refused",
             Event::Violation(_) => "violation",
             Event::Waiting { .. } => "waiting",
+            Event::Superseded { .. } => "superseded",
             Event::Stalled(_) => "stalled",
             Event::Finished => "finished",
         }

@@ -82,6 +82,22 @@ impl Watch {
         self.replica.is_some()
     }
 
+    /// The term of the newest replica this watch holds (0 before the first).
+    pub fn term(&self) -> u32 {
+        self.replica.as_ref().map_or(0, |r| r.term)
+    }
+
+    /// A coordinator of `term` hosted by `host` is heard from (its lease, or its replica): if
+    /// this watch holds a newer term's replica, that coordinator is stale (cut off or frozen
+    /// past the silence while another node took over), and the replica is what tells it to
+    /// step down. `None` when it is current, or hosted here.
+    pub fn answer(&self, term: u32, host: NodeId) -> Option<Replica> {
+        self.replica
+            .as_ref()
+            .filter(|r| r.term > term && host != self.me)
+            .cloned()
+    }
+
     /// Something came from the coordinator.
     pub fn heard(&mut self, now_ms: u64) {
         self.last_heard_ms = self.last_heard_ms.max(now_ms);
@@ -218,6 +234,31 @@ mod tests {
         assert_eq!(w.replica(newer, 10), Some(Verdict::Follow(NodeId(2))));
         assert_eq!(w.replica(replica(&[0, 1, 2, 3], 0), 20), None);
         assert_eq!(w.host(), NodeId(2));
+    }
+
+    #[test]
+    fn a_stale_coordinator_is_answered_with_the_newer_replica_and_follows_it() {
+        // Node 3 follows node 1, which took over (term 1) from node 0.
+        let mut w = Watch::new(NodeId(3), NodeId(0), 300, 0);
+        let mut newer = replica(&[1, 2, 3], 1);
+        newer.term = 1;
+        w.replica(newer.clone(), 0);
+        assert_eq!(w.term(), 1);
+        // Node 0's lease (term 0) comes back: it is answered with term 1's replica.
+        assert_eq!(w.answer(0, NodeId(0)), Some(newer.clone()));
+        // The current coordinator's lease is not answered, nor a newer one's.
+        assert_eq!(w.answer(1, NodeId(1)), None);
+        assert_eq!(w.answer(2, NodeId(2)), None);
+        // Node 0's own watch (it hosted term 0) follows the new host once it has the replica.
+        let mut stale = Watch::new(NodeId(0), NodeId(0), 300, 0);
+        stale.replica(replica(&[0, 1, 2, 3], 0), 0);
+        assert_eq!(
+            stale.answer(0, NodeId(0)),
+            None,
+            "a host never answers itself"
+        );
+        assert_eq!(stale.replica(newer, 5000), Some(Verdict::Follow(NodeId(1))));
+        assert_eq!(stale.host(), NodeId(1));
     }
 
     #[test]

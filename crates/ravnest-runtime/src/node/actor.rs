@@ -350,6 +350,15 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         (sc.on_verdict)(self.id, v);
     }
 
+    /// A coordinator of `term` on `host` was heard from: if this node knows a newer term, the
+    /// stale coordinator is sent the newer replica (its host's node follows it, and its process
+    /// steps down).
+    fn answer_stale(&self, st: &State<C>, term: u32, host: NodeId) {
+        if let Some(r) = st.watch.as_ref().and_then(|w| w.answer(term, host)) {
+            self.send(Addr::Node(host), Envelope::Succession(Box::new(r)));
+        }
+    }
+
     fn now_ms(&self) -> u64 {
         self.t0.elapsed().as_millis() as u64
     }
@@ -362,9 +371,11 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         }
         match env {
             Envelope::Succession(r) => {
+                self.answer_stale(st, r.term, r.host);
                 let v = st.watch.as_mut().and_then(|w| w.replica(*r, self.now_ms()));
                 self.on_verdict(v);
             }
+            Envelope::Lease { term, host } => self.answer_stale(st, term, host),
             Envelope::Work(w) => self.on_work(st, *w).await,
             Envelope::Grant { epoch, until } => {
                 self.on_grant(st, epoch, until);

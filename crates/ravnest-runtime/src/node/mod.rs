@@ -279,5 +279,11 @@ pub fn spawn_heartbeat<T: Transport>(
     id: NodeId,
     period: Duration,
 ) -> tokio::task::JoinHandle<()> {
-    crate::seams::spawn_beats(transport, Addr::Node(id), vec![Addr::Coordinator], period)
+    crate::seams::spawn_beats(
+        transport,
+        Addr::Node(id),
+        vec![Addr::Coordinator],
+        period,
+        crate::msg::Envelope::Heartbeat,
+    )
 }

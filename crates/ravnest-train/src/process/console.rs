@@ -325,6 +325,14 @@ pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
         ),
         Event::CheckpointComplete { step, .. } => format!("checkpoint of step {step} written"),
         Event::Violation(w) => format!("violation: {w}"),
+        Event::Superseded { step, newer } => format!(
+            "a coordinator of the newer term {newer} writes to the checkpoint folder: {} refused",
+            if *step == 0 {
+                "restoring from it".to_string()
+            } else {
+                format!("the checkpoint of step {step}")
+            }
+        ),
         Event::Waiting { step, why } => {
             format!("{why}: training waits at step {step} for lost nodes to come back")
         }

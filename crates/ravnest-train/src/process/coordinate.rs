@@ -40,10 +40,18 @@ type Inbox = mpsc::UnboundedReceiver<(Addr, Envelope)>;
 /// receiver the workers' reports arrive on, and the nodes expected to send one.
 pub(super) type Coordinated = (CoordinatorReport, Inbox, Vec<NodeId>);
 
+/// The node's verdicts over the coordinator (fail-over): while this process coordinates, one
+/// that follows another host means a newer term took over, and this one steps down.
+pub(super) type Verdicts = mpsc::UnboundedReceiver<(NodeId, ravnest_runtime::node::Verdict)>;
+
 /// The coordinator's host, from registrations to the end of training.
-pub(super) async fn coordinate(h: &Host<'_>, reg_rx: &mut Inbox) -> Result<Coordinated, RunError> {
+pub(super) async fn coordinate(
+    h: &Host<'_>,
+    reg_rx: &mut Inbox,
+    verdicts: &mut Verdicts,
+) -> Result<Coordinated, RunError> {
     let everyone: Vec<NodeId> = h.opts.scenario.cluster.ids().collect();
-    let _leases = leases(h, &everyone);
+    let _leases = leases(h, &everyone, 0);
     let caps = register(h, reg_rx).await?;
     let all: Vec<NodeId> = caps.keys().copied().collect();
     let mut cluster = h.opts.scenario.cluster.clone();
@@ -61,7 +69,7 @@ pub(super) async fn coordinate(h: &Host<'_>, reg_rx: &mut Inbox) -> Result<Coord
         absent,
         ..config(h, &cluster)
     };
-    let trained = train(h, config, None).await?;
+    let trained = train(h, config, None, verdicts).await?;
     let report = coordinator_report(h, &cluster, &solo, &trained);
     let members: Vec<NodeId> = caps.keys().copied().collect();
     let (reports_rx, expected) = finish_workers(h, &cluster, &members, &trained.log).await;
@@ -76,8 +84,9 @@ pub(super) async fn take_over(
     h: &Host<'_>,
     r: Replica,
     from: NodeId,
+    verdicts: &mut Verdicts,
 ) -> Result<Coordinated, RunError> {
-    let _leases = leases(h, &r.members);
+    let _leases = leases(h, &r.members, r.term);
     let cluster = r.cluster.clone();
     let name = |n: NodeId| {
         cluster
@@ -96,20 +105,22 @@ pub(super) async fn take_over(
         ..config(h, &cluster)
     };
     let members = r.members.clone();
-    let trained = train(h, config, Some((r, from))).await?;
+    let trained = train(h, config, Some((r, from)), verdicts).await?;
     let report = coordinator_report(h, &cluster, &BTreeMap::new(), &trained);
     let (reports_rx, expected) = finish_workers(h, &cluster, &members, &trained.log).await;
     Ok((report, reports_rx, expected))
 }
 
-/// The coordinator's leases: a heartbeat to each of `nodes` but this one every period, so
-/// that workers (idle ones too) know it is there; stopped when dropped.
-fn leases(h: &Host<'_>, nodes: &[NodeId]) -> AbortOnDrop {
+/// The coordinator's leases (of `term`): one to each of `nodes` but this one every period, so
+/// that workers (idle ones too) know it is there, and one that knows a newer term can tell it
+/// to step down; stopped when dropped.
+fn leases(h: &Host<'_>, nodes: &[NodeId], term: u32) -> AbortOnDrop {
     let s = &h.opts.scenario;
     AbortOnDrop(spawn_leases(
         h.tcp.clone(),
         nodes.iter().copied().filter(|&id| id != h.su.me).collect(),
         Duration::from_millis(s.run.heartbeat_ms.max(10)),
+        (term, h.su.me),
     ))
 }
 
@@ -378,6 +389,7 @@ async fn train(
     h: &Host<'_>,
     config: Config,
     succeeds: Option<(Replica, NodeId)>,
+    verdicts: &mut Verdicts,
 ) -> Result<Trained, RunError> {
     let (s, su) = (&h.opts.scenario, h.su);
     let start_step = config.start_step;
@@ -385,7 +397,12 @@ async fn train(
     let launch = Launch::new(h.tcp.clone()).at(h.t0);
     let journal = launch.journal();
     let mut notes = journal.subscribe();
-    let ck = launch.checkpoints(Arc::new(su.files.clone()), 4).await?;
+    let term = succeeds.as_ref().map_or(0, |(r, _)| r.term);
+    let files = crate::store::CheckpointFiles {
+        term,
+        ..su.files.clone()
+    };
+    let ck = launch.checkpoints(Arc::new(files), 4).await?;
     let train_started = Instant::now();
     let tick = Duration::from_millis(s.run.heartbeat_ms / 2 + 1);
     // A successor appends to the events its predecessor wrote.
@@ -404,8 +421,23 @@ async fn train(
             Some(n) = notes.recv() => {
                 final_written |= is_final(&n);
                 sink.note(&n);
+                if let Note::Event(_, Event::Superseded { newer, .. }) = n {
+                    // The folder says a newer term took over (before any node could say so).
+                    coord.stop(None);
+                    ck.stop(None);
+                    return Err(step_down(h, term, newer, None));
+                }
             }
             _ = &mut done => break,
+            Some((_, v)) = verdicts.recv() => {
+                if let ravnest_runtime::node::Verdict::Follow(next) = v {
+                    // A newer term took over while this process was cut off or frozen: stop
+                    // at once (no more work, grants or checkpoint rounds from this term).
+                    coord.stop(None);
+                    ck.stop(None);
+                    return Err(step_down(h, term, term + 1, Some(next)));
+                }
+            }
         }
     }
     let train_s = train_started.elapsed().as_secs_f64();
@@ -427,8 +459,13 @@ async fn train(
     ck.stop(None);
     let log = journal.snapshot();
     for (_, e) in &log.events {
-        if let Event::Stalled(why) | Event::Violation(why) = e {
-            return Err(RunError::Stopped(why.clone()));
+        match e {
+            Event::Stalled(why) | Event::Violation(why) => {
+                return Err(RunError::Stopped(why.clone()));
+            }
+            // Its last checkpoint refused: a newer term wrote to the folder meanwhile.
+            Event::Superseded { newer, .. } => return Err(step_down(h, term, *newer, None)),
+            _ => {}
         }
     }
     Ok(Trained {
@@ -437,6 +474,26 @@ async fn train(
         train_s,
         events_path,
     })
+}
+
+/// This process coordinated term `term` and learned of a newer one (`newer`, hosted by `next`
+/// when a node said so; the checkpoint folder says only the term): what it says, and the error
+/// that ends it (the launcher counts it as a lost node, not a failure).
+fn step_down(h: &Host<'_>, term: u32, newer: u32, next: Option<NodeId>) -> RunError {
+    let nodes = &h.opts.scenario.cluster.nodes;
+    let (who, at) = match next.and_then(|n| nodes.get(n.index())) {
+        Some(n) => (
+            format!("`{}`", n.name),
+            n.address.clone().unwrap_or_else(|| "HOST:PORT".into()),
+        ),
+        None => ("another node".to_string(), "HOST:PORT".to_string()),
+    };
+    let why = format!(
+        "stepping down: this node coordinated term {term}, and {who} took over (term {newer}) while this process was cut off or frozen past the failure timeout; it writes no more checkpoints and leaves the run, which goes on without it (`ravnest run --join {at} --node {}` brings it back as a worker)",
+        nodes[h.su.me.index()].name,
+    );
+    h.say.cluster(why.clone());
+    RunError::SteppedDown(why)
 }
 
 /// The first pipeline plan's stages, its micro-batches and bubble in theory, and the bytes its
@@ -659,14 +716,17 @@ fn coordinator_report(
     t: &Trained,
 ) -> CoordinatorReport {
     let s = &h.opts.scenario;
-    let (log, start_step) = (&t.log, t.start_step);
+    let log = &t.log;
     // The training's peak memory, before the final model is read to be evaluated.
     if let Some((_, peak)) = crate::measure::resident_memory() {
         let _ = h.su.trained_peak_rss.set(peak);
     }
     let (accuracy, sample, bits_per_byte) = evaluate(h);
-    let final_step = start_step + log.step_done_ns.len() as u64;
-    let trained = final_step - start_step;
+    // The steps agreed here end at the log's last; a successor that went back below the step
+    // it took over at (the newest version every member held) redid the steps from there.
+    let trained = log.step_done_ns.len() as u64;
+    let final_step = log.last_step.map_or(t.start_step, |l| l + 1);
+    let start_step = final_step.saturating_sub(trained);
     let batch = f64::from(s.training.global_batch);
     let samples_per_s = trained as f64 * batch / t.train_s.max(1e-9);
     // The same after the first steps (caches, allocators and the first plan settle there).

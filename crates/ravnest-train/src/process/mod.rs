@@ -43,7 +43,7 @@ use tap::Tap;
 
 pub use console::describe;
 use options::coordinator_of;
-pub use options::{CALIBRATE_MS, Options, RunError, warmup_steps};
+pub use options::{CALIBRATE_MS, Options, RunError, STEPPED_DOWN_EXIT, warmup_steps};
 pub use setup::{load_dataset, network_for, optim_for};
 
 /// The environment variable through which the local launcher tells its children its pid.
@@ -215,7 +215,9 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
         t0,
     };
     let role = if is_coord {
-        coordinate(&host, &mut reg_rx).await.map(Some)
+        coordinate(&host, &mut reg_rx, &mut verdicts)
+            .await
+            .map(Some)
     } else {
         match worker::wait_for_finish(&opts, &say, &net, &tcp, &mut verdicts).await {
             Ok(worker::Ending::Finished) => Ok(None),
@@ -225,7 +227,9 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
                 return Ok(leave(&host).await);
             }
             Ok(worker::Ending::TakeOver(r, from)) => {
-                coordinate::take_over(&host, r, from).await.map(Some)
+                coordinate::take_over(&host, r, from, &mut verdicts)
+                    .await
+                    .map(Some)
             }
             Err(e) => Err(e),
         }

@@ -51,7 +51,15 @@ pub enum RunError {
     /// A worker lost its coordinator.
     #[error("{0}")]
     CoordinatorLost(String),
+    /// This process coordinated an older term and a newer one took over (it was cut off or
+    /// frozen past the failure timeout): it stepped down and leaves the run, which goes on.
+    #[error("{0}")]
+    SteppedDown(String),
 }
+
+/// The exit code of a node process that stepped down as a stale coordinator
+/// ([`RunError::SteppedDown`]): the local launcher counts it as a lost node, not a failure.
+pub const STEPPED_DOWN_EXIT: i32 = 4;
 
 /// What one process is asked to do.
 #[derive(Debug, Clone)]

@@ -218,6 +218,7 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
         }
     }
     let files = CheckpointFiles {
+        term: 0,
         dir: opts.out_dir.join("checkpoints"),
         net,
         optim,
