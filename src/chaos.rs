@@ -59,6 +59,10 @@ pub enum Fault {
     /// SIGSTOP of the coordinator's process past the failure timeout, SIGCONT after `ms`:
     /// another node takes over, and the thawed one must step down.
     FreezeCoordinator { ms: u64 },
+    /// The disk is full when the checkpoint of `step` is written (a write error injected in
+    /// the store, `RAVNEST_FAIL_CHECKPOINT`): it is said, the previous checkpoint stays, and
+    /// training goes on to the next.
+    DiskFull { step: u64 },
     /// SIGSTOP of a node's process, SIGCONT after `ms`.
     Freeze { node: usize, ms: u64 },
     /// Every connection to the node is reset on the path.
@@ -126,7 +130,7 @@ pub fn schedule(seed: u64) -> Schedule {
         let at_ms = r.range(0, WINDOW_MS);
         let any = r.below(3) as usize;
         let worker = r.range(1, 2) as usize;
-        let fault = match r.below(8) {
+        let fault = match r.below(9) {
             // One loss per schedule: two lost nodes leave one, a different test.
             0 if !killed => {
                 killed = true;
@@ -146,6 +150,9 @@ pub fn schedule(seed: u64) -> Schedule {
                 }
             }
             6 | 7 => Fault::Reset { node: any },
+            8 => Fault::DiskFull {
+                step: EVERY * r.range(1, STEPS / EVERY - 1),
+            },
             0 | 1 => Fault::Freeze {
                 node: any,
                 ms: r.range(100, 2500),
@@ -266,7 +273,7 @@ fn worst_difference(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32
 /// coordinator had open died with it; its successor checkpoints the first synchronized version
 /// after it took over instead, so each interval of [`EVERY`] steps must hold one checkpoint,
 /// and the last step its own. The final one's weights.
-fn checkpoints(out: &Path) -> Result<BTreeMap<String, Vec<f32>>> {
+fn checkpoints(out: &Path, failed: Option<u64>) -> Result<BTreeMap<String, Vec<f32>>> {
     let dir = out.join("checkpoints");
     let mut steps: Vec<u64> = std::fs::read_dir(&dir)
         .with_context(|| format!("no checkpoint folder {}", dir.display()))?
@@ -281,7 +288,7 @@ fn checkpoints(out: &Path) -> Result<BTreeMap<String, Vec<f32>>> {
         .collect();
     steps.sort_unstable();
     for k in (EVERY..STEPS).step_by(EVERY as usize) {
-        if !steps.iter().any(|s| (k..k + EVERY).contains(s)) {
+        if Some(k) != failed && !steps.iter().any(|s| (k..k + EVERY).contains(s)) {
             bail!(
                 "no checkpoint between steps {k} and {} (have {steps:?})",
                 k + EVERY - 1
@@ -336,7 +343,7 @@ fn reference(exe: &Path, root: &Path) -> Result<BTreeMap<String, Vec<f32>>> {
     if !st.success() {
         bail!("the single-node reference run failed ({st})");
     }
-    checkpoints(&out)
+    checkpoints(&out, None)
 }
 
 /// Something a fault leaves to do later.
@@ -368,8 +375,13 @@ fn launch(
     file: &Path,
     out: &Path,
     log: &Path,
+    full_disk_at: Option<u64>,
 ) -> Result<(Child, mpsc::Receiver<Value>)> {
-    let mut child = Command::new(exe)
+    let mut child = Command::new(exe);
+    if let Some(step) = full_disk_at {
+        child.env("RAVNEST_FAIL_CHECKPOINT", step.to_string());
+    }
+    let mut child = child
         .args(["run", file.to_str().context("path")?, "--json", "--out"])
         .arg(out)
         .stdout(Stdio::piped())
@@ -422,7 +434,11 @@ fn run_one(
         }
         Schedule::Faults(f) => f,
     };
-    let (mut child, rx) = launch(exe, &file, &out, &log)?;
+    let full_disk = faults.iter().find_map(|t| match t.fault {
+        Fault::DiskFull { step } => Some(step),
+        _ => None,
+    });
+    let (mut child, rx) = launch(exe, &file, &out, &log, full_disk)?;
     let deadline = Instant::now() + Duration::from_secs(150);
     let mut pids: BTreeMap<String, u32> = BTreeMap::new();
     let mut step = 0u64;
@@ -488,7 +504,7 @@ fn run_one(
     for mut j in joined {
         let _ = wait_for(&mut j, Duration::from_secs(20));
     }
-    judge(status, summary, &out, &log, want)
+    judge(status, summary, (&out, &log), &faults, want)
 }
 
 /// A fault on a node or its link, now; what is to be undone later (and when).
@@ -527,7 +543,7 @@ fn inject(
             proxies[node].set_delay(Duration::from_millis(ms));
             Some((at(for_ms), Later::Undelay(node)))
         }
-        Fault::Duplicate { .. } | Fault::Corrupt { .. } => None,
+        Fault::Duplicate { .. } | Fault::Corrupt { .. } | Fault::DiskFull { .. } => None,
     }
 }
 
@@ -554,7 +570,7 @@ fn port_in_use(
 ) -> Result<String> {
     let _hold = std::net::TcpListener::bind(listen)?;
     let t0 = Instant::now();
-    let (mut child, _rx) = launch(exe, file, out, log)?;
+    let (mut child, _rx) = launch(exe, file, out, log, None)?;
     let status = wait_for(&mut child, Duration::from_secs(20))?;
     let secs = t0.elapsed().as_secs_f64();
     let text = std::fs::read_to_string(log).unwrap_or_default();
@@ -642,8 +658,8 @@ fn forge(
 fn judge(
     status: Option<std::process::ExitStatus>,
     summary: Option<Value>,
-    out: &Path,
-    log: &Path,
+    (out, log): (&Path, &Path),
+    faults: &[Timed],
     want: &BTreeMap<String, Vec<f32>>,
 ) -> Result<String> {
     if status.is_none_or(|s| !s.success()) {
@@ -654,7 +670,26 @@ fn judge(
     if steps != Some(STEPS) {
         bail!("the run trained {steps:?} steps, not {STEPS}");
     }
-    let got = checkpoints(out)?;
+    // A full disk at a checkpoint: said, and the interval it began has no checkpoint (unless
+    // a successor, redoing steps, wrote one after all).
+    let full_disk = faults.iter().find_map(|t| match t.fault {
+        Fault::DiskFull { step } => Some(step),
+        _ => None,
+    });
+    let coordinator_lost = faults.iter().any(|t| {
+        matches!(
+            t.fault,
+            Fault::KillCoordinator | Fault::FreezeCoordinator { .. }
+        )
+    });
+    if let Some(step) = full_disk.filter(|_| !coordinator_lost) {
+        let said = format!("the checkpoint of step {step} could not be written (");
+        let events = std::fs::read_to_string(log.with_extension("jsonl")).unwrap_or_default();
+        if !events.contains(&said) || !events.contains("no space left on device") {
+            bail!("the full disk at the checkpoint of step {step} was not said");
+        }
+    }
+    let got = checkpoints(out, full_disk)?;
     let worst = worst_difference(&got, want);
     if worst > TOLERANCE {
         bail!("the final model differs from the single-node replay by {worst:.2e} (relative)");
@@ -766,6 +801,10 @@ mod tests {
                                 "kill"
                             }
                             Fault::KillCoordinator => "kill-coordinator",
+                            Fault::DiskFull { step } => {
+                                assert!(step % EVERY == 0 && step < STEPS);
+                                "disk-full"
+                            }
                             Fault::FreezeCoordinator { ms } => {
                                 assert!(ms >= LONG_FREEZE_MS);
                                 "freeze-coordinator"
@@ -786,6 +825,6 @@ mod tests {
                 }
             }
         }
-        assert_eq!(kinds.len(), 9, "{kinds:?}");
+        assert_eq!(kinds.len(), 10, "{kinds:?}");
     }
 }

@@ -1097,6 +1097,7 @@ fn sim_sweep(first: u64, count: u64) -> Result<()> {
         ("coordinator-crash", 60, HostCrash::Steady),
         ("coordinator-crash-replan", 60, HostCrash::Replan),
         ("coordinator-crash", 60, HostCrash::Checkpoint),
+        ("stale-coordinator", 60, HostCrash::Isolated),
         ("sharded-gpt-small", 60, HostCrash::AsWritten),
     ] {
         let text = scenarios::SHIPPED

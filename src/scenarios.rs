@@ -11,7 +11,7 @@ pub const SIM_DEFAULT: (&str, &str) = SHIPPED[0];
 pub const RUN_DEFAULT: (&str, &str) = SHIPPED[7];
 
 /// (name, TOML text) of every file in `scenarios/`, in report order (the 1,000-node one last).
-pub const SHIPPED: [(&str, &str); 15] = [
+pub const SHIPPED: [(&str, &str); 16] = [
     ("flaky-3090", include_str!("../scenarios/flaky-3090.toml")),
     ("homogeneous", include_str!("../scenarios/homogeneous.toml")),
     (
@@ -46,6 +46,10 @@ pub const SHIPPED: [(&str, &str); 15] = [
     (
         "coordinator-crash-replan",
         include_str!("../scenarios/coordinator-crash-replan.toml"),
+    ),
+    (
+        "stale-coordinator",
+        include_str!("../scenarios/stale-coordinator.toml"),
     ),
     ("large-1000", include_str!("../scenarios/large-1000.toml")),
 ];

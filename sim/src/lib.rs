@@ -225,7 +225,66 @@ pub struct SimReport {
 pub struct MemStore(
     Mutex<Option<(ravnest_core::checkpoint::Manifest, Vec<f32>)>>,
     ravnest_runtime::checkpoint::ShardParts,
+    /// The newest coordinator term that wrote here, and every commit: (version, term).
+    Mutex<(u32, Vec<(u64, u32)>)>,
 );
+
+impl MemStore {
+    /// Every commit in order: (model version, the writer's coordinator term).
+    pub fn commits(&self) -> Vec<(u64, u32)> {
+        self.2.lock().unwrap().1.clone()
+    }
+}
+
+/// The store as the checkpoint actor of coordinator term `term` sees it: as a checkpoint
+/// folder does, it refuses a write, or a restore, of an older term than the newest that wrote
+/// to it.
+#[derive(Debug)]
+pub struct TermStore {
+    /// The shared store.
+    pub store: Arc<MemStore>,
+    /// This writer's term.
+    pub term: u32,
+}
+
+impl Store for TermStore {
+    fn put(
+        &self,
+        step: u64,
+        layers: ravnest_core::LayerRange,
+        offset: u64,
+        values: &[f32],
+    ) -> Result<(), StoreError> {
+        self.store.put(step, layers, offset, values)
+    }
+
+    fn forget(&self, step: u64, layers: Option<ravnest_core::LayerRange>) {
+        self.store.forget(step, layers);
+    }
+
+    fn commit(&self, manifest: &ravnest_core::checkpoint::Manifest) -> Result<(), StoreError> {
+        {
+            let mut t = self.store.2.lock().unwrap();
+            if t.0 > self.term {
+                return Err(StoreError::Superseded {
+                    folder: t.0,
+                    ours: self.term,
+                });
+            }
+            t.0 = self.term;
+            t.1.push((manifest.step, self.term));
+        }
+        self.store.commit(manifest)
+    }
+
+    fn latest(&self) -> Option<(u64, Vec<f32>)> {
+        self.store.latest()
+    }
+
+    fn superseded(&self) -> Option<u32> {
+        Some(self.store.2.lock().unwrap().0).filter(|f| *f > self.term)
+    }
+}
 
 impl Store for MemStore {
     fn put(
@@ -444,22 +503,48 @@ struct World<'a> {
     host: &'a Hosted,
 }
 
-/// The actors of the coordinator's process (the coordinator, the checkpoint aggregator and the
-/// leases), which a crash of its host stops; a successor starts its own (fail-over).
+/// The actors of the coordinators' processes (the coordinator, the checkpoint aggregator and the
+/// leases), per host, with their term: a crash of a host stops its own; a successor starts its
+/// own (fail-over); a stale one (its host cut off while another took over) runs until a node
+/// tells its host of the newer term, and then steps down.
 #[derive(Default)]
 struct Hosted {
-    actors: Mutex<Vec<ractor::ActorCell>>,
-    leases: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    by_host: Mutex<BTreeMap<NodeId, HostedActors>>,
+}
+
+/// One host's coordinator actors.
+struct HostedActors {
+    term: u32,
+    actors: Vec<ractor::ActorCell>,
+    leases: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Hosted {
-    fn stop(&self) {
-        for a in self.actors.lock().unwrap().drain(..) {
+    /// Stop the actors hosted by `host` (its process crashed or stepped down); their term.
+    fn stop(&self, host: NodeId) -> Option<u32> {
+        let h = self.by_host.lock().unwrap().remove(&host)?;
+        for a in h.actors {
             a.stop(None);
         }
-        if let Some(l) = self.leases.lock().unwrap().take() {
+        if let Some(l) = h.leases {
             l.abort();
         }
+        Some(h.term)
+    }
+
+    /// Stop every host's actors (the run is over).
+    fn stop_all(&self) {
+        let hosts: Vec<NodeId> = self.by_host.lock().unwrap().keys().copied().collect();
+        for h in hosts {
+            self.stop(h);
+        }
+    }
+
+    /// The newest term running, and the term `host` runs (if it hosts a coordinator).
+    fn terms(&self, host: NodeId) -> (u32, Option<u32>) {
+        let by = self.by_host.lock().unwrap();
+        let newest = by.values().map(|h| h.term).max().unwrap_or(0);
+        (newest, by.get(&host).map(|h| h.term))
     }
 }
 
@@ -556,9 +641,7 @@ fn apply(w: &World<'_>, action: Action, (down, down_since): &mut Downtime) {
         Action::Crash(n) => {
             w.trace.record(t_ns, "crash", Some(Addr::Node(n)), None, 0);
             w.net.crash(n);
-            if n == w.net.host() {
-                w.host.stop();
-            }
+            w.host.stop(n);
             down_since[n.index()].get_or_insert(t_ns);
             let _ = w.sup.cast(SupMsg::Crash(n));
         }
@@ -617,9 +700,24 @@ fn apply(w: &World<'_>, action: Action, (down, down_since): &mut Downtime) {
 /// then, so that the other scenarios' traces stay what they were: fail-over adds leases and
 /// replicas to the traffic.)
 fn failover(s: &Scenario, host: NodeId) -> bool {
-    s.faults
-        .iter()
-        .any(|f| matches!(f, Fault::Crash { node, .. } if *node == host))
+    s.faults.iter().any(|f| match f {
+        Fault::Crash { node, .. } => *node == host,
+        Fault::Partition { .. } => isolates(f, host).is_some(),
+        _ => false,
+    })
+}
+
+/// For a partition that cuts the coordinator's host off from some other node: when it heals
+/// (virtual seconds). The host's coordinator goes on, stale, while the others take over.
+fn isolates(f: &Fault, host: NodeId) -> Option<f64> {
+    let Fault::Partition { groups, to_s, .. } = f else {
+        return None;
+    };
+    // A minority with the host: the others may take over (an even split does not: neither
+    // side outnumbers the other, and the host's side goes on as before fail-over existed).
+    let mine = groups.iter().find(|g| g.contains(&host))?.len();
+    let all: usize = groups.iter().map(Vec::len).sum();
+    (mine * 2 < all).then_some(*to_s)
 }
 
 /// With fail-over, the nodes watch the coordinator (as `run`'s do, three heartbeat timeouts of
@@ -648,9 +746,11 @@ fn watching(
 }
 
 /// Starts the coordinator's process actors: the first at the start, a successor's on a
-/// take-over.
+/// take-over; and steps a stale one down when its host's node learns of the newer term.
 struct Coordinating {
     launch: Launch<SimNet>,
+    /// The first coordinator's host.
+    first_host: NodeId,
     store: Arc<MemStore>,
     element_bytes: u64,
     config: Config,
@@ -658,24 +758,29 @@ struct Coordinating {
     leases: Option<(Vec<NodeId>, Duration)>,
     hosted: Arc<Hosted>,
     done: tokio::sync::mpsc::UnboundedSender<()>,
+    /// What a step-down does to the stale host's process (it exits, as `ravnest run`'s does).
+    sup: ractor::ActorRef<SupMsg>,
+    trace: Trace,
+    t0: Instant,
 }
 
 impl Coordinating {
     /// Start the coordinator (a successor when `succeeds` says whom it succeeds), its
-    /// checkpoint actor and its leases; its end is told on `done`.
+    /// checkpoint actor and its leases, in its host's process; its end is told on `done`
+    /// (unless a newer term started meanwhile: a stale coordinator's end is not the run's).
     async fn start(
         &self,
         succeeds: Option<(ravnest_runtime::msg::Replica, NodeId)>,
     ) -> Result<(), ravnest_runtime::LaunchError> {
-        let launch = &self.launch;
-        let lease = succeeds
+        let (term, host) = succeeds
             .as_ref()
-            .map_or((0, self.config.host.unwrap_or(NodeId(0))), |(r, _)| {
-                (r.term, r.host)
-            });
-        let ck = launch
-            .checkpoints(self.store.clone(), self.element_bytes)
-            .await?;
+            .map_or((0, self.first_host), |(r, _)| (r.term, r.host));
+        let launch = self.launch.hosted(host, term);
+        let store = Arc::new(TermStore {
+            store: self.store.clone(),
+            term,
+        });
+        let ck = launch.checkpoints(store, self.element_bytes).await?;
         let (coord, done_rx) = match succeeds {
             None => launch.coordinator(self.config.clone(), self.tick).await?,
             Some((r, from)) => {
@@ -684,18 +789,25 @@ impl Coordinating {
                     .await?
             }
         };
-        self.hosted
-            .actors
-            .lock()
-            .unwrap()
-            .extend([ck.get_cell(), coord.get_cell()]);
-        if let Some((nodes, period)) = &self.leases {
-            let leases = spawn_leases(launch.transport().clone(), nodes.clone(), *period, lease);
-            *self.hosted.leases.lock().unwrap() = Some(leases);
-        }
-        let done = self.done.clone();
+        let leases = self.leases.as_ref().map(|(nodes, period)| {
+            spawn_leases(
+                launch.transport().clone(),
+                nodes.clone(),
+                *period,
+                (term, host),
+            )
+        });
+        self.hosted.by_host.lock().unwrap().insert(
+            host,
+            HostedActors {
+                term,
+                actors: vec![ck.get_cell(), coord.get_cell()],
+                leases,
+            },
+        );
+        let (done, journal) = (self.done.clone(), launch.journal());
         tokio::spawn(async move {
-            if done_rx.await.is_ok() {
+            if done_rx.await.is_ok() && !journal.fenced(term) {
                 let _ = done.send(());
             }
         });
@@ -703,22 +815,37 @@ impl Coordinating {
     }
 
     /// Carry out the nodes' verdicts: the successor's process starts a coordinator of the new
-    /// term (the predecessor's actors died with their host).
+    /// term (the predecessor's actors died with their host, or run on, stale, on a host that
+    /// was cut off); a stale host whose node follows the newer term steps down: its actors
+    /// stop and its process exits.
     async fn succeed(
         self,
         mut verdicts: tokio::sync::mpsc::UnboundedReceiver<(NodeId, Verdict)>,
         net: SimNet,
     ) {
-        let mut host = self.config.host.unwrap_or(NodeId(0));
-        while let Some((_, v)) = verdicts.recv().await {
-            if let Verdict::TakeOver(r) = v {
-                if r.host == host {
-                    continue;
+        let mut host = self.first_host;
+        while let Some((n, v)) = verdicts.recv().await {
+            match v {
+                Verdict::TakeOver(r) => {
+                    if r.host == host {
+                        continue;
+                    }
+                    let from = std::mem::replace(&mut host, r.host);
+                    net.set_coordinator(r.host);
+                    let _ = self.start(Some((r, from))).await;
                 }
-                self.hosted.stop();
-                let from = std::mem::replace(&mut host, r.host);
-                net.set_coordinator(r.host);
-                let _ = self.start(Some((r, from))).await;
+                Verdict::Follow(_) => {
+                    let (newest, here) = self.hosted.terms(n);
+                    if here.is_some_and(|t| t < newest) {
+                        self.hosted.stop(n);
+                        let t_ns = self.t0.elapsed().as_nanos() as u64;
+                        self.trace
+                            .record(t_ns, "stepped-down", Some(Addr::Node(n)), None, 0);
+                        net.crash(n);
+                        let _ = self.sup.cast(SupMsg::Crash(n));
+                    }
+                }
+                Verdict::Lost(_) => {}
             }
         }
     }
@@ -803,6 +930,10 @@ async fn simulate(
         leases: failover.then(|| (cluster.ids().collect(), opts.heartbeat)),
         hosted: hosted.clone(),
         done: done_tx,
+        first_host: host,
+        sup: sup.clone(),
+        trace: trace.clone(),
+        t0,
     };
     coordinator.start(None).await.map_err(spawned)?;
     let successions = tokio::spawn(coordinator.succeed(verdicts, net.clone()));
@@ -835,12 +966,13 @@ async fn simulate(
         }
     }
     let end_ns = t0.elapsed().as_nanos() as u64;
+    violations.extend(stale_violations(s, opts, &hosted, &store, end_ns));
     // Nodes still down at the end: their interval closes there.
     for (d, a) in down.iter_mut().zip(&down_since) {
         d.extend(a.map(|a| (a, end_ns)));
     }
     successions.abort();
-    hosted.stop();
+    hosted.stop_all();
     sup.stop(None);
     net_task.abort();
     if let Some(p) = progress {
@@ -858,6 +990,48 @@ async fn simulate(
     }
     r.timeline = picture(s, &log, &counters, down, end_ns);
     Ok(r)
+}
+
+/// The checks on terms: checkpoints were committed by one coordinator term at a time (terms
+/// never go down from one commit to the next: a stale coordinator wrote nothing after its
+/// successor did), and a coordinator cut off while another took over stepped down once the
+/// partition healed (a lease period and a silence after it, at the latest).
+fn stale_violations(
+    s: &Scenario,
+    opts: &SimOptions,
+    hosted: &Hosted,
+    store: &MemStore,
+    end_ns: u64,
+) -> Vec<String> {
+    let mut v = Vec::new();
+    let commits = store.commits();
+    for w in commits.windows(2) {
+        if w[1].1 < w[0].1 {
+            v.push(format!(
+                "the checkpoint of version {} was committed by term {} after term {} committed version {}",
+                w[1].0, w[1].1, w[0].1, w[0].0
+            ));
+        }
+    }
+    let by = hosted.by_host.lock().unwrap();
+    let newest = by.values().map(|h| h.term).max().unwrap_or(0);
+    let healed_ns = s
+        .faults
+        .iter()
+        .filter_map(|f| isolates(f, s.run.coordinator.unwrap_or(NodeId(0))))
+        .map(|t| (t * 1e9) as u64)
+        .max();
+    let grace = (opts.heartbeat + 3 * opts.timeout).as_nanos() as u64;
+    for (host, h) in by.iter() {
+        if h.term < newest && healed_ns.is_some_and(|t| end_ns > t + grace) {
+            v.push(format!(
+                "the coordinator of term {} on {} still ran at the end, under term {newest}: it never stepped down",
+                h.term,
+                s.cluster.node(*host).name
+            ));
+        }
+    }
+    v
 }
 
 fn picture(
@@ -935,6 +1109,9 @@ fn checked_checkpoints(log: &RunLog, violations: &mut Vec<String>) -> Vec<u64> {
                 }
             }
             Event::Violation(v) => violations.push(v.clone()),
+            Event::CheckpointFailed { step, why } => {
+                violations.push(format!("checkpoint {step} could not be stored: {why}"));
+            }
             Event::Stalled(why) => violations.push(format!("training stalled: {why}")),
             _ => {}
         }

@@ -25,7 +25,10 @@ use crate::rng::Rng;
 /// Fraction of a link's latency added as uniform jitter.
 pub const JITTER: f64 = 0.1;
 
-type Queued = (Addr, Addr, Envelope);
+/// An envelope on its way: (from, to, the envelope, the sending and receiving nodes). The
+/// nodes are resolved when it is sent: the coordinator's address means the host the sender's
+/// process believes in then (as a connection to that host would carry it).
+type Queued = (Addr, Addr, Envelope, NodeId, NodeId);
 
 /// A fast hasher for the pipe map's small integer keys (multiply-rotate; SipHash's DoS
 /// resistance buys nothing here). Deterministic, and nothing iterates the map.
@@ -115,7 +118,12 @@ struct State {
     seed: u64,
     t0: Instant,
     trace: Trace,
-    inboxes: BTreeMap<Addr, Inbox>,
+    /// Per (address, the node whose process registered it): a coordinator of an older term
+    /// may still run on one node while its successor runs on another.
+    inboxes: BTreeMap<(Addr, NodeId), Inbox>,
+    /// Per node: where its process believes the coordinator is (it follows a successor when
+    /// its watch decides; a stale host believes in itself until told of the newer term).
+    views: BTreeMap<NodeId, NodeId>,
     down: BTreeSet<NodeId>,
     /// Active partitions: a message crosses only if both ends are in the same group (or one end
     /// is in no group).
@@ -163,18 +171,14 @@ pub fn on_tick(exact_ns: u64, carry_ns: &mut i64, floor_ns: u64) -> u64 {
 pub struct SimNet {
     state: Arc<Mutex<State>>,
     wake: Arc<Notify>,
+    /// The process this handle is used by ([`Transport::at`]), if one: its coordinator's
+    /// envelopes leave from there, and its node follows a new coordinator on its own.
+    me: Option<NodeId>,
 }
 
 impl std::fmt::Debug for SimNet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("SimNet")
-    }
-}
-
-fn host_of(host: NodeId, a: Addr) -> NodeId {
-    match a {
-        Addr::Coordinator | Addr::Checkpoint => host,
-        Addr::Node(n) => n,
     }
 }
 
@@ -218,6 +222,7 @@ impl SimNet {
 
     /// A network over `cluster`, the coordinator hosted on `host`.
     pub fn new(cluster: ClusterSpec, host: NodeId, seed: u64, t0: Instant, trace: Trace) -> Self {
+        let views = cluster.ids().map(|n| (n, host)).collect();
         SimNet {
             state: Arc::new(Mutex::new(State {
                 bytes_sent: vec![0; cluster.nodes.len()],
@@ -229,6 +234,7 @@ impl SimNet {
                 t0,
                 trace,
                 inboxes: BTreeMap::new(),
+                views,
                 down: BTreeSet::new(),
                 partitions: Vec::new(),
                 degraded: BTreeMap::new(),
@@ -241,6 +247,7 @@ impl SimNet {
                 resets: Vec::new(),
             })),
             wake: Arc::new(Notify::new()),
+            me: None,
         }
     }
 
@@ -276,9 +283,8 @@ impl SimNet {
         {
             let mut s = self.state.lock().unwrap();
             let now = s.now_ns();
-            while let Some((t, seq, (from, to, env))) = s.queue.pop_due(now) {
-                let (a, b) = (host_of(s.host, from), host_of(s.host, to));
-                let inbox = s.inboxes.get(&to).cloned();
+            while let Some((t, seq, (from, to, env, a, b))) = s.queue.pop_due(now) {
+                let inbox = s.inboxes.get(&(to, b)).cloned();
                 let key = (a.min(b), a.max(b));
                 let cut = s
                     .resets
@@ -304,12 +310,16 @@ impl SimNet {
     pub fn crash(&self, node: NodeId) {
         let mut s = self.state.lock().unwrap();
         s.down.insert(node);
-        s.inboxes.remove(&Addr::Node(node));
+        s.inboxes.remove(&(Addr::Node(node), node));
     }
 
     /// Bring a crashed node's links back (its process re-registers its inbox).
     pub fn restart(&self, node: NodeId) {
-        self.state.lock().unwrap().down.remove(&node);
+        let mut s = self.state.lock().unwrap();
+        s.down.remove(&node);
+        // The restarted process finds the coordinator that runs now.
+        let host = s.host;
+        s.views.insert(node, host);
     }
 
     /// Reset the connection between `a` and `b`: what is in flight between them, either way,
@@ -372,11 +382,31 @@ impl SimNet {
 
 impl Transport for SimNet {
     fn register(&self, addr: Addr, inbox: Inbox) {
-        self.state.lock().unwrap().inboxes.insert(addr, inbox);
+        let mut s = self.state.lock().unwrap();
+        let owner = match addr {
+            Addr::Node(n) => n,
+            Addr::Coordinator | Addr::Checkpoint => self.me.unwrap_or(s.host),
+        };
+        s.inboxes.insert((addr, owner), inbox);
     }
 
+    /// A node's process follows a new coordinator (its own view); the simulator's own handle
+    /// moves the coordinator the simulation considers current (a successor started).
     fn set_coordinator(&self, host: NodeId) {
-        self.state.lock().unwrap().host = host;
+        let mut s = self.state.lock().unwrap();
+        match self.me {
+            Some(n) => {
+                s.views.insert(n, host);
+            }
+            None => s.host = host,
+        }
+    }
+
+    fn at(&self, node: NodeId) -> Self {
+        SimNet {
+            me: Some(node),
+            ..self.clone()
+        }
     }
 
     fn send(&self, from: Addr, to: Addr, env: Envelope) -> Result<(), TransportError> {
@@ -387,7 +417,16 @@ impl Transport for SimNet {
         if !s.known(from) {
             return Err(TransportError::Unknown(from));
         }
-        let (a, b) = (host_of(s.host, from), host_of(s.host, to));
+        let a = match from {
+            Addr::Node(n) => n,
+            Addr::Coordinator | Addr::Checkpoint => self.me.unwrap_or(s.host),
+        };
+        let b = match (to, from) {
+            (Addr::Node(n), _) => n,
+            (_, Addr::Node(n)) => s.views.get(&n).copied().unwrap_or(s.host),
+            // The coordinator to its checkpoint actor: the same process.
+            _ => a,
+        };
         if s.down.contains(&a) {
             return Err(TransportError::SenderDown(from));
         }
@@ -446,7 +485,7 @@ impl Transport for SimNet {
         };
         let seq = s.seq;
         s.seq += 1;
-        s.queue.push(arrive, seq, (from, to, env));
+        s.queue.push(arrive, seq, (from, to, env, a, b));
         let wake = arrive < s.armed_at;
         if wake {
             s.armed_at = arrive;

@@ -41,6 +41,24 @@ pub enum HostCrash {
     Replan,
     /// During a checkpoint: inside a checkpoint round of seed 0's run.
     Checkpoint,
+    /// Not crashed but cut off: the scenario's partition that isolates the host moves anywhere
+    /// in the run (for as long as written); the others take over, and the stale coordinator
+    /// must step down once it heals.
+    Isolated,
+}
+
+/// The index of the scenario's partition that cuts the coordinator's host off from others.
+fn isolating(s: &Scenario) -> Option<usize> {
+    let host = s.run.coordinator.unwrap_or(NodeId(0));
+    s.faults.iter().position(|f| match f {
+        Fault::Partition { groups, .. } => {
+            let all: usize = groups.iter().map(Vec::len).sum();
+            groups
+                .iter()
+                .any(|g| g.contains(&host) && g.len() * 2 < all)
+        }
+        _ => false,
+    })
 }
 
 impl SweepCase {
@@ -70,6 +88,9 @@ impl SweepCase {
         }
         let host = self.scenario.run.coordinator.unwrap_or(NodeId(0));
         let mut calm = self.scenario.clone();
+        if let Some(i) = isolating(&calm).filter(|_| how == HostCrash::Isolated) {
+            calm.faults.remove(i);
+        }
         calm.faults.retain(|f| {
             !matches!(f, Fault::Crash { node, .. } | Fault::Restart { node, .. } if *node == host)
         });
@@ -88,6 +109,17 @@ impl SweepCase {
 /// the seed: a pure function of both.
 pub fn retime_host_crash(seed: u64, c: &SweepCase, s: &mut Scenario) {
     let host = s.run.coordinator.unwrap_or(NodeId(0));
+    if c.host_crash == HostCrash::Isolated {
+        let mut r = Rng::derive(seed, &[0x15_01]);
+        let at = c.span_s * (0.1 + 0.6 * r.unit());
+        if let Some(Fault::Partition { from_s, to_s, .. }) =
+            isolating(s).and_then(|i| s.faults.get_mut(i))
+        {
+            let lasts = *to_s - *from_s;
+            (*from_s, *to_s) = (at, at + lasts);
+        }
+        return;
+    }
     let Some(hi) = s
         .faults
         .iter()
@@ -97,7 +129,7 @@ pub fn retime_host_crash(seed: u64, c: &SweepCase, s: &mut Scenario) {
     };
     let mut r = Rng::derive(seed, &[0xc0_c0]);
     let at = match c.host_crash {
-        HostCrash::AsWritten => return,
+        HostCrash::AsWritten | HostCrash::Isolated => return,
         HostCrash::Steady => c.span_s * (0.1 + 0.6 * r.unit()),
         // The other crash moves; the simulator crashes the host when that loss is detected
         // (`host_crash_on_loss`).

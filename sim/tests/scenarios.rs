@@ -17,6 +17,7 @@ fn scenario(name: &str) -> Scenario {
         "partition" => include_str!("../../scenarios/partition.toml"),
         "coordinator-crash" => include_str!("../../scenarios/coordinator-crash.toml"),
         "coordinator-crash-replan" => include_str!("../../scenarios/coordinator-crash-replan.toml"),
+        "stale-coordinator" => include_str!("../../scenarios/stale-coordinator.toml"),
         "local-digits" => include_str!("../../scenarios/local-digits.toml"),
         "local-text" => include_str!("../../scenarios/local-text.toml"),
         "local-gpt" => include_str!("../../scenarios/local-gpt.toml"),
@@ -528,6 +529,45 @@ fn sharded_seed_sweep_with_checkers() {
 }
 
 #[test]
+fn a_cut_off_coordinator_steps_down_once_the_partition_heals() {
+    // The coordinator's host is cut off from every other node for 10 s (longer than their
+    // silence), at a moment each seed moves, with 1-3 connection resets: the others take over,
+    // the cut-off coordinator goes on, stale, and must step down once it heals; its checkpoint
+    // writes after its successor's are refused (the checkers fail a seed otherwise).
+    use ravnest_sim::sweep::{HostCrash, SweepCase};
+    let seeds: u64 = std::env::var("RAVNEST_STALE_SEEDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(24);
+    let name = "stale-coordinator";
+    let cases = vec![
+        SweepCase::new(name, scenario(name), 60)
+            .unwrap()
+            .host_crash(HostCrash::Isolated),
+    ];
+    let first: u64 = std::env::var("RAVNEST_STALE_FIRST")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let r = ravnest_sim::sweep::sweep(&cases, first, seeds, 2);
+    assert!(
+        r.failures.is_empty(),
+        "{:?}\nreplay: RAVNEST_STALE_FIRST=SEED RAVNEST_STALE_SEEDS=1 cargo test -p ravnest-sim --test scenarios cut_off",
+        r.failures
+    );
+    // And the shipped file at its own seed: the stale host stepped down (its process exited).
+    let s = scenario(name);
+    let o = SimOptions::for_scenario(&s);
+    let r = run(&s, &o).unwrap();
+    assert!(r.violations.is_empty(), "{:?}", r.violations);
+    let host = r.nodes.iter().find(|n| n.name == "rtx3060-1").unwrap();
+    assert!(
+        host.steps < o.steps,
+        "the stale host trained to the end: {host:?}"
+    );
+}
+
+#[test]
 fn coordinator_failover_seed_sweep() {
     // The coordinator's host crashes in steady state, during a re-plan (a worker was lost just
     // before) and during a checkpoint round; each seed moves the crash and adds 1-3 connection
@@ -677,6 +717,7 @@ fn sim_runs_the_plan_at_the_predicted_speed_on_every_scenario() {
         "sharded-gpt-small",
         "coordinator-crash",
         "coordinator-crash-replan",
+        "stale-coordinator",
         "large-1000",
     ];
     let mut failures = Vec::new();

@@ -104,6 +104,9 @@ pub struct CheckpointActor<T> {
     pub t0: Instant,
     /// Bytes per model element (for the manifest's sizes).
     pub bytes_per_elem: u64,
+    /// The term of the coordinator it serves: stale once a newer one starts on the journal
+    /// (it then records nothing there).
+    pub term: u32,
 }
 
 impl<T> std::fmt::Debug for CheckpointActor<T> {
@@ -179,7 +182,9 @@ impl<T: Transport> CheckpointActor<T> {
     fn record(&self, now: u64, what: &str, from: Option<Addr>, step: u64, event: Option<Event>) {
         self.trace
             .record(now, what, from, Some(Addr::Checkpoint), step);
-        if let Some(e) = event {
+        if let Some(e) = event
+            && !self.log.fenced(self.term)
+        {
             self.log.event(now, e);
         }
     }
@@ -204,9 +209,10 @@ impl<T: Transport> CheckpointActor<T> {
                         step,
                         newer: folder,
                     },
-                    Err(e) => {
-                        Event::Violation(format!("checkpoint {step} could not be stored: {e}"))
-                    }
+                    Err(e) => Event::CheckpointFailed {
+                        step,
+                        why: e.to_string(),
+                    },
                 };
                 self.record(now, "checkpoint-complete", None, step, Some(event));
             }

@@ -47,6 +47,7 @@ pub struct Launch<T> {
     t0: Instant,
     trace: Trace,
     log: SharedLog,
+    term: u32,
 }
 
 /// The node actors a process runs, and how.
@@ -141,6 +142,17 @@ impl<T: Transport> Launch<T> {
             t0: Instant::now(),
             trace: Trace::default(),
             log: SharedLog::default(),
+            term: 0,
+        }
+    }
+
+    /// The same launch for the coordinator's actors of `term` hosted by `host`'s process
+    /// (the transport as that process sees it: [`Transport::at`]), on the same journal.
+    pub fn hosted(&self, host: NodeId, term: u32) -> Launch<T> {
+        Launch {
+            transport: self.transport.at(host),
+            term,
+            ..self.clone()
         }
     }
 
@@ -176,7 +188,7 @@ impl<T: Transport> Launch<T> {
             let (succession, observe) = (n.succession, n.observe);
             Arc::new(move |id: NodeId| NodeActor {
                 id,
-                transport: transport.clone(),
+                transport: transport.at(id),
                 compute: compute.clone(),
                 grad_bytes,
                 model_bytes,
@@ -218,6 +230,7 @@ impl<T: Transport> Launch<T> {
             trace: self.trace.clone(),
             t0: self.t0,
             bytes_per_elem,
+            term: self.term,
         };
         let (ck, _) = Actor::spawn(None, actor, ())
             .await
@@ -259,6 +272,9 @@ impl<T: Transport> Launch<T> {
         succeeds: Option<(Replica, NodeId)>,
     ) -> Result<(ActorRef<CoordMsg>, oneshot::Receiver<()>), LaunchError> {
         let (done_tx, done_rx) = oneshot::channel();
+        if let Some((r, _)) = &succeeds {
+            self.log.raise_fence(r.term);
+        }
         let actor = CoordinatorActor {
             transport: self.transport.clone(),
             config,

@@ -46,6 +46,15 @@ pub trait Transport: Clone + Send + Sync + 'static {
     /// on; envelopes to [`Addr::Coordinator`] go there. A transport that hosts it in one fixed
     /// place (a test's) may ignore this.
     fn set_coordinator(&self, _host: ravnest_core::NodeId) {}
+    /// This transport as the process of `node` uses it (its node actor, or the coordinator it
+    /// hosts): where that process believes the coordinator is, and where its coordinator's
+    /// envelopes leave from. A transport that is one process's already (TCP) is itself.
+    fn at(&self, _node: ravnest_core::NodeId) -> Self
+    where
+        Self: Sized,
+    {
+        self.clone()
+    }
     /// Envelopes from `from` to `to`'s host not yet delivered there (queued, or written and
     /// not acknowledged): what a sender of many large parts paces itself on. A transport that
     /// delivers at once says 0.

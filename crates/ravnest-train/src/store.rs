@@ -467,6 +467,20 @@ impl CheckpointFiles {
     }
 }
 
+/// A testing seam (the chaos suite's full disk): `RAVNEST_FAIL_CHECKPOINT=STEP` makes the
+/// write of the checkpoint of STEP fail as a full disk does.
+const FAIL_CHECKPOINT_ENV: &str = "RAVNEST_FAIL_CHECKPOINT";
+
+fn injected_failure(step: u64) -> Option<std::io::Error> {
+    let at: u64 = std::env::var(FAIL_CHECKPOINT_ENV).ok()?.parse().ok()?;
+    (at == step).then(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::StorageFull,
+            format!("no space left on device (injected by {FAIL_CHECKPOINT_ENV})"),
+        )
+    })
+}
+
 fn manifest_json(m: &Manifest, file: &Path, term: u32) -> String {
     let shards: Vec<serde_json::Value> = m
         .shards
@@ -524,6 +538,12 @@ impl Store for CheckpointFiles {
     /// shard holds its layers' slots (parameters, then their optimizer state, then AdamW's
     /// step count, which every stage's shard carries).
     fn commit(&self, manifest: &Manifest) -> Result<(), StoreError> {
+        if let Some(e) = injected_failure(manifest.step) {
+            return Err(StoreError::Write {
+                path: self.path(manifest.step),
+                source: e,
+            });
+        }
         let p = self.net.params();
         let want = p + self.optim.state_len(p);
         let mut pieces: Vec<write::Piece> = Vec::new();

@@ -59,14 +59,32 @@ impl<T: Transport> CoordinatorActor<T> {
         self.t0.elapsed().as_nanos() as u64
     }
 
+    /// This coordinator's term (0 for the first; a successor's is its replica's).
+    fn term(&self) -> u32 {
+        self.succeeds.as_ref().map_or(0, |(r, _)| r.term)
+    }
+
     fn execute(&self, st: &mut CoordState, effects: Vec<Effect>) {
+        // A stale coordinator (a newer term started on this journal) still sends, as it does
+        // not know, but records nothing: the run's log is the newer term's.
+        let stale = self.log.fenced(self.term());
         for e in effects {
+            if stale
+                && !matches!(
+                    e,
+                    Effect::Send(..) | Effect::Checkpoint(_) | Effect::Finished
+                )
+            {
+                continue;
+            }
             match e {
                 Effect::Send(to, env) => {
                     let _ = self.transport.send(Addr::Coordinator, Addr::Node(to), env);
                 }
                 Effect::Checkpoint(env) => {
-                    if let Envelope::CheckpointBegin { step, .. } = &env {
+                    if let Envelope::CheckpointBegin { step, .. } = &env
+                        && !stale
+                    {
                         self.log.checkpoint_opened(self.now_ns(), *step);
                     }
                     let _ = self
@@ -94,7 +112,9 @@ impl<T: Transport> CoordinatorActor<T> {
                     log.last_step = to.checked_sub(1);
                 }
                 Effect::Finished => {
-                    self.log.lock().unwrap().local_sgd = st.core.used_local_sgd();
+                    if !stale {
+                        self.log.lock().unwrap().local_sgd = st.core.used_local_sgd();
+                    }
                     if let Some(tx) = st.done.take() {
                         let _ = tx.send(());
                     }

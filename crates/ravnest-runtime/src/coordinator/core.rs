@@ -377,6 +377,11 @@ pub struct Coordinator {
     left_out: BTreeMap<NodeId, u64>,
     /// Nodes that joined and wait for the next epoch.
     joiners: BTreeSet<NodeId>,
+    /// Fail-over: the live members when the running epoch began (a successor: its replica's,
+    /// its lost predecessor included). A loss that leaves fewer than half of them is more
+    /// likely this host cut off than most nodes dead: training waits for them instead of going
+    /// on alone (the others take over; a stale coordinator must not train a branch of its own).
+    quorum: usize,
     /// The part each worker of the latest sharded epoch owns (empty after any other epoch).
     shard_parts: BTreeMap<NodeId, LayerRange>,
     /// Nodes that asked to leave: planned out at the next epoch, told to stop when no running
@@ -474,6 +479,7 @@ impl Coordinator {
             assumed,
             left_out: BTreeMap::new(),
             joiners: BTreeSet::new(),
+            quorum: 0,
             shard_parts: BTreeMap::new(),
             leaving: BTreeSet::new(),
             over: 0,
@@ -526,6 +532,7 @@ impl Coordinator {
         c.floor = r.floor;
         c.catch_up = r.floor;
         c.taking_over = Some((predecessor, r.term));
+        c.quorum = r.members.len() + 1;
         c.resume_from = Some(r.involved.iter().copied().collect());
         c
     }
@@ -947,6 +954,7 @@ impl Coordinator {
             Err(Unstaffed::Short(why)) => return self.finish(Event::Stalled(why)),
         };
         self.waiting = None;
+        self.quorum = s.live.len();
         let (policy, collective) = match s.plan.sync.method {
             SyncMethod::LocalSgd {
                 local_steps,
@@ -1022,6 +1030,14 @@ impl Coordinator {
         live.retain(|n| !self.leaving.contains(n));
         if live.is_empty() {
             return Err(Unstaffed::Lost("no live nodes".into()));
+        }
+        // (Only when resuming after losses: no epoch runs.)
+        if self.cfg.host.is_some() && self.eras.is_empty() && live.len() * 2 < self.quorum {
+            return Err(Unstaffed::Short(format!(
+                "only {} of the {} members are reachable: this coordinator may be cut off while the others take over; waiting for them",
+                live.len(),
+                self.quorum
+            )));
         }
         if !holders.keys().any(|h| self.detector.is_alive(*h)) {
             return Err(Unstaffed::Lost(

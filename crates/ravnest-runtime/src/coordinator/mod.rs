@@ -141,6 +141,15 @@ pub enum Event {
         /// Why the live nodes cannot train.
         why: String,
     },
+    /// The checkpoint of `step` was complete but could not be written (a full disk, a write
+    /// error): the previous checkpoint stays the latest, and training goes on (the next one is
+    /// due at the next interval; a run whose last checkpoint fails ends with an error).
+    CheckpointFailed {
+        /// The checkpoint.
+        step: u64,
+        /// Why, naming the file.
+        why: String,
+    },
     /// The checkpoint of `step` (0: a restore from the folder) was refused: a coordinator of the
     /// newer term `newer` writes to the folder (this one is stale: cut off or frozen while
     /// another node took over).
@@ -177,6 +186,7 @@ impl Event {
             Event::Violation(_) => "violation",
             Event::Waiting { .. } => "waiting",
             Event::Superseded { .. } => "superseded",
+            Event::CheckpointFailed { .. } => "checkpoint-failed",
             Event::Stalled(_) => "stalled",
             Event::Finished => "finished",
         }
@@ -238,9 +248,26 @@ pub enum Note {
 pub struct Journal {
     log: Mutex<RunLog>,
     listeners: Mutex<Vec<mpsc::UnboundedSender<Note>>>,
+    /// The newest coordinator term that started on this journal: a coordinator (and its
+    /// checkpoint actor) of an older one is stale, and what it records is left out. One
+    /// process hosts one coordinator at a time in `ravnest run`, so this matters where a
+    /// journal outlives a take-over: the simulator, where a stale coordinator goes on until a
+    /// node tells it of the newer term.
+    fence: std::sync::atomic::AtomicU32,
 }
 
 impl Journal {
+    /// A coordinator of `term` starts on this journal: those of older terms are stale.
+    pub fn raise_fence(&self, term: u32) {
+        self.fence
+            .fetch_max(term, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether a coordinator of `term` is stale here (a newer term started on this journal).
+    pub fn fenced(&self, term: u32) -> bool {
+        term < self.fence.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// The log, locked (for reading, or for fields without listeners).
     pub fn lock(&self) -> LockResult<MutexGuard<'_, RunLog>> {
         self.log.lock()
@@ -272,6 +299,11 @@ impl Journal {
         let steps = {
             let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
             if log.last_step.is_some_and(|l| step <= l) {
+                // Agreed again (a successor redid it): counted once, and the version is the
+                // one agreed last (another plan may sum the batch in another order).
+                if let Some(d) = digest {
+                    log.synced_digest.insert(step + 1, d);
+                }
                 return;
             }
             log.last_step = Some(step);

@@ -3,14 +3,13 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use ravnest_core::{LayerRange, NodeId};
 
 use super::state::{Fetch, NodeMsg, NodeState};
 use super::versions::{Keep, Version};
-use super::{NodeActor, Start, Verdict, spawn_link_probes};
+use super::{NodeActor, Start, spawn_link_probes};
 use crate::collective::{CollectiveActor, CollectiveMsg};
 use crate::msg::{Addr, Envelope, Work};
 use crate::seams::{Compute, Transport};
@@ -337,45 +336,9 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         self.advance(st).await;
     }
 
-    /// Fail-over: act on what the watch over the coordinator decided. The transport is
-    /// redirected here; the process is told (it starts a coordinator on a take-over).
-    fn on_verdict(&self, v: Option<Verdict>) {
-        let Some(v) = v else { return };
-        let Some(sc) = &self.succession else { return };
-        match &v {
-            Verdict::Follow(host) => self.transport.set_coordinator(*host),
-            Verdict::TakeOver(_) => self.transport.set_coordinator(self.id),
-            Verdict::Lost(_) => {}
-        }
-        (sc.on_verdict)(self.id, v);
-    }
-
-    /// A coordinator of `term` on `host` was heard from: if this node knows a newer term, the
-    /// stale coordinator is sent the newer replica (its host's node follows it, and its process
-    /// steps down).
-    fn answer_stale(&self, st: &State<C>, term: u32, host: NodeId) {
-        if let Some(r) = st.watch.as_ref().and_then(|w| w.answer(term, host)) {
-            self.send(Addr::Node(host), Envelope::Succession(Box::new(r)));
-        }
-    }
-
-    fn now_ms(&self) -> u64 {
-        self.t0.elapsed().as_millis() as u64
-    }
-
     async fn on_net(&self, st: &mut State<C>, from: Addr, env: Envelope) {
-        if from == Addr::Coordinator
-            && let Some(w) = &mut st.watch
-        {
-            w.heard(self.now_ms());
-        }
         match env {
-            Envelope::Succession(r) => {
-                self.answer_stale(st, r.term, r.host);
-                let v = st.watch.as_mut().and_then(|w| w.replica(*r, self.now_ms()));
-                self.on_verdict(v);
-            }
-            Envelope::Lease { term, host } => self.answer_stale(st, term, host),
+            // The watch takes replicas and leases from the inbox (see `Watcher`).
             Envelope::Work(w) => self.on_work(st, *w).await,
             Envelope::Grant { epoch, until } => {
                 self.on_grant(st, epoch, until);
@@ -487,9 +450,14 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
             myself.get_cell(),
         )
         .await?;
-        // Collective traffic goes straight to the collective actor; the rest to the node.
+        let watcher = self
+            .succession
+            .clone()
+            .map(|sc| super::watcher::Watcher::new(self.id, self.transport.clone(), sc, self.t0));
+        // Collective traffic goes straight to the collective actor; the watch over the
+        // coordinator takes its part; the rest goes to the node.
         {
-            let (node, coll) = (myself.clone(), collective.clone());
+            let (node, coll, w) = (myself.clone(), collective.clone(), watcher.clone());
             self.transport.register(
                 self.me(),
                 Arc::new(move |from, env| match env {
@@ -497,7 +465,9 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
                         let _ = coll.cast(CollectiveMsg::Net(msg));
                     }
                     env => {
-                        let _ = node.cast(NodeMsg::Net(from, env));
+                        if !w.as_ref().is_some_and(|w| w.on_envelope(from, &env)) {
+                            let _ = node.cast(NodeMsg::Net(from, env));
+                        }
                     }
                 }),
             );
@@ -507,16 +477,11 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
             collective: Some(collective),
             ..NodeState::default()
         };
-        if let Some(sc) = &self.succession {
-            let silence_ms = sc.silence.as_millis() as u64;
-            st.watch = Some(crate::coordinator::succession::Watch::new(
-                self.id,
-                sc.host,
-                silence_ms,
-                self.now_ms(),
-            ));
-            let period = Duration::from_millis((silence_ms / 10).max(10));
-            st.watch_ticker = Some(myself.send_interval(period, || NodeMsg::Watch));
+        // The watch ticks between the node's messages: a gap (a long step) is its own stall,
+        // not the coordinator's silence.
+        if let Some(w) = watcher {
+            st.watch_ticker = Some(myself.send_interval(w.period(), || NodeMsg::Watch));
+            st.watcher = Some(super::watcher::Tick(Box::new(move || w.tick())));
         }
         match start {
             Start::Fresh => {
@@ -547,8 +512,9 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
             NodeMsg::Collective(outcome) => self.on_outcome(st, outcome).await,
             NodeMsg::Advance => self.advance(st).await,
             NodeMsg::Watch => {
-                let v = st.watch.as_mut().and_then(|w| w.tick(self.now_ms()));
-                self.on_verdict(v);
+                if let Some(tick) = &st.watcher {
+                    (tick.0)();
+                }
             }
         }
         Ok(())

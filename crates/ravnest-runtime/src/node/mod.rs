@@ -14,6 +14,7 @@ mod shard;
 pub mod state;
 pub mod step;
 pub mod versions;
+mod watcher;
 
 use std::collections::BTreeMap;
 use std::ops::Range;

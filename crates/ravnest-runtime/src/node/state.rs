@@ -84,8 +84,8 @@ pub struct NodeState<M, G> {
     pub(super) group: Option<(u64, Arc<Group>)>,
     pub(super) probes: ProbeWaiters,
     pub(super) probe_seq: u64,
-    /// Fail-over: the watch over the coordinator, and its ticker.
-    pub(super) watch: Option<crate::coordinator::succession::Watch>,
+    /// Fail-over: the watch over the coordinator's tick, and its ticker.
+    pub(super) watcher: Option<super::watcher::Tick>,
     pub(super) watch_ticker: Option<tokio::task::JoinHandle<()>>,
 }
 
@@ -110,7 +110,7 @@ impl<M, G> Default for NodeState<M, G> {
             group: None,
             probes: ProbeWaiters::default(),
             probe_seq: 0,
-            watch: None,
+            watcher: None,
             watch_ticker: None,
         }
     }

@@ -41,9 +41,11 @@ const HISTORY_MAX: usize = 1 << 18;
 /// Parts of a checkpoint shard on their way at once (made, queued or unacknowledged): 4 of
 /// [`crate::msg::SHARD_PART`] values, 4 MiB.
 const SHARD_AHEAD: usize = 4;
-/// How long a shard's writer waits in all for its parts to be acknowledged before it sends the
-/// rest unpaced.
-const SHARD_PATIENCE: Duration = Duration::from_secs(10);
+/// How long a shard's writer waits without any part acknowledged before it sends the rest
+/// unpaced (a host that stopped storing: the failure detector, not this wait, decides about it;
+/// and the node's watch over the coordinator ticks between its messages, so this wait stays
+/// well under the silence after which the coordinator is suspected).
+const SHARD_PATIENCE: Duration = Duration::from_secs(1);
 /// Between looks at what is on its way.
 const SHARD_NAP: Duration = Duration::from_millis(1);
 
@@ -680,14 +682,22 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     /// Wait while more than [`SHARD_AHEAD`] envelopes to `to` are on their way, for at most
-    /// `patience` in all (a peer that stopped acknowledging gets the rest unpaced: the failure
-    /// detector, not this wait, decides about it); what is left of the patience.
+    /// `patience` without one of them acknowledged (each acknowledgment gives the full
+    /// [`SHARD_PATIENCE`] back; a peer that stopped acknowledging gets the rest unpaced: the
+    /// failure detector, not this wait, decides about it); what is left of the patience.
     async fn pace(&self, to: Addr, mut patience: Duration) -> Duration {
         let me = self.me();
-        while self.transport.in_flight(me, to) > SHARD_AHEAD && !patience.is_zero() {
+        let mut seen = self.transport.in_flight(me, to);
+        while seen > SHARD_AHEAD && !patience.is_zero() {
             let nap = SHARD_NAP.min(patience);
             tokio::time::sleep(nap).await;
-            patience -= nap;
+            let now = self.transport.in_flight(me, to);
+            patience = if now < seen {
+                SHARD_PATIENCE
+            } else {
+                patience - nap
+            };
+            seen = now;
         }
         patience
     }

@@ -325,6 +325,9 @@ pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
         ),
         Event::CheckpointComplete { step, .. } => format!("checkpoint of step {step} written"),
         Event::Violation(w) => format!("violation: {w}"),
+        Event::CheckpointFailed { step, why } => format!(
+            "the checkpoint of step {step} could not be written ({why}); the previous one stays the latest, and training goes on"
+        ),
         Event::Superseded { step, newer } => format!(
             "a coordinator of the newer term {newer} writes to the checkpoint folder: {} refused",
             if *step == 0 {

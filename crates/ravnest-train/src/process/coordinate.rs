@@ -465,6 +465,12 @@ async fn train(
             }
             // Its last checkpoint refused: a newer term wrote to the folder meanwhile.
             Event::Superseded { newer, .. } => return Err(step_down(h, term, *newer, None)),
+            // An earlier one is said and passed over; the run's final model must be on disk.
+            Event::CheckpointFailed { step, why } if *step == s.run.steps => {
+                return Err(RunError::Stopped(format!(
+                    "the final checkpoint (step {step}) could not be written: {why}"
+                )));
+            }
             _ => {}
         }
     }

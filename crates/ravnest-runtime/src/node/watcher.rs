@@ -1,0 +1,118 @@
+//! A node's watch over the coordinator, as its process runs it: the pure
+//! [`Watch`](crate::coordinator::succession::Watch) behind a lock, fed from the node's inbox
+//! before its mailbox (a node busy with a long step still hears the coordinator, follows a
+//! successor, and tells a stale coordinator of the newer term at once), and ticked by the node.
+
+use std::sync::{Arc, Mutex};
+
+use ravnest_core::NodeId;
+use tokio::time::Instant;
+
+use super::{Succession, Verdict};
+use crate::coordinator::succession::Watch;
+use crate::msg::{Addr, Envelope};
+use crate::seams::Transport;
+
+/// The watch of node `id`, shared by its inbox and its actor.
+#[derive(Clone)]
+pub(super) struct Watcher<T> {
+    id: NodeId,
+    transport: T,
+    succession: Succession,
+    watch: Arc<Mutex<Watch>>,
+    t0: Instant,
+}
+
+impl<T: Transport> Watcher<T> {
+    pub(super) fn new(id: NodeId, transport: T, succession: Succession, t0: Instant) -> Self {
+        let silence_ms = succession.silence.as_millis() as u64;
+        let now_ms = t0.elapsed().as_millis() as u64;
+        Watcher {
+            watch: Arc::new(Mutex::new(Watch::new(
+                id,
+                succession.host,
+                silence_ms,
+                now_ms,
+            ))),
+            id,
+            transport,
+            succession,
+            t0,
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.t0.elapsed().as_millis() as u64
+    }
+
+    /// How often the node ticks it: a tenth of the silence.
+    pub(super) fn period(&self) -> std::time::Duration {
+        (self.succession.silence / 10).max(std::time::Duration::from_millis(10))
+    }
+
+    /// An envelope for this node, before its mailbox: the watch's part of it. Anything from
+    /// the coordinator is a sign of life; a replica or a lease is the watch's alone (true:
+    /// consumed here).
+    pub(super) fn on_envelope(&self, from: Addr, env: &Envelope) -> bool {
+        let now = self.now_ms();
+        let (answer, verdict) = {
+            let mut w = self.watch.lock().unwrap_or_else(|p| p.into_inner());
+            if from == Addr::Coordinator {
+                w.heard(now);
+            }
+            match env {
+                Envelope::Succession(r) => {
+                    let answer = w.answer(r.term, r.host).map(|a| (r.host, a));
+                    (answer, w.replica((**r).clone(), now))
+                }
+                Envelope::Lease { term, host } => {
+                    (w.answer(*term, *host).map(|a| (*host, a)), None)
+                }
+                _ => return false,
+            }
+        };
+        // A coordinator of an older term was heard from: it is sent the newer replica (its
+        // host's node follows it, and its process steps down).
+        if let Some((host, r)) = answer {
+            let _ = self.transport.send(
+                Addr::Node(self.id),
+                Addr::Node(host),
+                Envelope::Succession(Box::new(r)),
+            );
+        }
+        self.act(verdict);
+        true
+    }
+
+    /// Time passed (the node's ticker).
+    pub(super) fn tick(&self) {
+        let now = self.now_ms();
+        let v = self
+            .watch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .tick(now);
+        self.act(v);
+    }
+
+    /// Act on what the watch decided: the transport is redirected here; the process is told
+    /// (it starts a coordinator on a take-over, steps a stale one down on a follow).
+    fn act(&self, v: Option<Verdict>) {
+        let Some(v) = v else { return };
+        match &v {
+            Verdict::Follow(host) => self.transport.set_coordinator(*host),
+            Verdict::TakeOver(_) => self.transport.set_coordinator(self.id),
+            Verdict::Lost(_) => {}
+        }
+        (self.succession.on_verdict)(self.id, v);
+    }
+}
+
+/// The node's handle on its watcher's tick (the actor's state does not name the transport).
+pub(crate) struct Tick(pub(super) Box<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for Tick {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Tick")
+    }
+}
