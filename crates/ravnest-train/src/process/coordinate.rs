@@ -402,7 +402,11 @@ async fn train(
         term,
         ..su.files.clone()
     };
-    let ck = launch.checkpoints(Arc::new(files), 4).await?;
+    let files = Arc::new(files);
+    let ck = launch.checkpoints(files.clone(), 4).await?;
+    // A shared checkpoint folder also tells a stale coordinator of a newer term (one that
+    // waits, cut off, or whose successor finished while it was frozen, hears from no node).
+    let mut look = tokio::time::interval(Duration::from_secs(1));
     let train_started = Instant::now();
     let tick = Duration::from_millis(s.run.heartbeat_ms / 2 + 1);
     // A successor appends to the events its predecessor wrote.
@@ -429,6 +433,13 @@ async fn train(
                 }
             }
             _ = &mut done => break,
+            _ = look.tick() => {
+                if let Some(newer) = ravnest_runtime::checkpoint::Store::superseded(&*files) {
+                    coord.stop(None);
+                    ck.stop(None);
+                    return Err(step_down(h, term, newer, None));
+                }
+            }
             Some((_, v)) = verdicts.recv() => {
                 if let ravnest_runtime::node::Verdict::Follow(next) = v {
                     // A newer term took over while this process was cut off or frozen: stop
