@@ -261,6 +261,8 @@ enum Unstaffed {
     /// The live nodes hold it but cannot train (no plan fits them): nodes that come back may
     /// help; a restore cannot.
     Short(String),
+    /// Fewer than half of the members are reachable (fail-over): wait for them.
+    CutOff(String),
 }
 
 /// Training waits for nodes: the live ones hold version `from` (`holders`) but no plan fits
@@ -271,6 +273,8 @@ struct Waiting {
     holders: Holders,
     why: String,
     since_ms: u64,
+    /// Waiting because fewer than half of the members are reachable (see `quorum`).
+    cut_off: bool,
 }
 
 /// One epoch's assignment, as the coordinator keeps it.
@@ -951,6 +955,13 @@ impl Coordinator {
             Err(Unstaffed::Short(why)) if self.eras.is_empty() && self.epoch > 0 => {
                 return self.wait(from, holders, why);
             }
+            Err(Unstaffed::CutOff(why)) => {
+                self.wait(from, holders, why);
+                if let Some(w) = &mut self.waiting {
+                    w.cut_off = true;
+                }
+                return;
+            }
             Err(Unstaffed::Short(why)) => return self.finish(Event::Stalled(why)),
         };
         self.waiting = None;
@@ -1033,7 +1044,7 @@ impl Coordinator {
         }
         // (Only when resuming after losses: no epoch runs.)
         if self.cfg.host.is_some() && self.eras.is_empty() && live.len() * 2 < self.quorum {
-            return Err(Unstaffed::Short(format!(
+            return Err(Unstaffed::CutOff(format!(
                 "only {} of the {} members are reachable: this coordinator may be cut off while the others take over; waiting for them",
                 live.len(),
                 self.quorum
@@ -1110,6 +1121,7 @@ impl Coordinator {
             holders: holders.clone(),
             why,
             since_ms,
+            cut_off: false,
         });
         self.replicate(true);
     }
@@ -1127,6 +1139,14 @@ impl Coordinator {
     fn give_up_waiting(&mut self) {
         let Some(w) = &self.waiting else { return };
         let waited = self.now_ms.saturating_sub(w.since_ms);
+        // A successor that took over while cut off from most of the members (a node frozen
+        // or partitioned alone suspected the coordinator like the others) gives its term up
+        // after three silences: the coordinator it replaced may well be training on with them.
+        if w.cut_off && self.term > 0 && waited > 9 * self.cfg.heartbeat_timeout_ms {
+            let (step, why) = (w.from, w.why.clone());
+            self.waiting = None;
+            return self.finish(Event::CutOff { step, why });
+        }
         if waited <= self.cfg.wait_for_nodes_ms {
             return;
         }

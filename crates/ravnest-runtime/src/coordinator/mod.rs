@@ -150,6 +150,15 @@ pub enum Event {
         /// Why, naming the file.
         why: String,
     },
+    /// A successor that took over while cut off from most of the members could not reach them
+    /// for three silences: it gives its term up (its process leaves the run, which goes on
+    /// under the coordinator it replaced, if that one lives).
+    CutOff {
+        /// The step it waited at.
+        step: u64,
+        /// Why it waited.
+        why: String,
+    },
     /// The checkpoint of `step` (0: a restore from the folder) was refused: a coordinator of the
     /// newer term `newer` writes to the folder (this one is stale: cut off or frozen while
     /// another node took over).
@@ -186,6 +195,7 @@ impl Event {
             Event::Violation(_) => "violation",
             Event::Waiting { .. } => "waiting",
             Event::Superseded { .. } => "superseded",
+            Event::CutOff { .. } => "cut-off",
             Event::CheckpointFailed { .. } => "checkpoint-failed",
             Event::Stalled(_) => "stalled",
             Event::Finished => "finished",

@@ -325,6 +325,9 @@ pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
         ),
         Event::CheckpointComplete { step, .. } => format!("checkpoint of step {step} written"),
         Event::Violation(w) => format!("violation: {w}"),
+        Event::CutOff { step, why } => {
+            format!("this coordinator gives its term up at step {step}: {why}, for three silences")
+        }
         Event::CheckpointFailed { step, why } => format!(
             "the checkpoint of step {step} could not be written ({why}); the previous one stays the latest, and training goes on"
         ),

@@ -476,6 +476,14 @@ async fn train(
             }
             // Its last checkpoint refused: a newer term wrote to the folder meanwhile.
             Event::Superseded { newer, .. } => return Err(step_down(h, term, *newer, None)),
+            // It took over cut off from most members and could not reach them: it leaves.
+            Event::CutOff { step, why } => {
+                let why = format!(
+                    "stepping down: this node took over as coordinator (term {term}) while cut off from most of the members, and could not reach them ({why}); it leaves the run at step {step}, which goes on under the coordinator it replaced if that one lives"
+                );
+                h.say.cluster(why.clone());
+                return Err(RunError::SteppedDown(why));
+            }
             // An earlier one is said and passed over; the run's final model must be on disk.
             Event::CheckpointFailed { step, why } if *step == s.run.steps => {
                 return Err(RunError::Stopped(format!(
