@@ -220,6 +220,27 @@ pub(super) fn learn_member(cluster: &mut ravnest_core::ClusterSpec, e: &Event) {
     }
 }
 
+/// The events of a stale term and of a checkpoint not written, in words.
+fn describe_split(e: &Event) -> String {
+    match e {
+        Event::CutOff { step, why } => {
+            format!("this coordinator gives its term up at step {step}: {why}, for three silences")
+        }
+        Event::CheckpointFailed { step, why } => format!(
+            "the checkpoint of step {step} could not be written ({why}); the previous one stays the latest, and training goes on"
+        ),
+        Event::Superseded { step, newer } => format!(
+            "a coordinator of the newer term {newer} writes to the checkpoint folder: {} refused",
+            if *step == 0 {
+                "restoring from it".to_string()
+            } else {
+                format!("the checkpoint of step {step}")
+            }
+        ),
+        _ => String::new(),
+    }
+}
+
 /// A coordinator event in words, with node names.
 pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
     let name = |n: &NodeId| {
@@ -325,20 +346,9 @@ pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
         ),
         Event::CheckpointComplete { step, .. } => format!("checkpoint of step {step} written"),
         Event::Violation(w) => format!("violation: {w}"),
-        Event::CutOff { step, why } => {
-            format!("this coordinator gives its term up at step {step}: {why}, for three silences")
+        Event::CutOff { .. } | Event::CheckpointFailed { .. } | Event::Superseded { .. } => {
+            describe_split(e)
         }
-        Event::CheckpointFailed { step, why } => format!(
-            "the checkpoint of step {step} could not be written ({why}); the previous one stays the latest, and training goes on"
-        ),
-        Event::Superseded { step, newer } => format!(
-            "a coordinator of the newer term {newer} writes to the checkpoint folder: {} refused",
-            if *step == 0 {
-                "restoring from it".to_string()
-            } else {
-                format!("the checkpoint of step {step}")
-            }
-        ),
         Event::Waiting { step, why } => {
             format!("{why}: training waits at step {step} for lost nodes to come back")
         }

@@ -85,7 +85,7 @@ pub(super) async fn take_over(
     r: Replica,
     from: NodeId,
     verdicts: &mut Verdicts,
-) -> Result<Coordinated, RunError> {
+) -> Result<Option<Coordinated>, RunError> {
     let _leases = leases(h, &r.members, r.term);
     let cluster = r.cluster.clone();
     let name = |n: NodeId| {
@@ -108,7 +108,7 @@ pub(super) async fn take_over(
     let trained = train(h, config, Some((r, from)), verdicts).await?;
     let report = coordinator_report(h, &cluster, &BTreeMap::new(), &trained);
     let (reports_rx, expected) = finish_workers(h, &cluster, &members, &trained.log).await;
-    Ok((report, reports_rx, expected))
+    Ok(Some((report, reports_rx, expected)))
 }
 
 /// The coordinator's leases (of `term`): one to each of `nodes` but this one every period, so

@@ -227,9 +227,7 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
                 return Ok(leave(&host).await);
             }
             Ok(worker::Ending::TakeOver(r, from)) => {
-                coordinate::take_over(&host, r, from, &mut verdicts)
-                    .await
-                    .map(Some)
+                coordinate::take_over(&host, r, from, &mut verdicts).await
             }
             Err(e) => Err(e),
         }
