@@ -64,8 +64,11 @@ impl FailureDetector {
         self.timeout_ms
     }
 
-    /// Start (or restart, after a rejoin) watching `node`, as if just heard.
+    /// Start (or restart, after a rejoin) watching `node`, as if just heard. The first watch
+    /// also starts the clock of the stall rule: a stall before the first tick (a coordinator
+    /// frozen right after it started) is the detector's own too.
     pub fn watch(&mut self, node: NodeId, now_ms: u64) {
+        self.last_tick_ms.get_or_insert(now_ms);
         self.peers.insert(
             node,
             Peer {
@@ -247,6 +250,15 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_detector_frozen_before_its_first_tick_does_not_declare_everyone_dead() {
+        let mut d = FailureDetector::new(300).with_stall_limit(150);
+        d.watch(NodeId(1), 10);
+        assert!(d.tick(5000).is_empty(), "a stall before the first tick");
+        let dead: usize = (5100..=5400).step_by(100).map(|t| d.tick(t).len()).sum();
+        assert_eq!(dead, 1, "then silence counts again");
     }
 
     #[test]

@@ -472,6 +472,10 @@ async fn train(
     for (_, e) in &log.events {
         match e {
             Event::Stalled(why) | Event::Violation(why) => {
+                // Stalled, but a newer term wrote to the folder meanwhile: this one was stale.
+                if let Some(newer) = ravnest_runtime::checkpoint::Store::superseded(&*files) {
+                    return Err(step_down(h, term, newer, None));
+                }
                 return Err(RunError::Stopped(why.clone()));
             }
             // Its last checkpoint refused: a newer term wrote to the folder meanwhile.
