@@ -788,7 +788,7 @@ fn run_command(cmd: RunCmd) -> Result<()> {
     // --discover without a file finds a cluster to join; with one, it announces its nodes.
     let find = discover && file.is_none();
     let seed = join.as_deref().filter(|a| !a.is_empty());
-    let (origin, text, steps) = match (&file, seed) {
+    let (origin, text, steps, newcomer) = match (&file, seed) {
         (None, None) if find => {
             let Some(me) = node.as_deref() else {
                 bail!(
@@ -798,29 +798,32 @@ fn run_command(cmd: RunCmd) -> Result<()> {
             let wait = discover_timeout.map_or(ravnest_train::discover::DEFAULT_TIMEOUT, |s| {
                 std::time::Duration::from_secs(s)
             });
-            let (origin, text, n) = run::discover_cluster_file(cluster.as_deref(), me, wait)?;
-            (origin, text, Some(steps.unwrap_or(n)))
+            let (origin, text, n, new) =
+                run::discover_cluster_file(cluster.as_deref(), me, advertise.as_deref(), wait)?;
+            (origin, text, Some(steps.unwrap_or(n)), new)
         }
         (Some(p), Some(a)) => bail!(
             "give a cluster file or --join {a}, not both (`{}` and the file fetched from {a} could differ)",
             p.display()
         ),
         (None, Some(a)) => {
-            if node.is_none() {
+            let Some(me) = node.as_deref() else {
                 bail!("--join {a}: name the node this process is with --node NAME");
-            }
-            let (origin, text, n) = run::fetch_cluster_file(a)?;
-            (origin, text, Some(steps.unwrap_or(n)))
+            };
+            let (origin, text, n, new) = run::fetch_cluster_file(a, me, advertise.as_deref())?;
+            (origin, text, Some(steps.unwrap_or(n)), new)
         }
         (None, None) => (
             scenarios::RUN_DEFAULT.0.to_string(),
             scenarios::RUN_DEFAULT.1.to_string(),
             steps,
+            false,
         ),
         (Some(p), None) => (
             p.display().to_string(),
             std::fs::read_to_string(p).with_context(|| format!("cannot read `{}`", p.display()))?,
             steps,
+            false,
         ),
     };
     run::run(run::RunArgs {
@@ -828,6 +831,7 @@ fn run_command(cmd: RunCmd) -> Result<()> {
         text,
         node,
         join: join.is_some() || find,
+        newcomer,
         resume,
         overwrite,
         wait,

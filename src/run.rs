@@ -54,6 +54,9 @@ pub struct RunArgs {
     pub spans: bool,
     /// When each node announces itself on the LAN (for `--discover`).
     pub announce: ravnest_train::discover::Announce,
+    /// The coordinator's host gave this node its place (`--join` with a name the cluster file
+    /// lacked): it registers as a new node.
+    pub newcomer: bool,
 }
 
 fn default_out(s: &Scenario) -> PathBuf {
@@ -74,26 +77,23 @@ pub fn run(args: RunArgs) -> Result<()> {
     if args.join && args.node.is_none() {
         bail!("--join restarts one node: name it with --node NAME");
     }
-    // A name the file does not have joins as a new node, reached at its `--advertise` address.
-    let mut text = args.text.clone();
-    let newcomer = args.join
-        && args
-            .node
-            .as_ref()
-            .is_some_and(|me| !scenario.cluster.nodes.iter().any(|n| &n.name == me));
-    if let (true, Some(me)) = (newcomer, &args.node) {
-        let Some(addr) = &args.advertise else {
+    // A name the file did not have joins as a new node: the coordinator's host gave it its
+    // place in the file it fetched (which needs the address peers reach it at).
+    let text = args.text.clone();
+    let newcomer = args.join && args.newcomer;
+    if let Some(me) = args
+        .node
+        .as_ref()
+        .filter(|me| args.join && !scenario.cluster.nodes.iter().any(|n| &n.name == *me))
+    {
+        if args.advertise.is_none() {
             bail!(
                 "--join: `{me}` is not a node of the cluster file, so it joins as a new node: say where peers reach it with --advertise HOST:PORT"
             );
-        };
-        text +=
-            &ravnest_train::process::member_section(me, &scenario.cluster.nodes[0].device, addr);
-        scenario = ravnest_core::parse(&text, &args.origin)?;
-        scenario.run.steps = steps;
-        if let Some(w) = args.wait {
-            scenario.run.register_timeout_s = w;
         }
+        bail!(
+            "--join: `{me}` is not a node of the cluster file, and the coordinator's host gave it no place"
+        );
     }
     // (A name not in the file is the node process's error, which lists the names.)
     if let Some(i) = args
@@ -563,17 +563,24 @@ fn say(json: bool, e: &RunEvent) {
 }
 
 /// `--join HOST:PORT`: the cluster file from a running node, authenticated with the secret in
-/// `RAVNEST_SECRET` (the default secret of files without one when unset). Returns (origin,
-/// text, steps).
-pub fn fetch_cluster_file(addr: &str) -> Result<(String, String, u64)> {
+/// `RAVNEST_SECRET` (the default secret of files without one when unset), asked for as node
+/// `me` (reached at `advertise`: a name the file lacks gets its place from the coordinator's
+/// host). Returns (origin, text, steps, whether `me` is new to the cluster).
+pub fn fetch_cluster_file(
+    addr: &str,
+    me: &str,
+    advertise: Option<&str>,
+) -> Result<(String, String, u64, bool)> {
     let sa: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(addr)
         .ok()
         .and_then(|mut it| it.next())
         .with_context(|| format!("--join {addr}: not a reachable host:port"))?;
-    let doc = fetch_at(sa).map_err(|e| explained(&format!("--join {addr}"), e))?;
+    let (doc, from) =
+        fetch_at(sa, me, advertise).map_err(|e| explained(&format!("--join {addr}"), e))?;
     let (origin, text, steps) = ravnest_train::process::read_share_document(&doc)
         .with_context(|| format!("--join {addr}"))?;
-    Ok((format!("{origin} (from {addr})"), text, steps))
+    let newcomer = ravnest_train::process::is_newcomer_document(&doc, me);
+    Ok((format!("{origin} (from {from})"), text, steps, newcomer))
 }
 
 /// `--discover` without a file: listen for the announcements of `cluster` (of the only cluster
@@ -584,8 +591,9 @@ pub fn fetch_cluster_file(addr: &str) -> Result<(String, String, u64)> {
 pub fn discover_cluster_file(
     cluster: Option<&str>,
     me: &str,
+    advertise: Option<&str>,
     wait: Duration,
-) -> Result<(String, String, u64)> {
+) -> Result<(String, String, u64, bool)> {
     use ravnest_runtime::tcp::{HandshakeError, PROTOCOL_VERSION};
     use ravnest_train::discover;
     let wanted = match cluster {
@@ -617,18 +625,20 @@ pub fn discover_cluster_file(
                 "--discover: node `{}` of cluster `{}`",
                 c.node, choice.cluster
             );
-            match fetch_at(a) {
-                Ok(doc) => {
+            match fetch_at(a, me, advertise) {
+                Ok((doc, from)) => {
                     let (origin, text, steps) =
                         ravnest_train::process::read_share_document(&doc).context(what)?;
                     eprintln!(
-                        "--discover: fetched the cluster file from node `{}` at {a}",
+                        "--discover: fetched the cluster file from node `{}` at {from}",
                         c.node
                     );
+                    let newcomer = ravnest_train::process::is_newcomer_document(&doc, me);
                     return Ok((
-                        format!("{origin} (from {a}, found by --discover)"),
+                        format!("{origin} (from {from}, found by --discover)"),
                         text,
                         steps,
+                        newcomer,
                     ));
                 }
                 Err(e @ (HandshakeError::Io(_) | HandshakeError::Unknown(_))) => {
@@ -645,19 +655,46 @@ pub fn discover_cluster_file(
     )
 }
 
-/// The cluster file's document from the node at `sa`, both sides proving they hold the secret
-/// in `RAVNEST_SECRET` (the default secret of files without one when unset).
-fn fetch_at(sa: SocketAddr) -> std::result::Result<String, ravnest_runtime::tcp::HandshakeError> {
+/// The cluster file's document asked for as node `me` (at `advertise`), from the node at `sa`
+/// or the one it sends us to (the coordinator's host gives a new node its place), both sides
+/// proving they hold the secret in `RAVNEST_SECRET` (the default secret of files without one
+/// when unset). Returns the document and the address it came from.
+fn fetch_at(
+    sa: SocketAddr,
+    me: &str,
+    advertise: Option<&str>,
+) -> std::result::Result<(String, SocketAddr), ravnest_runtime::tcp::HandshakeError> {
+    use ravnest_runtime::tcp::{Fetched, HandshakeError, JoinRequest};
     let secret = std::env::var(ravnest_train::process::SECRET_ENV)
         .unwrap_or_else(|_| ravnest_train::process::DEFAULT_SECRET.to_string());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| ravnest_runtime::tcp::HandshakeError::Io(e.to_string()))?;
-    rt.block_on(ravnest_runtime::tcp::fetch_cluster_file(
-        sa,
-        secret.as_bytes(),
-    ))
+        .map_err(|e| HandshakeError::Io(e.to_string()))?;
+    let request = JoinRequest {
+        name: me.to_string(),
+        address: advertise.unwrap_or_default().to_string(),
+    };
+    let mut at = sa;
+    // Sent on at most twice: a node to the coordinator's host, which answers itself.
+    for _ in 0..3 {
+        let fetched = rt.block_on(ravnest_runtime::tcp::fetch_cluster_file(
+            at,
+            secret.as_bytes(),
+            &request,
+        ))?;
+        match fetched {
+            Fetched::File(doc) => return Ok((doc, at)),
+            Fetched::Elsewhere(next) => {
+                at = next.parse().map_err(|_| {
+                    HandshakeError::Io(format!("node at {at} sent us to `{next}`, not an address"))
+                })?;
+            }
+        }
+    }
+    Err(HandshakeError::Io(format!(
+        "node at {sa}: sent on from node to node without an answer (the coordinator's host moves?)"
+    )))
 }
 
 /// A fetch's error, with what to do about a wrong secret.

@@ -8,7 +8,8 @@
 //! - the coordinator's process killed with SIGKILL mid-run: the lowest live node takes over,
 //!   the run finishes every step, loss still falls (coordinator fail-over);
 //! - Ctrl-C on a worker: it is planned out at the next epoch and leaves cleanly, no loss;
-//! - a node absent from the file joins with `--join` and `--advertise` and gets a batch share;
+//! - two nodes absent from the file join at once with `--join` and `--advertise`, each gets its
+//!   own id from the coordinator's host and a batch share;
 //! - a run resumed from a checkpoint ends with the same bytes as an uninterrupted one;
 //! - the character model learns a text file across two processes and writes with it.
 //!
@@ -468,8 +469,11 @@ fn ctrl_c_on_a_worker_leaves_cleanly_without_a_replan_for_a_loss() {
     );
 }
 
+/// Two nodes absent from the file join at the same instant: one asks the coordinator's host,
+/// the other another node (which sends it on to the host). The host gives each its own id, in
+/// order; both get a batch share and train.
 #[test]
-fn a_node_absent_from_the_file_joins_a_running_cluster_and_gets_a_batch_share() {
+fn two_nodes_absent_from_the_file_join_a_running_cluster_at_once_and_get_batch_shares() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = fresh_dir("e2e-newcomer");
     let file = cluster_file(&dir, &[("a", 1.0), ("slow", 3.0)], 400, 200);
@@ -487,40 +491,47 @@ fn a_node_absent_from_the_file_joins_a_running_cluster_and_gets_a_batch_share() 
         v["event"] == "progress" && v["node"] == "a" && v["step"].as_u64() >= Some(30)
     });
     let text = std::fs::read_to_string(&file).unwrap();
-    let seed = text
+    let seeds: Vec<String> = text
         .lines()
-        .find_map(|l| l.strip_prefix("address = \""))
-        .and_then(|l| l.strip_suffix('"'))
-        .unwrap()
-        .to_string();
-    let mine = format!("127.0.0.1:{}", free_port());
-    let new_out = dir.join("newbie-out");
-    let mut newbie = Command::new(exe())
-        .args([
-            "run",
-            "--join",
-            &seed,
-            "--node",
-            "newbie",
-            "--advertise",
-            &mine,
-            "--json",
-            "--out",
-            new_out.to_str().unwrap(),
-        ])
-        .env("RAVNEST_SECRET", "e2e-secret")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let newbie_rx = json_lines(&mut newbie);
+        .filter_map(|l| l.strip_prefix("address = \""))
+        .filter_map(|l| l.strip_suffix('"'))
+        .map(String::from)
+        .collect();
+    // `newbie` asks the coordinator's host (`a`), `newbie2` asks `slow`.
+    let newbies: Vec<(&str, Child)> = [("newbie", &seeds[0]), ("newbie2", &seeds[1])]
+        .into_iter()
+        .map(|(name, seed)| {
+            let mine = format!("127.0.0.1:{}", free_port());
+            let child = Command::new(exe())
+                .args([
+                    "run",
+                    "--join",
+                    seed,
+                    "--node",
+                    name,
+                    "--advertise",
+                    &mine,
+                    "--json",
+                    "--out",
+                    dir.join(format!("{name}-out")).to_str().unwrap(),
+                ])
+                .env("RAVNEST_SECRET", "e2e-secret")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap();
+            (name, child)
+        })
+        .collect();
+    let mut newbies: Vec<(&str, Child, _)> = newbies
+        .into_iter()
+        .map(|(name, mut child)| {
+            let rx = json_lines(&mut child);
+            (name, child, rx)
+        })
+        .collect();
     let rest = read_until(&rx, deadline, |v| v["event"] == "summary");
     assert!(parent.wait().unwrap().success(), "the run failed");
-    let newbie_events = read_until(&newbie_rx, deadline, |v| v["event"] == "summary");
-    assert!(
-        newbie.wait().unwrap().success(),
-        "the newcomer did not end cleanly"
-    );
     let s = summary(&rest);
     assert_eq!(s["coordinator"]["steps"], 400, "{s}");
     let every = std::fs::read_to_string(out.join("events.jsonl")).unwrap();
@@ -529,28 +540,33 @@ fn a_node_absent_from_the_file_joins_a_running_cluster_and_gets_a_batch_share() 
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter_map(|v| v["what"].as_str().map(String::from))
         .collect();
-    assert!(
-        said.iter()
-            .any(|e| e.contains("`newbie` (not in the cluster file) joins")),
-        "{said:?}"
-    );
-    // The next plan gives it a batch share.
-    let share = said
-        .iter()
-        .skip_while(|e| !e.contains("`newbie` (not in the cluster file)"))
-        .find(|e| e.contains(": planned "))
-        .and_then(|e| e.split("newbie=").nth(1))
-        .and_then(|b| b.split_whitespace().next())
-        .and_then(|b| b.parse::<u64>().ok());
-    assert!(
-        share.is_some_and(|b| b > 0),
-        "no batch for newbie: {said:?}"
-    );
-    let applied = newbie_events
-        .iter()
-        .find(|v| v["event"] == "report")
-        .and_then(|v| v["steps_applied"].as_u64());
-    assert!(applied.is_some_and(|k| k > 0), "{newbie_events:?}");
+    for (name, child, rx) in &mut newbies {
+        let events = read_until(rx, deadline, |v| v["event"] == "summary");
+        assert!(
+            child.wait().unwrap().success(),
+            "the newcomer `{name}` did not end cleanly"
+        );
+        let joins = format!("`{name}` (not in the cluster file) joins");
+        assert!(said.iter().any(|e| e.contains(&joins)), "{said:?}");
+        // A later plan gives it a batch share.
+        let share = said
+            .iter()
+            .skip_while(|e| !e.contains(&joins))
+            .filter(|e| e.contains(": planned "))
+            .filter_map(|e| e.split(&format!(" {name}=")).nth(1))
+            .filter_map(|b| b.split_whitespace().next())
+            .filter_map(|b| b.parse::<u64>().ok())
+            .max();
+        assert!(
+            share.is_some_and(|b| b > 0),
+            "no batch for {name}: {said:?}"
+        );
+        let applied = events
+            .iter()
+            .find(|v| v["event"] == "report")
+            .and_then(|v| v["steps_applied"].as_u64());
+        assert!(applied.is_some_and(|k| k > 0), "{name}: {events:?}");
+    }
 }
 
 /// Also: a checkpoint damaged on disk after it was written is refused by name at `--resume`,

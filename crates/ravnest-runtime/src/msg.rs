@@ -535,6 +535,19 @@ pub enum Envelope {
         /// Its host.
         host: NodeId,
     },
+    /// (The coordinator's host → its coordinator, `ravnest run --join` with a new name) the
+    /// host gave a joiner the next id, `id`, and put its section in the cluster file it hands
+    /// out: the coordinator admits it there (and tells every node, [`Envelope::Member`]). The
+    /// joiner's own `Register` follows with what it measured. Ids are given in one place, in
+    /// order, so two joiners never share one.
+    Reserve {
+        /// The id given.
+        id: NodeId,
+        /// The joiner's name.
+        name: String,
+        /// Where peers reach it.
+        address: String,
+    },
 }
 
 /// What a successor needs to go on: sent by the coordinator to the nodes.
@@ -641,6 +654,7 @@ impl Envelope {
             Envelope::Leave => "leave",
             Envelope::Member { .. } => "member",
             Envelope::Lease { .. } => "lease",
+            Envelope::Reserve { .. } => "reserve",
         }
     }
 
@@ -708,7 +722,7 @@ impl Envelope {
                 h.bytes(addr.as_bytes());
             }
             Envelope::Report(text) | Envelope::Summary(text) => h.bytes(text.as_bytes()),
-            Envelope::Member { id, name, address } => {
+            Envelope::Member { id, name, address } | Envelope::Reserve { id, name, address } => {
                 h.u64(u64::from(id.0));
                 h.bytes(name.as_bytes());
                 h.bytes(address.as_bytes());

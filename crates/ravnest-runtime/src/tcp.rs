@@ -49,8 +49,8 @@ use crate::wire;
 
 pub use agreed::HandshakeError;
 pub use channel::{Channel, NOISE_PROTOCOL};
-pub use config::{LIVE_MS, PeerDownHook, TcpConfig};
-pub use handshake::{dial_as, fetch_cluster_file};
+pub use config::{JoinRequest, LIVE_MS, PeerDownHook, ShareReply, Sharer, TcpConfig};
+pub use handshake::{Fetched, dial_as, fetch_cluster_file};
 pub use loopback::LoopbackCluster;
 pub use ports::spare_ports;
 pub use state::TcpTransport;
@@ -59,8 +59,9 @@ use state::*;
 /// Wire protocol version; peers with another version are refused (10: packed collective
 /// pieces and the outer step of local SGD; 11: the merge delay of overlapped rounds; 12: the
 /// outer momentum going on across a switch, `Work::outer_from`; 13: the coordinator's lease
-/// carries its term, `Envelope::Lease`).
-pub const PROTOCOL_VERSION: u32 = 13;
+/// carries its term, `Envelope::Lease`; 14: a joiner's request names it, and the coordinator's
+/// host gives a new node its id, `Envelope::Reserve`).
+pub const PROTOCOL_VERSION: u32 = 14;
 
 /// Checkpoint parts waiting to be stored in this process before its readers wait.
 const SHARD_PARTS_WAITING: u64 = 4;
@@ -123,6 +124,7 @@ impl TcpTransport {
                 dial_addrs: Mutex::new(cfg.peers.clone()),
                 coordinator: std::sync::atomic::AtomicU32::new(cfg.coordinator.0),
                 share: Mutex::new(cfg.cluster_file.clone()),
+                sharer: Mutex::new(None),
                 gone: Mutex::default(),
                 cfg,
             }),
@@ -346,8 +348,9 @@ impl TcpTransport {
     fn advertised(&self, from: Addr, node: NodeId, addr: &str) {
         let cfg = &self.inner.cfg;
         let trusted = from == Addr::Node(node) || from == Addr::Coordinator;
-        // A node not in the file (it joined) is known from the address it says for itself.
-        let known = cfg.peers.contains_key(&node) || from == Addr::Node(node);
+        // A node not in the file (it joined) is known from the address it says for itself, or
+        // that the coordinator's host passes on (a node that joined after this one did).
+        let known = cfg.peers.contains_key(&node) || trusted;
         if !trusted || node == cfg.me || !known {
             self.log(format!(
                 "ignored an address for node {} from {from:?}",
@@ -399,6 +402,11 @@ impl TcpTransport {
     /// joined since.
     pub fn set_cluster_file(&self, doc: Arc<str>) {
         *self.inner.share.lock().unwrap() = Some(doc);
+    }
+
+    /// How joiners are answered from now on (instead of the cluster file as it is).
+    pub fn set_sharer(&self, sharer: Sharer) {
+        *self.inner.sharer.lock().unwrap() = Some(sharer);
     }
 
     /// `peer` is gone for good (a lost node, as this process finishes): what is queued for it is

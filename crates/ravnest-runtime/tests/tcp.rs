@@ -370,10 +370,11 @@ async fn sharing(file: Option<&str>) -> TcpTransport {
 async fn a_joiner_with_the_secret_gets_the_cluster_file() {
     let text = "[cluster]\nname = \"x\" # ünïcode\n".repeat(1000);
     let a = sharing(Some(&text)).await;
-    let got = ravnest_runtime::tcp::fetch_cluster_file(a.local_addr(), b"right")
-        .await
-        .unwrap();
-    assert_eq!(got, text);
+    let got =
+        ravnest_runtime::tcp::fetch_cluster_file(a.local_addr(), b"right", &Default::default())
+            .await
+            .unwrap();
+    assert_eq!(got, ravnest_runtime::tcp::Fetched::File(text));
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(
         a.log_lines().join("\n").contains("sent the cluster file"),
@@ -386,7 +387,7 @@ async fn a_joiner_with_the_secret_gets_the_cluster_file() {
 async fn a_joiner_with_another_secret_gets_nothing_and_both_sides_say_why() {
     use ravnest_runtime::tcp::HandshakeError;
     let a = sharing(Some("secret stuff")).await;
-    let e = ravnest_runtime::tcp::fetch_cluster_file(a.local_addr(), b"wrong")
+    let e = ravnest_runtime::tcp::fetch_cluster_file(a.local_addr(), b"wrong", &Default::default())
         .await
         .unwrap_err();
     assert!(matches!(e, HandshakeError::Secret(_)), "{e}");
@@ -397,13 +398,57 @@ async fn a_joiner_with_another_secret_gets_nothing_and_both_sides_say_why() {
     assert!(!log.contains("sent the cluster file"), "{log}");
 
     let quiet = sharing(None).await;
-    let e = ravnest_runtime::tcp::fetch_cluster_file(quiet.local_addr(), b"right")
-        .await
-        .unwrap_err();
+    let e =
+        ravnest_runtime::tcp::fetch_cluster_file(quiet.local_addr(), b"right", &Default::default())
+            .await
+            .unwrap_err();
     assert!(
         e.to_string().contains("does not share its cluster file"),
         "{e}"
     );
+}
+
+/// A node's process answers joiners itself (`set_sharer`): the request (name, address) reaches
+/// it intact, and its answer comes back: the file, the node to ask instead, or its refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joiner_names_itself_and_hears_the_file_or_where_to_ask_or_why_not() {
+    use ravnest_runtime::tcp::{Fetched, JoinRequest, ShareReply};
+    let a = sharing(Some("plain")).await;
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    a.set_sharer(Arc::new(move |r: &JoinRequest| {
+        log.lock().unwrap().push(r.clone());
+        match r.name.as_str() {
+            "elsewhere" => ShareReply::Elsewhere("10.0.0.9:47701".into()),
+            "busy" => ShareReply::Refused("not training yet".into()),
+            n => ShareReply::File(format!("file for {n} at {}", r.address)),
+        }
+    }));
+    let ask = |name: &str| JoinRequest {
+        name: name.to_string(),
+        address: "127.0.0.1:9".into(),
+    };
+    let at = a.local_addr();
+    let fetch = |r: JoinRequest| async move {
+        ravnest_runtime::tcp::fetch_cluster_file(at, b"right", &r).await
+    };
+    assert_eq!(
+        fetch(ask("ünï")).await.unwrap(),
+        Fetched::File("file for ünï at 127.0.0.1:9".into())
+    );
+    assert_eq!(
+        fetch(ask("elsewhere")).await.unwrap(),
+        Fetched::Elsewhere("10.0.0.9:47701".into())
+    );
+    let e = fetch(ask("busy")).await.unwrap_err();
+    assert!(e.to_string().contains("refused: not training yet"), "{e}");
+    let names: Vec<String> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| r.name.clone())
+        .collect();
+    assert_eq!(names, ["ünï", "elsewhere", "busy"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -381,6 +381,8 @@ pub struct Coordinator {
     left_out: BTreeMap<NodeId, u64>,
     /// Nodes that joined and wait for the next epoch.
     joiners: BTreeSet<NodeId>,
+    /// Nodes not in the cluster file given an id that have not registered yet.
+    reserved: BTreeSet<NodeId>,
     /// Fail-over: the live members when the running epoch began (a successor: its replica's,
     /// its lost predecessor included). A loss that leaves fewer than half of them is more
     /// likely this host cut off than most nodes dead: training waits for them instead of going
@@ -483,6 +485,7 @@ impl Coordinator {
             assumed,
             left_out: BTreeMap::new(),
             joiners: BTreeSet::new(),
+            reserved: BTreeSet::new(),
             quorum: 0,
             shard_parts: BTreeMap::new(),
             leaving: BTreeSet::new(),
@@ -617,10 +620,17 @@ impl Coordinator {
     }
 
     fn on_net(&mut self, now_ms: u64, from: NodeId, env: Envelope) {
-        if from.index() == self.cfg.cluster.nodes.len()
-            && let Envelope::Register(caps) = &env
-        {
-            return self.admit(now_ms, from, caps);
+        match &env {
+            Envelope::Reserve { id, name, address } => {
+                if self.cfg.host.is_none_or(|h| h == from) {
+                    self.reserve(*id, name, address);
+                }
+                return;
+            }
+            Envelope::Register(caps) if self.reserved.contains(&from) => {
+                return self.admit(now_ms, from, caps);
+            }
+            _ => {}
         }
         if from.index() >= self.cfg.cluster.nodes.len() {
             return;
@@ -1805,38 +1815,60 @@ impl Coordinator {
         self.admit_joiners();
     }
 
-    /// A node not in the cluster file registers (`run --join` with a new name): it becomes node
-    /// `id`, with the speed and memory it measured (measurements correct the speed once it
-    /// works), and every node is told (`Member`). Its `Join` follows and makes it a joiner: it
-    /// gets work at the next epoch. A name already taken is refused (ignored).
-    fn admit(&mut self, now_ms: u64, id: NodeId, caps: &crate::msg::Capabilities) {
-        let taken =
-            caps.name.is_empty() || self.cfg.cluster.nodes.iter().any(|n| n.name == caps.name);
-        let Some(address) = caps.address.clone().filter(|_| !taken) else {
+    /// The coordinator's host gave a node not in the cluster file the next id (`run --join`
+    /// with a new name; [`Envelope::Reserve`]): it becomes node `id`, like the file's first
+    /// node until it registers what it measured, and every node is told (`Member`), so that
+    /// every process numbers the nodes alike. An id out of order, or a name already taken,
+    /// is ignored.
+    fn reserve(&mut self, id: NodeId, name: &str, address: &str) {
+        let taken = name.is_empty() || self.cfg.cluster.nodes.iter().any(|n| n.name == name);
+        if taken || id.index() != self.cfg.cluster.nodes.len() {
             return;
-        };
+        }
         let Some(like) = self.cfg.cluster.nodes.first().cloned() else {
             return;
         };
-        let valid = caps.flops.is_finite() && caps.flops > 0.0 && caps.memory_bytes > 0;
-        if !valid {
-            return;
-        }
         self.cfg.cluster.nodes.push(ravnest_core::NodeSpec {
-            name: caps.name.clone(),
-            device: caps
-                .device
-                .split_whitespace()
-                .next()
-                .unwrap_or("cpu")
-                .to_string(),
-            memory_bytes: caps.memory_bytes,
-            flops: caps.flops,
+            name: name.to_string(),
             step_overhead_s: 0.0,
-            address: Some(address.clone()),
+            address: Some(address.to_string()),
             listen: None,
             ..like
         });
+        self.reserved.insert(id);
+        self.assumed.insert(id, configured(&self.cfg, id));
+        self.plan_cache = None;
+        let member = Envelope::Member {
+            id,
+            name: name.to_string(),
+            address: address.to_string(),
+        };
+        for n in self.detector.alive() {
+            self.send(n, member.clone());
+        }
+        self.replicate(true);
+    }
+
+    /// A node given an id ([`Self::reserve`]) registers: it is watched from now on, with the
+    /// speed and memory it measured (measurements correct the speed once it works). Its `Join`
+    /// follows and makes it a joiner: it gets work at the next epoch.
+    fn admit(&mut self, now_ms: u64, id: NodeId, caps: &crate::msg::Capabilities) {
+        let valid = caps.flops.is_finite() && caps.flops > 0.0 && caps.memory_bytes > 0;
+        let Some(spec) = self.cfg.cluster.nodes.get_mut(id.index()) else {
+            return;
+        };
+        if !valid || spec.name != caps.name {
+            return;
+        }
+        spec.device = caps
+            .device
+            .split_whitespace()
+            .next()
+            .unwrap_or("cpu")
+            .to_string();
+        spec.memory_bytes = caps.memory_bytes;
+        spec.flops = caps.flops;
+        self.reserved.remove(&id);
         self.assumed.insert(id, configured(&self.cfg, id));
         self.plan_cache = None;
         self.detector.watch(id, now_ms);
@@ -1845,14 +1877,6 @@ impl Coordinator {
             name: caps.name.clone(),
             device: caps.device.clone(),
         });
-        let member = Envelope::Member {
-            id,
-            name: caps.name.clone(),
-            address,
-        };
-        for n in self.detector.alive() {
-            self.send(n, member.clone());
-        }
         self.replicate(true);
     }
 

@@ -539,3 +539,85 @@ fn a_partition_that_never_heals_stops_with_the_reason() {
     assert!(log.len() < 1000, "{} effects", log.len());
     assert_eq!(log.last(), Some(&Effect::Finished));
 }
+
+/// Two nodes not in the cluster file given ids by the coordinator's host (`Reserve`, in order)
+/// register out of order: each is admitted at its own id with what it measured, every node is
+/// told of both in id order, and a reservation out of order or of a taken name is ignored.
+#[test]
+fn joiners_given_ids_in_order_may_register_out_of_order() {
+    use crate::msg::Capabilities;
+    let cfg = Config {
+        host: Some(NodeId(0)),
+        ..config(2)
+    };
+    let mut c = Coordinator::new(cfg, 0);
+    let _ = c.start();
+    let reserve = |id: u32, name: &str| {
+        Input::Net(
+            NodeId(0),
+            Envelope::Reserve {
+                id: NodeId(id),
+                name: name.into(),
+                address: format!("127.0.0.1:{}", 9000 + id),
+            },
+        )
+    };
+    let caps = |name: &str, flops: f64| Capabilities {
+        flops,
+        memory_bytes: 1 << 30,
+        device: "cpu (measured)".into(),
+        name: name.into(),
+        address: None,
+    };
+    let members = |effects: &[Effect]| -> Vec<(u32, String)> {
+        let mut m: Vec<(u32, String)> = effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Send(NodeId(0), Envelope::Member { id, name, .. }) => {
+                    Some((id.0, name.clone()))
+                }
+                _ => None,
+            })
+            .collect();
+        m.dedup();
+        m
+    };
+    let mut told = members(&c.handle(10, reserve(2, "p")));
+    told.extend(members(&c.handle(11, reserve(3, "q"))));
+    assert_eq!(told, [(2, "p".to_string()), (3, "q".to_string())]);
+    // Out of order, a taken name, or from a node that does not host: ignored.
+    assert!(members(&c.handle(12, reserve(5, "r"))).is_empty());
+    assert!(members(&c.handle(12, reserve(4, "p"))).is_empty());
+    let stray = Input::Net(
+        NodeId(1),
+        Envelope::Reserve {
+            id: NodeId(4),
+            name: "s".into(),
+            address: "127.0.0.1:1".into(),
+        },
+    );
+    assert!(members(&c.handle(12, stray)).is_empty());
+    // `q` registers first, then `p`; a register under another's id changes nothing.
+    let admitted = |effects: Vec<Effect>| -> Vec<(u32, String)> {
+        effects
+            .into_iter()
+            .filter_map(|e| match e {
+                Effect::Event(Event::Admitted { node, name, .. }) => Some((node.0, name)),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut seen = admitted(c.handle(
+        20,
+        Input::Net(NodeId(3), Envelope::Register(caps("q", 2e9))),
+    ));
+    seen.extend(admitted(c.handle(
+        21,
+        Input::Net(NodeId(2), Envelope::Register(caps("q", 2e9))),
+    )));
+    seen.extend(admitted(c.handle(
+        22,
+        Input::Net(NodeId(2), Envelope::Register(caps("p", 3e9))),
+    )));
+    assert_eq!(seen, [(3, "q".to_string()), (2, "p".to_string())]);
+}

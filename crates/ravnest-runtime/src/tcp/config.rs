@@ -31,6 +31,15 @@ pub(super) const DUPLICATE: u8 = 4;
 
 pub(super) const ENCRYPTION: u8 = 5;
 
+/// A joiner's request for the cluster file is answered elsewhere (the coordinator's host).
+pub(super) const MOVED: u8 = 6;
+
+/// A joiner's request for the cluster file is refused, with the reason.
+pub(super) const REFUSED: u8 = 7;
+
+/// Largest part of a joiner's request (its name, its address).
+pub(super) const MAX_JOIN_REQUEST: usize = 4096;
+
 /// The dialer's answer: its HMAC, its incarnation, whether it encrypts.
 pub(super) const ANSWER: usize = 32 + 8 + 1;
 
@@ -65,6 +74,32 @@ pub struct TcpConfig {
     /// trusted; every node must agree (a mismatch is refused, naming it).
     pub encrypt: bool,
 }
+
+/// What a joiner asks for with the cluster file (`run --join`): who it is and where peers reach
+/// it. A name the file lacks, with an address, asks for a place in the cluster (an id): only
+/// the coordinator's host hands those out, in order, so two joiners never get the same one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct JoinRequest {
+    /// The node's name (empty: the file alone).
+    pub name: String,
+    /// The address peers dial it at (empty when it has none to give).
+    pub address: String,
+}
+
+/// A node's answer to a [`JoinRequest`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ShareReply {
+    /// The cluster file's document (with the joiner's place in it, when it asked for one).
+    File(String),
+    /// Ask the node at this address (the coordinator's host) instead.
+    Elsewhere(String),
+    /// Not now, and why.
+    Refused(String),
+}
+
+/// How a node answers joiners (set by its process; without one, it hands out
+/// `cluster_file` as it is).
+pub type Sharer = Arc<dyn Fn(&JoinRequest) -> ShareReply + Send + Sync>;
 
 /// Called with a peer that could not be reached within the connect window.
 pub type PeerDownHook = Arc<dyn Fn(NodeId) + Send + Sync>;

@@ -4,7 +4,6 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use hmac::Mac;
@@ -188,7 +187,7 @@ pub(super) async fn handshake_accept(
     cfg: &TcpConfig,
     remote: SocketAddr,
     incarnation: u64,
-    share: Option<Arc<str>>,
+    answer: impl FnOnce(&JoinRequest) -> Option<ShareReply>,
     admit: impl Fn(NodeId, u64) -> Option<(u64, u64)>,
 ) -> Result<Accepted, HandshakeError> {
     let who = format!("connection from {remote}");
@@ -198,7 +197,7 @@ pub(super) async fn handshake_accept(
         let version = u32::from_le_bytes(hello[4..8].try_into().expect("4 bytes"));
         let nc: [u8; 32] = hello[12..44].try_into().expect("32 bytes");
         let who = format!("joiner at {remote}");
-        send_cluster_file(s, cfg, share, version, nc, &who).await?;
+        send_cluster_file(s, cfg, answer, version, nc, &who).await?;
         return Ok(Accepted::ClusterFileSent);
     }
     if &hello[..4] != MAGIC {
@@ -273,12 +272,52 @@ pub(super) fn file_mac(secret: &[u8], a: &[u8; 32], b: &[u8; 32], doc: &[u8]) ->
     m
 }
 
+/// A joiner's request on the wire: its name and its address, each a u16 length and the bytes.
+fn encode_request(r: &JoinRequest) -> Vec<u8> {
+    let mut out = Vec::new();
+    for part in [&r.name, &r.address] {
+        let b = &part.as_bytes()[..part.len().min(MAX_JOIN_REQUEST)];
+        out.extend_from_slice(&(b.len() as u16).to_le_bytes());
+        out.extend_from_slice(b);
+    }
+    out
+}
+
+/// Read a joiner's request (its bytes too, which its MAC covers).
+async fn read_request(
+    s: &mut TcpStream,
+    who: &str,
+) -> Result<(JoinRequest, Vec<u8>), HandshakeError> {
+    let mut raw = Vec::new();
+    let mut parts = Vec::new();
+    for _ in 0..2 {
+        let mut len = [0u8; 2];
+        timed(s.read_exact(&mut len), who).await?;
+        let n = u16::from_le_bytes(len) as usize;
+        if n > MAX_JOIN_REQUEST {
+            return Err(HandshakeError::Io(format!("{who}: a request of {n} bytes")));
+        }
+        let mut b = vec![0u8; n];
+        timed(s.read_exact(&mut b), who).await?;
+        raw.extend_from_slice(&len);
+        raw.extend_from_slice(&b);
+        parts.push(
+            String::from_utf8(b)
+                .map_err(|_| HandshakeError::Io(format!("{who}: a request that is not UTF-8")))?,
+        );
+    }
+    let address = parts.pop().unwrap_or_default();
+    let name = parts.pop().unwrap_or_default();
+    Ok((JoinRequest { name, address }, raw))
+}
+
 /// The listener's side of `--join HOST:PORT`: prove we hold the secret, check that the
-/// joiner does, then send the cluster file with a MAC over it.
+/// joiner does (its MAC covers its request), then answer the request (`answer`): the cluster
+/// file, or where to ask, or why not, under a MAC.
 pub(super) async fn send_cluster_file(
     s: &mut TcpStream,
     cfg: &TcpConfig,
-    share: Option<Arc<str>>,
+    answer: impl FnOnce(&JoinRequest) -> Option<ShareReply>,
     version: u32,
     nc: [u8; 32],
     who: &str,
@@ -293,46 +332,61 @@ pub(super) async fn send_cluster_file(
             ours: PROTOCOL_VERSION,
         });
     }
-    let Some(doc) = share else {
-        let _ = s.write_all(&[UNKNOWN_NODE]).await;
-        return Err(HandshakeError::Unknown(format!(
-            "{who} asked for the cluster file, which this node does not share"
-        )));
-    };
     let ns = nonce();
     let mut challenge = vec![OK];
     challenge.extend_from_slice(&ns);
     challenge.extend_from_slice(&mac(&cfg.secret, b"ravnest-file-server", &nc, &ns, (0, 0)));
     timed(s.write_all(&challenge), who).await?;
-    let mut answer = [0u8; 32];
-    timed(s.read_exact(&mut answer), who).await?;
-    if !verify(
-        &cfg.secret,
-        b"ravnest-file-joiner",
-        &ns,
-        &nc,
-        (0, 0),
-        &answer,
-    ) {
+    let (request, raw) = read_request(s, who).await?;
+    let mut tag = [0u8; 32];
+    timed(s.read_exact(&mut tag), who).await?;
+    let mut joiner = keyed(&cfg.secret, b"ravnest-file-joiner", &ns, &nc, (0, 0));
+    joiner.update(&raw);
+    if joiner.verify_slice(&tag).is_err() {
         let _ = s.write_all(&[BAD_SECRET]).await;
         return Err(HandshakeError::Secret(who.to_string()));
     }
-    let mut reply = vec![OK];
-    reply.extend_from_slice(&(doc.len() as u32).to_le_bytes());
-    reply.extend_from_slice(doc.as_bytes());
-    reply.extend_from_slice(
-        &file_mac(&cfg.secret, &nc, &ns, doc.as_bytes())
-            .finalize()
-            .into_bytes(),
-    );
-    timed(s.write_all(&reply), who).await?;
+    let Some(reply) = answer(&request) else {
+        let _ = s.write_all(&[UNKNOWN_NODE]).await;
+        return Err(HandshakeError::Unknown(format!(
+            "{who} asked for the cluster file, which this node does not share"
+        )));
+    };
+    let (status, body) = match &reply {
+        ShareReply::File(doc) => (OK, doc.as_str()),
+        ShareReply::Elsewhere(addr) => (MOVED, addr.as_str()),
+        ShareReply::Refused(why) => (REFUSED, why.as_str()),
+    };
+    let mut out = vec![status];
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(body.as_bytes());
+    let mut m = file_mac(&cfg.secret, &nc, &ns, body.as_bytes());
+    m.update(&[status]);
+    out.extend_from_slice(&m.finalize().into_bytes());
+    timed(s.write_all(&out), who).await?;
     Ok(())
 }
 
-/// `ravnest run --join HOST:PORT`: fetch the cluster file from a running node, both sides
-/// proving they hold `secret` (HMAC over fresh nonces, as between nodes) and the file
-/// arriving under a MAC.
-pub async fn fetch_cluster_file(addr: SocketAddr, secret: &[u8]) -> Result<String, HandshakeError> {
+/// What a joiner hears back from a node: the cluster file's document, or the address of the
+/// node to ask instead (the coordinator's host), or the node's reason for refusing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fetched {
+    /// The cluster file's document.
+    File(String),
+    /// Ask the node at this address.
+    Elsewhere(String),
+}
+
+/// `ravnest run --join HOST:PORT`: ask a running node for the cluster file, both sides
+/// proving they hold `secret` (HMAC over fresh nonces, as between nodes; the joiner's covers its
+/// `request`), and the answer arriving under a MAC: the file, or the address to ask instead (a
+/// new node's place is given by the coordinator's host). A refusal is an error with the node's
+/// reason.
+pub async fn fetch_cluster_file(
+    addr: SocketAddr,
+    secret: &[u8],
+    request: &JoinRequest,
+) -> Result<Fetched, HandshakeError> {
     let who = format!("node at {addr}");
     let mut s = timed(TcpStream::connect(addr), &who).await?;
     let (nc, status) = hello(&mut s, CONFIG_MAGIC, 0, &who).await?;
@@ -356,19 +410,27 @@ pub async fn fetch_cluster_file(addr: SocketAddr, secret: &[u8]) -> Result<Strin
         (0, 0),
         &rest[32..],
     ) {
-        let _ = s.write_all(&[0u8; 32]).await;
+        // An empty request and a tag that fails: the listener says why too.
+        let _ = s.write_all(&[0u8; 4 + 32]).await;
         return Err(HandshakeError::Secret(who));
     }
-    timed(
-        s.write_all(&mac(secret, b"ravnest-file-joiner", &ns, &nc, (0, 0))),
-        &who,
-    )
-    .await?;
+    let raw = encode_request(request);
+    let mut tag = keyed(secret, b"ravnest-file-joiner", &ns, &nc, (0, 0));
+    tag.update(&raw);
+    let mut out = raw;
+    out.extend_from_slice(&tag.finalize().into_bytes());
+    timed(s.write_all(&out), &who).await?;
     let mut status = [0u8; 1];
     timed(s.read_exact(&mut status), &who).await?;
-    match status[0] {
-        OK => {}
+    let status = status[0];
+    match status {
+        OK | MOVED | REFUSED => {}
         BAD_SECRET => return Err(HandshakeError::Secret(who)),
+        UNKNOWN_NODE => {
+            return Err(HandshakeError::Unknown(format!(
+                "{who} does not share its cluster file"
+            )));
+        }
         _ => return Err(HandshakeError::Io(format!("{who}: not a ravnest node"))),
     }
     let mut len = [0u8; 4];
@@ -379,17 +441,24 @@ pub async fn fetch_cluster_file(addr: SocketAddr, secret: &[u8]) -> Result<Strin
             "{who}: a cluster file of {len} bytes (at most {MAX_CLUSTER_FILE})"
         )));
     }
-    let mut doc = vec![0u8; len as usize];
-    timed(s.read_exact(&mut doc), &who).await?;
+    let mut body = vec![0u8; len as usize];
+    timed(s.read_exact(&mut body), &who).await?;
     let mut tag = [0u8; 32];
     timed(s.read_exact(&mut tag), &who).await?;
-    if file_mac(secret, &nc, &ns, &doc).verify_slice(&tag).is_err() {
+    let mut m = file_mac(secret, &nc, &ns, &body);
+    m.update(&[status]);
+    if m.verify_slice(&tag).is_err() {
         return Err(HandshakeError::Io(format!(
             "{who}: the cluster file arrived altered"
         )));
     }
-    String::from_utf8(doc)
-        .map_err(|_| HandshakeError::Io(format!("{who}: the cluster file is not UTF-8")))
+    let body = String::from_utf8(body)
+        .map_err(|_| HandshakeError::Io(format!("{who}: the cluster file is not UTF-8")))?;
+    match status {
+        OK => Ok(Fetched::File(body)),
+        MOVED => Ok(Fetched::Elsewhere(body)),
+        _ => Err(HandshakeError::Unknown(format!("{who} refused: {body}"))),
+    }
 }
 
 /// Dial the node `listener` at `addr` claiming to be node `claim`, as any holder of the cluster

@@ -51,13 +51,25 @@ impl TcpTransport {
     /// what was delivered. Its end is not a peer's death (the failure detector decides that on
     /// heartbeats): the peer dials again and sends what we had not delivered.
     pub(super) async fn serve(&self, mut stream: TcpStream, remote: SocketAddr) {
-        let share = self.inner.share.lock().unwrap().clone();
+        let answer = |r: &JoinRequest| {
+            let sharer = self.inner.sharer.lock().unwrap().clone();
+            match sharer {
+                Some(f) => Some(f(r)),
+                None => self
+                    .inner
+                    .share
+                    .lock()
+                    .unwrap()
+                    .as_ref()
+                    .map(|d| ShareReply::File(d.to_string())),
+            }
+        };
         let accepted = handshake_accept(
             &mut stream,
             &self.inner.cfg,
             remote,
             self.inner.incarnation,
-            share,
+            answer,
             |p, inc| self.admit(p, inc),
         )
         .await;

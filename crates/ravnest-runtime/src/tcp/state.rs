@@ -82,6 +82,8 @@ pub(super) struct Inner {
     pub(super) coordinator: std::sync::atomic::AtomicU32,
     /// What a joiner is handed (`run --join`): the cluster file, kept current as nodes join.
     pub(super) share: Mutex<Option<Arc<str>>>,
+    /// How joiners are answered, when the process says (see [`TcpTransport::set_sharer`]).
+    pub(super) sharer: Mutex<Option<Sharer>>,
     /// Peers forgotten for good (`TcpTransport::forget`): nothing more is sent to them.
     pub(super) gone: Mutex<std::collections::BTreeSet<NodeId>>,
 }

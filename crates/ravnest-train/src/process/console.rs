@@ -207,16 +207,19 @@ impl EventSink {
 }
 
 /// A node admitted from outside the cluster file (`Event::Admitted`) gets its place in
-/// `cluster`, so that events about it name it.
+/// `cluster`, so that events about it name it (ids are given in order, but a later joiner may
+/// register first: places before it wait for their names).
 pub(super) fn learn_member(cluster: &mut ravnest_core::ClusterSpec, e: &Event) {
     if let Event::Admitted { node, name, .. } = e
-        && node.index() == cluster.nodes.len()
         && let Some(like) = cluster.nodes.first().cloned()
     {
-        cluster.nodes.push(ravnest_core::NodeSpec {
-            name: name.clone(),
-            ..like
-        });
+        while cluster.nodes.len() <= node.index() {
+            cluster.nodes.push(ravnest_core::NodeSpec {
+                name: "?".into(),
+                ..like.clone()
+            });
+        }
+        cluster.nodes[node.index()].name.clone_from(name);
     }
 }
 

@@ -31,6 +31,8 @@ pub(super) struct Host<'a> {
     pub tcp: &'a TcpTransport,
     pub counters: &'a Counters,
     pub t0: Instant,
+    /// Set while the coordinator runs here: new nodes get their ids from this process.
+    pub hosting: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Registrations arrive here; so do link reports and measurements.
@@ -415,16 +417,23 @@ async fn train(
         None => launch.coordinator(config, tick).await?,
         Some((r, from)) => launch.successor(config, r, from, tick).await?,
     };
+    let _hosting = super::admission::Hosting::start(&h.hosting);
     // Relay the coordinator's events as they happen, to the console and to `events.jsonl`.
     let events_path = h.opts.out_dir.join("events.jsonl");
     let mut sink = EventSink::open(&events_path, append, start_step, h.say.clone(), cluster);
     let is_final = |n: &Note| matches!(n, Note::Event(_, Event::CheckpointComplete { step, .. }) if *step == s.run.steps);
     let mut final_written = false;
+    // Nodes not in the cluster file get the leases too once admitted (an idle one would
+    // otherwise take the coordinator's silence for its loss).
+    let mut joined_leases = Vec::new();
     loop {
         tokio::select! {
             Some(n) = notes.recv() => {
                 final_written |= is_final(&n);
                 sink.note(&n);
+                if let Note::Event(_, Event::Admitted { node, .. }) = n {
+                    joined_leases.push(leases(h, &[node], term));
+                }
                 if let Note::Event(_, Event::Superseded { newer, .. }) = n {
                     // The folder says a newer term took over (before any node could say so).
                     coord.stop(None);

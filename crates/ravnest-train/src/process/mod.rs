@@ -10,6 +10,7 @@
 //! Output is one event per line: human text on stderr, or JSON on stdout with `--json` (what
 //! the local demo's parent reads).
 
+mod admission;
 mod console;
 mod coordinate;
 mod gather;
@@ -75,6 +76,17 @@ pub fn share_document(origin: &str, text: &str, steps: u64) -> String {
 /// joined ones in order).
 pub fn member_section(name: &str, device: &str, address: &str) -> String {
     format!("\n[[node]]\nname = {name:?}\ndevice = {device:?}\naddress = {address:?}\n")
+}
+
+/// A [`share_document`] handed to the new node `name`, which the coordinator's host just gave
+/// its place in the file (so the joiner knows that it is new, not a restarted node).
+pub fn newcomer_document(origin: &str, text: &str, steps: u64, name: &str) -> String {
+    json!({"origin": origin, "text": text, "steps": steps, "newcomer": name}).to_string()
+}
+
+/// Whether a [`share_document`] was handed to `name` as a new node ([`newcomer_document`]).
+pub fn is_newcomer_document(doc: &str, name: &str) -> bool {
+    serde_json::from_str::<Value>(doc).is_ok_and(|v| v["newcomer"].as_str() == Some(name))
 }
 
 /// Read a [`share_document`]: (origin, text, steps).
@@ -202,6 +214,14 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
                 .and_then(|d| read_share_document(d).ok()),
         )),
     };
+    let hosting = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let admission = admission::Admission {
+        share: net.share.clone(),
+        hosting: hosting.clone(),
+        tcp: tcp.clone(),
+        me: su.me,
+    };
+    tcp.set_sharer(Arc::new(move |r| admission.answer(r)));
     let counters = Counters::default();
     let (verdict_tx, mut verdicts) = mpsc::unbounded_channel();
     let sup = start_node(&opts, &su, &net, &counters, t0, verdict_tx).await?;
@@ -213,6 +233,7 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
         tcp: &tcp,
         counters: &counters,
         t0,
+        hosting,
     };
     let role = if is_coord {
         coordinate(&host, &mut reg_rx, &mut verdicts)
@@ -290,6 +311,7 @@ async fn leave(host: &Host<'_>) -> NodeReport {
         tcp,
         counters,
         t0,
+        ..
     } = *host;
     let report = NodeReport {
         steady_steps: Vec::new(),

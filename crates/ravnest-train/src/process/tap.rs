@@ -26,7 +26,7 @@ pub(super) struct Tap {
     pub armed: Arc<std::sync::atomic::AtomicBool>,
     /// What a joiner is handed (origin, text, steps), with the nodes that joined since appended
     /// as they are announced (`Member`).
-    pub share: Arc<std::sync::Mutex<Option<(String, String, u64)>>>,
+    pub share: super::admission::Shared,
 }
 
 impl Transport for Tap {

@@ -1,0 +1,92 @@
+//! Joiners (`ravnest run --join`): what this process answers a node that asks for the cluster
+//! file. A node the file names gets the file. A new node (a name the file lacks, with an
+//! address) gets its id from the coordinator's host only: the next one, its section appended to
+//! the file handed out and the coordinator told in the same breath, so that two joiners never
+//! share an id; any other node sends it to the coordinator's host.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use ravnest_core::NodeId;
+use ravnest_runtime::tcp::{JoinRequest, ShareReply, TcpTransport};
+use ravnest_runtime::{Addr, Envelope, Transport};
+
+use super::{member_section, newcomer_document, share_document};
+
+/// What a process hands joiners: (origin, cluster file text, steps).
+pub(super) type Shared = Arc<Mutex<Option<(String, String, u64)>>>;
+
+/// How this process answers joiners.
+#[derive(Clone)]
+pub(super) struct Admission {
+    /// The cluster file as handed out, kept current as nodes join.
+    pub share: Shared,
+    /// Whether this process hosts the running coordinator now.
+    pub hosting: Arc<AtomicBool>,
+    pub tcp: TcpTransport,
+    pub me: NodeId,
+}
+
+impl Admission {
+    /// The answer to `r`.
+    pub fn answer(&self, r: &JoinRequest) -> ShareReply {
+        let mut share = self.share.lock().unwrap_or_else(|e| e.into_inner());
+        let Some((origin, text, steps)) = share.as_mut() else {
+            return ShareReply::Refused("this node does not share its cluster file".into());
+        };
+        let scenario = match ravnest_core::parse(text, origin) {
+            Ok(s) => s,
+            Err(e) => return ShareReply::Refused(format!("its cluster file does not parse: {e}")),
+        };
+        let known = scenario.cluster.nodes.iter().any(|n| n.name == r.name);
+        if known || r.name.is_empty() || r.address.is_empty() {
+            return ShareReply::File(share_document(origin, text, *steps));
+        }
+        if !self.hosting.load(Ordering::SeqCst) {
+            let host = self.tcp.coordinator();
+            return match self.tcp.dial_addr(host).filter(|_| host != self.me) {
+                Some(a) => ShareReply::Elsewhere(a.to_string()),
+                None => ShareReply::Refused(
+                    "the cluster does not train yet, so it admits no new node: try again once it does"
+                        .into(),
+                ),
+            };
+        }
+        let id = NodeId(scenario.cluster.nodes.len() as u32);
+        let device = scenario
+            .cluster
+            .nodes
+            .first()
+            .map_or_else(|| "cpu".to_string(), |n| n.device.clone());
+        text.push_str(&member_section(&r.name, &device, &r.address));
+        self.tcp
+            .set_cluster_file(share_document(origin, text, *steps).into());
+        // Under the lock: the coordinator hears of ids in the order they were given.
+        let _ = self.tcp.send(
+            Addr::Node(self.me),
+            Addr::Coordinator,
+            Envelope::Reserve {
+                id,
+                name: r.name.clone(),
+                address: r.address.clone(),
+            },
+        );
+        ShareReply::File(newcomer_document(origin, text, *steps, &r.name))
+    }
+}
+
+/// Set while the coordinator runs in this process (cleared when dropped, by any way out).
+pub(super) struct Hosting(pub Arc<AtomicBool>);
+
+impl Hosting {
+    pub fn start(flag: &Arc<AtomicBool>) -> Hosting {
+        flag.store(true, Ordering::SeqCst);
+        Hosting(flag.clone())
+    }
+}
+
+impl Drop for Hosting {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+}
