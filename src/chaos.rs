@@ -8,7 +8,8 @@
 //! coordinator's process frozen past the failure timeout (another node takes over; thawed, the
 //! stale coordinator learns of the newer term from the first node it reaches and steps down), a
 //! frozen process (SIGSTOP, then SIGCONT), a reset of every connection to a node, a delayed
-//! link, a forged connection that claims a live node id, a forged connection that sends a
+//! link, two machines not in the file joining at the same instant, a forged connection that
+//! claims a live node id, a forged connection that sends a
 //! corrupted or oversized frame after authenticating, and a port in use at the start. After
 //! each run: the exit code is the one the schedule calls for; every checkpoint is there and
 //! readable; the final model equals, within float tolerance, a single-node run of the same steps
@@ -69,6 +70,9 @@ pub enum Fault {
     Reset { node: usize },
     /// What travels to the node is held `ms` per chunk, for `for_ms`.
     Delay { node: usize, ms: u64, for_ms: u64 },
+    /// Two machines not in the cluster file join at the same instant (`--join` with new
+    /// names), one through the coordinator's address, one through a worker's (`via`).
+    TwoJoiners { via: usize },
     /// A holder of the secret connects to `target` claiming the live node `claim`.
     Duplicate { target: usize, claim: usize },
     /// A holder of the secret connects to `target` as `claim` and, if let in, sends a frame
@@ -126,6 +130,7 @@ pub fn schedule(seed: u64) -> Schedule {
     let n = r.range(1, 3);
     let mut faults = Vec::new();
     let mut killed = false;
+    let mut joiners = false;
     for _ in 0..n {
         let at_ms = r.range(0, WINDOW_MS);
         let any = r.below(3) as usize;
@@ -150,9 +155,14 @@ pub fn schedule(seed: u64) -> Schedule {
                 }
             }
             6 | 7 => Fault::Reset { node: any },
-            8 => Fault::DiskFull {
+            8 if r.below(2) == 0 => Fault::DiskFull {
                 step: EVERY * r.range(1, STEPS / EVERY - 1),
             },
+            8 if !joiners => {
+                joiners = true;
+                Fault::TwoJoiners { via: worker }
+            }
+            8 => Fault::Reset { node: any },
             0 | 1 => Fault::Freeze {
                 node: any,
                 ms: r.range(100, 2500),
@@ -353,6 +363,9 @@ enum Later {
     Rejoin(usize),
 }
 
+/// The names of the two machines a [`Fault::TwoJoiners`] adds.
+const JOINERS: [&str; 2] = ["new1", "new2"];
+
 /// One schedule's outcome.
 #[derive(Debug)]
 pub struct Outcome {
@@ -446,6 +459,7 @@ fn run_one(
     let mut pending = faults.clone().into_iter().peekable();
     let mut later: Vec<(Instant, Later)> = Vec::new();
     let mut joined: Vec<Child> = Vec::new();
+    let mut newcomers: Vec<(&str, Child)> = Vec::new();
     let mut forged: Vec<tokio::task::JoinHandle<Result<(), String>>> = Vec::new();
     let mut summary = None;
     loop {
@@ -488,6 +502,12 @@ fn run_one(
                 f @ (Fault::Duplicate { .. } | Fault::Corrupt { .. }) => {
                     forged.push(forge(rt, &f, &listens, seed));
                 }
+                Fault::TwoJoiners { via } => {
+                    for (name, seed_node) in JOINERS.into_iter().zip([0, via]) {
+                        newcomers
+                            .push((name, newcomer(exe, &dir, &out, addresses[seed_node], name)?));
+                    }
+                }
                 f => later.extend(inject(f, &pids, &proxies)),
             }
         }
@@ -504,7 +524,8 @@ fn run_one(
     for mut j in joined {
         let _ = wait_for(&mut j, Duration::from_secs(20));
     }
-    judge(status, summary, (&out, &log), &faults, want)
+    let admitted = judge_newcomers(newcomers, &dir, &log)?;
+    judge(status, summary, (&out, &log), &faults, want).map(|s| s + &admitted)
 }
 
 /// A fault on a node or its link, now; what is to be undone later (and when).
@@ -543,8 +564,67 @@ fn inject(
             proxies[node].set_delay(Duration::from_millis(ms));
             Some((at(for_ms), Later::Undelay(node)))
         }
-        Fault::Duplicate { .. } | Fault::Corrupt { .. } | Fault::DiskFull { .. } => None,
+        Fault::Duplicate { .. }
+        | Fault::Corrupt { .. }
+        | Fault::DiskFull { .. }
+        | Fault::TwoJoiners { .. } => None,
     }
+}
+
+/// A machine not in the cluster file joins with `--join` (through the node at `seed`), reached
+/// at a port of its own.
+fn newcomer(exe: &Path, dir: &Path, out: &Path, seed: SocketAddr, name: &str) -> Result<Child> {
+    let jlog = std::fs::File::create(dir.join(format!("{name}-join.log")))?;
+    let port = tcp::spare_ports(1)?[0];
+    Ok(Command::new(exe)
+        .args(["run", "--join", &seed.to_string(), "--node", name])
+        .args(["--advertise", &format!("127.0.0.1:{port}")])
+        .args(["--wait", "10", "--json", "--out"])
+        .arg(out.join(name))
+        .env("RAVNEST_SECRET", SECRET)
+        .stdout(Stdio::null())
+        .stderr(jlog)
+        .spawn()?)
+}
+
+/// Joiners end within 20 s of the run, never by a panic; one the coordinator admitted (it said
+/// it joins) ends cleanly. Joiners that come once training is over are turned away, which is no
+/// fault. Says how many were admitted.
+fn judge_newcomers(newcomers: Vec<(&str, Child)>, dir: &Path, log: &Path) -> Result<String> {
+    if newcomers.is_empty() {
+        return Ok(String::new());
+    }
+    let events = std::fs::read_to_string(log.with_extension("jsonl")).unwrap_or_default();
+    let mut admitted = 0;
+    let mut turned_away = Vec::new();
+    for (name, mut child) in newcomers {
+        let status = wait_for(&mut child, Duration::from_secs(20))?;
+        let jlog = dir.join(format!("{name}-join.log"));
+        let said = std::fs::read_to_string(&jlog).unwrap_or_default();
+        if status.is_none() {
+            bail!("the joiner `{name}` did not end; see {}", jlog.display());
+        }
+        if said.contains("panicked") {
+            bail!("the joiner `{name}` panicked; see {}", jlog.display());
+        }
+        if events.contains(&format!("`{name}` (not in the cluster file) joins")) {
+            if status.is_none_or(|s| !s.success()) {
+                bail!(
+                    "the joiner `{name}` was admitted but ended with {status:?}; see {}",
+                    jlog.display()
+                );
+            }
+            admitted += 1;
+        } else if let Some(last) = said.lines().rev().find(|l| !l.trim().is_empty()) {
+            turned_away.push(format!("`{name}`: {}", last.trim()));
+        }
+    }
+    let why = if turned_away.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", turned_away.join("; "))
+    };
+    Ok(format!("; {admitted} of 2 joiners admitted{why}"))
 }
 
 /// A killed node starts again with `--join` (the first node's address, the secret).
@@ -816,6 +896,10 @@ mod tests {
                                 assert_ne!(claim, 0);
                                 "duplicate"
                             }
+                            Fault::TwoJoiners { via } => {
+                                assert_ne!(via, 0);
+                                "two-joiners"
+                            }
                             Fault::Corrupt { target, claim, .. } => {
                                 assert_ne!(target, claim);
                                 "corrupt"
@@ -825,6 +909,6 @@ mod tests {
                 }
             }
         }
-        assert_eq!(kinds.len(), 10, "{kinds:?}");
+        assert_eq!(kinds.len(), 11, "{kinds:?}");
     }
 }

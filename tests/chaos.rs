@@ -2,7 +2,8 @@
 //! node processes, each node behind a fault-injecting proxy, under seeded schedules of kill -9
 //! and rejoin, kill -9 of the coordinator (fail-over), the coordinator frozen past the failure
 //! timeout (fail-over, then the stale one steps down), frozen processes (SIGSTOP / SIGCONT),
-//! a full disk at a checkpoint, connection resets and delays, forged connections that claim a
+//! a full disk at a checkpoint, two machines not in the file joining at once, connection resets
+//! and delays, forged connections that claim a
 //! live node, corrupted and oversized frames after authentication, and a port in use at the
 //! start. Each run must end with the exit code its schedule calls for, lose no checkpoint, keep
 //! its checkpoints' terms in order, and end with the model of a single-node run of the same

@@ -344,7 +344,7 @@ impl TcpTransport {
 
     /// `node` is reached at `addr` (said by the node itself, or passed on by the coordinator's
     /// host): dial it there from now on. The coordinator's host passes what a node says of
-    /// itself on to every other peer.
+    /// itself on to every other peer, and tells it where every other peer is.
     fn advertised(&self, from: Addr, node: NodeId, addr: &str) {
         let cfg = &self.inner.cfg;
         let trusted = from == Addr::Node(node) || from == Addr::Coordinator;
@@ -375,24 +375,27 @@ impl TcpTransport {
             self.inner.links.lock().unwrap().remove(&node);
         }
         if from == Addr::Node(node) && self.coordinator() == cfg.me {
-            let peers: Vec<NodeId> = self
+            let peers: Vec<(NodeId, SocketAddr)> = self
                 .inner
                 .dial_addrs
                 .lock()
                 .unwrap()
-                .keys()
-                .copied()
+                .iter()
+                .map(|(&p, &a)| (p, a))
                 .collect();
-            for p in peers {
+            for (p, at) in peers {
                 if p != cfg.me && p != node {
-                    let _ = self.send(
-                        Addr::Coordinator,
-                        Addr::Node(p),
-                        Envelope::Address {
-                            node,
-                            addr: sa.to_string(),
-                        },
-                    );
+                    let tell = |to: NodeId, of: NodeId, a: SocketAddr| {
+                        let env = Envelope::Address {
+                            node: of,
+                            addr: a.to_string(),
+                        };
+                        let _ = self.send(Addr::Coordinator, Addr::Node(to), env);
+                    };
+                    tell(p, node, sa);
+                    // And the other way: a node that joined earlier may be missing from the
+                    // file this one fetched, or this one from its (two joiners at once).
+                    tell(node, p, at);
                 }
             }
         }

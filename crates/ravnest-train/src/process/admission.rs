@@ -28,6 +28,20 @@ pub(super) struct Admission {
 }
 
 impl Admission {
+    /// Answer the joiners of `tcp` from now on (for node `me`, with the file `share`); returns
+    /// the flag that says whether this process hosts the coordinator (see [`Hosting`]).
+    pub fn install(share: &Shared, tcp: &TcpTransport, me: NodeId) -> Arc<AtomicBool> {
+        let hosting = Arc::new(AtomicBool::new(false));
+        let admission = Admission {
+            share: share.clone(),
+            hosting: hosting.clone(),
+            tcp: tcp.clone(),
+            me,
+        };
+        tcp.set_sharer(Arc::new(move |r| admission.answer(r)));
+        hosting
+    }
+
     /// The answer to `r`.
     pub fn answer(&self, r: &JoinRequest) -> ShareReply {
         let mut share = self.share.lock().unwrap_or_else(|e| e.into_inner());

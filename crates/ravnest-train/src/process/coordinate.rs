@@ -478,11 +478,29 @@ async fn train(
     coord.stop(None);
     ck.stop(None);
     let log = journal.snapshot();
+    how_it_ended(h, term, &files, &log)?;
+    Ok(Trained {
+        log,
+        start_step,
+        train_s,
+        events_path,
+    })
+}
+
+/// How the coordinator's run ended, from its events: an error when it stalled or failed, or
+/// when this process must step down (a newer term, or cut off after taking over).
+fn how_it_ended(
+    h: &Host<'_>,
+    term: u32,
+    files: &crate::store::CheckpointFiles,
+    log: &ravnest_runtime::coordinator::RunLog,
+) -> Result<(), RunError> {
+    let s = &h.opts.scenario;
     for (_, e) in &log.events {
         match e {
             Event::Stalled(why) | Event::Violation(why) => {
                 // Stalled, but a newer term wrote to the folder meanwhile: this one was stale.
-                if let Some(newer) = ravnest_runtime::checkpoint::Store::superseded(&*files) {
+                if let Some(newer) = ravnest_runtime::checkpoint::Store::superseded(files) {
                     return Err(step_down(h, term, newer, None));
                 }
                 return Err(RunError::Stopped(why.clone()));
@@ -506,12 +524,7 @@ async fn train(
             _ => {}
         }
     }
-    Ok(Trained {
-        log,
-        start_step,
-        train_s,
-        events_path,
-    })
+    Ok(())
 }
 
 /// This process coordinated term `term` and learned of a newer one (`newer`, hosted by `next`

@@ -189,16 +189,7 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
     let _announcer = announce(&opts, &say, tcp.local_addr());
     let t0 = Instant::now();
     let is_coord = su.me == coordinator_of(s);
-    // The coordinator's host listens for registrations before its node exists.
-    let (reg_tx, mut reg_rx) = mpsc::unbounded_channel();
-    if is_coord {
-        tcp.register(
-            Addr::Coordinator,
-            Arc::new(move |from, env| {
-                let _ = reg_tx.send((from, env));
-            }),
-        );
-    }
+    let mut reg_rx = registrations(&tcp, is_coord);
     let (summary_tx, summary_rx) = mpsc::unbounded_channel();
     let net = Tap {
         inner: tcp.clone(),
@@ -214,14 +205,7 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
                 .and_then(|d| read_share_document(d).ok()),
         )),
     };
-    let hosting = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let admission = admission::Admission {
-        share: net.share.clone(),
-        hosting: hosting.clone(),
-        tcp: tcp.clone(),
-        me: su.me,
-    };
-    tcp.set_sharer(Arc::new(move |r| admission.answer(r)));
+    let hosting = admission::Admission::install(&net.share, &tcp, su.me);
     let counters = Counters::default();
     let (verdict_tx, mut verdicts) = mpsc::unbounded_channel();
     let sup = start_node(&opts, &su, &net, &counters, t0, verdict_tx).await?;
@@ -299,6 +283,20 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
     sup.stop(None);
     tcp.shutdown();
     Ok(report)
+}
+
+/// The coordinator's host listens for registrations before its node exists.
+fn registrations(tcp: &TcpTransport, is_coord: bool) -> mpsc::UnboundedReceiver<(Addr, Envelope)> {
+    let (reg_tx, reg_rx) = mpsc::unbounded_channel();
+    if is_coord {
+        tcp.register(
+            Addr::Coordinator,
+            Arc::new(move |from, env| {
+                let _ = reg_tx.send((from, env));
+            }),
+        );
+    }
+    reg_rx
 }
 
 /// A worker that left the cluster cleanly: its own report, printed, and the transport drained
