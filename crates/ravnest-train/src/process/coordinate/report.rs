@@ -1,0 +1,322 @@
+//! The coordinator's report: throughput, accuracy (the final evaluation), checkpoints, plans,
+//! the pipeline's figures and what the run's profile is fitted from.
+
+use std::collections::BTreeMap;
+
+use ravnest_core::NodeId;
+use ravnest_runtime::coordinator::Event;
+
+use super::super::console::{describe, learn_member};
+use super::super::options::warmup_steps;
+use super::super::setup::Setup;
+use super::{Calibration, Host, Trained};
+use crate::net::Network;
+use crate::summary::{CoordinatorReport, PipelineFigures, Sample};
+
+/// The first pipeline plan's stages, its micro-batches and bubble in theory, and the bytes its
+/// stages send each other per step (the bubble measured is filled in with the nodes' reports).
+pub(super) fn pipeline_figures(
+    h: &Host<'_>,
+    cluster: &ravnest_core::ClusterSpec,
+    log: &ravnest_runtime::coordinator::RunLog,
+) -> Option<PipelineFigures> {
+    let (workers, stages) = log.events.iter().find_map(|(_, e)| match e {
+        Event::Planned {
+            workers, stages, ..
+        } if !stages.is_empty() => Some((workers, stages)),
+        _ => None,
+    })?;
+    let spec = h.su.compute.net.model_spec();
+    let name = |n: &NodeId| {
+        cluster
+            .nodes
+            .get(n.index())
+            .map_or_else(|| format!("node {}", n.0), |x| x.name.clone())
+    };
+    let mut by_layers: BTreeMap<ravnest_core::LayerRange, Vec<String>> = BTreeMap::new();
+    for (n, l) in stages {
+        by_layers.entry(*l).or_default().push(name(n));
+    }
+    let batch = |n: &NodeId| workers.iter().find(|w| w.0 == *n).map_or(0, |w| w.1);
+    let elem = 4u64;
+    // Every node but the last stage's sends its output forward and gets its gradient back.
+    let last_layer = spec.layers.len() as u32;
+    let activation_bytes_per_step = stages
+        .iter()
+        .filter(|(_, l)| l.range().end as u32 != last_layer)
+        .map(|(n, l)| {
+            let out = spec.layers[l.range().end - 1].output_elems_per_sample;
+            2 * batch(n) * out * elem
+        })
+        .sum();
+    let p = by_layers.len() as f64;
+    let micro = u64::from(h.opts.scenario.training.micro_batch.max(1));
+    let m = workers.first().map_or(1, |w| w.1.div_ceil(micro)).max(1);
+    Some(PipelineFigures {
+        stages: by_layers
+            .iter()
+            .map(|(l, nodes)| {
+                let names: Vec<&str> = spec.layers[l.range()]
+                    .iter()
+                    .map(|x| x.name.as_str())
+                    .collect();
+                format!("layers {l} ({}) on {}", names.join(", "), nodes.join(", "))
+            })
+            .collect(),
+        nodes: stages.iter().map(|(n, _)| name(n)).collect(),
+        micro_batches: m,
+        bubble_theory: (p - 1.0) / (m as f64 + p - 1.0),
+        activation_bytes_per_step,
+        ..PipelineFigures::default()
+    })
+}
+
+/// The final model's accuracy on the held-out data; for the character model, the first test
+/// context continued greedily; for the GPT, bits per byte and a sampled continuation.
+pub(super) fn evaluate(h: &Host<'_>) -> (f64, Option<Sample>, Option<f64>) {
+    let (s, su) = (&h.opts.scenario, h.su);
+    // The weights alone: the optimizer state is not needed to evaluate.
+    let model = match su.files.load_weights(s.run.steps) {
+        Ok(m) => m,
+        Err(_) => h
+            .counters
+            .lock()
+            .unwrap()
+            .get(&su.me)
+            .and_then(|c| c.final_model.clone())
+            .unwrap_or_default(),
+    };
+    let weights = &model[..su.compute.params().min(model.len())];
+    if let Network::Gpt(g) = &su.compute.net {
+        return evaluate_gpt(g, weights, &su.test, s.run.seed);
+    }
+    let accuracy = su
+        .compute
+        .net
+        .accuracy(weights, &su.test.x, &su.test.y)
+        .unwrap_or(0.0);
+    let sample = match (&su.compute.net, su.test.vocab.is_empty()) {
+        (Network::Char { context, .. }, false) => {
+            let prompt: Vec<u32> = su.test.x[..*context].iter().map(|&k| k as u32).collect();
+            let more = su
+                .compute
+                .net
+                .continue_text(weights, &prompt, 80)
+                .unwrap_or_default();
+            let text = |ids: &[u32]| -> String {
+                ids.iter()
+                    .map(|&k| su.test.vocab.get(k as usize).copied().unwrap_or('?'))
+                    .collect()
+            };
+            Some(Sample {
+                prompt: text(&prompt),
+                continuation: text(&more),
+            })
+        }
+        _ => None,
+    };
+    (accuracy, sample, None)
+}
+
+/// Windows of held-out text the GPT is evaluated on, at most.
+pub(super) const GPT_EVAL_WINDOWS: usize = 256;
+
+/// The GPT on the first held-out windows: (next-byte accuracy, a sampled continuation of the
+/// first window's start, bits per byte).
+pub(super) fn evaluate_gpt(
+    g: &crate::gpt::Gpt,
+    weights: &[f32],
+    test: &crate::data::Dataset,
+    seed: u64,
+) -> (f64, Option<Sample>, Option<f64>) {
+    let dev = crate::device::current();
+    let w = test.features;
+    let rows = test.len().min(GPT_EVAL_WINDOWS);
+    let Ok((nats, accuracy)) = g.evaluate(&dev, weights, &test.x[..rows * w], 16) else {
+        return (0.0, None, None);
+    };
+    let prompt: Vec<u32> = test.x[..w.min(g.seq / 2)]
+        .iter()
+        .map(|&t| t as u32)
+        .collect();
+    let more = g
+        .generate(&dev, weights, &prompt, 120, 0.8, seed)
+        .unwrap_or_default();
+    let text = |ids: &[u32]| -> String {
+        String::from_utf8_lossy(&ids.iter().map(|&t| t as u8).collect::<Vec<u8>>()).into_owned()
+    };
+    let sample = Sample {
+        prompt: text(&prompt),
+        continuation: text(&more),
+    };
+    (accuracy, Some(sample), Some(nats / std::f64::consts::LN_2))
+}
+
+/// The coordinator's report: throughput (overall, steady, against the nodes' summed solo
+/// capacity), accuracy, checkpoints, plans and the notable events.
+pub(super) fn coordinator_report(
+    h: &Host<'_>,
+    cluster: &ravnest_core::ClusterSpec,
+    solo: &BTreeMap<NodeId, Calibration>,
+    t: &Trained,
+) -> CoordinatorReport {
+    let s = &h.opts.scenario;
+    let log = &t.log;
+    // The training's peak memory, before the final model is read to be evaluated.
+    if let Some((_, peak)) = crate::measure::resident_memory() {
+        let _ = h.su.trained_peak_rss.set(peak);
+    }
+    let (accuracy, sample, bits_per_byte) = evaluate(h);
+    // The steps agreed here end at the log's last; a successor that went back below the step
+    // it took over at (the newest version every member held) redid the steps from there.
+    let trained = log.step_done_ns.len() as u64;
+    let final_step = log.last_step.map_or(t.start_step, |l| l + 1);
+    let start_step = final_step.saturating_sub(trained);
+    let batch = f64::from(s.training.global_batch);
+    let samples_per_s = trained as f64 * batch / t.train_s.max(1e-9);
+    // The same after the first steps (caches, allocators and the first plan settle there).
+    let skip = warmup_steps(trained) as usize;
+    let steady = match (
+        log.step_done_ns.get(skip.saturating_sub(1)),
+        log.step_done_ns.last(),
+    ) {
+        (Some(a), Some(b)) if b > a && skip > 0 => {
+            (trained as usize - skip) as f64 * batch / ((b - a) as f64 / 1e9)
+        }
+        _ => samples_per_s,
+    };
+    // Each node's solo throughput at the batch it measured (B / n), fixed costs included.
+    let solo_sum: f64 = solo.values().map(|m| m.samples_per_s).sum();
+    let checkpoints: Vec<u64> = log
+        .events
+        .iter()
+        .filter_map(|(_, e)| match e {
+            Event::CheckpointComplete { step, .. } => Some(*step),
+            _ => None,
+        })
+        .collect();
+    // Nodes that joined without being in the file have names too.
+    let mut cluster = cluster.clone();
+    for (_, e) in &log.events {
+        learn_member(&mut cluster, e);
+    }
+    let said: Vec<String> = log
+        .events
+        .iter()
+        .map(|(_, e)| describe(e, &cluster))
+        .collect();
+    let all_notable: Vec<&String> = said.iter().filter(|w| crate::summary::notable(w)).collect();
+    let mut notable: Vec<String> = all_notable.iter().take(20).map(|w| w.to_string()).collect();
+    if all_notable.len() > 20 {
+        notable.push(format!("... and {} more", all_notable.len() - 20));
+    }
+    let plans = log
+        .events
+        .iter()
+        .filter(|(_, e)| matches!(e, Event::Planned { .. }))
+        .count();
+    let files = &h.su.files;
+    let mut profile_inputs =
+        profile_inputs(h, &cluster, [start_step + skip as u64, final_step], steady);
+    profile_inputs.rings = log
+        .events
+        .iter()
+        .filter_map(|(_, e)| match e {
+            Event::LinksScaled {
+                ring_s, ring_nodes, ..
+            } => Some((*ring_nodes, *ring_s)),
+            _ => None,
+        })
+        .collect();
+    CoordinatorReport {
+        steps: final_step,
+        start_step,
+        train_s: t.train_s,
+        samples_per_s,
+        steady_samples_per_s: steady,
+        warmup_steps: skip as u64,
+        solo_sum_samples_per_s: solo_sum,
+        // A successor (fail-over) has no solo figures: no efficiency then.
+        capacity_efficiency: if solo_sum > 0.0 {
+            samples_per_s / solo_sum
+        } else {
+            0.0
+        },
+        solo_by_node: solo
+            .iter()
+            .map(|(id, m)| (cluster.nodes[id.index()].name.clone(), m.samples_per_s))
+            .collect(),
+        replans: plans.saturating_sub(1) as u64,
+        accuracy,
+        target_accuracy: s.run.target_accuracy,
+        sample,
+        bits_per_byte: bits_per_byte.map(|b| (b, s.run.target_bits_per_byte)),
+        pipeline: pipeline_figures(h, &cluster, log),
+        checkpoints,
+        checkpoint_dir: files.dir.display().to_string(),
+        final_checkpoint: files.path(s.run.steps).display().to_string(),
+        optimizer: s.training.optimizer.as_str().to_string(),
+        plans: said.iter().filter(|w| w.contains(": planned ")).count() as u64,
+        rebalances: said.iter().filter(|w| w.ends_with("re-planned")).count() as u64,
+        notable_events: notable,
+        events_file: t.events_path.display().to_string(),
+        took_over_from: log.events.iter().find_map(|(_, e)| match e {
+            Event::TookOver { from, .. } => cluster.nodes.get(from.index()).map(|n| n.name.clone()),
+            _ => None,
+        }),
+        profile_file: None,
+        profile_inputs: Some(profile_inputs),
+        model_state_mib: model_state_mib(h.su),
+    }
+}
+
+/// MiB of the whole model's state: its parameters, one gradient, and the optimizer state.
+pub(super) fn model_state_mib(su: &Setup) -> f64 {
+    let c = &su.compute;
+    (c.model_len() + c.params()) as f64 * 4.0 / f64::from(1u32 << 20)
+}
+
+/// What the run's profile is fitted from, but the nodes' steps (their reports bring them):
+/// each node's figures as calibrated (or registered) at the start and its probed link, and
+/// the probed pairs.
+pub(super) fn profile_inputs(
+    h: &Host<'_>,
+    cluster: &ravnest_core::ClusterSpec,
+    steps: [u64; 2],
+    samples_per_s: f64,
+) -> ravnest_core::profile::RunFigures {
+    let s = &h.opts.scenario;
+    let spec = h.su.compute.net.model_spec();
+    let train_flops = spec.train_flops_per_sample();
+    let name = |id: NodeId| cluster.nodes[id.index()].name.clone();
+    ravnest_core::profile::RunFigures {
+        cluster: s.cluster.name.clone(),
+        model: s.model.name.clone(),
+        global_batch: s.training.global_batch,
+        grad_bytes: (spec.params() * s.training.precision.element_bytes()) as f64,
+        steps,
+        samples_per_s,
+        nodes: cluster
+            .nodes
+            .iter()
+            .map(|n| ravnest_core::profile::NodeRun {
+                name: n.name.clone(),
+                calibrated: (train_flops / n.flops, n.step_overhead_s),
+                memory_bytes: n.memory_bytes,
+                link: n.link,
+                steps: Vec::new(),
+                busy: 0.0,
+                comm: 0.0,
+            })
+            .collect(),
+        pairs: cluster
+            .pair_links
+            .iter()
+            .filter(|((a, b), _)| {
+                a.index() < cluster.nodes.len() && b.index() < cluster.nodes.len()
+            })
+            .map(|(&(a, b), l)| (name(a), name(b), *l))
+            .collect(),
+        rings: Vec::new(),
+    }
+}
