@@ -272,7 +272,7 @@ fn one_node_run(
         widths.join(", ")
     );
     let scenario = ravnest_core::parse(&text, "bench")?;
-    let report = ravnest_train::process::run(ravnest_train::process::Options {
+    let report = ravnest_node::process::run(ravnest_node::process::Options {
         scenario,
         origin: "bench".into(),
         node: "solo".into(),
@@ -288,7 +288,7 @@ fn one_node_run(
         advertise: None,
         overwrite: true,
         device: Some(device.to_string()),
-        announce: ravnest_train::discover::Announce::Never,
+        announce: ravnest_node::discover::Announce::Never,
         newcomer: false,
     })?;
     // Per step after warm-up.
@@ -319,7 +319,7 @@ fn bare_loop(
     };
     let c = ravnest_train::compute::CandleCompute::new(net, data, optim, 1, 1.0);
     let mut model = c.initial(None);
-    let skip = ravnest_train::process::warmup_steps(steps);
+    let skip = ravnest_node::process::warmup_steps(steps);
     let mut t = Instant::now();
     for k in 0..steps {
         if k == skip {
@@ -371,7 +371,7 @@ pub fn overhead(steps: u64, rounds: usize) -> Result<String> {
          bare candle loop           {:>8.3} s {:>9.0} samples/s   (ravnest's own forward/backward)\n\
          through ravnest            {:>8.3} s {:>9.0} samples/s   overhead {:+.1}%\n\
          candle autograd loop       {:>8.3} s {:>9.0} samples/s\n",
-        ravnest_train::process::warmup_steps(steps),
+        ravnest_node::process::warmup_steps(steps),
         best.0,
         rate(best.0),
         best.1,
@@ -413,7 +413,7 @@ pub fn gpu(dims: &[usize], batch: u64, steps: u64, rounds: usize) -> Result<Stri
     }
     let out = std::env::temp_dir().join(format!("ravnest-gpu-{}", std::process::id()));
     let (mut bare, mut through) = (f64::INFINITY, f64::INFINITY);
-    let skip = ravnest_train::process::warmup_steps(steps);
+    let skip = ravnest_node::process::warmup_steps(steps);
     for _ in 0..rounds {
         bare = bare.min(bare_loop(dims, batch, steps)?.0);
 

@@ -399,8 +399,8 @@ fn dry_run_command(file: Option<&std::path::Path>, kind: PlannerKind) -> Result<
         p.step.samples_per_s,
         p.split_line()
     );
-    let trains = ravnest_train::process::load_dataset(&scenario, &origin).and_then(|d| {
-        ravnest_train::process::network_for(&scenario, &origin, &d).map(|n| n.model_spec())
+    let trains = ravnest_node::process::load_dataset(&scenario, &origin).and_then(|d| {
+        ravnest_node::process::network_for(&scenario, &origin, &d).map(|n| n.model_spec())
     });
     match trains {
         Ok(m) if m.layers == scenario.model.layers => {
@@ -535,12 +535,12 @@ fn run_command(cmd: RunCmd) -> Result<()> {
     if dry_run {
         return dry_run_command(file.as_deref(), kind);
     }
-    if let Some(pid) = std::env::var(ravnest_train::process::LAUNCHER_PID)
+    if let Some(pid) = std::env::var(ravnest_node::process::LAUNCHER_PID)
         .ok()
         .and_then(|p| p.parse().ok())
         .filter(|_| node.is_some())
     {
-        ravnest_train::process::die_with_launcher(pid);
+        ravnest_node::process::die_with_launcher(pid);
     }
     if timeline.is_some() && node.is_some() {
         bail!(
@@ -563,7 +563,7 @@ fn run_command(cmd: RunCmd) -> Result<()> {
                     "--discover without a cluster file finds a running cluster to join as one of its nodes: name it with --node NAME (to announce the nodes of a file instead: ravnest run FILE --discover)"
                 );
             };
-            let wait = discover_timeout.map_or(ravnest_train::discover::DEFAULT_TIMEOUT, |s| {
+            let wait = discover_timeout.map_or(ravnest_node::discover::DEFAULT_TIMEOUT, |s| {
                 std::time::Duration::from_secs(s)
             });
             let (origin, text, n, new) =
@@ -613,11 +613,11 @@ fn run_command(cmd: RunCmd) -> Result<()> {
         timeline,
         spans: report_spans,
         announce: if no_announce {
-            ravnest_train::discover::Announce::Never
+            ravnest_node::discover::Announce::Never
         } else if discover {
-            ravnest_train::discover::Announce::Always
+            ravnest_node::discover::Announce::Always
         } else {
-            ravnest_train::discover::Announce::Reachable
+            ravnest_node::discover::Announce::Reachable
         },
     })
 }

@@ -11,10 +11,10 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use ravnest_core::Scenario;
-use ravnest_train::discover::Announce;
-use ravnest_train::events::RunEvent;
-use ravnest_train::process::Options;
-use ravnest_train::summary::{NodeReport, NodeRow, RunReport};
+use ravnest_node::discover::Announce;
+use ravnest_node::events::RunEvent;
+use ravnest_node::process::Options;
+use ravnest_node::summary::{NodeReport, NodeRow, RunReport};
 use serde_json::Value;
 
 /// What the user asked for.
@@ -53,7 +53,7 @@ pub struct RunArgs {
     /// Include this node's activity spans in its report (set by the local launcher).
     pub spans: bool,
     /// When each node announces itself on the LAN (for `--discover`).
-    pub announce: ravnest_train::discover::Announce,
+    pub announce: ravnest_node::discover::Announce,
     /// The coordinator's host gave this node its place (`--join` with a name the cluster file
     /// lacked): it registers as a new node.
     pub newcomer: bool,
@@ -111,7 +111,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let register_timeout = Duration::from_secs(scenario.run.register_timeout_s);
     match &args.node {
         Some(node) => {
-            let ran = ravnest_train::process::run(Options {
+            let ran = ravnest_node::process::run(Options {
                 scenario,
                 origin: args.origin.clone(),
                 node: node.clone(),
@@ -126,7 +126,7 @@ pub fn run(args: RunArgs) -> Result<()> {
                 planner: ravnest_core::PlannerKind::parse(&args.planner)
                     .with_context(|| format!("unknown planner `{}`", args.planner))?,
                 quiet: false,
-                share: Some(ravnest_train::process::share_document(
+                share: Some(ravnest_node::process::share_document(
                     &args.origin,
                     &text,
                     steps,
@@ -135,10 +135,10 @@ pub fn run(args: RunArgs) -> Result<()> {
                 announce: args.announce,
                 newcomer,
             });
-            if let Err(ravnest_train::process::RunError::SteppedDown(why)) = &ran {
+            if let Err(ravnest_node::process::RunError::SteppedDown(why)) = &ran {
                 // A stale coordinator that stepped down: said, and not a failure of the run.
                 eprintln!("{why}");
-                std::process::exit(ravnest_train::process::STEPPED_DOWN_EXIT);
+                std::process::exit(ravnest_node::process::STEPPED_DOWN_EXIT);
             }
             ran?;
             Ok(())
@@ -267,7 +267,7 @@ fn node_command(args: &RunArgs, exe: &Path, file: &Path, out: &Path, name: &str)
     }
     // The child dies with this process (`kill -9` of the launcher leaves nothing behind).
     cmd.env(
-        ravnest_train::process::LAUNCHER_PID,
+        ravnest_node::process::LAUNCHER_PID,
         std::process::id().to_string(),
     );
     cmd
@@ -342,7 +342,7 @@ fn watch(
             open -= 1;
             if reports[i].is_none() {
                 let status = children[i].1.wait()?;
-                let stepped_down = status.code() == Some(ravnest_train::process::STEPPED_DOWN_EXIT);
+                let stepped_down = status.code() == Some(ravnest_node::process::STEPPED_DOWN_EXIT);
                 if status.code().is_some_and(|c| c != 0) && !stepped_down {
                     for (_, c) in children.iter_mut() {
                         let _ = c.kill();
@@ -421,7 +421,7 @@ fn finish(
     let mut failed = Vec::new();
     for (name, child) in children.iter_mut() {
         let status = child.wait()?;
-        if status.code() == Some(ravnest_train::process::STEPPED_DOWN_EXIT) {
+        if status.code() == Some(ravnest_node::process::STEPPED_DOWN_EXIT) {
             failed.push(format!("{name} (stepped down)"));
         } else if !status.success() {
             failed.push(format!("{name} ({status})"));
@@ -577,15 +577,15 @@ pub fn fetch_cluster_file(
         .with_context(|| format!("--join {addr}: not a reachable host:port"))?;
     let (doc, from) =
         fetch_at(sa, me, advertise).map_err(|e| explained(&format!("--join {addr}"), e))?;
-    let (origin, text, steps) = ravnest_train::process::read_share_document(&doc)
+    let (origin, text, steps) = ravnest_node::process::read_share_document(&doc)
         .with_context(|| format!("--join {addr}"))?;
-    let newcomer = ravnest_train::process::is_newcomer_document(&doc, me);
+    let newcomer = ravnest_node::process::is_newcomer_document(&doc, me);
     Ok((format!("{origin} (from {from})"), text, steps, newcomer))
 }
 
 /// `--discover` without a file: listen for the announcements of `cluster` (of the only cluster
 /// that answers, when `None`) for at most `wait`, then fetch the cluster file as `--join` does
-/// from the first node that answers, in [`ravnest_train::discover::select`]'s order. A wrong
+/// from the first node that answers, in [`ravnest_node::discover::select`]'s order. A wrong
 /// secret or another protocol version ends the search with the same error as `--join`; a node
 /// that cannot be reached is skipped. Returns (origin, text, steps).
 pub fn discover_cluster_file(
@@ -594,8 +594,8 @@ pub fn discover_cluster_file(
     advertise: Option<&str>,
     wait: Duration,
 ) -> Result<(String, String, u64, bool)> {
+    use ravnest_node::discover;
     use ravnest_runtime::tcp::{HandshakeError, PROTOCOL_VERSION};
-    use ravnest_train::discover;
     let wanted = match cluster {
         Some(c) => format!("cluster `{c}`"),
         None => "a ravnest cluster".to_string(),
@@ -628,12 +628,12 @@ pub fn discover_cluster_file(
             match fetch_at(a, me, advertise) {
                 Ok((doc, from)) => {
                     let (origin, text, steps) =
-                        ravnest_train::process::read_share_document(&doc).context(what)?;
+                        ravnest_node::process::read_share_document(&doc).context(what)?;
                     eprintln!(
                         "--discover: fetched the cluster file from node `{}` at {from}",
                         c.node
                     );
-                    let newcomer = ravnest_train::process::is_newcomer_document(&doc, me);
+                    let newcomer = ravnest_node::process::is_newcomer_document(&doc, me);
                     return Ok((
                         format!("{origin} (from {from}, found by --discover)"),
                         text,
@@ -665,8 +665,8 @@ fn fetch_at(
     advertise: Option<&str>,
 ) -> std::result::Result<(String, SocketAddr), ravnest_runtime::tcp::HandshakeError> {
     use ravnest_runtime::tcp::{Fetched, HandshakeError, JoinRequest};
-    let secret = std::env::var(ravnest_train::process::SECRET_ENV)
-        .unwrap_or_else(|_| ravnest_train::process::DEFAULT_SECRET.to_string());
+    let secret = std::env::var(ravnest_node::process::SECRET_ENV)
+        .unwrap_or_else(|_| ravnest_node::process::DEFAULT_SECRET.to_string());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

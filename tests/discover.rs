@@ -18,8 +18,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use ravnest_node::discover::{self, Announcer, DiscoverError};
 use ravnest_runtime::tcp::PROTOCOL_VERSION;
-use ravnest_train::discover::{self, Announcer, DiscoverError};
 use serde_json::Value;
 
 /// Set in the run of a test inside its own network namespace.

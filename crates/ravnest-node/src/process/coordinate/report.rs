@@ -10,8 +10,8 @@ use super::super::console::{describe, learn_member};
 use super::super::options::warmup_steps;
 use super::super::setup::Setup;
 use super::{Calibration, Host, Trained};
-use crate::net::Network;
 use crate::summary::{CoordinatorReport, PipelineFigures, Sample};
+use ravnest_train::net::Network;
 
 /// The first pipeline plan's stages, its micro-batches and bubble in theory, and the bytes its
 /// stages send each other per step (the bubble measured is filled in with the nodes' reports).
@@ -124,12 +124,12 @@ pub(super) const GPT_EVAL_WINDOWS: usize = 256;
 /// The GPT on the first held-out windows: (next-byte accuracy, a sampled continuation of the
 /// first window's start, bits per byte).
 pub(super) fn evaluate_gpt(
-    g: &crate::gpt::Gpt,
+    g: &ravnest_train::gpt::Gpt,
     weights: &[f32],
-    test: &crate::data::Dataset,
+    test: &ravnest_train::data::Dataset,
     seed: u64,
 ) -> (f64, Option<Sample>, Option<f64>) {
-    let dev = crate::device::current();
+    let dev = ravnest_train::device::current();
     let w = test.features;
     let rows = test.len().min(GPT_EVAL_WINDOWS);
     let Ok((nats, accuracy)) = g.evaluate(&dev, weights, &test.x[..rows * w], 16) else {
@@ -163,7 +163,7 @@ pub(super) fn coordinator_report(
     let s = &h.opts.scenario;
     let log = &t.log;
     // The training's peak memory, before the final model is read to be evaluated.
-    if let Some((_, peak)) = crate::measure::resident_memory() {
+    if let Some((_, peak)) = ravnest_train::measure::resident_memory() {
         let _ = h.su.trained_peak_rss.set(peak);
     }
     let (accuracy, sample, bits_per_byte) = evaluate(h);

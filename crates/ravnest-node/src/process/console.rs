@@ -10,8 +10,8 @@ use ravnest_runtime::node::Counters;
 use serde_json::json;
 use tokio::time::Instant;
 
-use crate::compute::CandleCompute;
 use crate::events::RunEvent;
+use ravnest_train::compute::CandleCompute;
 
 /// Prints events: JSON lines on stdout, or text on stderr.
 #[derive(Debug, Clone)]

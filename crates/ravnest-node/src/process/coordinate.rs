@@ -402,7 +402,7 @@ async fn train(
     let journal = launch.journal();
     let mut notes = journal.subscribe();
     let term = succeeds.as_ref().map_or(0, |(r, _)| r.term);
-    let files = crate::store::CheckpointFiles {
+    let files = ravnest_train::store::CheckpointFiles {
         term,
         ..su.files.clone()
     };
@@ -494,7 +494,7 @@ async fn train(
 fn how_it_ended(
     h: &Host<'_>,
     term: u32,
-    files: &crate::store::CheckpointFiles,
+    files: &ravnest_train::store::CheckpointFiles,
     log: &ravnest_runtime::coordinator::RunLog,
 ) -> Result<(), RunError> {
     let s = &h.opts.scenario;

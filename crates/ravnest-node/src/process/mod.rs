@@ -546,7 +546,7 @@ fn memory_report(su: &Setup, c: &ravnest_runtime::node::NodeCounters) -> NodeRep
         .trained_peak_rss
         .get()
         .copied()
-        .or_else(|| crate::measure::resident_memory().map(|m| m.1))
+        .or_else(|| ravnest_train::measure::resident_memory().map(|m| m.1))
         .unwrap_or(0);
     // One version of what the node holds: its layers' parameters and optimizer state.
     let one_version = match c.layers {

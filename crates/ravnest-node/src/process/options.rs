@@ -15,7 +15,7 @@ pub enum RunError {
     Config(String),
     /// The dataset could not be read.
     #[error(transparent)]
-    Data(#[from] crate::data::DataError),
+    Data(#[from] ravnest_train::data::DataError),
     /// The node's device cannot be used.
     #[error("{origin}: node `{node}`: {source}")]
     Device {
@@ -25,14 +25,14 @@ pub enum RunError {
         node: String,
         /// Why.
         #[source]
-        source: crate::device::DeviceError,
+        source: ravnest_train::device::DeviceError,
     },
     /// The checkpoint folder is not this run's to write, or cannot be cleared.
     #[error(transparent)]
-    Guard(#[from] crate::store::GuardError),
+    Guard(#[from] ravnest_train::store::GuardError),
     /// A checkpoint to resume from could not be read.
     #[error(transparent)]
-    Checkpoint(#[from] crate::store::LoadError),
+    Checkpoint(#[from] ravnest_train::store::LoadError),
     /// The network or the runtime could not be set up.
     #[error(transparent)]
     Io(#[from] std::io::Error),

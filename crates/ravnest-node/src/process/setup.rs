@@ -11,12 +11,12 @@ use ravnest_runtime::msg::Capabilities;
 
 use super::console::Say;
 use super::options::{Options, RunError, coordinator_of};
-use crate::compute::CandleCompute;
-use crate::data::Dataset;
 use crate::events::RunEvent;
-use crate::net::Network;
-use crate::optim::Optim;
-use crate::store::CheckpointFiles;
+use ravnest_train::compute::CandleCompute;
+use ravnest_train::data::Dataset;
+use ravnest_train::net::Network;
+use ravnest_train::optim::Optim;
+use ravnest_train::store::CheckpointFiles;
 
 /// The dataset a scenario names: a text file for the character model, else digits, CSV or IDX.
 pub fn load_dataset(s: &Scenario, origin: &str) -> Result<Dataset, RunError> {
@@ -65,7 +65,7 @@ pub fn network_for(s: &Scenario, origin: &str, data: &Dataset) -> Result<Network
     match s.run.network.as_str() {
         "gpt" => {
             let (layers, hidden, heads, seq, vocab) = gpt_of(s, origin)?;
-            Ok(Network::Gpt(crate::gpt::Gpt {
+            Ok(Network::Gpt(ravnest_train::gpt::Gpt {
                 layers: layers as usize,
                 hidden: hidden as usize,
                 heads: heads as usize,
@@ -76,7 +76,7 @@ pub fn network_for(s: &Scenario, origin: &str, data: &Dataset) -> Result<Network
         "char" => Ok(Network::Char {
             context: data.features,
             vocab: data.classes,
-            embed: crate::net::CHAR_EMBED,
+            embed: ravnest_train::net::CHAR_EMBED,
             hidden: s.run.char_hidden as usize,
         }),
         "cnn" => {
@@ -182,8 +182,8 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
     let s = &opts.scenario;
     let me = whoami(opts)?;
     // The device first: everything this process computes is made there.
-    let run_device = crate::device::of_node(s, me.index(), opts.device.as_deref())
-        .and_then(|d| crate::device::select(d).map(|_| d))
+    let run_device = ravnest_train::device::of_node(s, me.index(), opts.device.as_deref())
+        .and_then(|d| ravnest_train::device::select(d).map(|_| d))
         .map_err(|source| RunError::Device {
             origin: opts.origin.clone(),
             node: opts.node.clone(),
@@ -194,7 +194,7 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
     let net = network_for(s, &opts.origin, &data)?;
     drop(data);
     // What the process holds before any model state exists (the bar its peak is held to).
-    let rss_before_model = crate::measure::resident_memory().map_or(0, |m| m.0);
+    let rss_before_model = ravnest_train::measure::resident_memory().map_or(0, |m| m.0);
     let optim = optim_for(s);
     let slowdown = s
         .run
@@ -255,8 +255,8 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
 /// machine it runs on.
 fn free_memory(s: &Scenario, me: NodeId) -> u64 {
     let configured = s.cluster.nodes[me.index()].memory_bytes;
-    crate::device::free_memory(&crate::device::current())
-        .or_else(crate::measure::available_memory)
+    ravnest_train::device::free_memory(&ravnest_train::device::current())
+        .or_else(ravnest_train::measure::available_memory)
         .map_or(configured, |m| m.min(configured))
 }
 
@@ -266,8 +266,8 @@ fn guard_checkpoints(
     opts: &Options,
     say: &Say,
     files: &CheckpointFiles,
-) -> Result<Option<crate::compute::Resume>, RunError> {
-    if !opts.join && crate::store::guard(&files.dir, opts.resume, opts.overwrite)? {
+) -> Result<Option<ravnest_train::compute::Resume>, RunError> {
+    if !opts.join && ravnest_train::store::guard(&files.dir, opts.resume, opts.overwrite)? {
         say.cluster(format!(
             "--overwrite: removed the previous checkpoints in {}",
             files.dir.display()
@@ -284,15 +284,15 @@ fn guard_checkpoints(
                 say.cluster(format!("--resume: {line}"));
             }
             // Read tensor by tensor as the nodes need them: no node holds the whole model.
-            let reader = crate::store::CheckpointReader::open(files, step)?;
+            let reader = ravnest_train::store::CheckpointReader::open(files, step)?;
             say.cluster(format!(
                 "resuming from the checkpoint of step {step} ({})",
                 files.path(step).display()
             ));
-            Ok(Some(crate::compute::Resume {
+            Ok(Some(ravnest_train::compute::Resume {
                 version: step,
                 step_count: reader.step_count,
-                source: crate::state::Source::Checkpoint(Arc::new(reader)),
+                source: ravnest_train::state::Source::Checkpoint(Arc::new(reader)),
             }))
         }
         None => Err(RunError::Config(format!(
@@ -309,19 +309,22 @@ async fn measure(
     say: &Say,
     me: NodeId,
     compute: &Arc<CandleCompute>,
-    run_device: crate::device::RunDevice,
+    run_device: ravnest_train::device::RunDevice,
     slowdown: f64,
     memory: u64,
 ) -> (Capabilities, f64) {
     let s = &opts.scenario;
-    let gflops =
-        tokio::task::block_in_place(|| crate::measure::matmul_flops(Duration::from_millis(150)))
-            / 1e9;
-    let dev = crate::device::current();
+    let gflops = tokio::task::block_in_place(|| {
+        ravnest_train::measure::matmul_flops(Duration::from_millis(150))
+    }) / 1e9;
+    let dev = ravnest_train::device::current();
     // On a GPU, half precision too (what larger models train in).
     let bf16_gflops = (!dev.is_cpu()).then(|| {
         tokio::task::block_in_place(|| {
-            crate::measure::matmul_flops_in(Duration::from_millis(150), candle_core::DType::BF16)
+            ravnest_train::measure::matmul_flops_in(
+                Duration::from_millis(150),
+                candle_core::DType::BF16,
+            )
         }) / 1e9
     });
     // The model's training step, or for a model this node cannot hold, a block standing for it.
