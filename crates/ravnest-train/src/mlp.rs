@@ -72,7 +72,7 @@ fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Resul
     }
 }
 
-/// Softmax cross-entropy of `logits` (rows of `k` classes) against the labels `y`: (Σ −log p[y],
+/// Softmax cross-entropy of `logits` (rows of `k` classes) against the labels `y`: (Σ −log p(y),
 /// its gradient by the logits, p − onehot(y)).
 fn softmax_cross_entropy(logits: &[f32], k: usize, y: &[u32]) -> (f64, Vec<f32>) {
     let mut loss = 0.0f64;

@@ -24,7 +24,7 @@ pub(super) enum Candidate {
         batch: Vec<u64>,
         note: Option<String>,
     },
-    /// grid[r][k] = node of stage k in replica r; micro-batches and samples per replica.
+    /// `grid[r][k]` = node of stage k in replica r; micro-batches and samples per replica.
     Pipe {
         grid: Vec<Vec<NodeId>>,
         bounds: Bounds,
@@ -253,7 +253,7 @@ struct Shaped {
 
 /// The pipeline of a [`Candidate::Pipe`].
 struct PipeShape<'a> {
-    /// grid[r][k] = node of stage k in replica r.
+    /// `grid[r][k]` = node of stage k in replica r.
     grid: &'a [Vec<NodeId>],
     bounds: &'a Bounds,
     /// Micro-batches per replica.

@@ -41,7 +41,7 @@ pub use types::*;
 
 /// Up to this many nodes, ravnest searches every arrangement before it says a model fits
 /// nowhere, unless its own search already covers every plan that fits
-/// ([`search::covers_every_fit`]): only for models with so many layers that the exact
+/// ([`exact::covers_every_fit`]): only for models with so many layers that the exact
 /// single-pipeline search is skipped.
 const FALLBACK_MAX_NODES: usize = 8;
 

@@ -1,4 +1,4 @@
-//! Pipeline candidates over a grid of nodes (grid[r][k] = the node of stage k in replica r):
+//! Pipeline candidates over a grid of nodes (`grid[r][k]` = the node of stage k in replica r):
 //! the stage cost the layer DP minimizes, the splits tried, the micro-batches dealt to the
 //! replicas, and the search of one grid; with the subsets and permutations the searches
 //! enumerate.

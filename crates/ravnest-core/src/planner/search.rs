@@ -215,7 +215,7 @@ impl Dealer<'_> {
         3 + self.need_orders.len()
     }
 
-    /// The grid of `kind` with `r` replicas: grid[rep][k] = node of stage k in replica rep.
+    /// The grid of `kind` with `r` replicas: `grid[rep][k]` = node of stage k in replica rep.
     fn grid(&self, kind: usize, r: usize) -> Vec<Vec<NodeId>> {
         let (s, orders, rank) = (self.s, self.orders, self.rank);
         match kind {

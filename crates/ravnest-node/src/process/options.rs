@@ -85,7 +85,7 @@ pub struct Options {
     /// Print nothing (benchmarks).
     pub quiet: bool,
     /// The cluster file as handed to a joiner (`ravnest run --join HOST:PORT`); see
-    /// [`share_document`].
+    /// [`super::share_document`].
     pub share: Option<String>,
     /// Put this node's activity spans in its report (for `run --timeline`).
     pub spans: bool,

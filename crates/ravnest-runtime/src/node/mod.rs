@@ -2,7 +2,7 @@
 //! its collective actor as backward produces it, applies what comes back, reports each step
 //! asynchronously, and keeps model versions for peers that need them.
 //!
-//! A thin shell: work arrives as a [`Work`] (an epoch), gradients come from the [`Compute`]
+//! A thin shell: work arrives as a [`Work`](crate::msg::Work) (an epoch), gradients come from the [`Compute`](crate::seams::Compute)
 //! seam, synchronization runs in the node's [`crate::collective::CollectiveActor`], and the
 //! version bookkeeping is [`versions::Versions`]. [`actor`] holds the message handling and the
 //! epoch switches, [`step`] one step's work (data parallel or a pipeline stage).

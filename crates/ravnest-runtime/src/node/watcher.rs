@@ -1,5 +1,5 @@
 //! A node's watch over the coordinator, as its process runs it: the pure
-//! [`Watch`](crate::coordinator::succession::Watch) behind a lock, fed from the node's inbox
+//! [`Watch`] behind a lock, fed from the node's inbox
 //! before its mailbox (a node busy with a long step still hears the coordinator, follows a
 //! successor, and tells a stale coordinator of the newer term at once), and ticked by the node.
 

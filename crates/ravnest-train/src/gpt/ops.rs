@@ -1,7 +1,7 @@
 //! The GPT's element-wise pieces on the host, one pass each over contiguous values: LayerNorm,
 //! GELU (tanh), the causal softmax of attention, their gradients, and the moves between the
 //! `(rows·seq, hidden)` layout and attention's `(rows·heads, seq, head)`. The fast path
-//! ([`super::fast`]) pairs them with candle's matrix products.
+//! (`gpt::fast`) pairs them with candle's matrix products.
 
 /// LayerNorm of each row of `x` (`h` wide): (output, the normalized input x̂, 1/σ per row).
 pub fn layer_norm(
