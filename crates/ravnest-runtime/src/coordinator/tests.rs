@@ -1,5 +1,5 @@
 //! The coordinator's state machine driven without actors: a model of the nodes (each follows
-//! its epoch, its grant and halts as the node actor does; a step completes when every member
+//! its epoch, its grant and halts by the node actor's own rules, `node::epochs`; a step completes when every member
 //! of its group has entered it, as a collective does), under interleavings and deaths chosen
 //! by proptest. Checked: the run finishes; steps are agreed in order, each once (but after a
 //! roll-back); no node ever runs a step of an epoch at or past the first step of the next one;
@@ -13,6 +13,7 @@ use ravnest_core::NodeId;
 use super::Event;
 use super::core::{Config, Coordinator, Effect, Input};
 use crate::msg::{Envelope, HeldVersion, Work};
+use crate::node::epochs;
 
 const STEPS: u64 = 30;
 const TIMEOUT_MS: u64 = 1000;
@@ -102,10 +103,7 @@ impl Node {
                 }
                 self.epoch = w.epoch;
                 let headed = self.fetching.map(|f| f.0).or(self.latest());
-                let will_reach = !self.halted
-                    && self.work.as_ref().is_some_and(|c| c.until >= w.step)
-                    && headed.is_some_and(|l| l < w.step);
-                if will_reach {
+                if epochs::queues(self.work.as_ref(), self.halted, headed, &w) {
                     self.next = Some(w);
                 } else {
                     self.entered = None;
@@ -149,7 +147,11 @@ impl Node {
         let Some(latest) = self.latest() else {
             return Ok(());
         };
-        if self.next.as_ref().is_some_and(|n| n.step <= latest) {
+        if self
+            .next
+            .as_ref()
+            .is_some_and(|n| epochs::starts(n, latest))
+        {
             let w = self.next.take().expect("checked");
             if latest > w.step {
                 return Err(format!(
@@ -165,7 +167,7 @@ impl Node {
         {
             return Err(format!("a node ran epoch {} past {}", w.epoch, n.step));
         }
-        if latest >= w.step && latest < w.until.min(w.end) {
+        if epochs::runs(w, latest) {
             self.entered = Some((w.epoch, latest));
         }
         Ok(())

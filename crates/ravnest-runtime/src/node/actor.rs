@@ -48,10 +48,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             .as_ref()
             .map(|f| f.version)
             .or(st.versions.latest());
-        let will_reach = !st.halted
-            && st.work.as_ref().is_some_and(|c| c.until >= w.step)
-            && latest.is_some_and(|l| l < w.step);
-        if will_reach {
+        if super::epochs::queues(st.work.as_ref(), st.halted, latest, &w) {
             st.next_work = Some(w);
         } else {
             self.drop_step(st);
@@ -137,7 +134,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let Some(latest) = st.versions.latest() else {
             return;
         };
-        if st.next_work.as_ref().is_some_and(|n| n.step <= latest)
+        if st
+            .next_work
+            .as_ref()
+            .is_some_and(|n| super::epochs::starts(n, latest))
             && let Some(w) = st.next_work.take()
         {
             self.activate(st, w);
@@ -147,7 +147,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         }
         let Some(w) = &st.work else { return };
         let s = st.versions.latest().unwrap_or(latest);
-        if s < w.step || s >= w.until || s >= w.end {
+        if !super::epochs::runs(w, s) {
             return;
         }
         self.run_step(st, s).await;

@@ -9,6 +9,7 @@
 
 pub mod actor;
 pub mod calibrate;
+pub mod epochs;
 mod rounds;
 mod shard;
 pub mod state;
