@@ -6,6 +6,7 @@
 //!
 //! Console lines stay short: the full event list is in the output folder's `events.jsonl`.
 
+use ravnest_runtime::coordinator::Event;
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
@@ -465,18 +466,39 @@ impl CoordinatorReport {
     }
 }
 
-/// Whether an event (in words) belongs in the printed report: faults, membership, resumes.
-pub fn notable(what: &str) -> bool {
-    what.contains("lost")
-        || what.contains("aborted")
-        || what.contains("joined")
-        || what.contains("took over")
-        || what.contains("left cleanly")
-        || what.contains("restoring the lost layers")
-        || what.starts_with("violation")
-        || what.starts_with("stalled")
-        || what.starts_with("no step agreed")
-        || what.starts_with("checkpoint shard refused")
+/// Whether an event belongs in the printed report: faults, membership, take-overs, resumes
+/// and restores (classified on the typed event, not on its words).
+pub fn notable(e: &Event) -> bool {
+    matches!(
+        e,
+        Event::Detected { .. }
+            | Event::Aborted { .. }
+            | Event::Restoring { .. }
+            | Event::Resync { .. }
+            | Event::Waiting { .. }
+            | Event::Joined { .. }
+            | Event::Left { .. }
+            | Event::TookOver { .. }
+            | Event::Violation(_)
+            | Event::Stalled(_)
+            | Event::Refused(_)
+            | Event::CheckpointFailed { .. }
+            | Event::Superseded { .. }
+            | Event::CutOff { .. }
+    )
+}
+
+/// Whether an event is a re-plan the coordinator decided on measurements (speeds, or links
+/// slower than planned).
+pub fn rebalance(e: &Event) -> bool {
+    matches!(
+        e,
+        Event::Rebalanced { .. }
+            | Event::LinksScaled {
+                replanned: true,
+                ..
+            }
+    )
 }
 
 #[cfg(test)]

@@ -125,6 +125,7 @@ impl TcpTransport {
                 coordinator: std::sync::atomic::AtomicU32::new(cfg.coordinator.0),
                 share: Mutex::new(cfg.cluster_file.clone()),
                 sharer: Mutex::new(None),
+                refusals: Mutex::new(std::collections::BTreeMap::new()),
                 gone: Mutex::default(),
                 cfg,
             }),
@@ -405,6 +406,12 @@ impl TcpTransport {
     /// joined since.
     pub fn set_cluster_file(&self, doc: Arc<str>) {
         *self.inner.share.lock().unwrap() = Some(doc);
+    }
+
+    /// Why `peer` refused our latest handshake with it, if it did (a wrong secret, another
+    /// protocol version, an unknown node, a mismatch of encryption).
+    pub fn refusal(&self, peer: NodeId) -> Option<HandshakeError> {
+        self.inner.refusals.lock().unwrap().get(&peer).cloned()
     }
 
     /// How joiners are answered from now on (instead of the cluster file as it is).

@@ -79,18 +79,17 @@ pub(super) async fn wait_for_finish(
                     host = next;
                 }
                 Verdict::TakeOver(r) => return Ok(Ending::TakeOver(r, host)),
-                Verdict::Lost(why) => break why,
+                Verdict::Lost(why) => break Silence::Judged(why),
             },
         }
     };
     let c = &s.cluster.nodes[host.index()];
-    let help = if tcp
-        .log_lines()
-        .iter()
-        .any(|l| l.contains("wrong cluster secret"))
-    {
+    let help = if matches!(
+        tcp.refusal(host),
+        Some(ravnest_runtime::tcp::HandshakeError::Secret(_))
+    ) {
         "\n  help: its port answered with another cluster secret: check RAVNEST_SECRET or `[cluster] secret`; another cluster's node may own that port"
-    } else if why.starts_with("no word") {
+    } else if matches!(why, Silence::NeverHeard { .. }) {
         "\n  help: is it started, and is its port reachable from here? (wait longer with `[run] register_timeout_s` or --wait SECS)"
     } else {
         ""
@@ -100,6 +99,33 @@ pub(super) async fn wait_for_finish(
         c.name,
         c.address.as_deref().unwrap_or("?"),
     )))
+}
+
+/// Why a worker gave the coordinator up.
+#[derive(Debug, Clone, PartialEq)]
+enum Silence {
+    /// It never heard from it within the registration window.
+    NeverHeard { wait_s: u64 },
+    /// It heard from it, then nothing for this long (before fail-over was armed).
+    Lost { silent_ms: u64 },
+    /// The node's watch judged it lost (fail-over found no successor), and why.
+    Judged(String),
+}
+
+impl std::fmt::Display for Silence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Silence::NeverHeard { wait_s } => {
+                write!(f, "no word from the coordinator within {wait_s} s")
+            }
+            Silence::Lost { silent_ms } => write!(
+                f,
+                "lost the coordinator: silent for {:.1} s",
+                *silent_ms as f64 / 1e3
+            ),
+            Silence::Judged(why) => f.write_str(why),
+        }
+    }
 }
 
 /// A worker waits for `Finish`, watching that the coordinator is there: it must be heard from
@@ -112,7 +138,7 @@ async fn watch_coordinator(
     heard: &std::sync::atomic::AtomicU64,
     armed: &std::sync::atomic::AtomicBool,
     t0: Instant,
-) -> Result<(), String> {
+) -> Result<(), Silence> {
     let s = &opts.scenario;
     let silence_ms = (3 * s.run.heartbeat_timeout_ms).max(1000);
     let period = s.run.heartbeat_ms.max(10);
@@ -132,10 +158,9 @@ async fn watch_coordinator(
         last_tick = now;
         match heard.load(std::sync::atomic::Ordering::Relaxed) {
             u64::MAX if now > opts.register_timeout.as_millis() as u64 => {
-                return Err(format!(
-                    "no word from the coordinator within {} s",
-                    opts.register_timeout.as_secs()
-                ));
+                return Err(Silence::NeverHeard {
+                    wait_s: opts.register_timeout.as_secs(),
+                });
             }
             u64::MAX => {}
             last => {
@@ -147,10 +172,7 @@ async fn watch_coordinator(
                 // Once a replica came, a silent coordinator is the node's watch's to handle
                 // (fail-over).
                 if silent > silence_ms && !armed.load(std::sync::atomic::Ordering::Relaxed) {
-                    return Err(format!(
-                        "lost the coordinator: silent for {:.1} s",
-                        silent as f64 / 1e3
-                    ));
+                    return Err(Silence::Lost { silent_ms: silent });
                 }
             }
         }

@@ -73,6 +73,7 @@ impl TcpTransport {
                             | HandshakeError::Encryption(_)),
                         ) => {
                             self.log(format!("refused by {e}"));
+                            self.inner.refusals.lock().unwrap().insert(peer, e);
                             return None;
                         }
                         Err(e) => self.log(format!("handshake failed: {e}")),

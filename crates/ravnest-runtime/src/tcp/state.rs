@@ -84,6 +84,8 @@ pub(super) struct Inner {
     pub(super) share: Mutex<Option<Arc<str>>>,
     /// How joiners are answered, when the process says (see [`TcpTransport::set_sharer`]).
     pub(super) sharer: Mutex<Option<Sharer>>,
+    /// Why each peer that refused our handshake did (its latest refusal).
+    pub(super) refusals: Mutex<BTreeMap<NodeId, super::agreed::HandshakeError>>,
     /// Peers forgotten for good (`TcpTransport::forget`): nothing more is sent to them.
     pub(super) gone: Mutex<std::collections::BTreeSet<NodeId>>,
 }

@@ -200,13 +200,13 @@ pub(super) fn coordinator_report(
     for (_, e) in &log.events {
         learn_member(&mut cluster, e);
     }
-    let said: Vec<String> = log
+    let all_notable: Vec<String> = log
         .events
         .iter()
+        .filter(|(_, e)| crate::summary::notable(e))
         .map(|(_, e)| describe(e, &cluster))
         .collect();
-    let all_notable: Vec<&String> = said.iter().filter(|w| crate::summary::notable(w)).collect();
-    let mut notable: Vec<String> = all_notable.iter().take(20).map(|w| w.to_string()).collect();
+    let mut notable: Vec<String> = all_notable.iter().take(20).cloned().collect();
     if all_notable.len() > 20 {
         notable.push(format!("... and {} more", all_notable.len() - 20));
     }
@@ -256,8 +256,12 @@ pub(super) fn coordinator_report(
         checkpoint_dir: files.dir.display().to_string(),
         final_checkpoint: files.path(s.run.steps).display().to_string(),
         optimizer: s.training.optimizer.as_str().to_string(),
-        plans: said.iter().filter(|w| w.contains(": planned ")).count() as u64,
-        rebalances: said.iter().filter(|w| w.ends_with("re-planned")).count() as u64,
+        plans: plans as u64,
+        rebalances: log
+            .events
+            .iter()
+            .filter(|(_, e)| crate::summary::rebalance(e))
+            .count() as u64,
         notable_events: notable,
         events_file: t.events_path.display().to_string(),
         took_over_from: log.events.iter().find_map(|(_, e)| match e {
