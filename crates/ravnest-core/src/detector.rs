@@ -6,6 +6,7 @@
 //! declared dead exactly once; it comes back only through [`FailureDetector::watch`] (a rejoin
 //! is a new incarnation, not a late heartbeat).
 
+use crate::stall::{StallClock, credited};
 use std::collections::BTreeMap;
 
 use crate::cluster::NodeId;
@@ -36,8 +37,7 @@ pub struct FailureDetector {
     /// Ticks further apart than this mean the detector itself was not running (its process
     /// frozen, swapped out, suspended): nobody could be heard meanwhile, so that time is not
     /// counted as anyone's silence. `None`: every gap counts.
-    stall_ms: Option<u64>,
-    last_tick_ms: Option<u64>,
+    stall: StallClock,
 }
 
 impl FailureDetector {
@@ -47,15 +47,14 @@ impl FailureDetector {
         FailureDetector {
             timeout_ms,
             peers: BTreeMap::new(),
-            stall_ms: None,
-            last_tick_ms: None,
+            stall: StallClock::new(None),
         }
     }
 
     /// The same, for a driver that ticks at least every `stall_ms`: a longer gap between two
     /// ticks is the detector's own stall, and is not counted as silence of the peers.
     pub fn with_stall_limit(mut self, stall_ms: u64) -> Self {
-        self.stall_ms = Some(stall_ms);
+        self.stall = StallClock::new(Some(stall_ms));
         self
     }
 
@@ -68,7 +67,7 @@ impl FailureDetector {
     /// also starts the clock of the stall rule: a stall before the first tick (a coordinator
     /// frozen right after it started) is the detector's own too.
     pub fn watch(&mut self, node: NodeId, now_ms: u64) {
-        self.last_tick_ms.get_or_insert(now_ms);
+        self.stall.start(now_ms);
         self.peers.insert(
             node,
             Peer {
@@ -107,12 +106,9 @@ impl FailureDetector {
 
     /// Declare every peer silent for more than the timeout dead (in node order).
     pub fn tick(&mut self, now_ms: u64) -> Vec<DetectorEvent> {
-        let gap = self.last_tick_ms.map_or(0, |t| now_ms.saturating_sub(t));
-        self.last_tick_ms = Some(now_ms);
-        if self.stall_ms.is_some_and(|limit| gap > limit) {
-            for p in self.peers.values_mut() {
-                p.last_heard_ms = (p.last_heard_ms + gap).min(now_ms);
-            }
+        let stalled = self.stall.tick(now_ms);
+        for p in self.peers.values_mut() {
+            p.last_heard_ms = credited(p.last_heard_ms, stalled, now_ms);
         }
         let mut out = Vec::new();
         for (&node, p) in &mut self.peers {

@@ -24,6 +24,7 @@ pub mod profile;
 pub mod ps;
 pub mod ring;
 pub mod ring2d;
+pub mod stall;
 pub mod units;
 
 pub use cluster::{

@@ -1,6 +1,7 @@
 //! A worker's side of the run's end: it waits for `Finish` while watching that the coordinator
 //! is still there.
 
+use ravnest_core::stall::{StallClock, credited};
 use std::time::Duration;
 
 use ravnest_core::NodeId;
@@ -145,7 +146,8 @@ async fn watch_coordinator(
     let mut tick = tokio::time::interval(Duration::from_millis(period));
     // Time this process spent not running (frozen, swapped out) is nobody's silence: the
     // last word, as counted, moves later by such a stall.
-    let mut last_tick = 0u64;
+    let mut stall = StallClock::new(Some((silence_ms / 3).max(4 * period)));
+    stall.start(0);
     let mut counted_from = 0u64;
     loop {
         tokio::select! {
@@ -154,8 +156,7 @@ async fn watch_coordinator(
             _ = tick.tick() => {}
         }
         let now = t0.elapsed().as_millis() as u64;
-        let gap = now.saturating_sub(last_tick);
-        last_tick = now;
+        let stalled = stall.tick(now);
         match heard.load(std::sync::atomic::Ordering::Relaxed) {
             u64::MAX if now > opts.register_timeout.as_millis() as u64 => {
                 return Err(Silence::NeverHeard {
@@ -164,10 +165,7 @@ async fn watch_coordinator(
             }
             u64::MAX => {}
             last => {
-                counted_from = counted_from.max(last);
-                if gap > (silence_ms / 3).max(4 * period) {
-                    counted_from = (counted_from + gap).min(now);
-                }
+                counted_from = credited(counted_from.max(last), stalled, now);
                 let silent = now.saturating_sub(counted_from);
                 // Once a replica came, a silent coordinator is the node's watch's to handle
                 // (fail-over).

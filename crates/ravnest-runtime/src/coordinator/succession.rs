@@ -13,6 +13,7 @@
 //! It halts every member, and resumes from the newest synchronized version all of them hold,
 //! exactly as after a worker's loss: at most the steps since that version are redone.
 
+use ravnest_core::stall::{StallClock, credited};
 use std::collections::BTreeSet;
 
 use ravnest_core::NodeId;
@@ -53,7 +54,7 @@ pub struct Watch {
     host: NodeId,
     replica: Option<Replica>,
     last_heard_ms: u64,
-    last_tick_ms: Option<u64>,
+    stall: StallClock,
     suspects: BTreeSet<NodeId>,
 }
 
@@ -67,7 +68,7 @@ impl Watch {
             host,
             replica: None,
             last_heard_ms: now_ms,
-            last_tick_ms: None,
+            stall: StallClock::new(Some(silence_ms.max(1) / 3)),
             suspects: BTreeSet::new(),
         }
     }
@@ -120,12 +121,8 @@ impl Watch {
     /// Time passed. A gap between two ticks longer than a third of the silence is this
     /// process's own stall (frozen, swapped out): nobody's silence.
     pub fn tick(&mut self, now_ms: u64) -> Option<Verdict> {
-        if let Some(last) = self.last_tick_ms.replace(now_ms) {
-            let gap = now_ms.saturating_sub(last);
-            if gap > self.silence_ms / 3 {
-                self.last_heard_ms = (self.last_heard_ms + gap).min(now_ms);
-            }
-        }
+        let stalled = self.stall.tick(now_ms);
+        self.last_heard_ms = credited(self.last_heard_ms, stalled, now_ms);
         if self.host == self.me {
             // This process hosts the coordinator: while it runs, so does the coordinator.
             self.last_heard_ms = now_ms;
