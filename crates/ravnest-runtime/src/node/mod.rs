@@ -9,7 +9,7 @@
 
 pub mod actor;
 pub mod calibrate;
-pub mod epochs;
+pub use ravnest_protocol::epochs;
 mod rounds;
 mod shard;
 pub mod state;

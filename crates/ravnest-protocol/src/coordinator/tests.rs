@@ -12,8 +12,8 @@ use ravnest_core::NodeId;
 
 use super::Event;
 use super::core::{Config, Coordinator, Effect, Input};
+use crate::epochs;
 use crate::msg::{Envelope, HeldVersion, Work};
-use crate::node::epochs;
 
 const STEPS: u64 = 30;
 const TIMEOUT_MS: u64 = 1000;

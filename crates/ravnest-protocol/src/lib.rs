@@ -1,0 +1,10 @@
+//! ravnest's protocol, pure: the messages nodes and the coordinator exchange ([`msg`]), the
+//! digests every replica compares ([`digest`]), the coordinator as a state machine
+//! (`Coordinator::handle(now, Input) -> Vec<Effect>`, [`coordinator`]) and the node's epoch
+//! rules ([`epochs`]). No I/O, no clock, no async runtime: the actors that carry these over a
+//! transport are ravnest-runtime's.
+
+pub mod coordinator;
+pub mod digest;
+pub mod epochs;
+pub mod msg;
