@@ -150,6 +150,19 @@ pub struct Tuning {
     /// Steps after which a node left out for its measured speed is planned with its catalog
     /// figure again (and re-measured), so a straggler that recovered comes back.
     pub probation_steps: u64,
+    /// Each re-plan within this many agreed steps makes the next one wait longer (chasing the
+    /// error of the last figures is what oscillates).
+    pub replan_memory_steps: u64,
+    /// A measured drift counts only when it is this many times the node's own step-to-step
+    /// spread (noise is not a change).
+    pub noise_margin: f64,
+    /// Links are re-planned for when the ring measures this many times slower than planned...
+    pub links_slower: f64,
+    /// ...or this many times faster (on a ring at least as large as the one measured before).
+    pub links_faster: f64,
+    /// The watchdog redoes the step in flight after this many times the longest recent
+    /// interval between agreed steps without progress (at least twice the heartbeat timeout).
+    pub watchdog_steps: f64,
 }
 
 impl Default for Tuning {
@@ -163,6 +176,11 @@ impl Default for Tuning {
             settle_steps: 8,
             measure_min_batch: 0,
             probation_steps: 20,
+            replan_memory_steps: 100,
+            noise_margin: 2.5,
+            links_slower: 1.25,
+            links_faster: 1.5,
+            watchdog_steps: 10.0,
         }
     }
 }
@@ -207,10 +225,6 @@ pub enum Effect {
 
 /// What a plan gives each worker (batches, and layers in a pipeline): a new one is logged.
 type PlanShape = (Vec<(NodeId, u64)>, Vec<Option<LayerRange>>);
-
-/// How many times its measurements' spread a node's smoothed ratio must be off before it counts
-/// as drift.
-const NOISE_MARGIN: f64 = 2.5;
 
 /// A node's configured (or registered) compute cost.
 fn configured(cfg: &Config, n: NodeId) -> StepCost {

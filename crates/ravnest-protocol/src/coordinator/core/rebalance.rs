@@ -19,7 +19,7 @@ impl Coordinator {
         let recent = self
             .rebalanced_at
             .iter()
-            .filter(|&&at| at + 100 > self.agreed)
+            .filter(|&&at| at + t.replan_memory_steps > self.agreed)
             .count() as u64;
         if self.agreed < cur.from + t.settle_steps {
             return;
@@ -47,7 +47,7 @@ impl Coordinator {
         // machine a step can take twice as long now and then; a median of nine still moves).
         let threshold = |n: NodeId, m: &SpeedEstimate| match self.on_probation.contains(&n) {
             true => t.drift.ln_1p(),
-            false => t.drift.ln_1p().max(NOISE_MARGIN * m.log_spread()),
+            false => t.drift.ln_1p().max(t.noise_margin * m.log_spread()),
         };
         let off = |n: NodeId| {
             self.measured
@@ -127,8 +127,9 @@ impl Coordinator {
         // Noise is not a change: a quarter slower, or half faster (and on a ring as large)
         // before anything moves.
         let ratio = scale / self.link_scale;
-        if (ratio < 1.0 && ratio > 1.0 / 1.25)
-            || (ratio >= 1.0 && (ratio < 1.5 || n < self.link_scale_ring))
+        let t = self.cfg.tuning;
+        if (ratio < 1.0 && ratio > 1.0 / t.links_slower)
+            || (ratio >= 1.0 && (ratio < t.links_faster || n < self.link_scale_ring))
         {
             return false;
         }

@@ -71,8 +71,9 @@ impl Coordinator {
         // synchronizations), at least twice the heartbeat timeout, doubled after each resync
         // that did not help (a slow step is not a lost message).
         let step = self.step_ms.max().max(self.predicted_step_ms);
-        let limit =
-            (2 * self.cfg.heartbeat_timeout_ms).max((10.0 * step) as u64) << self.resyncs.min(8);
+        let limit = (2 * self.cfg.heartbeat_timeout_ms)
+            .max((self.cfg.tuning.watchdog_steps * step) as u64)
+            << self.resyncs.min(8);
         if self.eras.is_empty() || self.now_ms.saturating_sub(self.last_progress_ms) <= limit {
             return;
         }
