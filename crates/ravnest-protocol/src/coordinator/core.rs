@@ -4,7 +4,7 @@
 //! a peer is down, a timer tick) with the current time in ms, and returns the [`Effect`]s to
 //! carry out (envelopes to send, events to log, steps that became agreed). It does no I/O,
 //! reads no clock and holds no randomness, so it is tested without actors and the same code
-//! runs in the simulator and over TCP (the actor in [`super::actor`] is a thin shell).
+//! runs in the simulator and over TCP (the actor in ravnest-runtime's `coordinator::actor` is a thin shell).
 //!
 //! **Epochs, not steps.** The coordinator is off the per-step path. A plan becomes an *epoch*:
 //! each node gets a standing [`Work`] (its samples of every step, its ring, its checkpoint

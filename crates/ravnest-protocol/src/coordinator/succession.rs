@@ -3,12 +3,12 @@
 //!
 //! The coordinator sends every live node a [`Replica`] when membership or the plan's epoch
 //! changes, and its designated successor a fresh one after every agreed step. Its leases are
-//! heartbeats from [`crate::Addr::Coordinator`]. A node that hears nothing from the coordinator
+//! heartbeats from [`crate::msg::Addr::Coordinator`]. A node that hears nothing from the coordinator
 //! for `silence_ms` suspects it and turns to the successor: the lowest live member of its latest
 //! replica that is neither the coordinator nor suspected. Every node holding the same replica
 //! picks the same successor; a successor that is dead too is suspected in turn after another
 //! silence. The successor starts a coordinator of the next *term*
-//! ([`crate::coordinator::Coordinator::take_over`]), whose epochs are numbered from
+//! ([`crate::coordinator::core::Coordinator::take_over`]), whose epochs are numbered from
 //! [`term_epoch`] on, above any epoch of an earlier term: what an older coordinator sent is void.
 //! It halts every member, and resumes from the newest synchronized version all of them hold,
 //! exactly as after a worker's loss: at most the steps since that version are redone.
