@@ -6,10 +6,10 @@
 //! declared dead exactly once; it comes back only through [`FailureDetector::watch`] (a rejoin
 //! is a new incarnation, not a late heartbeat).
 
-use crate::stall::{StallClock, credited};
 use std::collections::BTreeMap;
 
 use crate::cluster::NodeId;
+use crate::stall::{StallClock, credited};
 
 /// What the detector concluded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -384,28 +384,20 @@ impl TcpTransport {
                 .iter()
                 .map(|(&p, &a)| (p, a))
                 .collect();
-            for (p, at) in peers {
-                if p != cfg.me && p != node {
-                    let tell = |to: NodeId, of: NodeId, a: SocketAddr| {
-                        let env = Envelope::Address {
-                            node: of,
-                            addr: a.to_string(),
-                        };
-                        let _ = self.send(Addr::Coordinator, Addr::Node(to), env);
-                    };
-                    tell(p, node, sa);
-                    // And the other way: a node that joined earlier may be missing from the
-                    // file this one fetched, or this one from its (two joiners at once).
-                    tell(node, p, at);
-                }
+            let tell = |to: NodeId, of: NodeId, a: SocketAddr| {
+                let env = Envelope::Address {
+                    node: of,
+                    addr: a.to_string(),
+                };
+                let _ = self.send(Addr::Coordinator, Addr::Node(to), env);
+            };
+            for (p, at) in peers.into_iter().filter(|&(p, _)| p != cfg.me && p != node) {
+                tell(p, node, sa);
+                // And the other way: a node that joined earlier may be missing from the file
+                // this one fetched, or this one from its (two joiners at once).
+                tell(node, p, at);
             }
         }
-    }
-
-    /// What a joiner is handed from now on (`run --join`): the cluster file and the nodes that
-    /// joined since.
-    pub fn set_cluster_file(&self, doc: Arc<str>) {
-        *self.inner.share.lock().unwrap() = Some(doc);
     }
 
     /// Why `peer` refused our latest handshake with it, if it did (a wrong secret, another

@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use ravnest_core::NodeId;
+use ravnest_core::{NodeId, Scenario};
 use ravnest_runtime::tcp::{JoinRequest, ShareReply, TcpTransport};
 use ravnest_runtime::{Addr, Envelope, Transport};
 
@@ -67,14 +67,7 @@ impl Admission {
             };
         }
         let id = NodeId(scenario.cluster.nodes.len() as u32);
-        let device = scenario
-            .cluster
-            .nodes
-            .first()
-            .map_or_else(|| "cpu".to_string(), |n| n.device.clone());
-        text.push_str(&member_section(&r.name, &device, &r.address));
-        self.tcp
-            .set_cluster_file(share_document(origin, text, *steps).into());
+        append_member(&scenario, text, &r.name, &r.address);
         // Under the lock: the coordinator hears of ids in the order they were given.
         let _ = self.tcp.send(
             Addr::Node(self.me),
@@ -86,6 +79,32 @@ impl Admission {
             },
         );
         ShareReply::File(newcomer_document(origin, text, *steps, &r.name))
+    }
+}
+
+/// Append node `name` (reached at `address`) to the cluster file `text` (whose parsed form is
+/// `parsed`), like the file's first node: the section every process adds for a node that
+/// joined, in id order, so that every process numbers the nodes alike.
+fn append_member(parsed: &Scenario, text: &mut String, name: &str, address: &str) {
+    let device = parsed
+        .cluster
+        .nodes
+        .first()
+        .map_or("cpu", |n| n.device.as_str());
+    text.push_str(&member_section(name, device, address));
+}
+
+/// A node that joined (`Member`, from the coordinator): appended to the file this process
+/// hands out, unless the file has it already (this process gave it its place).
+pub(super) fn learn_member(share: &Shared, name: &str, address: &str) {
+    let mut share = share.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((origin, text, _)) = share.as_mut() else {
+        return;
+    };
+    if let Ok(parsed) = ravnest_core::parse(text, origin)
+        && !parsed.cluster.nodes.iter().any(|n| n.name == name)
+    {
+        append_member(&parsed, text, name, address);
     }
 }
 

@@ -35,7 +35,7 @@ impl Transport for Tap {
         let started = self.started.clone();
         let summary = self.summary.clone();
         let armed = self.armed.clone();
-        let (share, tcp) = (self.share.clone(), self.inner.clone());
+        let share = self.share.clone();
         self.inner.register(
             addr,
             Arc::new(move |from, env| {
@@ -46,19 +46,7 @@ impl Transport for Tap {
                 match env {
                     Envelope::Finish => finish.notify_one(),
                     Envelope::Member { name, address, .. } => {
-                        let mut share = share.lock().unwrap();
-                        if let Some((origin, text, steps)) = share.as_mut()
-                            && !text.contains(&format!("name = {name:?}"))
-                        {
-                            let device = ravnest_core::parse(text, origin)
-                                .ok()
-                                .and_then(|s| s.cluster.nodes.first().map(|n| n.device.clone()))
-                                .unwrap_or_else(|| "cpu".into());
-                            text.push_str(&super::member_section(&name, &device, &address));
-                            tcp.set_cluster_file(
-                                super::share_document(origin, text, *steps).into(),
-                            );
-                        }
+                        super::admission::learn_member(&share, &name, &address);
                     }
                     Envelope::Summary(text) => {
                         let _ = summary.send(text);

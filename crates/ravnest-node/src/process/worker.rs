@@ -1,10 +1,10 @@
 //! A worker's side of the run's end: it waits for `Finish` while watching that the coordinator
 //! is still there.
 
-use ravnest_core::stall::{StallClock, credited};
 use std::time::Duration;
 
 use ravnest_core::NodeId;
+use ravnest_core::stall::{StallClock, credited};
 use ravnest_runtime::Transport;
 use ravnest_runtime::msg::Replica;
 use ravnest_runtime::node::Verdict;

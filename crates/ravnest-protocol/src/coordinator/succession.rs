@@ -13,10 +13,10 @@
 //! It halts every member, and resumes from the newest synchronized version all of them hold,
 //! exactly as after a worker's loss: at most the steps since that version are redone.
 
-use ravnest_core::stall::{StallClock, credited};
 use std::collections::BTreeSet;
 
 use ravnest_core::NodeId;
+use ravnest_core::stall::{StallClock, credited};
 
 pub use crate::msg::Replica;
 
