@@ -66,6 +66,10 @@ pub enum Fault {
     DiskFull { step: u64 },
     /// SIGSTOP of a node's process, SIGCONT after `ms`.
     Freeze { node: usize, ms: u64 },
+    /// Node `node` cut off from every other node for `ms` (past the failure timeout): its
+    /// proxy refuses every connection, and the others' proxies refuse the connections it
+    /// dials; then healed. Its process runs on meanwhile.
+    Partition { node: usize, ms: u64 },
     /// Every connection to the node is reset on the path.
     Reset { node: usize },
     /// What travels to the node is held `ms` per chunk, for `for_ms`.
@@ -142,6 +146,13 @@ pub fn schedule(seed: u64) -> Schedule {
                 Fault::Kill {
                     node: worker,
                     rejoin_ms: (r.below(3) != 0).then(|| r.range(200, 1500)),
+                }
+            }
+            6 | 7 if !killed && r.below(2) == 0 => {
+                killed = true;
+                Fault::Partition {
+                    node: any,
+                    ms: r.range(LONG_FREEZE_MS, LONG_FREEZE_MS + 2500),
                 }
             }
             6 if !killed => {
@@ -360,6 +371,7 @@ fn reference(exe: &Path, root: &Path) -> Result<BTreeMap<String, Vec<f32>>> {
 enum Later {
     Cont(u32),
     Undelay(usize),
+    Heal(usize),
     Rejoin(usize),
 }
 
@@ -477,6 +489,7 @@ fn run_one(
             match l {
                 Later::Cont(pid) => signal(pid, "-CONT"),
                 Later::Undelay(node) => proxies[node].set_delay(Duration::ZERO),
+                Later::Heal(node) => heal(&proxies, node),
                 Later::Rejoin(node) => joined.push(rejoin(exe, &dir, &out, addresses[0], node)?),
             }
         }
@@ -513,8 +526,10 @@ fn run_one(
         }
     }
     for (_, l) in later {
-        if let Later::Cont(pid) = l {
-            signal(pid, "-CONT");
+        match l {
+            Later::Cont(pid) => signal(pid, "-CONT"),
+            Later::Heal(node) => heal(&proxies, node),
+            Later::Undelay(_) | Later::Rejoin(_) => {}
         }
     }
     let status = wait_for(&mut child, Duration::from_secs(20))?;
@@ -560,6 +575,16 @@ fn inject(
             proxies[node].reset();
             None
         }
+        Fault::Partition { node, ms } => {
+            for (i, p) in proxies.iter().enumerate() {
+                if i == node {
+                    p.isolate(true);
+                } else {
+                    p.refuse_dialer(Some(node as u32));
+                }
+            }
+            Some((at(ms), Later::Heal(node)))
+        }
         Fault::Delay { node, ms, for_ms } => {
             proxies[node].set_delay(Duration::from_millis(ms));
             Some((at(for_ms), Later::Undelay(node)))
@@ -568,6 +593,14 @@ fn inject(
         | Fault::Corrupt { .. }
         | Fault::DiskFull { .. }
         | Fault::TwoJoiners { .. } => None,
+    }
+}
+
+/// The partition of `node` heals: every proxy lets its connections through again.
+fn heal(proxies: &[Proxy], node: usize) {
+    proxies[node].isolate(false);
+    for p in proxies {
+        p.refuse_dialer(None);
     }
 }
 
@@ -759,7 +792,9 @@ fn judge(
     let coordinator_lost = faults.iter().any(|t| {
         matches!(
             t.fault,
-            Fault::KillCoordinator | Fault::FreezeCoordinator { .. }
+            Fault::KillCoordinator
+                | Fault::FreezeCoordinator { .. }
+                | Fault::Partition { node: 0, .. }
         )
     });
     if let Some(step) = full_disk.filter(|_| !coordinator_lost) {
@@ -890,6 +925,10 @@ mod tests {
                                 "freeze-coordinator"
                             }
                             Fault::Freeze { .. } => "freeze",
+                            Fault::Partition { ms, .. } => {
+                                assert!(ms >= LONG_FREEZE_MS);
+                                "partition"
+                            }
                             Fault::Reset { .. } => "reset",
                             Fault::Delay { .. } => "delay",
                             Fault::Duplicate { claim, .. } => {
@@ -909,6 +948,6 @@ mod tests {
                 }
             }
         }
-        assert_eq!(kinds.len(), 11, "{kinds:?}");
+        assert_eq!(kinds.len(), 12, "{kinds:?}");
     }
 }

@@ -751,7 +751,11 @@ impl Coordinating {
                         let _ = self.sup.cast(SupMsg::Crash(n));
                     }
                 }
-                Verdict::Lost(_) => {}
+                Verdict::Canvass { .. }
+                | Verdict::Awaits(_)
+                | Verdict::Resumed(_)
+                | Verdict::CutOff(_)
+                | Verdict::Lost(_) => {}
             }
         }
     }

@@ -548,6 +548,21 @@ pub enum Envelope {
         /// Where peers reach it.
         address: String,
     },
+    /// (Node → node, with fail-over) a pre-vote: the sender is the coordinator's successor
+    /// and would take over as term `term`; has this node lost the coordinator too? A node
+    /// takes over only once a majority of its replica's members (the host left out) say yes,
+    /// so that one node cut off alone cannot unseat a coordinator the others still hear.
+    PreVote {
+        /// The term the sender would start.
+        term: u32,
+    },
+    /// (Node → node) the answer to a [`Envelope::PreVote`] of `term`.
+    PreVoted {
+        /// The term asked about.
+        term: u32,
+        /// Whether this node lost the coordinator too (and knows no newer term).
+        granted: bool,
+    },
 }
 
 /// What a successor needs to go on: sent by the coordinator to the nodes.
@@ -655,6 +670,8 @@ impl Envelope {
             Envelope::Member { .. } => "member",
             Envelope::Lease { .. } => "lease",
             Envelope::Reserve { .. } => "reserve",
+            Envelope::PreVote { .. } => "pre-vote",
+            Envelope::PreVoted { .. } => "pre-voted",
         }
     }
 
@@ -730,6 +747,11 @@ impl Envelope {
             Envelope::Lease { term, host } => {
                 h.u64(u64::from(*term));
                 h.u64(u64::from(host.0));
+            }
+            Envelope::PreVote { term } => h.u64(u64::from(*term)),
+            Envelope::PreVoted { term, granted } => {
+                h.u64(u64::from(*term));
+                h.u64(u64::from(*granted));
             }
             Envelope::Succession(r) => {
                 for x in [

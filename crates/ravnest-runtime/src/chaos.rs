@@ -1,7 +1,9 @@
 //! A small TCP proxy that injects the faults of a real network between nodes: it forwards
 //! connections to a node's listening address, and on command resets every open connection,
-//! delays what it forwards, or alters one byte of it. The chaos suite puts one in front of every node (each node's
-//! `address` is its proxy, its `listen` the real port).
+//! delays what it forwards, alters one byte of it, or cuts the node off (every connection to
+//! it, or every connection a given node dials to it, reset and refused until healed). The
+//! chaos suite puts one in front of every node (each node's `address` is its proxy, its
+//! `listen` the real port).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -22,7 +24,30 @@ pub struct Proxy {
     /// alter, or `CLEAN`.
     corrupt: [Arc<AtomicU64>; 2],
     resets: watch::Sender<u64>,
+    cut: watch::Sender<Cut>,
     accept: AbortHandle,
+}
+
+/// Which connections a proxy refuses (and resets when they are open).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Cut {
+    /// Every connection: the node behind the proxy is cut off from everyone.
+    all: bool,
+    /// Connections whose dialer says this node id in its hello (bytes 8..12, sent in the
+    /// clear before the handshake's keys).
+    dialer: Option<u32>,
+}
+
+impl Cut {
+    fn refuses(&self, dialer: Option<u32>) -> bool {
+        self.all || (dialer.is_some() && dialer == self.dialer)
+    }
+}
+
+/// The dialer's node id in the first bytes of a connection (a node's hello, `RVN1`), if it
+/// is one.
+fn dialer_of(first: &[u8; 12]) -> Option<u32> {
+    (&first[..4] == b"RVN1").then(|| u32::from_le_bytes([first[8], first[9], first[10], first[11]]))
 }
 
 impl Proxy {
@@ -36,21 +61,53 @@ impl Proxy {
             Arc::new(AtomicU64::new(CLEAN)),
         ];
         let (resets, _) = watch::channel(0u64);
-        let (d, r, c) = (delay_ms.clone(), resets.clone(), corrupt.clone());
+        let (cut, _) = watch::channel(Cut::default());
+        let (d, r, c, k) = (
+            delay_ms.clone(),
+            resets.clone(),
+            corrupt.clone(),
+            cut.clone(),
+        );
         let accept = tokio::spawn(async move {
-            while let Ok((inbound, _)) = listener.accept().await {
+            while let Ok((mut inbound, _)) = listener.accept().await {
                 let (d, mut reset, [there, back]) = (d.clone(), r.subscribe(), c.clone());
+                let mut cut = k.subscribe();
                 tokio::spawn(async move {
-                    let Ok(outbound) = TcpStream::connect(target).await else {
+                    if cut.borrow().all {
+                        return;
+                    }
+                    // The hello's first 12 bytes name the dialer; they are passed on as read.
+                    let mut first = [0u8; 12];
+                    let read = inbound.read_exact(&mut first);
+                    let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(5), read).await else {
+                        return;
+                    };
+                    let dialer = dialer_of(&first);
+                    if cut.borrow_and_update().refuses(dialer) {
+                        return;
+                    }
+                    let Ok(mut outbound) = TcpStream::connect(target).await else {
                         return;
                     };
                     let _ = (inbound.set_nodelay(true), outbound.set_nodelay(true));
+                    if outbound.write_all(&first).await.is_err() {
+                        return;
+                    }
                     let (ri, wi) = inbound.into_split();
                     let (ro, wo) = outbound.into_split();
+                    let cut_off = async move {
+                        while cut.changed().await.is_ok() {
+                            if cut.borrow().refuses(dialer) {
+                                return;
+                            }
+                        }
+                        std::future::pending::<()>().await
+                    };
                     tokio::select! {
                         _ = pump(ri, wo, d.clone(), there) => {}
                         _ = pump(ro, wi, d, back) => {}
                         _ = reset.changed() => {}
+                        _ = cut_off => {}
                     }
                     // Dropping both halves of both sockets closes them.
                 });
@@ -61,6 +118,7 @@ impl Proxy {
             delay_ms,
             corrupt,
             resets,
+            cut,
             accept: accept.abort_handle(),
         })
     }
@@ -73,6 +131,19 @@ impl Proxy {
     /// Close every connection open through the proxy now (new ones are forwarded again).
     pub fn reset(&self) {
         self.resets.send_modify(|n| *n += 1);
+    }
+
+    /// Cut the node behind this proxy off from everyone (`true`: every connection through it
+    /// is reset and refused) or heal it (`false`).
+    pub fn isolate(&self, on: bool) {
+        self.cut.send_modify(|c| c.all = on);
+    }
+
+    /// Reset and refuse every connection that node `dialer` makes through this proxy (`None`:
+    /// let it through again). With [`Proxy::isolate`] on the node's own proxy, this cuts
+    /// `dialer` off both ways.
+    pub fn refuse_dialer(&self, dialer: Option<u32>) {
+        self.cut.send_modify(|c| c.dialer = dialer);
     }
 
     /// Hold every chunk forwarded from now on for `delay` before passing it on.

@@ -60,8 +60,9 @@ use state::*;
 /// pieces and the outer step of local SGD; 11: the merge delay of overlapped rounds; 12: the
 /// outer momentum going on across a switch, `Work::outer_from`; 13: the coordinator's lease
 /// carries its term, `Envelope::Lease`; 14: a joiner's request names it, and the coordinator's
-/// host gives a new node its id, `Envelope::Reserve`).
-pub const PROTOCOL_VERSION: u32 = 14;
+/// host gives a new node its id, `Envelope::Reserve`; 15: a successor's pre-vote,
+/// `Envelope::PreVote`).
+pub const PROTOCOL_VERSION: u32 = 15;
 
 /// Checkpoint parts waiting to be stored in this process before its readers wait.
 const SHARD_PARTS_WAITING: u64 = 4;

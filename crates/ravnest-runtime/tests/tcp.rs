@@ -255,6 +255,58 @@ async fn a_reset_connection_is_dialed_again_and_is_not_a_death() {
     assert!(downs.lock().unwrap().is_empty());
 }
 
+/// A node cut off by its proxy (or its connections refused by dialer id) gets nothing while
+/// the cut lasts; once healed, what was sent meanwhile arrives, once each, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_node_gets_nothing_until_healed_and_then_everything_in_order() {
+    for by_dialer in [false, true] {
+        let (a, b, proxy) = proxied_pair().await;
+        let got = listen(&a, Addr::Coordinator);
+        let send = |i: u64| {
+            b.send(
+                Addr::Node(NodeId(1)),
+                Addr::Coordinator,
+                Envelope::Probe {
+                    id: i,
+                    data: vec![0.5; 10],
+                    echo: false,
+                },
+            )
+            .unwrap()
+        };
+        send(0);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(got.lock().unwrap().len(), 1);
+        if by_dialer {
+            proxy.refuse_dialer(Some(1));
+        } else {
+            proxy.isolate(true);
+        }
+        for i in 1..4 {
+            send(i);
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        }
+        assert_eq!(
+            got.lock().unwrap().len(),
+            1,
+            "nothing passes the cut (by dialer: {by_dialer})"
+        );
+        proxy.isolate(false);
+        proxy.refuse_dialer(None);
+        assert!(b.drain(Duration::from_secs(3)).await, "healed: delivered");
+        let ids: Vec<u64> = got
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|(_, e)| match e {
+                Envelope::Probe { id, .. } => Some(*id),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(ids, vec![0, 1, 2, 3]);
+    }
+}
+
 /// The handshake binds a node id to a connection: while node 1 talks to node 0, a second
 /// connection that claims to be node 1 (its dialer holds the secret) is refused, and what it
 /// would have sent never disturbs the real node 1.

@@ -398,10 +398,12 @@ async fn train(
     let (s, su) = (&h.opts.scenario, h.su);
     let start_step = config.start_step;
     let cluster = config.cluster.clone();
-    let launch = Launch::new(h.tcp.clone()).at(h.t0);
+    let term = succeeds.as_ref().map_or(0, |(r, _)| r.term);
+    // The checkpoint actor is of this coordinator's term: a successor's fence (raised to its
+    // term) must not silence its own checkpoints' events.
+    let launch = Launch::new(h.tcp.clone()).at(h.t0).hosted(su.me, term);
     let journal = launch.journal();
     let mut notes = journal.subscribe();
-    let term = succeeds.as_ref().map_or(0, |(r, _)| r.term);
     let files = ravnest_train::store::CheckpointFiles {
         term,
         ..su.files.clone()

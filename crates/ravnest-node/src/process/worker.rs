@@ -49,6 +49,7 @@ pub(super) async fn wait_for_finish(
     let watch = watch_coordinator(opts, &net.finish, &net.heard, &net.armed, net.t0);
     tokio::pin!(watch);
     let mut leaving = false;
+    let mut canvassing = false;
     let why = loop {
         tokio::select! {
             end = &mut watch => match end {
@@ -73,13 +74,38 @@ pub(super) async fn wait_for_finish(
             Some((_, v)) = verdicts.recv() => match v {
                 Verdict::Follow(next) => {
                     say.cluster(format!(
-                        "the coordinator on `{}` is silent: following `{}`, which takes over",
-                        name(host),
-                        name(next)
+                        "`{}` took the coordinator over from `{}`: following it",
+                        name(next),
+                        name(host)
                     ));
                     host = next;
+                    canvassing = false;
                 }
+                Verdict::Awaits(next) => say.cluster(format!(
+                    "the coordinator on `{}` is silent: waiting for `{}` to take over",
+                    name(host),
+                    name(next)
+                )),
                 Verdict::TakeOver(r) => return Ok(Ending::TakeOver(r, host)),
+                Verdict::Canvass { .. } if !canvassing => {
+                    canvassing = true;
+                    say.cluster(format!(
+                        "the coordinator on `{}` is silent: this node would take over, once most of the other members confirm they lost it too",
+                        name(host)
+                    ));
+                }
+                Verdict::Canvass { .. } => {}
+                Verdict::Resumed(back) => {
+                    canvassing = false;
+                    say.cluster(format!("the coordinator on `{}` is heard again", name(back)));
+                    host = back;
+                }
+                Verdict::CutOff(why) => {
+                    let me = name(tcp.me());
+                    return Err(RunError::SteppedDown(format!(
+                        "{why}; this node leaves the run, which goes on without it if the others still hold a majority (`ravnest run --join HOST:PORT --node {me}` brings it back)"
+                    )));
+                }
                 Verdict::Lost(why) => break Silence::Judged(why),
             },
         }

@@ -34,16 +34,61 @@ pub fn successor(r: &Replica, suspects: &BTreeSet<NodeId>) -> Option<NodeId> {
         .min()
 }
 
+/// The members who vote on `r.host`'s succession: every member but the host.
+pub fn voters(r: &Replica) -> Vec<NodeId> {
+    let mut v: Vec<NodeId> = r.members.iter().copied().filter(|n| *n != r.host).collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// How many voters must say they lost the coordinator before its successor takes over: a
+/// majority of [`voters`] (the successor counts itself). Two groups cut off from each other
+/// cannot both hold one, so at most one side of a partition takes over.
+pub fn quorum(r: &Replica) -> usize {
+    voters(r).len() / 2 + 1
+}
+
 /// What a node's watch decides.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Verdict {
-    /// The coordinator is now hosted by this node: send to it from now on.
+    /// The coordinator is now hosted by this node (a replica or a lease of a newer term
+    /// says so): send to it from now on.
     Follow(NodeId),
+    /// The coordinator is silent: this node waits for this one, its successor, to take over
+    /// (and says yes to its pre-vote). Nothing is redirected until its replica comes.
+    Awaits(NodeId),
     /// This node is the successor: start a coordinator of the replica's term (already the new
     /// one: `term` incremented, `host` this node).
     TakeOver(Replica),
+    /// This node is the successor but takes over only with a quorum: ask these voters
+    /// ([`crate::msg::Envelope::PreVote`] of `term`) whether they lost the coordinator too.
+    Canvass {
+        /// The term this node would start.
+        term: u32,
+        /// Whom to ask (this node left out).
+        voters: Vec<NodeId>,
+    },
+    /// The coordinator this watch had given up on (it awaited a successor that never took
+    /// over, or canvassed in vain) is heard again.
+    Resumed(NodeId),
+    /// This node is cut off: it canvassed for [`CUT_OFF_SILENCES`] silences and no quorum of
+    /// the members answered, nor the coordinator. It leaves the run, which goes on without it.
+    CutOff(String),
     /// No successor is left (every member is suspected): training cannot go on.
     Lost(String),
+}
+
+/// Silences a successor canvasses in vain before it judges itself cut off.
+pub const CUT_OFF_SILENCES: u64 = 3;
+
+/// A successor's pre-vote in progress.
+#[derive(Debug, Clone)]
+struct Canvass {
+    term: u32,
+    votes: BTreeSet<NodeId>,
+    since_ms: u64,
+    asked_ms: u64,
 }
 
 /// A node's watch over the coordinator.
@@ -56,6 +101,14 @@ pub struct Watch {
     last_heard_ms: u64,
     stall: StallClock,
     suspects: BTreeSet<NodeId>,
+    /// Since when this node has given its coordinator up (a silence passed), until it hears
+    /// from a coordinator of its term or a newer one.
+    lost_since: Option<u64>,
+    /// The successor this node waits for (after a silence).
+    awaited: Option<NodeId>,
+    canvass: Option<Canvass>,
+    /// The newest term heard of (a lease may come before its replica).
+    newest: u32,
 }
 
 impl Watch {
@@ -70,6 +123,10 @@ impl Watch {
             last_heard_ms: now_ms,
             stall: StallClock::new(Some(silence_ms.max(1) / 3)),
             suspects: BTreeSet::new(),
+            lost_since: None,
+            awaited: None,
+            canvass: None,
+            newest: 0,
         }
     }
 
@@ -104,6 +161,36 @@ impl Watch {
         self.last_heard_ms = self.last_heard_ms.max(now_ms);
     }
 
+    /// The coordinator's lease: it is there, of `term`, on `host`. One of this watch's term
+    /// (or a newer one) ends whatever this node had given it up for: it is followed again.
+    pub fn lease(&mut self, term: u32, host: NodeId, now_ms: u64) -> Option<Verdict> {
+        if self.replica.is_none() || term < self.term().max(self.newest) {
+            return None;
+        }
+        self.newest = term;
+        self.heard(now_ms);
+        let gave_up = self.lost_since.is_some() || self.canvass.is_some();
+        self.forgive();
+        if host != self.host {
+            self.host = host;
+            return Some(if term > self.term() {
+                Verdict::Follow(host)
+            } else {
+                Verdict::Resumed(host)
+            });
+        }
+        gave_up.then_some(Verdict::Resumed(host))
+    }
+
+    /// The coordinator is heard from: whatever this node suspected, awaited or canvassed for
+    /// is over.
+    fn forgive(&mut self) {
+        self.lost_since = None;
+        self.awaited = None;
+        self.canvass = None;
+        self.suspects.clear();
+    }
+
     /// A replica came from the coordinator. One of a newer term names a new host: follow it.
     pub fn replica(&mut self, r: Replica, now_ms: u64) -> Option<Verdict> {
         let term = self.replica.as_ref().map_or(0, |o| o.term);
@@ -111,11 +198,53 @@ impl Watch {
             return None;
         }
         self.heard(now_ms);
+        self.newest = self.newest.max(r.term);
+        self.forgive();
         let moved = r.host != self.host;
         self.host = r.host;
         self.suspects.remove(&r.host);
         self.replica = Some(r);
         moved.then_some(Verdict::Follow(self.host))
+    }
+
+    /// A successor asks whether this node lost the coordinator too, to start `term`: yes when
+    /// it knows no such term yet, does not host the coordinator, and has heard nothing from it
+    /// for half a silence (or gave it up already).
+    pub fn grant(&self, term: u32, now_ms: u64) -> bool {
+        self.replica.is_some()
+            && term > self.term().max(self.newest)
+            && self.host != self.me
+            && (self.lost_since.is_some()
+                || now_ms.saturating_sub(self.last_heard_ms) >= self.silence_ms / 2)
+    }
+
+    /// `from` answered this node's pre-vote of `term`: with a quorum of yeses, take over.
+    pub fn voted(&mut self, from: NodeId, term: u32, granted: bool) -> Option<Verdict> {
+        let c = self.canvass.as_mut().filter(|c| c.term == term)?;
+        if granted {
+            c.votes.insert(from);
+        }
+        self.elect()
+    }
+
+    /// Take over if the canvass holds a quorum of the replica's voters.
+    fn elect(&mut self) -> Option<Verdict> {
+        let r = self.replica.as_ref()?;
+        let c = self.canvass.as_ref()?;
+        let voters = voters(r);
+        let yes = c.votes.iter().filter(|v| voters.contains(v)).count();
+        if yes < quorum(r) {
+            return None;
+        }
+        let mut r = r.clone();
+        r.term = c.term;
+        r.host = self.me;
+        r.members.retain(|m| !self.suspects.contains(m));
+        self.host = self.me;
+        self.newest = self.newest.max(r.term);
+        self.forgive();
+        self.replica = Some(r.clone());
+        Some(Verdict::TakeOver(r))
     }
 
     /// Time passed. A gap between two ticks longer than a third of the silence is this
@@ -128,28 +257,61 @@ impl Watch {
             self.last_heard_ms = now_ms;
             return None;
         }
+        if let Some(c) = &mut self.canvass {
+            c.since_ms = credited(c.since_ms, stalled, now_ms);
+            if now_ms.saturating_sub(c.since_ms) > CUT_OFF_SILENCES * self.silence_ms {
+                let silent_s = (now_ms - c.since_ms) as f64 / 1e3;
+                let asked = voters(self.replica.as_ref()?).len().saturating_sub(1);
+                self.canvass = None;
+                return Some(Verdict::CutOff(format!(
+                    "cut off from the cluster: neither the coordinator nor a majority of the {asked} other members answered for {silent_s:.1} s"
+                )));
+            }
+            // Ask again a few times a silence (an answer may have been lost on the way).
+            if now_ms.saturating_sub(c.asked_ms) >= self.silence_ms / 3 {
+                c.asked_ms = now_ms;
+                let term = c.term;
+                return Some(self.canvass_verdict(term));
+            }
+            return None;
+        }
         if now_ms.saturating_sub(self.last_heard_ms) <= self.silence_ms {
             return None;
         }
         let r = self.replica.as_ref()?;
-        self.suspects.insert(self.host);
+        self.suspects.insert(self.awaited.unwrap_or(self.host));
         self.last_heard_ms = now_ms;
+        self.lost_since.get_or_insert(now_ms);
         let Some(next) = successor(r, &self.suspects) else {
             return Some(Verdict::Lost(format!(
                 "the coordinator and every possible successor are silent ({} members)",
                 r.members.len()
             )));
         };
-        self.host = next;
         if next != self.me {
-            return Some(Verdict::Follow(next));
+            self.awaited = Some(next);
+            return Some(Verdict::Awaits(next));
         }
-        let mut r = r.clone();
-        r.term += 1;
-        r.host = self.me;
-        r.members.retain(|m| !self.suspects.contains(m));
-        self.replica = Some(r.clone());
-        Some(Verdict::TakeOver(r))
+        let term = r.term + 1;
+        self.canvass = Some(Canvass {
+            term,
+            votes: BTreeSet::from([self.me]),
+            since_ms: now_ms,
+            asked_ms: now_ms,
+        });
+        self.elect().or_else(|| Some(self.canvass_verdict(term)))
+    }
+
+    fn canvass_verdict(&self, term: u32) -> Verdict {
+        let voters = self
+            .replica
+            .as_ref()
+            .map(voters)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|v| *v != self.me && !self.suspects.contains(v))
+            .collect();
+        Verdict::Canvass { term, voters }
     }
 }
 
@@ -176,49 +338,173 @@ mod tests {
         }
     }
 
-    #[test]
-    fn silence_turns_every_node_to_the_same_successor_and_it_takes_over() {
-        let r = replica(&[0, 1, 2, 3], 0);
-        let mut watches: Vec<Watch> = (1..4)
+    /// Watches of `members` but the host 0, each holding replica `r`, ticked to `t`.
+    fn watches(r: &Replica, until: u64) -> Vec<(Watch, Option<Verdict>)> {
+        r.members
+            .iter()
+            .filter(|m| **m != r.host)
             .map(|m| {
-                let mut w = Watch::new(NodeId(m), NodeId(0), 300, 0);
+                let mut w = Watch::new(*m, r.host, 300, 0);
                 w.replica(r.clone(), 0);
-                w
+                let mut last = None;
+                for t in (100..=until).step_by(100) {
+                    last = w.tick(t).or(last);
+                }
+                (w, last)
             })
-            .collect();
-        for w in &mut watches {
-            assert_eq!(w.tick(100), None);
-            assert_eq!(w.tick(200), None);
-            assert_eq!(w.tick(300), None);
-        }
-        let verdicts: Vec<Option<Verdict>> = watches.iter_mut().map(|w| w.tick(400)).collect();
-        match &verdicts[0] {
+            .collect()
+    }
+
+    #[test]
+    fn silence_turns_every_node_to_the_same_successor_which_takes_over_with_a_quorum() {
+        let r = replica(&[0, 1, 2, 3], 0);
+        let mut ws = watches(&r, 300);
+        assert!(
+            ws.iter().all(|(_, v)| v.is_none()),
+            "no verdict within the silence"
+        );
+        let verdicts: Vec<Option<Verdict>> = ws.iter_mut().map(|(w, _)| w.tick(400)).collect();
+        assert_eq!(
+            verdicts[0],
+            Some(Verdict::Canvass {
+                term: 1,
+                voters: vec![NodeId(2), NodeId(3)]
+            }),
+            "node 1 asks the other voters first"
+        );
+        assert_eq!(verdicts[1], Some(Verdict::Awaits(NodeId(1))));
+        assert_eq!(verdicts[2], Some(Verdict::Awaits(NodeId(1))));
+        // Node 2 lost the coordinator too: it says yes, and two of three voters is a quorum.
+        assert!(ws[1].0.grant(1, 400));
+        match ws[0].0.voted(NodeId(2), 1, true) {
             Some(Verdict::TakeOver(n)) => {
                 assert_eq!((n.term, n.host), (1, NodeId(1)));
                 assert!(!n.members.contains(&NodeId(0)));
             }
             v => panic!("node 1 should take over: {v:?}"),
         }
-        assert_eq!(verdicts[1], Some(Verdict::Follow(NodeId(1))));
-        assert_eq!(verdicts[2], Some(Verdict::Follow(NodeId(1))));
+        // A late yes changes nothing.
+        assert_eq!(ws[0].0.voted(NodeId(3), 1, true), None);
+    }
+
+    #[test]
+    fn a_successor_cut_off_alone_never_takes_over_and_follows_the_coordinator_when_healed() {
+        let r = replica(&[0, 1, 2], 0);
+        // Node 1 hears nothing (cut off); node 2 hears the coordinator's leases.
+        let mut one = Watch::new(NodeId(1), NodeId(0), 300, 0);
+        let mut two = Watch::new(NodeId(2), NodeId(0), 300, 0);
+        one.replica(r.clone(), 0);
+        two.replica(r.clone(), 0);
+        let mut asked = 0;
+        for t in (100..=900).step_by(100) {
+            two.lease(0, NodeId(0), t);
+            two.tick(t);
+            match one.tick(t) {
+                Some(Verdict::Canvass { term: 1, voters }) => {
+                    assert_eq!(voters, vec![NodeId(2)]);
+                    asked += 1;
+                    // Node 2 still hears the coordinator: no.
+                    assert!(!two.grant(1, t));
+                    assert_eq!(one.voted(NodeId(2), 1, false), None);
+                }
+                None => {}
+                v => panic!("unexpected {v:?} at {t}"),
+            }
+        }
+        assert!(asked >= 2, "it asks again while cut off ({asked})");
+        assert_eq!(one.host(), NodeId(0));
+        // Healed: the coordinator's lease ends the canvass (nothing was redirected).
+        assert_eq!(
+            one.lease(0, NodeId(0), 1000),
+            Some(Verdict::Resumed(NodeId(0)))
+        );
+        assert_eq!(one.voted(NodeId(2), 1, true), None, "the canvass is over");
+        for t in (1100..=1300).step_by(100) {
+            one.lease(0, NodeId(0), t);
+            assert_eq!(one.tick(t), None);
+        }
+    }
+
+    #[test]
+    fn a_canvass_in_vain_for_three_silences_is_a_cut_off() {
+        let r = replica(&[0, 1, 2], 0);
+        let (mut w, _) = watches(&r, 400).swap_remove(0);
+        let mut end = None;
+        for t in (500..=2000).step_by(100) {
+            if let Some(v @ Verdict::CutOff(_)) = w.tick(t) {
+                end = Some((t, v));
+                break;
+            }
+        }
+        let (t, v) = end.expect("a cut-off");
+        assert!(t > 400 + 3 * 300, "not before three silences ({t})");
+        assert!(matches!(v, Verdict::CutOff(why) if why.contains("cut off")));
+    }
+
+    #[test]
+    fn a_follower_that_gave_the_coordinator_up_resumes_it_on_its_lease() {
+        let r = replica(&[0, 1, 2], 0);
+        let (mut w, v) = watches(&r, 400).swap_remove(1);
+        assert_eq!(v, Some(Verdict::Awaits(NodeId(1))));
+        assert!(
+            w.grant(1, 450),
+            "it lost the coordinator: yes to the successor"
+        );
+        assert_eq!(
+            w.lease(0, NodeId(0), 500),
+            Some(Verdict::Resumed(NodeId(0)))
+        );
+        assert_eq!(w.host(), NodeId(0));
+        assert!(!w.grant(1, 550), "it hears the coordinator again: no");
+        // A newer term's lease is followed (its replica comes after).
+        assert_eq!(w.lease(1, NodeId(2), 600), Some(Verdict::Follow(NodeId(2))));
+        assert_eq!(
+            w.lease(0, NodeId(0), 700),
+            None,
+            "an older term is not followed"
+        );
+    }
+
+    #[test]
+    fn with_one_voter_the_successor_takes_over_alone() {
+        let r = replica(&[0, 1], 0);
+        let (_, v) = watches(&r, 400).swap_remove(0);
+        assert!(matches!(v, Some(Verdict::TakeOver(ref n)) if n.host == NodeId(1) && n.term == 1));
     }
 
     #[test]
     fn a_dead_successor_is_passed_over_after_another_silence() {
-        let mut w = Watch::new(NodeId(2), NodeId(0), 300, 0);
-        w.replica(replica(&[0, 1, 2], 0), 0);
-        for t in (100..=400).step_by(100) {
-            let v = w.tick(t);
-            if t == 400 {
-                assert_eq!(v, Some(Verdict::Follow(NodeId(1))));
-            }
-        }
+        // Node 0 (the host) and node 1 die; nodes 2 and 3 are two of three voters.
+        let r = replica(&[0, 1, 2, 3], 0);
+        let mut ws = watches(&r, 400);
+        assert_eq!(ws[1].1, Some(Verdict::Awaits(NodeId(1))));
         let mut last = None;
         for t in (500..=800).step_by(100) {
-            last = w.tick(t).or(last);
+            last = ws[1].0.tick(t).or(last);
+            ws[2].0.tick(t);
+        }
+        assert_eq!(
+            last,
+            Some(Verdict::Canvass {
+                term: 1,
+                voters: vec![NodeId(3)]
+            })
+        );
+        assert!(ws[2].0.grant(1, 800));
+        let v = ws[1].0.voted(NodeId(3), 1, true);
+        assert!(
+            matches!(v, Some(Verdict::TakeOver(ref r)) if r.host == NodeId(2) && r.term == 1 && !r.members.contains(&NodeId(1)))
+        );
+        // Three members with the host and its successor dead: one of two voters is no quorum.
+        let r = replica(&[0, 1, 2], 0);
+        let (mut w, _) = watches(&r, 400).swap_remove(1);
+        let mut seen = Vec::new();
+        for t in (500..=900).step_by(100) {
+            seen.extend(w.tick(t));
         }
         assert!(
-            matches!(last, Some(Verdict::TakeOver(ref r)) if r.host == NodeId(2) && r.term == 1)
+            seen.iter().all(|v| matches!(v, Verdict::Canvass { .. })),
+            "{seen:?}"
         );
     }
 
@@ -274,6 +560,20 @@ mod tests {
     }
 
     proptest! {
+        /// Two disjoint groups of voters never both hold a quorum.
+        #[test]
+        fn two_sides_of_a_partition_never_both_hold_a_quorum(
+            members in proptest::collection::btree_set(0u32..12, 2..9),
+            side in proptest::collection::btree_set(0u32..12, 0..12),
+        ) {
+            let members: Vec<u32> = members.into_iter().collect();
+            let r = replica(&members, members[0]);
+            let v = voters(&r);
+            let a = v.iter().filter(|n| side.contains(&n.0)).count();
+            let b = v.len() - a;
+            prop_assert!(!(a >= quorum(&r) && b >= quorum(&r)), "{a} and {b} of {}", v.len());
+        }
+
         /// Oracle: the successor is the smallest member that is neither the host nor suspected;
         /// every watcher with the same replica and suspicions agrees.
         #[test]

@@ -55,18 +55,35 @@ impl<T: Transport> Watcher<T> {
     /// consumed here).
     pub(super) fn on_envelope(&self, from: Addr, env: &Envelope) -> bool {
         let now = self.now_ms();
+        let mut reply = None;
         let (answer, verdict) = {
             let mut w = self.watch.lock().unwrap_or_else(|p| p.into_inner());
             if from == Addr::Coordinator {
                 w.heard(now);
             }
-            match env {
-                Envelope::Succession(r) => {
+            match (env, from) {
+                (Envelope::Succession(r), _) => {
                     let answer = w.answer(r.term, r.host).map(|a| (r.host, a));
                     (answer, w.replica((**r).clone(), now))
                 }
-                Envelope::Lease { term, host } => {
-                    (w.answer(*term, *host).map(|a| (*host, a)), None)
+                (Envelope::Lease { term, host }, _) => {
+                    let answer = w.answer(*term, *host).map(|a| (*host, a));
+                    (answer, w.lease(*term, *host, now))
+                }
+                // A successor's pre-vote: did this node lose the coordinator too?
+                (Envelope::PreVote { term }, Addr::Node(candidate)) => {
+                    let granted = w.grant(*term, now);
+                    reply = Some((
+                        candidate,
+                        Envelope::PreVoted {
+                            term: *term,
+                            granted,
+                        },
+                    ));
+                    (None, None)
+                }
+                (Envelope::PreVoted { term, granted }, Addr::Node(voter)) => {
+                    (None, w.voted(voter, *term, *granted))
                 }
                 _ => return false,
             }
@@ -79,6 +96,11 @@ impl<T: Transport> Watcher<T> {
                 Addr::Node(host),
                 Envelope::Succession(Box::new(r)),
             );
+        }
+        if let Some((to, env)) = reply {
+            let _ = self
+                .transport
+                .send(Addr::Node(self.id), Addr::Node(to), env);
         }
         self.act(verdict);
         true
@@ -100,9 +122,18 @@ impl<T: Transport> Watcher<T> {
     fn act(&self, v: Option<Verdict>) {
         let Some(v) = v else { return };
         match &v {
-            Verdict::Follow(host) => self.transport.set_coordinator(*host),
+            Verdict::Follow(host) | Verdict::Resumed(host) => self.transport.set_coordinator(*host),
             Verdict::TakeOver(_) => self.transport.set_coordinator(self.id),
-            Verdict::Lost(_) => {}
+            Verdict::Canvass { term, voters } => {
+                for v in voters {
+                    let _ = self.transport.send(
+                        Addr::Node(self.id),
+                        Addr::Node(*v),
+                        Envelope::PreVote { term: *term },
+                    );
+                }
+            }
+            Verdict::Awaits(_) | Verdict::CutOff(_) | Verdict::Lost(_) => {}
         }
         (self.succession.on_verdict)(self.id, v);
     }

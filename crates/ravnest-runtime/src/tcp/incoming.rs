@@ -128,16 +128,17 @@ impl TcpTransport {
                     // The header must not lie about who sent it or where it goes.
                     // (A node that joined is known by its authenticated connection before its
                     // address arrives.)
-                    let sender_ok = match from {
-                        Addr::Node(n) => n == peer,
-                        _ => self.host(from) == Some(peer),
+                    let void = match judge_header(
+                        self.host(from),
+                        self.host(to),
+                        peer,
+                        self.inner.cfg.me,
+                        (from, to),
+                        &env,
+                    ) {
+                        Ok(void) => void,
+                        Err(why) => break Some(why),
                     };
-                    if !sender_ok {
-                        break Some(format!("claimed to send as {from:?}"));
-                    }
-                    if self.host(to) != Some(self.inner.cfg.me) {
-                        break Some(format!("sent to {to:?}, which is not here"));
-                    }
                     // Count it, unless a newer connection from the peer took over.
                     let delivered = {
                         let mut incoming = self.inner.incoming.lock().unwrap();
@@ -149,10 +150,14 @@ impl TcpTransport {
                             _ => break Some("replaced by a newer connection".into()),
                         }
                     };
-                    let part = matches!(env, crate::msg::Envelope::Shard { .. });
-                    self.deliver(from, to, env);
-                    if part {
-                        self.parts_settle().await;
+                    if let Some(why) = void {
+                        self.log(format!("dropped a frame from node {}: {why}", peer.0));
+                    } else {
+                        let part = matches!(env, crate::msg::Envelope::Shard { .. });
+                        self.deliver(from, to, env);
+                        if part {
+                            self.parts_settle().await;
+                        }
                     }
                     // Acknowledge once what has arrived so far is delivered.
                     if read.is_drained()
@@ -177,5 +182,46 @@ impl TcpTransport {
         {
             s.open = false;
         }
+    }
+}
+
+/// A frame's header (`from`, `to`) on a connection from `peer` to `me`, where `sender` hosts
+/// `from` and `receiver` hosts `to` as this process knows: `Err` when the header lies (the
+/// connection is dropped), `Ok(Some(why))` when the frame is void (acknowledged and dropped:
+/// what a node sends to a coordinator that is not here, or what a coordinator this node does
+/// not follow sends, is of a term that is over or not yet known), `Ok(None)` to deliver. A
+/// coordinator's replica and lease are delivered whoever hosts it: the node's watch judges
+/// them by their term (a successor's first replica comes before this node follows it; a
+/// stale coordinator's lease is answered with the newer term).
+fn judge_header(
+    sender: Option<NodeId>,
+    receiver: Option<NodeId>,
+    peer: NodeId,
+    me: NodeId,
+    (from, to): (Addr, Addr),
+    env: &crate::msg::Envelope,
+) -> Result<Option<String>, String> {
+    use crate::msg::Envelope;
+    let succession = matches!(env, Envelope::Succession(_) | Envelope::Lease { .. });
+    match from {
+        Addr::Node(n) if n != peer => return Err(format!("claimed to send as {from:?}")),
+        Addr::Node(_) => {}
+        Addr::Coordinator if sender == Some(peer) || succession => {}
+        Addr::Coordinator => {
+            return Ok(Some(format!(
+                "it sent as the coordinator, which this node follows elsewhere ({})",
+                env.kind()
+            )));
+        }
+        _ if sender == Some(peer) => {}
+        _ => return Err(format!("claimed to send as {from:?}")),
+    }
+    match to {
+        _ if receiver == Some(me) => Ok(None),
+        Addr::Coordinator => Ok(Some(format!(
+            "sent to the coordinator, which is not here ({})",
+            env.kind()
+        ))),
+        _ => Err(format!("sent to {to:?}, which is not here")),
     }
 }
