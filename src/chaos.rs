@@ -148,7 +148,7 @@ pub fn schedule(seed: u64) -> Schedule {
                     rejoin_ms: (r.below(3) != 0).then(|| r.range(200, 1500)),
                 }
             }
-            6 | 7 if !killed && r.below(2) == 0 => {
+            0 | 7 if !killed && r.below(2) == 0 => {
                 killed = true;
                 Fault::Partition {
                     node: any,
