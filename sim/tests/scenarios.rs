@@ -568,6 +568,59 @@ fn a_cut_off_coordinator_steps_down_once_the_partition_heals() {
 }
 
 #[test]
+fn a_successor_cut_off_alone_never_takes_over_and_rejoins_when_healed() {
+    // The coordinator's successor (its replica's lowest member but the host) is cut off
+    // alone for 10 s, past every node's silence: its watch suspects the coordinator and asks
+    // the others for a pre-vote, which it cannot get. No node takes over; the coordinator
+    // plans the successor out and lets it back in once the partition heals; every checker
+    // holds. Without the pre-vote it took over for itself and its newer term unseated the
+    // coordinator the others still heard.
+    // Later the coordinator's host crashes (which turns fail-over on in the simulator): the
+    // successor, back in the run, takes over then, and only then.
+    let text = include_str!("../../scenarios/stale-coordinator.toml").replace(
+        r#"groups = [["rtx3060-1"], ["rtx4090-0", "rtx4090-1", "rtx3060-0", "far-l4"]]"#,
+        r#"groups = [["rtx4090-0"], ["rtx4090-1", "rtx3060-0", "rtx3060-1", "far-l4"]]"#,
+    ) + "\n[[fault]]\nkind = \"crash\"\nnode = \"rtx3060-1\"\nat_s = 33.0\n";
+    let s = ravnest_core::parse(&text, "successor-cut-off").unwrap();
+    for seed in 1..=3 {
+        let o = opts(&s, seed, 100);
+        let r = run(&s, &o).unwrap();
+        assert!(r.violations.is_empty(), "seed {seed}: {:?}", r.violations);
+        assert_eq!(r.steps_completed, 100, "seed {seed}");
+        let at = |what: &str| {
+            r.timeline
+                .markers
+                .iter()
+                .find(|m| m.1.contains(what))
+                .map(|m| m.0 as f64 / 1e9)
+        };
+        let markers: Vec<(u64, &String)> = r
+            .timeline
+            .markers
+            .iter()
+            .map(|m| (m.0 / 1_000_000, &m.1))
+            .collect();
+        let rejoined = at("rtx4090-0 rejoined");
+        let took_over = at("took over");
+        assert!(
+            rejoined.is_some_and(|t| t >= 30.0),
+            "seed {seed}: the cut-off node was not let back in after the heal: {markers:?}"
+        );
+        assert!(
+            took_over.is_some_and(|t| t > 33.0),
+            "seed {seed}: no take-over, or one before the host crashed (a node cut off alone): {markers:?}, {} s",
+            r.sim_time_s
+        );
+        assert!(
+            markers
+                .iter()
+                .any(|m| m.1.contains("rtx4090-0 took over as coordinator")),
+            "{markers:?}"
+        );
+    }
+}
+
+#[test]
 fn coordinator_failover_seed_sweep() {
     // The coordinator's host crashes in steady state, during a re-plan (a worker was lost just
     // before) and during a checkpoint round; each seed moves the crash and adds 1-3 connection
