@@ -197,14 +197,26 @@ pub fn schedule(seed: u64) -> Schedule {
         faults.push(Timed { at_ms, fault });
     }
     faults.sort_by_key(|t| t.at_ms);
-    // A forged second connection claims a node that is alive throughout.
+    // A forged second connection claims a node that is alive and connected to its target
+    // throughout: not a killed worker, nor a worker cut off; with the coordinator cut off, no
+    // worker's connection to it is live, so the forgery is a reset instead.
     if let Some(k) = faults.iter().find_map(|t| match t.fault {
-        Fault::Kill { node, .. } => Some(node),
+        Fault::Kill { node, .. } | Fault::Partition { node, .. } if node != 0 => Some(node),
         _ => None,
     }) {
         for t in &mut faults {
             if let Fault::Duplicate { claim, .. } = &mut t.fault {
                 *claim = 3 - k;
+            }
+        }
+    }
+    if faults
+        .iter()
+        .any(|t| matches!(t.fault, Fault::Partition { node: 0, .. }))
+    {
+        for t in &mut faults {
+            if let Fault::Duplicate { target, .. } = t.fault {
+                t.fault = Fault::Reset { node: target };
             }
         }
     }
