@@ -128,27 +128,14 @@ impl TcpTransport {
                     // The header must not lie about who sent it or where it goes.
                     // (A node that joined is known by its authenticated connection before its
                     // address arrives.)
-                    let void = match judge_header(
-                        self.host(from),
-                        self.host(to),
-                        peer,
-                        self.inner.cfg.me,
-                        (from, to),
-                        &env,
-                    ) {
+                    let hosts = (self.host(from), self.host(to));
+                    let void = match judge_header(hosts, peer, self.inner.cfg.me, (from, to), &env)
+                    {
                         Ok(void) => void,
                         Err(why) => break Some(why),
                     };
-                    // Count it, unless a newer connection from the peer took over.
-                    let delivered = {
-                        let mut incoming = self.inner.incoming.lock().unwrap();
-                        match incoming.get_mut(&peer) {
-                            Some(s) if s.conn == conn => {
-                                *s.count() += 1;
-                                *s.count()
-                            }
-                            _ => break Some("replaced by a newer connection".into()),
-                        }
+                    let Some(delivered) = self.count_delivered(peer, conn) else {
+                        break Some("replaced by a newer connection".into());
                     };
                     if let Some(why) = void {
                         self.log(format!("dropped a frame from node {}: {why}", peer.0));
@@ -175,6 +162,19 @@ impl TcpTransport {
         self.close_incoming(peer, conn);
     }
 
+    /// Count a frame from `peer` on connection `conn`: the session's count of delivered
+    /// frames, or `None` if a newer connection from the peer took over.
+    fn count_delivered(&self, peer: NodeId, conn: u64) -> Option<u64> {
+        let mut incoming = self.inner.incoming.lock().unwrap();
+        match incoming.get_mut(&peer) {
+            Some(s) if s.conn == conn => {
+                *s.count() += 1;
+                Some(*s.count())
+            }
+            _ => None,
+        }
+    }
+
     /// Connection `conn` from `peer` is over (if it is still the current one).
     fn close_incoming(&self, peer: NodeId, conn: u64) {
         if let Some(s) = self.inner.incoming.lock().unwrap().get_mut(&peer)
@@ -194,8 +194,7 @@ impl TcpTransport {
 /// them by their term (a successor's first replica comes before this node follows it; a
 /// stale coordinator's lease is answered with the newer term).
 fn judge_header(
-    sender: Option<NodeId>,
-    receiver: Option<NodeId>,
+    (sender, receiver): (Option<NodeId>, Option<NodeId>),
     peer: NodeId,
     me: NodeId,
     (from, to): (Addr, Addr),
@@ -223,5 +222,48 @@ fn judge_header(
             env.kind()
         ))),
         _ => Err(format!("sent to {to:?}, which is not here")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::msg::Envelope;
+
+    #[test]
+    fn a_lying_header_drops_the_connection_and_a_void_frame_only_itself() {
+        let (n0, n1, n2) = (NodeId(0), NodeId(1), NodeId(2));
+        let lease = Envelope::Lease { term: 0, host: n0 };
+        let beat = Envelope::Heartbeat;
+        let me = n2;
+        // Node 1 claiming to be node 0: a lie.
+        let judge = |hosts, peer, hdr, env: &Envelope| judge_header(hosts, peer, me, hdr, env);
+        let to_me = (Addr::Node(n0), Addr::Node(me));
+        assert!(judge((Some(n0), Some(me)), n1, to_me, &beat).is_err());
+        // The coordinator followed here is node 1: node 0's lease still reaches the watch (it
+        // is judged by its term); its other frames are void, and so is a frame for a
+        // coordinator that is not here.
+        let from_coord = (Addr::Coordinator, Addr::Node(me));
+        assert_eq!(
+            judge((Some(n1), Some(me)), n0, from_coord, &lease),
+            Ok(None)
+        );
+        assert!(matches!(
+            judge((Some(n1), Some(me)), n0, from_coord, &Envelope::Finish),
+            Ok(Some(_))
+        ));
+        assert_eq!(
+            judge((Some(n1), Some(me)), n1, from_coord, &Envelope::Finish),
+            Ok(None)
+        );
+        let to_coord = (Addr::Node(n1), Addr::Coordinator);
+        assert!(matches!(
+            judge((Some(n1), Some(n0)), n1, to_coord, &beat),
+            Ok(Some(_))
+        ));
+        assert_eq!(judge((Some(n1), Some(me)), n1, to_coord, &beat), Ok(None));
+        // A frame for another node than this one is a lie.
+        let elsewhere = (Addr::Node(n1), Addr::Node(n0));
+        assert!(judge((Some(n1), Some(n0)), n1, elsewhere, &beat).is_err());
     }
 }
