@@ -163,6 +163,10 @@ pub struct Tuning {
     /// The watchdog redoes the step in flight after this many times the longest recent
     /// interval between agreed steps without progress (at least twice the heartbeat timeout).
     pub watchdog_steps: f64,
+    /// Resyncs in a row without an agreed step after which the run stops, saying why (every
+    /// node is alive but some cannot exchange data: a firewall between two workers, a one-way
+    /// partition), instead of redoing the same step for ever.
+    pub max_resyncs: u32,
 }
 
 impl Default for Tuning {
@@ -181,6 +185,7 @@ impl Default for Tuning {
             links_slower: 1.25,
             links_faster: 1.5,
             watchdog_steps: 10.0,
+            max_resyncs: 5,
         }
     }
 }

@@ -542,6 +542,36 @@ fn a_partition_that_never_heals_stops_with_the_reason() {
     assert_eq!(log.last(), Some(&Effect::Finished));
 }
 
+/// Every node is alive (heartbeats come) but no step ever completes (two workers cannot
+/// reach each other): the watchdog resyncs, waiting longer each time, and after
+/// `max_resyncs` in a row the run stops, saying why, instead of redoing the step for ever.
+#[test]
+fn steps_that_never_complete_among_live_nodes_stop_after_the_resyncs() {
+    // Deliver to and from every node and let time pass; never complete a step.
+    let nodes = 3;
+    let choices: Vec<usize> = (0..200_000).map(|k| [0, 1, 2, 3, 4, 5, 7][k % 7]).collect();
+    let log = drive(nodes, &choices, None).unwrap();
+    let resyncs = log
+        .iter()
+        .filter(|e| matches!(e, Effect::Event(Event::Resync { .. })))
+        .count();
+    let stalled: Vec<&String> = log
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Event(Event::Stalled(why)) => Some(why),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(resyncs, 5);
+    assert_eq!(stalled.len(), 1);
+    assert!(
+        stalled[0].contains("cannot exchange data"),
+        "{}",
+        stalled[0]
+    );
+    assert_eq!(log.last(), Some(&Effect::Finished));
+}
+
 /// Two nodes not in the cluster file given ids by the coordinator's host (`Reserve`, in order)
 /// register out of order: each is admitted at its own id with what it measured, every node is
 /// told of both in id order, and a reservation out of order or of a taken name is ignored.

@@ -86,6 +86,13 @@ impl Coordinator {
             }
             return;
         }
+        if self.resyncs >= self.cfg.tuning.max_resyncs {
+            let why = format!(
+                "no step agreed after {} resyncs at step {} though every node is alive: some nodes cannot exchange data with each other (a firewall or a one-way partition between two of them?); check that every node reaches every other at its address",
+                self.resyncs, self.agreed
+            );
+            return self.finish(Event::Stalled(why));
+        }
         self.resyncs += 1;
         self.emit(Event::Resync {
             step: self.agreed,
