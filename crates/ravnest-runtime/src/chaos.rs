@@ -73,9 +73,6 @@ impl Proxy {
                 let (d, mut reset, [there, back]) = (d.clone(), r.subscribe(), c.clone());
                 let mut cut = k.subscribe();
                 tokio::spawn(async move {
-                    if cut.borrow().all {
-                        return;
-                    }
                     // The hello's first 12 bytes name the dialer; they are passed on as read.
                     let mut first = [0u8; 12];
                     let read = inbound.read_exact(&mut first);

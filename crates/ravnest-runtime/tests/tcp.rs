@@ -88,6 +88,18 @@ fn listen(t: &TcpTransport, at: Addr) -> Got {
     got
 }
 
+/// The ids of the probes `got` so far, in the order they arrived.
+fn probe_ids(got: &Got) -> Vec<u64> {
+    got.lock()
+        .unwrap()
+        .iter()
+        .filter_map(|(_, e)| match e {
+            Envelope::Probe { id, .. } => Some(*id),
+            _ => None,
+        })
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_secret_is_refused_on_both_sides() {
     let (a, b) = pair(b"right", b"wrong").await;
@@ -242,15 +254,7 @@ async fn a_reset_connection_is_dialed_again_and_is_not_a_death() {
         b.drain(Duration::from_secs(5)).await,
         "everything acknowledged"
     );
-    let seqs: Vec<u64> = got
-        .lock()
-        .unwrap()
-        .iter()
-        .filter_map(|(_, e)| match e {
-            Envelope::Probe { id, .. } => Some(*id),
-            _ => None,
-        })
-        .collect();
+    let seqs = probe_ids(&got);
     assert_eq!(seqs, (0..400).collect::<Vec<_>>());
     assert!(downs.lock().unwrap().is_empty());
 }
@@ -294,15 +298,7 @@ async fn a_cut_off_node_gets_nothing_until_healed_and_then_everything_in_order()
         proxy.isolate(false);
         proxy.refuse_dialer(None);
         assert!(b.drain(Duration::from_secs(3)).await, "healed: delivered");
-        let ids: Vec<u64> = got
-            .lock()
-            .unwrap()
-            .iter()
-            .filter_map(|(_, e)| match e {
-                Envelope::Probe { id, .. } => Some(*id),
-                _ => None,
-            })
-            .collect();
+        let ids = probe_ids(&got);
         assert_eq!(ids, vec![0, 1, 2, 3]);
     }
 }

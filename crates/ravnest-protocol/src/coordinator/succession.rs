@@ -4,10 +4,12 @@
 //! The coordinator sends every live node a [`Replica`] when membership or the plan's epoch
 //! changes, and its designated successor a fresh one after every agreed step. Its leases are
 //! heartbeats from [`crate::msg::Addr::Coordinator`]. A node that hears nothing from the coordinator
-//! for `silence_ms` suspects it and turns to the successor: the lowest live member of its latest
+//! for `silence_ms` suspects it and awaits the successor: the lowest live member of its latest
 //! replica that is neither the coordinator nor suspected. Every node holding the same replica
 //! picks the same successor; a successor that is dead too is suspected in turn after another
-//! silence. The successor starts a coordinator of the next *term*
+//! silence. The successor takes over only once a majority of the replica's [`voters`] say
+//! they lost the coordinator too (a pre-vote, [`quorum`]): a node cut off alone never does.
+//! The successor starts a coordinator of the next *term*
 //! ([`crate::coordinator::core::Coordinator::take_over`]), whose epochs are numbered from
 //! [`term_epoch`] on, above any epoch of an earlier term: what an older coordinator sent is void.
 //! It halts every member, and resumes from the newest synchronized version all of them hold,
@@ -202,7 +204,6 @@ impl Watch {
         self.forgive();
         let moved = r.host != self.host;
         self.host = r.host;
-        self.suspects.remove(&r.host);
         self.replica = Some(r);
         moved.then_some(Verdict::Follow(self.host))
     }

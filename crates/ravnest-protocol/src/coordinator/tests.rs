@@ -292,6 +292,16 @@ fn drive_with(cfg: Config, choices: &[usize], cut: Option<Cut>) -> Result<Vec<Ef
     Err("the run did not finish".into())
 }
 
+/// The reasons of every `Stalled` event in `log`.
+fn stalled(log: &[Effect]) -> Vec<&String> {
+    log.iter()
+        .filter_map(|e| match e {
+            Effect::Event(Event::Stalled(why)) => Some(why),
+            _ => None,
+        })
+        .collect()
+}
+
 /// A step completes on every member of its group once all of them entered it (the
 /// collective's barrier); a dead member blocks it.
 fn complete_steps(ns: &mut [Node]) {
@@ -524,13 +534,7 @@ fn a_partition_that_never_heals_stops_with_the_reason() {
         ..tight_config()
     };
     let log = drive_with(cfg, &[], Some(cut)).unwrap();
-    let stalled: Vec<&String> = log
-        .iter()
-        .filter_map(|e| match e {
-            Effect::Event(Event::Stalled(why)) => Some(why),
-            _ => None,
-        })
-        .collect();
+    let stalled = stalled(&log);
     assert_eq!(stalled.len(), 1);
     assert!(
         stalled[0].contains("no plan for the live nodes"),
@@ -555,13 +559,7 @@ fn steps_that_never_complete_among_live_nodes_stop_after_the_resyncs() {
         .iter()
         .filter(|e| matches!(e, Effect::Event(Event::Resync { .. })))
         .count();
-    let stalled: Vec<&String> = log
-        .iter()
-        .filter_map(|e| match e {
-            Effect::Event(Event::Stalled(why)) => Some(why),
-            _ => None,
-        })
-        .collect();
+    let stalled = stalled(&log);
     assert_eq!(resyncs, 5);
     assert_eq!(stalled.len(), 1);
     assert!(

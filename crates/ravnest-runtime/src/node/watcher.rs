@@ -51,36 +51,38 @@ impl<T: Transport> Watcher<T> {
     }
 
     /// An envelope for this node, before its mailbox: the watch's part of it. Anything from
-    /// the coordinator is a sign of life; a replica or a lease is the watch's alone (true:
-    /// consumed here).
+    /// the coordinator is a sign of life; a replica, a lease or a pre-vote is the watch's alone
+    /// (true: consumed here).
     pub(super) fn on_envelope(&self, from: Addr, env: &Envelope) -> bool {
         let now = self.now_ms();
-        let mut reply = None;
-        let (answer, verdict) = {
+        // What goes back to another node: the newer replica to a stale coordinator's host (its
+        // node follows it, and its process steps down), or the answer to a pre-vote.
+        let (reply, verdict) = {
             let mut w = self.watch.lock().unwrap_or_else(|p| p.into_inner());
             if from == Addr::Coordinator {
                 w.heard(now);
             }
+            let stale = |w: &Watch, term, host: NodeId| {
+                w.answer(term, host)
+                    .map(|a| (host, Envelope::Succession(Box::new(a))))
+            };
             match (env, from) {
                 (Envelope::Succession(r), _) => {
-                    let answer = w.answer(r.term, r.host).map(|a| (r.host, a));
-                    (answer, w.replica((**r).clone(), now))
+                    let reply = stale(&w, r.term, r.host);
+                    (reply, w.replica((**r).clone(), now))
                 }
                 (Envelope::Lease { term, host }, _) => {
-                    let answer = w.answer(*term, *host).map(|a| (*host, a));
-                    (answer, w.lease(*term, *host, now))
+                    let reply = stale(&w, *term, *host);
+                    (reply, w.lease(*term, *host, now))
                 }
                 // A successor's pre-vote: did this node lose the coordinator too?
                 (Envelope::PreVote { term }, Addr::Node(candidate)) => {
                     let granted = w.grant(*term, now);
-                    reply = Some((
-                        candidate,
-                        Envelope::PreVoted {
-                            term: *term,
-                            granted,
-                        },
-                    ));
-                    (None, None)
+                    let answer = Envelope::PreVoted {
+                        term: *term,
+                        granted,
+                    };
+                    (Some((candidate, answer)), None)
                 }
                 (Envelope::PreVoted { term, granted }, Addr::Node(voter)) => {
                     (None, w.voted(voter, *term, *granted))
@@ -88,15 +90,6 @@ impl<T: Transport> Watcher<T> {
                 _ => return false,
             }
         };
-        // A coordinator of an older term was heard from: it is sent the newer replica (its
-        // host's node follows it, and its process steps down).
-        if let Some((host, r)) = answer {
-            let _ = self.transport.send(
-                Addr::Node(self.id),
-                Addr::Node(host),
-                Envelope::Succession(Box::new(r)),
-            );
-        }
         if let Some((to, env)) = reply {
             let _ = self
                 .transport
