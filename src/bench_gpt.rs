@@ -23,24 +23,12 @@ pub struct Case {
 pub const CASES: [Case; 2] = [
     Case {
         name: "gpt-small",
-        gpt: ravnest_train::gpt::Gpt {
-            layers: 6,
-            hidden: 384,
-            heads: 6,
-            seq: 128,
-            vocab: 256,
-        },
+        gpt: ravnest_train::gpt::Gpt::gpt2(6, 384, 6, 128, 256),
         batch: 16,
     },
     Case {
         name: "gpt2-small shape",
-        gpt: ravnest_train::gpt::Gpt {
-            layers: 12,
-            hidden: 768,
-            heads: 12,
-            seq: 256,
-            vocab: 256,
-        },
+        gpt: ravnest_train::gpt::Gpt::gpt2(12, 768, 12, 256, 256),
         batch: 4,
     },
 ];

@@ -9,6 +9,7 @@ mod bench_planners;
 mod bench_sharded;
 mod bench_slow_link;
 mod chaos;
+mod models;
 mod report;
 mod run;
 mod scenarios;
@@ -22,6 +23,7 @@ use ravnest_core::planner::sync::SyncMethod;
 use ravnest_core::{PlannerKind, Scenario};
 
 use bench::{BenchWhat, bench_command};
+use models::{EvalCmd, GenerateCmd};
 
 /// mimalloc keeps freed pages for reuse: gradient segments and frames are allocated and freed
 /// at a high rate, and glibc's allocator hands their pages back to the kernel and faults them in
@@ -141,16 +143,29 @@ Reading the tables: docs/reading-reports.md.")]
         #[command(subcommand)]
         what: BenchWhat,
     },
-    /// Continue a prompt with a trained GPT: bytes sampled from a checkpoint, printed after the
-    /// prompt.
+    /// Continue a prompt with a trained transformer: tokens sampled from a checkpoint or a
+    /// Hugging Face model folder, printed after the prompt.
     #[command(after_help = "Examples:
   ravnest generate ravnest-out/local-gpt/checkpoints --prompt \"It was a dark\"
   ravnest generate ravnest-out/local-gpt/checkpoints --prompt \"The \" --tokens 400 --temperature 0.5 --seed 7
   ravnest generate ravnest-out/local-gpt/checkpoints/step-00000200.safetensors --prompt \"Once\"
+  ravnest generate models/SmolLM-135M --prompt \"The capital of France\" --top-k 40
 
-CHECKPOINT: a GPT's checkpoints folder (its model.safetensors, else the step `latest` names)
-or one weights file. The folder is also a Hugging Face model folder: docs/checkpoints.md.")]
+CHECKPOINT: a checkpoints folder (its model.safetensors, else the step `latest` names), one
+weights file, or a Hugging Face model folder (its tokenizer.json encodes the prompt; a
+generation stops at its end-of-text token). Checkpoint folders are Hugging Face model
+folders: docs/checkpoints.md.")]
     Generate(GenerateCmd),
+    /// The mean next-token cross-entropy (nats per token) of a model on a text file.
+    #[command(after_help = "Examples:
+  ravnest eval models/SmolLM-135M --data data/eighty-days.txt
+  ravnest eval ravnest-out/my-run/checkpoints --data held-out.txt --seq 512 --json
+
+DIR: a Hugging Face model folder or a ravnest checkpoints folder. FILE is tokenized as one
+document with the folder's tokenizer.json (bytes for ravnest's byte-level GPTs), no special
+tokens added; window i feeds tokens [iN, iN+N) and predicts tokens [iN+1, iN+N+1); a last
+partial window is dropped. --json prints {\"loss\": ..., \"tokens\": ...}.")]
+    Eval(EvalCmd),
     /// List the device catalog and the model presets.
     #[command(after_help = "Example:
   ravnest catalog
@@ -190,25 +205,6 @@ struct SimCmd {
 }
 
 /// `ravnest generate`'s arguments.
-#[derive(clap::Args, Debug)]
-struct GenerateCmd {
-    /// A GPT's checkpoints folder, or one of its weights files (`step-N.safetensors`).
-    #[arg(value_name = "CHECKPOINT")]
-    checkpoint: PathBuf,
-    /// The text to continue (its bytes are the first tokens).
-    #[arg(long)]
-    prompt: String,
-    /// Tokens (bytes) to sample after the prompt.
-    #[arg(long, default_value_t = 200)]
-    tokens: usize,
-    /// Sampling temperature: lower is more predictable, 0 always takes the likeliest byte.
-    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
-    temperature: f64,
-    /// Seed of the sampling (default: from the clock); the same seed gives the same text.
-    #[arg(long)]
-    seed: Option<u64>,
-}
-
 /// `ravnest run`'s arguments.
 #[derive(clap::Args, Debug)]
 struct RunCmd {
@@ -335,7 +331,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Sim(cmd) => sim_command(cmd),
         Command::Run(cmd) => run_command(cmd),
         Command::Bench { what } => bench_command(what),
-        Command::Generate(cmd) => generate_command(cmd),
+        Command::Generate(cmd) => models::generate_command(cmd),
+        Command::Eval(cmd) => models::eval_command(cmd),
         Command::Catalog => {
             emit(&report::catalog_text());
             Ok(())
@@ -399,7 +396,7 @@ fn dry_run_command(file: Option<&std::path::Path>, kind: PlannerKind) -> Result<
         p.step.samples_per_s,
         p.split_line()
     );
-    let trains = ravnest_node::process::load_dataset(&scenario, &origin).and_then(|d| {
+    let trains = ravnest_node::process::load_dataset(&scenario, &origin, None).and_then(|d| {
         ravnest_node::process::network_for(&scenario, &origin, &d).map(|n| n.model_spec())
     });
     match trains {
@@ -622,32 +619,6 @@ fn run_command(cmd: RunCmd) -> Result<()> {
     })
 }
 
-/// `ravnest generate`: load the GPT, sample, print.
-fn generate_command(cmd: GenerateCmd) -> Result<()> {
-    let GenerateCmd {
-        checkpoint,
-        prompt,
-        tokens,
-        temperature,
-        seed,
-    } = cmd;
-    if !(temperature.is_finite() && temperature >= 0.0) {
-        bail!("--temperature {temperature}: a temperature is 0 or more");
-    }
-    let (gpt, weights) =
-        ravnest_train::store::load_gpt(&checkpoint).context("cannot load a GPT")?;
-    let seed = seed.unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64)
-    });
-    let text = gpt
-        .complete_text(&weights, &prompt, tokens, temperature, seed)
-        .with_context(|| format!("cannot generate from `{}`", checkpoint.display()))?;
-    emit(&format!("{text}\n"));
-    Ok(())
-}
-
 /// Write to stdout; a closed pipe (`ravnest sim | head`) ends the program quietly instead of
 /// panicking as `print!` would.
 fn emit(text: &str) {
@@ -730,7 +701,7 @@ fn load(path: Option<&Path>) -> Result<(String, Scenario)> {
             (origin, text)
         }
     };
-    let scenario = ravnest_core::parse(&text, &origin)?;
+    let scenario = ravnest_train::folder::parse_scenario(&text, &origin)?;
     Ok((origin, scenario))
 }
 

@@ -65,7 +65,7 @@ fn default_out(s: &Scenario) -> PathBuf {
 
 /// Run as asked.
 pub fn run(args: RunArgs) -> Result<()> {
-    let mut scenario = ravnest_core::parse(&args.text, &args.origin)?;
+    let mut scenario = ravnest_train::folder::parse_scenario(&args.text, &args.origin)?;
     if let Some(n) = args.steps {
         scenario.run.steps = n;
     }

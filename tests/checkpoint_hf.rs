@@ -73,13 +73,7 @@ fn a_gpt_checkpoint_folder_loads_as_gpt2_with_the_same_logits() {
         return;
     }
 
-    let g = Gpt {
-        layers: 2,
-        hidden: 32,
-        heads: 4,
-        seq: 16,
-        vocab: 256,
-    };
+    let g = Gpt::gpt2(2, 32, 4, 16, 256);
     let net = Network::Gpt(g);
     // Seeded noise on every value: biases and LayerNorm parameters away from 0 and 1, so a
     // transposed or misnamed tensor shows in the logits.
@@ -103,6 +97,7 @@ fn a_gpt_checkpoint_folder_loads_as_gpt2_with_the_same_logits() {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("checkpoint-hf");
     let _ = std::fs::remove_dir_all(&dir);
     let files = CheckpointFiles {
+        hf_source: None,
         term: 0,
         dir: dir.clone(),
         net: net.clone(),

@@ -63,6 +63,7 @@ fn checkpoints_load_into_torch_with_the_documented_snippet() {
     let mut cases = Vec::new();
     for (k, net) in nets.into_iter().enumerate() {
         let files = CheckpointFiles {
+            hf_source: None,
             term: 0,
             dir: dir.join(format!("net{k}")),
             net: net.clone(),

@@ -806,13 +806,7 @@ fn the_nodes_die_with_their_launcher() {
 /// sampled text is one character per token.
 fn gpt_checkpoints(name: &str) -> PathBuf {
     use ravnest_train::net::Network;
-    let g = ravnest_train::gpt::Gpt {
-        layers: 2,
-        hidden: 32,
-        heads: 4,
-        seq: 16,
-        vocab: 256,
-    };
+    let g = ravnest_train::gpt::Gpt::gpt2(2, 32, 4, 16, 256);
     let net = Network::Gpt(g);
     let mut params = g.init(5);
     let layout = net.layout();
@@ -827,6 +821,7 @@ fn gpt_checkpoints(name: &str) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
     let _ = std::fs::remove_dir_all(&dir);
     let files = ravnest_train::store::CheckpointFiles {
+        hf_source: None,
         term: 0,
         dir: dir.join("checkpoints"),
         net,
@@ -910,6 +905,7 @@ fn error_generate_refuses_an_mlp_checkpoint_and_a_wrong_tensor() {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("generate-mlp");
     let _ = std::fs::remove_dir_all(&dir);
     let files = ravnest_train::store::CheckpointFiles {
+        hf_source: None,
         term: 0,
         dir: dir.clone(),
         net: Network::Mlp {

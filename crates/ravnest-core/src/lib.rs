@@ -12,6 +12,7 @@ mod coll_types;
 pub mod collective;
 pub mod config;
 pub mod cost;
+pub mod decoder;
 pub mod detector;
 pub mod device;
 pub mod layers;
@@ -30,7 +31,7 @@ pub mod units;
 pub use cluster::{
     ClusterSpec, LayoutChoice, Link, NodeId, NodeSpec, Redundancy, SyncPreference, TrainingSpec,
 };
-pub use config::{ConfigError, Scenario, parse};
+pub use config::{ConfigError, Scenario, parse, parse_with};
 pub use layers::LayerRange;
 pub use model::{ModelSpec, Optimizer, Precision};
 pub use planner::{

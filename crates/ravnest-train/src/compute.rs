@@ -132,6 +132,16 @@ impl CandleCompute {
         }
     }
 
+    /// Start from the weights of a Hugging Face folder instead of seeded ones (`[model] from`
+    /// with `init = "pretrained"`): each tensor is read from its file when this node first
+    /// makes it, so a stage reads its own layers only.
+    pub fn with_pretrained(mut self, folder: Arc<crate::folder::HfFolder>) -> Self {
+        let mut state = ModelState::new(self.net.clone(), self.optim, self.seed);
+        state.pretrained = Some(folder);
+        self.state = Arc::new(state);
+        self
+    }
+
     /// Count what a stage op of `layers` on `rows` samples needs on top of what the stage
     /// holds (`extra_held` more bytes kept after it), and refuse it when that exceeds the
     /// budget.

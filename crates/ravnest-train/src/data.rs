@@ -282,6 +282,49 @@ impl Dataset {
         Dataset::bytes(&bytes, spec, seq)
     }
 
+    /// Token ids as samples for a model of `vocab` tokens: windows of `seq + 1` tokens, one
+    /// every `seq` (window i feeds tokens [i·seq, i·seq + seq) and predicts the next one of
+    /// each: packed sequences, every token a target once).
+    pub fn tokens(
+        ids: &[u32],
+        origin: &str,
+        seq: usize,
+        vocab: usize,
+    ) -> Result<Dataset, DataError> {
+        // At least 12 windows: 10 to train on and 2 held out.
+        let need = 12 * seq + 1;
+        if seq == 0 || ids.len() < need {
+            return Err(err(
+                origin,
+                format!(
+                    "{} tokens: too short for 12 samples of {} tokens (need at least {need})",
+                    ids.len(),
+                    seq + 1
+                ),
+            ));
+        }
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(err(
+                origin,
+                format!("token {bad} is outside the model's vocabulary of {vocab}"),
+            ));
+        }
+        let n = (ids.len() - 1) / seq;
+        let mut x = Vec::with_capacity(n * (seq + 1));
+        for i in 0..n {
+            x.extend(ids[i * seq..i * seq + seq + 1].iter().map(|&t| t as f32));
+        }
+        Ok(Dataset {
+            name: origin.rsplit('/').next().unwrap_or(origin).to_string(),
+            x,
+            y: vec![0; n],
+            features: seq + 1,
+            side: None,
+            classes: vocab,
+            vocab: Vec::new(),
+        })
+    }
+
     /// [`Dataset::load_bytes`] on bytes already in memory.
     pub fn bytes(bytes: &[u8], origin: &str, seq: usize) -> Result<Dataset, DataError> {
         let stride = (seq / 2).max(1);

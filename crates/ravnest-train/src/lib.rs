@@ -6,6 +6,7 @@
 pub mod compute;
 pub mod data;
 pub mod device;
+pub mod folder;
 pub mod gpt;
 pub mod layout;
 pub mod measure;
@@ -14,4 +15,6 @@ pub mod net;
 pub mod optim;
 pub mod state;
 pub mod store;
+pub mod tok;
+pub mod tokens;
 pub mod worker;

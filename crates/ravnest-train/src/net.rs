@@ -13,7 +13,7 @@ use ravnest_core::ModelSpec;
 use ravnest_core::model::LayerSpec;
 
 /// Which network.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Network {
     /// Fully connected layers with ReLU between them: `dims[0]` inputs, `dims.last()` classes.
     Mlp {
@@ -322,15 +322,7 @@ impl Network {
     /// The cost-model description of this network (what the planner plans with).
     pub fn model_spec(&self) -> ModelSpec {
         match self {
-            Network::Gpt(g) => ravnest_core::model::gpt_spec(
-                "gpt",
-                g.layers as u32,
-                g.hidden as u64,
-                g.heads as u64,
-                g.seq as u64,
-                g.vocab as u64,
-                false,
-            ),
+            Network::Gpt(g) => g.spec("gpt"),
             Network::Mlp { dims } => {
                 let d: Vec<u64> = dims.iter().map(|&x| x as u64).collect();
                 ravnest_core::model::mlp_spec("mlp", &d)
@@ -575,10 +567,7 @@ impl Network {
             } => serde_json::json!({
                 "kind": "char", "context": context, "vocab": vocab, "embed": embed, "hidden": hidden,
             }),
-            Network::Gpt(g) => serde_json::json!({
-                "kind": "gpt", "layers": g.layers, "hidden": g.hidden, "heads": g.heads,
-                "seq": g.seq, "vocab": g.vocab,
-            }),
+            Network::Gpt(g) => crate::gpt::model_json(g),
         }
     }
 

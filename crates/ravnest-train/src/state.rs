@@ -214,6 +214,9 @@ pub struct ModelState {
     pub counter: Arc<StateCounter>,
     /// A network that is not split by layer draws its initial weights in one stream.
     whole_init: OnceLock<Arc<Vec<f32>>>,
+    /// The initial weights are a Hugging Face folder's (`[model] from`), read tensor by
+    /// tensor as the node makes them; else the seeded ones.
+    pub pretrained: Option<Arc<crate::folder::HfFolder>>,
     /// Buffers of a retired version, by tensor, for the running step's update to write into.
     spare: Mutex<BTreeMap<usize, Slot>>,
 }
@@ -237,6 +240,7 @@ impl ModelState {
             seed,
             counter: Arc::default(),
             whole_init: OnceLock::new(),
+            pretrained: None,
             spare: Mutex::default(),
         }
     }
@@ -372,16 +376,19 @@ impl ModelState {
         Ok(())
     }
 
-    /// Tensor `i`'s initial weights.
-    fn seeded(&self, i: usize) -> Vec<f32> {
+    /// Tensor `i`'s initial weights: the pretrained folder's, or the seeded ones.
+    fn seeded(&self, i: usize) -> Result<Vec<f32>, ComputeError> {
+        let m = &self.layout.tensors[i];
+        if let Some(f) = &self.pretrained {
+            return f.tensor(&m.name, m.len);
+        }
         if let Network::Gpt(g) = &self.net {
-            return g.init_tensor(self.seed, i);
+            return Ok(g.init_tensor(self.seed, i));
         }
         let all = self
             .whole_init
             .get_or_init(|| Arc::new(self.net.init(self.seed)));
-        let m = &self.layout.tensors[i];
-        all[m.offset..m.offset + m.len].to_vec()
+        Ok(all[m.offset..m.offset + m.len].to_vec())
     }
 
     /// Tensor `i`'s values at `source`: (parameters, each state tensor).
@@ -393,7 +400,7 @@ impl ModelState {
         let m = &self.layout.tensors[i];
         let p = self.layout.params;
         match source {
-            Source::Seeded => Ok((self.seeded(i), vec![vec![0.0; m.len]; self.layout.states])),
+            Source::Seeded => Ok((self.seeded(i)?, vec![vec![0.0; m.len]; self.layout.states])),
             Source::Flat(flat) => {
                 let at = |k: usize| flat.get(k * p + m.offset..k * p + m.offset + m.len);
                 let param = at(0).ok_or_else(|| {

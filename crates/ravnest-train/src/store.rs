@@ -45,6 +45,10 @@ pub struct CheckpointFiles {
     /// `term` file); a write of an older term is refused, so a stale coordinator (cut off or
     /// frozen while another node took over) cannot overwrite its successor's checkpoints.
     pub term: u32,
+    /// The Hugging Face folder the model came from (`[model] from`): its config, tokenizer
+    /// and generation config are written with every checkpoint, so that the checkpoint
+    /// folder loads as the same model with the same tokenizer.
+    pub hf_source: Option<PathBuf>,
 }
 
 /// A checkpoint could not be read.
@@ -143,6 +147,13 @@ pub fn load_gpt(path: &Path) -> Result<(Gpt, Vec<f32>), LoadError> {
         )
     };
     let info = std::fs::metadata(path).map_err(|e| io(path, e))?;
+    if info.is_dir()
+        && path.join("config.json").is_file()
+        && (path.join("model.safetensors").is_file()
+            || path.join("model.safetensors.index.json").is_file())
+    {
+        return load_folder(path, None);
+    }
     let weights = if info.is_dir() {
         gpt_weights_in(path)?
     } else {
@@ -204,6 +215,22 @@ pub fn load_gpt(path: &Path) -> Result<(Gpt, Vec<f32>), LoadError> {
         err(&weights, m)
     })?;
     Ok((g, flat))
+}
+
+/// A Hugging Face model folder's transformer (as its `config.json` describes it, samples of
+/// `seq` tokens, by default its context up to 1024) and its weights: the folder of a model
+/// `transformers` saved, or a ravnest checkpoint folder (which is one). Sharded and bf16 or
+/// f16 weights are read too.
+pub fn load_folder(dir: &Path, seq: Option<usize>) -> Result<(Gpt, Vec<f32>), LoadError> {
+    let config = crate::folder::config_json(dir)?;
+    let g = ravnest_core::decoder::Decoder::from_hf_config(&config, seq)
+        .map(Gpt)
+        .map_err(|m| LoadError {
+            path: dir.join("config.json").display().to_string(),
+            message: m,
+        })?;
+    let weights = crate::folder::HfFolder::open(dir)?.read_all(&g)?;
+    Ok((g, weights))
 }
 
 /// The weights file of the checkpoints folder `dir` (see [`load_gpt`]).
@@ -414,13 +441,31 @@ impl CheckpointFiles {
         Ok(path)
     }
 
-    /// Make the checkpoint folder a Hugging Face model folder for the GPT: its `config.json`
-    /// and `model.safetensors`, a hard link to the newest weights file (`weights`; a copy where
-    /// links are refused), replaced atomically. `GPT2LMHeadModel.from_pretrained(folder)` loads
-    /// it.
+    /// Make the checkpoint folder a Hugging Face model folder for the transformer: its
+    /// `config.json` (the source folder's own, its LM head untied, for a model from a folder),
+    /// the source's tokenizer and generation config, and `model.safetensors`, a hard link to
+    /// the newest weights file (`weights`; a copy where links are refused), replaced
+    /// atomically. `AutoModelForCausalLM.from_pretrained(folder)` loads it as the class it
+    /// came from.
     fn hugging_face_folder(&self, g: &crate::gpt::Gpt, weights: &Path) -> std::io::Result<()> {
-        let config = serde_json::to_string_pretty(&crate::gpt::hf_config(g))?;
+        let config = match &self.hf_source {
+            Some(src) => {
+                let original = crate::folder::config_json(src)
+                    .map_err(|e| std::io::Error::other(e.to_string()))?;
+                g.0.patch_hf_config(&original)
+            }
+            None => crate::gpt::hf_config(g),
+        };
+        let config = serde_json::to_string_pretty(&config)?;
         write_atomic(&self.dir.join("config.json"), config.as_bytes())?;
+        if let Some(src) = &self.hf_source {
+            for name in crate::folder::COMPANION_FILES {
+                let from = src.join(name);
+                if from.is_file() {
+                    write_atomic(&self.dir.join(name), &std::fs::read(&from)?)?;
+                }
+            }
+        }
         let tmp = self.dir.join(".model.safetensors.tmp");
         let _ = std::fs::remove_file(&tmp);
         if std::fs::hard_link(weights, &tmp).is_err() {
@@ -608,6 +653,7 @@ mod tests {
     /// Checkpoint files in `dir` for `net` trained with `kind` (lr 0.1, momentum 0.9).
     fn files_at(dir: &Path, net: Network, kind: Optimizer) -> CheckpointFiles {
         CheckpointFiles {
+            hf_source: None,
             term: 0,
             dir: dir.to_path_buf(),
             net,
@@ -771,6 +817,7 @@ mod tests {
             weight_decay: 0.0,
         };
         let a = CheckpointFiles {
+            hf_source: None,
             term: 0,
             dir: dir.clone(),
             net: Network::Mlp {
@@ -796,13 +843,7 @@ mod tests {
     }
     #[test]
     fn a_gpt_loads_from_its_folder_a_step_file_or_the_run_folder() {
-        let g = Gpt {
-            layers: 1,
-            hidden: 8,
-            heads: 2,
-            seq: 4,
-            vocab: 16,
-        };
+        let g = Gpt::gpt2(1, 8, 2, 4, 16);
         let run = std::env::temp_dir().join(format!("ravnest-store-gpt-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&run);
         let dir = run.join("checkpoints");

@@ -165,13 +165,7 @@ fn the_optimizer_gives_the_cpus_bits_on_the_gpu() {
 fn a_gpt_stage_computes_the_same_on_the_gpu_as_on_the_cpu() {
     use ravnest_train::gpt::{Gpt, StageInput};
     let Some(gpu) = gpu() else { return };
-    let g = Gpt {
-        layers: 2,
-        hidden: 64,
-        heads: 4,
-        seq: 16,
-        vocab: 64,
-    };
+    let g = Gpt::gpt2(2, 64, 4, 16, 64);
     let flat = g.init(3);
     let toks: Vec<f32> = (0..3 * (g.seq + 1))
         .map(|i| ((i * 7 + 1) % g.vocab) as f32)

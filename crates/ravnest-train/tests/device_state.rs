@@ -13,13 +13,7 @@ use ravnest_train::gpt::Gpt;
 use ravnest_train::net::Network;
 use ravnest_train::optim::Optim;
 
-const GPT: Gpt = Gpt {
-    layers: 4,
-    hidden: 32,
-    heads: 4,
-    seq: 8,
-    vocab: 64,
-};
+const GPT: Gpt = Gpt::gpt2(4, 32, 4, 8, 64);
 
 fn backend() -> CandleCompute {
     let text: Vec<u8> = (0..4000u32).map(|i| (i * 7 % 61) as u8).collect();

@@ -34,13 +34,7 @@ const RELATIVE: f64 = 1e-5;
 
 /// gpt-tiny's blocks (4, hidden 128, 4 heads, vocabulary 256) on windows of 32 bytes instead
 /// of 64, for CI's time.
-const GPT: Gpt = Gpt {
-    layers: 4,
-    hidden: 128,
-    heads: 4,
-    seq: 32,
-    vocab: 256,
-};
+const GPT: Gpt = Gpt::gpt2(4, 128, 4, 32, 256);
 
 fn optim(kind: Optimizer) -> Optim {
     match kind {

@@ -13,6 +13,8 @@ pub(super) struct Ctx<'a> {
     pub(super) origin: &'a str,
     /// The whole text, where spans point.
     pub(super) text: &'a str,
+    /// Reads a model folder's `config.json` for `[model] from` (see [`super::ModelReader`]).
+    pub(super) models: super::ModelReader<'a>,
 }
 
 impl Ctx<'_> {

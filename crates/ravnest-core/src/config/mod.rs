@@ -38,12 +38,35 @@ use suggest::{suggestion_from_serde, with_help};
 pub use suggest::nearest;
 pub use types::{
     ConfigError, DEFAULT_CHECKPOINT_EVERY_STEPS, DEFAULT_LINK, DEFAULT_MEMORY_RESERVE_GIB, Fault,
-    RunSettings, Scenario, SimSettings,
+    ModelFrom, RunSettings, Scenario, SimSettings,
 };
 
-/// Parse and validate a cluster or scenario file. `origin` names it in errors.
+/// Reads a Hugging Face model folder's `config.json` for `[model] from`: given the folder as
+/// the file writes it, (the folder as the run opens it, the file's text), or why not. The
+/// binary's reader resolves a relative folder against the cluster file's own folder.
+pub type ModelReader<'a> = &'a dyn Fn(&str) -> Result<(String, String), String>;
+
+/// Parse and validate a cluster or scenario file. `origin` names it in errors. A file with
+/// `[model] from` needs [`parse_with`] and a reader.
 pub fn parse(text: &str, origin: &str) -> Result<Scenario, ConfigError> {
-    let ctx = Ctx { origin, text };
+    parse_with(text, origin, &|dir| {
+        Err(format!(
+            "cannot read the model folder `{dir}` here: this caller reads no files"
+        ))
+    })
+}
+
+/// [`parse`], reading the `config.json` of a `[model] from` folder with `models`.
+pub fn parse_with(
+    text: &str,
+    origin: &str,
+    models: ModelReader<'_>,
+) -> Result<Scenario, ConfigError> {
+    let ctx = Ctx {
+        origin,
+        text,
+        models,
+    };
     let file: FileToml = toml::from_str(text).map_err(|e| {
         let msg = e.message().trim().to_string();
         let help = suggestion_from_serde(&msg);
@@ -91,7 +114,8 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
         k => k,
     };
 
-    let model = resolve_model(ctx, file.model.as_ref())?;
+    let (model, from) = resolve_model(ctx, file.model.as_ref())?;
+    run.model_from = from;
     // A transformer's file trains the GPT unless `[run] network` says otherwise.
     let network_given = file.run.as_ref().is_some_and(|r| r.network.is_some());
     if !network_given && crate::model::is_transformer(&model) {

@@ -1,4 +1,5 @@
-//! The `[model]` table: a preset, or a model of a kind (`gpt`, `mlp`, `custom`) by its sizes.
+//! The `[model]` table: a preset, a model of a kind (`gpt`, `mlp`, `custom`) by its sizes, or
+//! a Hugging Face folder (`from`).
 
 use toml::Spanned;
 
@@ -6,22 +7,48 @@ use super::ctx::Ctx;
 use super::figures::Figure;
 use super::raw::{MODEL_KINDS, ModelToml};
 use super::suggest::{did_you_mean, with_help};
-use super::types::ConfigError;
+use super::types::{ConfigError, ModelFrom};
+use crate::decoder::Decoder;
 use crate::model::{self, LayerSpec, ModelSpec};
 
-/// The `[model]` table: a preset, or a `gpt`, `mlp` or `custom` model, and its `name`.
+/// The `[model]` table: a preset, a `gpt`, `mlp` or `custom` model, or a Hugging Face folder
+/// (`from`, with what it is), and its `name`.
 pub(super) fn resolve_model(
     ctx: &Ctx<'_>,
     m: Option<&Spanned<ModelToml>>,
-) -> Result<ModelSpec, ConfigError> {
+) -> Result<(ModelSpec, Option<ModelFrom>), ConfigError> {
     let Some(m) = m else {
         return Err(with_help(
             ctx.err(None, "the file has no [model] table"),
-            Some("add `[model]` with `preset = \"mlp-digits\"` (or kind = \"gpt\" / \"mlp\" / \"custom\")".into()),
+            Some("add `[model]` with `preset = \"mlp-digits\"` (or kind = \"gpt\" / \"mlp\" / \"custom\", or from = \"a Hugging Face folder\")".into()),
         ));
     };
     let span = m.span();
     let m = m.get_ref();
+    if let Some(from) = &m.from {
+        let given = [m.preset.as_ref(), m.kind.as_ref()]
+            .into_iter()
+            .flatten()
+            .next();
+        if let Some(other) = given {
+            return Err(ctx.err(
+                Some(&other.span()),
+                "give one of `preset`, `kind` and `from`, not two",
+            ));
+        }
+        let f = resolve_from(ctx, m, from)?;
+        let name = m.name.clone().unwrap_or_else(|| {
+            let dir = from.get_ref().trim_end_matches('/');
+            dir.rsplit('/').next().unwrap_or(dir).to_string()
+        });
+        return Ok((f.decoder.spec(&name), Some(f)));
+    }
+    if let Some(i) = &m.init {
+        return Err(ctx.err(
+            Some(&i.span()),
+            "`init` chooses how a model from a folder starts: it needs `from`",
+        ));
+    }
     let presets = || model::PRESETS.iter().map(|p| p.name);
     let mut spec = match (&m.preset, &m.kind) {
         (Some(_), Some(k)) => {
@@ -62,7 +89,55 @@ pub(super) fn resolve_model(
     if let Some(n) = &m.name {
         spec.name = n.clone();
     }
-    Ok(spec)
+    Ok((spec, None))
+}
+
+/// `from = "DIR"`: the folder's `config.json` read through the context's reader, `init`, and
+/// `seq_len` (the tokens a sample holds; the model's context, at most 1024, by default).
+fn resolve_from(
+    ctx: &Ctx<'_>,
+    m: &ModelToml,
+    from: &Spanned<String>,
+) -> Result<ModelFrom, ConfigError> {
+    for (v, key) in [
+        (m.layers.as_ref().map(Spanned::span), "layers"),
+        (m.hidden.as_ref().map(Spanned::span), "hidden"),
+        (m.heads.as_ref().map(Spanned::span), "heads"),
+        (m.vocab.as_ref().map(Spanned::span), "vocab"),
+        (m.dims.as_ref().map(Spanned::span), "dims"),
+    ] {
+        if let Some(span) = v {
+            return Err(ctx.err(
+                Some(&span),
+                format!("`{key}` comes from the folder's config.json with `from`: leave it out"),
+            ));
+        }
+    }
+    let pretrained = match m.init.as_ref().map(|i| (i, i.get_ref().as_str())) {
+        None | Some((_, "pretrained")) => true,
+        Some((_, "random")) => false,
+        Some((i, other)) => {
+            return Err(with_help(
+                ctx.err(Some(&i.span()), format!("unknown init `{other}`")),
+                Some(did_you_mean(other, ["pretrained", "random"])),
+            ));
+        }
+    };
+    let seq = match &m.seq_len {
+        Some(s) => Some(ctx.positive(s, "seq_len")? as usize),
+        None => None,
+    };
+    let (dir, text) = (ctx.models)(from.get_ref()).map_err(|e| ctx.err(Some(&from.span()), e))?;
+    let config = format!("{dir}/config.json");
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| ctx.err(Some(&from.span()), format!("{config}: not JSON: {e}")))?;
+    let decoder = Decoder::from_hf_config(&json, seq)
+        .map_err(|e| ctx.err(Some(&from.span()), format!("{config}: {e}")))?;
+    Ok(ModelFrom {
+        dir,
+        pretrained,
+        decoder,
+    })
 }
 
 /// A `kind = "gpt"` model; `k` is the `kind` field, where a missing size is reported.

@@ -69,6 +69,9 @@ pub(super) struct ModelToml {
     pub(super) preset: Option<Spanned<String>>,
     pub(super) kind: Option<Spanned<String>>,
     pub(super) name: Option<String>,
+    // a Hugging Face folder
+    pub(super) from: Option<Spanned<String>>,
+    pub(super) init: Option<Spanned<String>>,
     // gpt
     pub(super) layers: Option<Spanned<u32>>,
     pub(super) hidden: Option<Spanned<u64>>,

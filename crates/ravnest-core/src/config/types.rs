@@ -156,6 +156,20 @@ pub struct RunSettings {
     /// How long the coordinator waits for nodes to register, and a worker for the
     /// coordinator's first word, s.
     pub register_timeout_s: u64,
+    /// The Hugging Face folder `[model] from` names, when it does.
+    pub model_from: Option<ModelFrom>,
+}
+
+/// A model from a local Hugging Face folder (`[model] from`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ModelFrom {
+    /// The folder, as the run opens it (relative ones resolved against the cluster file's).
+    pub dir: String,
+    /// Start from its weights (`init = "pretrained"`, the default) or from seeded random
+    /// ones of the same architecture (`init = "random"`).
+    pub pretrained: bool,
+    /// The model its `config.json` describes.
+    pub decoder: crate::decoder::Decoder,
 }
 
 impl Default for RunSettings {
@@ -181,6 +195,7 @@ impl Default for RunSettings {
             heartbeat_timeout_ms: 1500,
             min_nodes: None,
             register_timeout_s: 60,
+            model_from: None,
         }
     }
 }

@@ -48,7 +48,7 @@ impl Admission {
         let Some((origin, text, steps)) = share.as_mut() else {
             return ShareReply::Refused("this node does not share its cluster file".into());
         };
-        let scenario = match ravnest_core::parse(text, origin) {
+        let scenario = match ravnest_train::folder::parse_scenario(text, origin) {
             Ok(s) => s,
             Err(e) => return ShareReply::Refused(format!("its cluster file does not parse: {e}")),
         };
@@ -101,7 +101,7 @@ pub(super) fn learn_member(share: &Shared, name: &str, address: &str) {
     let Some((origin, text, _)) = share.as_mut() else {
         return;
     };
-    if let Ok(parsed) = ravnest_core::parse(text, origin)
+    if let Ok(parsed) = ravnest_train::folder::parse_scenario(text, origin)
         && !parsed.cluster.nodes.iter().any(|n| n.name == name)
     {
         append_member(&parsed, text, name, address);

@@ -18,8 +18,25 @@ use ravnest_train::net::Network;
 use ravnest_train::optim::Optim;
 use ravnest_train::store::CheckpointFiles;
 
-/// The dataset a scenario names: a text file for the character model, else digits, CSV or IDX.
-pub fn load_dataset(s: &Scenario, origin: &str) -> Result<Dataset, RunError> {
+/// The dataset a scenario names: text through the tokenizer of a model from a folder (its
+/// tokens cached in `cache` when given), a text file for the character model and the byte
+/// GPTs, else digits, CSV or IDX.
+pub fn load_dataset(
+    s: &Scenario,
+    origin: &str,
+    cache: Option<&std::path::Path>,
+) -> Result<Dataset, RunError> {
+    if let Some(m) = &s.run.model_from {
+        if s.run.dataset == "digits" {
+            return Err(RunError::Config(format!(
+                "{origin}: a model from a folder trains on text: set [run] dataset to a text file's path"
+            )));
+        }
+        let tok = ravnest_train::tok::Tok::open(std::path::Path::new(&m.dir))?;
+        let ids = ravnest_train::tokens::cached(&tok, std::path::Path::new(&s.run.dataset), cache)?;
+        let d = &m.decoder;
+        return Ok(Dataset::tokens(&ids, &s.run.dataset, d.seq, d.vocab)?);
+    }
     if s.run.network == "gpt" {
         let (.., seq, _) = gpt_of(s, origin)?;
         if s.run.dataset == "digits" {
@@ -62,16 +79,19 @@ fn gpt_of(s: &Scenario, origin: &str) -> Result<(u32, u64, u64, u64, u64), RunEr
 
 /// The network a scenario trains on a dataset, checked against each other.
 pub fn network_for(s: &Scenario, origin: &str, data: &Dataset) -> Result<Network, RunError> {
+    if let Some(m) = &s.run.model_from {
+        return Ok(Network::Gpt(ravnest_train::gpt::Gpt(m.decoder)));
+    }
     match s.run.network.as_str() {
         "gpt" => {
             let (layers, hidden, heads, seq, vocab) = gpt_of(s, origin)?;
-            Ok(Network::Gpt(ravnest_train::gpt::Gpt {
-                layers: layers as usize,
-                hidden: hidden as usize,
-                heads: heads as usize,
-                seq: seq as usize,
-                vocab: vocab as usize,
-            }))
+            Ok(Network::Gpt(ravnest_train::gpt::Gpt::gpt2(
+                layers as usize,
+                hidden as usize,
+                heads as usize,
+                seq as usize,
+                vocab as usize,
+            )))
         }
         "char" => Ok(Network::Char {
             context: data.features,
@@ -189,7 +209,7 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
             node: opts.node.clone(),
             source,
         })?;
-    let data = load_dataset(s, &opts.origin)?;
+    let data = load_dataset(s, &opts.origin, Some(&opts.out_dir.join("cache")))?;
     let (train, test) = data.split();
     let net = network_for(s, &opts.origin, &data)?;
     drop(data);
@@ -203,6 +223,14 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
         .copied()
         .unwrap_or(1.0);
     let mut compute = CandleCompute::new(net.clone(), Arc::new(train), optim, s.run.seed, slowdown);
+    if let Some(m) = s.run.model_from.as_ref().filter(|m| m.pretrained) {
+        // Only the headers now: each tensor is read when this node makes its layers.
+        let folder = ravnest_train::folder::HfFolder::open(std::path::Path::new(&m.dir))?;
+        if let Network::Gpt(g) = &net {
+            folder.check(g)?;
+        }
+        compute = compute.with_pretrained(Arc::new(folder));
+    }
     // A cluster file's `slowdown` faults for this node happen for real: seconds from the moment
     // training starts here. (Crashes, partitions and link faults are the simulator's.)
     for f in &s.faults {
@@ -222,6 +250,11 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
         dir: opts.out_dir.join("checkpoints"),
         net,
         optim,
+        hf_source: s
+            .run
+            .model_from
+            .as_ref()
+            .map(|m| std::path::PathBuf::from(&m.dir)),
         meta: BTreeMap::from([
             ("seed".to_string(), s.run.seed.to_string()),
             ("dataset".to_string(), s.run.dataset.clone()),

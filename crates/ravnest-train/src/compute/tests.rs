@@ -2,13 +2,7 @@ use super::*;
 
 #[test]
 fn a_stage_over_its_memory_budget_is_refused_with_the_figures() {
-    let g = crate::gpt::Gpt {
-        layers: 2,
-        hidden: 32,
-        heads: 2,
-        seq: 8,
-        vocab: 256,
-    };
+    let g = crate::gpt::Gpt::gpt2(2, 32, 2, 8, 256);
     let data = Dataset::bytes(&[b'a'; 400], "t", 8).unwrap();
     let optim = Optim {
         kind: ravnest_core::Optimizer::Adamw,

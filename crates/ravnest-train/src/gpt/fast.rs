@@ -14,13 +14,14 @@
 
 use candle_core::{Device, Tensor};
 
+use super::fast_llama::LlamaSaved;
 use super::ops;
-use super::{Gpt, LN_EPS, StageInput};
+use super::{Gpt, StageInput};
 
 type Result<T> = candle_core::Result<T>;
 
 /// `x`'s values (a contiguous f32 tensor on the CPU), read in place.
-fn values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+pub(super) fn values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     let (storage, layout) = t.storage_and_layout();
     match (&*storage, layout.contiguous_offsets()) {
         (candle_core::Storage::Cpu(cpu), Some((a, b))) => Ok(f(&cpu.as_slice::<f32>()?[a..b])),
@@ -28,16 +29,16 @@ fn values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     }
 }
 
-fn tensor(v: Vec<f32>, shape: (usize, usize)) -> Result<Tensor> {
+pub(super) fn tensor(v: Vec<f32>, shape: (usize, usize)) -> Result<Tensor> {
     Tensor::from_vec(v, shape, &Device::Cpu)
 }
 
-fn to_vec(t: &Tensor) -> Result<Vec<f32>> {
+pub(super) fn to_vec(t: &Tensor) -> Result<Vec<f32>> {
     values(t, <[f32]>::to_vec)
 }
 
 /// `a · b` (a matrix product; `b` may be a transposed view).
-fn mm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+pub(super) fn mm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     a.matmul(b)
 }
 
@@ -59,8 +60,8 @@ struct BlockSaved {
     u: Tensor,
 }
 
-/// What the head's forward keeps: the final LayerNorm's pieces and the probabilities.
-struct HeadSaved {
+/// What the head's forward keeps: the final norm's pieces and the probabilities.
+pub(super) struct HeadSaved {
     xhat: Vec<f32>,
     rstd: Vec<f32>,
     n: Tensor,
@@ -71,17 +72,26 @@ struct HeadSaved {
 enum Saved {
     Embed(Vec<u32>),
     Block(Box<BlockSaved>),
+    Llama(Box<LlamaSaved>),
     Head(HeadSaved),
 }
 
 /// The parameters of one layer as the fast path reads them (its tensors in
 /// [`Gpt::layer_params`] order, contiguous on the CPU).
-type Layer = [Tensor];
+pub(super) type Layer = [Tensor];
 
 impl Gpt {
     fn embed_forward(&self, p: &Layer, ids: &[u32]) -> Result<Vec<f32>> {
         let h = self.hidden;
         let mut x = vec![0.0f32; ids.len() * h];
+        if self.is_llama() {
+            values(&p[0], |wte| {
+                for (&id, row) in ids.iter().zip(x.chunks_exact_mut(h)) {
+                    row.copy_from_slice(&wte[id as usize * h..][..h]);
+                }
+            })?;
+            return Ok(x);
+        }
         values(&p[0], |wte| {
             values(&p[1], |wpe| {
                 for (n, (&id, row)) in ids.iter().zip(x.chunks_exact_mut(h)).enumerate() {
@@ -105,7 +115,8 @@ impl Gpt {
         let (s, h, a) = (self.seq, self.hidden, self.heads);
         let d = h / a;
         let n = rows * s;
-        let eps = LN_EPS as f32;
+        let eps = self.arch.norm_eps as f32;
+        let inner = self.arch.intermediate;
         let (n1, xhat1, rstd1) = values(&p[0], |g| {
             values(&p[1], |b| ops::layer_norm(&x, g, b, h, eps))
         })??;
@@ -142,7 +153,7 @@ impl Gpt {
         let mut f = to_vec(&mm(&n2, &p[8])?)?;
         values(&p[9], |b| ops::add_bias(&mut f, b))?;
         let (u, th) = ops::gelu(&f);
-        let u = tensor(u, (n, 4 * h))?;
+        let u = tensor(u, (n, inner))?;
         let mut out = to_vec(&mm(&u, &p[10])?)?;
         values(&p[11], |b| ops::add_bias(&mut out, b))?;
         for (o, i) in out.iter_mut().zip(&x2) {
@@ -171,11 +182,16 @@ impl Gpt {
     fn head_forward(&self, p: &Layer, x: &[f32], targets: Vec<u32>) -> Result<(f64, HeadSaved)> {
         let (h, vocab) = (self.hidden, self.vocab);
         let n = x.len() / h;
-        let (nv, xhat, rstd) = values(&p[0], |g| {
-            values(&p[1], |b| ops::layer_norm(x, g, b, h, LN_EPS as f32))
-        })??;
+        let eps = self.arch.norm_eps as f32;
+        let (nv, xhat, rstd) = if self.is_llama() {
+            values(&p[0], |g| ops::rms_norm(x, g, h, eps))?
+        } else {
+            values(&p[0], |g| {
+                values(&p[1], |b| ops::layer_norm(x, g, b, h, eps))
+            })??
+        };
         let nt = tensor(nv, (n, h))?;
-        let mut probs = to_vec(&mm(&nt, &p[2].t()?)?)?;
+        let mut probs = to_vec(&mm(&nt, &p[p.len() - 1].t()?)?)?;
         let mut loss = 0.0f64;
         for (row, &t) in probs.chunks_exact_mut(vocab).zip(&targets) {
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -220,7 +236,7 @@ impl Gpt {
         drop(sv.u);
         ops::gelu_back(&mut df, &sv.f, &sv.th);
         ops::sum_rows(&df, acc[9]);
-        let df = tensor(df, (n, 4 * h))?;
+        let df = tensor(df, (n, self.arch.intermediate))?;
         add_into(acc[8], &mm(&sv.n2.t()?, &df)?)?;
         let dn2 = to_vec(&mm(&df, &p[8].t()?)?)?;
         drop(df);
@@ -294,10 +310,17 @@ impl Gpt {
             }
         }
         let dl = tensor(dl, (n, vocab))?;
-        add_into(acc[2], &mm(&dl.t()?, &sv.n)?)?;
-        let dn = to_vec(&mm(&dl, &p[2])?)?;
+        let head = p.len() - 1;
+        add_into(acc[head], &mm(&dl.t()?, &sv.n)?)?;
+        let dn = to_vec(&mm(&dl, &p[head])?)?;
         drop(dl);
         let mut dx = vec![0.0f32; n * h];
+        if self.is_llama() {
+            values(&p[0], |g| {
+                ops::rms_norm_back(&dn, &sv.xhat, &sv.rstd, g, &mut dx, acc[0])
+            })?;
+            return Ok(dx);
+        }
         let (dg, db) = pair(acc, 0, 1);
         values(&p[0], |g| {
             ops::layer_norm_back(&dn, &sv.xhat, &sv.rstd, g, &mut dx, dg, db)
@@ -307,6 +330,14 @@ impl Gpt {
 
     fn embed_backward(&self, ids: &[u32], dx: &[f32], acc: &mut [&mut [f32]]) {
         let h = self.hidden;
+        if self.is_llama() {
+            for (&id, row) in ids.iter().zip(dx.chunks_exact(h)) {
+                for (o, v) in acc[0][id as usize * h..][..h].iter_mut().zip(row) {
+                    *o += v;
+                }
+            }
+            return;
+        }
         let (dwte, dwpe) = pair(acc, 0, 1);
         for (k, (&id, row)) in ids.iter().zip(dx.chunks_exact(h)).enumerate() {
             for (o, v) in dwte[id as usize * h..][..h].iter_mut().zip(row) {
@@ -385,6 +416,12 @@ impl Gpt {
                     kept.push(Saved::Head(sv));
                 }
                 x = vec![loss as f32];
+            } else if self.is_llama() {
+                let (out, sv) = self.llama_block_forward(p[i], x, rows, save)?;
+                x = out;
+                if let Some(sv) = sv {
+                    kept.push(Saved::Llama(Box::new(sv)));
+                }
             } else {
                 let (out, sv) = self.block_forward(p[i], x, rows, save)?;
                 x = out;
@@ -458,6 +495,9 @@ impl Gpt {
                 Saved::Block(sv) => {
                     dx = self.block_backward(p[i], *sv, std::mem::take(&mut dx), mine)?
                 }
+                Saved::Llama(sv) => {
+                    dx = self.llama_block_backward(p[i], *sv, std::mem::take(&mut dx), mine)?
+                }
                 Saved::Embed(ids) => {
                     self.embed_backward(&ids, &dx, mine);
                     dx = Vec::new();
@@ -469,7 +509,7 @@ impl Gpt {
 }
 
 /// Add the values of `t` into `acc`.
-fn add_into(acc: &mut [f32], t: &Tensor) -> Result<()> {
+pub(super) fn add_into(acc: &mut [f32], t: &Tensor) -> Result<()> {
     values(t, |v| {
         for (a, x) in acc.iter_mut().zip(v) {
             *a += x;
@@ -491,13 +531,7 @@ mod tests {
     use rand_chacha::ChaCha8Rng;
 
     fn gpt() -> Gpt {
-        Gpt {
-            layers: 2,
-            hidden: 16,
-            heads: 4,
-            seq: 6,
-            vocab: 20,
-        }
+        Gpt::gpt2(2, 16, 4, 6, 20)
     }
 
     fn tokens(g: &Gpt, rows: usize) -> Vec<f32> {
@@ -546,7 +580,42 @@ mod tests {
     /// backward, against candle's autograd of the same layers.
     #[test]
     fn the_hand_written_pass_equals_autograd() {
-        let g = gpt();
+        check(gpt());
+    }
+
+    /// A Llama with grouped-query attention (4 heads over 2 key/value heads), Llama 3's
+    /// rotary scaling, and an MLP of its own width.
+    fn llama() -> Gpt {
+        let mut g = Gpt::llama(2, 16, 4, 2, 24, 6, 20);
+        g.0.arch.rope_theta = 500.0;
+        g.0.arch.rope = ravnest_core::decoder::Rope::Llama3 {
+            factor: 4.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8.0,
+        };
+        g
+    }
+
+    #[test]
+    fn the_hand_written_llama_pass_equals_autograd_and_the_fused_kernels() {
+        check(llama());
+    }
+
+    /// Qwen2's q/k/v biases, and every bias Llama's options add (o_proj, the MLP's).
+    #[test]
+    fn biases_of_every_kind_are_trained() {
+        let mut g = llama();
+        g.0.arch.class = ravnest_core::decoder::HfClass::Qwen2;
+        g.0.arch.qkv_bias = true;
+        check(g);
+        g.0.arch.out_bias = true;
+        g.0.arch.mlp_bias = true;
+        g.0.arch.kv_heads = 1;
+        check(g);
+    }
+
+    fn check(g: Gpt) {
         let dev = Device::Cpu;
         let p = params(&g);
         let toks = tokens(&g, 3);

@@ -1,44 +1,57 @@
-//! A GPT-2-style decoder in candle, split into the layers the planner sees: `embed` (token and
-//! position embeddings), `block0 … block{n-1}` (pre-LayerNorm causal self-attention, then an
-//! MLP with GELU), and `head` (the final LayerNorm and the LM head). Tokens are bytes
-//! (vocabulary 256 by default).
+//! The decoder-only transformers `ravnest run` trains, in candle, split into the layers the
+//! planner sees: `embed` (the token embedding, and GPT-2's positions), `block0 … block{n-1}`,
+//! and `head` (the final norm and the LM head). Two families, one description
+//! ([`ravnest_core::decoder::Decoder`]):
 //!
-//! Parameters use Hugging Face's GPT-2 names and layouts (`transformer.h.0.attn.c_attn.weight`
-//! is `[in, out]`, GPT-2's `Conv1D`), laid out layer by layer in the flat model, so that a
-//! pipeline stage's parameters are one contiguous slice ([`Gpt::layer_ranges`]) and a merged
-//! checkpoint loads as `GPT2LMHeadModel` (the LM head is not tied to the token embedding: a
-//! pipeline keeps them on different stages).
+//! - GPT-2: pre-LayerNorm causal self-attention, then an MLP with tanh GELU; learned positions.
+//!   ravnest's own byte-level GPTs are GPT-2s with a vocabulary of 256.
+//! - Llama (Llama 2 / 3.x, Qwen2, Mistral): RMSNorm, rotary positions (with Llama 3's
+//!   scaling), grouped-query attention (q/k/v biases for Qwen2), a SwiGLU MLP.
 //!
-//! A stage's forward runs its layers on the previous stage's hidden states (or the tokens);
-//! its backward runs the forward again under candle's autograd (the stage keeps only its input
-//! and output between the two, as activation recomputation does) and returns the parameters'
-//! gradient and the input's gradient.
+//! Parameters use Hugging Face's names and layouts (GPT-2's `Conv1D` is `[in, out]`, Llama's
+//! `nn.Linear` `[out, in]`), laid out layer by layer in the flat model, so that a pipeline
+//! stage's parameters are one contiguous slice ([`Gpt::layer_ranges`]) and a checkpoint loads
+//! with `AutoModelForCausalLM`. The LM head is a tensor of its own (a pipeline keeps it on
+//! another stage than the embedding): a folder that ties them starts both from the same
+//! values.
+//!
+//! Three ways through the same layers: the hand-written CPU pass that trains ([`fast`],
+//! [`fast_llama`]); candle's autograd over composed operations, which trains on a GPU and is
+//! the CPU pass's reference in tests; and, for a forward alone (evaluation, generation, a
+//! stage's forward), candle-nn's fused `rms_norm`, `rope` and `softmax_last_dim`, which have
+//! CUDA kernels ([`blocks`]).
 
-use std::ops::Range;
+use std::ops::{Deref, Range};
 
 use candle_core::{D, DType, Device, Tensor, Var};
-
-mod fast;
-pub mod ops;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-/// LayerNorm's epsilon (GPT-2's `layer_norm_epsilon`).
+pub use ravnest_core::decoder::{Arch, Decoder, HfClass, Rope};
+
+mod blocks;
+mod fast;
+mod fast_llama;
+mod hf;
+pub mod ops;
+#[cfg(test)]
+mod tests;
+
+pub use hf::{decode_bytes, from_hf_config, from_model_json, hf_config, model_json};
+
+/// LayerNorm's epsilon in ravnest's own GPTs (GPT-2's `layer_norm_epsilon`).
 pub const LN_EPS: f64 = 1e-5;
 
-/// The shape of a GPT.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Gpt {
-    /// Transformer blocks.
-    pub layers: usize,
-    /// Hidden width (`n_embd`).
-    pub hidden: usize,
-    /// Attention heads.
-    pub heads: usize,
-    /// Tokens per sample (`n_positions`).
-    pub seq: usize,
-    /// Vocabulary (256: bytes).
-    pub vocab: usize,
+/// The shape of a transformer ravnest trains: a [`Decoder`] (read through `Deref`: `g.layers`,
+/// `g.arch.kv_heads`) with its tensors and passes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gpt(pub Decoder);
+
+impl Deref for Gpt {
+    type Target = Decoder;
+    fn deref(&self) -> &Decoder {
+        &self.0
+    }
 }
 
 /// One tensor: Hugging Face name, shape, initialization.
@@ -52,7 +65,7 @@ pub struct GptParam {
     pub init: Init,
 }
 
-/// A tensor's initialization (GPT-2's).
+/// A tensor's initialization (GPT-2's; Llama's is normal 0.02 for every matrix).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Init {
     /// Normal with this standard deviation.
@@ -71,6 +84,20 @@ pub enum StageInput<'a> {
     Tokens(&'a [f32]),
     /// The previous stage's hidden states, `rows · seq · hidden` values.
     Hidden(&'a [f32]),
+}
+
+/// Where each tensor of a Llama block sits among its layer's tensors.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LlamaIdx {
+    pub ln1: usize,
+    pub q: (usize, Option<usize>),
+    pub k: (usize, Option<usize>),
+    pub v: (usize, Option<usize>),
+    pub o: (usize, Option<usize>),
+    pub ln2: usize,
+    pub gate: (usize, Option<usize>),
+    pub up: (usize, Option<usize>),
+    pub down: (usize, Option<usize>),
 }
 
 /// The seeded initial values of `p`, tensor `index` of the model: a ChaCha stream of its own.
@@ -95,22 +122,123 @@ fn normal(rng: &mut ChaCha8Rng) -> f32 {
 }
 
 impl Gpt {
+    /// ravnest's own GPT-2 of these sizes ([`Decoder::gpt2`]).
+    pub const fn gpt2(layers: usize, hidden: usize, heads: usize, seq: usize, vocab: usize) -> Gpt {
+        Gpt(Decoder::gpt2(layers, hidden, heads, seq, vocab))
+    }
+
+    /// A Llama of these sizes ([`Decoder::llama`]).
+    pub const fn llama(
+        layers: usize,
+        hidden: usize,
+        heads: usize,
+        kv_heads: usize,
+        intermediate: usize,
+        seq: usize,
+        vocab: usize,
+    ) -> Gpt {
+        Gpt(Decoder::llama(
+            layers,
+            hidden,
+            heads,
+            kv_heads,
+            intermediate,
+            seq,
+            vocab,
+        ))
+    }
+
     /// Planner layers: embed, the blocks, head.
     pub fn planner_layers(&self) -> usize {
         self.layers + 2
     }
 
+    /// The tensors of one Llama block, by their names inside it, in order.
+    fn llama_block(&self) -> Vec<(String, Vec<usize>, Init)> {
+        let (h, i) = (self.hidden, self.arch.intermediate);
+        let (q, kv) = self.qkv_widths();
+        let a = &self.arch;
+        let w = Init::Normal(0.02);
+        let mut out = vec![("input_layernorm.weight".into(), vec![h], Init::Ones)];
+        let mut linear = |name: &str, o: usize, inp: usize, bias: bool| {
+            out.push((format!("{name}.weight"), vec![o, inp], w));
+            if bias {
+                out.push((format!("{name}.bias"), vec![o], Init::Zeros));
+            }
+        };
+        linear("self_attn.q_proj", q, h, a.qkv_bias);
+        linear("self_attn.k_proj", kv, h, a.qkv_bias);
+        linear("self_attn.v_proj", kv, h, a.qkv_bias);
+        linear("self_attn.o_proj", h, q, a.out_bias);
+        out.push((
+            "post_attention_layernorm.weight".into(),
+            vec![h],
+            Init::Ones,
+        ));
+        let mut linear = |name: &str, o: usize, inp: usize| {
+            out.push((format!("{name}.weight"), vec![o, inp], w));
+            if a.mlp_bias {
+                out.push((format!("{name}.bias"), vec![o], Init::Zeros));
+            }
+        };
+        linear("mlp.gate_proj", i, h);
+        linear("mlp.up_proj", i, h);
+        linear("mlp.down_proj", h, i);
+        out
+    }
+
+    /// Where each of a Llama block's tensors sits ([`Gpt::llama_block`]'s order).
+    pub(crate) fn llama_idx(&self) -> LlamaIdx {
+        let names: Vec<String> = self.llama_block().into_iter().map(|t| t.0).collect();
+        let at = |n: &str| names.iter().position(|x| x == n);
+        let lin = |n: &str| {
+            (
+                at(&format!("{n}.weight")).expect("every linear has a weight"),
+                at(&format!("{n}.bias")),
+            )
+        };
+        LlamaIdx {
+            ln1: at("input_layernorm.weight").expect("listed"),
+            q: lin("self_attn.q_proj"),
+            k: lin("self_attn.k_proj"),
+            v: lin("self_attn.v_proj"),
+            o: lin("self_attn.o_proj"),
+            ln2: at("post_attention_layernorm.weight").expect("listed"),
+            gate: lin("mlp.gate_proj"),
+            up: lin("mlp.up_proj"),
+            down: lin("mlp.down_proj"),
+        }
+    }
+
     /// The tensors of planner layer `l`, in their order in the flat model.
     pub fn layer_params(&self, l: usize) -> Vec<GptParam> {
-        let (h, v, s) = (self.hidden, self.vocab, self.seq);
         let p = |name: String, shape: Vec<usize>, init| GptParam { name, shape, init };
+        if self.is_llama() {
+            let (h, v) = (self.hidden, self.vocab);
+            let w = Init::Normal(0.02);
+            if l == 0 {
+                return vec![p("model.embed_tokens.weight".into(), vec![v, h], w)];
+            }
+            if l == self.layers + 1 {
+                return vec![
+                    p("model.norm.weight".into(), vec![h], Init::Ones),
+                    p("lm_head.weight".into(), vec![v, h], w),
+                ];
+            }
+            return self
+                .llama_block()
+                .into_iter()
+                .map(|(n, shape, init)| p(format!("model.layers.{}.{n}", l - 1), shape, init))
+                .collect();
+        }
+        let (h, v, i) = (self.hidden, self.vocab, self.arch.intermediate);
         let w = Init::Normal(0.02);
         if l == 0 {
             return vec![
                 p("transformer.wte.weight".into(), vec![v, h], w),
                 p(
                     "transformer.wpe.weight".into(),
-                    vec![s, h],
+                    vec![self.arch.positions, h],
                     Init::Normal(0.01),
                 ),
             ];
@@ -134,9 +262,9 @@ impl Gpt {
             p(format!("{b}attn.c_proj.bias"), vec![h], Init::Zeros),
             p(format!("{b}ln_2.weight"), vec![h], Init::Ones),
             p(format!("{b}ln_2.bias"), vec![h], Init::Zeros),
-            p(format!("{b}mlp.c_fc.weight"), vec![h, 4 * h], w),
-            p(format!("{b}mlp.c_fc.bias"), vec![4 * h], Init::Zeros),
-            p(format!("{b}mlp.c_proj.weight"), vec![4 * h, h], proj),
+            p(format!("{b}mlp.c_fc.weight"), vec![h, i], w),
+            p(format!("{b}mlp.c_fc.bias"), vec![i], Init::Zeros),
+            p(format!("{b}mlp.c_proj.weight"), vec![i, h], proj),
             p(format!("{b}mlp.c_proj.bias"), vec![h], Init::Zeros),
         ]
     }
@@ -187,7 +315,7 @@ impl Gpt {
     }
 
     /// The stage's tensors from its parameter slice `params` (layers `layers`), as autograd
-    /// variables when `vars`.
+    /// variables.
     fn stage_tensors(
         &self,
         layers: Range<usize>,
@@ -222,56 +350,6 @@ impl Gpt {
             .collect()
     }
 
-    /// LayerNorm over the last axis.
-    fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-        let mean = x.mean_keepdim(D::Minus1)?;
-        let xc = x.broadcast_sub(&mean)?;
-        let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-        xc.broadcast_div(&(var + LN_EPS)?.sqrt()?)?
-            .broadcast_mul(w)?
-            .broadcast_add(b)
-    }
-
-    /// `x` (rows, in) times a `Conv1D` weight (in, out) plus its bias.
-    fn conv1d(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-        x.matmul(w)?.broadcast_add(b)
-    }
-
-    /// One block on hidden states `x` of shape (rows·seq, hidden).
-    fn block(&self, x: &Tensor, p: &[Var], rows: usize) -> candle_core::Result<Tensor> {
-        let (s, h, a) = (self.seq, self.hidden, self.heads);
-        let d = h / a;
-        let t = |i: usize| p[i].as_tensor();
-        let n1 = Self::layer_norm(x, t(0), t(1))?;
-        let qkv = Self::conv1d(&n1, t(2), t(3))?;
-        let heads = |k: usize| -> candle_core::Result<Tensor> {
-            qkv.narrow(1, k * h, h)?
-                .reshape((rows, s, a, d))?
-                .transpose(1, 2)?
-                .contiguous()
-        };
-        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-        let scores = (q.matmul(&k.t()?.contiguous()?)? / (d as f64).sqrt())?;
-        let mask: Vec<f32> = (0..s * s)
-            .map(|i| if i % s > i / s { -1e9 } else { 0.0 })
-            .collect();
-        let mask = Tensor::from_vec(mask, (s, s), x.device())?;
-        let scores = scores.broadcast_add(&mask)?;
-        // Softmax: the row maximum is a constant shift (no gradient needed through it).
-        let max = scores.detach().max_keepdim(D::Minus1)?;
-        let e = scores.broadcast_sub(&max)?.exp()?;
-        let att = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-        let y = att
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((rows * s, h))?;
-        let x = (x + Self::conv1d(&y, t(4), t(5))?)?;
-        let n2 = Self::layer_norm(&x, t(6), t(7))?;
-        let m = Self::conv1d(&n2, t(8), t(9))?.gelu()?;
-        x + Self::conv1d(&m, t(10), t(11))?
-    }
-
     /// Tokens (rows of `seq + 1` values) to (inputs, targets), `seq` of each per row.
     fn split_tokens(&self, tokens: &[f32], dev: &Device) -> candle_core::Result<(Tensor, Tensor)> {
         let w = self.seq + 1;
@@ -293,28 +371,27 @@ impl Gpt {
     }
 
     /// Layers `layers` forward: hidden states (rows·seq, hidden), or, through the head, the
-    /// logits (rows·seq, vocab).
+    /// logits (rows·seq, vocab). `fused`: a forward alone, through candle-nn's fused kernels
+    /// (no gradient flows through them).
     fn run_layers(
         &self,
         layers: Range<usize>,
         p: &[Vec<Var>],
         x: Tensor,
         rows: usize,
+        fused: bool,
     ) -> candle_core::Result<Tensor> {
         let mut x = x;
         for (i, l) in layers.enumerate() {
-            let t = |k: usize| p[i][k].as_tensor();
+            let t: Vec<&Tensor> = p[i].iter().map(Var::as_tensor).collect();
             x = if l == 0 {
-                // x holds token ids here.
-                let pos: Vec<u32> = (0..rows * self.seq)
-                    .map(|k| (k % self.seq) as u32)
-                    .collect();
-                let pos = Tensor::from_vec(pos, rows * self.seq, x.device())?;
-                (t(0).index_select(&x, 0)? + t(1).index_select(&pos, 0)?)?
+                self.embed_graph(&t, &x, rows)?
             } else if l == self.layers + 1 {
-                Self::layer_norm(&x, t(0), t(1))?.matmul(&t(2).t()?)?
+                self.head_graph(&t, &x, fused)?
+            } else if self.is_llama() {
+                self.llama_graph(&x, &t, rows, fused)?
             } else {
-                self.block(&x, &p[i], rows)?
+                self.gpt2_graph(&x, &t, rows)?
             };
         }
         Ok(x)
@@ -345,10 +422,9 @@ impl Gpt {
         Ok(len / per)
     }
 
-    /// The stage's forward on `dev`: (the output as the next stage takes it, the graph's
-    /// output tensor, the input variable when the input is hidden states). On the last stage
-    /// the output is the loss sum (one value), `tokens` give its targets.
-    #[allow(clippy::type_complexity)]
+    /// The stage's forward on `dev`: (the graph's output tensor, the input variable when the
+    /// input is hidden states). On the last stage the output is the loss sum (one value),
+    /// `tokens` give its targets.
     fn stage_graph(
         &self,
         dev: &Device,
@@ -356,6 +432,7 @@ impl Gpt {
         p: &[Vec<Var>],
         input: StageInput<'_>,
         tokens: Option<&[f32]>,
+        fused: bool,
     ) -> candle_core::Result<(Tensor, Option<Var>)> {
         let rows = self.rows_of(&layers, input)?;
         let (x, var) = match input {
@@ -370,7 +447,7 @@ impl Gpt {
             }
         };
         let last = layers.end == self.planner_layers();
-        let out = self.run_layers(layers, p, x, rows)?;
+        let out = self.run_layers(layers, p, x, rows, fused)?;
         if !last {
             return Ok((out, var));
         }
@@ -406,7 +483,8 @@ impl Gpt {
     }
 
     /// [`Gpt::stage_forward`] with the layers' parameters as they are held (`p[i]`: layer
-    /// `layers.start + i`'s tensors in [`Gpt::layer_params`] order).
+    /// `layers.start + i`'s tensors in [`Gpt::layer_params`] order), through the fused
+    /// kernels.
     pub fn stage_forward_with(
         &self,
         dev: &Device,
@@ -415,7 +493,7 @@ impl Gpt {
         input: StageInput<'_>,
         tokens: Option<&[f32]>,
     ) -> candle_core::Result<Vec<f32>> {
-        let (out, _) = self.stage_graph(dev, layers, p, input, tokens)?;
+        let (out, _) = self.stage_graph(dev, layers, p, input, tokens, true)?;
         out.flatten_all()?.to_dtype(DType::F32)?.to_vec1()
     }
 
@@ -453,7 +531,7 @@ impl Gpt {
         tokens: Option<&[f32]>,
         grad_out: Option<&[f32]>,
     ) -> candle_core::Result<(Vec<Tensor>, Vec<f32>, f64)> {
-        let (out, var) = self.stage_graph(dev, layers, p, input, tokens)?;
+        let (out, var) = self.stage_graph(dev, layers, p, input, tokens, false)?;
         let (objective, loss) = match grad_out {
             None => {
                 let l = f64::from(out.to_dtype(DType::F32)?.to_scalar::<f32>()?);
@@ -541,9 +619,12 @@ impl Gpt {
         ids: &[u32],
         rows: usize,
     ) -> candle_core::Result<Tensor> {
-        let x = Tensor::from_slice(ids, rows * self.seq, dev)?;
-        Ok(self
-            .run_layers(0..self.planner_layers(), p, x, rows)?
+        let seq = ids.len() / rows.max(1);
+        let x = Tensor::from_slice(ids, rows * seq, dev)?;
+        // A shorter window than the training sample (a generation's prompt) runs as a model
+        // of that length: causal attention makes each position's logits the same.
+        let g = Gpt(Decoder { seq, ..self.0 });
+        Ok(g.run_layers(0..self.planner_layers(), p, x, rows, true)?
             .detach())
     }
 
@@ -556,15 +637,26 @@ impl Gpt {
         tokens: &[f32],
         chunk: usize,
     ) -> candle_core::Result<(f64, f64)> {
+        let p = self.weights(dev, model)?;
+        self.evaluate_with(dev, &p, tokens, chunk)
+    }
+
+    /// [`Gpt::evaluate`] with the weights made once.
+    pub fn evaluate_with(
+        &self,
+        dev: &Device,
+        p: &[Vec<Var>],
+        tokens: &[f32],
+        chunk: usize,
+    ) -> candle_core::Result<(f64, f64)> {
         let w = self.seq + 1;
         let rows = tokens.len() / w;
         let (mut loss, mut right) = (0.0, 0usize);
-        let p = self.weights(dev, model)?;
         for part in tokens.chunks(chunk.max(1) * w) {
             let (x, y) = self.split_tokens(part, dev)?;
             let n = part.len() / w;
             let logits = self
-                .run_layers(0..self.planner_layers(), &p, x, n)?
+                .run_layers(0..self.planner_layers(), p, x, n, true)?
                 .detach();
             loss += f64::from(self.loss_sum(&logits, &y)?.to_scalar::<f32>()?);
             let pred = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
@@ -595,386 +687,71 @@ impl Gpt {
                 self.vocab
             );
         }
-        let more = self.generate(&crate::device::current(), model, &ids, n, temperature, seed)?;
+        let sampling = Sampling {
+            temperature,
+            top_k: 0,
+            seed,
+        };
+        let more = self.generate(&crate::device::current(), model, &ids, n, sampling)?;
         let mut all = ids;
         all.extend(more);
         Ok(decode_bytes(&all))
     }
 
-    /// Continue `prompt` (token ids) by `n` tokens, each sampled from the softmax of the logits
-    /// at `temperature` (greedy at 0), seeded.
+    /// Continue `prompt` (token ids) by `n` tokens, each sampled as `sampling` says.
     pub fn generate(
         &self,
         dev: &Device,
         model: &[f32],
         prompt: &[u32],
         n: usize,
-        temperature: f64,
-        seed: u64,
+        sampling: Sampling,
     ) -> candle_core::Result<Vec<u32>> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        self.generate_until(dev, model, prompt, n, sampling, None)
+    }
+
+    /// [`Gpt::generate`], stopping early after the token `stop` (an end of text).
+    pub fn generate_until(
+        &self,
+        dev: &Device,
+        model: &[f32],
+        prompt: &[u32],
+        n: usize,
+        sampling: Sampling,
+        stop: Option<u32>,
+    ) -> candle_core::Result<Vec<u32>> {
+        let mut rng = ChaCha8Rng::seed_from_u64(sampling.seed);
         let p = self.weights(dev, model)?;
         let mut ids: Vec<u32> = prompt.to_vec();
         if ids.is_empty() {
-            ids.push(b'\n' as u32);
+            ids.push(if self.vocab > 10 { 10 } else { 0 });
+        }
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.vocab) {
+            candle_core::bail!("token {bad} is outside the vocabulary of {}", self.vocab);
         }
         let start = ids.len();
         for _ in 0..n {
-            // The last `seq` tokens, padded on the right by repeating the last one (causal
-            // attention: later positions do not change earlier ones); the position of the last
-            // real token is read.
+            // The last `seq` tokens (the context a sample had in training).
             let tail = &ids[ids.len().saturating_sub(self.seq)..];
-            let at = tail.len() - 1;
-            let mut window = tail.to_vec();
-            window.resize(self.seq, *tail.last().unwrap_or(&0));
-            let logits = self.logits_with(dev, &p, &window, 1)?;
-            let row: Vec<f32> = logits.get(at)?.to_vec1()?;
-            ids.push(sample(&row, temperature, &mut rng));
+            let logits = self.logits_with(dev, &p, tail, 1)?;
+            let row: Vec<f32> = logits.get(tail.len() - 1)?.to_vec1()?;
+            let next = hf::sample(&row, sampling, &mut rng);
+            ids.push(next);
+            if Some(next) == stop {
+                break;
+            }
         }
         Ok(ids.split_off(start))
     }
 }
 
-/// Tokens as text: each below 256 is a byte, the bytes decoded as UTF-8 with invalid sequences
-/// (and tokens past the bytes) as U+FFFD.
-pub fn decode_bytes(tokens: &[u32]) -> String {
-    let mut bytes = Vec::with_capacity(tokens.len());
-    for &t in tokens {
-        match u8::try_from(t) {
-            Ok(b) => bytes.push(b),
-            Err(_) => bytes.extend("\u{fffd}".as_bytes()),
-        }
-    }
-    String::from_utf8_lossy(&bytes).into_owned()
-}
-
-/// A token from `logits` at `temperature` (the most likely one at 0).
-fn sample(logits: &[f32], temperature: f64, rng: &mut ChaCha8Rng) -> u32 {
-    let best = logits
-        .iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .map_or(0, |(i, _)| i);
-    if temperature <= 0.0 {
-        return best as u32;
-    }
-    let max = logits[best];
-    let w: Vec<f64> = logits
-        .iter()
-        .map(|&l| ((f64::from(l - max)) / temperature).exp())
-        .collect();
-    let mut r = rng.random_range(0.0..w.iter().sum::<f64>());
-    for (i, x) in w.iter().enumerate() {
-        if r < *x {
-            return i as u32;
-        }
-        r -= x;
-    }
-    best as u32
-}
-
-/// Hugging Face's `config.json` for a [`Gpt`] (`GPT2LMHeadModel`, untied LM head).
-pub fn hf_config(g: &Gpt) -> serde_json::Value {
-    serde_json::json!({
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": g.vocab,
-        "n_positions": g.seq,
-        "n_ctx": g.seq,
-        "n_embd": g.hidden,
-        "n_layer": g.layers,
-        "n_head": g.heads,
-        "n_inner": 4 * g.hidden,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": LN_EPS,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "initializer_range": 0.02,
-        "scale_attn_weights": true,
-        "tie_word_embeddings": false,
-        "bos_token_id": 10,
-        "eos_token_id": 10,
-        "torch_dtype": "float32",
-    })
-}
-
-/// The [`Gpt`] a Hugging Face `config.json` describes, if it is one ravnest runs: a
-/// `gpt2` model with `gelu_new`, LayerNorm epsilon [`LN_EPS`] and an MLP 4 times as wide as
-/// the hidden states (what [`hf_config`] writes). Says what does not fit otherwise.
-pub fn from_hf_config(c: &serde_json::Value) -> Result<Gpt, String> {
-    const NEEDED: &str = "n_layer, n_embd, n_head, n_positions and vocab_size";
-    if !c.is_object() {
-        return Err("is not a JSON object".into());
-    }
-    if let Some(t) = c.get("model_type").and_then(|v| v.as_str())
-        && t != "gpt2"
-    {
-        return Err(format!(
-            "model_type `{t}` is not a GPT-2 (`gpt2`), the only kind ravnest's GPT loads"
-        ));
-    }
-    let size = |k: &str| -> Result<usize, String> {
-        c.get(k)
-            .and_then(|v| v.as_u64())
-            .map(|n| n as usize)
-            .ok_or_else(|| format!("has no `{k}` (a GPT-2 config has {NEEDED})"))
-    };
-    let g = Gpt {
-        layers: size("n_layer")?,
-        hidden: size("n_embd")?,
-        heads: size("n_head")?,
-        seq: size("n_positions")?,
-        vocab: size("vocab_size")?,
-    };
-    let act = c
-        .get("activation_function")
-        .and_then(|v| v.as_str())
-        .unwrap_or("gelu_new");
-    if act != "gelu_new" {
-        return Err(format!(
-            "activation_function `{act}`: ravnest's GPT uses `gelu_new` (tanh GELU)"
-        ));
-    }
-    if let Some(eps) = c.get("layer_norm_epsilon").and_then(|v| v.as_f64())
-        && (eps - LN_EPS).abs() > 1e-12
-    {
-        return Err(format!(
-            "layer_norm_epsilon {eps}: ravnest's GPT uses {LN_EPS}"
-        ));
-    }
-    if let Some(inner) = c.get("n_inner").and_then(|v| v.as_u64())
-        && inner as usize != 4 * g.hidden
-    {
-        return Err(format!(
-            "n_inner {inner}: ravnest's GPT's MLP is 4 · n_embd = {} wide",
-            4 * g.hidden
-        ));
-    }
-    for k in ["scale_attn_by_inverse_layer_idx", "add_cross_attention"] {
-        if c.get(k).and_then(|v| v.as_bool()) == Some(true) {
-            return Err(format!("`{k}` is true: ravnest's GPT has no such option"));
-        }
-    }
-    g.check()?;
-    Ok(g)
-}
-
-/// The [`Gpt`] of a checkpoint's `model` metadata (`{"kind": "gpt", "layers": …}`, as
-/// `Network::config_json` writes it).
-pub fn from_model_json(m: &serde_json::Value) -> Result<Gpt, String> {
-    match m.get("kind").and_then(|k| k.as_str()) {
-        Some("gpt") => {}
-        Some(k) => {
-            return Err(format!(
-                "is the checkpoint of a `{k}` network, not of a GPT (a run with `[run] network = \"gpt\"` writes one)"
-            ));
-        }
-        None => return Err("its model metadata names no `kind`".into()),
-    }
-    let size = |k: &str| -> Result<usize, String> {
-        m.get(k)
-            .and_then(|v| v.as_u64())
-            .map(|n| n as usize)
-            .ok_or_else(|| format!("its GPT metadata has no `{k}`"))
-    };
-    let g = Gpt {
-        layers: size("layers")?,
-        hidden: size("hidden")?,
-        heads: size("heads")?,
-        seq: size("seq")?,
-        vocab: size("vocab")?,
-    };
-    g.check()?;
-    Ok(g)
-}
-
-impl Gpt {
-    /// Whether the shape can run: at least one of everything, the heads dividing the width.
-    pub fn check(&self) -> Result<(), String> {
-        if self.layers == 0
-            || self.hidden == 0
-            || self.heads == 0
-            || self.seq == 0
-            || self.vocab == 0
-        {
-            return Err(format!("a GPT needs at least one of each: {self:?}"));
-        }
-        if !self.hidden.is_multiple_of(self.heads) {
-            return Err(format!(
-                "{} heads do not divide the hidden width {}",
-                self.heads, self.hidden
-            ));
-        }
-        Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn tiny() -> Gpt {
-        Gpt {
-            layers: 2,
-            hidden: 16,
-            heads: 2,
-            seq: 6,
-            vocab: 20,
-        }
-    }
-
-    fn tokens(g: &Gpt, rows: usize, seed: u64) -> Vec<f32> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        (0..rows * (g.seq + 1))
-            .map(|_| rng.random_range(0..g.vocab) as f32)
-            .collect()
-    }
-
-    #[test]
-    fn parameter_counts_match_the_planners_gpt_layers() {
-        let g = Gpt {
-            layers: 3,
-            hidden: 32,
-            heads: 4,
-            seq: 8,
-            vocab: 256,
-        };
-        let spec = ravnest_core::model::gpt_spec("g", 3, 32, 4, 8, 256, false);
-        let ranges = g.layer_ranges();
-        assert_eq!(ranges.len(), spec.layers.len());
-        for (r, l) in ranges.iter().zip(&spec.layers) {
-            assert_eq!(r.len() as u64, l.params, "{}", l.name);
-        }
-    }
-
-    #[test]
-    fn stages_chained_equal_the_whole_model_forward_and_backward() {
-        let g = tiny();
-        let dev = Device::Cpu;
-        let model = g.init(3);
-        let toks = tokens(&g, 3, 1);
-        let (loss, grad) = g.loss_and_grad_sum(&dev, &model, &toks).unwrap();
-        let r = g.layer_ranges();
-        // Stages [0, 2) and [2, 4).
-        let (a, b) = (r[0].start..r[1].end, r[2].start..r[3].end);
-        let h = g
-            .stage_forward(
-                &dev,
-                0..2,
-                &model[a.clone()],
-                StageInput::Tokens(&toks),
-                None,
-            )
-            .unwrap();
-        let out = g
-            .stage_forward(
-                &dev,
-                2..4,
-                &model[b.clone()],
-                StageInput::Hidden(&h),
-                Some(&toks),
-            )
-            .unwrap();
-        assert!((f64::from(out[0]) - loss).abs() < 1e-4 * loss.abs().max(1.0));
-        let (gb, gin, _) = g
-            .stage_backward(
-                &dev,
-                2..4,
-                &model[b.clone()],
-                StageInput::Hidden(&h),
-                Some(&toks),
-                None,
-            )
-            .unwrap();
-        let (ga, none, _) = g
-            .stage_backward(
-                &dev,
-                0..2,
-                &model[a.clone()],
-                StageInput::Tokens(&toks),
-                None,
-                Some(&gin),
-            )
-            .unwrap();
-        assert!(none.is_empty());
-        for (x, y) in ga.iter().chain(&gb).zip(&grad) {
-            assert!((x - y).abs() < 1e-5, "{x} vs {y}");
-        }
-    }
-
-    #[test]
-    fn the_gradient_matches_finite_differences() {
-        let g = tiny();
-        let dev = Device::Cpu;
-        let model = g.init(5);
-        let toks = tokens(&g, 2, 2);
-        let (_, grad) = g.loss_and_grad_sum(&dev, &model, &toks).unwrap();
-        let mut rng = ChaCha8Rng::seed_from_u64(9);
-        for _ in 0..12 {
-            let i = rng.random_range(0..model.len());
-            let eps = 1e-2f32;
-            let at = |d: f32| {
-                let mut m = model.clone();
-                m[i] += d;
-                g.loss_and_grad_sum(&dev, &m, &toks).unwrap().0
-            };
-            let fd = (at(eps) - at(-eps)) / (2.0 * f64::from(eps));
-            let tol = 2e-3 + 0.05 * fd.abs();
-            assert!(
-                (fd - f64::from(grad[i])).abs() < tol,
-                "parameter {i}: finite difference {fd}, gradient {}",
-                grad[i]
-            );
-        }
-    }
-
-    #[test]
-    fn a_few_steps_of_sgd_lower_the_loss_and_generation_is_seeded() {
-        let g = tiny();
-        let dev = Device::Cpu;
-        let mut model = g.init(1);
-        // A repeating pattern is learnable.
-        let toks: Vec<f32> = (0..4 * (g.seq + 1)).map(|i| (i % 5) as f32).collect();
-        let first = g.loss_and_grad_sum(&dev, &model, &toks).unwrap().0;
-        for _ in 0..60 {
-            let (_, grad) = g.loss_and_grad_sum(&dev, &model, &toks).unwrap();
-            for (w, d) in model.iter_mut().zip(&grad) {
-                *w -= 0.1 * d;
-            }
-        }
-        let last = g.loss_and_grad_sum(&dev, &model, &toks).unwrap().0;
-        assert!(last < 0.5 * first, "{first} -> {last}");
-        let a = g.generate(&dev, &model, &[0, 1, 2], 8, 1.0, 7).unwrap();
-        let b = g.generate(&dev, &model, &[0, 1, 2], 8, 1.0, 7).unwrap();
-        assert_eq!(a, b);
-        assert!(a.iter().all(|&t| (t as usize) < g.vocab));
-    }
-    #[test]
-    fn the_hugging_face_config_and_the_metadata_give_the_shape_back() {
-        let g = tiny();
-        assert_eq!(from_hf_config(&hf_config(&g)), Ok(g));
-        let meta = crate::net::Network::Gpt(g).config_json();
-        assert_eq!(from_model_json(&meta), Ok(g));
-        let mut c = hf_config(&g);
-        c["activation_function"] = "gelu".into();
-        assert!(from_hf_config(&c).unwrap_err().contains("gelu_new"));
-        let mut c = hf_config(&g);
-        c["n_head"] = 3.into();
-        assert!(
-            from_hf_config(&c)
-                .unwrap_err()
-                .contains("3 heads do not divide")
-        );
-        let mlp = serde_json::json!({"kind": "mlp", "dims": [2, 3]});
-        assert!(
-            from_model_json(&mlp)
-                .unwrap_err()
-                .contains("`mlp` network, not of a GPT")
-        );
-        assert_eq!(
-            decode_bytes(&[104, 105, 300, 0xe2, 0x82, 0xac]),
-            "hi\u{fffd}€"
-        );
-    }
+/// How [`Gpt::generate`] picks each token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// Softmax temperature (0: always the most likely token).
+    pub temperature: f64,
+    /// Sample among the `top_k` most likely tokens only (0: all of them).
+    pub top_k: usize,
+    /// The sampler's seed.
+    pub seed: u64,
 }

@@ -1,7 +1,8 @@
-//! The GPT's element-wise pieces on the host, one pass each over contiguous values: LayerNorm,
-//! GELU (tanh), the causal softmax of attention, their gradients, and the moves between the
-//! `(rows·seq, hidden)` layout and attention's `(rows·heads, seq, head)`. The fast path
-//! (`gpt::fast`) pairs them with candle's matrix products.
+//! The transformers' element-wise pieces on the host, one pass each over contiguous values:
+//! LayerNorm and RMSNorm, GELU (tanh) and SwiGLU, rotary positions, the causal softmax of
+//! attention, their gradients, and the moves between the `(rows·seq, hidden)` layout and
+//! attention's `(rows·heads, seq, head)`. The fast paths (`gpt::fast`, `gpt::fast_llama`) pair
+//! them with candle's matrix products.
 
 /// LayerNorm of each row of `x` (`h` wide): (output, the normalized input x̂, 1/σ per row).
 pub fn layer_norm(
@@ -204,6 +205,118 @@ pub fn causal_softmax_back(datt: &mut [f32], att: &[f32], seq: usize, scale: f32
                 d[j] = scale * a[j] * (d[j] - dot);
             }
             d[i + 1..].fill(0.0);
+        }
+    }
+}
+
+/// RMSNorm of each row of `x` (`h` wide): (output, the normalized input x̂ = x / rms, 1/rms
+/// per row), as transformers' `LlamaRMSNorm`.
+pub fn rms_norm(x: &[f32], g: &[f32], h: usize, eps: f32) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let rows = x.len() / h;
+    let mut y = Vec::with_capacity(x.len());
+    let mut xhat = Vec::with_capacity(x.len());
+    let mut rstd = Vec::with_capacity(rows);
+    for row in x.chunks_exact(h) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        rstd.push(r);
+        for (v, gi) in row.iter().zip(g) {
+            let n = v * r;
+            xhat.push(n);
+            y.push(n * gi);
+        }
+    }
+    (y, xhat, rstd)
+}
+
+/// RMSNorm's backward: adds the input's gradient to `dx` and accumulates the gain's into `dg`.
+pub fn rms_norm_back(
+    dy: &[f32],
+    xhat: &[f32],
+    rstd: &[f32],
+    g: &[f32],
+    dx: &mut [f32],
+    dg: &mut [f32],
+) {
+    let h = g.len();
+    let mut d = vec![0.0f32; h];
+    for (((dy, xh), r), dx) in dy
+        .chunks_exact(h)
+        .zip(xhat.chunks_exact(h))
+        .zip(rstd)
+        .zip(dx.chunks_exact_mut(h))
+    {
+        let mut m = 0.0f32;
+        for i in 0..h {
+            dg[i] += dy[i] * xh[i];
+            d[i] = dy[i] * g[i];
+            m += d[i] * xh[i];
+        }
+        let m = m / h as f32;
+        for i in 0..h {
+            dx[i] += r * (d[i] - xh[i] * m);
+        }
+    }
+}
+
+/// SwiGLU: `silu(gate) · up` for each value: (output, the sigmoid of the gate, kept for the
+/// backward).
+pub fn swiglu(gate: &[f32], up: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let sig: Vec<f32> = gate.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
+    let act = gate
+        .iter()
+        .zip(&sig)
+        .zip(up)
+        .map(|((g, s), u)| g * s * u)
+        .collect();
+    (act, sig)
+}
+
+/// SwiGLU's backward: the gradients of (gate, up) from the output's `d`.
+pub fn swiglu_back(d: &[f32], gate: &[f32], up: &[f32], sig: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let dup = d
+        .iter()
+        .zip(gate.iter().zip(sig))
+        .map(|(d, (g, s))| d * g * s)
+        .collect();
+    let dgate = d
+        .iter()
+        .zip(gate.iter().zip(sig).zip(up))
+        .map(|(d, ((g, s), u))| d * u * s * (1.0 + g * (1.0 - s)))
+        .collect();
+    (dgate, dup)
+}
+
+/// `(rows·seq, heads·d)` values as `(rows·heads, seq, d)`: the inverse of [`merge_heads`].
+pub fn split_to_heads(x: &[f32], seq: usize, heads: usize, d: usize) -> Vec<f32> {
+    let w = heads * d;
+    let rows = x.len() / (seq * w);
+    let mut out = vec![0.0f32; x.len()];
+    for r in 0..rows {
+        for t in 0..seq {
+            let src = &x[(r * seq + t) * w..][..w];
+            for a in 0..heads {
+                out[((r * heads + a) * seq + t) * d..][..d].copy_from_slice(&src[a * d..][..d]);
+            }
+        }
+    }
+    out
+}
+
+/// Rotary positions in place on `(rows·heads, seq, d)` values (transformers' `x · cos +
+/// rotate_half(x) · sin`: element i pairs with i + d/2); `cos`, `sin` are `(seq, d/2)`. With
+/// `back`, the inverse rotation: the gradient of the input from the output's.
+pub fn rope(x: &mut [f32], seq: usize, d: usize, cos: &[f32], sin: &[f32], back: bool) {
+    let half = d / 2;
+    for (k, v) in x.chunks_exact_mut(d).enumerate() {
+        let t = k % seq;
+        let (c, s) = (&cos[t * half..][..half], &sin[t * half..][..half]);
+        let (lo, hi) = v.split_at_mut(half);
+        for i in 0..half {
+            let (a, b) = (lo[i], hi[i]);
+            let sn = if back { -s[i] } else { s[i] };
+            lo[i] = a * c[i] - b * sn;
+            hi[i] = b * c[i] + a * sn;
         }
     }
 }

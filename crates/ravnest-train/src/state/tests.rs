@@ -80,13 +80,7 @@ proptest! {
 
 #[test]
 fn slots_of_a_stage_carry_the_step_count_and_tile_the_model() {
-    let g = crate::gpt::Gpt {
-        layers: 2,
-        hidden: 8,
-        heads: 2,
-        seq: 4,
-        vocab: 16,
-    };
+    let g = crate::gpt::Gpt::gpt2(2, 8, 2, 4, 16);
     let optim = Optim {
         kind: Optimizer::Adamw,
         lr: 1e-3,

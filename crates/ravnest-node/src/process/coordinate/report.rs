@@ -88,7 +88,12 @@ pub(super) fn evaluate(h: &Host<'_>) -> (f64, Option<Sample>, Option<f64>) {
     };
     let weights = &model[..su.compute.params().min(model.len())];
     if let Network::Gpt(g) = &su.compute.net {
-        return evaluate_gpt(g, weights, &su.test, s.run.seed);
+        let tok = s
+            .run
+            .model_from
+            .as_ref()
+            .and_then(|m| ravnest_train::tok::Tok::open(std::path::Path::new(&m.dir)).ok());
+        return evaluate_gpt(g, weights, &su.test, s.run.seed, tok.as_ref());
     }
     let accuracy = su
         .compute
@@ -121,13 +126,15 @@ pub(super) fn evaluate(h: &Host<'_>) -> (f64, Option<Sample>, Option<f64>) {
 /// Windows of held-out text the GPT is evaluated on, at most.
 pub(super) const GPT_EVAL_WINDOWS: usize = 256;
 
-/// The GPT on the first held-out windows: (next-byte accuracy, a sampled continuation of the
-/// first window's start, bits per byte).
+/// The GPT on the first held-out windows: (next-token accuracy, a sampled continuation of the
+/// first window's start, bits per token: per byte for byte-level GPTs). `tok`: the tokenizer
+/// of a model from a folder (else the tokens are bytes).
 pub(super) fn evaluate_gpt(
     g: &ravnest_train::gpt::Gpt,
     weights: &[f32],
     test: &ravnest_train::data::Dataset,
     seed: u64,
+    tok: Option<&ravnest_train::tok::Tok>,
 ) -> (f64, Option<Sample>, Option<f64>) {
     let dev = ravnest_train::device::current();
     let w = test.features;
@@ -139,11 +146,26 @@ pub(super) fn evaluate_gpt(
         .iter()
         .map(|&t| t as u32)
         .collect();
+    let sampling = ravnest_train::gpt::Sampling {
+        temperature: 0.8,
+        top_k: 0,
+        seed,
+    };
     let more = g
-        .generate(&dev, weights, &prompt, 120, 0.8, seed)
+        .generate_until(
+            &dev,
+            weights,
+            &prompt,
+            120,
+            sampling,
+            tok.and_then(|t| t.eos),
+        )
         .unwrap_or_default();
     let text = |ids: &[u32]| -> String {
-        String::from_utf8_lossy(&ids.iter().map(|&t| t as u8).collect::<Vec<u8>>()).into_owned()
+        match tok {
+            Some(t) => t.decode(ids).unwrap_or_default(),
+            None => ravnest_train::gpt::decode_bytes(ids),
+        }
     };
     let sample = Sample {
         prompt: text(&prompt),
