@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use ravnest_runtime::seams::ComputeError;
 
 use crate::gpt::Gpt;
-use crate::store::LoadError;
+use crate::load_error::LoadError;
 
 /// A tensor's element type in the files.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -9,6 +9,7 @@ pub mod device;
 pub mod folder;
 pub mod gpt;
 pub mod layout;
+mod load_error;
 pub mod measure;
 pub mod mlp;
 pub mod net;

@@ -51,15 +51,7 @@ pub struct CheckpointFiles {
     pub hf_source: Option<PathBuf>,
 }
 
-/// A checkpoint could not be read.
-#[derive(Debug, thiserror::Error)]
-#[error("{path}: {message}")]
-pub struct LoadError {
-    /// File.
-    pub path: String,
-    /// What is wrong.
-    pub message: String,
-}
+pub use crate::load_error::LoadError;
 
 /// Write `bytes` to `path` atomically.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
-use crate::store::LoadError;
+use crate::load_error::LoadError;
 
 /// A folder's tokenizer.
 pub struct Tok {

@@ -10,7 +10,7 @@
 
 use candle_core::{Device, Tensor};
 
-use super::fast::{Layer, add_into, mm, tensor, to_vec, values};
+use super::host::{Layer, add_into, mm, tensor, to_vec, values};
 use super::{Gpt, ops};
 
 type Result<T> = candle_core::Result<T>;

@@ -33,6 +33,7 @@ mod blocks;
 mod fast;
 mod fast_llama;
 mod hf;
+mod host;
 pub mod ops;
 #[cfg(test)]
 mod tests;
