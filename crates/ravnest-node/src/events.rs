@@ -61,6 +61,21 @@ pub enum RunEvent {
         /// The cluster's samples/s over the last interval.
         samples_per_s: f64,
     },
+    /// The loss of the samples a node trained on (its share of a step, or a last stage's
+    /// micro-batch), at full precision: JSON lines only. A step's loss is Σ `loss_sum` ÷ Σ
+    /// samples over its events (a redone step's later events replace its earlier ones).
+    Loss {
+        /// The node.
+        node: String,
+        /// The step.
+        step: u64,
+        /// The first global sample index.
+        first_sample: u64,
+        /// Samples.
+        samples: u64,
+        /// Σ over them of each sample's mean loss per token.
+        loss_sum: f64,
+    },
     /// Something that happened to the cluster (a registration, a lost node, a checkpoint).
     Cluster {
         /// The node that says it.
@@ -93,6 +108,7 @@ impl RunEvent {
             | RunEvent::Links { node, .. }
             | RunEvent::Plan { node, .. }
             | RunEvent::Progress { node, .. }
+            | RunEvent::Loss { node, .. }
             | RunEvent::Cluster { node, .. }
             | RunEvent::Waiting { node, .. } => Some(node),
             RunEvent::Report(r) => Some(&r.node),
@@ -142,6 +158,15 @@ impl RunEvent {
             } => format!(
                 "step {step}/{steps}  loss {:.3}  {samples_per_s:.0} samples/s",
                 loss.unwrap_or(f64::NAN)
+            ),
+            RunEvent::Loss {
+                step,
+                samples,
+                loss_sum,
+                ..
+            } => format!(
+                "step {step}: loss {:.6} over {samples} samples",
+                loss_sum / (*samples).max(1) as f64
             ),
             RunEvent::Cluster { what, .. } | RunEvent::Waiting { what, .. } => what.clone(),
             RunEvent::Report(r) => format!("report of node `{}`", r.node),

@@ -5,9 +5,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use rand::SeedableRng;
-use rand::seq::SliceRandom;
-use rand_chacha::ChaCha8Rng;
 use ravnest_core::{LayerRange, NodeId};
 use ravnest_runtime::Compute;
 use ravnest_runtime::seams::{BucketSink, ComputeError};
@@ -96,8 +93,20 @@ pub struct Ledger {
     pub sent: u64,
 }
 
+/// The loss of the samples one computation trained on (a node's share of a step, or a last
+/// stage's micro-batch).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepLoss {
+    /// The step.
+    pub step: u64,
+    /// The global sample indices.
+    pub samples: Range<u64>,
+    /// Σ over those samples of each one's mean loss per token (or per sample).
+    pub loss_sum: f64,
+}
+
 /// What the node's computations saw (for progress lines).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Stats {
     /// Mean loss of the last batch.
     pub last_loss: f64,
@@ -107,6 +116,8 @@ pub struct Stats {
     pub real_compute_s: f64,
     /// The emulated slowdown of the last step, and the step it changed at last.
     pub slowdown: (f64, u64),
+    /// The losses computed since [`CandleCompute::take_losses`] last took them.
+    pub losses: Vec<StepLoss>,
 }
 
 impl CandleCompute {
@@ -199,9 +210,18 @@ impl CandleCompute {
         &self.state
     }
 
-    /// Counters so far.
+    /// Counters so far (the losses not taken yet left out).
     pub fn stats(&self) -> Stats {
-        *self.stats.lock().unwrap()
+        let s = self.stats.lock().unwrap();
+        Stats {
+            losses: Vec::new(),
+            ..*s
+        }
+    }
+
+    /// The losses computed since the last call, in the order they were.
+    pub fn take_losses(&self) -> Vec<StepLoss> {
+        std::mem::take(&mut self.stats.lock().unwrap().losses)
     }
 
     /// What computing a gradient needs, detached from `self` (shared, cheap to clone) so that it
@@ -265,7 +285,8 @@ impl CandleCompute {
                     *x *= inv;
                 }
                 parts.push((k, g));
-            })?;
+            })
+            .map(drop)?;
         for (k, g) in parts {
             self.state
                 .update_range(model, buckets[k].clone(), &g, &dev)?;
@@ -316,12 +337,10 @@ impl Job {
         let epoch = s / n;
         let mut p = self.perm.lock().unwrap();
         if p.0 != epoch {
-            let mut rows: Vec<u32> = (0..n as u32).collect();
-            let mut rng = ChaCha8Rng::seed_from_u64(
-                self.seed ^ epoch.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+            *p = (
+                epoch,
+                crate::data::epoch_order(self.seed, epoch, n as usize),
             );
-            rows.shuffle(&mut rng);
-            *p = (epoch, rows);
         }
         p.1[(s % n) as usize] as usize
     }
@@ -343,7 +362,7 @@ impl Job {
         samples: Range<u64>,
         model: &CandleModel,
         sink: &mut dyn FnMut(usize, Vec<f32>),
-    ) -> Result<(), ComputeError> {
+    ) -> Result<f64, ComputeError> {
         let (x, y) = self.batch(samples);
         let spare = &self.spare;
         let mut zeroed = |n: usize| {
@@ -399,7 +418,7 @@ impl Job {
         let mut s = self.stats.lock().unwrap();
         s.last_loss = loss / y.len().max(1) as f64;
         s.samples += y.len() as u64;
-        Ok(())
+        Ok(loss)
     }
 
     /// The gradient with an emulated slower device: each bucket is handed over (k − 1) times
@@ -411,7 +430,7 @@ impl Job {
         model: &CandleModel,
         slowdown: f64,
         ready: &BucketSink,
-    ) -> (Result<(), ComputeError>, Duration) {
+    ) -> (Result<f64, ComputeError>, Duration) {
         let slow = slowdown.max(1.0) - 1.0;
         let mut since = Instant::now();
         let mut real = Duration::ZERO;
@@ -742,6 +761,7 @@ impl Compute for CandleCompute {
         acc: Option<CandleGrad>,
     ) -> Result<(CandleGrad, Vec<f32>), ComputeError> {
         let rows = samples.end - samples.start;
+        let range = samples.clone();
         self.count(layers, rows, 0)?;
         let kept = (input.map_or(0, <[f32]>::len) + output.len()) as u64 * 4;
         let (model, input) = (model.clone(), input.map(<[f32]>::to_vec));
@@ -795,6 +815,11 @@ impl Compute for CandleCompute {
             let mut s = self.stats.lock().unwrap();
             s.last_loss = loss / rows.max(1) as f64;
             s.samples += rows;
+            s.losses.push(StepLoss {
+                step,
+                samples: range,
+                loss_sum: loss,
+            });
         }
         Ok((sum, gin))
     }
@@ -886,6 +911,7 @@ impl Compute for CandleCompute {
         }
         // The gradient of the whole model, while backward makes it, is counted as held.
         let held = Held::new(&self.state.counter, 4 * self.params() as u64);
+        let range = samples.clone();
         let (result, real) = self
             .worker
             .run(move || job.emulated(samples, &model, slowdown, &ready))
@@ -895,8 +921,15 @@ impl Compute for CandleCompute {
                 (Err(e), Duration::ZERO)
             });
         drop(held);
-        self.stats.lock().unwrap().real_compute_s += real.as_secs_f64();
-        result
+        let mut s = self.stats.lock().unwrap();
+        s.real_compute_s += real.as_secs_f64();
+        let loss_sum = result?;
+        s.losses.push(StepLoss {
+            step,
+            samples: range,
+            loss_sum,
+        });
+        Ok(())
     }
 }
 

@@ -37,6 +37,20 @@ pub struct DataError {
     pub message: String,
 }
 
+/// The order in which epoch `epoch` of a run seeded `seed` visits the `n` training samples:
+/// global sample `s` of the run is row `epoch_order(seed, s / n, n)[s % n]`. A pure function
+/// of (seed, epoch), so that every node, and a test's reference, draws the same.
+pub fn epoch_order(seed: u64, epoch: u64, n: usize) -> Vec<u32> {
+    use rand::SeedableRng;
+    use rand::seq::SliceRandom;
+    let mut rows: Vec<u32> = (0..n as u32).collect();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(
+        seed ^ epoch.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+    );
+    rows.shuffle(&mut rng);
+    rows
+}
+
 /// The file's bytes, decompressed when its name ends in `.gz`.
 fn gunzip_if_gz(spec: &str, bytes: Vec<u8>) -> Result<Vec<u8>, DataError> {
     if !spec.ends_with(".gz") {

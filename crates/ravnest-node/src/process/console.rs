@@ -72,6 +72,23 @@ pub(super) struct Progress {
     pub wait_s: u64,
 }
 
+/// The losses the node computed since last said, as JSON lines (scripts only: a person
+/// reads the progress lines).
+pub(super) fn say_losses(say: &Say, compute: &CandleCompute) {
+    if !say.json {
+        return;
+    }
+    for l in compute.take_losses() {
+        say.say(&RunEvent::Loss {
+            node: say.node.clone(),
+            step: l.step,
+            first_sample: l.samples.start,
+            samples: l.samples.end - l.samples.start,
+            loss_sum: l.loss_sum,
+        });
+    }
+}
+
 /// Progress lines: nothing about training before it starts here (a worker says what it waits
 /// for instead, every few seconds); then the step, loss and the cluster's samples/s over the
 /// last interval, counted from the steps this node applied (a node that joins and fetches the
@@ -125,6 +142,9 @@ pub(super) fn spawn_progress(say: Say, p: Progress) -> tokio::task::JoinHandle<(
                 continue;
             }
             printed = Some(step);
+            if say.json {
+                say_losses(&say, &p.compute);
+            }
             let loss = p.compute.stats().last_loss;
             say.say(&RunEvent::Progress {
                 node: say.node.clone(),

@@ -228,6 +228,7 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
             Ok(worker::Ending::Finished) => Ok(None),
             Ok(worker::Ending::Left) => {
                 progress.abort();
+                console::say_losses(&say, &su.compute);
                 sup.stop(None);
                 return Ok(leave(&host).await);
             }
@@ -238,6 +239,7 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
         }
     };
     progress.abort();
+    console::say_losses(&say, &su.compute);
     let role = role.inspect_err(|_| {
         sup.stop(None);
         tcp.shutdown();

@@ -1,0 +1,326 @@
+//! Models people train, from Hugging Face folders, against `transformers` itself: tiny random
+//! GPT-2, Llama (grouped-query attention, untied, Llama 3's rotary scaling), Qwen2 (q/k/v
+//! biases) and Mistral models and a BPE tokenizer trained on a shipped text, all made here by
+//! `save_pretrained` (`tests/py/tiny_models.py`; no hub, no download).
+//!
+//! - `ravnest eval` equals the loss `transformers` computes on the same windows (1e-4).
+//! - Three processes train the tiny Llama as a pipeline, and sharded: every step's loss equals
+//!   a single-process PyTorch training of the same model, data order and AdamW (1e-3), and the
+//!   checkpoint folder loads with `AutoModelForCausalLM` as a `LlamaForCausalLM` whose loss
+//!   equals `ravnest eval` on it (1e-4).
+//!
+//! Runs where `transformers` and `torch` import (`RAVNEST_PYTHON`, else `python3`); skipped
+//! with a note elsewhere, unless `RAVNEST_REQUIRE_TRANSFORMERS=1`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use ravnest_train::data::{Dataset, epoch_order};
+use ravnest_train::tok::Tok;
+use serde_json::Value;
+
+const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/tiny_models.py");
+const SEQ: usize = 32;
+
+fn python() -> String {
+    std::env::var("RAVNEST_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+/// Whether the checks can run here; a note (or, where they are required, a failure) if not.
+fn have_transformers() -> bool {
+    let py = python();
+    let probe = Command::new(&py)
+        .args(["-c", "import transformers, torch, safetensors, tokenizers"])
+        .output();
+    if probe.as_ref().is_ok_and(|o| o.status.success()) {
+        return true;
+    }
+    let why = match &probe {
+        Ok(o) => String::from_utf8_lossy(&o.stderr).trim().to_string(),
+        Err(e) => e.to_string(),
+    };
+    let required = std::env::var("RAVNEST_REQUIRE_TRANSFORMERS").is_ok_and(|v| v == "1");
+    assert!(
+        !required,
+        "RAVNEST_REQUIRE_TRANSFORMERS=1 but {py} cannot import transformers and torch: {why}"
+    );
+    eprintln!(
+        "note: {py} cannot import transformers and torch: the Hugging Face model checks were skipped (set RAVNEST_PYTHON)"
+    );
+    false
+}
+
+/// Run the script; its last stdout line, parsed.
+fn script(args: &[&str]) -> Value {
+    let out = Command::new(python())
+        .arg(SCRIPT)
+        .args(args)
+        .output()
+        .expect("python runs");
+    assert!(
+        out.status.success(),
+        "tiny_models.py {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(text.lines().last().unwrap_or("")).expect("a JSON line")
+}
+
+/// The folders and texts every test here uses, made once per test binary: (folder of the
+/// models, the training text, the held-out text).
+fn models() -> &'static (PathBuf, PathBuf, PathBuf) {
+    static MADE: OnceLock<(PathBuf, PathBuf, PathBuf)> = OnceLock::new();
+    MADE.get_or_init(|| {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hf-tiny");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let book =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/data/eighty-days.txt"))
+                .unwrap();
+        let (train, held) = (dir.join("train.txt"), dir.join("held-out.txt"));
+        std::fs::write(&train, &book[..60_000]).unwrap();
+        std::fs::write(&held, &book[book.len() - 12_000..]).unwrap();
+        script(&["make", dir.to_str().unwrap(), train.to_str().unwrap()]);
+        (dir, train, held)
+    })
+}
+
+fn ravnest(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_ravnest"))
+        .args(args)
+        .output()
+        .expect("ravnest runs")
+}
+
+/// `ravnest eval DIR --data FILE --seq SEQ --json`'s loss.
+fn ravnest_eval(dir: &Path, text: &Path) -> f64 {
+    let out = ravnest(&[
+        "eval",
+        dir.to_str().unwrap(),
+        "--data",
+        text.to_str().unwrap(),
+        "--seq",
+        &SEQ.to_string(),
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "ravnest eval {}: {}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["loss"].as_f64().unwrap()
+}
+
+fn relative(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-12)
+}
+
+#[test]
+fn ravnest_eval_equals_transformers_on_every_family() {
+    if !have_transformers() {
+        return;
+    }
+    let (dir, _, held) = models();
+    for family in ["gpt2", "llama", "qwen2", "mistral"] {
+        let folder = dir.join(family);
+        let ours = ravnest_eval(&folder, held);
+        let theirs = script(&[
+            "eval",
+            folder.to_str().unwrap(),
+            held.to_str().unwrap(),
+            "32",
+        ]);
+        let want = theirs["loss"].as_f64().unwrap();
+        eprintln!("{family}: ravnest {ours:.9}, transformers {want:.9}");
+        assert!(
+            relative(ours, want) < 1e-4,
+            "{family}: ravnest eval {ours} vs transformers {want}"
+        );
+        // Far from a uniform guess: the weights matter, so a misplaced one would show.
+        assert!((want - (384f64).ln()).abs() > 0.05, "{family}: {want}");
+    }
+}
+
+/// A 3-process cluster file training the tiny Llama with `layout`.
+fn cluster(layout: &str, memory_gib: f64, ports: &[u16], folder: &Path, text: &Path) -> String {
+    let mut s = String::from("[cluster]\nname = \"tiny-llama\"\nsecret = \"s\"\n");
+    for (name, port) in ["a", "b", "c"].iter().zip(ports) {
+        s += &format!(
+            "\n[[node]]\nname = \"{name}\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{port}\"\nmemory_gib = {memory_gib}\n"
+        );
+    }
+    s + &format!(
+        r#"
+[model]
+from = "{}"
+seq_len = {SEQ}
+
+[training]
+global_batch = 8
+micro_batch = 2
+optimizer = "adamw"
+precision = "fp32"
+memory_reserve_gib = 0
+layout = "{layout}"
+
+[run]
+dataset = "{}"
+steps = 20
+learning_rate = 0.003
+momentum = 0.9
+weight_decay = 0.0
+seed = 3
+checkpoint_every_steps = 10
+"#,
+        folder.display(),
+        text.display()
+    )
+}
+
+/// Each step's loss from a run's JSON lines: Σ loss_sum ÷ Σ samples over its `loss` events.
+fn step_losses(stdout: &str) -> Vec<f64> {
+    let mut parts: std::collections::BTreeMap<(u64, u64), (f64, u64)> = Default::default();
+    for line in stdout.lines() {
+        let Ok(v) = serde_json::from_str::<Value>(line) else {
+            continue;
+        };
+        if v["event"] != "loss" {
+            continue;
+        }
+        let key = (
+            v["step"].as_u64().unwrap(),
+            v["first_sample"].as_u64().unwrap(),
+        );
+        parts.insert(
+            key,
+            (
+                v["loss_sum"].as_f64().unwrap(),
+                v["samples"].as_u64().unwrap(),
+            ),
+        );
+    }
+    let mut steps: std::collections::BTreeMap<u64, (f64, u64)> = Default::default();
+    for ((step, _), (l, n)) in parts {
+        let e = steps.entry(step).or_default();
+        e.0 += l;
+        e.1 += n;
+    }
+    steps.values().map(|(l, n)| l / *n as f64).collect()
+}
+
+/// The batches the run trains, step by step: the same tokens, windows, split and order.
+fn batches(folder: &Path, text: &Path, steps: u64, batch: u64, seed: u64) -> Vec<Vec<Vec<u32>>> {
+    let tok = Tok::open(folder).unwrap();
+    let ids = ravnest_train::tokens::cached(&tok, text, None).unwrap();
+    let data = Dataset::tokens(&ids, "train", SEQ, tok.vocab()).unwrap();
+    let (train, _) = data.split();
+    let n = train.len() as u64;
+    let w = SEQ + 1;
+    (0..steps)
+        .map(|k| {
+            (k * batch..(k + 1) * batch)
+                .map(|s| {
+                    let r = epoch_order(seed, s / n, n as usize)[(s % n) as usize] as usize;
+                    train.x[r * w..(r + 1) * w]
+                        .iter()
+                        .map(|&t| t as u32)
+                        .collect()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn train_like_pytorch(layout: &str, memory_gib: f64) {
+    if !have_transformers() {
+        return;
+    }
+    let (dir, train, held) = models();
+    let folder = dir.join("llama");
+    let work = dir.join(format!("run-{layout}"));
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work).unwrap();
+    let ports = common::free_ports(3);
+    let file = work.join("cluster.toml");
+    std::fs::write(&file, cluster(layout, memory_gib, &ports, &folder, train)).unwrap();
+    let out_dir = work.join("out");
+    let out = ravnest(&[
+        "run",
+        file.to_str().unwrap(),
+        "--out",
+        out_dir.to_str().unwrap(),
+        "--json",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the {layout} run failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The layout ran as asked: its plan says so.
+    let plan = stdout
+        .lines()
+        .find(|l| l.contains("\"event\":\"plan\""))
+        .unwrap_or_default();
+    assert!(plan.contains(layout_word(layout)), "{layout}: {plan}");
+    assert_eq!(plan.matches("stage layers").count(), 3, "{layout}: {plan}");
+    let ours = step_losses(&stdout);
+    assert_eq!(ours.len(), 20, "{layout}: the steps' losses: {ours:?}");
+    // The same training in one PyTorch process.
+    let case = serde_json::json!({
+        "folder": folder,
+        "lr": 0.003,
+        "beta1": 0.9,
+        "batches": batches(&folder, train, 20, 8, 3),
+    });
+    let case_file = work.join("case.json");
+    std::fs::write(&case_file, case.to_string()).unwrap();
+    let theirs = script(&["train", case_file.to_str().unwrap()]);
+    let theirs: Vec<f64> = theirs["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    for (k, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+        eprintln!("{layout} step {k}: ravnest {a:.6}, pytorch {b:.6}");
+        assert!(
+            relative(*a, *b) < 1e-3,
+            "{layout} step {k}: ravnest {a} vs pytorch {b}"
+        );
+    }
+    // It learned: the last steps' loss is well below the first's.
+    assert!(ours[19] < ours[0] - 0.3, "{layout}: {ours:?}");
+    // The checkpoint folder is the same kind of model, and transformers agrees on its loss.
+    let ck = out_dir.join("checkpoints");
+    let theirs = script(&["eval", ck.to_str().unwrap(), held.to_str().unwrap(), "32"]);
+    assert_eq!(theirs["class"], "LlamaForCausalLM", "{theirs}");
+    let ours = ravnest_eval(&ck, held);
+    let want = theirs["loss"].as_f64().unwrap();
+    assert!(
+        relative(ours, want) < 1e-4,
+        "{layout}: the checkpoint's loss: ravnest eval {ours} vs transformers {want}"
+    );
+}
+
+fn layout_word(layout: &str) -> &'static str {
+    match layout {
+        "pipeline" => "one replica: nothing to synchronize",
+        _ => "reduce-scattered to each part's owner",
+    }
+}
+
+#[test]
+fn a_pipeline_of_the_tiny_llama_trains_as_pytorch_does() {
+    train_like_pytorch("pipeline", 0.0015);
+}
+
+#[test]
+fn the_tiny_llama_sharded_trains_as_pytorch_does() {
+    train_like_pytorch("sharded", 0.0015);
+}
