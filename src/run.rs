@@ -155,9 +155,17 @@ fn is_local(addr: &str) -> bool {
 fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
     check_local(args, s, out)?;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create `{}`", out.display()))?;
-    let file = out.join("cluster.toml");
-    std::fs::write(&file, &args.text)
-        .with_context(|| format!("cannot write `{}`", file.display()))?;
+    // The children read the file itself where there is one (its relative paths, `[model]
+    // from`, are relative to it), else (the embedded default) a copy in the output folder.
+    let given = Path::new(&args.origin);
+    let file = if given.is_file() {
+        given.to_path_buf()
+    } else {
+        let file = out.join("cluster.toml");
+        std::fs::write(&file, &args.text)
+            .with_context(|| format!("cannot write `{}`", file.display()))?;
+        file
+    };
     let exe = std::env::current_exe().context("cannot find this program's path")?;
     let (tx, rx) = mpsc::channel::<(usize, Option<RunEvent>)>();
     let mut children: Vec<(String, Child)> = Vec::new();

@@ -158,6 +158,10 @@ pub struct CoordinatorReport {
     /// the file's target.
     #[serde(default)]
     pub bits_per_byte: Option<(f64, f64)>,
+    /// A model from a folder (with its tokenizer): the mean cross-entropy per token on the
+    /// held-out text, in nats.
+    #[serde(default)]
+    pub nats_per_token: Option<f64>,
     /// A pipeline: its stages (the first plan), and the measured bubble.
     #[serde(default)]
     pub pipeline: Option<PipelineFigures>,
@@ -413,8 +417,13 @@ impl CoordinatorReport {
             String::new()
         };
         let checkpoints: Vec<String> = self.checkpoints.iter().map(u64::to_string).collect();
-        let quality = match self.bits_per_byte {
-            Some((bpb, target)) => format!(
+        let quality = match (self.nats_per_token, self.bits_per_byte) {
+            (Some(nats), _) => format!(
+                "loss on the held-out text: {nats:.4} nats per token (perplexity {:.2}; next-token accuracy {:.3})\n",
+                nats.exp(),
+                self.accuracy
+            ),
+            (None, Some((bpb, target))) => format!(
                 "bits per byte on the held-out text: {bpb:.3} (target {target:.2}: {}; next-byte accuracy {:.3})\n",
                 if bpb <= target {
                     "reached"
@@ -423,7 +432,7 @@ impl CoordinatorReport {
                 },
                 self.accuracy
             ),
-            None => format!(
+            (None, None) => format!(
                 "accuracy on the held-out split: {:.3} (target {:.2}: {})\n",
                 self.accuracy,
                 self.target_accuracy,

@@ -275,30 +275,37 @@ impl HfFolder {
             )));
         }
         let io = |e: std::io::Error| ComputeError::Backend(format!("{}: {e}", path.display()));
-        let mut bytes = vec![0u8; t.dtype.bytes() * len];
-        {
-            let mut f = file.lock().unwrap();
-            if f.is_none() {
-                *f = Some(std::fs::File::open(path).map_err(io)?);
-            }
-            let f = f.as_mut().expect("just opened");
-            f.seek(SeekFrom::Start(t.at)).map_err(io)?;
-            f.read_exact(&mut bytes).map_err(io)?;
+        let mut f = file.lock().unwrap();
+        if f.is_none() {
+            *f = Some(std::fs::File::open(path).map_err(io)?);
         }
-        Ok(match t.dtype {
-            Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::Bf16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::F16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-        })
+        let f = f.as_mut().expect("just opened");
+        f.seek(SeekFrom::Start(t.at)).map_err(io)?;
+        // Read into the values' own buffer (f32), or half-size bytes widened once (bf16, f16):
+        // a tensor is never in memory twice at full size.
+        let mut out = vec![0.0f32; len];
+        match t.dtype {
+            Dtype::F32 => {
+                f.read_exact(bytemuck::cast_slice_mut(&mut out))
+                    .map_err(io)?;
+                if cfg!(target_endian = "big") {
+                    for v in &mut out {
+                        *v = f32::from_bits(v.to_bits().swap_bytes());
+                    }
+                }
+            }
+            Dtype::Bf16 | Dtype::F16 => {
+                let mut bytes = vec![0u8; 2 * len];
+                f.read_exact(&mut bytes).map_err(io)?;
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = match t.dtype {
+                        Dtype::Bf16 => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+                        _ => half::f16::from_le_bytes([b[0], b[1]]).to_f32(),
+                    };
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Every parameter of `g`, in the flat model's order.

@@ -400,7 +400,13 @@ impl ModelState {
         let m = &self.layout.tensors[i];
         let p = self.layout.params;
         match source {
-            Source::Seeded => Ok((self.seeded(i)?, vec![vec![0.0; m.len]; self.layout.states])),
+            // Each state tensor its own zeroed allocation (`vec![v; k]` would clone one, and so
+            // write every page of all but the first): untouched pages cost no memory until the
+            // optimizer writes them.
+            Source::Seeded => Ok((
+                self.seeded(i)?,
+                (0..self.layout.states).map(|_| vec![0.0; m.len]).collect(),
+            )),
             Source::Flat(flat) => {
                 let at = |k: usize| flat.get(k * p + m.offset..k * p + m.offset + m.len);
                 let param = at(0).ok_or_else(|| {

@@ -272,7 +272,12 @@ pub(super) fn coordinator_report(
         accuracy,
         target_accuracy: s.run.target_accuracy,
         sample,
-        bits_per_byte: bits_per_byte.map(|b| (b, s.run.target_bits_per_byte)),
+        bits_per_byte: bits_per_byte
+            .filter(|_| s.run.model_from.is_none())
+            .map(|b| (b, s.run.target_bits_per_byte)),
+        nats_per_token: bits_per_byte
+            .filter(|_| s.run.model_from.is_some())
+            .map(|b| b * std::f64::consts::LN_2),
         pipeline: pipeline_figures(h, &cluster, log),
         checkpoints,
         checkpoint_dir: files.dir.display().to_string(),
