@@ -123,6 +123,32 @@ pub(super) fn evaluate(h: &Host<'_>) -> (f64, Option<Sample>, Option<f64>) {
     (accuracy, sample, None)
 }
 
+/// How well the final model does on the held-out data.
+struct Quality {
+    accuracy: f64,
+    sample: Option<Sample>,
+    /// A byte-level GPT's bits per byte, and the file's target.
+    bits_per_byte: Option<(f64, f64)>,
+    /// A model from a folder's loss per token (it reads tokens: no byte target).
+    nats_per_token: Option<f64>,
+}
+
+fn quality(h: &Host<'_>) -> Quality {
+    let s = &h.opts.scenario;
+    let (accuracy, sample, bits) = evaluate(h);
+    let tokenized = s.run.model_from.is_some();
+    Quality {
+        accuracy,
+        sample,
+        bits_per_byte: bits
+            .filter(|_| !tokenized)
+            .map(|b| (b, s.run.target_bits_per_byte)),
+        nats_per_token: bits
+            .filter(|_| tokenized)
+            .map(|b| b * std::f64::consts::LN_2),
+    }
+}
+
 /// Windows of held-out text the GPT is evaluated on, at most.
 pub(super) const GPT_EVAL_WINDOWS: usize = 256;
 
@@ -188,7 +214,7 @@ pub(super) fn coordinator_report(
     if let Some((_, peak)) = ravnest_train::measure::resident_memory() {
         let _ = h.su.trained_peak_rss.set(peak);
     }
-    let (accuracy, sample, bits_per_byte) = evaluate(h);
+    let q = quality(h);
     // The steps agreed here end at the log's last; a successor that went back below the step
     // it took over at (the newest version every member held) redid the steps from there.
     let trained = log.step_done_ns.len() as u64;
@@ -269,15 +295,11 @@ pub(super) fn coordinator_report(
             .map(|(id, m)| (cluster.nodes[id.index()].name.clone(), m.samples_per_s))
             .collect(),
         replans: plans.saturating_sub(1) as u64,
-        accuracy,
+        accuracy: q.accuracy,
         target_accuracy: s.run.target_accuracy,
-        sample,
-        bits_per_byte: bits_per_byte
-            .filter(|_| s.run.model_from.is_none())
-            .map(|b| (b, s.run.target_bits_per_byte)),
-        nats_per_token: bits_per_byte
-            .filter(|_| s.run.model_from.is_some())
-            .map(|b| b * std::f64::consts::LN_2),
+        sample: q.sample,
+        bits_per_byte: q.bits_per_byte,
+        nats_per_token: q.nats_per_token,
         pipeline: pipeline_figures(h, &cluster, log),
         checkpoints,
         checkpoint_dir: files.dir.display().to_string(),
