@@ -61,6 +61,81 @@ run() {
     echo "== ravnest vs PyTorch on the same GPU"
     RAVNEST_PYTHON="${RAVNEST_PYTHON:-python3}" "$kit/ravnest" bench gpu "$@"
     gpt
+    llama
+}
+
+# A Llama from a Hugging Face folder on the GPU against PyTorch's LlamaForCausalLM on the same
+# GPU: SmolLM-135M's block (hidden 576, 9 heads over 3 key/value heads, SwiGLU 1536) 6 times,
+# saved in bf16 with a BPE tokenizer trained on the shipped text (tests/py/tiny_models.py's),
+# trained 40 steps of batch 16 x 256 tokens by each. ravnest computes in fp32 on the device
+# (`[training] precision = "bf16"` in run is not built yet); PyTorch in bf16 autocast and in
+# fp32, so that both ratios are seen.
+llama() {
+    local out py
+    out=$(mktemp -d)
+    py="${RAVNEST_PYTHON:-python3}"
+    "$py" - "$out" <<'PY'
+import json, sys, torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+out = sys.argv[1]
+tok = Tokenizer(models.BPE())
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+tok.train(["data/eighty-days.txt"], trainers.BpeTrainer(vocab_size=2048, special_tokens=["<|endoftext|>"],
+          initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+cfg = LlamaConfig(vocab_size=len(fast), hidden_size=576, intermediate_size=1536, num_hidden_layers=6,
+                  num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=256,
+                  tie_word_embeddings=False)
+torch.manual_seed(0)
+LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out + "/model")
+fast.save_pretrained(out + "/model")
+PY
+    cat > "$out/llama.toml" <<TOML
+[cluster]
+name = "gpu-llama"
+secret = "gpu-check"
+[[node]]
+name = "solo"
+device = "cuda:0"
+address = "127.0.0.1:47842"
+[model]
+from = "$out/model"
+seq_len = 256
+[training]
+global_batch = 16
+micro_batch = 16
+optimizer = "adamw"
+[run]
+dataset = "data/eighty-days.txt"
+steps = 40
+learning_rate = 0.0003
+seed = 1
+checkpoint_every_steps = 0
+TOML
+    echo "== a Llama (SmolLM-135M's block x6) from a bf16 folder, one node on the GPU (fp32 compute)"
+    "$kit/ravnest" run "$out/llama.toml" --out "$out/run" | grep -E "trained|loss on|memory|solo "
+    echo "== the same model in PyTorch on the same GPU (40 steps of 16 x 256 tokens)"
+    "$py" - "$out/model" <<'PY'
+import sys, time, torch
+from transformers import AutoModelForCausalLM
+for name, dtype in (("bf16 autocast", torch.bfloat16), ("fp32", None)):
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).cuda().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    x = torch.randint(0, model.config.vocab_size, (16, 257), device="cuda")
+    def step():
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+            logits = model(x[:, :256]).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        opt.zero_grad(); loss.backward(); opt.step()
+    for _ in range(3): step()
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(40): step()
+    torch.cuda.synchronize()
+    print(f"PyTorch {name}: {40 * 16 / (time.perf_counter() - t):.1f} samples/s")
+PY
+    rm -rf "$out"
 }
 
 # A GPT on the GPU through real runs: gpt-small on one node (data parallel: its model state on

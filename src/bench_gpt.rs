@@ -1,6 +1,7 @@
-//! `ravnest bench gpt`: one node training a GPT through ravnest's compute (the step a node
-//! runs: forward, backward, AdamW on its model state) against PyTorch's `GPT2LMHeadModel` of the
-//! same shape, batch, data and optimizer, on one thread each, in interleaved rounds.
+//! `ravnest bench gpt`: one node training a transformer through ravnest's compute (the step a
+//! node runs: forward, backward, AdamW on its model state) against PyTorch's
+//! `GPT2LMHeadModel` or `LlamaForCausalLM` of the same shape, batch, data and optimizer, on
+//! one thread each, in interleaved rounds.
 
 use std::time::Instant;
 
@@ -17,10 +18,12 @@ pub struct Case {
     pub batch: u64,
 }
 
-/// The issue's two cases: gpt-small (6 blocks, hidden 384, 6 heads, 128 tokens) at batch 16,
-/// and gpt2-small's shape (12 blocks, hidden 768, 12 heads, 256 tokens) at batch 4, both over
-/// bytes (a vocabulary of 256).
-pub const CASES: [Case; 2] = [
+/// gpt-small (6 blocks, hidden 384, 6 heads, 128 tokens) at batch 16, gpt2-small's shape (12
+/// blocks, hidden 768, 12 heads, 256 tokens) at batch 4, and SmolLM-135M's Llama block (hidden
+/// 576, 9 heads over 3 key/value heads, SwiGLU 1536 wide) 6 times of its 30 (the whole model
+/// takes 15 s a step on one core: a round of both sides would take minutes), 128 tokens, batch
+/// 8; all over bytes (a vocabulary of 256).
+pub const CASES: [Case; 3] = [
     Case {
         name: "gpt-small",
         gpt: ravnest_train::gpt::Gpt::gpt2(6, 384, 6, 128, 256),
@@ -30,6 +33,11 @@ pub const CASES: [Case; 2] = [
         name: "gpt2-small shape",
         gpt: ravnest_train::gpt::Gpt::gpt2(12, 768, 12, 256, 256),
         batch: 4,
+    },
+    Case {
+        name: "smollm block x6",
+        gpt: ravnest_train::gpt::Gpt::llama(6, 576, 9, 3, 1536, 128, 256),
+        batch: 8,
     },
 ];
 
@@ -68,16 +76,62 @@ for _ in range(steps):
 print((time.perf_counter() - t) / steps)
 "#;
 
+/// The PyTorch side of a Llama case: `LlamaForCausalLM` (RMSNorm ε 1e-5, θ 10000, untied, no
+/// biases, as ravnest's), the same steps as [`TORCH_GPT`].
+const TORCH_LLAMA: &str = r#"
+import sys, time, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+layers, hidden, heads, kv, inner, seq, vocab, batch, steps = map(int, sys.argv[1:10])
+torch.set_num_threads(1)
+torch.manual_seed(1)
+cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inner,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                  max_position_embeddings=seq, rms_norm_eps=1e-5, tie_word_embeddings=False)
+model = LlamaForCausalLM(cfg)
+model.train()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+g = torch.Generator().manual_seed(2)
+def step():
+    x = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    logits = model(input_ids=x[:, :seq]).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), x[:, 1:].reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+for _ in range(2):
+    step()
+t = time.perf_counter()
+for _ in range(steps):
+    step()
+print((time.perf_counter() - t) / steps)
+"#;
+
 /// Seconds per PyTorch step at `case`, or why it could not run.
 fn torch_step_s(python: &str, case: &Case, steps: u64) -> Result<f64, String> {
     let g = case.gpt;
-    let args: Vec<String> = [g.layers, g.hidden, g.heads, g.seq, g.vocab]
+    let (script, sizes) = if g.is_llama() {
+        (
+            TORCH_LLAMA,
+            vec![
+                g.layers,
+                g.hidden,
+                g.heads,
+                g.arch.kv_heads,
+                g.arch.intermediate,
+                g.seq,
+                g.vocab,
+            ],
+        )
+    } else {
+        (TORCH_GPT, vec![g.layers, g.hidden, g.heads, g.seq, g.vocab])
+    };
+    let args: Vec<String> = sizes
         .iter()
         .map(|x| x.to_string())
         .chain([case.batch.to_string(), steps.to_string()])
         .collect();
     let out = std::process::Command::new(python)
-        .args(["-c", TORCH_GPT])
+        .args(["-c", script])
         .args(&args)
         .env("OMP_NUM_THREADS", "1")
         .env("MKL_NUM_THREADS", "1")
@@ -145,7 +199,7 @@ pub fn gpt(python: Option<String>, steps: u64, rounds: usize) -> Result<String> 
         .or_else(|| std::env::var("RAVNEST_PYTHON").ok())
         .unwrap_or_else(|| "python3".into());
     let mut out = format!(
-        "one node, one thread each, AdamW, byte vocabulary; samples/s, median of {rounds} interleaved rounds of {steps} steps\n\n{:<18} {:>6} {:>14} {:>14} {:>8}\n",
+        "one node, one thread each, AdamW, byte vocabulary (PyTorch: GPT2LMHeadModel, LlamaForCausalLM); samples/s, median of {rounds} interleaved rounds of {steps} steps\n\n{:<18} {:>6} {:>14} {:>14} {:>8}\n",
         "shape", "batch", "ravnest", "PyTorch", "ratio"
     );
     let mut skipped = None;

@@ -114,7 +114,7 @@ pub(super) struct TrainingToml {
     pub(super) outer_optimizer: Option<crate::cluster::OuterOptimizer>,
     pub(super) outer_lr: Option<Spanned<f64>>,
     pub(super) outer_momentum: Option<Spanned<f64>>,
-    pub(super) outer_precision: Option<crate::cluster::OuterPrecision>,
+    pub(super) outer_precision: Option<Spanned<crate::cluster::OuterPrecision>>,
     pub(super) local_steps: Option<Spanned<u32>>,
     pub(super) outer_overlap: Option<bool>,
     pub(super) outer_delay: Option<Spanned<u32>>,

@@ -60,8 +60,18 @@ pub(super) fn resolve_training(
                 return Err(ctx.err(Some(&x.span()), "`outer_momentum` must be below 1"));
             }
         }
-        if let Some(p) = t.outer_precision {
-            outer.precision = p;
+        if let Some(p) = &t.outer_precision {
+            outer.precision = *p.get_ref();
+            let lossy = matches!(
+                outer.precision,
+                crate::cluster::OuterPrecision::Fp16 | crate::cluster::OuterPrecision::Int8
+            );
+            if lossy && training.optimizer == crate::model::Optimizer::Adamw {
+                return Err(ctx.err(
+                    Some(&p.span()),
+                    "a lossy `outer_precision` with `optimizer = \"adamw\"`: a round averages AdamW's second moments too, and int8 or fp16 rounding takes them to zero or below (the run diverges); use \"fp32\", or sgd-momentum",
+                ));
+            }
         }
         if let Some(h) = &t.local_steps {
             outer.local_steps = Some(ctx.positive(h, "local_steps")?);

@@ -268,3 +268,32 @@ fn the_recovery_keys_are_checked_like_every_other() {
         400
     );
 }
+
+#[test]
+fn adamw_with_lossy_outer_rounds_is_refused_and_auto_rounds_stay_exact() {
+    refused(
+        "global_batch = 64",
+        "global_batch = 64\noptimizer = \"adamw\"\nouter_precision = \"int8\"",
+        19,
+        &["outer_precision", "second moments", "fp32"],
+    );
+    let text = BASE.replacen(
+        "global_batch = 64",
+        "global_batch = 64\noptimizer = \"adamw\"\nouter_optimizer = \"nesterov\"",
+        1,
+    );
+    let s = parse(&text, "t.toml").unwrap();
+    let adamw = crate::planner::sync::Outer::of(&s.training.outer, s.training.optimizer);
+    assert_eq!(adamw.packing, crate::pack::Packing::Fp32);
+    let sgd =
+        crate::planner::sync::Outer::of(&s.training.outer, crate::model::Optimizer::SgdMomentum);
+    assert_eq!(sgd.packing, crate::pack::Packing::Int8);
+    // A model from a folder needs a reader: the plain parse says so, naming the folder.
+    let e = parse(
+        &BASE.replacen("preset = \"mlp-digits\"", "from = \"models/x\"", 1),
+        "t.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("models/x") && e.contains("t.toml:14"), "{e}");
+}

@@ -82,14 +82,21 @@ impl Outer {
         *self == Outer::AVERAGE
     }
 
-    /// The outer step `spec` asks for (the planner's packing where it says `auto`).
-    pub fn of(spec: &OuterSpec) -> Outer {
+    /// The outer step `spec` asks for (the planner's packing where it says `auto`: int8 deltas
+    /// under Nesterov, but fp32 with AdamW inside, whose second moments, averaged with the
+    /// round, do not survive lossy rounding).
+    pub fn of(spec: &OuterSpec, inner: crate::model::Optimizer) -> Outer {
         let (lr, momentum) = match spec.optimizer {
             OuterOptimizer::Average => (1.0, 0.0),
             OuterOptimizer::Nesterov => (spec.lr as f32, spec.momentum as f32),
         };
         let packing = match spec.precision {
-            OuterPrecision::Auto if spec.optimizer == OuterOptimizer::Nesterov => Packing::Int8,
+            OuterPrecision::Auto
+                if spec.optimizer == OuterOptimizer::Nesterov
+                    && inner != crate::model::Optimizer::Adamw =>
+            {
+                Packing::Int8
+            }
             OuterPrecision::Auto | OuterPrecision::Fp32 => Packing::Fp32,
             OuterPrecision::Fp16 => Packing::Fp16,
             OuterPrecision::Int8 => Packing::Int8,
@@ -625,7 +632,7 @@ fn local_sgd(costs: &Costs<'_>, chosen: Chosen, compute_s: f64, ratio: f64) -> S
         round_s: _,
         reason,
     } = chosen;
-    let mut outer = Outer::of(&costs.training.outer);
+    let mut outer = Outer::of(&costs.training.outer, costs.training.optimizer);
     // A round moves what the replicas hold, not a gradient: the parameters and their optimizer
     // state in the flat f32 form, packed. The groups' rounds again at that size.
     let round_s = groups
