@@ -324,3 +324,119 @@ fn a_pipeline_of_the_tiny_llama_trains_as_pytorch_does() {
 fn the_tiny_llama_sharded_trains_as_pytorch_does() {
     train_like_pytorch("sharded", 0.0015);
 }
+
+/// A Llama folder written here (no Python): config.json and one safetensors file, with
+/// `change` applied to the tensors (name, shape) before they are written.
+fn write_llama_folder(dir: &Path, change: impl Fn(&mut Vec<(String, Vec<usize>)>)) {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).unwrap();
+    let g = ravnest_train::gpt::Gpt::llama(2, 16, 4, 2, 24, 8, 50);
+    std::fs::write(dir.join("config.json"), g.hf_config().to_string()).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>)> = g
+        .params_in_order()
+        .into_iter()
+        .map(|p| (p.name, p.shape))
+        .collect();
+    change(&mut tensors);
+    let data: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+        .into_iter()
+        .map(|(n, s)| {
+            let len: usize = s.iter().product();
+            (n, vec![0u8; 4 * len], s)
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+        .iter()
+        .map(|(n, b, s)| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                .unwrap();
+            (n.clone(), v)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+}
+
+/// The stderr of a command that must fail.
+fn refused(args: &[&str]) -> String {
+    let out = ravnest(args);
+    assert!(!out.status.success(), "{args:?} succeeded");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// What does not fit is named: the file, the tensor, the architecture; and `plan` reads the
+/// config alone (no weights needed).
+#[test]
+fn a_folder_that_does_not_fit_is_refused_by_name_and_plan_reads_only_its_config() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hf-bad");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = dir.join("text.txt");
+    std::fs::write(&text, "some text ".repeat(50)).unwrap();
+    let folder = dir.join("model");
+    let cluster = dir.join("cluster.toml");
+    std::fs::write(
+        &cluster,
+        "[[node]]\nname = \"a\"\ndevice = \"rtx3090\"\n\n[model]\nfrom = \"model\"\n",
+    )
+    .unwrap();
+    // Only config.json: plan works, from the config's sizes.
+    std::fs::create_dir_all(&folder).unwrap();
+    let g = ravnest_train::gpt::Gpt::llama(2, 16, 4, 2, 24, 8, 50);
+    std::fs::write(folder.join("config.json"), g.hf_config().to_string()).unwrap();
+    let out = ravnest(&["plan", cluster.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("model model:"));
+    // No weights: eval says which files are missing where.
+    let e = refused(&[
+        "eval",
+        folder.to_str().unwrap(),
+        "--data",
+        text.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("model.safetensors") && e.contains("hf-bad/model"),
+        "{e}"
+    );
+    // Another architecture: named, with the file and its line in the cluster file.
+    let mut c: Value = g.hf_config();
+    c["architectures"] = serde_json::json!(["BertForMaskedLM"]);
+    std::fs::write(folder.join("config.json"), c.to_string()).unwrap();
+    let e = refused(&["plan", cluster.to_str().unwrap()]);
+    assert!(
+        e.contains("BertForMaskedLM") && e.contains("config.json") && e.contains("cluster.toml:6"),
+        "{e}"
+    );
+    // A tensor of another shape, and a missing one: the file and the tensor.
+    write_llama_folder(&folder, |t| t[3].1 = vec![7, 16]);
+    let e = refused(&[
+        "eval",
+        folder.to_str().unwrap(),
+        "--data",
+        text.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("model.safetensors") && e.contains("model.layers.0.self_attn.k_proj.weight"),
+        "{e}"
+    );
+    write_llama_folder(&folder, |t| {
+        t.retain(|(n, _)| n != "model.layers.1.mlp.up_proj.weight")
+    });
+    let e = refused(&[
+        "eval",
+        folder.to_str().unwrap(),
+        "--data",
+        text.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("no tensor `model.layers.1.mlp.up_proj.weight`"),
+        "{e}"
+    );
+    // A folder without its config: said.
+    std::fs::remove_file(folder.join("config.json")).unwrap();
+    let e = refused(&["plan", cluster.to_str().unwrap()]);
+    assert!(e.contains("config.json"), "{e}");
+}
