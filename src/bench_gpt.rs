@@ -168,6 +168,7 @@ fn ravnest_step_s(case: &Case, steps: u64) -> Result<f64> {
         lr: LR,
         momentum: 0.9,
         weight_decay: WEIGHT_DECAY,
+        schedule: ravnest_core::recipe::Schedule::CONSTANT,
     };
     let net = ravnest_train::net::Network::Gpt(g);
     let c =

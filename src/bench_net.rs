@@ -313,6 +313,7 @@ fn bare_loop(
         lr: 0.05,
         momentum: 0.9,
         weight_decay: 0.0,
+        schedule: ravnest_core::recipe::Schedule::CONSTANT,
     };
     let net = ravnest_train::net::Network::Mlp {
         dims: dims.to_vec(),

@@ -106,6 +106,7 @@ fn a_gpt_checkpoint_folder_loads_as_gpt2_with_the_same_logits() {
             lr: 1e-3,
             momentum: 0.9,
             weight_decay: 0.01,
+            schedule: ravnest_core::recipe::Schedule::CONSTANT,
         },
         meta: BTreeMap::from([("seed".to_string(), "7".to_string())]),
     };

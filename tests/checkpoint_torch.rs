@@ -72,6 +72,7 @@ fn checkpoints_load_into_torch_with_the_documented_snippet() {
                 lr: 0.05,
                 momentum: 0.9,
                 weight_decay: 0.0,
+                schedule: ravnest_core::recipe::Schedule::CONSTANT,
             },
             meta: BTreeMap::from([("seed".to_string(), k.to_string())]),
         };

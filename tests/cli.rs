@@ -830,6 +830,7 @@ fn gpt_checkpoints(name: &str) -> PathBuf {
             lr: 1e-3,
             momentum: 0.9,
             weight_decay: 0.0,
+            schedule: ravnest_core::recipe::Schedule::CONSTANT,
         },
         meta: Default::default(),
     };
@@ -916,6 +917,7 @@ fn error_generate_refuses_an_mlp_checkpoint_and_a_wrong_tensor() {
             lr: 0.1,
             momentum: 0.0,
             weight_decay: 0.0,
+            schedule: ravnest_core::recipe::Schedule::CONSTANT,
         },
         meta: Default::default(),
     };
@@ -954,7 +956,7 @@ fn error_generate_refuses_an_mlp_checkpoint_and_a_wrong_tensor() {
         &["generate", folder.to_str().unwrap(), "--prompt", "a"],
         &[
             &model.display().to_string(),
-            "`transformer.wpe.weight` is F32 [16, 32], expected F32 [32, 32]",
+            "`transformer.wpe.weight` is [16, 32], but config.json makes it [32, 32]",
         ],
     );
 }

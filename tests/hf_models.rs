@@ -146,8 +146,18 @@ fn ravnest_eval_equals_transformers_on_every_family() {
     }
 }
 
-/// A 3-process cluster file training the tiny Llama with `layout`.
-fn cluster(layout: &str, memory_gib: f64, ports: &[u16], folder: &Path, text: &Path) -> String {
+/// How a case trains: its layout, memory per node, and its recipe (`[run]` lines, and the
+/// same for transformers' side as JSON).
+struct Recipe {
+    layout: &'static str,
+    memory_gib: f64,
+    run: &'static str,
+    torch: Value,
+}
+
+/// A 3-process cluster file training the tiny Llama as `r` says.
+fn cluster(r: &Recipe, ports: &[u16], folder: &Path, text: &Path) -> String {
+    let (layout, memory_gib) = (r.layout, r.memory_gib);
     let mut s = String::from("[cluster]\nname = \"tiny-llama\"\nsecret = \"s\"\n");
     for (name, port) in ["a", "b", "c"].iter().zip(ports) {
         s += &format!(
@@ -173,12 +183,13 @@ dataset = "{}"
 steps = 20
 learning_rate = 0.003
 momentum = 0.9
-weight_decay = 0.0
 seed = 3
 checkpoint_every_steps = 10
+{}
 "#,
         folder.display(),
-        text.display()
+        text.display(),
+        r.run
     )
 }
 
@@ -236,10 +247,11 @@ fn batches(folder: &Path, text: &Path, steps: u64, batch: u64, seed: u64) -> Vec
         .collect()
 }
 
-fn train_like_pytorch(layout: &str, memory_gib: f64) {
+fn train_like_pytorch(r: Recipe) {
     if !have_transformers() {
         return;
     }
+    let layout = r.layout;
     let (dir, train, held) = models();
     let folder = dir.join("llama");
     let work = dir.join(format!("run-{layout}"));
@@ -247,7 +259,7 @@ fn train_like_pytorch(layout: &str, memory_gib: f64) {
     std::fs::create_dir_all(&work).unwrap();
     let ports = common::free_ports(3);
     let file = work.join("cluster.toml");
-    std::fs::write(&file, cluster(layout, memory_gib, &ports, &folder, train)).unwrap();
+    std::fs::write(&file, cluster(&r, &ports, &folder, train)).unwrap();
     let out_dir = work.join("out");
     let out = ravnest(&[
         "run",
@@ -268,16 +280,20 @@ fn train_like_pytorch(layout: &str, memory_gib: f64) {
         .find(|l| l.contains("\"event\":\"plan\""))
         .unwrap_or_default();
     assert!(plan.contains(layout_word(layout)), "{layout}: {plan}");
-    assert_eq!(plan.matches("stage layers").count(), 3, "{layout}: {plan}");
+    let stages = if layout == "data-parallel" { 0 } else { 3 };
+    assert_eq!(
+        plan.matches("stage layers").count(),
+        stages,
+        "{layout}: {plan}"
+    );
     let ours = step_losses(&stdout);
     assert_eq!(ours.len(), 20, "{layout}: the steps' losses: {ours:?}");
     // The same training in one PyTorch process.
-    let case = serde_json::json!({
-        "folder": folder,
-        "lr": 0.003,
-        "beta1": 0.9,
-        "batches": batches(&folder, train, 20, 8, 3),
-    });
+    let mut case = r.torch.clone();
+    case["folder"] = serde_json::json!(folder);
+    case["lr"] = 0.003.into();
+    case["beta1"] = 0.9.into();
+    case["batches"] = serde_json::json!(batches(&folder, train, 20, 8, 3));
     let case_file = work.join("case.json");
     std::fs::write(&case_file, case.to_string()).unwrap();
     let theirs = script(&["train", case_file.to_str().unwrap()]);
@@ -311,18 +327,100 @@ fn train_like_pytorch(layout: &str, memory_gib: f64) {
 fn layout_word(layout: &str) -> &'static str {
     match layout {
         "pipeline" => "one replica: nothing to synchronize",
-        _ => "reduce-scattered to each part's owner",
+        "sharded" => "reduce-scattered to each part's owner",
+        _ => "ring all-reduce",
     }
 }
 
+/// A pipeline of 3 stages, with a cosine schedule after a warm-up down to a floor, and weight
+/// decay (on the matrices only, as Trainer groups them).
 #[test]
 fn a_pipeline_of_the_tiny_llama_trains_as_pytorch_does() {
-    train_like_pytorch("pipeline", 0.0015);
+    train_like_pytorch(Recipe {
+        layout: "pipeline",
+        memory_gib: 0.0015,
+        run: "lr_schedule = \"cosine\"\nwarmup_steps = 4\nmin_lr = 0.0003\nweight_decay = 0.1",
+        torch: serde_json::json!({
+            "weight_decay": 0.1,
+            "schedule": {"kind": "cosine", "warmup": 4, "total": 20, "min_lr": 0.0003},
+        }),
+    });
 }
 
+/// Sharded over 3 processes, a linear schedule after a warm-up.
 #[test]
 fn the_tiny_llama_sharded_trains_as_pytorch_does() {
-    train_like_pytorch("sharded", 0.0015);
+    train_like_pytorch(Recipe {
+        layout: "sharded",
+        memory_gib: 0.0015,
+        run: "lr_schedule = \"linear\"\nwarmup_steps = 3\nweight_decay = 0.0",
+        torch: serde_json::json!({
+            "weight_decay": 0.0,
+            "schedule": {"kind": "linear", "warmup": 3, "total": 20},
+        }),
+    });
+}
+
+/// Data parallel over 3 processes, warm-up, stable, decay.
+#[test]
+fn the_tiny_llama_data_parallel_trains_as_pytorch_does() {
+    train_like_pytorch(Recipe {
+        layout: "data-parallel",
+        memory_gib: 1.0,
+        run: "lr_schedule = \"wsd\"\nwarmup_steps = 2\ndecay_steps = 6\nmin_lr = 0.0006\nweight_decay = 0.05",
+        torch: serde_json::json!({
+            "weight_decay": 0.05,
+            "schedule": {"kind": "wsd", "warmup": 2, "decay": 6, "total": 20, "min_lr": 0.0006},
+        }),
+    });
+}
+
+/// Every schedule's rate at every step equals transformers' (as LambdaLR applies it).
+#[test]
+fn schedules_equal_transformers() {
+    if !have_transformers() {
+        return;
+    }
+    use ravnest_core::recipe::{Schedule, ScheduleKind};
+    let lr = 0.003;
+    let cases = [
+        (ScheduleKind::Constant, 7, 50, 0.0, 0),
+        (ScheduleKind::Linear, 10, 60, 0.0, 0),
+        (ScheduleKind::Cosine, 5, 40, 0.0003, 0),
+        (ScheduleKind::Cosine, 0, 33, 0.0, 0),
+        (ScheduleKind::Wsd, 4, 50, 0.0003, 12),
+    ];
+    let schedules: Vec<Value> = cases
+        .iter()
+        .map(|&(kind, w, n, min_lr, d)| {
+            serde_json::json!({"kind": kind.as_str(), "warmup": w, "total": n, "min_lr": min_lr, "decay": d})
+        })
+        .collect();
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("schedules");
+    std::fs::create_dir_all(&dir).unwrap();
+    let case = dir.join("case.json");
+    let body = serde_json::json!({"lr": lr, "schedules": schedules});
+    std::fs::write(&case, body.to_string()).unwrap();
+    let theirs = script(&["schedules", case.to_str().unwrap()]);
+    for (k, &(kind, w, n, min_lr, d)) in cases.iter().enumerate() {
+        let s = Schedule {
+            kind,
+            warmup_steps: w,
+            total_steps: n,
+            min_ratio: min_lr / lr,
+            decay_steps: d,
+        };
+        let lrs = theirs["lrs"][k].as_array().unwrap();
+        assert_eq!(lrs.len() as u64, n);
+        for (t, want) in lrs.iter().enumerate() {
+            let want = want.as_f64().unwrap();
+            let ours = lr * s.factor(t as u64);
+            assert!(
+                (ours - want).abs() <= 1e-7 * lr,
+                "{kind:?} step {t}: ours {ours}, transformers {want}"
+            );
+        }
+    }
 }
 
 /// A Llama folder written here (no Python): config.json and one safetensors file, with

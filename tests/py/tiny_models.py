@@ -7,9 +7,12 @@ transformers' own figures on them.
     python3 tiny_models.py eval DIR TEXT SEQ    {"loss", "tokens"}: the mean next-token
                                                 cross-entropy over TEXT's windows of SEQ, as
                                                 `ravnest eval` defines them
-    python3 tiny_models.py train CASE.json      one process, plain PyTorch: AdamW over the batches
-                                                the case lists, from DIR's weights; prints each
-                                                step's loss as JSON
+    python3 tiny_models.py train CASE.json      one process, plain PyTorch: AdamW (Trainer's
+                                                groups: no decay on 1-D tensors) and the case's
+                                                transformers schedule over the batches it lists,
+                                                from its folder's weights; each step's loss
+    python3 tiny_models.py schedules CASE.json  each step's learning rate under transformers'
+                                                schedules, as LambdaLR applies them
 
 Everything is float32 on the CPU, seeded.
 """
@@ -147,17 +150,54 @@ def evaluate(folder, text_path, seq):
     )
 
 
+def scheduler(opt, s):
+    """transformers' own schedule for the case's `schedule` (None: constant)."""
+    from transformers import optimization as o
+
+    if s is None:
+        return None
+    kind, w, n, min_lr = s["kind"], s["warmup"], s["total"], s.get("min_lr", 0.0)
+    if kind == "constant":
+        return o.get_constant_schedule_with_warmup(opt, w)
+    if kind == "linear":
+        return o.get_linear_schedule_with_warmup(opt, w, n)
+    if kind == "cosine":
+        return o.get_cosine_with_min_lr_schedule_with_warmup(opt, w, n, min_lr=min_lr)
+    if kind == "wsd":
+        base = opt.defaults["lr"]
+        return o.get_wsd_schedule(opt, w, s["decay"], n, min_lr_ratio=min_lr / base)
+    raise SystemExit(f"unknown schedule {kind}")
+
+
+def schedules(case_path):
+    """Each step's learning rate under each schedule the case lists, as LambdaLR gives it."""
+    case = json.load(open(case_path))
+    out = []
+    for s in case["schedules"]:
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.SGD([p], lr=case["lr"])
+        sched = scheduler(opt, s)
+        lrs = []
+        for _ in range(s["total"]):
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        out.append(lrs)
+    print(json.dumps({"lrs": out}))
+
+
 def train(case_path):
     case = json.load(open(case_path))
     model = AutoModelForCausalLM.from_pretrained(case["folder"], dtype=torch.float32)
     model.train()
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=case["lr"],
-        betas=(case["beta1"], 0.999),
-        eps=1e-8,
-        weight_decay=case.get("weight_decay", 0.0),
-    )
+    # Hugging Face Trainer's groups: no weight decay on biases and norm gains (1-D).
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": case.get("weight_decay", 0.0)},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=case["lr"], betas=(case["beta1"], 0.999), eps=1e-8)
+    sched = scheduler(opt, case.get("schedule"))
     losses = []
     for batch in case["batches"]:
         batch = torch.tensor(batch, dtype=torch.long)
@@ -168,6 +208,8 @@ def train(case_path):
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if sched is not None:
+            sched.step()
         losses.append(loss.item())
     print(json.dumps({"losses": losses}))
 
@@ -180,5 +222,7 @@ if __name__ == "__main__":
         evaluate(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif cmd == "train":
         train(sys.argv[2])
+    elif cmd == "schedules":
+        schedules(sys.argv[2])
     else:
         sys.exit(f"unknown command {cmd}")

@@ -23,6 +23,7 @@ pub mod pipeline;
 pub mod planner;
 pub mod profile;
 pub mod ps;
+pub mod recipe;
 pub mod ring;
 pub mod ring2d;
 pub mod stall;

@@ -307,9 +307,24 @@ impl CandleCompute {
             .fold(self.slowdown, |k, (_, _, f)| k * f)
     }
 
-    /// One whole optimizer step with the mean gradient (tests and the single-node baseline).
+    /// One whole optimizer step with the mean gradient (tests and the single-node baseline),
+    /// tensor by tensor as the node's update applies it: the step's rate, and weight decay
+    /// where it applies.
     pub fn step_now(&self, model: &mut [f32], mean_gradient: &[f32]) {
-        self.optim.step(model, mean_gradient);
+        let p = mean_gradient.len();
+        let t = self
+            .optim
+            .step_count_at(p)
+            .and_then(|k| model.get(k))
+            .copied()
+            .unwrap_or(0.0);
+        for m in &self.state.layout.tensors {
+            let r = m.offset..m.offset + m.len;
+            self.optim
+                .at(t, &m.shape)
+                .step_range(model, p, r.clone(), &mean_gradient[r]);
+        }
+        self.optim.end_step(model, p);
     }
 }
 
@@ -653,11 +668,13 @@ impl Compute for CandleCompute {
             let mut s = self.stats.lock().unwrap();
             s.last_loss = loss / rows.max(1) as f64;
             s.samples += rows;
-            s.losses.push(StepLoss {
-                step,
-                samples: range,
-                loss_sum: loss,
-            });
+            if self.started.get().is_some() {
+                s.losses.push(StepLoss {
+                    step,
+                    samples: range,
+                    loss_sum: loss,
+                });
+            }
         }
         Ok((sum, gin))
     }
@@ -762,11 +779,14 @@ impl Compute for CandleCompute {
         let mut s = self.stats.lock().unwrap();
         s.real_compute_s += real.as_secs_f64();
         let loss_sum = result?;
-        s.losses.push(StepLoss {
-            step,
-            samples: range,
-            loss_sum,
-        });
+        // Training's losses only, not the measurements' before it.
+        if self.started.get().is_some() {
+            s.losses.push(StepLoss {
+                step,
+                samples: range,
+                loss_sum,
+            });
+        }
         Ok(())
     }
 }

@@ -5,6 +5,7 @@
 use std::ops::Range;
 
 use ravnest_core::Optimizer;
+use ravnest_core::recipe::Schedule;
 
 /// An optimizer with its hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -17,19 +18,44 @@ pub struct Optim {
     pub momentum: f32,
     /// Decoupled weight decay (AdamW).
     pub weight_decay: f32,
+    /// The learning rate's schedule: `lr` times its factor at each step ([`Optim::at`]).
+    pub schedule: Schedule,
 }
 
 const BETA2: f32 = 0.999;
 const EPS: f32 = 1e-8;
 
 impl Optim {
-    /// State elements for `params` parameters.
+    /// State elements for `params` parameters: the state tensors, and the step count where
+    /// the update needs it (AdamW's bias correction, a scheduled learning rate).
     pub fn state_len(&self, params: usize) -> usize {
         match self.kind {
-            Optimizer::Sgd => 0,
-            Optimizer::SgdMomentum => params,
+            Optimizer::Sgd => usize::from(self.counts_steps()),
+            Optimizer::SgdMomentum => params + usize::from(self.counts_steps()),
             // m, v, and the step count.
             Optimizer::Adamw => 2 * params + 1,
+        }
+    }
+
+    /// Whether the state ends with the step count: AdamW's, or any optimizer's under a
+    /// schedule (every replica, a resumed run and a joiner then apply the same rate).
+    fn counts_steps(&self) -> bool {
+        self.kind == Optimizer::Adamw || !self.schedule.is_constant()
+    }
+
+    /// This optimizer as it updates a tensor of `shape` at step `t` (the steps done before):
+    /// the learning rate scheduled, and no weight decay on biases and norm gains
+    /// ([`ravnest_core::recipe::decays`]).
+    pub fn at(&self, t: f32, shape: &[usize]) -> Optim {
+        Optim {
+            lr: (f64::from(self.lr) * self.schedule.factor(t as u64)) as f32,
+            weight_decay: if ravnest_core::recipe::decays(shape) {
+                self.weight_decay
+            } else {
+                0.0
+            },
+            schedule: Schedule::CONSTANT,
+            ..*self
         }
     }
 
@@ -55,6 +81,18 @@ impl Optim {
     /// one [`Optim::step`] over the whole vector.
     pub fn step_range(&self, model: &mut [f32], params: usize, range: Range<usize>, grad: &[f32]) {
         debug_assert_eq!(range.len(), grad.len());
+        if !self.schedule.is_constant() {
+            let t = self
+                .step_count_at(params)
+                .and_then(|k| model.get(k))
+                .copied();
+            let at = Optim {
+                lr: (f64::from(self.lr) * self.schedule.factor(t.unwrap_or(0.0) as u64)) as f32,
+                schedule: Schedule::CONSTANT,
+                ..*self
+            };
+            return at.step_range(model, params, range, grad);
+        }
         let (w, state) = model.split_at_mut(params);
         let w = &mut w[range.clone()];
         match self.kind {
@@ -164,11 +202,15 @@ impl Optim {
 
     /// After every range of a step was applied: advance the step counter (AdamW).
     pub fn end_step(&self, model: &mut [f32], params: usize) {
-        if self.kind == Optimizer::Adamw
-            && let Some(t) = model.get_mut(3 * params)
-        {
+        if let Some(t) = self.step_count_at(params).and_then(|k| model.get_mut(k)) {
             *t += 1.0;
         }
+    }
+
+    /// Where the step count sits in `[params | state]`, where the state has one.
+    pub fn step_count_at(&self, params: usize) -> Option<usize> {
+        self.counts_steps()
+            .then(|| params * (1 + self.state_names().len()))
     }
 }
 
@@ -189,7 +231,7 @@ mod tests {
             vals in prop::collection::vec(-3.0f32..3.0, 60),
         ) {
             let kind = [Optimizer::Sgd, Optimizer::SgdMomentum, Optimizer::Adamw][kind];
-            let o = Optim { kind, lr: 0.1, momentum: 0.9, weight_decay: 0.01 };
+            let o = Optim { kind, lr: 0.1, momentum: 0.9, weight_decay: 0.01, schedule: ravnest_core::recipe::Schedule::CONSTANT };
             let mut whole: Vec<f32> = vals[..p].to_vec();
             whole.resize(p + o.state_len(p), 0.5);
             let grad: Vec<f32> = vals[20..20 + p].to_vec();
@@ -219,6 +261,7 @@ mod tests {
                 lr: 0.05,
                 momentum: 0.9,
                 weight_decay: 0.0,
+                schedule: ravnest_core::recipe::Schedule::CONSTANT,
             };
             let mut model = vec![3.0f32, -2.0];
             model.resize(2 + o.state_len(2), 0.0);

@@ -694,6 +694,8 @@ impl ModelState {
         dev: &Device,
     ) -> Result<(), ComputeError> {
         let old = self.get(model, i, dev)?;
+        // The rate of this step, and weight decay only where it applies.
+        let optim = &self.optim.at(model.t, &self.layout.tensors[i].shape);
         // No other version shares this tensor (a stage's only version, taken to be updated):
         // in place, no new buffers.
         let alone = model
@@ -701,7 +703,7 @@ impl ModelState {
             .get(&i)
             .is_some_and(|c| Arc::strong_count(c) == 1)
             && Arc::strong_count(&old) == 2;
-        if alone && step_into(&self.optim, &old, None, grad, scale, model.t)? {
+        if alone && step_into(optim, &old, None, grad, scale, model.t)? {
             return Ok(());
         }
         // A retired version's buffers of this tensor, where there are: written over, no new
@@ -709,16 +711,16 @@ impl ModelState {
         let spare = self.spare.lock().unwrap().remove(&i);
         if let Some(spare) = spare
             && spare.state.len() == old.state.len()
-            && step_into(&self.optim, &spare, Some(&old), grad, scale, model.t)?
+            && step_into(optim, &spare, Some(&old), grad, scale, model.t)?
         {
             drop(old);
             model.cells.insert(i, Cell::made(spare));
             return Ok(());
         }
-        let new = match fused(&self.optim, &old, grad, scale, model.t)? {
+        let new = match fused(optim, &old, grad, scale, model.t)? {
             Some((w, state)) => self.slot(i, w, state, dev)?,
             None => {
-                let (w, state) = composed(&self.optim, &old, grad, scale, model.t, dev)
+                let (w, state) = composed(optim, &old, grad, scale, model.t, dev)
                     .map_err(backend("the optimizer"))?;
                 // A new variable copies its values (once, on the device).
                 self.counter.copied(4 * w.elem_count() as u64);

@@ -654,6 +654,7 @@ mod tests {
                 lr: 0.1,
                 momentum: 0.9,
                 weight_decay: 0.0,
+                schedule: ravnest_core::recipe::Schedule::CONSTANT,
             },
             meta: BTreeMap::new(),
         }
@@ -807,6 +808,7 @@ mod tests {
             lr: 0.1,
             momentum: 0.0,
             weight_decay: 0.0,
+            schedule: ravnest_core::recipe::Schedule::CONSTANT,
         };
         let a = CheckpointFiles {
             hf_source: None,

@@ -134,6 +134,7 @@ fn the_optimizer_gives_the_cpus_bits_on_the_gpu() {
             lr: 0.003,
             momentum: 0.9,
             weight_decay: 0.01,
+            schedule: ravnest_core::recipe::Schedule::CONSTANT,
         };
         let state: Vec<Vec<f32>> = (0..optim.state_names().len())
             .map(|k| {

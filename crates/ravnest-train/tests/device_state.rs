@@ -23,6 +23,7 @@ fn backend() -> CandleCompute {
         lr: 1e-2,
         momentum: 0.9,
         weight_decay: 0.01,
+        schedule: ravnest_core::recipe::Schedule::CONSTANT,
     };
     CandleCompute::new(Network::Gpt(GPT), Arc::new(data), optim, 3, 1.0)
 }

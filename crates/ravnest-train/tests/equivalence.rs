@@ -71,6 +71,7 @@ async fn equivalence(net: Network, data: Dataset, sync: &str) {
         lr: 0.01,
         momentum: 0.9,
         weight_decay: 0.01,
+        schedule: ravnest_core::recipe::Schedule::CONSTANT,
     };
     let compute = Arc::new(CandleCompute::new(net.clone(), data, optim, 11, 1.0));
     let net_tcp = LoopbackCluster::start(3, b"equivalence").await.unwrap();

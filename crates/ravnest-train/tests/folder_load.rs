@@ -81,6 +81,7 @@ fn load_stage(dir: &Path, lo: u32, hi: u32) {
         lr: 1e-3,
         momentum: 0.9,
         weight_decay: 0.0,
+        schedule: ravnest_core::recipe::Schedule::CONSTANT,
     };
     let ids: Vec<u32> = (0..2_000).map(|i| i % 300).collect();
     let data = ravnest_train::data::Dataset::tokens(&ids, "t", g.seq, g.vocab).unwrap();

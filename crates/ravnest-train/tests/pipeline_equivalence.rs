@@ -43,12 +43,14 @@ fn optim(kind: Optimizer) -> Optim {
             lr: 1e-3,
             momentum: 0.9,
             weight_decay: 0.01,
+            schedule: ravnest_core::recipe::Schedule::CONSTANT,
         },
         _ => Optim {
             kind,
             lr: 0.05,
             momentum: 0.9,
             weight_decay: 0.0,
+            schedule: ravnest_core::recipe::Schedule::CONSTANT,
         },
     }
 }

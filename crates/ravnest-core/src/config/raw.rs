@@ -139,6 +139,10 @@ pub(super) struct RunToml {
     pub(super) heartbeat_timeout_ms: Option<Spanned<u64>>,
     pub(super) min_nodes: Option<Spanned<u64>>,
     pub(super) register_timeout_s: Option<Spanned<u64>>,
+    pub(super) lr_schedule: Option<crate::recipe::ScheduleKind>,
+    pub(super) warmup_steps: Option<Spanned<u64>>,
+    pub(super) min_lr: Option<Spanned<f64>>,
+    pub(super) decay_steps: Option<Spanned<u64>>,
 }
 
 pub(super) const NETWORKS: &[&str] = &["mlp", "cnn", "char", "gpt"];

@@ -174,7 +174,59 @@ pub(super) fn resolve_run(
         }
         run.min_nodes = Some(n);
     }
+    resolve_schedule(ctx, r, &mut run)?;
     Ok(run)
+}
+
+/// `lr_schedule`, `warmup_steps`, `min_lr` and `decay_steps`, checked against the steps.
+fn resolve_schedule(ctx: &Ctx<'_>, r: &RunToml, run: &mut RunSettings) -> Result<(), ConfigError> {
+    if let Some(k) = r.lr_schedule {
+        run.lr_schedule = k;
+    }
+    if let Some(x) = &r.warmup_steps {
+        run.warmup_steps = ctx.count(x, "warmup_steps")?;
+        if run.warmup_steps >= run.steps {
+            return Err(ctx.err(
+                Some(&x.span()),
+                format!(
+                    "`warmup_steps` ({}) must be below the run's `steps` ({})",
+                    run.warmup_steps, run.steps
+                ),
+            ));
+        }
+    }
+    if let Some(x) = &r.min_lr {
+        run.min_lr = ctx.non_negative(x, "min_lr")?;
+        if run.min_lr > run.learning_rate {
+            return Err(ctx.err(
+                Some(&x.span()),
+                format!(
+                    "`min_lr` ({}) is above the `learning_rate` ({})",
+                    run.min_lr, run.learning_rate
+                ),
+            ));
+        }
+    }
+    if let Some(x) = &r.decay_steps {
+        let d = ctx.positive(x, "decay_steps")?;
+        if run.lr_schedule != crate::recipe::ScheduleKind::Wsd {
+            return Err(ctx.err(
+                Some(&x.span()),
+                "`decay_steps` is the final decay of `lr_schedule = \"wsd\"`",
+            ));
+        }
+        if d + run.warmup_steps > run.steps {
+            return Err(ctx.err(
+                Some(&x.span()),
+                format!(
+                    "`decay_steps` ({d}) and `warmup_steps` ({}) are more than the run's `steps` ({})",
+                    run.warmup_steps, run.steps
+                ),
+            ));
+        }
+        run.decay_steps = Some(d);
+    }
+    Ok(())
 }
 
 /// The `[sim]` table, when the file has one.

@@ -158,6 +158,27 @@ pub struct RunSettings {
     pub register_timeout_s: u64,
     /// The Hugging Face folder `[model] from` names, when it does.
     pub model_from: Option<ModelFrom>,
+    /// The learning rate's schedule over the run's steps ([`RunSettings::schedule`]).
+    pub lr_schedule: crate::recipe::ScheduleKind,
+    /// Steps of linear warm-up from 0.
+    pub warmup_steps: u64,
+    /// The lowest learning rate the schedule decays to.
+    pub min_lr: f64,
+    /// `wsd`: steps of the final decay (default: a fifth of the steps).
+    pub decay_steps: Option<u64>,
+}
+
+impl RunSettings {
+    /// The learning rate's schedule over `steps` steps.
+    pub fn schedule(&self) -> crate::recipe::Schedule {
+        crate::recipe::Schedule {
+            kind: self.lr_schedule,
+            warmup_steps: self.warmup_steps,
+            total_steps: self.steps,
+            min_ratio: self.min_lr / self.learning_rate,
+            decay_steps: self.decay_steps.unwrap_or(self.steps / 5),
+        }
+    }
 }
 
 /// A model from a local Hugging Face folder (`[model] from`).
@@ -196,6 +217,10 @@ impl Default for RunSettings {
             min_nodes: None,
             register_timeout_s: 60,
             model_from: None,
+            lr_schedule: crate::recipe::ScheduleKind::Constant,
+            warmup_steps: 0,
+            min_lr: 0.0,
+            decay_steps: None,
         }
     }
 }

@@ -247,10 +247,12 @@ fn one_slow_node_gets_a_third_of_the_share() {
     };
     let model = crate::model::preset("mlp-digits").unwrap().build();
     // The model is tiny, so its rounds are local SGD: DiLoCo's int8 rounds keep their cost
-    // (the parameters and AdamW's state) below what the slow node adds; plain fp32 averaging
-    // of all that state would leave it out.
+    // (the parameters and the momentum) below what the slow node adds; plain fp32 averaging
+    // of all that state would leave it out. (With AdamW inside, rounds are fp32: its second
+    // moments do not survive int8.)
     let training = TrainingSpec {
         global_batch: 700,
+        optimizer: crate::model::Optimizer::SgdMomentum,
         outer: crate::cluster::OuterSpec {
             optimizer: crate::cluster::OuterOptimizer::Nesterov,
             ..Default::default()

@@ -155,6 +155,7 @@ pub fn optim_for(s: &Scenario) -> Optim {
         lr: s.run.learning_rate as f32,
         momentum: s.run.momentum as f32,
         weight_decay: s.run.weight_decay as f32,
+        schedule: s.run.schedule(),
     }
 }
 

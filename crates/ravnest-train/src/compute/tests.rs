@@ -9,6 +9,7 @@ fn a_stage_over_its_memory_budget_is_refused_with_the_figures() {
         lr: 1e-3,
         momentum: 0.9,
         weight_decay: 0.0,
+        schedule: ravnest_core::recipe::Schedule::CONSTANT,
     };
     let c = CandleCompute::new(Network::Gpt(g), Arc::new(data), optim, 1, 1.0);
     let all = LayerRange::new(0, 4);

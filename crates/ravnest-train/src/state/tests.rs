@@ -36,7 +36,7 @@ proptest! {
         t in 0u32..50,
     ) {
         let kind = [Optimizer::Sgd, Optimizer::SgdMomentum, Optimizer::Adamw][kind];
-        let optim = Optim { kind, lr: 0.003, momentum: 0.9, weight_decay: 0.01 };
+        let optim = Optim { kind, lr: 0.003, momentum: 0.9, weight_decay: 0.01, schedule: ravnest_core::recipe::Schedule::CONSTANT };
         let n = 10;
         let states = optim.state_names().len();
         let w = &vals[..n];
@@ -86,6 +86,7 @@ fn slots_of_a_stage_carry_the_step_count_and_tile_the_model() {
         lr: 1e-3,
         momentum: 0.9,
         weight_decay: 0.0,
+        schedule: ravnest_core::recipe::Schedule::CONSTANT,
     };
     let l = Layout::of(&Network::Gpt(g), &optim);
     let len = l.model_len();

@@ -1,0 +1,155 @@
+//! The training recipe's pure parts: the learning rate at each step (`[run] lr_schedule`), and
+//! which tensors weight decay applies to.
+//!
+//! The schedules are transformers' (`optimization.py`), as `LambdaLR` multiplies the base
+//! learning rate at each step, so that a run configured as a Hugging Face `Trainer` one trains
+//! with the same rates: the rate of optimizer step `t` (0-based, the steps done before it) is
+//! `lr · factor(t)`.
+//! - `constant`: linear warm-up from 0, then 1 (`get_constant_schedule_with_warmup`);
+//! - `linear`: warm-up, then a straight line to `min_lr` at the last step
+//!   (`get_linear_schedule_with_warmup`, which ends at 0: `min_lr` 0);
+//! - `cosine`: warm-up, then half a cosine down to `min_lr`
+//!   (`get_cosine_with_min_lr_schedule_with_warmup`);
+//! - `wsd`: warm-up, a stable phase at `lr`, then half a cosine over the last `decay_steps`
+//!   down to `min_lr` (`get_wsd_schedule`, linear warm-up and cosine decay: its defaults).
+
+use serde::{Deserialize, Serialize};
+
+/// Which schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ScheduleKind {
+    /// Warm-up, then constant.
+    #[default]
+    Constant,
+    /// Warm-up, then linear decay.
+    Linear,
+    /// Warm-up, then cosine decay.
+    Cosine,
+    /// Warm-up, stable, decay (cosine).
+    Wsd,
+}
+
+impl ScheduleKind {
+    /// Its name in files.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ScheduleKind::Constant => "constant",
+            ScheduleKind::Linear => "linear",
+            ScheduleKind::Cosine => "cosine",
+            ScheduleKind::Wsd => "wsd",
+        }
+    }
+}
+
+/// The learning rate over a run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Schedule {
+    /// The shape.
+    pub kind: ScheduleKind,
+    /// Steps of linear warm-up from 0 (0: none).
+    pub warmup_steps: u64,
+    /// The run's steps (where linear and cosine reach `min_ratio`).
+    pub total_steps: u64,
+    /// The lowest rate, as a fraction of the base rate (`min_lr / lr`).
+    pub min_ratio: f64,
+    /// `wsd`: steps of the decay at the end.
+    pub decay_steps: u64,
+}
+
+impl Schedule {
+    /// A constant rate, no warm-up.
+    pub const CONSTANT: Schedule = Schedule {
+        kind: ScheduleKind::Constant,
+        warmup_steps: 0,
+        total_steps: 0,
+        min_ratio: 0.0,
+        decay_steps: 0,
+    };
+
+    /// Whether the rate never changes (what a run without `lr_schedule` does).
+    pub fn is_constant(&self) -> bool {
+        self.kind == ScheduleKind::Constant && self.warmup_steps == 0
+    }
+
+    /// The factor of the base rate at optimizer step `t` (the steps done before it).
+    pub fn factor(&self, t: u64) -> f64 {
+        let (w, n, r) = (self.warmup_steps, self.total_steps, self.min_ratio);
+        let cosine = |progress: f64| 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+        match self.kind {
+            ScheduleKind::Wsd => {
+                if t < w {
+                    let progress = t as f64 / w.max(1) as f64;
+                    return (progress * (1.0 - r) + r).max(0.0);
+                }
+                let stable = n.saturating_sub(w).saturating_sub(self.decay_steps);
+                if t < w + stable {
+                    return 1.0;
+                }
+                if t < w + stable + self.decay_steps {
+                    let progress = (t - w - stable) as f64 / self.decay_steps.max(1) as f64;
+                    return (cosine(progress) * (1.0 - r) + r).max(0.0);
+                }
+                r
+            }
+            _ if t < w => t as f64 / w.max(1) as f64,
+            ScheduleKind::Constant => 1.0,
+            ScheduleKind::Linear => {
+                let left = n.saturating_sub(t) as f64 / n.saturating_sub(w).max(1) as f64;
+                (left * (1.0 - r) + r).max(0.0)
+            }
+            ScheduleKind::Cosine => {
+                let progress = (t - w) as f64 / n.saturating_sub(w).max(1) as f64;
+                (cosine(progress) * (1.0 - r) + r).max(0.0)
+            }
+        }
+    }
+}
+
+/// Whether weight decay applies to a tensor of this shape: to matrices and embeddings, not to
+/// biases and norm gains (the one-dimensional tensors), as Hugging Face's `Trainer` groups
+/// them.
+pub fn decays(shape: &[usize]) -> bool {
+    shape.len() >= 2
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(kind: ScheduleKind, w: u64, n: u64, r: f64, d: u64) -> Schedule {
+        Schedule {
+            kind,
+            warmup_steps: w,
+            total_steps: n,
+            min_ratio: r,
+            decay_steps: d,
+        }
+    }
+
+    #[test]
+    fn transformers_lambdas_at_their_corners() {
+        // Warm-up: 0 at step 0, 1/w after.
+        let c = s(ScheduleKind::Cosine, 10, 110, 0.1, 0);
+        assert_eq!(c.factor(0), 0.0);
+        assert_eq!(c.factor(5), 0.5);
+        assert_eq!(c.factor(10), 1.0);
+        // Half-way through the decay: the middle of 1 and min.
+        assert!((c.factor(60) - 0.55).abs() < 1e-12);
+        assert!((c.factor(110) - 0.1).abs() < 1e-12);
+        let l = s(ScheduleKind::Linear, 0, 100, 0.0, 0);
+        assert_eq!(l.factor(0), 1.0);
+        assert_eq!(l.factor(75), 0.25);
+        assert_eq!(l.factor(100), 0.0);
+        let k = s(ScheduleKind::Constant, 4, 100, 0.0, 0);
+        assert_eq!((k.factor(2), k.factor(4), k.factor(99)), (0.5, 1.0, 1.0));
+        // wsd: 10 up, 70 flat, 20 down (cosine), min 0.
+        let w = s(ScheduleKind::Wsd, 10, 100, 0.0, 20);
+        assert_eq!(w.factor(10), 1.0);
+        assert_eq!(w.factor(79), 1.0);
+        assert!((w.factor(90) - 0.5).abs() < 1e-12);
+        assert_eq!(w.factor(100), 0.0);
+        assert!(Schedule::CONSTANT.is_constant());
+        assert!(decays(&[3, 4]) && !decays(&[4]));
+    }
+}
