@@ -352,7 +352,7 @@ pub fn overhead(steps: u64, rounds: usize) -> Result<String> {
         let params = c.params();
         let t = Instant::now();
         for k in 0..steps {
-            let (x, y) = c.batch(k * batch..(k + 1) * batch);
+            let (x, y) = c.batch(k * batch..(k + 1) * batch)?;
             let (_, g) = c.net.loss_and_grad_sum(&model[..params], &x, &y)?;
             let mean: Vec<f32> = g.iter().map(|x| x / batch as f32).collect();
             c.step_now(&mut model, &mean);

@@ -18,8 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use ravnest_train::data::{Dataset, epoch_order};
-use ravnest_train::tok::Tok;
+use ravnest_train::data::epoch_order;
 use serde_json::Value;
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/tiny_models.py");
@@ -224,23 +223,22 @@ fn step_losses(stdout: &str) -> Vec<f64> {
     steps.values().map(|(l, n)| l / *n as f64).collect()
 }
 
-/// The batches the run trains, step by step: the same tokens, windows, split and order.
-fn batches(folder: &Path, text: &Path, steps: u64, batch: u64, seed: u64) -> Vec<Vec<Vec<u32>>> {
-    let tok = Tok::open(folder).unwrap();
-    let ids = ravnest_train::tokens::cached(&tok, text, None).unwrap();
-    let data = Dataset::tokens(&ids, "train", SEQ, tok.vocab()).unwrap();
-    let (train, _) = data.split();
-    let n = train.len() as u64;
-    let w = SEQ + 1;
+/// The batches the run of cluster file `file` trains, step by step: its dataset as a node
+/// loads it (the same tokens, windows, split) in the run's order.
+fn batches(file: &Path, steps: u64) -> Vec<Vec<Vec<u32>>> {
+    let text = std::fs::read_to_string(file).unwrap();
+    let origin = file.to_str().unwrap();
+    let s = ravnest_train::folder::parse_scenario(&text, origin).unwrap();
+    let cache = file.parent().unwrap().join("reference-cache");
+    let (train, _) = ravnest_node::process::train_and_test(&s, origin, &cache).unwrap();
+    let (n, batch) = (train.len() as u64, u64::from(s.training.global_batch));
     (0..steps)
         .map(|k| {
             (k * batch..(k + 1) * batch)
-                .map(|s| {
-                    let r = epoch_order(seed, s / n, n as usize)[(s % n) as usize] as usize;
-                    train.x[r * w..(r + 1) * w]
-                        .iter()
-                        .map(|&t| t as u32)
-                        .collect()
+                .map(|i| {
+                    let r = epoch_order(s.run.seed, i / n, n as usize)[(i % n) as usize] as usize;
+                    let row = train.rows(r..r + 1).unwrap();
+                    row.iter().map(|&t| t as u32).collect()
                 })
                 .collect()
         })
@@ -293,7 +291,7 @@ fn train_like_pytorch(r: Recipe) {
     case["folder"] = serde_json::json!(folder);
     case["lr"] = 0.003.into();
     case["beta1"] = 0.9.into();
-    case["batches"] = serde_json::json!(batches(&folder, train, 20, 8, 3));
+    case["batches"] = serde_json::json!(batches(&file, 20));
     let case_file = work.join("case.json");
     std::fs::write(&case_file, case.to_string()).unwrap();
     let theirs = script(&["train", case_file.to_str().unwrap()]);

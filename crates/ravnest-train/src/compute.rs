@@ -245,7 +245,7 @@ impl CandleCompute {
     }
 
     /// The batch for global sample indices `samples`: (features, labels).
-    pub fn batch(&self, samples: Range<u64>) -> (Vec<f32>, Vec<u32>) {
+    pub fn batch(&self, samples: Range<u64>) -> Result<(Vec<f32>, Vec<u32>), ComputeError> {
         self.job().batch(samples)
     }
 
@@ -367,8 +367,9 @@ impl CandleCompute {
             .worker
             .run(move || {
                 let t = Instant::now();
-                let (tokens, _) = job.batch(samples);
-                let r = op(&g, &tokens, &crate::device::current(), &job.state);
+                let r = job
+                    .batch(samples)
+                    .and_then(|(tokens, _)| op(&g, &tokens, &crate::device::current(), &job.state));
                 let took = t.elapsed();
                 if slowdown > 1.0 {
                     std::thread::sleep(took.mul_f64(slowdown - 1.0));

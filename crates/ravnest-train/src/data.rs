@@ -25,17 +25,12 @@ pub struct Dataset {
     pub classes: usize,
     /// For text: the characters, class `k` is `vocab[k]` (empty otherwise).
     pub vocab: Vec<char>,
+    /// A corpus on disk: its windows are the samples, read when a batch needs them (`x` and
+    /// `y` are empty then).
+    pub windows: Option<crate::corpus::Windows>,
 }
 
-/// A dataset could not be read.
-#[derive(Debug, thiserror::Error)]
-#[error("{origin}: {message}")]
-pub struct DataError {
-    /// File (or "digits").
-    pub origin: String,
-    /// What is wrong, with the line or offset where known.
-    pub message: String,
-}
+pub use crate::load_error::DataError;
 
 /// The order in which epoch `epoch` of a run seeded `seed` visits the `n` training samples:
 /// global sample `s` of the run is row `epoch_order(seed, s / n, n)[s % n]`. A pure function
@@ -73,19 +68,83 @@ fn err(origin: &str, message: impl Into<String>) -> DataError {
 impl Dataset {
     /// Samples.
     pub fn len(&self) -> usize {
-        self.y.len()
+        match &self.windows {
+            Some(w) => w.len(),
+            None => self.y.len(),
+        }
     }
 
     /// Whether there are no samples.
     pub fn is_empty(&self) -> bool {
-        self.y.is_empty()
+        self.len() == 0
+    }
+
+    /// A corpus's windows as a dataset of a model of `vocab` tokens.
+    pub fn of_windows(name: &str, windows: crate::corpus::Windows, vocab: usize) -> Dataset {
+        Dataset {
+            name: name.rsplit('/').next().unwrap_or(name).to_string(),
+            x: Vec::new(),
+            y: Vec::new(),
+            features: windows.width(),
+            side: None,
+            classes: vocab,
+            vocab: Vec::new(),
+            windows: Some(windows),
+        }
+    }
+
+    /// Sample `r`'s values appended to `out`.
+    pub fn row_into(&self, r: usize, out: &mut Vec<f32>) -> Result<(), DataError> {
+        match &self.windows {
+            Some(w) => w.read(r, out),
+            None => {
+                let f = self.features;
+                out.extend_from_slice(&self.x[r * f..(r + 1) * f]);
+                Ok(())
+            }
+        }
+    }
+
+    /// Samples `rows`' values, one after the other.
+    pub fn rows(&self, rows: std::ops::Range<usize>) -> Result<Vec<f32>, DataError> {
+        let mut out = Vec::with_capacity(rows.len() * self.features);
+        for r in rows {
+            self.row_into(r, &mut out)?;
+        }
+        Ok(out)
     }
 
     /// Split into (train, test): the last `max(1, n/6)` rows are the test set.
     pub fn split(&self) -> (Dataset, Dataset) {
         let n = self.len();
-        let test = (n / 6).max(1).min(n.saturating_sub(1));
-        let cut = n - test;
+        self.split_at(n - (n / 6).max(1).min(n.saturating_sub(1)))
+    }
+
+    /// Split into (train, test) with the last `fraction` of the rows (at least one) held out.
+    pub fn split_fraction(&self, fraction: f64) -> (Dataset, Dataset) {
+        let n = self.len();
+        let test = ((n as f64 * fraction).ceil() as usize)
+            .max(1)
+            .min(n.saturating_sub(1));
+        self.split_at(n - test)
+    }
+
+    /// (the first `cut` rows, the rest).
+    fn split_at(&self, cut: usize) -> (Dataset, Dataset) {
+        let n = self.len();
+        if let Some(w) = &self.windows {
+            let (a, b) = w.split_at(cut);
+            return (
+                Dataset {
+                    windows: Some(a),
+                    ..self.clone()
+                },
+                Dataset {
+                    windows: Some(b),
+                    ..self.clone()
+                },
+            );
+        }
         let part = |a: usize, b: usize| Dataset {
             name: self.name.clone(),
             x: self.x[a * self.features..b * self.features].to_vec(),
@@ -189,6 +248,7 @@ fn parse_csv(text: &str, origin: &str, scale: f32) -> Result<Dataset, DataError>
         side,
         classes,
         vocab: Vec::new(),
+        windows: None,
     })
 }
 
@@ -253,6 +313,7 @@ fn load_idx(path: &Path, images: &[u8]) -> Result<Dataset, DataError> {
         side: (rows == cols).then_some(rows),
         classes,
         vocab: Vec::new(),
+        windows: None,
     })
 }
 
@@ -336,6 +397,7 @@ impl Dataset {
             side: None,
             classes: vocab,
             vocab: Vec::new(),
+            windows: None,
         })
     }
 
@@ -371,6 +433,7 @@ impl Dataset {
             side: None,
             classes: 256,
             vocab: Vec::new(),
+            windows: None,
         })
     }
 
@@ -416,6 +479,7 @@ impl Dataset {
             side: None,
             classes: vocab.len(),
             vocab,
+            windows: None,
         })
     }
 }

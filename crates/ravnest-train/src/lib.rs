@@ -4,6 +4,7 @@
 //! node's process over them is `ravnest-node`'s.
 
 pub mod compute;
+pub mod corpus;
 pub mod data;
 pub mod device;
 pub mod folder;
@@ -17,5 +18,4 @@ pub mod optim;
 pub mod state;
 pub mod store;
 pub mod tok;
-pub mod tokens;
 pub mod worker;

@@ -143,6 +143,10 @@ pub(super) struct RunToml {
     pub(super) warmup_steps: Option<Spanned<u64>>,
     pub(super) min_lr: Option<Spanned<f64>>,
     pub(super) decay_steps: Option<Spanned<u64>>,
+    pub(super) dataset_field: Option<String>,
+    pub(super) dataset_dtype: Option<Spanned<String>>,
+    pub(super) eval_dataset: Option<String>,
+    pub(super) eval_fraction: Option<Spanned<f64>>,
 }
 
 pub(super) const NETWORKS: &[&str] = &["mlp", "cnn", "char", "gpt"];

@@ -175,6 +175,7 @@ pub(super) fn resolve_run(
         run.min_nodes = Some(n);
     }
     resolve_schedule(ctx, r, &mut run)?;
+    resolve_data(ctx, r, &mut run)?;
     Ok(run)
 }
 
@@ -225,6 +226,42 @@ fn resolve_schedule(ctx: &Ctx<'_>, r: &RunToml, run: &mut RunSettings) -> Result
             ));
         }
         run.decay_steps = Some(d);
+    }
+    Ok(())
+}
+
+/// `dataset_field`, `dataset_dtype`, `eval_dataset` and `eval_fraction`.
+fn resolve_data(ctx: &Ctx<'_>, r: &RunToml, run: &mut RunSettings) -> Result<(), ConfigError> {
+    if let Some(f) = &r.dataset_field {
+        run.dataset_field = f.clone();
+    }
+    if let Some(d) = &r.dataset_dtype {
+        if !matches!(d.get_ref().as_str(), "uint16" | "uint32") {
+            return Err(with_help(
+                ctx.err(
+                    Some(&d.span()),
+                    format!("unknown dataset_dtype `{}`", d.get_ref()),
+                ),
+                Some(did_you_mean(d.get_ref(), ["uint16", "uint32"])),
+            ));
+        }
+        run.dataset_dtype = Some(d.get_ref().clone());
+    }
+    if let Some(e) = &r.eval_dataset {
+        run.eval_dataset = Some(e.clone());
+    }
+    if let Some(f) = &r.eval_fraction {
+        let x = ctx.positive(f, "eval_fraction")?;
+        if x >= 1.0 {
+            return Err(ctx.err(Some(&f.span()), "`eval_fraction` must be below 1"));
+        }
+        if r.eval_dataset.is_some() {
+            return Err(ctx.err(
+                Some(&f.span()),
+                "give `eval_fraction` (the end of `dataset` held out) or `eval_dataset`, not both",
+            ));
+        }
+        run.eval_fraction = Some(x);
     }
     Ok(())
 }

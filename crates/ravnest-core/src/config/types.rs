@@ -166,6 +166,14 @@ pub struct RunSettings {
     pub min_lr: f64,
     /// `wsd`: steps of the final decay (default: a fifth of the steps).
     pub decay_steps: Option<u64>,
+    /// The field of a JSON Lines corpus that holds each document's text.
+    pub dataset_field: String,
+    /// The tokens of a `.bin` corpus: `uint16` or `uint32`.
+    pub dataset_dtype: Option<String>,
+    /// Held-out data of its own (else the end of `dataset` is held out).
+    pub eval_dataset: Option<String>,
+    /// The fraction of `dataset` held out at its end (default: a sixth).
+    pub eval_fraction: Option<f64>,
 }
 
 impl RunSettings {
@@ -221,6 +229,10 @@ impl Default for RunSettings {
             warmup_steps: 0,
             min_lr: 0.0,
             decay_steps: None,
+            dataset_field: "text".into(),
+            dataset_dtype: None,
+            eval_dataset: None,
+            eval_fraction: None,
         }
     }
 }

@@ -13,6 +13,7 @@
 mod admission;
 mod console;
 mod coordinate;
+mod data;
 mod gather;
 mod options;
 mod setup;
@@ -43,9 +44,10 @@ use setup::Setup;
 use tap::Tap;
 
 pub use console::describe;
+pub use data::{load_dataset, train_and_test};
 use options::coordinator_of;
 pub use options::{CALIBRATE_MS, Options, RunError, STEPPED_DOWN_EXIT, warmup_steps};
-pub use setup::{load_dataset, network_for, optim_for};
+pub use setup::{network_for, optim_for};
 
 /// The environment variable through which the local launcher tells its children its pid.
 pub const LAUNCHER_PID: &str = "RAVNEST_LAUNCHER_PID";

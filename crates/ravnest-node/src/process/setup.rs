@@ -10,6 +10,7 @@ use ravnest_core::{NodeId, Scenario};
 use ravnest_runtime::msg::Capabilities;
 
 use super::console::Say;
+use super::data::gpt_of;
 use super::options::{Options, RunError, coordinator_of};
 use crate::events::RunEvent;
 use ravnest_train::compute::CandleCompute;
@@ -17,65 +18,6 @@ use ravnest_train::data::Dataset;
 use ravnest_train::net::Network;
 use ravnest_train::optim::Optim;
 use ravnest_train::store::CheckpointFiles;
-
-/// The dataset a scenario names: text through the tokenizer of a model from a folder (its
-/// tokens cached in `cache` when given), a text file for the character model and the byte
-/// GPTs, else digits, CSV or IDX.
-pub fn load_dataset(
-    s: &Scenario,
-    origin: &str,
-    cache: Option<&std::path::Path>,
-) -> Result<Dataset, RunError> {
-    if let Some(m) = &s.run.model_from {
-        if s.run.dataset == "digits" {
-            return Err(RunError::Config(format!(
-                "{origin}: a model from a folder trains on text: set [run] dataset to a text file's path"
-            )));
-        }
-        let tok = ravnest_train::tok::Tok::open(std::path::Path::new(&m.dir))?;
-        let ids = ravnest_train::tokens::cached(&tok, std::path::Path::new(&s.run.dataset), cache)?;
-        let d = &m.decoder;
-        return Ok(Dataset::tokens(&ids, &s.run.dataset, d.seq, d.vocab)?);
-    }
-    if s.run.network == "gpt" {
-        let (.., seq, _) = gpt_of(s, origin)?;
-        if s.run.dataset == "digits" {
-            return Err(RunError::Config(format!(
-                "{origin}: [run] network = \"gpt\" trains on text: set [run] dataset to a text file's path (e.g. \"data/eighty-days.txt\")"
-            )));
-        }
-        return Ok(Dataset::load_bytes(&s.run.dataset, seq as usize)?);
-    }
-    if s.run.network == "char" {
-        if s.run.dataset == "digits" {
-            return Err(RunError::Config(format!(
-                "{origin}: [run] network = \"char\" trains on text: set [run] dataset to a text file's path"
-            )));
-        }
-        return Ok(Dataset::load_text(
-            &s.run.dataset,
-            s.run.context_chars as usize,
-        )?);
-    }
-    Ok(Dataset::load(&s.run.dataset)?)
-}
-
-/// The GPT's sizes from the scenario's `[model]`: (layers, hidden, heads, seq, vocab).
-fn gpt_of(s: &Scenario, origin: &str) -> Result<(u32, u64, u64, u64, u64), RunError> {
-    let shape = ravnest_core::model::gpt_shape(&s.model).ok_or_else(|| {
-        RunError::Config(format!(
-            "{origin}: [run] network = \"gpt\" trains a GPT: [model] preset = \"gpt-tiny\" / \"gpt-small\" / \"gpt2-small\", or kind = \"gpt\" without flash attention; model `{}` is not one",
-            s.model.name
-        ))
-    })?;
-    if shape.4 < 256 {
-        return Err(RunError::Config(format!(
-            "{origin}: the GPT reads bytes: its vocabulary needs at least 256 tokens, [model] has {}",
-            shape.4
-        )));
-    }
-    Ok(shape)
-}
 
 /// The network a scenario trains on a dataset, checked against each other.
 pub fn network_for(s: &Scenario, origin: &str, data: &Dataset) -> Result<Network, RunError> {
@@ -210,10 +152,8 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
             node: opts.node.clone(),
             source,
         })?;
-    let data = load_dataset(s, &opts.origin, Some(&opts.out_dir.join("cache")))?;
-    let (train, test) = data.split();
-    let net = network_for(s, &opts.origin, &data)?;
-    drop(data);
+    let (train, test) = super::data::train_and_test(s, &opts.origin, &opts.out_dir.join("cache"))?;
+    let net = network_for(s, &opts.origin, &train)?;
     // What the process holds before any model state exists (the bar its peak is held to).
     let rss_before_model = ravnest_train::measure::resident_memory().map_or(0, |m| m.0);
     let optim = optim_for(s);

@@ -47,16 +47,19 @@ impl Job {
         p.1[(s % n) as usize] as usize
     }
 
-    pub(super) fn batch(&self, samples: Range<u64>) -> (Vec<f32>, Vec<u32>) {
+    /// The samples' inputs and labels (a corpus's windows read from disk; their labels 0).
+    pub(super) fn batch(&self, samples: Range<u64>) -> Result<(Vec<f32>, Vec<u32>), ComputeError> {
         let f = self.data.features;
         let mut x = Vec::with_capacity((samples.end - samples.start) as usize * f);
         let mut y = Vec::with_capacity((samples.end - samples.start) as usize);
         for s in samples {
             let r = self.row(s);
-            x.extend_from_slice(&self.data.x[r * f..(r + 1) * f]);
-            y.push(self.data.y[r]);
+            self.data
+                .row_into(r, &mut x)
+                .map_err(|e| ComputeError::Backend(e.to_string()))?;
+            y.push(self.data.y.get(r).copied().unwrap_or(0));
         }
-        (x, y)
+        Ok((x, y))
     }
 
     pub(super) fn gradient_buckets(
@@ -65,7 +68,7 @@ impl Job {
         model: &CandleModel,
         sink: &mut dyn FnMut(usize, Vec<f32>),
     ) -> Result<f64, ComputeError> {
-        let (x, y) = self.batch(samples);
+        let (x, y) = self.batch(samples)?;
         let spare = &self.spare;
         let mut zeroed = |n: usize| {
             let mut buf = spare.lock().unwrap().pop().unwrap_or_default();

@@ -165,13 +165,14 @@ pub(super) fn evaluate_gpt(
     let dev = ravnest_train::device::current();
     let w = test.features;
     let rows = test.len().min(GPT_EVAL_WINDOWS);
-    let Ok((nats, accuracy)) = g.evaluate(&dev, weights, &test.x[..rows * w], 16) else {
+    // The first held-out windows (a corpus's read from disk).
+    let Ok(x) = test.rows(0..rows) else {
         return (0.0, None, None);
     };
-    let prompt: Vec<u32> = test.x[..w.min(g.seq / 2)]
-        .iter()
-        .map(|&t| t as u32)
-        .collect();
+    let Ok((nats, accuracy)) = g.evaluate(&dev, weights, &x, 16) else {
+        return (0.0, None, None);
+    };
+    let prompt: Vec<u32> = x[..w.min(g.seq / 2)].iter().map(|&t| t as u32).collect();
     let sampling = ravnest_train::gpt::Sampling {
         temperature: 0.8,
         top_k: 0,
