@@ -76,6 +76,22 @@ pub enum RunEvent {
         /// Σ over them of each sample's mean loss per token.
         loss_sum: f64,
     },
+    /// The model of a step on the held-out data (`[run] eval_every_steps`), at full precision.
+    Eval {
+        /// The node that evaluated (the coordinator's host).
+        node: String,
+        /// The step (the model after it).
+        step: u64,
+        /// Mean loss: cross-entropy per token (language models) or per sample, in nats.
+        loss: f64,
+        /// Next-token (or class) accuracy.
+        accuracy: f64,
+        /// Held-out samples evaluated.
+        samples: u64,
+        /// A language model's perplexity, e^loss.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        perplexity: Option<f64>,
+    },
     /// Something that happened to the cluster (a registration, a lost node, a checkpoint).
     Cluster {
         /// The node that says it.
@@ -109,6 +125,7 @@ impl RunEvent {
             | RunEvent::Plan { node, .. }
             | RunEvent::Progress { node, .. }
             | RunEvent::Loss { node, .. }
+            | RunEvent::Eval { node, .. }
             | RunEvent::Cluster { node, .. }
             | RunEvent::Waiting { node, .. } => Some(node),
             RunEvent::Report(r) => Some(&r.node),
@@ -167,6 +184,17 @@ impl RunEvent {
             } => format!(
                 "step {step}: loss {:.6} over {samples} samples",
                 loss_sum / (*samples).max(1) as f64
+            ),
+            RunEvent::Eval {
+                step,
+                loss,
+                accuracy,
+                samples,
+                perplexity,
+                ..
+            } => format!(
+                "evaluation at step {step}: held-out loss {loss:.4}{}, accuracy {accuracy:.3} ({samples} samples)",
+                perplexity.map_or(String::new(), |p| format!(" (perplexity {p:.2})"))
             ),
             RunEvent::Cluster { what, .. } | RunEvent::Waiting { what, .. } => what.clone(),
             RunEvent::Report(r) => format!("report of node `{}`", r.node),

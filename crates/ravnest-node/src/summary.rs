@@ -162,6 +162,10 @@ pub struct CoordinatorReport {
     /// held-out text, in nats.
     #[serde(default)]
     pub nats_per_token: Option<f64>,
+    /// The held-out evaluations during the run (`[run] eval_every_steps`): (step, mean loss,
+    /// accuracy).
+    #[serde(default)]
+    pub evaluations: Vec<(u64, f64, f64)>,
     /// A pipeline: its stages (the first plan), and the measured bubble.
     #[serde(default)]
     pub pipeline: Option<PipelineFigures>,
@@ -442,6 +446,27 @@ impl CoordinatorReport {
                     "NOT reached"
                 }
             ),
+        };
+        let quality = if self.evaluations.is_empty() {
+            quality
+        } else {
+            let shown: Vec<String> = self
+                .evaluations
+                .iter()
+                .rev()
+                .take(8)
+                .rev()
+                .map(|(s, l, _)| format!("{s}: {l:.4}"))
+                .collect();
+            format!(
+                "{quality}held-out loss during the run (step: loss{}): {}\n",
+                if self.evaluations.len() > 8 {
+                    ", the last 8"
+                } else {
+                    ""
+                },
+                shown.join(", ")
+            )
         };
         let pipeline = match &self.pipeline {
             Some(p) => format!(

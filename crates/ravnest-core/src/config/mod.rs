@@ -109,7 +109,7 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
     let mut run = resolve_run(ctx, file.run.as_ref(), run, nodes.len())?;
     // A restore goes back to the latest checkpoint a real run wrote (only the final one: to
     // the start). `plan`, `sim` and `run` price recovery with this one figure.
-    training.checkpoint_every_steps = match run.checkpoint_every_steps {
+    training.checkpoint_every_steps = match run.checkpoint_cadence() {
         0 => run.steps,
         k => k,
     };

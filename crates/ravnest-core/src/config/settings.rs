@@ -263,6 +263,9 @@ fn resolve_data(ctx: &Ctx<'_>, r: &RunToml, run: &mut RunSettings) -> Result<(),
         }
         run.eval_fraction = Some(x);
     }
+    if let Some(e) = &r.eval_every_steps {
+        run.eval_every_steps = ctx.count(e, "eval_every_steps")?;
+    }
     Ok(())
 }
 

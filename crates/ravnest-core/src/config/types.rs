@@ -174,9 +174,24 @@ pub struct RunSettings {
     pub eval_dataset: Option<String>,
     /// The fraction of `dataset` held out at its end (default: a sixth).
     pub eval_fraction: Option<f64>,
+    /// Evaluate on the held-out data every this many steps (0: only at the end).
+    pub eval_every_steps: u64,
 }
 
 impl RunSettings {
+    /// The steps between checkpoints the coordinator takes: the file's, and every evaluation's
+    /// too (an evaluation reads the checkpoint of its step, whatever the layout).
+    pub fn checkpoint_cadence(&self) -> u64 {
+        fn gcd(a: u64, b: u64) -> u64 {
+            if b == 0 { a } else { gcd(b, a % b) }
+        }
+        match (self.checkpoint_every_steps, self.eval_every_steps) {
+            (c, 0) => c,
+            (0, e) => e,
+            (c, e) => gcd(c, e),
+        }
+    }
+
     /// The learning rate's schedule over `steps` steps.
     pub fn schedule(&self) -> crate::recipe::Schedule {
         crate::recipe::Schedule {
@@ -233,6 +248,7 @@ impl Default for RunSettings {
             dataset_dtype: None,
             eval_dataset: None,
             eval_fraction: None,
+            eval_every_steps: 0,
         }
     }
 }

@@ -207,6 +207,34 @@ impl EventSink {
         EventSink { file, say, cluster }
     }
 
+    /// Pass on a held-out evaluation (or why one failed).
+    pub(super) fn eval(&mut self, r: Result<super::evaluate::Evaluation, String>) {
+        use std::io::Write;
+        let e = match r {
+            Ok(e) => e.event(&self.say.node),
+            Err(why) => {
+                self.say.cluster(format!("an evaluation failed: {why}"));
+                return;
+            }
+        };
+        if let (
+            Some(f),
+            RunEvent::Eval {
+                step,
+                loss,
+                accuracy,
+                samples,
+                perplexity,
+                ..
+            },
+        ) = (&mut self.file, &e)
+        {
+            let eval = json!({"step": step, "loss": loss, "accuracy": accuracy, "samples": samples, "perplexity": perplexity});
+            let _ = writeln!(f, "{}", json!({"what": e.human(), "eval": eval}));
+        }
+        self.say.say(&e);
+    }
+
     /// Pass on an event of the journal (agreed steps are the progress lines' business).
     pub(super) fn note(&mut self, note: &Note) {
         use std::io::Write;

@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::console::{EventSink, Say};
+use super::evaluate::Evaluator;
 use super::options::{AbortOnDrop, CALIBRATE_MS, Options, RunError};
 use super::setup::Setup;
 use crate::events::RunEvent;
@@ -134,7 +135,7 @@ fn config(h: &Host<'_>, cluster: &ravnest_core::ClusterSpec) -> Config {
     Config {
         planner: h.opts.planner,
         heartbeat_timeout_ms: s.run.heartbeat_timeout_ms,
-        checkpoint_every: s.run.checkpoint_every_steps,
+        checkpoint_every: s.run.checkpoint_cadence(),
         checkpoint_at_end: true,
         allow_pipeline: su.compute.runs_stages(),
         tuning: Tuning {
@@ -384,6 +385,8 @@ pub(super) struct Trained {
     start_step: u64,
     train_s: f64,
     events_path: std::path::PathBuf,
+    /// The held-out evaluations during the run.
+    evaluations: Vec<super::evaluate::Evaluation>,
 }
 
 /// The coordinator and checkpoint actors, until the run has finished and its final checkpoint
@@ -425,15 +428,19 @@ async fn train(
     // Relay the coordinator's events as they happen, to the console and to `events.jsonl`.
     let events_path = h.opts.out_dir.join("events.jsonl");
     let mut sink = EventSink::open(&events_path, append, start_step, h.say.clone(), cluster);
-    let is_final = |n: &Note| matches!(n, Note::Event(_, Event::CheckpointComplete { step, .. }) if *step == s.run.steps);
-    let mut final_written = false;
+    let mut evals = Evaluator::new(
+        s.run.eval_every_steps,
+        files.clone(),
+        Arc::new(su.test.clone()),
+    );
     // Nodes not in the cluster file get the leases too once admitted (an idle one would
     // otherwise take the coordinator's silence for its loss).
     let mut joined_leases = Vec::new();
     loop {
         tokio::select! {
+            r = evals.next() => sink.eval(r),
             Some(n) = notes.recv() => {
-                final_written |= is_final(&n);
+                evals.note(&n);
                 sink.note(&n);
                 if let Note::Event(_, Event::Admitted { node, .. }) = n {
                     joined_leases.push(leases(h, &[node], term));
@@ -465,20 +472,7 @@ async fn train(
         }
     }
     let train_s = train_started.elapsed().as_secs_f64();
-    // The final checkpoint's shards may still be on their way.
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !final_written {
-        match tokio::time::timeout_at(deadline, notes.recv()).await {
-            Ok(Some(n)) => {
-                final_written = is_final(&n);
-                sink.note(&n);
-            }
-            Ok(None) | Err(_) => break,
-        }
-    }
-    while let Ok(n) = notes.try_recv() {
-        sink.note(&n);
-    }
+    drain(s.run.steps, &mut notes, &mut sink, &mut evals).await;
     coord.stop(None);
     ck.stop(None);
     let log = journal.snapshot();
@@ -488,7 +482,38 @@ async fn train(
         start_step,
         train_s,
         events_path,
+        evaluations: evals.done,
     })
+}
+
+/// After the last step: the final checkpoint's shards may still be on their way (15 s at
+/// most), and the evaluations of the last checkpoints may still run (2 min at most).
+async fn drain(
+    steps: u64,
+    notes: &mut tokio::sync::mpsc::UnboundedReceiver<Note>,
+    sink: &mut EventSink,
+    evals: &mut Evaluator,
+) {
+    let is_final = |n: &Note| matches!(n, Note::Event(_, Event::CheckpointComplete { step, .. }) if *step == steps);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while let Ok(Some(n)) = tokio::time::timeout_at(deadline, notes.recv()).await {
+        evals.note(&n);
+        sink.note(&n);
+        if is_final(&n) {
+            break;
+        }
+    }
+    while let Ok(n) = notes.try_recv() {
+        evals.note(&n);
+        sink.note(&n);
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while evals.busy() {
+        match tokio::time::timeout_at(deadline, evals.next()).await {
+            Ok(r) => sink.eval(r),
+            Err(_) => break,
+        }
+    }
 }
 
 /// How the coordinator's run ended, from its events: an error when it stalled or failed, or

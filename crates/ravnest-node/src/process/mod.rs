@@ -14,6 +14,7 @@ mod admission;
 mod console;
 mod coordinate;
 mod data;
+mod evaluate;
 mod gather;
 mod options;
 mod setup;

@@ -135,6 +135,10 @@ struct Quality {
 
 fn quality(h: &Host<'_>) -> Quality {
     let s = &h.opts.scenario;
+    // The training's peak memory, before the final model is read to be evaluated.
+    if let Some((_, peak)) = ravnest_train::measure::resident_memory() {
+        let _ = h.su.trained_peak_rss.set(peak);
+    }
     let (accuracy, sample, bits) = evaluate(h);
     let tokenized = s.run.model_from.is_some();
     Quality {
@@ -211,10 +215,6 @@ pub(super) fn coordinator_report(
 ) -> CoordinatorReport {
     let s = &h.opts.scenario;
     let log = &t.log;
-    // The training's peak memory, before the final model is read to be evaluated.
-    if let Some((_, peak)) = ravnest_train::measure::resident_memory() {
-        let _ = h.su.trained_peak_rss.set(peak);
-    }
     let q = quality(h);
     // The steps agreed here end at the log's last; a successor that went back below the step
     // it took over at (the newest version every member held) redid the steps from there.
@@ -301,6 +301,7 @@ pub(super) fn coordinator_report(
         sample: q.sample,
         bits_per_byte: q.bits_per_byte,
         nats_per_token: q.nats_per_token,
+        evaluations: t.evaluations.iter().map(|e| e.figures()).collect(),
         pipeline: pipeline_figures(h, &cluster, log),
         checkpoints,
         checkpoint_dir: files.dir.display().to_string(),
