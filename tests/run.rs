@@ -224,6 +224,55 @@ fn local_cluster_reaches_target_accuracy_and_writes_loadable_checkpoints() {
     }
 }
 
+/// The record in `events.jsonl` of who trained which samples (the coordinator's plans: from
+/// which step each node brings which range of every step's global batch) gives every sample
+/// of the run's `steps` steps of `batch` exactly once: each step's final plan (the last one,
+/// in order, from at or before it: a step halted and redone under a later plan counts there)
+/// tiles its batch with no overlap.
+fn exactly_once(events: &str, steps: u64, batch: u64) {
+    let plans: Vec<(u64, Vec<(String, u64, u64)>)> = events
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| {
+            let from = v["from_step"].as_u64()?;
+            let samples = v["samples"]
+                .as_array()?
+                .iter()
+                .map(|r| {
+                    let n = r[0].as_str().unwrap_or("?").to_string();
+                    (n, r[1].as_u64().unwrap(), r[2].as_u64().unwrap())
+                })
+                .collect();
+            Some((from, samples))
+        })
+        .collect();
+    assert!(plans.len() >= 2, "a re-plan after the loss: {plans:?}");
+    let mut count = vec![0u32; (steps * batch) as usize];
+    for s in 0..steps {
+        let (_, ranges) = plans
+            .iter()
+            .rev()
+            .find(|(from, _)| *from <= s)
+            .unwrap_or_else(|| panic!("no plan for step {s}: {plans:?}"));
+        for (_, a, b) in ranges {
+            for id in s * batch + a..s * batch + b {
+                count[id as usize] += 1;
+            }
+        }
+    }
+    let wrong: Vec<(usize, u32)> = count
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| **c != 1)
+        .map(|(i, c)| (i, *c))
+        .take(5)
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "samples not trained exactly once: {wrong:?} ({plans:?})"
+    );
+}
+
 #[test]
 fn a_worker_killed_with_sigkill_is_survived_and_can_rejoin() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -322,6 +371,7 @@ fn a_worker_killed_with_sigkill_is_survived_and_can_rejoin() {
         "b did not rejoin: {events:?}"
     );
     assert!(b_status.success(), "the rejoined b did not end cleanly");
+    exactly_once(&every, 220, 384);
     let first = first_loss.expect("a loss before the kill");
     let last = s["nodes"][0]["report"]["last_loss"].as_f64().unwrap();
     assert!(last < 0.5 * first, "loss did not fall: {first} -> {last}");

@@ -244,7 +244,23 @@ impl EventSink {
         learn_member(&mut self.cluster, e);
         let (t_s, what) = (*t as f64 / 1e9, describe(e, &self.cluster));
         if let Some(f) = &mut self.file {
-            let _ = writeln!(f, "{}", json!({"t_s": t_s, "what": what}));
+            let mut line = json!({"t_s": t_s, "what": what});
+            // The record of who trains which samples from which step (exactly once: each
+            // step's ranges tile its global batch; a redone step redoes the same samples).
+            if let Event::Planned { step, samples, .. } = e {
+                let name = |n: &NodeId| {
+                    self.cluster
+                        .nodes
+                        .get(n.index())
+                        .map_or("?", |x| x.name.as_str())
+                };
+                line["from_step"] = json!(step);
+                line["samples"] = samples
+                    .iter()
+                    .map(|(n, r)| json!([name(n), r.start, r.end]))
+                    .collect();
+            }
+            let _ = writeln!(f, "{line}");
         }
         self.say.say(&RunEvent::Cluster {
             node: self.say.node.clone(),
@@ -306,6 +322,7 @@ pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
             step,
             workers,
             stages,
+            ..
         } if !stages.is_empty() => format!(
             "step {step}: planned a pipeline of {} stage(s), batch {} in micro-batches: {}",
             stages

@@ -23,6 +23,10 @@ pub enum Event {
         /// Pipeline stages: each stage's node and layers, in stage order per replica (empty
         /// for data parallel).
         stages: Vec<(NodeId, ravnest_core::LayerRange)>,
+        /// The samples each node brings in, within every step's global batch: a
+        /// data-parallel or sharded worker's, a pipeline replica's first stage's. Step s trains
+        /// global samples `s·B + range` there ([`crate::digest::sample_range`]).
+        samples: Vec<(NodeId, std::ops::Range<u64>)>,
     },
     /// Layers of the version to resume from were held only by lost nodes: the latest checkpoint
     /// is restored on `node`, and training goes back to it.

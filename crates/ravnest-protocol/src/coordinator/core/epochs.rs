@@ -298,10 +298,16 @@ impl Coordinator {
                 .filter_map(|a| a.stage.as_ref().map(|s| (s.stage, a.node, s.layers)))
                 .collect();
             stages.sort_by_key(|s| (s.0, s.2));
+            let samples = assigns
+                .iter()
+                .filter(|a| a.batch > 0 && a.stage.as_ref().is_none_or(|s| s.stage == 0))
+                .map(|a| (a.node, a.offset..a.offset + a.batch))
+                .collect();
             self.emit(Event::Planned {
                 step: from,
                 workers: planned.clone(),
                 stages: stages.into_iter().map(|(_, n, l)| (n, l)).collect(),
+                samples,
             });
             self.last_planned = Some((planned, layers));
         }
