@@ -230,7 +230,9 @@ fn local_cluster_reaches_target_accuracy_and_writes_loadable_checkpoints() {
 /// in order, from at or before it: a step halted and redone under a later plan counts there)
 /// tiles its batch with no overlap.
 fn exactly_once(events: &str, steps: u64, batch: u64) {
-    let plans: Vec<(u64, Vec<(String, u64, u64)>)> = events
+    // (from which step, each node's range of every step's batch).
+    type Plan = (u64, Vec<(String, u64, u64)>);
+    let plans: Vec<Plan> = events
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter_map(|v| {
