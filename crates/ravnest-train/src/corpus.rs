@@ -213,6 +213,8 @@ pub struct Encoder<'a> {
     pub eot: Option<u32>,
     /// Names the tokenizer in the cache's key.
     pub key: &'a str,
+    /// How the cache stores tokens: uint16 where the vocabulary fits (half the disk).
+    pub dtype: TokenType,
 }
 
 impl std::fmt::Debug for Encoder<'_> {
@@ -342,7 +344,7 @@ fn corpus_key(path: &Path, field: &str) -> Result<String, DataError> {
         .collect())
 }
 
-/// The token file of the corpus at `path` through `enc`, tokenized once into `cache` (u32,
+/// The token file of the corpus at `path` through `enc`, tokenized once into `cache` (in `enc.dtype`,
 /// streamed: one document in memory at a time) and reused by every later run and every node
 /// process of the machine (one tokenizes under a lock file, the others wait for it).
 pub fn tokenized(
@@ -354,8 +356,12 @@ pub fn tokenized(
     let stem = path
         .file_name()
         .map_or("corpus".into(), |n| n.to_string_lossy().into_owned());
+    let ext = match enc.dtype {
+        TokenType::U16 => "u16",
+        TokenType::U32 => "u32",
+    };
     let file = cache.join(format!(
-        "{stem}.{}.{}.u32",
+        "{stem}.{}.{}.{ext}",
         enc.key,
         corpus_key(path, field)?
     ));
@@ -393,8 +399,16 @@ fn write_tokens(path: &Path, field: &str, enc: &Encoder<'_>, file: &Path) -> Res
     let io = |e: std::io::Error| err(file, format!("cannot write the tokens: {e}"));
     documents(path, field, &mut |text| {
         let ids = (enc.encode)(text).map_err(|e| err(path, e))?;
-        for t in ids.iter().chain(enc.eot.iter()) {
-            w.write_all(&t.to_le_bytes()).map_err(io)?;
+        for &t in ids.iter().chain(enc.eot.iter()) {
+            match enc.dtype {
+                TokenType::U16 => {
+                    let t = u16::try_from(t).map_err(|_| {
+                        err(path, format!("token {t} does not fit the uint16 cache"))
+                    })?;
+                    w.write_all(&t.to_le_bytes()).map_err(io)?
+                }
+                TokenType::U32 => w.write_all(&t.to_le_bytes()).map_err(io)?,
+            }
         }
         Ok(())
     })?;

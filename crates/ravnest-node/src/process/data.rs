@@ -77,6 +77,11 @@ fn load(s: &Scenario, origin: &str, spec: &str, cache: &Path) -> Result<Dataset,
         let files = TokenFiles::open(&ravnest_train::corpus::shards(path)?, dtype, seq)?;
         return windows(spec, files, vocab);
     }
+    let dtype = if vocab <= 1 << 16 {
+        TokenType::U16
+    } else {
+        TokenType::U32
+    };
     match &s.run.model_from {
         Some(m) => {
             let tok = ravnest_train::tok::Tok::open(Path::new(&m.dir))?;
@@ -86,9 +91,10 @@ fn load(s: &Scenario, origin: &str, spec: &str, cache: &Path) -> Result<Dataset,
                 encode: &encode,
                 eot: tok.eos,
                 key: &key,
+                dtype,
             };
             let file = ravnest_train::corpus::tokenized(path, &s.run.dataset_field, &enc, cache)?;
-            windows(spec, TokenFiles::open(&[file], TokenType::U32, seq)?, vocab)
+            windows(spec, TokenFiles::open(&[file], dtype, seq)?, vocab)
         }
         None if ravnest_train::corpus::is_documents(path) => {
             // A byte-level GPT: each document's bytes, a newline between documents (the end of
@@ -98,9 +104,10 @@ fn load(s: &Scenario, origin: &str, spec: &str, cache: &Path) -> Result<Dataset,
                 encode: &encode,
                 eot: Some(u32::from(b'\n')),
                 key: "bytes",
+                dtype,
             };
             let file = ravnest_train::corpus::tokenized(path, &s.run.dataset_field, &enc, cache)?;
-            windows(spec, TokenFiles::open(&[file], TokenType::U32, seq)?, vocab)
+            windows(spec, TokenFiles::open(&[file], dtype, seq)?, vocab)
         }
         None => Ok(Dataset::load_bytes(spec, seq)?),
     }

@@ -205,6 +205,12 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
     };
     if me == coordinator_of(s) {
         compute.resume = guard_checkpoints(opts, say, &files)?;
+        if s.training.precision != ravnest_core::Precision::Fp32 {
+            say.cluster(format!(
+                "note: [training] precision = \"{}\": `run` computes in fp32 (mixed precision is not built yet); the plan's memory and speed figures assume {0}",
+                s.training.precision.as_str()
+            ));
+        }
     }
     compute.micro_batch = u64::from(s.training.micro_batch).max(1);
     // The memory budget before measuring: a model it cannot hold is measured by its layers.
