@@ -65,7 +65,7 @@ pub(super) fn recovery_text(p: &Plan, mtbf_h: f64, every: u64, redundancy: &str)
     };
     let _ = writeln!(
         out,
-        "recovery ({} of every layer): {}; expected {} per step ({} node(s), one loss per {} h each){charged}",
+        "recovery ({} of every layer): {};\n  expected {} per step ({} node(s), one loss per {} h each){charged}",
         copies(r),
         loss_parts(r, every),
         secs(r.per_step_s),

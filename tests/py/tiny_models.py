@@ -107,7 +107,7 @@ def make(out, text_path):
         # misplaced or transposed tensor shows in the loss.
         with torch.no_grad():
             for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
+                p.add_(torch.randn_like(p) * 0.15)
         folder = os.path.join(out, name)
         model.save_pretrained(folder, safe_serialization=True)
         tok.save_pretrained(folder)

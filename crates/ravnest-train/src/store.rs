@@ -9,7 +9,8 @@
 //! `torch.nn` module (`load_state_dict(strict=True)`); its metadata (`__metadata__`) holds
 //! `format` (`pt`), `step`, `model` (the network's configuration as JSON), `optimizer`,
 //! `learning_rate`, `seed` and `dataset`. The optimizer file holds `<state>.<name>` per tensor
-//! (`momentum.fc0.weight`, AdamW's `m.` and `v.`) and `step` (AdamW's step count).
+//! (`momentum.fc0.weight`, AdamW's `adam_m.` and `adam_v.`) and `step` (AdamW's step count, and
+//! a scheduled optimizer's).
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;

@@ -429,6 +429,24 @@ pub fn split_line<'a>(
     } else {
         "data parallel"
     };
+    if parts.len() > SPLIT_NAMED {
+        // Too many to name: alike ones (the same layers and batch) counted.
+        let mut groups: Vec<((Option<LayerRange>, u64), usize)> = Vec::new();
+        for (_, batch, layers) in &parts {
+            match groups.iter_mut().find(|g| g.0 == (*layers, *batch)) {
+                Some(g) => g.1 += 1,
+                None => groups.push(((*layers, *batch), 1)),
+            }
+        }
+        let items: Vec<String> = groups
+            .iter()
+            .map(|((layers, batch), n)| match layers {
+                Some(l) => format!("{l} {batch} x{n}"),
+                None => format!("{batch} x{n}"),
+            })
+            .collect();
+        return format!("{kind}: {} nodes: {}", parts.len(), items.join(", "));
+    }
     let items: Vec<String> = parts
         .iter()
         .map(|(name, batch, layers)| match layers {
@@ -438,6 +456,9 @@ pub fn split_line<'a>(
         .collect();
     format!("{kind}: {}", items.join(", "))
 }
+
+/// Nodes a split line names one by one; more are counted by kind.
+pub const SPLIT_NAMED: usize = 12;
 
 impl Plan {
     /// This plan's [`split_line`].

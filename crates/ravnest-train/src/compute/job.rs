@@ -15,7 +15,7 @@ use crate::gpt::StageInput;
 use crate::net::Network;
 use crate::state::{CandleModel, ModelState};
 
-/// The part of a [`CandleCompute`] a gradient needs, owned.
+/// The part of a [`CandleCompute`](super::CandleCompute) a gradient needs, owned.
 #[derive(Debug, Clone)]
 pub(super) struct Job {
     pub(super) net: Network,

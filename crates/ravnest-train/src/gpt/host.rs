@@ -28,7 +28,7 @@ pub(super) fn mm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 }
 
 /// The parameters of one layer as the fast path reads them (its tensors in
-/// [`Gpt::layer_params`] order, contiguous on the CPU).
+/// [`Gpt::layer_params`](super::Gpt::layer_params) order, contiguous on the CPU).
 pub(super) type Layer = [Tensor];
 
 /// Add the values of `t` into `acc`.
