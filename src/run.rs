@@ -140,7 +140,10 @@ pub fn run(args: RunArgs) -> Result<()> {
                 eprintln!("{why}");
                 std::process::exit(ravnest_node::process::STEPPED_DOWN_EXIT);
             }
-            ran?;
+            if ran?.coordinator.is_some_and(|c| c.stopped.is_some()) {
+                // Stopped on request, cleanly: the report and the `--resume` line are printed.
+                std::process::exit(ravnest_node::process::STOPPED_EXIT);
+            }
             Ok(())
         }
         None => local_cluster(&args, &scenario, &out),
@@ -192,11 +195,87 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
         );
         children.push((n.name.clone(), child));
     }
+    relay_stops(tx.clone());
     drop(tx);
     let bars = Bars::new(args.json, s.run.steps, &children);
-    let reports = watch(args, &rx, &mut children, &bars)?;
+    let reports = watch(args, out, &rx, &mut children, &bars)?;
     bars.done();
     finish(args, s, out, &mut children, &reports)
+}
+
+/// The message on the children's channel that says this process was asked to stop.
+const STOP: usize = usize::MAX;
+
+/// SIGINT (a terminal's Ctrl-C, `timeout`) and SIGTERM (a service manager, a job scheduler)
+/// to this process become [`STOP`] messages. The children ignore both (a terminal's Ctrl-C
+/// reaches the whole group): this process decides, and tells them (see [`watch`]).
+fn relay_stops(tx: mpsc::Sender<(usize, Option<RunEvent>)>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return eprintln!("note: Ctrl-C will not stop the run cleanly: {e}"),
+    };
+    let (int, term) = rt.block_on(async {
+        (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        )
+    });
+    let (Ok(mut int), Ok(mut term)) = (int, term) else {
+        return eprintln!("note: Ctrl-C will not stop the run cleanly: no signal handler");
+    };
+    std::thread::spawn(move || {
+        rt.block_on(async move {
+            loop {
+                tokio::select! {
+                    _ = int.recv() => {}
+                    _ = term.recv() => {}
+                }
+                if tx.send((STOP, None)).is_err() {
+                    return;
+                }
+            }
+        });
+    });
+}
+
+/// Send `sig` to every child still running.
+fn signal_children(children: &mut [(String, Child)], sig: rustix::process::Signal) {
+    for (_, c) in children.iter_mut() {
+        if matches!(c.try_wait(), Ok(None))
+            && let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32)
+        {
+            let _ = rustix::process::kill_process(pid, sig);
+        }
+    }
+}
+
+/// A stop request to the launcher: the first asks the children to stop (the coordinator's host
+/// ends the run cleanly, with a checkpoint, and its report follows as usual); a second kills
+/// them at once, removes the checkpoint parts no round will complete, and exits.
+fn on_stop(stops: &mut u32, out: &Path, children: &mut [(String, Child)], bars: &Bars) {
+    *stops += 1;
+    if *stops == 1 {
+        bars.println(
+            "stop requested (Ctrl-C or SIGTERM): the run ends once the steps in flight finish, with a checkpoint there (Ctrl-C again to stop at once)".into(),
+        );
+        signal_children(children, rustix::process::Signal::USR1);
+        return;
+    }
+    signal_children(children, rustix::process::Signal::KILL);
+    for (_, c) in children.iter_mut() {
+        let _ = c.wait();
+    }
+    let _ = std::fs::remove_dir_all(out.join("checkpoints").join(".parts"));
+    bars.done();
+    eprintln!(
+        "stopped at once: every node process ended; the latest checkpoint in {} stays the latest (continue with --resume)",
+        out.join("checkpoints").display()
+    );
+    std::process::exit(ravnest_node::process::INTERRUPTED_EXIT);
 }
 
 /// Before starting anything: every node is on this machine, no earlier run's checkpoints are
@@ -338,19 +417,35 @@ impl Bars {
 /// coordinator that stepped down (`STEPPED_DOWN_EXIT`) once a newer term took over.
 fn watch(
     args: &RunArgs,
+    out: &Path,
     rx: &mpsc::Receiver<(usize, Option<RunEvent>)>,
     children: &mut [(String, Child)],
     bars: &Bars,
 ) -> Result<Vec<Option<NodeReport>>> {
     let mut reports: Vec<Option<NodeReport>> = vec![None; children.len()];
     let mut open = children.len();
+    let mut stops = 0;
     while open > 0 {
         let Ok((i, msg)) = rx.recv() else { break };
+        if i == STOP {
+            on_stop(&mut stops, out, children, bars);
+            continue;
+        }
         let Some(v) = msg else {
             open -= 1;
             if reports[i].is_none() {
                 let status = children[i].1.wait()?;
                 let stepped_down = status.code() == Some(ravnest_node::process::STEPPED_DOWN_EXIT);
+                if stops > 0 && status.code() == Some(ravnest_node::process::STOPPED_EXIT) {
+                    // Stopped before training began (nothing to save): the others go too.
+                    signal_children(children, rustix::process::Signal::KILL);
+                    for (_, c) in children.iter_mut() {
+                        let _ = c.wait();
+                    }
+                    bars.done();
+                    eprintln!("stopped before training began; nothing to save");
+                    std::process::exit(ravnest_node::process::STOPPED_EXIT);
+                }
                 if status.code().is_some_and(|c| c != 0) && !stepped_down {
                     for (_, c) in children.iter_mut() {
                         let _ = c.kill();
@@ -431,6 +526,8 @@ fn finish(
         let status = child.wait()?;
         if status.code() == Some(ravnest_node::process::STEPPED_DOWN_EXIT) {
             failed.push(format!("{name} (stepped down)"));
+        } else if status.code() == Some(ravnest_node::process::STOPPED_EXIT) {
+            // Stopped on request, cleanly.
         } else if !status.success() {
             failed.push(format!("{name} ({status})"));
         }
@@ -449,6 +546,17 @@ fn finish(
         })
         .collect();
     let finished = coordinator.is_some();
+    // Stopped on request: the command that continues this local run.
+    let coordinator = coordinator.map(|mut r| {
+        if let Some(c) = r.coordinator.as_mut().filter(|c| c.stopped.is_some()) {
+            c.stopped = Some(local_resume_command(args, out));
+        }
+        r
+    });
+    let stopped = coordinator
+        .as_ref()
+        .and_then(|r| r.coordinator.as_ref())
+        .is_some_and(|c| c.stopped.is_some());
     let mut merged = RunReport {
         cluster: s.cluster.name.clone(),
         coordinator,
@@ -478,7 +586,22 @@ fn finish(
             failed.join(", ")
         );
     }
+    if stopped {
+        std::process::exit(ravnest_node::process::STOPPED_EXIT);
+    }
     Ok(())
+}
+
+/// `ravnest run [FILE] --out DIR --resume`, as this local run was started.
+fn local_resume_command(args: &RunArgs, out: &Path) -> String {
+    let mut cmd = String::from("ravnest run");
+    if Path::new(&args.origin).is_file() {
+        cmd += &format!(" {}", args.origin);
+    }
+    if let Some(k) = args.steps {
+        cmd += &format!(" --steps {k}");
+    }
+    cmd + &format!(" --out {} --resume", out.display())
 }
 
 /// The timeline of a local run from its nodes' reports: one lane per node on the clock all

@@ -189,6 +189,10 @@ pub struct CoordinatorReport {
     /// `start_step`, where it took over).
     #[serde(default)]
     pub took_over_from: Option<String>,
+    /// A run stopped on request (Ctrl-C, SIGTERM): the command that continues it from its
+    /// latest checkpoint.
+    #[serde(default)]
+    pub stopped: Option<String>,
     /// The profile this run measured (`profile.toml` in its output folder), when written.
     #[serde(default)]
     pub profile_file: Option<String>,
@@ -496,7 +500,18 @@ impl CoordinatorReport {
             self.checkpoint_dir,
             self.final_checkpoint
         );
-        body + &sample
+        let stopped = match (&self.stopped, self.checkpoints.last()) {
+            (Some(cmd), Some(last)) => format!(
+                "\nstopped on request at step {}: the latest checkpoint is step {last}; continue with: {cmd}",
+                self.steps
+            ),
+            (Some(_), None) => format!(
+                "\nstopped on request at step {}: no checkpoint was written (set `[run] checkpoint_every_steps`); --resume has nothing to continue from",
+                self.steps
+            ),
+            (None, _) => String::new(),
+        };
+        body + &sample + &stopped
     }
 }
 

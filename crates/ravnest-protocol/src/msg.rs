@@ -358,6 +358,15 @@ pub enum Envelope {
         /// The new horizon.
         until: u64,
     },
+    /// (Coordinator → node) the user stopped the run (Ctrl-C, SIGTERM): it now ends at
+    /// version `at` (at most the assignment's `end`; no node has started a step at or past it),
+    /// and with `checkpoint` the writers checkpoint that last version.
+    StopAt {
+        /// The run's new last version.
+        at: u64,
+        /// Checkpoint version `at`.
+        checkpoint: bool,
+    },
     /// (Coordinator → node) a node of the group was lost: stop every step of `epoch` and
     /// earlier (collectives abort), and answer with [`Envelope::Halted`].
     Halt {
@@ -639,6 +648,7 @@ impl Envelope {
             Envelope::Measured { .. } => "measured",
             Envelope::Work(_) => "work",
             Envelope::Grant { .. } => "grant",
+            Envelope::StopAt { .. } => "stop-at",
             Envelope::Halt { .. } => "halt",
             Envelope::Halted { .. } => "halted",
             Envelope::Restore { .. } => "restore",

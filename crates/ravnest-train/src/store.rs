@@ -638,6 +638,14 @@ impl Store for CheckpointFiles {
     }
 }
 
+impl CheckpointFiles {
+    /// Remove the parts of checkpoint rounds that never completed (the run is over, or was
+    /// stopped: no round will complete them); the checkpoints themselves stay.
+    pub fn clear_parts(&self) {
+        let _ = std::fs::remove_dir_all(self.dir.join(".parts"));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

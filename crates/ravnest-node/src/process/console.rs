@@ -47,6 +47,22 @@ impl Say {
         });
     }
 
+    /// A phase of start-up that may take a while (loading data, measuring): said once it has
+    /// taken a second, then every 5 s with the time so far, until the returned guard is
+    /// dropped (a quick one says nothing).
+    pub(super) fn phase(&self, what: &str) -> super::options::AbortOnDrop {
+        let (say, what) = (self.clone(), what.to_string());
+        super::options::AbortOnDrop(tokio::spawn(async move {
+            let t0 = tokio::time::Instant::now();
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            say.cluster(format!("{what} ..."));
+            loop {
+                tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+                say.waiting(format!("{what}: {} s so far", t0.elapsed().as_secs()));
+            }
+        }))
+    }
+
     /// What this node waits for, in words.
     pub(super) fn waiting(&self, what: impl Into<String>) {
         self.say(&RunEvent::Waiting {
@@ -290,6 +306,14 @@ pub(super) fn learn_member(cluster: &mut ravnest_core::ClusterSpec, e: &Event) {
 /// The events of a stale term and of a checkpoint not written, in words.
 fn describe_split(e: &Event) -> String {
     match e {
+        Event::Stopping { at, checkpoint } => format!(
+            "stopping: the run ends at step {at}{}",
+            if *checkpoint {
+                ", once the steps in flight finish, with a checkpoint there"
+            } else {
+                " (no epoch was running)"
+            }
+        ),
         Event::CutOff { step, why } => {
             format!("this coordinator gives its term up at step {step}: {why}, for three silences")
         }
@@ -414,9 +438,10 @@ pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
         ),
         Event::CheckpointComplete { step, .. } => format!("checkpoint of step {step} written"),
         Event::Violation(w) => format!("violation: {w}"),
-        Event::CutOff { .. } | Event::CheckpointFailed { .. } | Event::Superseded { .. } => {
-            describe_split(e)
-        }
+        Event::CutOff { .. }
+        | Event::CheckpointFailed { .. }
+        | Event::Superseded { .. }
+        | Event::Stopping { .. } => describe_split(e),
         Event::Waiting { step, why } => {
             format!("{why}: training waits at step {step} for lost nodes to come back")
         }

@@ -36,6 +36,8 @@ pub(super) struct Host<'a> {
     pub t0: Instant,
     /// Set while the coordinator runs here: new nodes get their ids from this process.
     pub hosting: Arc<std::sync::atomic::AtomicBool>,
+    /// Stop requests (Ctrl-C, SIGTERM, the launcher's): the run ends early, cleanly.
+    pub stops: super::stops::Stops,
 }
 
 /// Registrations arrive here; so do link reports and measurements.
@@ -382,6 +384,10 @@ fn plan_text(
 /// What training left behind, for the report.
 pub(super) struct Trained {
     log: ravnest_runtime::coordinator::RunLog,
+    /// The run's last version: `[run] steps`, or where a stop request ended it.
+    end: u64,
+    /// A stop request ended the run early.
+    stopped: bool,
     start_step: u64,
     train_s: f64,
     events_path: std::path::PathBuf,
@@ -436,8 +442,17 @@ async fn train(
     // Nodes not in the cluster file get the leases too once admitted (an idle one would
     // otherwise take the coordinator's silence for its loss).
     let mut joined_leases = Vec::new();
+    let mut stops = h.stops.clone();
+    stops.enter(super::stops::Phase::Training);
+    stops.clear_on_exit(files.dir.join(".parts"));
     loop {
         tokio::select! {
+            _ = stops.requested() => {
+                let _ = coord.cast(ravnest_runtime::coordinator::CoordMsg::Stop);
+                h.say.cluster(
+                    "stop requested (Ctrl-C or SIGTERM): the run ends once the steps in flight finish, with a checkpoint there (Ctrl-C again to stop at once)",
+                );
+            }
             r = evals.next() => sink.eval(r),
             Some(n) = notes.recv() => {
                 evals.note(&n);
@@ -472,12 +487,24 @@ async fn train(
         }
     }
     let train_s = train_started.elapsed().as_secs_f64();
-    drain(s.run.steps, &mut notes, &mut sink, &mut evals).await;
+    // A stop request ends the run early, at the version it chose.
+    let stopped_at = |log: &ravnest_runtime::coordinator::RunLog| {
+        log.events.iter().find_map(|(_, e)| match e {
+            Event::Stopping { at, .. } => Some(*at),
+            _ => None,
+        })
+    };
+    let end = stopped_at(&journal.snapshot()).unwrap_or(s.run.steps);
+    drain(end, &mut notes, &mut sink, &mut evals).await;
     coord.stop(None);
     ck.stop(None);
+    // Parts of rounds that never completed are of no use now.
+    files.clear_parts();
     let log = journal.snapshot();
-    how_it_ended(h, term, &files, &log)?;
+    how_it_ended(h, term, &files, &log, end)?;
     Ok(Trained {
+        stopped: stopped_at(&log).is_some(),
+        end,
         log,
         start_step,
         train_s,
@@ -523,8 +550,8 @@ fn how_it_ended(
     term: u32,
     files: &ravnest_train::store::CheckpointFiles,
     log: &ravnest_runtime::coordinator::RunLog,
+    end: u64,
 ) -> Result<(), RunError> {
-    let s = &h.opts.scenario;
     for (_, e) in &log.events {
         match e {
             Event::Stalled(why) | Event::Violation(why) => {
@@ -545,7 +572,7 @@ fn how_it_ended(
                 return Err(RunError::SteppedDown(why));
             }
             // An earlier one is said and passed over; the run's final model must be on disk.
-            Event::CheckpointFailed { step, why } if *step == s.run.steps => {
+            Event::CheckpointFailed { step, why } if *step == end => {
                 return Err(RunError::Stopped(format!(
                     "the final checkpoint (step {step}) could not be written: {why}"
                 )));

@@ -18,6 +18,7 @@ mod evaluate;
 mod gather;
 mod options;
 mod setup;
+mod stops;
 mod tap;
 mod worker;
 
@@ -49,6 +50,7 @@ pub use data::{load_dataset, train_and_test};
 use options::coordinator_of;
 pub use options::{CALIBRATE_MS, Options, RunError, STEPPED_DOWN_EXIT, warmup_steps};
 pub use setup::{network_for, optim_for};
+pub use stops::{INTERRUPTED_EXIT, STOPPED_EXIT};
 
 /// The environment variable through which the local launcher tells its children its pid.
 pub const LAUNCHER_PID: &str = "RAVNEST_LAUNCHER_PID";
@@ -176,23 +178,23 @@ pub fn run(opts: Options) -> Result<NodeReport, RunError> {
 }
 
 async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
+    let mut stops = stops::Stops::install(std::env::var_os(LAUNCHER_PID).is_some())?;
     let say = Say {
         json: opts.json,
         quiet: opts.quiet,
         node: opts.node.clone(),
     };
+    let started = Instant::now();
+    let (tcp, is_coord) = open_port(&opts).await?;
+    let mut reg_rx = registrations(&tcp, is_coord);
+    // A worker's coordinator must be reachable within the registration window, counted from
+    // this process's start (`--wait` bounds the whole start-up, measuring included).
+    let _reach = (!is_coord && !opts.join).then(|| reach_coordinator(&opts, started));
     let su = setup::setup(&opts, &say).await?;
-    let s = &opts.scenario;
-    let mut cfg = tcp_config(s, &opts.origin, su.me)?;
-    cfg.cluster_file = opts.share.as_deref().map(Arc::from);
-    let verbose = (!opts.json && !opts.quiet) || std::env::var_os("RAVNEST_LOG_NET").is_some();
-    let tcp = TcpTransport::bind(cfg, verbose).await?;
     // Found by `run --discover` while this process runs: dropped on every way out of this
     // function, which says goodbye.
     let _announcer = announce(&opts, &say, tcp.local_addr());
     let t0 = Instant::now();
-    let is_coord = su.me == coordinator_of(s);
-    let mut reg_rx = registrations(&tcp, is_coord);
     let (summary_tx, summary_rx) = mpsc::unbounded_channel();
     let net = Tap {
         inner: tcp.clone(),
@@ -221,13 +223,14 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
         counters: &counters,
         t0,
         hosting,
+        stops: stops.clone(),
     };
     let role = if is_coord {
         coordinate(&host, &mut reg_rx, &mut verdicts)
             .await
             .map(Some)
     } else {
-        match worker::wait_for_finish(&opts, &say, &net, &tcp, &mut verdicts).await {
+        match worker::wait_for_finish(&opts, &say, &net, &tcp, &mut verdicts, &mut stops).await {
             Ok(worker::Ending::Finished) => Ok(None),
             Ok(worker::Ending::Left) => {
                 progress.abort();
@@ -288,6 +291,50 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
     sup.stop(None);
     tcp.shutdown();
     Ok(report)
+}
+
+/// This node's port, opened first: a wrong address or a port in use is said before minutes of
+/// loading and measuring, and peers can connect while this node measures itself. Also whether
+/// this node hosts the coordinator.
+async fn open_port(opts: &Options) -> Result<(TcpTransport, bool), RunError> {
+    let s = &opts.scenario;
+    let me = setup::whoami(opts)?;
+    let mut cfg = tcp_config(s, &opts.origin, me)?;
+    cfg.cluster_file = opts.share.as_deref().map(Arc::from);
+    let verbose = (!opts.json && !opts.quiet) || std::env::var_os("RAVNEST_LOG_NET").is_some();
+    let tcp = TcpTransport::bind(cfg, verbose).await?;
+    Ok((tcp, me == coordinator_of(s)))
+}
+
+/// Until the coordinator's address accepts a connection: past the registration window from
+/// `started`, the process ends with an error that names the address (a typo in it, a
+/// coordinator not started, a firewall). Stopped when dropped.
+fn reach_coordinator(opts: &Options, started: Instant) -> options::AbortOnDrop {
+    let s = &opts.scenario;
+    let c = &s.cluster.nodes[coordinator_of(s).index()];
+    let (name, at) = (c.name.clone(), c.address.clone().unwrap_or_default());
+    let deadline = started + opts.register_timeout;
+    let wait_s = opts.register_timeout.as_secs();
+    options::AbortOnDrop(tokio::spawn(async move {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let tried = tokio::time::timeout(
+                left.min(Duration::from_secs(2)),
+                tokio::net::TcpStream::connect(&at),
+            )
+            .await;
+            if matches!(tried, Ok(Ok(_))) {
+                return;
+            }
+            if Instant::now() >= deadline {
+                eprintln!(
+                    "error: coordinator `{name}` at {at} did not accept a connection within {wait_s} s of this node's start: nothing listens there, or it cannot be reached from here\n  help: is `{name}` started, and is {at} its address and port? (wait longer with --wait SECS or `[run] register_timeout_s`)"
+                );
+                std::process::exit(2);
+            }
+            tokio::time::sleep(Duration::from_millis(250).min(left)).await;
+        }
+    }))
 }
 
 /// The coordinator's host listens for registrations before its node exists.

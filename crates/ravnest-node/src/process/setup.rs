@@ -117,7 +117,7 @@ pub(super) struct Setup {
 }
 
 /// This process's node in the file, or which names there are.
-fn whoami(opts: &Options) -> Result<NodeId, RunError> {
+pub(super) fn whoami(opts: &Options) -> Result<NodeId, RunError> {
     let names: Vec<&str> = opts
         .scenario
         .cluster
@@ -152,7 +152,11 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
             node: opts.node.clone(),
             source,
         })?;
-    let (train, test) = super::data::train_and_test(s, &opts.origin, &opts.out_dir.join("cache"))?;
+    let loading = say.phase(&format!("loading the dataset `{}`", s.run.dataset));
+    let (train, test) = tokio::task::block_in_place(|| {
+        super::data::train_and_test(s, &opts.origin, &opts.out_dir.join("cache"))
+    })?;
+    drop(loading);
     let net = network_for(s, &opts.origin, &train)?;
     // What the process holds before any model state exists (the bar its peak is held to).
     let rss_before_model = ravnest_train::measure::resident_memory().map_or(0, |m| m.0);
@@ -217,7 +221,10 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
     let memory = free_memory(s, me);
     compute.ledger.lock().unwrap().budget = memory;
     let compute = Arc::new(compute);
+    let measuring =
+        say.phase("measuring this node (matmul speed, the model's training step, free memory)");
     let (caps, solo) = measure(opts, say, me, &compute, run_device, slowdown, memory).await;
+    drop(measuring);
     Ok(Setup {
         me,
         rss_before_model,

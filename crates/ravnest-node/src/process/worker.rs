@@ -37,7 +37,9 @@ pub(super) async fn wait_for_finish(
     net: &Tap,
     tcp: &TcpTransport,
     verdicts: &mut mpsc::UnboundedReceiver<(NodeId, Verdict)>,
+    stops: &mut super::stops::Stops,
 ) -> Result<Ending, RunError> {
+    stops.enter(super::stops::Phase::Training);
     let s = &opts.scenario;
     let name = |n: NodeId| {
         s.cluster
@@ -57,10 +59,9 @@ pub(super) async fn wait_for_finish(
                 Ok(()) => return Ok(Ending::Finished),
                 Err(why) => break why,
             },
-            _ = tokio::signal::ctrl_c() => {
-                if leaving {
-                    return Err(RunError::Stopped("stopped by a second Ctrl-C before the coordinator let this node go".into()));
-                }
+            // A second request exits at once (see `Stops`); the launcher's children leave it
+            // to the coordinator, which ends the run.
+            _ = stops.requested(), if !stops.launched && !leaving => {
                 leaving = true;
                 let _ = tcp.send(
                     ravnest_runtime::Addr::Node(tcp.me()),
@@ -68,7 +69,7 @@ pub(super) async fn wait_for_finish(
                     ravnest_runtime::Envelope::Leave,
                 );
                 say.cluster(
-                    "Ctrl-C: leaving the cluster; this node finishes the steps the running epoch counts on it for (Ctrl-C again to stop at once)",
+                    "stop requested (Ctrl-C or SIGTERM): leaving the cluster; this node finishes the steps the running epoch counts on it for (Ctrl-C again to stop at once)",
                 );
             },
             Some((_, v)) = verdicts.recv() => match v {

@@ -47,6 +47,7 @@ mod epochs;
 mod membership;
 mod rebalance;
 mod recovery;
+mod stop;
 
 /// What the coordinator is given.
 #[derive(Debug, Clone)]
@@ -199,6 +200,9 @@ pub enum Input {
     PeerDown(NodeId),
     /// An envelope from a node.
     Net(NodeId, Envelope),
+    /// The user stopped the run (Ctrl-C, SIGTERM): end it early, cleanly (see
+    /// [`Coordinator::stop_early`]).
+    Stop,
 }
 
 /// What the driver must do, in order.
@@ -457,6 +461,9 @@ pub struct Coordinator {
     /// Nodes that left cleanly: only a `Join` brings one back (a heartbeat or report of its
     /// still in flight is not a rejoin).
     departed: BTreeSet<NodeId>,
+    /// The user asked the run to stop: `Some(None)` until its last version is chosen (an
+    /// epoch switch in flight), then `Some(Some(at))`.
+    stop: Option<Option<u64>>,
     out: Vec<Effect>,
 }
 
@@ -533,6 +540,7 @@ impl Coordinator {
             waiting: None,
             restored_at: None,
             departed: BTreeSet::new(),
+            stop: None,
             out: Vec::new(),
             cfg,
         }
@@ -605,6 +613,7 @@ impl Coordinator {
                 }
             }
             Input::Net(from, env) => self.on_net(now_ms, from, env),
+            Input::Stop => self.stop_early(),
         }
         std::mem::take(&mut self.out)
     }
@@ -806,6 +815,9 @@ impl Coordinator {
         let before = self.eras.len();
         while self.eras.len() > 1 && self.eras[1].from <= self.agreed {
             self.eras.remove(0);
+        }
+        if self.stop == Some(None) {
+            self.stop_early();
         }
         // Every step moves `agreed` (the successor needs it); an epoch that ended moves the
         // floor and who is involved (every node needs that).

@@ -165,6 +165,15 @@ pub enum Event {
         /// The newer term.
         newer: u32,
     },
+    /// The user stopped the run (Ctrl-C, SIGTERM): it ends at version `at` (the steps in
+    /// flight finish), with a checkpoint there when `checkpoint`; `at` is the last agreed
+    /// version when no epoch ran (the latest checkpoint resumes).
+    Stopping {
+        /// The run's last version.
+        at: u64,
+        /// Whether that version is checkpointed.
+        checkpoint: bool,
+    },
     /// Training cannot go on.
     Stalled(String),
     /// All steps done.
@@ -194,6 +203,7 @@ impl Event {
             Event::Superseded { .. } => "superseded",
             Event::CutOff { .. } => "cut-off",
             Event::CheckpointFailed { .. } => "checkpoint-failed",
+            Event::Stopping { .. } => "stopping",
             Event::Stalled(_) => "stalled",
             Event::Finished => "finished",
         }

@@ -42,6 +42,10 @@ impl Envelope {
                 h.u64(*epoch);
                 h.u64(*until);
             }
+            Envelope::StopAt { at, checkpoint } => {
+                h.u64(*at);
+                h.u64(u64::from(*checkpoint));
+            }
             Envelope::Measure { batch, duration_ms } => {
                 h.u64(*batch);
                 h.u64(*duration_ms);

@@ -44,6 +44,8 @@ pub enum CoordMsg {
     Tick,
     /// The transport lost its connection to a node: evidence for the detector.
     PeerDown(NodeId),
+    /// The user stopped the run (Ctrl-C, SIGTERM): end it early, cleanly.
+    Stop,
 }
 
 /// Mutable state: the state machine, and who to tell when the run ends.
@@ -172,6 +174,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
         let input = match msg {
             CoordMsg::Tick => Input::Tick,
             CoordMsg::PeerDown(n) => Input::PeerDown(n),
+            CoordMsg::Stop => Input::Stop,
             CoordMsg::Net(Addr::Node(from), env) => Input::Net(from, env),
             CoordMsg::Net(_, _) => return Ok(()),
         };

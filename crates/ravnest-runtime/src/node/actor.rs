@@ -224,6 +224,20 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         }
     }
 
+    /// The user stopped the run: it ends at version `at` (no step at or past it was started:
+    /// the coordinator chose the grant's horizon), checkpointed there with `checkpoint`.
+    fn on_stop_at(st: &mut State<C>, at: u64, checkpoint: bool) {
+        for w in [&mut st.work, &mut st.next_work].into_iter().flatten() {
+            if w.end > at {
+                w.end = at.max(w.step);
+                w.until = w.until.min(w.end);
+                if let Some(d) = w.checkpoint.as_mut() {
+                    d.at_end |= checkpoint;
+                }
+            }
+        }
+    }
+
     /// A peer asks for a version: send it, or keep the request until this node makes it.
     pub(super) fn on_state_request(
         &self,
@@ -342,6 +356,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             Envelope::Work(w) => self.on_work(st, *w).await,
             Envelope::Grant { epoch, until } => {
                 self.on_grant(st, epoch, until);
+                self.advance(st).await;
+            }
+            Envelope::StopAt { at, checkpoint } => {
+                Self::on_stop_at(st, at, checkpoint);
                 self.advance(st).await;
             }
             Envelope::Halt { epoch } => self.on_halt(st, epoch),

@@ -51,6 +51,15 @@ impl TcpTransport {
     /// what was delivered. Its end is not a peer's death (the failure detector decides that on
     /// heartbeats): the peer dials again and sends what we had not delivered.
     pub(super) async fn serve(&self, mut stream: TcpStream, remote: SocketAddr) {
+        // A connection closed before its first byte is a reachability check (a starting node
+        // seeing whether its coordinator listens; a port scan), not a peer: nothing to say.
+        let mut first = [0u8; 1];
+        if matches!(
+            tokio::time::timeout(std::time::Duration::from_secs(10), stream.peek(&mut first)).await,
+            Ok(Ok(0))
+        ) {
+            return;
+        }
         let answer = |r: &JoinRequest| {
             let sharer = self.inner.sharer.lock().unwrap().clone();
             match sharer {

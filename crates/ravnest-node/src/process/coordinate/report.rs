@@ -73,10 +73,10 @@ pub(super) fn pipeline_figures(
 
 /// The final model's accuracy on the held-out data; for the character model, the first test
 /// context continued greedily; for the GPT, bits per byte and a sampled continuation.
-pub(super) fn evaluate(h: &Host<'_>) -> (f64, Option<Sample>, Option<f64>) {
+pub(super) fn evaluate(h: &Host<'_>, end: u64) -> (f64, Option<Sample>, Option<f64>) {
     let (s, su) = (&h.opts.scenario, h.su);
     // The weights alone: the optimizer state is not needed to evaluate.
-    let model = match su.files.load_weights(s.run.steps) {
+    let model = match su.files.load_weights(end) {
         Ok(m) => m,
         Err(_) => h
             .counters
@@ -133,13 +133,13 @@ struct Quality {
     nats_per_token: Option<f64>,
 }
 
-fn quality(h: &Host<'_>) -> Quality {
+fn quality(h: &Host<'_>, end: u64) -> Quality {
     let s = &h.opts.scenario;
     // The training's peak memory, before the final model is read to be evaluated.
     if let Some((_, peak)) = ravnest_train::measure::resident_memory() {
         let _ = h.su.trained_peak_rss.set(peak);
     }
-    let (accuracy, sample, bits) = evaluate(h);
+    let (accuracy, sample, bits) = evaluate(h, end);
     let tokenized = s.run.model_from.is_some();
     Quality {
         accuracy,
@@ -215,7 +215,7 @@ pub(super) fn coordinator_report(
 ) -> CoordinatorReport {
     let s = &h.opts.scenario;
     let log = &t.log;
-    let q = quality(h);
+    let q = quality(h, t.end);
     // The steps agreed here end at the log's last; a successor that went back below the step
     // it took over at (the newest version every member held) redid the steps from there.
     let trained = log.step_done_ns.len() as u64;
@@ -305,7 +305,8 @@ pub(super) fn coordinator_report(
         pipeline: pipeline_figures(h, &cluster, log),
         checkpoints,
         checkpoint_dir: files.dir.display().to_string(),
-        final_checkpoint: files.path(s.run.steps).display().to_string(),
+        final_checkpoint: files.path(t.end).display().to_string(),
+        stopped: t.stopped.then(|| resume_command(h)),
         optimizer: s.training.optimizer.as_str().to_string(),
         plans: plans as u64,
         rebalances: log
@@ -374,4 +375,16 @@ pub(super) fn profile_inputs(
             .collect(),
         rings: Vec::new(),
     }
+}
+
+/// The command that continues a run stopped on request from its latest checkpoint: this
+/// node's, and the same with `--resume` on every other node.
+fn resume_command(h: &Host<'_>) -> String {
+    let o = h.opts;
+    format!(
+        "ravnest run {} --node {} --out {} --resume (and every other node's command with --resume)",
+        o.origin,
+        o.node,
+        o.out_dir.display()
+    )
 }

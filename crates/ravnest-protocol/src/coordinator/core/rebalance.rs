@@ -6,7 +6,7 @@ impl Coordinator {
     /// Whether measurements say a re-plan is worth it (see the module's notes on noise), and
     /// whether a node left out for its measured speed is due another chance.
     pub(super) fn consider_replan(&mut self) {
-        if self.halting.is_some() || self.eras.len() != 1 || self.finished {
+        if self.halting.is_some() || self.eras.len() != 1 || self.finished || self.stop.is_some() {
             return;
         }
         let cur = self.eras[0].clone();
