@@ -207,8 +207,8 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
 const STOP: usize = usize::MAX;
 
 /// SIGINT (a terminal's Ctrl-C, `timeout`) and SIGTERM (a service manager, a job scheduler)
-/// to this process become [`STOP`] messages. The children ignore both (a terminal's Ctrl-C
-/// reaches the whole group): this process decides, and tells them (see [`watch`]).
+/// to this process become [`STOP`] messages: this process tells its children (see [`watch`]),
+/// which run in process groups of their own.
 fn relay_stops(tx: mpsc::Sender<(usize, Option<RunEvent>)>) {
     use tokio::signal::unix::{SignalKind, signal};
     let rt = match tokio::runtime::Builder::new_current_thread()
@@ -352,6 +352,9 @@ fn node_command(args: &RunArgs, exe: &Path, file: &Path, out: &Path, name: &str)
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         cmd.env("RAYON_NUM_THREADS", "1");
     }
+    // Its own process group: a terminal's Ctrl-C reaches this process only, which tells every
+    // child (see `on_stop`); a signal to one child is that node's (a worker leaves).
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     // The child dies with this process (`kill -9` of the launcher leaves nothing behind).
     cmd.env(
         ravnest_node::process::LAUNCHER_PID,

@@ -1,14 +1,15 @@
-//! Stopping on request. A node process started by hand (`--node`) stops on SIGINT (Ctrl-C) or
-//! SIGTERM; one started by the local launcher ignores both (a terminal's Ctrl-C and a service
-//! manager's SIGTERM reach the whole process group) and stops when its launcher says so, with
-//! SIGUSR1.
+//! Stopping on request: SIGINT (Ctrl-C) or SIGTERM to a node process, or SIGUSR1 from the
+//! local launcher (whose children run in their own process group: a terminal's Ctrl-C reaches
+//! the launcher only, which tells every child).
 //!
 //! What a stop does depends on where the process is: before training there is nothing to save
 //! and it exits at once ([`STOPPED_EXIT`]); the coordinator's host ends the run early and
 //! cleanly (the steps in flight finish, a checkpoint is written, the report and the `--resume`
-//! command are printed, [`STOPPED_EXIT`]); a worker leaves the cluster. A second request exits
-//! at once ([`INTERRUPTED_EXIT`]), after removing the parts of checkpoints no round will
-//! complete.
+//! command are printed, [`STOPPED_EXIT`]); a worker leaves the cluster (not on the launcher's
+//! word: the coordinator ends the run for it). A second request exits at once
+//! ([`INTERRUPTED_EXIT`]), after removing the parts of checkpoints no round will complete; the
+//! launcher's word after a signal of the process's own (a service manager's SIGTERM to every
+//! process) is not a second request.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -37,10 +38,9 @@ pub enum Phase {
 /// The stop requests of this process, as they come.
 #[derive(Debug, Clone)]
 pub struct Stops {
-    rx: watch::Receiver<u32>,
+    /// Requests so far, and whether the latest was the launcher's.
+    rx: watch::Receiver<(u32, bool)>,
     phase: Arc<AtomicU8>,
-    /// Started by the local launcher: its signals are the launcher's to handle.
-    pub launched: bool,
     /// Checkpoint parts to remove on a second request (the coordinator's host).
     parts: Arc<std::sync::Mutex<Option<PathBuf>>>,
 }
@@ -48,7 +48,7 @@ pub struct Stops {
 impl Stops {
     /// Listen for stop requests from now on (see the module's notes).
     pub fn install(launched: bool) -> std::io::Result<Stops> {
-        let (tx, rx) = watch::channel(0u32);
+        let (tx, rx) = watch::channel((0u32, false));
         let phase = Arc::new(AtomicU8::new(Phase::Starting as u8));
         let parts: Arc<std::sync::Mutex<Option<PathBuf>>> = Arc::default();
         let mut int = signal(SignalKind::interrupt())?;
@@ -63,8 +63,9 @@ impl Stops {
                     _ = term.recv() => "SIGTERM",
                     _ = usr1.recv() => "the launcher's stop",
                 };
-                // The launcher's children stop on its word only; a process by hand on its own.
-                if launched != (what == "the launcher's stop") {
+                let launcher = what == "the launcher's stop";
+                // Only a launched process hears its launcher, and only as a first request.
+                if launcher && (!launched || n > 0) {
                     continue;
                 }
                 n += 1;
@@ -81,15 +82,10 @@ impl Stops {
                     );
                     std::process::exit(INTERRUPTED_EXIT);
                 }
-                let _ = tx.send(n);
+                let _ = tx.send((n, launcher));
             }
         });
-        Ok(Stops {
-            rx,
-            phase,
-            launched,
-            parts,
-        })
+        Ok(Stops { rx, phase, parts })
     }
 
     /// Training began (or the process went back to waiting).
@@ -102,10 +98,12 @@ impl Stops {
         *self.parts.lock().unwrap() = Some(dir);
     }
 
-    /// The next stop request (pending forever once no more can come).
-    pub async fn requested(&mut self) {
+    /// The next stop request (pending forever once no more can come): whether it is the
+    /// launcher's word (not a signal of this process's own).
+    pub async fn requested(&mut self) -> bool {
         if self.rx.changed().await.is_err() {
             std::future::pending::<()>().await;
         }
+        self.rx.borrow().1
     }
 }

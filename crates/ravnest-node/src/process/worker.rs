@@ -59,9 +59,12 @@ pub(super) async fn wait_for_finish(
                 Ok(()) => return Ok(Ending::Finished),
                 Err(why) => break why,
             },
-            // A second request exits at once (see `Stops`); the launcher's children leave it
-            // to the coordinator, which ends the run.
-            _ = stops.requested(), if !stops.launched && !leaving => {
+            // A second request exits at once (see `Stops`); the launcher's word is for the
+            // coordinator, which ends the run.
+            launcher = stops.requested(), if !leaving => {
+                if launcher {
+                    continue;
+                }
                 leaving = true;
                 let _ = tcp.send(
                     ravnest_runtime::Addr::Node(tcp.me()),
