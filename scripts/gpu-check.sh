@@ -16,6 +16,7 @@
 # generation the kernels are built for (default 90: H100/H200; 86 for RTX 30xx, 89 for 40xx).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+root=$PWD
 kit=target/gpu-kit
 
 pack() {
@@ -108,7 +109,7 @@ global_batch = 16
 micro_batch = 16
 optimizer = "adamw"
 [run]
-dataset = "data/eighty-days.txt"
+dataset = "$root/data/eighty-days.txt"
 steps = 40
 learning_rate = 0.0003
 seed = 1
@@ -144,7 +145,7 @@ PY
 gpt() {
     local out
     out=$(mktemp -d)
-    cat > "$out/solo.toml" <<'TOML'
+    cat > "$out/solo.toml" <<TOML
 [cluster]
 name = "gpu-gpt-solo"
 secret = "gpu-check"
@@ -162,7 +163,7 @@ precision = "fp32"
 sync = "ring"
 [run]
 network = "gpt"
-dataset = "data/eighty-days.txt"
+dataset = "$root/data/eighty-days.txt"
 steps = 60
 learning_rate = 0.001
 seed = 1

@@ -385,37 +385,113 @@ fn plan_command(
 }
 
 /// `ravnest run --dry-run`: the plan the run's coordinator makes on the file's figures (one
-/// policy with `plan` and `sim`), and whether the run can train the file's model.
-fn dry_run_command(file: Option<&std::path::Path>, kind: PlannerKind) -> Result<()> {
+/// policy with `plan` and `sim`), what the run would train on (data, tokenizer, precision),
+/// and the checks `run` makes before it starts (the devices this build can use, addresses,
+/// the data, the output folder): a problem `run` would refuse is an error, after the plan.
+fn dry_run_command(
+    file: Option<&Path>,
+    kind: PlannerKind,
+    device: Option<&str>,
+    out: (Option<&Path>, bool, bool),
+) -> Result<()> {
     let (origin, scenario) = load(file)?;
     let p = ravnest_core::plan_scenario(kind, &scenario)
         .with_context(|| format!("{origin}: planner `{kind}`"))?;
-    let mut out = format!(
-        "ravnest run --dry-run: {} ({origin})\nplanner {kind}: {:.1} samples/s predicted on the file's figures (the run re-plans on what each node measures)\nsplit: {}\n",
+    let mut text = format!(
+        "ravnest run --dry-run: {} ({origin})\nplanner {kind}: {} samples/s predicted on the file's figures (the run re-plans on what each node measures)\nsplit: {}\n",
         scenario.cluster.name,
-        p.step.samples_per_s,
+        ravnest_core::units::rate(p.step.samples_per_s),
         p.split_line()
     );
-    let trains = ravnest_node::process::load_dataset(&scenario, &origin, None).and_then(|d| {
-        ravnest_node::process::network_for(&scenario, &origin, &d).map(|n| n.model_spec())
-    });
+    let mut refused = Vec::new();
+    match ravnest_node::process::describe_data(&scenario, &origin) {
+        Ok(d) => text += &format!("{d}\n"),
+        Err(e) => refused.push(e.to_string()),
+    }
+    let trains = ravnest_node::process::network_for_file(&scenario, &origin);
     match trains {
         Ok(m) if m.layers == scenario.model.layers => {
-            out.push_str(&format!("run trains network `{}`\n", scenario.run.network));
+            text += &format!(
+                "network: `{}`, {}\n",
+                scenario.run.network, scenario.model.name
+            );
         }
-        Ok(m) => out.push_str(&format!(
-            "note: run trains network `{}` ({} layers), which is not the file's [model] `{}`; it plans for what it trains\n",
-            scenario.run.network,
-            m.layers.len(),
-            scenario.model.name
-        )),
-        Err(e) => out.push_str(&format!("note: `ravnest run` cannot train this file: {e}\n")),
+        Ok(m) => {
+            text += &format!(
+                "note: run trains network `{}` ({} layers), which is not the file's [model] `{}`; it plans for what it trains\n",
+                scenario.run.network,
+                m.layers.len(),
+                scenario.model.name
+            )
+        }
+        Err(e) => refused.push(e.to_string()),
     }
-    if scenario.cluster.nodes.iter().any(|n| n.address.is_none()) {
-        out.push_str("note: some nodes have no `address`: `ravnest run` needs one per node\n");
+    text += &ravnest_node::process::precision_line(&scenario);
+    for note in ignored_by_run(&scenario) {
+        text += &format!("note: {note}\n");
     }
-    emit(&out);
-    Ok(())
+    refused.extend(run_checks(&origin, &scenario, device, out));
+    emit(&text);
+    if refused.is_empty() {
+        emit("`ravnest run` would start with this file\n");
+        return Ok(());
+    }
+    for r in &refused {
+        eprintln!("error: {r}");
+    }
+    bail!(
+        "`ravnest run` would refuse this file: {} problem(s) above",
+        refused.len()
+    )
+}
+
+/// The checks `run` makes before it starts anything: every node has an address, and this
+/// build can use its device (a GPU needs a `--features cuda` build); another run's checkpoints
+/// in the output folder need `--resume` or `--overwrite`.
+fn run_checks(
+    origin: &str,
+    s: &Scenario,
+    device: Option<&str>,
+    (out, resume, overwrite): (Option<&Path>, bool, bool),
+) -> Vec<String> {
+    let mut refused = Vec::new();
+    for (i, n) in s.cluster.nodes.iter().enumerate() {
+        if n.address.is_none() {
+            refused.push(format!(
+                "{origin}: node `{}` has no `address`; `ravnest run` needs host:port for every node",
+                n.name
+            ));
+        }
+        if let Err(e) = ravnest_train::device::of_node(s, i, device).and_then(|d| d.check()) {
+            refused.push(format!("{origin}: node `{}`: {e}", n.name));
+        }
+    }
+    let out = out.map_or_else(
+        || Path::new("ravnest-out").join(&s.cluster.name),
+        Path::to_path_buf,
+    );
+    if !overwrite
+        && let Err(e) = ravnest_train::store::guard(&out.join("checkpoints"), resume, false)
+    {
+        refused.push(e.to_string());
+    }
+    refused
+}
+
+/// What the file asks for that `run` does not do (the simulator's faults; mixed precision).
+fn ignored_by_run(s: &Scenario) -> Vec<String> {
+    let sim_only = s
+        .faults
+        .iter()
+        .filter(|f| !matches!(f, ravnest_core::config::Fault::Slowdown { .. }))
+        .count();
+    let mut notes = Vec::new();
+    if sim_only > 0 {
+        notes.push(format!(
+            "{sim_only} [[fault]] table(s) other than `slowdown` are the simulator's: `run` ignores them (`ravnest sim` injects them)"
+        ));
+    }
+    notes
 }
 
 /// `ravnest sim`.
@@ -530,7 +606,12 @@ fn run_command(cmd: RunCmd) -> Result<()> {
     } = cmd;
     let kind = parse_planner(&planner)?;
     if dry_run {
-        return dry_run_command(file.as_deref(), kind);
+        return dry_run_command(
+            file.as_deref(),
+            kind,
+            device.as_deref(),
+            (out.as_deref(), resume, overwrite),
+        );
     }
     if let Some(pid) = std::env::var(ravnest_node::process::LAUNCHER_PID)
         .ok()

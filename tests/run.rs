@@ -994,6 +994,7 @@ fn a_stage_holder_killed_with_sigkill_is_restored_from_the_checkpoint_and_the_ru
 /// gpt-tiny on `memory_gib` per node (none: the machine's), AdamW, the shipped novel, a final
 /// checkpoint only; `layout` restricts the plan's kind.
 fn gpt_file(dir: &Path, name: &str, memory_gib: &[Option<f64>], layout: &str) -> PathBuf {
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/eighty-days.txt");
     let mut t = format!("[cluster]\nname = \"{name}\"\nsecret = \"e2e-secret\"\n\n");
     for (k, (m, port)) in memory_gib
         .iter()
@@ -1012,7 +1013,7 @@ fn gpt_file(dir: &Path, name: &str, memory_gib: &[Option<f64>], layout: &str) ->
         "[links]\nbandwidth_gbps = 40.0\nlatency_ms = 0.05\n\n[model]\npreset = \"gpt-tiny\"\n\n\
          [training]\nglobal_batch = 12\nmicro_batch = 2\noptimizer = \"adamw\"\nprecision = \"fp32\"\n\
          memory_reserve_gib = 0\nsync = \"ring\"\nlayout = \"{layout}\"\n\n\
-         [run]\nnetwork = \"gpt\"\ndataset = \"data/eighty-days.txt\"\nsteps = 8\n\
+         [run]\nnetwork = \"gpt\"\ndataset = {data:?}\nsteps = 8\n\
          learning_rate = 0.003\nmomentum = 0.9\nweight_decay = 0.01\nseed = 1\n\
          checkpoint_every_steps = 0\nheartbeat_timeout_ms = 10000\n"
     );

@@ -340,14 +340,9 @@ pub static CATALOG: &[DeviceSpec] = &[
 /// Look a device up by catalog id. Case-insensitive, and `-`/`_`/spaces are ignored, so
 /// `RTX 3090`, `rtx_3090` and `rtx3090` all name the same card.
 pub fn lookup(name: &str) -> Option<&'static DeviceSpec> {
-    let mut key = normalize(name);
-    // `cuda:N` names a device ordinal for `ravnest run`; the catalog entry is `cuda`.
-    if let Some(n) = key.strip_prefix("cuda:")
-        && !n.is_empty()
-        && n.chars().all(|c| c.is_ascii_digit())
-    {
-        key = "cuda".into();
-    }
+    // `MODEL:N` (`cuda:1`, `rtx3090:1`) names GPU N of the machine for `ravnest run`; the
+    // catalog entry is the model's.
+    let key = normalize(split_ordinal(name).0);
     CATALOG.iter().find(|d| normalize(d.id) == key).or_else(|| {
         // Aliases people type: vendor prefixes.
         let stripped = key
@@ -355,6 +350,82 @@ pub fn lookup(name: &str) -> Option<&'static DeviceSpec> {
             .or_else(|| key.strip_prefix("geforce"))?;
         CATALOG.iter().find(|d| normalize(d.id) == stripped)
     })
+}
+
+/// A device name and the GPU ordinal it names (`rtx3090:1` → (`rtx3090`, Some(1))).
+pub fn split_ordinal(name: &str) -> (&str, Option<u32>) {
+    match name.trim().rsplit_once(':') {
+        Some((model, n)) if !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()) => {
+            (model, n.parse().ok())
+        }
+        _ => (name.trim(), None),
+    }
+}
+
+/// A hint for a device name the catalog lacks, by family and model number rather than by
+/// spelling (`RTX 3060 Ti` is not an `rtx4060ti`): the catalog's entry of the same family and
+/// number (another variant of the card), else of the same family (its nearest number), with
+/// the generic `cuda` entry and its own figures as the way to name any card.
+pub fn hint(name: &str) -> String {
+    let key = normalize(split_ordinal(name).0);
+    let key = key
+        .strip_prefix("nvidia")
+        .or_else(|| key.strip_prefix("geforce"))
+        .unwrap_or(&key)
+        .to_string();
+    let parts = |k: &str| -> (String, Option<u32>) {
+        let family: String = k.chars().take_while(|c| c.is_ascii_alphabetic()).collect();
+        let digits: String = k[family.len()..]
+            .chars()
+            .take_while(|c| c.is_ascii_digit())
+            .collect();
+        (family, digits.parse().ok())
+    };
+    let (family, number) = parts(&key);
+    let same_family: Vec<(&DeviceSpec, Option<u32>)> = CATALOG
+        .iter()
+        .map(|d| (d, parts(&normalize(d.id)).1))
+        .filter(|(d, _)| !family.is_empty() && parts(&normalize(d.id)).0 == family)
+        .collect();
+    let generic = "or any card: device = \"cuda\" (GPU 0; \"cuda:1\" the second) with its memory_gib and tflops (effective training TFLOP/s)";
+    let sorted_digits = |n: u32| {
+        let mut d: Vec<char> = n.to_string().chars().collect();
+        d.sort_unstable();
+        d
+    };
+    // The same digits in another order: a typo of that card (`rtx3600`).
+    if let Some(n) = number
+        && let Some((d, _)) = same_family
+            .iter()
+            .find(|(_, m)| m.is_some_and(|m| m != n && sorted_digits(m) == sorted_digits(n)))
+    {
+        return format!("did you mean `{}`? ({generic})", d.id);
+    }
+    let near = match number {
+        Some(n) => same_family
+            .iter()
+            .filter(|(_, m)| m.is_some())
+            .min_by_key(|(_, m)| m.unwrap_or(0).abs_diff(n))
+            .map(|(d, m)| (*d, *m == Some(n))),
+        // No model number: a misspelt name (`titan-rtc`).
+        None => {
+            return match crate::config::nearest(name, ids()) {
+                Some(n) => format!("did you mean `{n}`? ({generic})"),
+                None => format!("not in the catalog (`ravnest catalog` lists it); {generic}"),
+            };
+        }
+    };
+    match near {
+        Some((d, true)) => format!(
+            "`{}` ({}, {} GiB) is the catalog's card of that model number; {generic}",
+            d.id, d.name, d.memory_gib
+        ),
+        Some((d, false)) => format!(
+            "not in the catalog (`ravnest catalog` lists it); its family's nearest is `{}` ({}, {} GiB): a different card; {generic}",
+            d.id, d.name, d.memory_gib
+        ),
+        None => format!("not in the catalog (`ravnest catalog` lists it); {generic}"),
+    }
 }
 
 fn normalize(s: &str) -> String {
@@ -372,6 +443,27 @@ pub fn ids() -> impl Iterator<Item = &'static str> + Clone {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hints_go_by_family_and_model_number_and_ordinals_name_a_card() {
+        assert!(
+            hint("RTX 3060 Ti").contains("`rtx3060`"),
+            "{}",
+            hint("RTX 3060 Ti")
+        );
+        let h = hint("rtx5090");
+        assert!(
+            h.contains("`rtx4090`") && h.contains("a different card"),
+            "{h}"
+        );
+        let h = hint("h200");
+        assert!(h.contains("`h100`") && !h.contains("gh200"), "{h}");
+        assert!(hint("quadro9000").contains("device = \"cuda\""));
+        assert_eq!(lookup("rtx3090:1").map(|d| d.id), Some("rtx3090"));
+        assert_eq!(lookup("cuda:2").map(|d| d.id), Some("cuda"));
+        assert_eq!(split_ordinal("rtx3090:1"), ("rtx3090", Some(1)));
+        assert_eq!(split_ordinal("cpu"), ("cpu", None));
+    }
 
     #[test]
     fn catalog_is_sorted_and_siblings_resolve() {

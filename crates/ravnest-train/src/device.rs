@@ -65,9 +65,11 @@ impl RunDevice {
                 .map(RunDevice::Cuda)
                 .map_err(|_| DeviceError::Unknown(name.to_string()));
         }
+        // A catalog card, GPU 0 or the one its `:N` names (`rtx3090:1`).
+        let ordinal = ravnest_core::device::split_ordinal(name).1.unwrap_or(0) as usize;
         match ravnest_core::device::lookup(name) {
             Some(d) if d.id == "cpu" => Ok(RunDevice::Cpu),
-            Some(_) => Ok(RunDevice::Cuda(0)),
+            Some(_) => Ok(RunDevice::Cuda(ordinal)),
             None => Err(DeviceError::Unknown(name.to_string())),
         }
     }

@@ -384,6 +384,19 @@ pub fn parse_scenario(
     let base = Path::new(origin)
         .parent()
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
-    let read = model_reader(base);
-    ravnest_core::parse_with(text, origin, &read)
+    let read = model_reader(base.clone());
+    let mut s = ravnest_core::parse_with(text, origin, &read)?;
+    // Data paths are the file's too: a cluster file works from any working directory.
+    s.run.dataset = relative_to(&base, &s.run.dataset);
+    s.run.eval_dataset = s.run.eval_dataset.as_deref().map(|d| relative_to(&base, d));
+    Ok(s)
+}
+
+/// `spec` (a dataset: a path, or "digits", the embedded one) read from the folder `base` when
+/// it is a relative path.
+pub fn relative_to(base: &Path, spec: &str) -> String {
+    if spec == "digits" || Path::new(spec).is_absolute() || base.as_os_str().is_empty() {
+        return spec.to_string();
+    }
+    base.join(spec).display().to_string()
 }

@@ -278,6 +278,17 @@ impl EventSink {
             }
             let _ = writeln!(f, "{line}");
         }
+        // A measured ring that changes no plan is a figure for events.jsonl, not a console line
+        // every few seconds.
+        if matches!(
+            e,
+            Event::LinksScaled {
+                replanned: false,
+                ..
+            }
+        ) {
+            return;
+        }
         self.say.say(&RunEvent::Cluster {
             node: self.say.node.clone(),
             what,
@@ -306,6 +317,14 @@ pub(super) fn learn_member(cluster: &mut ravnest_core::ClusterSpec, e: &Event) {
 /// The events of a stale term and of a checkpoint not written, in words.
 fn describe_split(e: &Event) -> String {
     match e {
+        Event::Resync { step, silent_ms } => format!(
+            "no step agreed for {:.1} s though every node is alive (a message was lost): step {step} and on redone from what every node holds",
+            *silent_ms as f64 / 1e3
+        ),
+        Event::Waiting { step, why } => {
+            format!("{why}: training waits at step {step} for lost nodes to come back")
+        }
+
         Event::Stopping { at, checkpoint } => format!(
             "stopping: the run ends at step {at}{}",
             if *checkpoint {
@@ -412,11 +431,14 @@ pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
                 " (the plan stays)"
             }
         ),
+        Event::Probation { step, nodes } => {
+            let names: Vec<String> = nodes.iter().map(|n| format!("`{}`", name(n))).collect();
+            format!(
+                "after step {step}: {} left out for measured slowness, tried again at the configured speed (probation; the next try waits twice as long): re-planned",
+                names.join(", ")
+            )
+        }
         Event::Refused(why) => format!("checkpoint shard refused: {why}"),
-        Event::Resync { step, silent_ms } => format!(
-            "no step agreed for {:.1} s though every node is alive (a message was lost): step {step} and on redone from what every node holds",
-            *silent_ms as f64 / 1e3
-        ),
         Event::Joined { node } => format!("node `{}` joined", name(node)),
         Event::Admitted { name, device, .. } => format!(
             "node `{name}` (not in the cluster file) joins the running cluster: {device}; it gets work at the next epoch"
@@ -441,10 +463,9 @@ pub fn describe(e: &Event, cluster: &ravnest_core::ClusterSpec) -> String {
         Event::CutOff { .. }
         | Event::CheckpointFailed { .. }
         | Event::Superseded { .. }
-        | Event::Stopping { .. } => describe_split(e),
-        Event::Waiting { step, why } => {
-            format!("{why}: training waits at step {step} for lost nodes to come back")
-        }
+        | Event::Stopping { .. }
+        | Event::Resync { .. }
+        | Event::Waiting { .. } => describe_split(e),
         Event::Stalled(w) => format!("stalled: {w}"),
         Event::Finished => "finished".into(),
     }

@@ -16,9 +16,9 @@ pub fn train_and_test(
     origin: &str,
     cache: &Path,
 ) -> Result<(Dataset, Dataset), RunError> {
-    let data = load(s, origin, &s.run.dataset, cache)?;
+    let data = load(s, origin, &s.run.dataset, cache).map_err(|e| named(e, origin, "dataset"))?;
     if let Some(e) = &s.run.eval_dataset {
-        let eval = load(s, origin, e, cache)?;
+        let eval = load(s, origin, e, cache).map_err(|e| named(e, origin, "eval_dataset"))?;
         if eval.features != data.features {
             return Err(RunError::Config(format!(
                 "{origin}: eval_dataset `{e}` has samples of {} values, dataset `{}` of {}",
@@ -31,6 +31,23 @@ pub fn train_and_test(
         Some(f) => data.split_fraction(f),
         None => data.split(),
     })
+}
+
+/// A dataset that cannot be read, said with the cluster file's line that names it (a relative
+/// path there is read from the file's folder: the message shows the path tried).
+fn named(e: RunError, origin: &str, key: &str) -> RunError {
+    let RunError::Data(d) = e else { return e };
+    let line = std::fs::read_to_string(origin).ok().and_then(|t| {
+        t.lines().position(|l| {
+            l.trim_start()
+                .strip_prefix(key)
+                .is_some_and(|r| r.trim_start().starts_with('='))
+        })
+    });
+    let at = line.map_or_else(|| origin.to_string(), |n| format!("{origin}:{}", n + 1));
+    RunError::Config(format!(
+        "{at}: [run] {key}: {d} (a relative path is read from the cluster file's folder)"
+    ))
 }
 
 /// The dataset a scenario names, whole (see [`train_and_test`]; `cache`: where a text
@@ -111,6 +128,69 @@ fn load(s: &Scenario, origin: &str, spec: &str, cache: &Path) -> Result<Dataset,
         }
         None => Ok(Dataset::load_bytes(spec, seq)?),
     }
+}
+
+/// What a run of `s` would train on, in words (for `run --dry-run`), without reading a corpus
+/// through (a language model's is checked to exist and named by kind; small datasets are
+/// loaded): the data, the tokenizer, and the held-out part; or why the run could not read it.
+pub fn describe_data(s: &Scenario, origin: &str) -> Result<String, RunError> {
+    let transformer = s.run.model_from.is_some() || s.run.network == "gpt";
+    let held_out = match (&s.run.eval_dataset, s.run.eval_fraction) {
+        (Some(e), _) => format!("held out: `{e}`"),
+        (None, Some(f)) => format!("held out: its last {:.1}%", 100.0 * f),
+        (None, None) => "held out: its last sixth".into(),
+    };
+    if !transformer {
+        let d = load_dataset(s, origin, None).map_err(|e| named(e, origin, "dataset"))?;
+        return Ok(format!(
+            "data: `{}`: {} samples of {} values; {held_out}",
+            s.run.dataset,
+            d.len(),
+            d.features
+        ));
+    }
+    let path = Path::new(&s.run.dataset);
+    if s.run.dataset == "digits" {
+        return Err(RunError::Config(format!(
+            "{origin}: a language model trains on text: set [run] dataset to a text file, a folder of .txt files, a .jsonl corpus or .bin token shards"
+        )));
+    }
+    if !path.exists() {
+        return Err(named(
+            RunError::Data(ravnest_train::data::DataError {
+                origin: s.run.dataset.clone(),
+                message: "no such file or folder".into(),
+            }),
+            origin,
+            "dataset",
+        ));
+    }
+    let kind = if ravnest_train::corpus::is_token_shards(path) {
+        format!(
+            "pre-tokenized .bin shards ({})",
+            s.run
+                .dataset_dtype
+                .as_deref()
+                .unwrap_or("dataset_dtype missing: the run refuses them")
+        )
+    } else if path.is_dir() {
+        "a folder of text files, each a document".into()
+    } else if ravnest_train::corpus::is_documents(path) {
+        format!("JSON Lines, field `{}`", s.run.dataset_field)
+    } else {
+        "one text file".into()
+    };
+    let tokenizer = match &s.run.model_from {
+        Some(m) => {
+            ravnest_train::tok::Tok::open(Path::new(&m.dir))?;
+            format!("the folder's tokenizer ({}/tokenizer.json)", m.dir)
+        }
+        None => "bytes (a byte-level GPT)".into(),
+    };
+    Ok(format!(
+        "data: `{}`: {kind}, tokenized by {tokenizer} once into the output folder's cache/; {held_out}",
+        s.run.dataset
+    ))
 }
 
 /// A corpus's windows as a dataset, or why it is too small.

@@ -46,10 +46,10 @@ use setup::Setup;
 use tap::Tap;
 
 pub use console::describe;
-pub use data::{load_dataset, train_and_test};
+pub use data::{describe_data, load_dataset, train_and_test};
 use options::coordinator_of;
 pub use options::{CALIBRATE_MS, Options, RunError, STEPPED_DOWN_EXIT, warmup_steps};
-pub use setup::{network_for, optim_for};
+pub use setup::{network_for, network_for_file, optim_for, precision_line};
 pub use stops::{INTERRUPTED_EXIT, STOPPED_EXIT};
 
 /// The environment variable through which the local launcher tells its children its pid.

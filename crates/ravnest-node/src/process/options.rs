@@ -17,15 +17,14 @@ pub enum RunError {
     #[error(transparent)]
     Data(#[from] ravnest_train::data::DataError),
     /// The node's device cannot be used.
-    #[error("{origin}: node `{node}`: {source}")]
+    #[error("{origin}: node `{node}`: {reason}")]
     Device {
         /// The cluster file.
         origin: String,
         /// The node.
         node: String,
-        /// Why.
-        #[source]
-        source: ravnest_train::device::DeviceError,
+        /// Why (in the message itself, not as a source: said once).
+        reason: ravnest_train::device::DeviceError,
     },
     /// The checkpoint folder is not this run's to write, or cannot be cleared.
     #[error(transparent)]

@@ -20,6 +20,40 @@ use ravnest_train::optim::Optim;
 use ravnest_train::store::CheckpointFiles;
 
 /// The network a scenario trains on a dataset, checked against each other.
+/// The model a run of `s` trains, for `run --dry-run`: a language model's from the file alone
+/// (its corpus is not read); any other from its (small) dataset.
+pub fn network_for_file(s: &Scenario, origin: &str) -> Result<ravnest_core::ModelSpec, RunError> {
+    if let Some(m) = &s.run.model_from {
+        return Ok(Network::Gpt(ravnest_train::gpt::Gpt(m.decoder)).model_spec());
+    }
+    if s.run.network == "gpt" {
+        let (layers, hidden, heads, seq, vocab) = gpt_of(s, origin)?;
+        let g = ravnest_train::gpt::Gpt::gpt2(
+            layers as usize,
+            hidden as usize,
+            heads as usize,
+            seq as usize,
+            vocab as usize,
+        );
+        return Ok(Network::Gpt(g).model_spec());
+    }
+    let d = super::data::load_dataset(s, origin, None)?;
+    network_for(s, origin, &d).map(|n| n.model_spec())
+}
+
+/// What a run of `s` computes in, as `run --dry-run` says it.
+pub fn precision_line(s: &Scenario) -> String {
+    let p = s.training.precision;
+    if p == ravnest_core::Precision::Fp32 {
+        "precision: fp32\n".into()
+    } else {
+        format!(
+            "note: [training] precision = \"{}\": `run` computes in fp32 (mixed precision is not built yet); the plan's memory and speed figures assume {0}\n",
+            p.as_str()
+        )
+    }
+}
+
 pub fn network_for(s: &Scenario, origin: &str, data: &Dataset) -> Result<Network, RunError> {
     if let Some(m) = &s.run.model_from {
         return Ok(Network::Gpt(ravnest_train::gpt::Gpt(m.decoder)));
@@ -147,10 +181,10 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
     // The device first: everything this process computes is made there.
     let run_device = ravnest_train::device::of_node(s, me.index(), opts.device.as_deref())
         .and_then(|d| ravnest_train::device::select(d).map(|_| d))
-        .map_err(|source| RunError::Device {
+        .map_err(|reason| RunError::Device {
             origin: opts.origin.clone(),
             node: opts.node.clone(),
-            source,
+            reason,
         })?;
     let loading = say.phase(&format!("loading the dataset `{}`", s.run.dataset));
     let (train, test) = tokio::task::block_in_place(|| {

@@ -66,6 +66,15 @@ pub enum Event {
         /// Per worker: (node, seconds per sample assumed, seconds per sample measured).
         speeds: Vec<(NodeId, f64, f64)>,
     },
+    /// Nodes left out for their measured speed are tried again at their configured speed
+    /// (probation: a straggler that recovered comes back; each try waits twice as long), and
+    /// that changes the plan.
+    Probation {
+        /// The last agreed step when decided.
+        step: u64,
+        /// The nodes tried again.
+        nodes: Vec<NodeId>,
+    },
     /// The data-parallel ring measured slower (or faster) than the links the plan assumed:
     /// every link's bandwidth is scaled by `scale` for planning, and the live nodes were
     /// re-planned when that changed the plan.
@@ -196,6 +205,7 @@ impl Event {
             Event::Left { .. } => "left",
             Event::Rebalanced { .. } => "rebalanced",
             Event::LinksScaled { .. } => "links-scaled",
+            Event::Probation { .. } => "probation",
             Event::CheckpointComplete { .. } => "checkpoint",
             Event::Refused(_) => "shard-refused",
             Event::Violation(_) => "violation",

@@ -200,7 +200,14 @@ impl Coordinator {
             *wait.or_insert(self.cfg.tuning.probation_steps) *= 2;
             self.on_probation.insert(*n);
         }
-        !due.is_empty() && self.plan_changes(cur)
+        let changes = !due.is_empty() && self.plan_changes(cur);
+        if changes {
+            self.emit(Event::Probation {
+                step: self.agreed,
+                nodes: due,
+            });
+        }
+        changes
     }
 
     /// Whether planning the live nodes now gives `cur` other batches or workers.
