@@ -249,6 +249,11 @@ pub struct Comparisons {
 
 /// `ravnest plan` as text.
 pub fn plan_text(origin: &str, s: &Scenario, p: &Plan, cmp: &Comparisons) -> String {
+    super::text::wrap(&plan_lines(origin, s, p, cmp), super::text::WIDTH)
+}
+
+/// The plan's lines, before wrapping.
+fn plan_lines(origin: &str, s: &Scenario, p: &Plan, cmp: &Comparisons) -> String {
     let mut out = String::new();
     let params = s.model.params();
     let _ = writeln!(out, "ravnest plan: {} ({origin})", s.cluster.name);

@@ -146,12 +146,11 @@ impl RunEvent {
                 device,
                 matmul_gflops,
                 matmul_bf16_gflops,
-                samples_per_s,
                 memory_gib,
                 slowdown,
                 ..
             } => format!(
-                "measured on {device}: {matmul_gflops:.1} GFLOP/s candle matmul{}, {samples_per_s:.0} samples/s on the model, {memory_gib:.1} GiB free{}",
+                "measured on {device}: {matmul_gflops:.1} GFLOP/s candle matmul{}, {memory_gib:.1} GiB free{} (the model's speed is measured next, every node at once)",
                 match matmul_bf16_gflops {
                     Some(g) => format!(" ({g:.1} in bf16)"),
                     None => String::new(),

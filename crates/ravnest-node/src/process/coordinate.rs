@@ -64,7 +64,7 @@ pub(super) async fn coordinate(
     let mut cluster = h.opts.scenario.cluster.clone();
     probe_links(h, reg_rx, &all, &mut cluster).await;
     let solo = measure_together(h, reg_rx, &caps, &mut cluster).await;
-    let plan_text = plan_text(h, &cluster, &all)?;
+    let plan_text = plan_text(h, &cluster, &all, &solo)?;
     h.say.say(&RunEvent::Plan {
         node: h.say.node.clone(),
         text: plan_text,
@@ -327,6 +327,7 @@ fn plan_text(
     h: &Host<'_>,
     cluster: &ravnest_core::ClusterSpec,
     registered: &[NodeId],
+    solo: &BTreeMap<NodeId, Calibration>,
 ) -> Result<String, RunError> {
     let (opts, su) = (h.opts, h.su);
     let model_spec = su.compute.net.model_spec();
@@ -358,11 +359,13 @@ fn plan_text(
                     ),
                     None => String::new(),
                 };
+                // The figure `measured together` printed, the same in the report's table.
+                let measured = solo.get(&id).map_or(0.0, |m| m.samples_per_s);
                 format!(
                     "  {:<10} batch {:>4}   measured {:>8.0} samples/s   link {:.2} ms, {:.1} Gbit/s{stage}",
                     node.name,
                     pn.batch,
-                    node.flops / model_spec.train_flops_per_sample(),
+                    measured,
                     node.link.latency_ms,
                     node.link.bandwidth_gbps
                 )
