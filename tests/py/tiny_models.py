@@ -198,7 +198,8 @@ def train(case_path):
     ]
     opt = torch.optim.AdamW(groups, lr=case["lr"], betas=(case["beta1"], 0.999), eps=1e-8)
     sched = scheduler(opt, case.get("schedule"))
-    losses = []
+    losses, norms = [], []
+    max_norm = case.get("max_grad_norm")
     for batch in case["batches"]:
         batch = torch.tensor(batch, dtype=torch.long)
         logits = model(batch[:, :-1]).logits
@@ -207,11 +208,14 @@ def train(case_path):
         )
         opt.zero_grad()
         loss.backward()
+        if max_norm is not None:
+            # The global norm before clipping, as clip_grad_norm_ returns it.
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         opt.step()
         if sched is not None:
             sched.step()
         losses.append(loss.item())
-    print(json.dumps({"losses": losses}))
+    print(json.dumps({"losses": losses, "norms": norms}))
 
 
 if __name__ == "__main__":

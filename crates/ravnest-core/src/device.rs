@@ -365,8 +365,9 @@ pub fn split_ordinal(name: &str) -> (&str, Option<u32>) {
 /// A hint for a device name the catalog lacks, by family and model number rather than by
 /// spelling (`RTX 3060 Ti` is not an `rtx4060ti`): the catalog's entry of the same family and
 /// number (another variant of the card), else of the same family (its nearest number), with
-/// the generic `cuda` entry and its own figures as the way to name any card.
-pub fn hint(name: &str) -> String {
+/// the generic `cuda` entry and its own figures as the way to name any card. `None` for a name
+/// without a model number (a misspelling is the caller's to suggest by spelling).
+pub fn hint(name: &str) -> Option<String> {
     let key = normalize(split_ordinal(name).0);
     let key = key
         .strip_prefix("nvidia")
@@ -399,7 +400,7 @@ pub fn hint(name: &str) -> String {
             .iter()
             .find(|(_, m)| m.is_some_and(|m| m != n && sorted_digits(m) == sorted_digits(n)))
     {
-        return format!("did you mean `{}`? ({generic})", d.id);
+        return Some(format!("did you mean `{}`? ({generic})", d.id));
     }
     let near = match number {
         Some(n) => same_family
@@ -407,15 +408,10 @@ pub fn hint(name: &str) -> String {
             .filter(|(_, m)| m.is_some())
             .min_by_key(|(_, m)| m.unwrap_or(0).abs_diff(n))
             .map(|(d, m)| (*d, *m == Some(n))),
-        // No model number: a misspelt name (`titan-rtc`).
-        None => {
-            return match crate::config::nearest(name, ids()) {
-                Some(n) => format!("did you mean `{n}`? ({generic})"),
-                None => format!("not in the catalog (`ravnest catalog` lists it); {generic}"),
-            };
-        }
+        // No model number: a misspelt name (`titan-rtc`), the caller's to spell-check.
+        None => return None,
     };
-    match near {
+    Some(match near {
         Some((d, true)) => format!(
             "`{}` ({}, {} GiB) is the catalog's card of that model number; {generic}",
             d.id, d.name, d.memory_gib
@@ -425,7 +421,7 @@ pub fn hint(name: &str) -> String {
             d.id, d.name, d.memory_gib
         ),
         None => format!("not in the catalog (`ravnest catalog` lists it); {generic}"),
-    }
+    })
 }
 
 fn normalize(s: &str) -> String {
@@ -446,6 +442,10 @@ mod tests {
 
     #[test]
     fn hints_go_by_family_and_model_number_and_ordinals_name_a_card() {
+        let full = hint;
+        let hint = |n: &str| full(n).unwrap_or_default();
+        assert!(hint("rtx3600").contains("did you mean `rtx3060`?"));
+        assert_eq!(full("titan-rtc"), None);
         assert!(
             hint("RTX 3060 Ti").contains("`rtx3060`"),
             "{}",

@@ -113,6 +113,30 @@ pub fn decays(shape: &[usize]) -> bool {
     shape.len() >= 2
 }
 
+/// The factor global gradient-norm clipping multiplies a gradient by, given the sum of its
+/// squared values: `max / (norm + 1e-6)` when the norm exceeds `max`, else 1 (as
+/// `torch.nn.utils.clip_grad_norm_`, whose factor is that clamped to 1).
+pub fn clip_factor(sum_sq: f64, max: f32) -> f32 {
+    let norm = sum_sq.max(0.0).sqrt();
+    let f = f64::from(max) / (norm + 1e-6);
+    f.min(1.0) as f32
+}
+
+/// Clip the gradient made of `parts` (together one vector) to global norm `max`, in place.
+pub fn clip_global(parts: &mut [&mut [f32]], max: f32) {
+    let sum_sq: f64 = parts
+        .iter()
+        .flat_map(|p| p.iter())
+        .map(|&x| f64::from(x) * f64::from(x))
+        .sum();
+    let f = clip_factor(sum_sq, max);
+    if f < 1.0 {
+        for x in parts.iter_mut().flat_map(|p| p.iter_mut()) {
+            *x *= f;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,5 +175,27 @@ mod tests {
         assert_eq!(w.factor(100), 0.0);
         assert!(Schedule::CONSTANT.is_constant());
         assert!(decays(&[3, 4]) && !decays(&[4]));
+    }
+
+    /// Clipped, a gradient's norm is at most `max` (a hair under it), its direction is kept,
+    /// and one under `max` is untouched; however it is cut into parts.
+    #[test]
+    fn clipping_bounds_the_norm_and_keeps_the_direction() {
+        use proptest::prelude::*;
+        proptest!(ProptestConfig::with_cases(256), |(g in proptest::collection::vec(-50.0f32..50.0, 1..200), max in 0.01f32..20.0, cut in 0usize..200)| {
+            let norm = |v: &[f32]| v.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+            let mut c = g.clone();
+            let (a, b) = c.split_at_mut(cut.min(g.len()));
+            clip_global(&mut [a, b], max);
+            let (n0, n1) = (norm(&g), norm(&c));
+            if n0 <= f64::from(max) {
+                prop_assert_eq!(&c, &g);
+            } else {
+                prop_assert!(n1 <= f64::from(max) * (1.0 + 1e-5), "{n1} > {max}");
+                prop_assert!((n1 - f64::from(max)).abs() <= 1e-3 * f64::from(max) + 1e-5, "{n1} vs {max}");
+                let dot: f64 = g.iter().zip(&c).map(|(&x, &y)| f64::from(x) * f64::from(y)).sum();
+                prop_assert!((dot / (n0 * n1) - 1.0).abs() < 1e-5);
+            }
+        });
     }
 }

@@ -274,6 +274,15 @@ pub trait Compute: Send + Sync + 'static {
         Probe::Whole
     }
 
+    /// Clip the global norm of each step's averaged gradient to this (`[run] max_grad_norm`):
+    /// a data-parallel node then holds a step's reduced buckets until all are in, and scales
+    /// them by `min(1, max / (norm + 1e-6))` before applying any, as
+    /// `torch.nn.utils.clip_grad_norm_` does after DDP's averaging; under local SGD, each
+    /// node's own gradient. `None`: no clipping.
+    fn max_grad_norm(&self) -> Option<f32> {
+        None
+    }
+
     /// Whether this backend runs pipeline stages ([`Compute::stage_forward`] and
     /// [`Compute::stage_backward`]). The coordinator plans pipelines only for backends that do.
     fn runs_stages(&self) -> bool {

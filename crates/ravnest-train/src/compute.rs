@@ -47,6 +47,8 @@ pub struct CandleCompute {
     pub micro_batch: u64,
     /// The model state this backend makes and updates (per tensor, on the device).
     state: Arc<ModelState>,
+    /// Clip each step's global gradient norm to this ([`Compute::max_grad_norm`]).
+    pub max_grad_norm: Option<f32>,
 }
 
 /// The checkpoint a resumed run starts from: its version, and where its values are read from.
@@ -140,6 +142,7 @@ impl CandleCompute {
             ledger: Arc::default(),
             micro_batch: 4,
             state,
+            max_grad_norm: None,
         }
     }
 
@@ -560,6 +563,10 @@ impl Compute for CandleCompute {
 
     fn runs_stages(&self) -> bool {
         self.gpt().is_some()
+    }
+
+    fn max_grad_norm(&self) -> Option<f32> {
+        self.max_grad_norm
     }
 
     async fn stage_forward(

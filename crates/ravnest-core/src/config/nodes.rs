@@ -7,7 +7,7 @@ use toml::Spanned;
 
 use super::ctx::Ctx;
 use super::raw::{ClusterToml, LinksToml, NodeToml};
-use super::suggest::{nearest, with_help};
+use super::suggest::{did_you_mean, nearest, with_help};
 use super::types::{ConfigError, DEFAULT_LINK};
 use crate::cluster::{Link, NodeId, NodeSpec};
 use crate::device::{self, GIB};
@@ -103,7 +103,7 @@ fn node_figures(
                 Some(&n.device.span()),
                 format!("unknown device `{dev_name}`"),
             ),
-            Some(device::hint(dev_name)),
+            Some(device::hint(dev_name).unwrap_or_else(|| did_you_mean(dev_name, device::ids()))),
         )
     })?;
     let count = match &n.count {

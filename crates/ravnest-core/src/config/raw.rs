@@ -148,6 +148,7 @@ pub(super) struct RunToml {
     pub(super) eval_dataset: Option<String>,
     pub(super) eval_fraction: Option<Spanned<f64>>,
     pub(super) eval_every_steps: Option<Spanned<u64>>,
+    pub(super) max_grad_norm: Option<Spanned<f64>>,
 }
 
 pub(super) const NETWORKS: &[&str] = &["mlp", "cnn", "char", "gpt"];

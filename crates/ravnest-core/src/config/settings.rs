@@ -266,6 +266,9 @@ fn resolve_data(ctx: &Ctx<'_>, r: &RunToml, run: &mut RunSettings) -> Result<(),
     if let Some(e) = &r.eval_every_steps {
         run.eval_every_steps = ctx.count(e, "eval_every_steps")?;
     }
+    if let Some(m) = &r.max_grad_norm {
+        run.max_grad_norm = Some(ctx.positive(m, "max_grad_norm")?);
+    }
     Ok(())
 }
 

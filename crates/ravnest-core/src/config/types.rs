@@ -176,6 +176,10 @@ pub struct RunSettings {
     pub eval_fraction: Option<f64>,
     /// Evaluate on the held-out data every this many steps (0: only at the end).
     pub eval_every_steps: u64,
+    /// Clip the global gradient norm to this (`None`: no clipping), as
+    /// `torch.nn.utils.clip_grad_norm_` after DDP's averaging: data-parallel runs (under local
+    /// SGD, each node's own gradient).
+    pub max_grad_norm: Option<f64>,
 }
 
 impl RunSettings {
@@ -249,6 +253,7 @@ impl Default for RunSettings {
             eval_dataset: None,
             eval_fraction: None,
             eval_every_steps: 0,
+            max_grad_norm: None,
         }
     }
 }

@@ -216,7 +216,7 @@ fn fits_nowhere(costs: &Costs<'_>) -> PlanError {
         act_gib: act,
         largest: costs.cluster.node(largest).name.clone(),
         largest_gib: costs.cluster.node(largest).memory_bytes as f64 / GIB,
-        nodes: costs.cluster.nodes.len(),
+        nodes: costs.cluster.nodes.len() as u32,
         total_gib: costs
             .cluster
             .nodes
@@ -226,6 +226,7 @@ fn fits_nowhere(costs: &Costs<'_>) -> PlanError {
             / GIB,
         sharded_gib: costs.shard_memory_bytes(crate::layers::LayerRange::from(0..0), 1) as f64
             / GIB,
+        data_parallel_only: costs.training.layout == crate::cluster::LayoutChoice::DataParallel,
     }
 }
 

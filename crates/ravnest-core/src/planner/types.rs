@@ -73,8 +73,12 @@ pub enum PlanError {
     EmptyModel(String),
     /// Nothing fits.
     #[error(
-        "model `{model}` fits nowhere: one replica needs {} (weights, gradients and {optimizer} state {} + activations of one sample {}); the largest node `{largest}` has {} usable, and no pipeline over the {nodes} nodes ({} together) fits either, nor sharded data parallel (each worker holds every weight and gradient with one sample's activations, {}, beside its part of the {optimizer} state)",
-        gib(*.state_gib + *.act_gib), gib(*.state_gib), gib(*.act_gib), gib(*.largest_gib), gib(*.total_gib), gib(*.sharded_gib)
+        "model `{model}` fits nowhere: one replica needs {} (weights, gradients and {optimizer} state {} + activations of one sample {}); the largest node `{largest}` has {} usable, {}",
+        gib(*.state_gib + *.act_gib), gib(*.state_gib), gib(*.act_gib), gib(*.largest_gib),
+        match .data_parallel_only {
+            false => format!("and no pipeline over the {nodes} nodes ({} together) fits either, nor sharded data parallel (each worker holds every weight and gradient with one sample's activations, {}, beside its part of the {optimizer} state)", gib(*.total_gib), gib(*.sharded_gib)),
+            true => "and the file allows data parallel only (`layout = \"data-parallel\"`, or `max_grad_norm`, which needs it): a pipeline or sharded plan may fit under `layout = \"auto\"` without clipping".to_string(),
+        }
     )]
     ModelFitsNowhere {
         /// Model name.
@@ -90,12 +94,14 @@ pub enum PlanError {
         /// Its usable memory, GiB.
         largest_gib: f64,
         /// Node count.
-        nodes: usize,
+        nodes: u32,
         /// All nodes' usable memory, GiB.
         total_gib: f64,
         /// What every sharded data-parallel worker needs before its part of the optimizer
         /// state, GiB.
         sharded_gib: f64,
+        /// The file allows data-parallel plans only (no pipeline or sharding was tried).
+        data_parallel_only: bool,
     },
     /// The equal split does not fit (uniform / param-count only).
     #[error("{planner}: no equal split fits this cluster's memory ({detail})")]

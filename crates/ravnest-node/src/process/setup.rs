@@ -251,6 +251,7 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
         }
     }
     compute.micro_batch = u64::from(s.training.micro_batch).max(1);
+    compute.max_grad_norm = s.run.max_grad_norm.map(|m| m as f32);
     // The memory budget before measuring: a model it cannot hold is measured by its layers.
     let memory = free_memory(s, me);
     compute.ledger.lock().unwrap().budget = memory;

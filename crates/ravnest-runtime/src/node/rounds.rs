@@ -123,6 +123,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             shard: None,
             anchor: None,
             merge: None,
+            held: Vec::new(),
         };
         match (mode, anchor, at) {
             (StepMode::Launch, Some(anchor), Some(at)) => {
@@ -197,6 +198,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             shard: None,
             anchor: None,
             merge: Some(k),
+            held: Vec::new(),
         });
         if ready {
             self.apply_merge(st, w);

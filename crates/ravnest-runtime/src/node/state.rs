@@ -140,6 +140,33 @@ pub(crate) struct Running<M> {
     pub(super) anchor: Option<Anchor>,
     /// A merge step: the step that launched the round it merges.
     pub(super) merge: Option<u64>,
+    /// Reduced buckets held until every one is in, under gradient clipping (the global norm
+    /// needs them all before any is applied): (target, mean gradient).
+    pub(super) held: Vec<(Range<usize>, Vec<f32>)>,
+}
+
+impl<M> Running<M> {
+    /// A reduced bucket of this step, and what to apply now: the bucket itself, or under
+    /// clipping (`max`) nothing until every bucket is in, then all of them clipped to global
+    /// norm `max`.
+    pub(super) fn held_until_all(
+        &mut self,
+        target: Range<usize>,
+        sum: Vec<f32>,
+        max: Option<f32>,
+    ) -> Vec<(Range<usize>, Vec<f32>)> {
+        let Some(max) = max else {
+            return vec![(target, sum)];
+        };
+        self.held.push((target, sum));
+        if self.held.len() < self.targets.len() {
+            return Vec::new();
+        }
+        let mut all = std::mem::take(&mut self.held);
+        let mut parts: Vec<&mut [f32]> = all.iter_mut().map(|(_, g)| g.as_mut_slice()).collect();
+        ravnest_core::recipe::clip_global(&mut parts, max);
+        all
+    }
 }
 
 /// An overlapped outer round (`Outer::overlap`): its exchange runs during the inner steps

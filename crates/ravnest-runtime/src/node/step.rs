@@ -182,6 +182,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             shard: shard.clone(),
             anchor: None,
             merge: None,
+            held: Vec::new(),
         });
         // Weight b_i / B, applied once, in place: the group's sum is the mean gradient of the
         // whole global batch.
@@ -318,6 +319,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 }
             }
         }
+        if let Some(max) = self.compute.max_grad_norm() {
+            // Local SGD: each node clips its own gradient (DiLoCo's inner optimizer).
+            ravnest_core::recipe::clip_global(&mut [&mut mean], max);
+        }
         let mut local = base;
         if let Err(e) = self.compute.apply_update(&mut local, 0..params, &mean) {
             self.computed(t);
@@ -401,12 +406,15 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                     self.compute.retire(old);
                 }
             }
-            let applied = self
-                .compute
-                .apply_update(&mut r.next, target, &sum)
-                .map_err(|e| e.to_string());
-            self.compute.recycle(sum);
-            applied
+            // Clipped, the buckets wait for each other: the norm is the whole gradient's.
+            let mut applied = Ok(());
+            for (target, sum) in r.held_until_all(target, sum, self.compute.max_grad_norm()) {
+                if applied.is_ok() {
+                    applied = self.compute.apply_update(&mut r.next, target, &sum);
+                }
+                self.compute.recycle(sum);
+            }
+            applied.map_err(|e| e.to_string())
         };
         if let Err(reason) = applied {
             st.running = None;
@@ -890,6 +898,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 shard: None,
                 anchor: None,
                 merge: None,
+                held: Vec::new(),
             });
             let id = CollId {
                 epoch: p.epoch,
