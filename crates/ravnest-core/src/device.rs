@@ -96,6 +96,9 @@ impl DeviceSpec {
         let fp32 = self.fp32_peak_tflops * self.fp32_efficiency() * 1e12;
         let tensor = match precision {
             Precision::Fp32 => return Some(fp32),
+            // A CPU has no half-precision units: its half-precision step is planned at its
+            // fp32 speed (candle computes half precision on a CPU no faster).
+            _ if self.id == "cpu" => return Some(fp32),
             Precision::Fp16 => self.fp16_peak_tflops?,
             Precision::Bf16 => self.bf16_peak_tflops?,
         };
