@@ -30,10 +30,15 @@ fn fresh_dir(name: &str) -> PathBuf {
 
 /// Two CPU nodes on free ports training a small MLP for `steps`, a checkpoint every 20.
 fn cluster_file(dir: &Path, steps: u64) -> PathBuf {
+    slow_cluster_file(dir, steps, 1.0)
+}
+
+/// The same, both nodes emulating a device `slowdown` times slower.
+fn slow_cluster_file(dir: &Path, steps: u64, slowdown: f64) -> PathBuf {
     let mut t = String::from("[cluster]\nname = \"stop\"\nsecret = \"stop-secret\"\n\n");
     for (name, port) in ["a", "b"].iter().zip(free_ports(2)) {
         t += &format!(
-            "[[node]]\nname = \"{name}\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{port}\"\n\n"
+            "[[node]]\nname = \"{name}\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{port}\"\nemulate_slowdown = {slowdown:.1}\n\n"
         );
     }
     t += &format!(
@@ -217,11 +222,17 @@ fn sigterm_to_the_coordinator_process_stops_the_run_cleanly() {
 fn a_second_signal_stops_a_local_run_at_once() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = fresh_dir("stop-twice");
-    let file = cluster_file(&dir, 100_000);
+    // Slow steps: the clean stop the first signal starts takes long enough for the second
+    // to arrive while it runs (a fast MLP finishes it before a second `kill` starts).
+    let file = slow_cluster_file(&dir, 100_000, 300.0);
     let (f, out) = (file.to_str().unwrap(), dir.join("out"));
     let mut run = start(&dir, "run", &["run", f, "--out", out.to_str().unwrap()]);
     wait_for_checkpoint(&out);
     signal(&run, "-TERM");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !said(&dir, "run").contains("stop requested") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
     signal(&run, "-TERM");
     let code = exit_code(&mut run, "the local run");
     assert_eq!(

@@ -533,11 +533,11 @@ mod tests {
                 .effective_flops(Precision::Bf16)
                 .is_none()
         );
-        assert!(
-            lookup("cpu")
-                .unwrap()
-                .effective_flops(Precision::Fp16)
-                .is_none()
+        // A CPU has no half-precision units: planned at its fp32 speed.
+        let cpu = lookup("cpu").unwrap();
+        assert_eq!(
+            cpu.effective_flops(Precision::Fp16),
+            cpu.effective_flops(Precision::Fp32)
         );
         let a = lookup("a100-80").unwrap();
         assert!(

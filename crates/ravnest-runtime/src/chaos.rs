@@ -92,6 +92,11 @@ impl Proxy {
                     }
                     let (ri, wi) = inbound.into_split();
                     let (ro, wo) = outbound.into_split();
+                    // Checked before every chunk too: a chunk read just as the cut comes
+                    // must not pass before the cut's own task wakes (a loaded machine).
+                    let (c1, c2) = (cut.clone(), cut.clone());
+                    let there_cut = move || c1.borrow().refuses(dialer);
+                    let back_cut = move || c2.borrow().refuses(dialer);
                     let cut_off = async move {
                         while cut.changed().await.is_ok() {
                             if cut.borrow().refuses(dialer) {
@@ -101,8 +106,8 @@ impl Proxy {
                         std::future::pending::<()>().await
                     };
                     tokio::select! {
-                        _ = pump(ri, wo, d.clone(), there) => {}
-                        _ = pump(ro, wi, d, back) => {}
+                        _ = pump(ri, wo, d.clone(), there, there_cut) => {}
+                        _ = pump(ro, wi, d, back, back_cut) => {}
                         _ = reset.changed() => {}
                         _ = cut_off => {}
                     }
@@ -185,6 +190,7 @@ async fn pump(
     mut to: tokio::net::tcp::OwnedWriteHalf,
     delay_ms: Arc<AtomicU64>,
     corrupt: Arc<AtomicU64>,
+    cut: impl Fn() -> bool,
 ) {
     let mut buf = vec![0u8; 1 << 16];
     loop {
@@ -205,7 +211,7 @@ async fn pump(
         if d > 0 {
             tokio::time::sleep(Duration::from_millis(d)).await;
         }
-        if to.write_all(&buf[..n]).await.is_err() {
+        if cut() || to.write_all(&buf[..n]).await.is_err() {
             return;
         }
     }
