@@ -1,11 +1,12 @@
 //! Stopping a run on request, end to end (real processes, real TCP on loopback):
 //!
-//! - SIGINT to a local run's own process (what `timeout`, a job scheduler or a terminal sends)
-//!   mid-training: the run ends after the steps in flight with a checkpoint there, prints its
-//!   report and the exact `--resume` command, leaves no node process and no checkpoint parts,
-//!   exits with `STOPPED_EXIT` (5); that command continues from the checkpoint it named;
-//! - SIGTERM to the coordinator's process of a `--node` cluster: the same, on that process;
-//!   the worker ends with the run;
+//! - SIGINT or SIGTERM to a local run's own process (what a terminal, `timeout`, a service
+//!   manager or a job scheduler sends) mid-training: the run ends after the steps in flight
+//!   with a checkpoint there, prints its report and the exact `--resume` command, leaves no
+//!   node process and no checkpoint parts, exits with `STOPPED_EXIT` (5); that command
+//!   continues from the checkpoint it named;
+//! - SIGINT or SIGTERM to the coordinator's process of a `--node` cluster: the same, on that
+//!   process; the worker ends with the run;
 //! - a second signal stops at once (exit 130), with nothing left behind.
 
 mod common;
@@ -144,14 +145,24 @@ fn named_checkpoint(text: &str) -> (u64, String) {
 
 #[test]
 fn sigint_to_a_local_run_stops_it_cleanly_and_resume_continues_from_the_named_checkpoint() {
+    stop_a_local_run("-INT");
+}
+
+#[test]
+fn sigterm_to_a_local_run_stops_it_cleanly_and_resume_continues_from_the_named_checkpoint() {
+    stop_a_local_run("-TERM");
+}
+
+/// `sig` to a local run's own process mid-training (see the module's notes).
+fn stop_a_local_run(sig: &str) {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = fresh_dir("stop-local");
+    let dir = fresh_dir(&format!("stop-local{sig}"));
     let file = cluster_file(&dir, 100_000);
     let (f, out) = (file.to_str().unwrap(), dir.join("out"));
     let o = out.to_str().unwrap();
     let mut run = start(&dir, "run", &["run", f, "--out", o]);
     wait_for_checkpoint(&out);
-    signal(&run, "-INT");
+    signal(&run, sig);
     let code = exit_code(&mut run, "the local run");
     let text = said(&dir, "run");
     assert_eq!(
@@ -187,15 +198,25 @@ fn sigint_to_a_local_run_stops_it_cleanly_and_resume_continues_from_the_named_ch
 
 #[test]
 fn sigterm_to_the_coordinator_process_stops_the_run_cleanly() {
+    stop_the_coordinator("-TERM");
+}
+
+#[test]
+fn sigint_to_the_coordinator_process_stops_the_run_cleanly() {
+    stop_the_coordinator("-INT");
+}
+
+/// `sig` to the coordinator's process of a two-process `--node` cluster mid-training.
+fn stop_the_coordinator(sig: &str) {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = fresh_dir("stop-node");
+    let dir = fresh_dir(&format!("stop-node{sig}"));
     let file = cluster_file(&dir, 100_000);
     let (f, out) = (file.to_str().unwrap(), dir.join("out"));
     let o = out.to_str().unwrap();
     let mut a = start(&dir, "a", &["run", f, "--node", "a", "--out", o]);
     let mut b = start(&dir, "b", &["run", f, "--node", "b", "--out", o]);
     wait_for_checkpoint(&out);
-    signal(&a, "-TERM");
+    signal(&a, sig);
     let code_a = exit_code(&mut a, "the coordinator");
     let code_b = exit_code(&mut b, "the worker");
     let text = said(&dir, "a");
