@@ -223,6 +223,25 @@ fn step_losses(stdout: &str) -> Vec<f64> {
     steps.values().map(|(l, n)| l / *n as f64).collect()
 }
 
+/// Each step's gradient norm before clipping, from the run's `grad_norm` events; every node
+/// that said one for a step said the same.
+fn grad_norms(stdout: &str) -> Vec<f64> {
+    let mut steps: std::collections::BTreeMap<u64, f64> = Default::default();
+    for line in stdout.lines() {
+        let Ok(v) = serde_json::from_str::<Value>(line) else {
+            continue;
+        };
+        if v["event"] != "grad_norm" {
+            continue;
+        }
+        let (step, norm) = (v["step"].as_u64().unwrap(), v["norm"].as_f64().unwrap());
+        if let Some(other) = steps.insert(step, norm) {
+            assert_eq!(other, norm, "step {step}: nodes disagree on the norm");
+        }
+    }
+    steps.into_values().collect()
+}
+
 /// The batches the run of cluster file `file` trains, step by step: its dataset as a node
 /// loads it (the same tokens, windows, split) in the run's order.
 fn batches(file: &Path, steps: u64) -> Vec<Vec<Vec<u32>>> {
@@ -297,13 +316,32 @@ fn train_like_pytorch(r: Recipe) {
     let theirs = script(&["train", case_file.to_str().unwrap()]);
     if let Some(max) = r.torch["max_grad_norm"].as_f64() {
         // The clipping is real: most steps' gradients were above the bound.
-        let norms = theirs["norms"].as_array().unwrap();
-        let above = norms.iter().filter(|n| n.as_f64() > Some(max)).count();
+        let norms: Vec<f64> = theirs["norms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n.as_f64().unwrap())
+            .collect();
+        let above = norms.iter().filter(|&&n| n > max).count();
         eprintln!("{layout}: {above} of 20 steps clipped to {max}: norms {norms:?}");
         assert!(
             above >= 10,
             "{layout}: {above} of 20 steps clipped: {norms:?}"
         );
+        // Every node that clipped a step says the same norm, and it is PyTorch's.
+        let ours = grad_norms(&stdout);
+        assert_eq!(ours.len(), 20, "{layout}: the steps' norms: {ours:?}");
+        // The first step's gradients are the same (the same weights and batch): its norm agrees
+        // to float rounding; later steps' weights drift apart by candle's and torch's own
+        // rounding (about 1e-7), and so do their gradients' norms (about 1e-6 by step 19).
+        for (k, (a, b)) in ours.iter().zip(&norms).enumerate() {
+            eprintln!("{layout} step {k}: gradient norm ravnest {a:.9}, pytorch {b:.9}");
+            let tol = if k == 0 { 1e-6 } else { 1e-5 };
+            assert!(
+                relative(*a, *b) < tol,
+                "{layout} step {k}: gradient norm ravnest {a} vs pytorch {b}"
+            );
+        }
     }
     let theirs: Vec<f64> = theirs["losses"]
         .as_array()
@@ -347,31 +385,35 @@ fn layout_word(layout: &str) -> &'static str {
     }
 }
 
-/// A pipeline of 3 stages, with a cosine schedule after a warm-up down to a floor, and weight
-/// decay (on the matrices only, as Trainer groups them).
+/// A pipeline of 3 stages, with a cosine schedule after a warm-up down to a floor, weight
+/// decay (on the matrices only, as Trainer groups them), and the global gradient norm clipped
+/// (the stages exchange their pieces of it).
 #[test]
 fn a_pipeline_of_the_tiny_llama_trains_as_pytorch_does() {
     train_like_pytorch(Recipe {
         layout: "pipeline",
         memory_gib: 0.0015,
-        run: "lr_schedule = \"cosine\"\nwarmup_steps = 4\nmin_lr = 0.0003\nweight_decay = 0.1",
+        run: "lr_schedule = \"cosine\"\nwarmup_steps = 4\nmin_lr = 0.0003\nweight_decay = 0.1\nmax_grad_norm = 0.5",
         torch: serde_json::json!({
             "weight_decay": 0.1,
             "schedule": {"kind": "cosine", "warmup": 4, "total": 20, "min_lr": 0.0003},
+            "max_grad_norm": 0.5,
         }),
     });
 }
 
-/// Sharded over 3 processes, a linear schedule after a warm-up.
+/// Sharded over 3 processes, a linear schedule after a warm-up, and the global gradient norm
+/// clipped (each owner's piece of it sent to the others).
 #[test]
 fn the_tiny_llama_sharded_trains_as_pytorch_does() {
     train_like_pytorch(Recipe {
         layout: "sharded",
         memory_gib: 0.0015,
-        run: "lr_schedule = \"linear\"\nwarmup_steps = 3\nweight_decay = 0.0",
+        run: "lr_schedule = \"linear\"\nwarmup_steps = 3\nweight_decay = 0.0\nmax_grad_norm = 0.8",
         torch: serde_json::json!({
             "weight_decay": 0.0,
             "schedule": {"kind": "linear", "warmup": 3, "total": 20},
+            "max_grad_norm": 0.8,
         }),
     });
 }
@@ -390,6 +432,102 @@ fn the_tiny_llama_data_parallel_trains_as_pytorch_does() {
             "max_grad_norm": 0.5,
         }),
     });
+}
+
+/// Clipping equals `torch.nn.utils.clip_grad_norm_` on the same gradients, however the
+/// norm is put together: one node's whole gradient (data parallel), stages' pieces of whole
+/// tensors (a pipeline), owners' pieces cut inside tensors (sharded), summed in part order.
+#[test]
+fn clipping_equals_clip_grad_norm() {
+    if !have_transformers() {
+        return;
+    }
+    use ravnest_core::recipe::{NormPieces, clip_factor, clip_global, scale, sum_sq};
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("clip");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x >> 11) as f64 / (1u64 << 53) as f64
+    };
+    // Tensors of mixed sizes and scales, as a model's are, under three bounds.
+    let cases: Vec<(f32, Vec<Vec<f32>>)> = [1.0f32, 0.05, 1e4]
+        .into_iter()
+        .map(|max| {
+            let tensors = (0..9)
+                .map(|k| {
+                    let (n, s) = (1 + (next() * 700.0) as usize, 10f64.powi(k % 4 - 2));
+                    (0..n).map(|_| ((next() - 0.5) * s) as f32).collect()
+                })
+                .collect();
+            (max, tensors)
+        })
+        .collect();
+    let file = dir.join("cases.json");
+    let body: Vec<Value> = cases
+        .iter()
+        .map(|(max, t)| serde_json::json!({"max": max, "tensors": t}))
+        .collect();
+    std::fs::write(&file, serde_json::json!({ "cases": body }).to_string()).unwrap();
+    let answers = script(&["clip", file.to_str().unwrap()]);
+    for (case, (max, tensors)) in cases.into_iter().enumerate() {
+        let theirs = &answers["cases"][case];
+        let want: Vec<f32> = theirs["clipped"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|t| t.as_array().unwrap().iter())
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        let want_norm = theirs["norm"].as_f64().unwrap();
+        let flat: Vec<f32> = tensors.concat();
+        // Data parallel: the whole gradient.
+        let mut whole = tensors.clone();
+        let mut parts: Vec<&mut [f32]> = whole.iter_mut().map(|t| t.as_mut_slice()).collect();
+        let norm = clip_global(&mut parts, max);
+        // A pipeline of 3 stages (whole tensors each), and 4 sharded owners (cut anywhere):
+        // each part's piece, summed in part order, then each part scaled by the factor.
+        let cuts = |bounds: &[usize]| -> (f64, Vec<f32>) {
+            let mut book = NormPieces::default();
+            for (p, w) in bounds.windows(2).enumerate() {
+                book.add(0, 0, p as u32, sum_sq(&flat[w[0]..w[1]]));
+            }
+            let total = book.total(0, 0, bounds.len() as u32 - 1).unwrap();
+            let mut v = flat.clone();
+            for w in bounds.windows(2) {
+                scale(&mut v[w[0]..w[1]], clip_factor(total, max));
+            }
+            (total.sqrt(), v)
+        };
+        let at = |k: usize| tensors[..k].iter().map(Vec::len).sum::<usize>();
+        let stages = cuts(&[0, at(3), at(7), flat.len()]);
+        let n = flat.len();
+        let shards = cuts(&[0, n / 5, n / 2, n / 2 + 3, n]);
+        for (how, got_norm, got) in [
+            ("data parallel", norm, whole.concat()),
+            ("pipeline", stages.0, stages.1),
+            ("sharded", shards.0, shards.1),
+        ] {
+            eprintln!(
+                "case {case} ({how}, max {max}): norm ravnest {got_norm:.9}, pytorch {want_norm:.9}"
+            );
+            assert!(
+                relative(got_norm, want_norm) < 1e-6,
+                "{how}: {got_norm} vs {want_norm}"
+            );
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(&a, &b)| (a - b).abs() / b.abs().max(1e-30))
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst < 1e-6,
+                "case {case} {how}: a value off by {worst} relative"
+            );
+        }
+    }
 }
 
 /// Every schedule's rate at every step equals transformers' (as LambdaLR applies it).

@@ -218,6 +218,20 @@ def train(case_path):
     print(json.dumps({"losses": losses, "norms": norms}))
 
 
+def clip(case_path):
+    # clip_grad_norm_ over parameters whose gradients are each case's tensors.
+    out = []
+    for case in json.load(open(case_path))["cases"]:
+        params = []
+        for t in case["tensors"]:
+            p = torch.nn.Parameter(torch.zeros(len(t), dtype=torch.float32))
+            p.grad = torch.tensor(t, dtype=torch.float32)
+            params.append(p)
+        norm = torch.nn.utils.clip_grad_norm_(params, case["max"]).item()
+        out.append({"norm": norm, "clipped": [p.grad.tolist() for p in params]})
+    print(json.dumps({"cases": out}))
+
+
 if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "make":
@@ -228,5 +242,7 @@ if __name__ == "__main__":
         train(sys.argv[2])
     elif cmd == "schedules":
         schedules(sys.argv[2])
+    elif cmd == "clip":
+        clip(sys.argv[2])
     else:
         sys.exit(f"unknown command {cmd}")

@@ -1,5 +1,6 @@
-//! The training recipe's pure parts: the learning rate at each step (`[run] lr_schedule`), and
-//! which tensors weight decay applies to.
+//! The training recipe's pure parts: the learning rate at each step (`[run] lr_schedule`),
+//! which tensors weight decay applies to, and global gradient-norm clipping (`[run]
+//! max_grad_norm`), with the pieces of a norm that no one node holds whole ([`NormPieces`]).
 //!
 //! The schedules are transformers' (`optimization.py`), as `LambdaLR` multiplies the base
 //! learning rate at each step, so that a run configured as a Hugging Face `Trainer` one trains
@@ -122,18 +123,65 @@ pub fn clip_factor(sum_sq: f64, max: f32) -> f32 {
     f.min(1.0) as f32
 }
 
-/// Clip the gradient made of `parts` (together one vector) to global norm `max`, in place.
-pub fn clip_global(parts: &mut [&mut [f32]], max: f32) {
-    let sum_sq: f64 = parts
-        .iter()
-        .flat_map(|p| p.iter())
-        .map(|&x| f64::from(x) * f64::from(x))
-        .sum();
-    let f = clip_factor(sum_sq, max);
-    if f < 1.0 {
-        for x in parts.iter_mut().flat_map(|p| p.iter_mut()) {
-            *x *= f;
+/// Σ x² over `values`, in f64 (one part's piece of a global norm).
+pub fn sum_sq(values: &[f32]) -> f64 {
+    values.iter().map(|&x| f64::from(x) * f64::from(x)).sum()
+}
+
+/// Multiply `values` by `f` in place (a clipping factor; 1 leaves them as they are).
+pub fn scale(values: &mut [f32], f: f32) {
+    if f != 1.0 {
+        values.iter_mut().for_each(|x| *x *= f);
+    }
+}
+
+/// Clip the gradient made of `parts` (together one vector) to global norm `max`, in place; the
+/// norm before clipping.
+pub fn clip_global(parts: &mut [&mut [f32]], max: f32) -> f64 {
+    let sq: f64 = parts.iter().map(|p| sum_sq(p)).sum();
+    let f = clip_factor(sq, max);
+    for p in parts.iter_mut() {
+        scale(p, f);
+    }
+    sq.sqrt()
+}
+
+/// The pieces of steps' global gradient norms, when no node holds a whole gradient (a
+/// pipeline's stages, a sharded run's owners): Σ x² of each part, by (epoch, step). The total
+/// is the pieces summed in part order, so that every node that has them all computes the same
+/// bits, and clips by the same factor.
+#[derive(Debug, Default, Clone)]
+pub struct NormPieces {
+    got: std::collections::BTreeMap<(u64, u64), std::collections::BTreeMap<u32, f64>>,
+}
+
+impl NormPieces {
+    /// Steps kept at once (pieces of more are refused: a peer that sends garbage).
+    pub const MAX_STEPS: usize = 1024;
+
+    /// Record part `part`'s piece of step (`epoch`, `step`); false when it was known already
+    /// (a piece is not passed on twice) or the book is full.
+    pub fn add(&mut self, epoch: u64, step: u64, part: u32, sq: f64) -> bool {
+        if !self.got.contains_key(&(epoch, step)) && self.got.len() >= Self::MAX_STEPS {
+            return false;
         }
+        let pieces = self.got.entry((epoch, step)).or_default();
+        if pieces.contains_key(&part) {
+            return false;
+        }
+        pieces.insert(part, sq);
+        true
+    }
+
+    /// Σ of parts `0..parts` of step (`epoch`, `step`) once all of them are in.
+    pub fn total(&self, epoch: u64, step: u64, parts: u32) -> Option<f64> {
+        let pieces = self.got.get(&(epoch, step))?;
+        (0..parts).map(|p| pieces.get(&p).copied()).sum()
+    }
+
+    /// Forget the pieces of steps before (`epoch`, `step`) and of epochs before `epoch`.
+    pub fn forget_before(&mut self, epoch: u64, step: u64) {
+        self.got = self.got.split_off(&(epoch, step));
     }
 }
 
@@ -177,6 +225,35 @@ mod tests {
         assert!(decays(&[3, 4]) && !decays(&[4]));
     }
 
+    /// The total is there once every part is, whatever their order, and is the same bits for
+    /// every order; a piece known already is refused; older steps are forgotten.
+    #[test]
+    fn norm_pieces_sum_in_part_order() {
+        use proptest::prelude::*;
+        proptest!(ProptestConfig::with_cases(256), |(sq in proptest::collection::vec(0.0f64..1e3, 1..9), seed in any::<u64>())| {
+            let n = sq.len() as u32;
+            let mut order: Vec<u32> = (0..n).collect();
+            let mut x = seed | 1;
+            for i in (1..order.len()).rev() {
+                x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+                order.swap(i, (x % (i as u64 + 1)) as usize);
+            }
+            let mut book = NormPieces::default();
+            prop_assert!(book.add(0, 3, 0, 1.0));
+            for (k, &p) in order.iter().enumerate() {
+                prop_assert_eq!(book.total(1, 5, n), None);
+                prop_assert!(book.add(1, 5, p, sq[p as usize]));
+                prop_assert!(!book.add(1, 5, p, 7.0));
+                prop_assert_eq!(book.total(1, 5, n).is_some(), k + 1 == order.len());
+            }
+            let want: f64 = sq.iter().sum();
+            prop_assert_eq!(book.total(1, 5, n).map(f64::to_bits), Some(want.to_bits()));
+            book.forget_before(1, 5);
+            prop_assert_eq!(book.total(0, 3, 1), None);
+            prop_assert!(book.total(1, 5, n).is_some());
+        });
+    }
+
     /// Clipped, a gradient's norm is at most `max` (a hair under it), its direction is kept,
     /// and one under `max` is untouched; however it is cut into parts.
     #[test]
@@ -186,8 +263,9 @@ mod tests {
             let norm = |v: &[f32]| v.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
             let mut c = g.clone();
             let (a, b) = c.split_at_mut(cut.min(g.len()));
-            clip_global(&mut [a, b], max);
+            let before = clip_global(&mut [a, b], max);
             let (n0, n1) = (norm(&g), norm(&c));
+            prop_assert!((before - n0).abs() <= 1e-9 * n0.max(1.0));
             if n0 <= f64::from(max) {
                 prop_assert_eq!(&c, &g);
             } else {

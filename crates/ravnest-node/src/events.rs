@@ -76,6 +76,18 @@ pub enum RunEvent {
         /// Σ over them of each sample's mean loss per token.
         loss_sum: f64,
     },
+    /// Under `[run] max_grad_norm`, a step's global gradient norm before clipping (what
+    /// `torch.nn.utils.clip_grad_norm_` returns), as the node that clipped by it computed it,
+    /// at full precision: JSON lines only. Every node that applies a part of the step says it
+    /// (they agree).
+    GradNorm {
+        /// The node.
+        node: String,
+        /// The step.
+        step: u64,
+        /// The norm.
+        norm: f64,
+    },
     /// The model of a step on the held-out data (`[run] eval_every_steps`), at full precision.
     Eval {
         /// The node that evaluated (the coordinator's host).
@@ -125,6 +137,7 @@ impl RunEvent {
             | RunEvent::Plan { node, .. }
             | RunEvent::Progress { node, .. }
             | RunEvent::Loss { node, .. }
+            | RunEvent::GradNorm { node, .. }
             | RunEvent::Eval { node, .. }
             | RunEvent::Cluster { node, .. }
             | RunEvent::Waiting { node, .. } => Some(node),
@@ -184,6 +197,9 @@ impl RunEvent {
                 "step {step}: loss {:.6} over {samples} samples",
                 loss_sum / (*samples).max(1) as f64
             ),
+            RunEvent::GradNorm { step, norm, .. } => {
+                format!("step {step}: gradient norm {norm:.6} before clipping")
+            }
             RunEvent::Eval {
                 step,
                 loss,

@@ -574,6 +574,21 @@ pub enum Envelope {
         /// Whether this node lost the coordinator too (and knows no newer term).
         granted: bool,
     },
+    /// (Node → node) one part's piece of a step's global gradient norm, under `[run]
+    /// max_grad_norm` when no node holds the whole gradient: a pipeline stage's (sent to its
+    /// neighbours in the replica, who pass it on away from where it came) or a sharded
+    /// worker's owned part (sent to the rest of its group). Every node sums the pieces in part
+    /// order, so all of them clip by the same factor.
+    GradNorm {
+        /// Epoch of the work.
+        epoch: u64,
+        /// Step.
+        step: u64,
+        /// The part: a stage's index, or a sharded worker's rank in its ring.
+        part: u32,
+        /// Σ x² over the part's averaged gradient.
+        sq: f64,
+    },
 }
 
 /// What a successor needs to go on: sent by the coordinator to the nodes.
@@ -684,6 +699,7 @@ impl Envelope {
             Envelope::Reserve { .. } => "reserve",
             Envelope::PreVote { .. } => "pre-vote",
             Envelope::PreVoted { .. } => "pre-voted",
+            Envelope::GradNorm { .. } => "grad-norm",
         }
     }
 }

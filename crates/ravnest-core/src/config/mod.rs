@@ -107,7 +107,6 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
         ..RunSettings::default()
     };
     let mut run = resolve_run(ctx, file.run.as_ref(), run, nodes.len())?;
-    clip_layout(ctx, &file, &run, &mut training)?;
     // A restore goes back to the latest checkpoint a real run wrote (only the final one: to
     // the start). `plan`, `sim` and `run` price recovery with this one figure.
     training.checkpoint_every_steps = match run.checkpoint_cadence() {
@@ -141,34 +140,4 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
         sim,
         faults,
     })
-}
-
-/// Global gradient-norm clipping is built for data parallel (every replica holds the whole
-/// averaged gradient; under local SGD, each node clips its own): `max_grad_norm` keeps the
-/// planner to data-parallel layouts, and refuses a file that asks for a pipeline or sharding
-/// (their stages or parts would need the norm's pieces exchanged first, which is not built).
-fn clip_layout(
-    ctx: &Ctx<'_>,
-    file: &raw::FileToml,
-    run: &RunSettings,
-    training: &mut crate::cluster::TrainingSpec,
-) -> Result<(), ConfigError> {
-    let Some(m) = file.run.as_ref().and_then(|r| r.max_grad_norm.as_ref()) else {
-        return Ok(());
-    };
-    debug_assert!(run.max_grad_norm.is_some());
-    match training.layout {
-        crate::cluster::LayoutChoice::Auto => {
-            training.layout = crate::cluster::LayoutChoice::DataParallel;
-            Ok(())
-        }
-        crate::cluster::LayoutChoice::DataParallel => Ok(()),
-        other => Err(ctx.err(
-            Some(&m.span()),
-            format!(
-                "`max_grad_norm` with `layout = \"{}\"`: global gradient clipping is built for data-parallel runs only (a pipeline's stages and a sharded run's parts would have to exchange their pieces of the norm first); use layout = \"data-parallel\" or \"auto\", or drop the clipping",
-                other.as_str()
-            ),
-        )),
-    }
 }

@@ -77,7 +77,7 @@ pub enum PlanError {
         gib(*.state_gib + *.act_gib), gib(*.state_gib), gib(*.act_gib), gib(*.largest_gib),
         match .data_parallel_only {
             false => format!("and no pipeline over the {nodes} nodes ({} together) fits either, nor sharded data parallel (each worker holds every weight and gradient with one sample's activations, {}, beside its part of the {optimizer} state)", gib(*.total_gib), gib(*.sharded_gib)),
-            true => "and the file allows data parallel only (`layout = \"data-parallel\"`, or `max_grad_norm`, which needs it): a pipeline or sharded plan may fit under `layout = \"auto\"` without clipping".to_string(),
+            true => "and the file allows data parallel only (`layout = \"data-parallel\"`): a pipeline or sharded plan may fit under `layout = \"auto\"`".to_string(),
         }
     )]
     ModelFitsNowhere {

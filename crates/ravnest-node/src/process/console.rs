@@ -88,11 +88,24 @@ pub(super) struct Progress {
     pub wait_s: u64,
 }
 
-/// The losses the node computed since last said, as JSON lines (scripts only: a person
-/// reads the progress lines).
-pub(super) fn say_losses(say: &Say, compute: &CandleCompute) {
+/// The losses the node computed since last said, and the gradient norms it clipped by, as JSON
+/// lines (scripts only: a person reads the progress lines).
+pub(super) fn say_losses(say: &Say, compute: &CandleCompute, counters: &Counters) {
     if !say.json {
         return;
+    }
+    let norms: Vec<(u64, f64)> = counters
+        .lock()
+        .unwrap()
+        .values_mut()
+        .flat_map(|c| std::mem::take(&mut c.grad_norms))
+        .collect();
+    for (step, norm) in norms {
+        say.say(&RunEvent::GradNorm {
+            node: say.node.clone(),
+            step,
+            norm,
+        });
     }
     for l in compute.take_losses() {
         say.say(&RunEvent::Loss {
@@ -159,7 +172,7 @@ pub(super) fn spawn_progress(say: Say, p: Progress) -> tokio::task::JoinHandle<(
             }
             printed = Some(step);
             if say.json {
-                say_losses(&say, &p.compute);
+                say_losses(&say, &p.compute, &p.counters);
             }
             let loss = p.compute.stats().last_loss;
             say.say(&RunEvent::Progress {

@@ -234,7 +234,7 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
             Ok(worker::Ending::Finished) => Ok(None),
             Ok(worker::Ending::Left) => {
                 progress.abort();
-                console::say_losses(&say, &su.compute);
+                console::say_losses(&say, &su.compute, &counters);
                 sup.stop(None);
                 return Ok(leave(&host).await);
             }
@@ -245,7 +245,7 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
         }
     };
     progress.abort();
-    console::say_losses(&say, &su.compute);
+    console::say_losses(&say, &su.compute, &counters);
     let role = role.inspect_err(|_| {
         sup.stop(None);
         tcp.shutdown();

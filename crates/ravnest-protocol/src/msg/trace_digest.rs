@@ -82,6 +82,17 @@ impl Envelope {
                 h.u64(u64::from(host.0));
             }
             Envelope::PreVote { term } => h.u64(u64::from(*term)),
+            Envelope::GradNorm {
+                epoch,
+                step,
+                part,
+                sq,
+            } => {
+                h.u64(*epoch);
+                h.u64(*step);
+                h.u64(u64::from(*part));
+                h.u64(sq.to_bits());
+            }
             Envelope::PreVoted { term, granted } => {
                 h.u64(u64::from(*term));
                 h.u64(u64::from(*granted));

@@ -393,6 +393,12 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 self.on_stage_input(st, epoch, step, true, micro, data)
                     .await
             }
+            Envelope::GradNorm {
+                epoch,
+                step,
+                part,
+                sq,
+            } => self.on_grad_norm(st, epoch, step, part, sq).await,
             Envelope::StateRequest {
                 version,
                 to,

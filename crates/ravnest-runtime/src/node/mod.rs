@@ -9,9 +9,11 @@
 
 pub mod actor;
 pub mod calibrate;
+mod clip;
 pub use ravnest_protocol::epochs;
 mod rounds;
 mod shard;
+mod sharded;
 pub mod state;
 pub mod step;
 pub mod versions;
@@ -76,6 +78,9 @@ pub struct NodeCounters {
     /// The whole model at the run's last version, exported once there by a node that holds
     /// it whole (what a report evaluates when no final checkpoint could be read).
     pub final_model: Option<Vec<f32>>,
+    /// Under clipping (`[run] max_grad_norm`), each step's global gradient norm before
+    /// clipping, as this node computed it: (step, norm). Whoever reports takes them.
+    pub grad_norms: Vec<(u64, f64)>,
     /// Activity intervals, in order (for timelines).
     pub spans: Vec<Span>,
     /// A mark after each step, so a report can leave out the first steps (warm-up) of a run,

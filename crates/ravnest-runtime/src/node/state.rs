@@ -87,6 +87,8 @@ pub struct NodeState<M, G> {
     /// Fail-over: the watch over the coordinator's tick, and its ticker.
     pub(super) watcher: Option<super::watcher::Tick>,
     pub(super) watch_ticker: Option<tokio::task::JoinHandle<()>>,
+    /// Pieces of steps' gradient norms from the other parts of the model (clipping).
+    pub(super) norms: ravnest_core::recipe::NormPieces,
 }
 
 impl<M, G> Default for NodeState<M, G> {
@@ -112,6 +114,7 @@ impl<M, G> Default for NodeState<M, G> {
             probe_seq: 0,
             watcher: None,
             watch_ticker: None,
+            norms: Default::default(),
         }
     }
 }
@@ -141,32 +144,9 @@ pub(crate) struct Running<M> {
     /// A merge step: the step that launched the round it merges.
     pub(super) merge: Option<u64>,
     /// Reduced buckets held until every one is in, under gradient clipping (the global norm
-    /// needs them all before any is applied): (target, mean gradient).
-    pub(super) held: Vec<(Range<usize>, Vec<f32>)>,
-}
-
-impl<M> Running<M> {
-    /// A reduced bucket of this step, and what to apply now: the bucket itself, or under
-    /// clipping (`max`) nothing until every bucket is in, then all of them clipped to global
-    /// norm `max`.
-    pub(super) fn held_until_all(
-        &mut self,
-        target: Range<usize>,
-        sum: Vec<f32>,
-        max: Option<f32>,
-    ) -> Vec<(Range<usize>, Vec<f32>)> {
-        let Some(max) = max else {
-            return vec![(target, sum)];
-        };
-        self.held.push((target, sum));
-        if self.held.len() < self.targets.len() {
-            return Vec::new();
-        }
-        let mut all = std::mem::take(&mut self.held);
-        let mut parts: Vec<&mut [f32]> = all.iter_mut().map(|(_, g)| g.as_mut_slice()).collect();
-        ravnest_core::recipe::clip_global(&mut parts, max);
-        all
-    }
+    /// needs them all before any is applied): (bucket, mean gradient). A stage or a sharded
+    /// owner holds them on until the other parts' pieces of the norm are in too.
+    pub(super) held: Vec<(u32, Vec<f32>)>,
 }
 
 /// An overlapped outer round (`Outer::overlap`): its exchange runs during the inner steps
@@ -248,6 +228,9 @@ pub(crate) struct Pipe<M, G> {
     /// Σ of the layers' parameter gradients so far (kept by the backend).
     pub(super) grad: Option<G>,
     pub(super) compute_ns: u64,
+    /// Clipped: the stage's mean gradient, done, waiting for the other stages' pieces of the
+    /// norm before it is applied.
+    pub(super) clip: Option<Vec<f32>>,
 }
 
 #[cfg(test)]

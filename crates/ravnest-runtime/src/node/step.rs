@@ -20,7 +20,7 @@ use ravnest_core::ring::RingMode;
 use tokio::time::Instant;
 
 use super::rounds::outer_step;
-use super::shard::{GATHER, ShardLayout};
+use super::shard::ShardLayout;
 use super::state::{EarlyInput, NodeMsg, NodeState, Pipe, Running};
 use super::versions::Version;
 use super::{NodeActor, Observed, Span, SpanKind};
@@ -406,14 +406,14 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                     self.compute.retire(old);
                 }
             }
-            // Clipped, the buckets wait for each other: the norm is the whole gradient's.
-            let mut applied = Ok(());
-            for (target, sum) in r.held_until_all(target, sum, self.compute.max_grad_norm()) {
-                if applied.is_ok() {
-                    applied = self.compute.apply_update(&mut r.next, target, &sum);
-                }
-                self.compute.recycle(sum);
+            if self.compute.max_grad_norm().is_some() {
+                // Clipped, the buckets wait for each other: the norm is the whole gradient's.
+                r.held.push((id.bucket, sum));
+                r.pending = r.pending.saturating_sub(1);
+                return self.clip_held(st).await;
             }
+            let applied = self.compute.apply_update(&mut r.next, target, &sum);
+            self.compute.recycle(sum);
             applied.map_err(|e| e.to_string())
         };
         if let Err(reason) = applied {
@@ -424,97 +424,12 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         self.try_finish(st).await;
     }
 
-    /// A sharded step's collective of bucket `id` came back: a reduce-scatter gave this node
-    /// the summed gradient of the bucket's parameters it owns, which it updates (it alone holds
-    /// their optimizer state) and starts the all-gather of the updated values; an all-gather
-    /// brought the other owners' updated parameters.
-    async fn on_shard_outcome(
-        &self,
-        st: &mut State<C>,
-        id: CollId,
-        mut sum: Vec<f32>,
-        layout: &ShardLayout,
-    ) {
-        let gather = id.bucket & GATHER != 0;
-        let Some(r) = st.running.as_mut() else { return };
-        let Some(target) = r.targets.get((id.bucket & !GATHER) as usize).cloned() else {
-            return;
-        };
-        let mine = layout.mine(&target);
-        let local = |x: &Range<usize>| x.start - target.start..x.end - target.start;
-        let done = if sum.len() != target.len() {
-            Err(format!(
-                "the collective of step {} bucket {} gave {} values for {}",
-                id.step,
-                id.bucket & !GATHER,
-                sum.len(),
-                target.len()
-            ))
-        } else if gather {
-            let (before, after) = (target.start..mine.start, mine.end..target.end);
-            let set = |m: &mut C::Model, x: &Range<usize>| match x.is_empty() {
-                true => Ok(()),
-                false => self.compute.set_params(m, x.clone(), &sum[local(x)]),
-            };
-            let result = set(&mut r.next, &before).and_then(|()| set(&mut r.next, &after));
-            self.compute.recycle(sum);
-            result.map_err(|e| e.to_string())
-        } else {
-            if r.pending == 2 * r.targets.len() {
-                // The only holder of its part makes the next version from this one in place of
-                // it (a lost peer's part comes back from the checkpoint, not from a version
-                // here): what only version `step` held is updated where it is.
-                if st.versions.keeps_one() {
-                    drop(st.versions.take(r.step));
-                }
-                for old in st.versions.doomed_by(r.step + 1, true) {
-                    self.compute.retire(old);
-                }
-            }
-            let updated = match mine.is_empty() {
-                true => Ok(()),
-                false => self
-                    .compute
-                    .apply_update(&mut r.next, mine.clone(), &sum[local(&mine)])
-                    .map_err(|e| e.to_string()),
-            };
-            let exported = updated.and_then(|()| match mine.is_empty() {
-                true => Ok(()),
-                false => self
-                    .compute
-                    .export_range(&r.next, None, mine.clone())
-                    .map(|w| sum[local(&mine)].copy_from_slice(&w))
-                    .ok_or_else(|| format!("parameters {mine:?} could not be read back")),
-            });
-            let gather_id = CollId {
-                bucket: id.bucket | GATHER,
-                ..id
-            };
-            exported.map(|()| {
-                let part = layout.part(&target, RingMode::AllGather);
-                let virtual_bytes =
-                    self.grad_bytes * target.len() as u64 / self.compute.params().max(1) as u64;
-                if let Some((_, group)) = st.group.clone() {
-                    self.start_collective(st, gather_id, group, sum, virtual_bytes, Some(part));
-                }
-            })
-        };
-        if let Err(reason) = done {
-            st.running = None;
-            return self.fail(id.epoch, reason);
-        }
-        if let Some(r) = st.running.as_mut() {
-            r.pending = r.pending.saturating_sub(1);
-        }
-        self.try_finish(st).await;
-    }
-
     /// Finish the running step once its compute ended and every collective came back.
     pub(super) async fn try_finish(&self, st: &mut State<C>) {
         if !st
             .running
             .as_ref()
-            .is_some_and(|r| r.pending == 0 && r.computed.is_some())
+            .is_some_and(|r| r.pending == 0 && r.computed.is_some() && r.held.is_empty())
         {
             return;
         }
@@ -762,6 +677,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             range,
             saved: BTreeMap::new(),
             compute_ns: 0,
+            clip: None,
         });
         self.pump(st).await;
     }
@@ -857,7 +773,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 return self.fail(epoch, reason);
             }
         }
-        if st.pipe.as_ref().is_some_and(|p| p.run.done())
+        if st
+            .pipe
+            .as_ref()
+            .is_some_and(|p| p.run.done() && p.clip.is_none())
             && let Some(p) = st.pipe.take()
         {
             self.stage_done(st, p).await;
@@ -866,10 +785,11 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
 
     /// The stage's schedule is done: reduce its layers' gradient with the stage's sync group
     /// (a group of one applies it where it is: nothing travels), or, under local SGD, apply it
-    /// and maybe average the layers.
-    async fn stage_done(&self, st: &mut State<C>, p: Pipe<C::Model, C::StageGrad>) {
+    /// and maybe average the layers. Clipped, a stage that applies its own gradient waits here
+    /// (in `st.pipe`) for the other stages' pieces of the norm ([`super::clip`]).
+    async fn stage_done(&self, st: &mut State<C>, mut p: Pipe<C::Model, C::StageGrad>) {
         let Some(w) = st.work.clone() else { return };
-        let Some(grad) = p.grad else {
+        let Some(grad) = p.grad.take() else {
             return self.fail(
                 p.epoch,
                 format!(
@@ -881,8 +801,11 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let layers = Some(p.sw.layers);
         let mode = w.mode(p.step);
         let alone = w.ring.len() <= 1;
+        let scale = match mode {
+            StepMode::Sync => 1.0 / p.global_batch.max(1) as f32,
+            _ => 1.0 / w.batch.max(1) as f32,
+        };
         if mode == StepMode::Sync && !alone {
-            let scale = 1.0 / p.global_batch.max(1) as f32;
             let contribution = self.compute.stage_grad_values(grad, scale);
             let group = self.group(st, &w);
             st.running = Some(Running {
@@ -913,19 +836,29 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         if st.versions.keeps_one() {
             st.versions.take(p.step);
         }
-        let scale = match mode {
-            StepMode::Sync => 1.0 / p.global_batch.max(1) as f32,
-            _ => 1.0 / w.batch.max(1) as f32,
-        };
+        if self.compute.max_grad_norm().is_some() {
+            p.clip = Some(self.compute.stage_grad_values(grad, scale));
+            st.pipe = Some(p);
+            return self.clip_stage(st).await;
+        }
+        let made = Made::of(&p);
         let mut next = p.model;
         if let Err(e) = self
             .compute
-            .apply_stage_grad(&mut next, p.sw.layers, grad, scale)
+            .apply_stage_grad(&mut next, made.layers, grad, scale)
         {
-            return self.fail(p.epoch, e.to_string());
+            return self.fail(made.epoch, e.to_string());
         }
+        self.stage_applied(st, &w, made, next).await
+    }
+
+    /// A stage applied its own gradient: make its next version, or, under local SGD, average
+    /// the layers on a round's step.
+    pub(super) async fn stage_applied(&self, st: &mut State<C>, w: &Work, p: Made, next: C::Model) {
+        let layers = Some(p.layers);
+        let mode = w.mode(p.step);
         if matches!(mode, StepMode::Average | StepMode::Launch | StepMode::Merge) {
-            self.round(st, &w, p.step, next, layers, p.compute_ns, mode);
+            self.round(st, w, p.step, next, layers, p.compute_ns, mode);
             return self.try_finish(st).await;
         }
         // A synchronized step's version is one every replica agreed on; a local one's is not.
@@ -968,6 +901,26 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 micro,
                 data,
             });
+        }
+    }
+}
+
+/// Which stage step a stage's new version comes from.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Made {
+    pub(super) epoch: u64,
+    pub(super) step: u64,
+    pub(super) layers: LayerRange,
+    pub(super) compute_ns: u64,
+}
+
+impl Made {
+    pub(super) fn of<M, G>(p: &Pipe<M, G>) -> Made {
+        Made {
+            epoch: p.epoch,
+            step: p.step,
+            layers: p.sw.layers,
+            compute_ns: p.compute_ns,
         }
     }
 }

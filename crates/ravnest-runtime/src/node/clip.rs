@@ -1,0 +1,377 @@
+//! Global gradient-norm clipping (`[run] max_grad_norm`) of a step's mean gradient, whatever
+//! the layout: as `torch.nn.utils.clip_grad_norm_` after DDP's averaging, every parameter's
+//! gradient is scaled by `min(1, max / (norm + 1e-6))`, `norm` over all of them.
+//!
+//! - Data parallel: a node holds the step's reduced buckets until all are in ([`Running`]'s
+//!   `held`), and clips them by their own norm: it holds the whole gradient.
+//! - Sharded: each owner holds its reduce-scatters' results the same way, sums the squares of
+//!   the part it owns, and sends that piece to the rest of its ring ([`Envelope::GradNorm`]).
+//! - A pipeline: each stage sums the squares of its layers' gradient (reduced with its sync
+//!   group first, when it has one) and sends the piece to its neighbours in its replica, who
+//!   pass each piece on away from where it came, so that every stage gets every piece.
+//!
+//! A node applies its held gradient once the pieces of every part are in ([`NormPieces`]): all
+//! of them sum the same pieces in part order and clip by the same factor, so replicas still
+//! agree bit for bit. A halt drops the held step with the running one; the pieces of older
+//! steps are forgotten as steps are applied.
+//!
+//! [`Running`]: super::state::Running
+//! [`NormPieces`]: ravnest_core::recipe::NormPieces
+
+use ravnest_core::NodeId;
+use ravnest_core::collective::CollId;
+use ravnest_core::recipe::{clip_factor, scale, sum_sq};
+
+use super::NodeActor;
+use super::state::NodeState;
+use super::step::Made;
+use crate::msg::{Addr, Envelope, Work};
+use crate::seams::{Compute, Transport};
+
+/// A node's state, as this backend's node holds it.
+type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
+
+/// Where this node's piece of a step's norm goes.
+#[derive(Debug, PartialEq, Eq)]
+struct Route {
+    /// Its part: a stage's index, or a sharded owner's rank.
+    part: u32,
+    /// Parts that make the norm.
+    parts: u32,
+    /// Whom it tells: its neighbouring stages, or the rest of its ring.
+    to: Vec<NodeId>,
+}
+
+/// The route of node `me` under work `w`; `None` when it holds the whole gradient.
+fn route(w: &Work, me: NodeId) -> Option<Route> {
+    if let Some(sw) = &w.stage {
+        return (sw.stages > 1).then(|| Route {
+            part: sw.stage,
+            parts: sw.stages,
+            to: [sw.prev, sw.next].into_iter().flatten().collect(),
+        });
+    }
+    w.shard.as_ref()?;
+    let rank = w.ring.iter().position(|&n| n == me)?;
+    (w.ring.len() > 1).then(|| Route {
+        part: rank as u32,
+        parts: w.ring.len() as u32,
+        to: w.ring.iter().copied().filter(|&n| n != me).collect(),
+    })
+}
+
+/// Where a stage passes on a piece of part `part` that came to it: on, away from its origin
+/// (a piece from an earlier stage goes to the next one, a later stage's to the previous one).
+fn pass_on(w: &Work, part: u32) -> Option<NodeId> {
+    let sw = w.stage.as_ref()?;
+    match part.cmp(&sw.stage) {
+        std::cmp::Ordering::Less => sw.next,
+        std::cmp::Ordering::Greater => sw.prev,
+        std::cmp::Ordering::Equal => None,
+    }
+}
+
+impl<T: Transport, C: Compute> NodeActor<T, C> {
+    /// The running step's reduced gradient may be complete: clip it by its own norm (a node
+    /// that holds the whole gradient), or send this node's piece of the norm and apply it once
+    /// the other parts' pieces are in.
+    pub(super) async fn clip_held(&self, st: &mut State<C>) {
+        let Some(max) = self.compute.max_grad_norm() else {
+            return;
+        };
+        let Some(r) = st.running.as_ref() else { return };
+        if r.held.len() < r.targets.len() {
+            return;
+        }
+        let piece: f64 = r
+            .held
+            .iter()
+            .map(|(k, g)| {
+                let target = &r.targets[*k as usize];
+                match &r.shard {
+                    Some(l) => {
+                        let mine = l.mine(target);
+                        sum_sq(&g[mine.start - target.start..mine.end - target.start])
+                    }
+                    None => sum_sq(g),
+                }
+            })
+            .sum();
+        let (epoch, step) = (r.epoch, r.step);
+        match st.work.as_ref().and_then(|w| route(w, self.id)) {
+            None => self.apply_held(st, piece, max).await,
+            Some(route) => {
+                self.tell(st, epoch, step, &route, piece);
+                self.try_clip(st).await;
+            }
+        }
+    }
+
+    /// A stage that applies its own gradient has it (`Pipe::clip`): send its piece of the norm.
+    pub(super) async fn clip_stage(&self, st: &mut State<C>) {
+        let Some(p) = st.pipe.as_ref() else { return };
+        let Some(values) = p.clip.as_ref() else {
+            return;
+        };
+        let (epoch, step, piece) = (p.epoch, p.step, sum_sq(values));
+        let Some(route) = st.work.as_ref().and_then(|w| route(w, self.id)) else {
+            // A pipeline of one stage: the whole gradient is here.
+            st.norms.add(epoch, step, 0, piece);
+            return self.try_clip(st).await;
+        };
+        self.tell(st, epoch, step, &route, piece);
+        self.try_clip(st).await;
+    }
+
+    /// Record this node's piece and send it along its route.
+    fn tell(&self, st: &mut State<C>, epoch: u64, step: u64, route: &Route, sq: f64) {
+        st.norms.add(epoch, step, route.part, sq);
+        for &to in &route.to {
+            let piece = Envelope::GradNorm {
+                epoch,
+                step,
+                part: route.part,
+                sq,
+            };
+            self.send(Addr::Node(to), piece);
+        }
+    }
+
+    /// A peer's piece of a step's norm: keep it, pass it on along the pipeline, and apply the
+    /// held gradient if this completed its norm.
+    pub(super) async fn on_grad_norm(
+        &self,
+        st: &mut State<C>,
+        epoch: u64,
+        step: u64,
+        part: u32,
+        sq: f64,
+    ) {
+        let stale = st.work.as_ref().is_some_and(|w| epoch < w.epoch)
+            || st.versions.latest().is_some_and(|l| step < l);
+        if stale || !sq.is_finite() || !st.norms.add(epoch, step, part, sq) {
+            return;
+        }
+        let on = st
+            .work
+            .as_ref()
+            .filter(|w| w.epoch == epoch)
+            .and_then(|w| pass_on(w, part));
+        if let Some(to) = on {
+            let piece = Envelope::GradNorm {
+                epoch,
+                step,
+                part,
+                sq,
+            };
+            self.send(Addr::Node(to), piece);
+        }
+        self.try_clip(st).await;
+    }
+
+    /// Apply what waits for its norm (the running step's held buckets, or a stage's own
+    /// gradient) once every part's piece is in.
+    async fn try_clip(&self, st: &mut State<C>) {
+        let Some(max) = self.compute.max_grad_norm() else {
+            return;
+        };
+        let parts = st
+            .work
+            .as_ref()
+            .and_then(|w| route(w, self.id))
+            .map_or(1, |r| r.parts);
+        if let Some(r) = st.running.as_ref()
+            && !r.held.is_empty()
+            && r.held.len() == r.targets.len()
+            && let Some(total) = st.norms.total(r.epoch, r.step, parts)
+        {
+            return self.apply_held(st, total, max).await;
+        }
+        let Some(p) = st.pipe.as_ref().filter(|p| p.clip.is_some()) else {
+            return;
+        };
+        let Some(total) = st.norms.total(p.epoch, p.step, parts) else {
+            return;
+        };
+        st.norms.forget_before(p.epoch, p.step + 1);
+        let Some(mut p) = st.pipe.take() else { return };
+        let Some(w) = st.work.clone() else { return };
+        let mut values = p.clip.take().unwrap_or_default();
+        scale(&mut values, clip_factor(total, max));
+        self.record_norm(p.step, total);
+        let made = Made::of(&p);
+        let mut next = p.model;
+        let applied = self
+            .compute
+            .apply_update(&mut next, p.range.clone(), &values);
+        if let Err(e) = applied {
+            return self.fail(made.epoch, e.to_string());
+        }
+        self.compute.end_update(&mut next);
+        self.stage_applied(st, &w, made, next).await
+    }
+
+    /// Clip the running step's held buckets by the norm whose square is `total`, and apply
+    /// them (a sharded owner updates its part and starts the all-gathers).
+    async fn apply_held(&self, st: &mut State<C>, total: f64, max: f32) {
+        let f = clip_factor(total, max);
+        let Some(r) = st.running.as_mut() else { return };
+        st.norms.forget_before(r.epoch, r.step + 1);
+        self.record_norm(r.step, total);
+        let held = std::mem::take(&mut r.held);
+        let (epoch, step, layout) = (r.epoch, r.step, r.shard.clone());
+        let mut gathers = Vec::new();
+        let mut applied = Ok(());
+        for (k, mut g) in held {
+            let target = r.targets[k as usize].clone();
+            if applied.is_err() {
+                continue;
+            }
+            match &layout {
+                Some(l) => {
+                    let mine = l.mine(&target);
+                    scale(
+                        &mut g[mine.start - target.start..mine.end - target.start],
+                        f,
+                    );
+                    applied = self
+                        .update_owned(&mut r.next, &target, g, l)
+                        .map(|values| gathers.push((k, target, values)));
+                }
+                None => {
+                    scale(&mut g, f);
+                    applied = self
+                        .compute
+                        .apply_update(&mut r.next, target, &g)
+                        .map_err(|e| e.to_string());
+                    self.compute.recycle(g);
+                }
+            }
+        }
+        if let Err(reason) = applied {
+            st.running = None;
+            return self.fail(epoch, reason);
+        }
+        if let Some(l) = &layout {
+            for (k, target, values) in gathers {
+                let id = CollId {
+                    epoch,
+                    step,
+                    bucket: k,
+                };
+                self.start_gather(st, id, &target, values, l);
+            }
+        }
+        self.try_finish(st).await;
+    }
+
+    /// The step's global gradient norm before clipping, for the events.
+    fn record_norm(&self, step: u64, total: f64) {
+        let norm = total.max(0.0).sqrt();
+        self.count(|c| {
+            if c.grad_norms.len() < 1 << 16 {
+                c.grad_norms.push((step, norm));
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::msg::{ShardWork, StageWork, SyncPolicy};
+    use ravnest_core::LayerRange;
+    use ravnest_core::planner::sync::Collective;
+
+    fn work(ring: Vec<NodeId>) -> Work {
+        Work {
+            epoch: 1,
+            step: 0,
+            until: 4,
+            end: 10,
+            offset: 0,
+            batch: 4,
+            global_batch: 8,
+            chunk: 0,
+            ring,
+            state_from: None,
+            sync: SyncPolicy::EveryStep,
+            collective: Collective::Ring,
+            group_size: 0,
+            stage: None,
+            checkpoint: None,
+            shard: None,
+            outer_from: None,
+        }
+    }
+
+    fn stage(stage: u32, stages: u32) -> StageWork {
+        let id = |k: u32| (k < stages).then_some(NodeId(10 + k));
+        StageWork {
+            stage,
+            stages,
+            layers: LayerRange::new(stage, stage + 1),
+            prev: stage.checked_sub(1).and_then(id),
+            next: id(stage + 1),
+            micro_batch: 1,
+            out_bytes_per_sample: 4,
+            in_bytes_per_sample: 4,
+            sync_bytes: 4,
+            fetch: Vec::new(),
+        }
+    }
+
+    /// Pieces passed along a pipeline reach every stage exactly once: from each stage, a piece
+    /// travels both ways to the ends and stops there.
+    #[test]
+    fn every_stage_gets_every_piece_once() {
+        for stages in 1..7u32 {
+            let works: Vec<Work> = (0..stages)
+                .map(|s| Work {
+                    stage: Some(stage(s, stages)),
+                    ..work(vec![NodeId(10 + s)])
+                })
+                .collect();
+            let at = |n: NodeId| (n.0 - 10) as usize;
+            let mut got = vec![vec![0u32; stages as usize]; stages as usize];
+            for origin in 0..stages {
+                let me = NodeId(10 + origin);
+                got[origin as usize][origin as usize] += 1;
+                let mut queue: Vec<NodeId> = route(&works[origin as usize], me)
+                    .map(|r| r.to)
+                    .unwrap_or_default();
+                while let Some(n) = queue.pop() {
+                    got[at(n)][origin as usize] += 1;
+                    queue.extend(pass_on(&works[at(n)], origin));
+                }
+            }
+            assert!(got.iter().flatten().all(|&c| c == 1), "{stages}: {got:?}");
+        }
+    }
+
+    /// A sharded owner tells the rest of its ring; a data-parallel node or a ring of one tells
+    /// no one (it holds the whole gradient).
+    #[test]
+    fn sharded_owners_tell_their_ring() {
+        let ring = vec![NodeId(3), NodeId(1), NodeId(2)];
+        let parts = vec![LayerRange::new(0, 1); 3];
+        let shard = ShardWork {
+            owned: LayerRange::new(0, 1),
+            parts,
+            fetch: Vec::new(),
+        };
+        let w = Work {
+            shard: Some(shard.clone()),
+            ..work(ring.clone())
+        };
+        let r = route(&w, NodeId(1)).unwrap();
+        assert_eq!((r.part, r.parts), (1, 3));
+        assert_eq!(r.to, vec![NodeId(3), NodeId(2)]);
+        assert_eq!(route(&work(ring), NodeId(1)), None);
+        let alone = Work {
+            shard: Some(shard),
+            ..work(vec![NodeId(1)])
+        };
+        assert_eq!(route(&alone, NodeId(1)), None);
+    }
+}
