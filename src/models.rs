@@ -63,7 +63,10 @@ fn load(path: &Path, seq: Option<usize>) -> Result<(Gpt, Vec<f32>)> {
     }
     .context("cannot load the model")?;
     Ok(match seq {
-        Some(n) if !is_folder => (Gpt(ravnest_core::decoder::Decoder { seq: n, ..g.0 }), w),
+        Some(n) if !is_folder => (
+            Gpt(ravnest_core::decoder::Decoder { seq: n, ..g.0 }, g.1),
+            w,
+        ),
         _ => (g, w),
     })
 }

@@ -217,7 +217,7 @@ pub fn load_gpt(path: &Path) -> Result<(Gpt, Vec<f32>), LoadError> {
 pub fn load_folder(dir: &Path, seq: Option<usize>) -> Result<(Gpt, Vec<f32>), LoadError> {
     let config = crate::folder::config_json(dir)?;
     let g = ravnest_core::decoder::Decoder::from_hf_config(&config, seq)
-        .map(Gpt)
+        .map(Gpt::of)
         .map_err(|m| LoadError {
             path: dir.join("config.json").display().to_string(),
             message: m,

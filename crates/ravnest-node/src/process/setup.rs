@@ -24,7 +24,7 @@ use ravnest_train::store::CheckpointFiles;
 /// (its corpus is not read); any other from its (small) dataset.
 pub fn network_for_file(s: &Scenario, origin: &str) -> Result<ravnest_core::ModelSpec, RunError> {
     if let Some(m) = &s.run.model_from {
-        return Ok(Network::Gpt(ravnest_train::gpt::Gpt(m.decoder)).model_spec());
+        return Ok(Network::Gpt(ravnest_train::gpt::Gpt::of(m.decoder)).model_spec());
     }
     if s.run.network == "gpt" {
         let (layers, hidden, heads, seq, vocab) = gpt_of(s, origin)?;
@@ -43,20 +43,35 @@ pub fn network_for_file(s: &Scenario, origin: &str) -> Result<ravnest_core::Mode
 
 /// What a run of `s` computes in, as `run --dry-run` says it.
 pub fn precision_line(s: &Scenario) -> String {
+    use ravnest_core::Precision;
     let p = s.training.precision;
-    if p == ravnest_core::Precision::Fp32 {
-        "precision: fp32\n".into()
-    } else {
-        format!(
-            "note: [training] precision = \"{}\": `run` computes in fp32 (mixed precision is not built yet); the plan's memory and speed figures assume {0}\n",
-            p.as_str()
-        )
+    let lm = s.run.network == "gpt" || s.run.model_from.is_some();
+    match p {
+        Precision::Fp32 => "precision: fp32\n".into(),
+        Precision::Bf16 if lm => "precision: bf16 mixed precision with fp32 master weights and optimizer state: on a CPU emulated (each matrix product's factors and result rounded to bf16, its sums in f32; no faster there: a CPU has no bf16 units); a GPU node computes in fp32 (its bf16 path is not built yet), and the plan's memory and speed figures assume bf16\n".into(),
+        _ => format!(
+            "note: [training] precision = \"{}\": `run` computes {} in fp32 ({}); the plan's memory and speed figures assume {0}\n",
+            p.as_str(),
+            if lm { "this model" } else { "this network" },
+            if lm { "fp16 needs loss scaling, built for no device yet" } else { "mixed precision is built for the transformers only" }
+        ),
     }
+}
+
+/// How a node on `device` computes a transformer under `s`'s precision (`None`: fp32): bf16
+/// is emulated on a CPU ([`ravnest_train::gpt::Numerics::Bf16`]).
+fn numerics(
+    s: &Scenario,
+    device: ravnest_train::device::RunDevice,
+) -> Option<ravnest_train::gpt::Numerics> {
+    (s.training.precision == ravnest_core::Precision::Bf16
+        && matches!(device, ravnest_train::device::RunDevice::Cpu))
+    .then_some(ravnest_train::gpt::Numerics::Bf16)
 }
 
 pub fn network_for(s: &Scenario, origin: &str, data: &Dataset) -> Result<Network, RunError> {
     if let Some(m) = &s.run.model_from {
-        return Ok(Network::Gpt(ravnest_train::gpt::Gpt(m.decoder)));
+        return Ok(Network::Gpt(ravnest_train::gpt::Gpt::of(m.decoder)));
     }
     match s.run.network.as_str() {
         "gpt" => {
@@ -191,7 +206,13 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
         super::data::train_and_test(s, &opts.origin, &opts.out_dir.join("cache"))
     })?;
     drop(loading);
-    let net = network_for(s, &opts.origin, &train)?;
+    let net = match (
+        network_for(s, &opts.origin, &train)?,
+        numerics(s, run_device),
+    ) {
+        (Network::Gpt(g), Some(n)) => Network::Gpt(g.computing(n)),
+        (net, _) => net,
+    };
     // What the process holds before any model state exists (the bar its peak is held to).
     let rss_before_model = ravnest_train::measure::resident_memory().map_or(0, |m| m.0);
     let optim = optim_for(s);
@@ -244,10 +265,7 @@ pub(super) async fn setup(opts: &Options, say: &Say) -> Result<Setup, RunError> 
     if me == coordinator_of(s) {
         compute.resume = guard_checkpoints(opts, say, &files)?;
         if s.training.precision != ravnest_core::Precision::Fp32 {
-            say.cluster(format!(
-                "note: [training] precision = \"{}\": `run` computes in fp32 (mixed precision is not built yet); the plan's memory and speed figures assume {0}",
-                s.training.precision.as_str()
-            ));
+            say.cluster(precision_line(s).trim_end().to_string());
         }
     }
     compute.micro_batch = u64::from(s.training.micro_batch).max(1);

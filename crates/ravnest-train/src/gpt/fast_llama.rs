@@ -10,7 +10,7 @@
 
 use candle_core::{Device, Tensor};
 
-use super::host::{Layer, add_into, mm, tensor, to_vec, values};
+use super::host::{Layer, add_into, tensor, to_vec, values};
 use super::{Gpt, ops};
 
 type Result<T> = candle_core::Result<T>;
@@ -38,8 +38,8 @@ pub(super) struct LlamaSaved {
 
 impl Gpt {
     /// `x · Wᵀ (+ b)` for the linear `(w, b)` of layer `p`.
-    fn proj(p: &Layer, x: &Tensor, (w, b): (usize, Option<usize>)) -> Result<Vec<f32>> {
-        let mut y = to_vec(&mm(x, &p[w].t()?)?)?;
+    fn proj(&self, p: &Layer, x: &Tensor, (w, b): (usize, Option<usize>)) -> Result<Vec<f32>> {
+        let mut y = to_vec(&self.mm(x, &p[w].t()?)?)?;
         if let Some(b) = b {
             values(&p[b], |b| ops::add_bias(&mut y, b))?;
         }
@@ -68,11 +68,11 @@ impl Gpt {
         let (n1, xhat1, rstd1) = values(&p[ix.ln1], |g| ops::rms_norm(&x, g, h, eps))?;
         let n1 = tensor(n1, (n, h))?;
         let (cos, sin) = self.rope_host(s);
-        let mut q = ops::split_to_heads(&Self::proj(p, &n1, ix.q)?, s, a, d);
+        let mut q = ops::split_to_heads(&self.proj(p, &n1, ix.q)?, s, a, d);
         ops::rope(&mut q, s, d, &cos, &sin, false);
-        let mut k = ops::split_to_heads(&Self::proj(p, &n1, ix.k)?, s, kvh, d);
+        let mut k = ops::split_to_heads(&self.proj(p, &n1, ix.k)?, s, kvh, d);
         ops::rope(&mut k, s, d, &cos, &sin, false);
-        let v = ops::split_to_heads(&Self::proj(p, &n1, ix.v)?, s, kvh, d);
+        let v = ops::split_to_heads(&self.proj(p, &n1, ix.v)?, s, kvh, d);
         let q = Tensor::from_vec(q, (rows * kvh, rep * s, d), &Device::Cpu)?;
         let k = Tensor::from_vec(k, (rows * kvh, s, d), &Device::Cpu)?;
         let v = Tensor::from_vec(v, (rows * kvh, s, d), &Device::Cpu)?;
@@ -85,18 +85,18 @@ impl Gpt {
         values(&yh, |yh| ops::merge_heads(yh, s, a, d, &mut y, a * d, 0))?;
         drop(yh);
         let y = tensor(y, (n, a * d))?;
-        let mut x2 = Self::proj(p, &y, ix.o)?;
+        let mut x2 = self.proj(p, &y, ix.o)?;
         for (o, i) in x2.iter_mut().zip(&x) {
             *o += i;
         }
         drop(x);
         let (n2, xhat2, rstd2) = values(&p[ix.ln2], |g| ops::rms_norm(&x2, g, h, eps))?;
         let n2 = tensor(n2, (n, h))?;
-        let gate = Self::proj(p, &n2, ix.gate)?;
-        let up = Self::proj(p, &n2, ix.up)?;
+        let gate = self.proj(p, &n2, ix.gate)?;
+        let up = self.proj(p, &n2, ix.up)?;
         let (act, sig) = ops::swiglu(&gate, &up);
         let act = tensor(act, (n, inner))?;
-        let mut out = Self::proj(p, &act, ix.down)?;
+        let mut out = self.proj(p, &act, ix.down)?;
         for (o, i) in out.iter_mut().zip(&x2) {
             *o += i;
         }
@@ -151,8 +151,8 @@ impl Gpt {
                 ops::sum_rows(dy, acc[b]);
             }
             let dy = tensor(dy.to_vec(), (n, width))?;
-            add_into(acc[w], &mm(&dy.t()?, input)?)?;
-            mm(&dy, &p[w])
+            add_into(acc[w], &self.mm(&dy.t()?, input)?)?;
+            self.mm(&dy, &p[w])
         };
         // The MLP: out = x2 + down(silu(gate) · up).
         let dact = to_vec(&linear_back(acc, &dout, h, &sv.act, ix.down)?)?;

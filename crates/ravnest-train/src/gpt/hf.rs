@@ -60,7 +60,7 @@ pub fn hf_config(g: &Gpt) -> serde_json::Value {
 /// The [`Gpt`] a Hugging Face `config.json` describes (a sample as long as its context, at
 /// most 1024 tokens), if it is one ravnest trains. Says what does not fit otherwise.
 pub fn from_hf_config(c: &serde_json::Value) -> Result<Gpt, String> {
-    Decoder::from_hf_config(c, None).map(Gpt)
+    Decoder::from_hf_config(c, None).map(Gpt::of)
 }
 
 /// The `model` metadata of a checkpoint of `g`: its sizes, and the whole Hugging Face config
@@ -91,7 +91,10 @@ pub fn from_model_json(m: &serde_json::Value) -> Result<Gpt, String> {
             .ok_or_else(|| format!("its GPT metadata has no `{k}`"))
     };
     let g = match m.get("config") {
-        Some(c) => Gpt(Decoder::from_hf_config(c, Some(size("seq")?))?),
+        Some(c) => Gpt(
+            Decoder::from_hf_config(c, Some(size("seq")?))?,
+            super::Numerics::Fp32,
+        ),
         None => Gpt::gpt2(
             size("layers")?,
             size("hidden")?,

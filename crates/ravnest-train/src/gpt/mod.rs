@@ -46,7 +46,20 @@ pub const LN_EPS: f64 = 1e-5;
 /// The shape of a transformer ravnest trains: a [`Decoder`] (read through `Deref`: `g.layers`,
 /// `g.arch.kv_heads`) with its tensors and passes.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Gpt(pub Decoder);
+pub struct Gpt(pub Decoder, pub Numerics);
+
+/// How the CPU's fast path computes ([`Gpt`]'s second field; `[training] precision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Numerics {
+    /// Everything in fp32.
+    #[default]
+    Fp32,
+    /// bf16 mixed precision, emulated on a CPU without bf16 units: every matrix product's
+    /// factors (weights and activations) and its result are rounded to bf16, its sums are
+    /// f32 (as a GPU's bf16 matmul: `torch.autocast`'s numerics); norms, softmax, the loss, the
+    /// residual stream, the gradients' sums and the optimizer stay fp32 (the master weights).
+    Bf16,
+}
 
 impl Deref for Gpt {
     type Target = Decoder;
@@ -125,7 +138,10 @@ fn normal(rng: &mut ChaCha8Rng) -> f32 {
 impl Gpt {
     /// ravnest's own GPT-2 of these sizes ([`Decoder::gpt2`]).
     pub const fn gpt2(layers: usize, hidden: usize, heads: usize, seq: usize, vocab: usize) -> Gpt {
-        Gpt(Decoder::gpt2(layers, hidden, heads, seq, vocab))
+        Gpt(
+            Decoder::gpt2(layers, hidden, heads, seq, vocab),
+            Numerics::Fp32,
+        )
     }
 
     /// A Llama of these sizes ([`Decoder::llama`]).
@@ -138,15 +154,20 @@ impl Gpt {
         seq: usize,
         vocab: usize,
     ) -> Gpt {
-        Gpt(Decoder::llama(
-            layers,
-            hidden,
-            heads,
-            kv_heads,
-            intermediate,
-            seq,
-            vocab,
-        ))
+        Gpt(
+            Decoder::llama(layers, hidden, heads, kv_heads, intermediate, seq, vocab),
+            Numerics::Fp32,
+        )
+    }
+
+    /// A decoder's GPT, in fp32.
+    pub fn of(d: Decoder) -> Gpt {
+        Gpt(d, Numerics::Fp32)
+    }
+
+    /// The same model computing in `n`.
+    pub fn computing(self, n: Numerics) -> Gpt {
+        Gpt(self.0, n)
     }
 
     /// Planner layers: embed, the blocks, head.
@@ -624,7 +645,7 @@ impl Gpt {
         let x = Tensor::from_slice(ids, rows * seq, dev)?;
         // A shorter window than the training sample (a generation's prompt) runs as a model
         // of that length: causal attention makes each position's logits the same.
-        let g = Gpt(Decoder { seq, ..self.0 });
+        let g = Gpt(Decoder { seq, ..self.0 }, self.1);
         Ok(g.run_layers(0..self.planner_layers(), p, x, rows, true)?
             .detach())
     }
