@@ -634,7 +634,7 @@ fn run_command(cmd: RunCmd) -> Result<()> {
     // --discover without a file finds a cluster to join; with one, it announces its nodes.
     let find = discover && file.is_none();
     let seed = join.as_deref().filter(|a| !a.is_empty());
-    let (origin, text, steps, newcomer) = match (&file, seed) {
+    let (origin, text, steps, newcomer, host) = match (&file, seed) {
         (None, None) if find => {
             let Some(me) = node.as_deref() else {
                 bail!(
@@ -644,9 +644,14 @@ fn run_command(cmd: RunCmd) -> Result<()> {
             let wait = discover_timeout.map_or(ravnest_node::discover::DEFAULT_TIMEOUT, |s| {
                 std::time::Duration::from_secs(s)
             });
-            let (origin, text, n, new) =
-                run::discover_cluster_file(cluster.as_deref(), me, advertise.as_deref(), wait)?;
-            (origin, text, Some(steps.unwrap_or(n)), new)
+            let j = run::discover_cluster_file(cluster.as_deref(), me, advertise.as_deref(), wait)?;
+            (
+                j.origin,
+                j.text,
+                Some(steps.unwrap_or(j.steps)),
+                j.newcomer,
+                j.host,
+            )
         }
         (Some(p), Some(a)) => bail!(
             "give a cluster file or --join {a}, not both (`{}` and the file fetched from {a} could differ)",
@@ -656,20 +661,30 @@ fn run_command(cmd: RunCmd) -> Result<()> {
             let Some(me) = node.as_deref() else {
                 bail!("--join {a}: name the node this process is with --node NAME");
             };
-            let (origin, text, n, new) = run::fetch_cluster_file(a, me, advertise.as_deref())?;
-            (origin, text, Some(steps.unwrap_or(n)), new)
+            // As long as a worker waits for its cluster (`--wait`), 60 s unless said.
+            let patience = std::time::Duration::from_secs(wait.unwrap_or(60));
+            let j = run::fetch_cluster_file(a, me, advertise.as_deref(), patience)?;
+            (
+                j.origin,
+                j.text,
+                Some(steps.unwrap_or(j.steps)),
+                j.newcomer,
+                j.host,
+            )
         }
         (None, None) => (
             scenarios::RUN_DEFAULT.0.to_string(),
             scenarios::RUN_DEFAULT.1.to_string(),
             steps,
             false,
+            None,
         ),
         (Some(p), None) => (
             p.display().to_string(),
             std::fs::read_to_string(p).with_context(|| format!("cannot read `{}`", p.display()))?,
             steps,
             false,
+            None,
         ),
     };
     run::run(run::RunArgs {
@@ -678,6 +693,7 @@ fn run_command(cmd: RunCmd) -> Result<()> {
         node,
         join: join.is_some() || find,
         newcomer,
+        host,
         resume,
         overwrite,
         wait,

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -57,6 +57,9 @@ pub struct RunArgs {
     /// The coordinator's host gave this node its place (`--join` with a name the cluster file
     /// lacked): it registers as a new node.
     pub newcomer: bool,
+    /// The node whose process hosts the coordinator, as the node that handed out the file
+    /// knows it (`--join`: a fail-over may have moved it away from the file's).
+    pub host: Option<ravnest_core::NodeId>,
 }
 
 fn default_out(s: &Scenario) -> PathBuf {
@@ -71,6 +74,12 @@ pub fn run(args: RunArgs) -> Result<()> {
     }
     if let Some(w) = args.wait {
         scenario.run.register_timeout_s = w;
+    }
+    if let Some(host) = args
+        .host
+        .filter(|h| h.index() < scenario.cluster.nodes.len())
+    {
+        scenario.run.coordinator = Some(host);
     }
     let steps = scenario.run.steps;
     let out = args.out.clone().unwrap_or_else(|| default_out(&scenario));
@@ -700,21 +709,62 @@ fn say(json: bool, e: &RunEvent) {
 /// `RAVNEST_SECRET` (the default secret of files without one when unset), asked for as node
 /// `me` (reached at `advertise`: a name the file lacks gets its place from the coordinator's
 /// host). Returns (origin, text, steps, whether `me` is new to the cluster).
+///
+/// A node that does not answer in time (a frozen or lost coordinator's host, while its
+/// successor takes over), or the host it sent us to, is asked again from `addr` until
+/// `patience` is spent: the joiner is admitted once the successor is up. A port where nothing
+/// listens, a wrong secret or a refusal end it at once.
 pub fn fetch_cluster_file(
     addr: &str,
     me: &str,
     advertise: Option<&str>,
-) -> Result<(String, String, u64, bool)> {
+    patience: Duration,
+) -> Result<Joined> {
     let sa: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(addr)
         .ok()
         .and_then(|mut it| it.next())
         .with_context(|| format!("--join {addr}: not a reachable host:port"))?;
-    let (doc, from) =
-        fetch_at(sa, me, advertise).map_err(|e| explained(&format!("--join {addr}"), e))?;
+    let deadline = Instant::now() + patience;
+    let (doc, from) = loop {
+        match fetch_at(sa, me, advertise) {
+            Ok(got) => break got,
+            Err(Retry::Again(e)) if Instant::now() + JOIN_RETRY < deadline => {
+                eprintln!(
+                    "--join {addr}: {e}; asking again in {} s (a fail-over may be under way; at most {} s in all: --wait)",
+                    JOIN_RETRY.as_secs(),
+                    patience.as_secs()
+                );
+                std::thread::sleep(JOIN_RETRY);
+            }
+            Err(Retry::Again(e) | Retry::Final(e)) => {
+                return Err(explained(&format!("--join {addr}"), e));
+            }
+        }
+    };
     let (origin, text, steps) = ravnest_node::process::read_share_document(&doc)
         .with_context(|| format!("--join {addr}"))?;
     let newcomer = ravnest_node::process::is_newcomer_document(&doc, me);
-    Ok((format!("{origin} (from {from})"), text, steps, newcomer))
+    Ok(Joined {
+        origin: format!("{origin} (from {from})"),
+        text,
+        steps,
+        newcomer,
+        host: ravnest_node::process::share_coordinator(&doc),
+    })
+}
+
+/// A cluster file fetched from a running node (`--join`, `--discover`).
+pub struct Joined {
+    /// Where it came from.
+    pub origin: String,
+    /// Its text.
+    pub text: String,
+    /// The run's steps.
+    pub steps: u64,
+    /// The coordinator's host gave this node its place (a name the file lacked).
+    pub newcomer: bool,
+    /// The node that hosts the coordinator now, as the node that handed it out knew.
+    pub host: Option<ravnest_core::NodeId>,
 }
 
 /// `--discover` without a file: listen for the announcements of `cluster` (of the only cluster
@@ -727,7 +777,7 @@ pub fn discover_cluster_file(
     me: &str,
     advertise: Option<&str>,
     wait: Duration,
-) -> Result<(String, String, u64, bool)> {
+) -> Result<Joined> {
     use ravnest_node::discover;
     use ravnest_runtime::tcp::{HandshakeError, PROTOCOL_VERSION};
     let wanted = match cluster {
@@ -767,18 +817,21 @@ pub fn discover_cluster_file(
                         "--discover: fetched the cluster file from node `{}` at {from}",
                         c.node
                     );
-                    let newcomer = ravnest_node::process::is_newcomer_document(&doc, me);
-                    return Ok((
-                        format!("{origin} (from {from}, found by --discover)"),
+                    return Ok(Joined {
+                        origin: format!("{origin} (from {from}, found by --discover)"),
                         text,
                         steps,
-                        newcomer,
-                    ));
+                        newcomer: ravnest_node::process::is_newcomer_document(&doc, me),
+                        host: ravnest_node::process::share_coordinator(&doc),
+                    });
                 }
-                Err(e @ (HandshakeError::Io(_) | HandshakeError::Unknown(_))) => {
+                Err(
+                    Retry::Again(e @ (HandshakeError::Io(_) | HandshakeError::Unknown(_)))
+                    | Retry::Final(e @ (HandshakeError::Io(_) | HandshakeError::Unknown(_))),
+                ) => {
                     unreachable.push(e.to_string());
                 }
-                Err(e) => return Err(explained(&what, e)),
+                Err(Retry::Again(e) | Retry::Final(e)) => return Err(explained(&what, e)),
             }
         }
     }
@@ -797,38 +850,62 @@ fn fetch_at(
     sa: SocketAddr,
     me: &str,
     advertise: Option<&str>,
-) -> std::result::Result<(String, SocketAddr), ravnest_runtime::tcp::HandshakeError> {
+) -> std::result::Result<(String, SocketAddr), Retry> {
     use ravnest_runtime::tcp::{Fetched, HandshakeError, JoinRequest};
     let secret = std::env::var(ravnest_node::process::SECRET_ENV)
         .unwrap_or_else(|_| ravnest_node::process::DEFAULT_SECRET.to_string());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| HandshakeError::Io(e.to_string()))?;
+        .map_err(|e| Retry::Final(HandshakeError::Io(e.to_string())))?;
     let request = JoinRequest {
         name: me.to_string(),
         address: advertise.unwrap_or_default().to_string(),
     };
     let mut at = sa;
     // Sent on at most twice: a node to the coordinator's host, which answers itself.
-    for _ in 0..3 {
+    for hop in 0..3 {
         let fetched = rt.block_on(ravnest_runtime::tcp::fetch_cluster_file(
             at,
             secret.as_bytes(),
             &request,
-        ))?;
+        ));
         match fetched {
-            Fetched::File(doc) => return Ok((doc, at)),
-            Fetched::Elsewhere(next) => {
+            Ok(Fetched::File(doc)) => return Ok((doc, at)),
+            Ok(Fetched::Elsewhere(next)) => {
                 at = next.parse().map_err(|_| {
-                    HandshakeError::Io(format!("node at {at} sent us to `{next}`, not an address"))
+                    Retry::Final(HandshakeError::Io(format!(
+                        "node at {at} sent us to `{next}`, not an address"
+                    )))
                 })?;
             }
+            // The host we were sent to is gone (its successor may not be up yet), or a node
+            // does not answer in time (frozen, or lost while a fail-over runs): again later.
+            Err(HandshakeError::Io(e)) if hop > 0 || gone_for_now(&e) => {
+                return Err(Retry::Again(HandshakeError::Io(e)));
+            }
+            Err(e) => return Err(Retry::Final(e)),
         }
     }
-    Err(HandshakeError::Io(format!(
+    Err(Retry::Again(HandshakeError::Io(format!(
         "node at {sa}: sent on from node to node without an answer (the coordinator's host moves?)"
-    )))
+    ))))
+}
+
+/// Whether a node's failure to answer may pass: it did not answer in time (frozen, busy), or
+/// it went away mid-answer (a coordinator's host stepping down). Nothing listening, or not a
+/// ravnest node, will not.
+fn gone_for_now(e: &str) -> bool {
+    e.ends_with("handshake timed out") || e.ends_with("early eof") || e.contains("reset by peer")
+}
+
+/// Between two asks of a joiner whose cluster did not answer.
+const JOIN_RETRY: Duration = Duration::from_secs(1);
+
+/// Why a fetch of the cluster file failed: worth asking again later, or not.
+enum Retry {
+    Again(ravnest_runtime::tcp::HandshakeError),
+    Final(ravnest_runtime::tcp::HandshakeError),
 }
 
 /// A fetch's error, with what to do about a wrong secret.
@@ -839,4 +916,24 @@ fn explained(what: &str, e: ravnest_runtime::tcp::HandshakeError) -> anyhow::Err
         ""
     };
     anyhow::anyhow!("{what}: {e}{hint}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gone_for_now;
+
+    /// A node that did not answer in time, or went away mid-answer, may answer later; a port
+    /// where nothing listens, or a program that is not a ravnest node, will not.
+    #[test]
+    fn a_joiner_asks_again_only_where_an_answer_may_come() {
+        assert!(gone_for_now("node at 127.0.0.1:1: handshake timed out"));
+        assert!(gone_for_now("node at 127.0.0.1:1: early eof"));
+        assert!(gone_for_now(
+            "node at 127.0.0.1:1: Connection reset by peer (os error 104)"
+        ));
+        assert!(!gone_for_now(
+            "node at 127.0.0.1:1: Connection refused (os error 111)"
+        ));
+        assert!(!gone_for_now("node at 127.0.0.1:1: not a ravnest node"));
+    }
 }

@@ -4,14 +4,15 @@
 //! the file handed out and the coordinator told in the same breath, so that two joiners never
 //! share an id; any other node sends it to the coordinator's host.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use ravnest_core::{NodeId, Scenario};
 use ravnest_runtime::tcp::{JoinRequest, ShareReply, TcpTransport};
 use ravnest_runtime::{Addr, Envelope, Transport};
 
-use super::{member_section, newcomer_document, share_document};
+use super::{member_section, newcomer_document, share_document, with_coordinator};
 
 /// What a process hands joiners: (origin, cluster file text, steps).
 pub(super) type Shared = Arc<Mutex<Option<(String, String, u64)>>>;
@@ -21,8 +22,8 @@ pub(super) type Shared = Arc<Mutex<Option<(String, String, u64)>>>;
 pub(super) struct Admission {
     /// The cluster file as handed out, kept current as nodes join.
     pub share: Shared,
-    /// Whether this process hosts the running coordinator now.
-    pub hosting: Arc<AtomicBool>,
+    /// Whether this process hosts the running coordinator now, and whether it is current.
+    pub hosting: Arc<Hosted>,
     pub tcp: TcpTransport,
     pub me: NodeId,
 }
@@ -30,8 +31,8 @@ pub(super) struct Admission {
 impl Admission {
     /// Answer the joiners of `tcp` from now on (for node `me`, with the file `share`); returns
     /// the flag that says whether this process hosts the coordinator (see [`Hosting`]).
-    pub fn install(share: &Shared, tcp: &TcpTransport, me: NodeId) -> Arc<AtomicBool> {
-        let hosting = Arc::new(AtomicBool::new(false));
+    pub fn install(share: &Shared, tcp: &TcpTransport, me: NodeId, silence_ms: u64) -> Arc<Hosted> {
+        let hosting = Arc::new(Hosted::new(silence_ms));
         let admission = Admission {
             share: share.clone(),
             hosting: hosting.clone(),
@@ -53,11 +54,26 @@ impl Admission {
             Err(e) => return ShareReply::Refused(format!("its cluster file does not parse: {e}")),
         };
         let known = scenario.cluster.nodes.iter().any(|n| n.name == r.name);
-        if known || r.name.is_empty() || r.address.is_empty() {
-            return ShareReply::File(share_document(origin, text, *steps));
+        let hosting = self.hosting.is_on();
+        if hosting && !self.hosting.current() {
+            // This process was frozen or cut off past the failure timeout: a successor may be
+            // taking over, so it gives no file and no place until it knows. Asked here again,
+            // the joiner asks again from where it started, a moment later.
+            return match self.tcp.dial_addr(self.me) {
+                Some(a) => ShareReply::Elsewhere(a.to_string()),
+                None => ShareReply::Refused("the coordinator is out of touch: try again".into()),
+            };
         }
-        if !self.hosting.load(Ordering::SeqCst) {
-            let host = self.tcp.coordinator();
+        let host = if hosting {
+            self.me
+        } else {
+            self.tcp.coordinator()
+        };
+        if known || r.name.is_empty() || r.address.is_empty() {
+            let doc = share_document(origin, text, *steps);
+            return ShareReply::File(with_coordinator(doc, host));
+        }
+        if !hosting {
             return match self.tcp.dial_addr(host).filter(|_| host != self.me) {
                 Some(a) => ShareReply::Elsewhere(a.to_string()),
                 None => ShareReply::Refused(
@@ -78,7 +94,8 @@ impl Admission {
                 address: r.address.clone(),
             },
         );
-        ShareReply::File(newcomer_document(origin, text, *steps, &r.name))
+        let doc = newcomer_document(origin, text, *steps, &r.name);
+        ShareReply::File(with_coordinator(doc, self.me))
     }
 }
 
@@ -108,18 +125,99 @@ pub(super) fn learn_member(share: &Shared, name: &str, address: &str) {
     }
 }
 
+/// Whether the coordinator runs in this process, and when it last proved current: the
+/// moment a step was last agreed (every node that computed it answered), beside the usual time
+/// between two.
+#[derive(Debug)]
+pub(super) struct Hosted {
+    on: AtomicBool,
+    t0: Instant,
+    /// ms since `t0` of the last agreed step (`u64::MAX`: none since hosting began).
+    last_ms: AtomicU64,
+    /// The usual ms between two agreed steps (a moving average).
+    gap_ms: AtomicU64,
+    /// The silence after which nodes suspect the coordinator, ms.
+    silence_ms: u64,
+}
+
+impl Hosted {
+    pub fn new(silence_ms: u64) -> Hosted {
+        Hosted {
+            on: AtomicBool::new(false),
+            t0: Instant::now(),
+            last_ms: AtomicU64::new(u64::MAX),
+            gap_ms: AtomicU64::new(0),
+            silence_ms,
+        }
+    }
+
+    /// Whether the coordinator runs here.
+    pub fn is_on(&self) -> bool {
+        self.on.load(Ordering::SeqCst)
+    }
+
+    /// A step was agreed.
+    pub fn beat(&self) {
+        let now = self.t0.elapsed().as_millis() as u64;
+        let last = self.last_ms.swap(now, Ordering::SeqCst);
+        if last != u64::MAX {
+            let gap = self.gap_ms.load(Ordering::SeqCst);
+            let next = (gap * 7 + now.saturating_sub(last)) / 8;
+            self.gap_ms.store(next, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether the coordinator hosted here is current ([`is_current`]), now.
+    pub fn current(&self) -> bool {
+        let now = self.t0.elapsed().as_millis() as u64;
+        is_current(
+            now,
+            self.last_ms.load(Ordering::SeqCst),
+            self.gap_ms.load(Ordering::SeqCst),
+            self.silence_ms,
+        )
+    }
+}
+
+/// Whether a coordinator whose last step was agreed at `last_ms` (`u64::MAX`: none yet) is
+/// current at `now_ms`: within the nodes' silence, or four of its usual gaps between steps when
+/// its steps are slower than that. One that was frozen or cut off past it may have been taken
+/// over, and must not admit nodes until it knows.
+pub(super) fn is_current(now_ms: u64, last_ms: u64, gap_ms: u64, silence_ms: u64) -> bool {
+    last_ms == u64::MAX || now_ms.saturating_sub(last_ms) <= silence_ms.max(4 * gap_ms)
+}
+
 /// Set while the coordinator runs in this process (cleared when dropped, by any way out).
-pub(super) struct Hosting(pub Arc<AtomicBool>);
+pub(super) struct Hosting(pub Arc<Hosted>);
 
 impl Hosting {
-    pub fn start(flag: &Arc<AtomicBool>) -> Hosting {
-        flag.store(true, Ordering::SeqCst);
+    pub fn start(flag: &Arc<Hosted>) -> Hosting {
+        flag.last_ms.store(u64::MAX, Ordering::SeqCst);
+        flag.gap_ms.store(0, Ordering::SeqCst);
+        flag.on.store(true, Ordering::SeqCst);
         Hosting(flag.clone())
     }
 }
 
 impl Drop for Hosting {
     fn drop(&mut self) {
-        self.0.store(false, Ordering::SeqCst);
+        self.0.on.store(false, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_current;
+
+    /// Current within the silence, or four usual gaps when steps are slower; out of touch past
+    /// it (a host frozen 6.7 s with steps every 50 ms); current before any step is agreed.
+    #[test]
+    fn a_host_out_of_touch_is_not_current() {
+        assert!(is_current(10_000, u64::MAX, 0, 3000));
+        assert!(is_current(10_000, 9_950, 50, 3000));
+        assert!(is_current(10_000, 7_000, 50, 3000));
+        assert!(!is_current(10_000, 3_300, 50, 3000));
+        assert!(is_current(100_000, 10_000, 30_000, 3000));
+        assert!(!is_current(200_000, 10_000, 30_000, 3000));
     }
 }

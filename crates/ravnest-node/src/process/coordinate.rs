@@ -35,7 +35,7 @@ pub(super) struct Host<'a> {
     pub counters: &'a Counters,
     pub t0: Instant,
     /// Set while the coordinator runs here: new nodes get their ids from this process.
-    pub hosting: Arc<std::sync::atomic::AtomicBool>,
+    pub hosting: Arc<super::admission::Hosted>,
     /// Stop requests (Ctrl-C, SIGTERM, the launcher's): the run ends early, cleanly.
     pub stops: super::stops::Stops,
 }
@@ -460,6 +460,9 @@ async fn train(
             Some(n) = notes.recv() => {
                 evals.note(&n);
                 sink.note(&n);
+                if matches!(n, Note::Agreed { .. }) {
+                    h.hosting.beat();
+                }
                 if let Note::Event(_, Event::Admitted { node, .. }) = n {
                     joined_leases.push(leases(h, &[node], term));
                 }
@@ -603,6 +606,13 @@ fn step_down(h: &Host<'_>, term: u32, newer: u32, next: Option<NodeId>) -> RunEr
         nodes[h.su.me.index()].name,
     );
     h.say.cluster(why.clone());
+    // Joiners that come here are sent on (`STEPPED_DOWN_LINGER`): to the successor, or when
+    // this process does not know it, to the first other node, which knows.
+    let me = h.su.me;
+    let to = next.or_else(|| (0..nodes.len() as u32).map(NodeId).find(|&n| n != me));
+    if let Some(to) = to {
+        ravnest_runtime::Transport::set_coordinator(h.tcp, to);
+    }
     RunError::SteppedDown(why)
 }
 

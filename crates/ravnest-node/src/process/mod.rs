@@ -17,6 +17,7 @@ mod data;
 mod evaluate;
 mod gather;
 mod options;
+mod seek;
 mod setup;
 mod stops;
 mod tap;
@@ -93,6 +94,29 @@ pub fn newcomer_document(origin: &str, text: &str, steps: u64, name: &str) -> St
 pub fn is_newcomer_document(doc: &str, name: &str) -> bool {
     serde_json::from_str::<Value>(doc).is_ok_and(|v| v["newcomer"].as_str() == Some(name))
 }
+
+/// `doc` (a [`share_document`]) saying that node `host`'s process hosts the coordinator now,
+/// as the node that hands it out knows: a joiner registers there, not with the file's
+/// coordinator, which a fail-over may have replaced.
+pub fn with_coordinator(doc: String, host: NodeId) -> String {
+    match serde_json::from_str::<Value>(&doc) {
+        Ok(mut v) => {
+            v["coordinator"] = json!(host.0);
+            v.to_string()
+        }
+        Err(_) => doc,
+    }
+}
+
+/// The coordinator's host a [`share_document`] names ([`with_coordinator`]), if it does.
+pub fn share_coordinator(doc: &str) -> Option<NodeId> {
+    let v = serde_json::from_str::<Value>(doc).ok()?;
+    Some(NodeId(u32::try_from(v["coordinator"].as_u64()?).ok()?))
+}
+
+/// How long a coordinator's host that stepped down still answers joiners (sending them to its
+/// successor) before its process ends.
+const STEPPED_DOWN_LINGER: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// Read a [`share_document`]: (origin, text, steps).
 pub fn read_share_document(doc: &str) -> Result<(String, String, u64), RunError> {
@@ -210,10 +234,21 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
                 .and_then(|d| read_share_document(d).ok()),
         )),
     };
-    let hosting = admission::Admission::install(&net.share, &tcp, su.me);
+    let silence_ms = (3 * opts.scenario.run.heartbeat_timeout_ms).max(1000);
+    let hosting = admission::Admission::install(&net.share, &tcp, su.me, silence_ms);
     let counters = Counters::default();
     let (verdict_tx, mut verdicts) = mpsc::unbounded_channel();
     let sup = start_node(&opts, &su, &net, &counters, t0, verdict_tx).await?;
+    // A joiner whose coordinator's host went silent right after handing it the file looks for
+    // the successor (a known node's `Join`; a new one registers first).
+    let _seek = (opts.join && !is_coord).then(|| {
+        let mut hello = Vec::new();
+        if opts.newcomer {
+            hello.push(Envelope::Register(su.caps.clone()));
+        }
+        hello.push(Envelope::Join);
+        seek::spawn(&opts, &say, &tcp, net.heard.clone(), t0, hello)
+    });
     let progress = spawn_progress(say.clone(), progress_of(&opts, &su, &net, &counters));
     let host = Host {
         opts: &opts,
@@ -246,6 +281,12 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
     };
     progress.abort();
     console::say_losses(&say, &su.compute, &counters);
+    if matches!(role, Err(RunError::SteppedDown(_))) {
+        // A joiner that knew only this address (the coordinator's host it was) is sent on to
+        // the successor for a while, instead of finding no one here.
+        sup.stop(None);
+        tokio::time::sleep(STEPPED_DOWN_LINGER).await;
+    }
     let role = role.inspect_err(|_| {
         sup.stop(None);
         tcp.shutdown();
@@ -629,4 +670,24 @@ fn print_summary(opts: &Options, summary: &RunReport) {
     let m = RunEvent::Summary(summary.clone());
     let text = if opts.json { m.json() } else { m.human() };
     let _ = writeln!(std::io::stdout().lock(), "{text}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The file a node hands out says which node hosts the coordinator now; a joiner reads it
+    /// back (and a document without it, from an older node, says nothing).
+    #[test]
+    fn a_shared_file_names_the_coordinators_host() {
+        let doc = share_document("c.toml", "[cluster]\n", 40);
+        assert_eq!(share_coordinator(&doc), None);
+        let doc = with_coordinator(newcomer_document("c.toml", "x", 40, "new1"), NodeId(2));
+        assert_eq!(share_coordinator(&doc), Some(NodeId(2)));
+        assert!(is_newcomer_document(&doc, "new1"));
+        assert_eq!(
+            read_share_document(&doc).unwrap(),
+            ("c.toml".to_string(), "x".to_string(), 40)
+        );
+    }
 }
