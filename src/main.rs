@@ -581,6 +581,43 @@ fn sim_command(cmd: SimCmd) -> Result<()> {
 
 /// `ravnest run`: the cluster file (from a path, a running node, or the embedded default),
 /// then the local launcher or this process's node.
+/// A fetched cluster file as `run` takes it: (origin, text, steps, newcomer, host); `--steps`
+/// over the file's.
+fn fetched(
+    j: run::Joined,
+    steps: Option<u64>,
+) -> (
+    String,
+    String,
+    Option<u64>,
+    bool,
+    Option<ravnest_core::NodeId>,
+) {
+    let steps = Some(steps.unwrap_or(j.steps));
+    (j.origin, j.text, steps, j.newcomer, j.host)
+}
+
+/// `run`'s flags that do not go together.
+fn flags_agree(
+    timeline: bool,
+    node: bool,
+    cluster: &Option<String>,
+    file: &Option<PathBuf>,
+) -> Result<()> {
+    if timeline && node {
+        bail!(
+            "--timeline draws a local cluster (started without --node): each node's activity is on its own machine"
+        );
+    }
+    if let (Some(c), Some(p)) = (cluster, file) {
+        bail!(
+            "--cluster {c} names the cluster --discover finds when no file is given; with `{}`, the cluster is the file's `[cluster] name`",
+            p.display()
+        );
+    }
+    Ok(())
+}
+
 fn run_command(cmd: RunCmd) -> Result<()> {
     let RunCmd {
         file,
@@ -620,17 +657,7 @@ fn run_command(cmd: RunCmd) -> Result<()> {
     {
         ravnest_node::process::die_with_launcher(pid);
     }
-    if timeline.is_some() && node.is_some() {
-        bail!(
-            "--timeline draws a local cluster (started without --node): each node's activity is on its own machine"
-        );
-    }
-    if let (Some(c), Some(p)) = (&cluster, &file) {
-        bail!(
-            "--cluster {c} names the cluster --discover finds when no file is given; with `{}`, the cluster is the file's `[cluster] name`",
-            p.display()
-        );
-    }
+    flags_agree(timeline.is_some(), node.is_some(), &cluster, &file)?;
     // --discover without a file finds a cluster to join; with one, it announces its nodes.
     let find = discover && file.is_none();
     let seed = join.as_deref().filter(|a| !a.is_empty());
@@ -645,13 +672,7 @@ fn run_command(cmd: RunCmd) -> Result<()> {
                 std::time::Duration::from_secs(s)
             });
             let j = run::discover_cluster_file(cluster.as_deref(), me, advertise.as_deref(), wait)?;
-            (
-                j.origin,
-                j.text,
-                Some(steps.unwrap_or(j.steps)),
-                j.newcomer,
-                j.host,
-            )
+            fetched(j, steps)
         }
         (Some(p), Some(a)) => bail!(
             "give a cluster file or --join {a}, not both (`{}` and the file fetched from {a} could differ)",
@@ -663,13 +684,9 @@ fn run_command(cmd: RunCmd) -> Result<()> {
             };
             // As long as a worker waits for its cluster (`--wait`), 60 s unless said.
             let patience = std::time::Duration::from_secs(wait.unwrap_or(60));
-            let j = run::fetch_cluster_file(a, me, advertise.as_deref(), patience)?;
-            (
-                j.origin,
-                j.text,
-                Some(steps.unwrap_or(j.steps)),
-                j.newcomer,
-                j.host,
+            fetched(
+                run::fetch_cluster_file(a, me, advertise.as_deref(), patience)?,
+                steps,
             )
         }
         (None, None) => (

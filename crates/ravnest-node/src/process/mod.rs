@@ -118,6 +118,14 @@ pub fn share_coordinator(doc: &str) -> Option<NodeId> {
 /// successor) before its process ends.
 const STEPPED_DOWN_LINGER: std::time::Duration = std::time::Duration::from_secs(3);
 
+/// A coordinator's host that stepped down stops its node and waits [`STEPPED_DOWN_LINGER`]: a
+/// joiner that knew only this address is sent on to the successor meanwhile, instead of finding
+/// no one here.
+async fn linger(sup: &ractor::ActorRef<ravnest_runtime::supervisor::SupMsg>) {
+    sup.stop(None);
+    tokio::time::sleep(STEPPED_DOWN_LINGER).await;
+}
+
 /// Read a [`share_document`]: (origin, text, steps).
 pub fn read_share_document(doc: &str) -> Result<(String, String, u64), RunError> {
     let v: Value = serde_json::from_str(doc)
@@ -239,16 +247,7 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
     let counters = Counters::default();
     let (verdict_tx, mut verdicts) = mpsc::unbounded_channel();
     let sup = start_node(&opts, &su, &net, &counters, t0, verdict_tx).await?;
-    // A joiner whose coordinator's host went silent right after handing it the file looks for
-    // the successor (a known node's `Join`; a new one registers first).
-    let _seek = (opts.join && !is_coord).then(|| {
-        let mut hello = Vec::new();
-        if opts.newcomer {
-            hello.push(Envelope::Register(su.caps.clone()));
-        }
-        hello.push(Envelope::Join);
-        seek::spawn(&opts, &say, &tcp, net.heard.clone(), t0, hello)
-    });
+    let _seek = (opts.join && !is_coord).then(|| seek::spawn(&opts, &say, &tcp, &net, &su, t0));
     let progress = spawn_progress(say.clone(), progress_of(&opts, &su, &net, &counters));
     let host = Host {
         opts: &opts,
@@ -282,10 +281,7 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
     progress.abort();
     console::say_losses(&say, &su.compute, &counters);
     if matches!(role, Err(RunError::SteppedDown(_))) {
-        // A joiner that knew only this address (the coordinator's host it was) is sent on to
-        // the successor for a while, instead of finding no one here.
-        sup.stop(None);
-        tokio::time::sleep(STEPPED_DOWN_LINGER).await;
+        linger(&sup).await;
     }
     let role = role.inspect_err(|_| {
         sup.stop(None);

@@ -15,17 +15,26 @@ use tokio::time::Instant;
 
 use super::console::Say;
 use super::options::{AbortOnDrop, Options};
+use super::setup::Setup;
+use super::tap::Tap;
 
 /// Ask around for the coordinator's host every `silence` while nothing was heard from it
-/// (`heard`: ms since `t0` of its last word, `u64::MAX` for none), and send `hello` there.
+/// (`net.heard`: ms since `t0` of its last word, `u64::MAX` for none), and say hello there
+/// again (a known node's `Join`; a new one registers first).
 pub(super) fn spawn(
     opts: &Options,
     say: &Say,
     tcp: &TcpTransport,
-    heard: Arc<AtomicU64>,
+    net: &Tap,
+    su: &Setup,
     t0: Instant,
-    hello: Vec<Envelope>,
 ) -> AbortOnDrop {
+    let mut hello = Vec::new();
+    if opts.newcomer {
+        hello.push(Envelope::Register(su.caps.clone()));
+    }
+    hello.push(Envelope::Join);
+    let heard: Arc<AtomicU64> = net.heard.clone();
     let s = &opts.scenario;
     let silence = Duration::from_millis((3 * s.run.heartbeat_timeout_ms).max(1000));
     let secret = super::secret(s);
