@@ -872,6 +872,11 @@ fn fetch_at(
         ));
         match fetched {
             Ok(Fetched::File(doc)) => return Ok((doc, at)),
+            Ok(Fetched::Elsewhere(next)) if next == at.to_string() => {
+                return Err(Retry::Again(HandshakeError::Io(format!(
+                    "node at {at} lets no node in yet (the cluster does not train yet, or its coordinator is moving)"
+                ))));
+            }
             Ok(Fetched::Elsewhere(next)) => {
                 at = next.parse().map_err(|_| {
                     Retry::Final(HandshakeError::Io(format!(

@@ -57,8 +57,8 @@ impl Admission {
         let hosting = self.hosting.is_on();
         if hosting && !self.hosting.current() {
             // This process was frozen or cut off past the failure timeout: a successor may be
-            // taking over, so it gives no file and no place until it knows. Asked here again,
-            // the joiner asks again from where it started, a moment later.
+            // taking over, so it gives no file and no place until it knows. Sent back here,
+            // the joiner asks again a moment later.
             return match self.tcp.dial_addr(self.me) {
                 Some(a) => ShareReply::Elsewhere(a.to_string()),
                 None => ShareReply::Refused("the coordinator is out of touch: try again".into()),
@@ -74,7 +74,9 @@ impl Admission {
             return ShareReply::File(with_coordinator(doc, host));
         }
         if !hosting {
-            return match self.tcp.dial_addr(host).filter(|_| host != self.me) {
+            // This node's own address when it is to host but does not yet (training has not
+            // started, or it is taking over right now): the joiner asks again a moment later.
+            return match self.tcp.dial_addr(host) {
                 Some(a) => ShareReply::Elsewhere(a.to_string()),
                 None => ShareReply::Refused(
                     "the cluster does not train yet, so it admits no new node: try again once it does"
