@@ -17,7 +17,6 @@ mod data;
 mod evaluate;
 mod gather;
 mod options;
-mod seek;
 mod setup;
 mod stops;
 mod tap;
@@ -247,7 +246,6 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
     let counters = Counters::default();
     let (verdict_tx, mut verdicts) = mpsc::unbounded_channel();
     let sup = start_node(&opts, &su, &net, &counters, t0, verdict_tx).await?;
-    let _seek = (opts.join && !is_coord).then(|| seek::spawn(&opts, &say, &tcp, &net, &su, t0));
     let progress = spawn_progress(say.clone(), progress_of(&opts, &su, &net, &counters));
     let host = Host {
         opts: &opts,
