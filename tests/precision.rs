@@ -37,7 +37,10 @@ memory_reserve_gib = 0
 network = "gpt"
 dataset = "{}"
 steps = {steps}
-learning_rate = 0.003
+learning_rate = 0.002
+lr_schedule = "cosine"
+warmup_steps = 10
+max_grad_norm = 1.0
 seed = 3
 checkpoint_every_steps = 0
 "#,
@@ -88,17 +91,18 @@ fn bf16_on_a_cpu_follows_the_fp32_loss_curve() {
     for (k, (a, b)) in bf16.iter().zip(&fp32).enumerate() {
         eprintln!("step {k}: bf16 {a:.6}, fp32 {b:.6}");
     }
-    // Step by step the same curve to bf16's precision (a few steps' losses are sensitive to
-    // the rounding: here step 15's batch, 3.39 against 3.68, while the steps around it agree
-    // to 1e-3).
+    // Step by step the same curve to bf16's precision: under this recipe (warm-up, cosine,
+    // clipping) the median step is about 1e-4 apart on seeds 3 to 6, the last ten steps within
+    // 0.1%; a constant 3e-3 without warm-up is chaotic (a step's loss here and there 8% apart,
+    // the last ten steps up to 4% on seed 5).
     apart.sort_by(f64::total_cmp);
     let median = apart[apart.len() / 2];
     assert!(median < 0.01, "half the steps apart by more than {median}");
     // The rounding is real: the curves are not the same numbers.
     assert!(bf16 != fp32, "bf16 computed exactly what fp32 did");
-    // Both learned, about as much: the mean of the last ten steps within 3%.
+    // Both learned, about as much: the mean of the last ten steps within 2%.
     let tail = |v: &[f64]| v[v.len() - 10..].iter().sum::<f64>() / 10.0;
     let (a, b) = (tail(&bf16), tail(&fp32));
     assert!(b < fp32[0] - 0.5, "fp32 learned: {fp32:?}");
-    assert!(rel(a, b) < 0.03, "the last ten steps: bf16 {a} vs fp32 {b}");
+    assert!(rel(a, b) < 0.02, "the last ten steps: bf16 {a} vs fp32 {b}");
 }
