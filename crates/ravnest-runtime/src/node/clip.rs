@@ -89,10 +89,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             .map(|(k, g)| {
                 let target = &r.targets[*k as usize];
                 match &r.shard {
-                    Some(l) => {
-                        let mine = l.mine(target);
-                        sum_sq(&g[mine.start - target.start..mine.end - target.start])
-                    }
+                    Some(l) => sum_sq(&g[l.mine_in(target)]),
                     None => sum_sq(g),
                 }
             })
@@ -229,11 +226,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             }
             match &layout {
                 Some(l) => {
-                    let mine = l.mine(&target);
-                    scale(
-                        &mut g[mine.start - target.start..mine.end - target.start],
-                        f,
-                    );
+                    scale(&mut g[l.mine_in(&target)], f);
                     applied = self
                         .update_owned(&mut r.next, &target, g, l)
                         .map(|values| gathers.push((k, target, values)));
@@ -279,29 +272,14 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::msg::{ShardWork, StageWork, SyncPolicy};
+    use crate::msg::{ShardWork, StageWork};
     use ravnest_core::LayerRange;
-    use ravnest_core::planner::sync::Collective;
 
+    /// State's test work, over `ring`.
     fn work(ring: Vec<NodeId>) -> Work {
         Work {
-            epoch: 1,
-            step: 0,
-            until: 4,
-            end: 10,
-            offset: 0,
-            batch: 4,
-            global_batch: 8,
-            chunk: 0,
             ring,
-            state_from: None,
-            sync: SyncPolicy::EveryStep,
-            collective: Collective::Ring,
-            group_size: 0,
-            stage: None,
-            checkpoint: None,
-            shard: None,
-            outer_from: None,
+            ..crate::node::state::tests::work(1, 0, None)
         }
     }
 

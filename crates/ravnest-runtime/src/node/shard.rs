@@ -86,6 +86,13 @@ impl ShardLayout {
         }
     }
 
+    /// [`ShardLayout::mine`] counted from the bucket's start: where this node's part sits in
+    /// the bucket's values.
+    pub(super) fn mine_in(&self, bucket: &Range<usize>) -> Range<usize> {
+        let mine = self.mine(bucket);
+        mine.start - bucket.start..mine.end - bucket.start
+    }
+
     /// The parameters of `bucket` this node owns (an empty range at the bucket's end when
     /// none).
     pub(super) fn mine(&self, bucket: &Range<usize>) -> Range<usize> {

@@ -99,7 +99,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         if mine.is_empty() {
             return Ok(sum);
         }
-        let local = mine.start - target.start..mine.end - target.start;
+        let local = layout.mine_in(target);
         self.compute
             .apply_update(next, mine.clone(), &sum[local.clone()])
             .map_err(|e| e.to_string())?;

@@ -234,12 +234,13 @@ pub(crate) struct Pipe<M, G> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::msg::{SyncPolicy, Work};
     use ravnest_core::planner::sync::Collective;
 
-    fn work(epoch: u64, step: u64, outer_from: Option<u64>) -> Work {
+    /// A node's work of `epoch` from `step`, for tests.
+    pub(crate) fn work(epoch: u64, step: u64, outer_from: Option<u64>) -> Work {
         Work {
             epoch,
             step,
