@@ -13,6 +13,7 @@ mod models;
 mod report;
 mod run;
 mod scenarios;
+mod view;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -195,6 +196,10 @@ struct SimCmd {
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
+    /// Write the run's page (the same as `run`'s report.html) here; default
+    /// `ravnest-out/<cluster name>/sim/report.html`.
+    #[arg(long, value_name = "FILE")]
+    report: Option<PathBuf>,
     /// Write a timeline picture (SVG) of the run to this file.
     #[arg(long)]
     timeline: Option<PathBuf>,
@@ -285,6 +290,14 @@ struct RunCmd {
     /// (Set by the local launcher) put this node's activity spans in its report.
     #[arg(long, hide = true)]
     report_spans: bool,
+    /// Serve a live view of the run here (default 127.0.0.1 and a free port, printed): the
+    /// page at /, its stream at /events, Prometheus text at /metrics (a local cluster).
+    #[arg(long, value_name = "HOST:PORT", num_args = 0..=1, default_missing_value = "127.0.0.1:0")]
+    dashboard: Option<String>,
+    /// Write TensorBoard event files (loss, samples/s, gradient norm, evaluations) to this
+    /// folder, for `tensorboard --logdir DIR` (a local cluster).
+    #[arg(long, value_name = "DIR")]
+    tensorboard: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -505,6 +518,7 @@ fn sim_command(cmd: SimCmd) -> Result<()> {
         json,
         timeline,
         profile,
+        report,
     } = cmd;
     let (origin, mut scenario) = match &file {
         Some(_) => load(file.as_deref())?,
@@ -546,6 +560,14 @@ fn sim_command(cmd: SimCmd) -> Result<()> {
             .with_context(|| format!("cannot write `{}`", path.display()))?;
         eprintln!("timeline written to {}", path.display());
     }
+    let page = report.unwrap_or_else(|| {
+        PathBuf::from("ravnest-out")
+            .join(&scenario.cluster.name)
+            .join("sim")
+            .join("report.html")
+    });
+    view::sim_report(&reports[0], &page)?;
+    eprintln!("report: {}", page.display());
     let mut compare_error = None;
     if let Some(other) = compare {
         let mut o = opts.clone();
@@ -599,11 +621,16 @@ fn fetched(
 
 /// `run`'s flags that do not go together.
 fn flags_agree(
-    timeline: bool,
+    (timeline, watch): (bool, bool),
     node: bool,
     cluster: &Option<String>,
     file: &Option<PathBuf>,
 ) -> Result<()> {
+    if watch && node {
+        bail!(
+            "--dashboard and --tensorboard watch a local cluster (started without --node), whose launcher sees every node's events"
+        );
+    }
     if timeline && node {
         bail!(
             "--timeline draws a local cluster (started without --node): each node's activity is on its own machine"
@@ -640,6 +667,8 @@ fn run_command(cmd: RunCmd) -> Result<()> {
         discover_timeout,
         no_announce,
         dry_run,
+        dashboard,
+        tensorboard,
     } = cmd;
     let kind = parse_planner(&planner)?;
     if dry_run {
@@ -657,7 +686,8 @@ fn run_command(cmd: RunCmd) -> Result<()> {
     {
         ravnest_node::process::die_with_launcher(pid);
     }
-    flags_agree(timeline.is_some(), node.is_some(), &cluster, &file)?;
+    let watch = dashboard.is_some() || tensorboard.is_some();
+    flags_agree((timeline.is_some(), watch), node.is_some(), &cluster, &file)?;
     // --discover without a file finds a cluster to join; with one, it announces its nodes.
     let find = discover && file.is_none();
     let seed = join.as_deref().filter(|a| !a.is_empty());
@@ -723,6 +753,8 @@ fn run_command(cmd: RunCmd) -> Result<()> {
         planner,
         timeline,
         spans: report_spans,
+        dashboard,
+        tensorboard,
         announce: if no_announce {
             ravnest_node::discover::Announce::Never
         } else if discover {

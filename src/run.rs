@@ -60,6 +60,10 @@ pub struct RunArgs {
     /// The node whose process hosts the coordinator, as the node that handed out the file
     /// knows it (`--join`: a fail-over may have moved it away from the file's).
     pub host: Option<ravnest_core::NodeId>,
+    /// Serve the live view at this address (a local cluster).
+    pub dashboard: Option<String>,
+    /// Write TensorBoard event files to this folder (a local cluster).
+    pub tensorboard: Option<PathBuf>,
 }
 
 fn default_out(s: &Scenario) -> PathBuf {
@@ -179,6 +183,8 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
         file
     };
     let exe = std::env::current_exe().context("cannot find this program's path")?;
+    let mut view =
+        crate::view::View::new(s, args.dashboard.as_deref(), args.tensorboard.as_deref())?;
     let (tx, rx) = mpsc::channel::<(usize, Option<RunEvent>)>();
     let mut children: Vec<(String, Child)> = Vec::new();
     for (i, n) in s.cluster.nodes.iter().enumerate() {
@@ -195,21 +201,20 @@ fn local_cluster(args: &RunArgs, s: &Scenario, out: &Path) -> Result<()> {
             }
             let _ = tx.send((i, None));
         });
-        say(
-            args.json,
-            &RunEvent::Spawned {
-                node: n.name.clone(),
-                pid: child.id(),
-            },
-        );
+        let spawned = RunEvent::Spawned {
+            node: n.name.clone(),
+            pid: child.id(),
+        };
+        view.see(&spawned);
+        say(args.json, &spawned);
         children.push((n.name.clone(), child));
     }
     relay_stops(tx.clone());
     drop(tx);
     let bars = Bars::new(args.json, s.run.steps, &children);
-    let reports = watch(args, out, &rx, &mut children, &bars)?;
+    let reports = watch(args, out, &rx, &mut children, (&bars, &mut view))?;
     bars.done();
-    finish(args, s, out, &mut children, &reports)
+    finish(args, s, out, &mut children, (&reports, &mut view))
 }
 
 /// The message on the children's channel that says this process was asked to stop.
@@ -432,7 +437,7 @@ fn watch(
     out: &Path,
     rx: &mpsc::Receiver<(usize, Option<RunEvent>)>,
     children: &mut [(String, Child)],
-    bars: &Bars,
+    (bars, view): (&Bars, &mut crate::view::View),
 ) -> Result<Vec<Option<NodeReport>>> {
     let mut reports: Vec<Option<NodeReport>> = vec![None; children.len()];
     let mut open = children.len();
@@ -445,6 +450,7 @@ fn watch(
         }
         let Some(v) = msg else {
             open -= 1;
+            view.ended(&children[i].0);
             if reports[i].is_none() {
                 let status = children[i].1.wait()?;
                 let stepped_down = status.code() == Some(ravnest_node::process::STEPPED_DOWN_EXIT);
@@ -474,6 +480,7 @@ fn watch(
             }
             continue;
         };
+        view.see(&v);
         if let Some(r) = show(args, bars, i, v) {
             reports[i] = Some(r);
         }
@@ -531,7 +538,7 @@ fn finish(
     s: &Scenario,
     out: &Path,
     children: &mut [(String, Child)],
-    reports: &[Option<NodeReport>],
+    (reports, view): (&[Option<NodeReport>], &mut crate::view::View),
 ) -> Result<()> {
     let mut failed = Vec::new();
     for (name, child) in children.iter_mut() {
@@ -576,15 +583,16 @@ fn finish(
         failed: failed.clone(),
     };
     merged.measure_pipeline();
+    let mut spans_svg = None;
     if let Some(path) = &args.timeline {
         let t = timeline(&merged, &out.join("events.jsonl"));
-        std::fs::write(
-            path,
-            ravnest_sim::timeline::svg(&t, &format!("ravnest run: {}", s.cluster.name)),
-        )
-        .with_context(|| format!("cannot write `{}`", path.display()))?;
+        let svg = ravnest_sim::timeline::svg(&t, &format!("ravnest run: {}", s.cluster.name));
+        std::fs::write(path, &svg).with_context(|| format!("cannot write `{}`", path.display()))?;
         eprintln!("timeline written to {}", path.display());
+        spans_svg = Some(svg);
     }
+    view.see(&RunEvent::Summary(merged.clone()));
+    view.finish(s, out, &merged, spans_svg);
     if args.json {
         say(true, &RunEvent::Summary(merged));
     } else {

@@ -40,13 +40,22 @@ pub enum RunEvent {
         node: String,
         /// One line per measured pair.
         pairs: Vec<String>,
+        /// The same as fields.
+        #[serde(default)]
+        links: Vec<LinkRow>,
     },
-    /// The plan on measured figures, as text.
+    /// The plan on measured figures: as text, and as fields.
     Plan {
         /// The coordinator's host.
         node: String,
         /// One line per node, then the sync.
         text: String,
+        /// Each planned node's share.
+        #[serde(default)]
+        nodes: Vec<PlanRow>,
+        /// How the replicas synchronize, and why.
+        #[serde(default)]
+        sync: String,
     },
     /// Training progress as a node sees it.
     Progress {
@@ -60,6 +69,9 @@ pub enum RunEvent {
         loss: Option<f64>,
         /// The cluster's samples/s over the last interval.
         samples_per_s: f64,
+        /// This node's own figures so far (absent from older nodes).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        own: Option<NodeFigures>,
     },
     /// The loss of the samples a node trained on (its share of a step, or a last stage's
     /// micro-batch), at full precision: JSON lines only. A step's loss is Σ `loss_sum` ÷ Σ
@@ -125,6 +137,53 @@ pub enum RunEvent {
     Report(NodeReport),
     /// The run's report, the same on every node.
     Summary(RunReport),
+}
+
+/// A measured link between two nodes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LinkRow {
+    /// One end.
+    pub a: String,
+    /// The other.
+    pub b: String,
+    /// Round-trip latency / 2, ms.
+    pub latency_ms: f64,
+    /// Bandwidth, Gbit/s.
+    pub gbit_s: f64,
+}
+
+/// One node's share of a plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanRow {
+    /// The node.
+    pub node: String,
+    /// Samples per step (0: left out).
+    pub batch: u64,
+    /// Its measured samples/s when all nodes computed at once.
+    pub measured_samples_per_s: f64,
+    /// Its link: latency, ms, and bandwidth, Gbit/s.
+    pub latency_ms: f64,
+    /// (See `latency_ms`.)
+    pub gbit_s: f64,
+    /// The layers its pipeline stage holds, `[first, end)` (none: the whole model).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<(usize, usize)>,
+}
+
+/// A node's own counters, cumulative since it started: what a live view draws its timeline
+/// (computing, communicating, idle) and its traffic from.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeFigures {
+    /// Seconds computing.
+    pub compute_s: f64,
+    /// Seconds of communication the compute did not hide.
+    pub comm_s: f64,
+    /// Steps it applied.
+    pub steps_applied: u64,
+    /// Samples per step of its current share.
+    pub batch: u64,
+    /// Per peer: (peer, bytes sent, bytes received).
+    pub peers: Vec<(String, u64, u64)>,
 }
 
 impl RunEvent {
@@ -230,6 +289,7 @@ mod tests {
             steps: 10,
             loss: None,
             samples_per_s: 12.5,
+            own: None,
         };
         let v: serde_json::Value = serde_json::from_str(&e.json()).unwrap();
         assert_eq!(v["event"], "progress");

@@ -108,6 +108,7 @@ impl TcpTransport {
                 down: AtomicBool::new(false),
                 bytes_sent: AtomicU64::new(0),
                 sync_bytes_sent: AtomicU64::new(0),
+                peer_bytes: Mutex::new(std::collections::BTreeMap::new()),
                 auth_failures: AtomicU64::new(0),
                 unsent: AtomicU64::new(0),
                 settled: tokio::sync::Notify::new(),
@@ -161,6 +162,22 @@ impl TcpTransport {
     /// Bytes written to sockets so far (frames, with headers).
     pub fn bytes_sent(&self) -> u64 {
         self.inner.bytes_sent.load(Ordering::Relaxed)
+    }
+
+    /// Count `n` bytes sent to (`way` 0) or received from (1) `peer`.
+    fn count_bytes(&self, peer: NodeId, way: usize, n: u64) {
+        self.inner
+            .peer_bytes
+            .lock()
+            .unwrap()
+            .entry(peer)
+            .or_default()[way] += n;
+    }
+
+    /// Bytes sent to and received from each peer so far: (peer, sent, received).
+    pub fn peer_bytes(&self) -> Vec<(NodeId, u64, u64)> {
+        let b = self.inner.peer_bytes.lock().unwrap();
+        b.iter().map(|(p, [s, r])| (*p, *s, *r)).collect()
     }
 
     /// Of [`TcpTransport::bytes_sent`], the bytes of collective frames: what synchronizing

@@ -86,6 +86,46 @@ pub(super) struct Progress {
     pub t0: Instant,
     /// The registration window, s.
     pub wait_s: u64,
+    /// The transport (its bytes per peer) and the cluster's node names.
+    pub net: ravnest_runtime::tcp::TcpTransport,
+    pub names: Vec<String>,
+}
+
+/// This node's own figures so far, for a live view.
+fn own_figures(p: &Progress) -> crate::events::NodeFigures {
+    let (compute_s, comm_s, steps_applied, batch) =
+        p.counters
+            .lock()
+            .unwrap()
+            .get(&p.me)
+            .map_or((0.0, 0.0, 0, 0), |c| {
+                (
+                    c.compute_ns as f64 * 1e-9,
+                    c.comm_ns as f64 * 1e-9,
+                    c.steps,
+                    c.batch,
+                )
+            });
+    let peers = p
+        .net
+        .peer_bytes()
+        .into_iter()
+        .map(|(id, sent, received)| {
+            let name = p.names.get(id.index()).cloned();
+            (
+                name.unwrap_or_else(|| format!("node {}", id.0)),
+                sent,
+                received,
+            )
+        })
+        .collect();
+    crate::events::NodeFigures {
+        compute_s,
+        comm_s,
+        steps_applied,
+        batch,
+        peers,
+    }
 }
 
 /// The losses the node computed since last said, and the gradient norms it clipped by, as JSON
@@ -181,6 +221,7 @@ pub(super) fn spawn_progress(say: Say, p: Progress) -> tokio::task::JoinHandle<(
                 steps: p.steps,
                 loss: loss.is_finite().then_some(loss),
                 samples_per_s: rate,
+                own: say.json.then(|| own_figures(&p)),
             });
         }
     })

@@ -64,10 +64,12 @@ pub(super) async fn coordinate(
     let mut cluster = h.opts.scenario.cluster.clone();
     probe_links(h, reg_rx, &all, &mut cluster).await;
     let solo = measure_together(h, reg_rx, &caps, &mut cluster).await;
-    let plan_text = plan_text(h, &cluster, &all, &solo)?;
+    let (text, nodes, sync) = plan_text(h, &cluster, &all, &solo)?;
     h.say.say(&RunEvent::Plan {
         node: h.say.node.clone(),
-        text: plan_text,
+        text,
+        nodes,
+        sync,
     });
     let absent = cluster.ids().filter(|id| !caps.contains_key(id)).collect();
     let config = Config {
@@ -262,22 +264,29 @@ async fn probe_links(
             cluster.nodes[id.index()].link = *l;
         }
     }
-    let pairs: Vec<String> = cluster
+    let links: Vec<crate::events::LinkRow> = cluster
         .pair_links
         .iter()
-        .map(|((a, b), l)| {
+        .map(|((a, b), l)| crate::events::LinkRow {
+            a: cluster.nodes[a.index()].name.clone(),
+            b: cluster.nodes[b.index()].name.clone(),
+            latency_ms: l.latency_ms,
+            gbit_s: l.bandwidth_gbps,
+        })
+        .collect();
+    let pairs = links
+        .iter()
+        .map(|l| {
             format!(
                 "{}-{} {:.2} ms {:.1} Gbit/s",
-                cluster.nodes[a.index()].name,
-                cluster.nodes[b.index()].name,
-                l.latency_ms,
-                l.bandwidth_gbps
+                l.a, l.b, l.latency_ms, l.gbit_s
             )
         })
         .collect();
     h.say.say(&RunEvent::Links {
         node: h.say.node.clone(),
         pairs,
+        links,
     });
 }
 
@@ -328,7 +337,7 @@ fn plan_text(
     cluster: &ravnest_core::ClusterSpec,
     registered: &[NodeId],
     solo: &BTreeMap<NodeId, Calibration>,
-) -> Result<String, RunError> {
+) -> Result<(String, Vec<crate::events::PlanRow>, String), RunError> {
     let (opts, su) = (h.opts, h.su);
     let model_spec = su.compute.net.model_spec();
     let training = &opts.scenario.training;
@@ -341,47 +350,59 @@ fn plan_text(
         training,
         su.compute.runs_stages(),
     );
-    match planned {
-        Ok(p) => Ok(p
-            .nodes
-            .iter()
-            .map(|pn| {
-                let id = registered[pn.id.index()];
-                let node = &cluster.nodes[id.index()];
-                let stage = match pn.layers.filter(|l| l.len() < model_spec.layers.len()) {
-                    Some(l) => format!(
-                        "   stage layers {l} ({})",
-                        model_spec.layers[l.range()]
-                            .iter()
-                            .map(|x| x.name.as_str())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ),
-                    None => String::new(),
-                };
-                // The figure `measured together` printed, the same in the report's table.
-                let measured = solo.get(&id).map_or(0.0, |m| m.samples_per_s);
-                format!(
-                    "  {:<10} batch {:>4}   measured {:>8.0} samples/s   link {:.2} ms, {:.1} Gbit/s{stage}",
-                    node.name,
-                    pn.batch,
-                    measured,
-                    node.link.latency_ms,
-                    node.link.bandwidth_gbps
-                )
-            })
-            .chain(std::iter::once(format!("  sync: {}", p.sync.reason)))
-            .collect::<Vec<_>>()
-            .join("\n")),
-        Err(e) if !su.compute.runs_stages() => Err(RunError::NoPlan(format!(
-            "{}: no data-parallel plan for the registered nodes ({e}); the candle backend does not run pipeline stages yet",
-            opts.origin
-        ))),
-        Err(e) => Err(RunError::NoPlan(format!(
-            "{}: no plan for the registered nodes: {e}",
-            opts.origin
-        ))),
+    let p = match planned {
+        Ok(p) => p,
+        Err(e) if !su.compute.runs_stages() => {
+            return Err(RunError::NoPlan(format!(
+                "{}: no data-parallel plan for the registered nodes ({e}); the candle backend does not run pipeline stages yet",
+                opts.origin
+            )));
+        }
+        Err(e) => {
+            return Err(RunError::NoPlan(format!(
+                "{}: no plan for the registered nodes: {e}",
+                opts.origin
+            )));
+        }
+    };
+    let mut lines = Vec::new();
+    let mut rows = Vec::new();
+    for pn in &p.nodes {
+        let id = registered[pn.id.index()];
+        let node = &cluster.nodes[id.index()];
+        let layers = pn.layers.filter(|l| l.len() < model_spec.layers.len());
+        let stage = match layers {
+            Some(l) => format!(
+                "   stage layers {l} ({})",
+                model_spec.layers[l.range()]
+                    .iter()
+                    .map(|x| x.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            None => String::new(),
+        };
+        // The figure `measured together` printed, the same in the report's table.
+        let measured = solo.get(&id).map_or(0.0, |m| m.samples_per_s);
+        lines.push(format!(
+            "  {:<10} batch {:>4}   measured {:>8.0} samples/s   link {:.2} ms, {:.1} Gbit/s{stage}",
+            node.name,
+            pn.batch,
+            measured,
+            node.link.latency_ms,
+            node.link.bandwidth_gbps
+        ));
+        rows.push(crate::events::PlanRow {
+            node: node.name.clone(),
+            batch: pn.batch,
+            measured_samples_per_s: measured,
+            latency_ms: node.link.latency_ms,
+            gbit_s: node.link.bandwidth_gbps,
+            layers: layers.map(|l| (l.range().start, l.range().end)),
+        });
     }
+    lines.push(format!("  sync: {}", p.sync.reason));
+    Ok((lines.join("\n"), rows, p.sync.reason.clone()))
 }
 
 /// What training left behind, for the report.

@@ -522,6 +522,8 @@ fn progress_of(opts: &Options, su: &Setup, net: &Tap, counters: &Counters) -> Pr
         heard: net.heard.clone(),
         t0: net.t0,
         wait_s: opts.register_timeout.as_secs(),
+        net: net.inner.clone(),
+        names: s.cluster.nodes.iter().map(|n| n.name.clone()).collect(),
     }
 }
 

@@ -47,6 +47,21 @@ impl TcpTransport {
         Some((conn, delivered))
     }
 
+    /// What a joiner asking for the cluster file is answered.
+    fn share_answer(&self, r: &JoinRequest) -> Option<ShareReply> {
+        let sharer = self.inner.sharer.lock().unwrap().clone();
+        match sharer {
+            Some(f) => Some(f(r)),
+            None => self
+                .inner
+                .share
+                .lock()
+                .unwrap()
+                .as_ref()
+                .map(|d| ShareReply::File(d.to_string())),
+        }
+    }
+
     /// An accepted connection: authenticate, then read frames until it ends, acknowledging
     /// what was delivered. Its end is not a peer's death (the failure detector decides that on
     /// heartbeats): the peer dials again and sends what we had not delivered.
@@ -60,25 +75,12 @@ impl TcpTransport {
         ) {
             return;
         }
-        let answer = |r: &JoinRequest| {
-            let sharer = self.inner.sharer.lock().unwrap().clone();
-            match sharer {
-                Some(f) => Some(f(r)),
-                None => self
-                    .inner
-                    .share
-                    .lock()
-                    .unwrap()
-                    .as_ref()
-                    .map(|d| ShareReply::File(d.to_string())),
-            }
-        };
         let accepted = handshake_accept(
             &mut stream,
             &self.inner.cfg,
             remote,
             self.inner.incarnation,
-            answer,
+            |r| self.share_answer(r),
             |p, inc| self.admit(p, inc),
         )
         .await;
@@ -134,6 +136,7 @@ impl TcpTransport {
                 Err(e) => break Some(e.to_string()),
                 Ok(Some((from, to, env))) => {
                     last.store(self.now_ms(), Ordering::Relaxed);
+                    self.count_bytes(peer, 1, env.wire_bytes());
                     // The header must not lie about who sent it or where it goes.
                     // (A node that joined is known by its authenticated connection before its
                     // address arrives.)

@@ -216,6 +216,7 @@ impl TcpTransport {
                 self.inner
                     .bytes_sent
                     .fetch_add(f.len() as u64, Ordering::Relaxed);
+                self.count_bytes(peer, 0, f.len() as u64);
                 if f.sync {
                     self.inner
                         .sync_bytes_sent

@@ -49,6 +49,8 @@ pub(super) struct Inner {
     pub(super) bytes_sent: AtomicU64,
     /// Of them, bytes of collective frames (gradient and model synchronization).
     pub(super) sync_bytes_sent: AtomicU64,
+    /// Bytes per peer: [sent (frames written), received (frames read)].
+    pub(super) peer_bytes: Mutex<BTreeMap<NodeId, [u64; 2]>>,
     /// Connections closed because a record failed authentication.
     pub(super) auth_failures: AtomicU64,
     /// Frames queued on links and not yet written and flushed (or dropped with their link).
