@@ -290,6 +290,7 @@ fn one_node_run(
         device: Some(device.to_string()),
         announce: ravnest_node::discover::Announce::Never,
         newcomer: false,
+        observe: None,
     })?;
     // Per step after warm-up.
     Ok(report

@@ -291,11 +291,13 @@ struct RunCmd {
     #[arg(long, hide = true)]
     report_spans: bool,
     /// Serve a live view of the run here (default 127.0.0.1 and a free port, printed): the
-    /// page at /, its stream at /events, Prometheus text at /metrics (a local cluster).
+    /// page at /, its stream at /events, Prometheus text at /metrics. A local cluster's launcher
+    /// draws every node; a `--node` process its node, and the cluster while it hosts the
+    /// coordinator.
     #[arg(long, value_name = "HOST:PORT", num_args = 0..=1, default_missing_value = "127.0.0.1:0")]
     dashboard: Option<String>,
     /// Write TensorBoard event files (loss, samples/s, gradient norm, evaluations) to this
-    /// folder, for `tensorboard --logdir DIR` (a local cluster).
+    /// folder, for `tensorboard --logdir DIR`.
     #[arg(long, value_name = "DIR")]
     tensorboard: Option<PathBuf>,
 }
@@ -621,16 +623,11 @@ fn fetched(
 
 /// `run`'s flags that do not go together.
 fn flags_agree(
-    (timeline, watch): (bool, bool),
+    timeline: bool,
     node: bool,
     cluster: &Option<String>,
     file: &Option<PathBuf>,
 ) -> Result<()> {
-    if watch && node {
-        bail!(
-            "--dashboard and --tensorboard watch a local cluster (started without --node), whose launcher sees every node's events"
-        );
-    }
     if timeline && node {
         bail!(
             "--timeline draws a local cluster (started without --node): each node's activity is on its own machine"
@@ -686,8 +683,7 @@ fn run_command(cmd: RunCmd) -> Result<()> {
     {
         ravnest_node::process::die_with_launcher(pid);
     }
-    let watch = dashboard.is_some() || tensorboard.is_some();
-    flags_agree((timeline.is_some(), watch), node.is_some(), &cluster, &file)?;
+    flags_agree(timeline.is_some(), node.is_some(), &cluster, &file)?;
     // --discover without a file finds a cluster to join; with one, it announces its nodes.
     let find = discover && file.is_none();
     let seed = join.as_deref().filter(|a| !a.is_empty());

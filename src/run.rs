@@ -124,6 +124,18 @@ pub fn run(args: RunArgs) -> Result<()> {
     let register_timeout = Duration::from_secs(scenario.run.register_timeout_s);
     match &args.node {
         Some(node) => {
+            // A node the local launcher started is drawn by the launcher.
+            let launched = std::env::var_os(ravnest_node::process::LAUNCHER_PID).is_some();
+            let view = (!launched)
+                .then(|| {
+                    crate::view::View::of_node(
+                        &scenario,
+                        args.dashboard.as_deref(),
+                        args.tensorboard.as_deref(),
+                    )
+                })
+                .transpose()?;
+            let (s, dir) = (scenario.clone(), out.clone());
             let ran = ravnest_node::process::run(Options {
                 scenario,
                 origin: args.origin.clone(),
@@ -147,7 +159,17 @@ pub fn run(args: RunArgs) -> Result<()> {
                 spans: args.spans,
                 announce: args.announce,
                 newcomer,
+                observe: view.as_ref().map(crate::view::View::observer),
             });
+            // The coordinator's host at the end writes the run's page.
+            if let (Some(v), Ok(r)) = (&view, &ran)
+                && r.coordinator.is_some()
+            {
+                let mut v = v.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(m) = v.summary().cloned() {
+                    v.finish(&s, &dir, &m, None);
+                }
+            }
             if let Err(ravnest_node::process::RunError::SteppedDown(why)) = &ran {
                 // A stale coordinator that stepped down: said, and not a failure of the run.
                 eprintln!("{why}");

@@ -16,12 +16,14 @@ use ravnest_view::Board;
 use ravnest_view::serve::Shared;
 use ravnest_view::tfevents::EventWriter;
 
-/// The launcher's view of the run.
+/// The launcher's view of the run (or a `--node` process's).
 pub struct View {
     board: Shared,
     t0: Instant,
     unix0: f64,
     tb: Option<(EventWriter, u64)>,
+    /// The run's report, when its summary came.
+    summary: Option<RunReport>,
 }
 
 impl std::fmt::Debug for View {
@@ -76,7 +78,49 @@ impl View {
             t0: Instant::now(),
             unix0,
             tb,
+            summary: None,
         })
+    }
+
+    /// A `--node` process's view: its own node's figures, and the cluster's (events, plans,
+    /// every node's step timings) while it hosts the coordinator. With `--dashboard`, the page
+    /// links every node's dashboard at the same port (a stream that stops offers them).
+    pub fn of_node(
+        s: &Scenario,
+        dashboard: Option<&str>,
+        tensorboard: Option<&Path>,
+    ) -> Result<Arc<Mutex<View>>> {
+        let v = View::new(s, dashboard, tensorboard)?;
+        {
+            let mut b = v.board();
+            b.partial_loss = true;
+            let port = dashboard.and_then(|d| d.rsplit_once(':')).map(|(_, p)| p);
+            if let Some(port) = port.filter(|p| *p != "0") {
+                b.dashboards = s
+                    .cluster
+                    .nodes
+                    .iter()
+                    .filter_map(|n| {
+                        let host = n.address.as_deref()?.rsplit_once(':')?.0;
+                        Some((n.name.clone(), format!("http://{host}:{port}/")))
+                    })
+                    .collect();
+            }
+        }
+        Ok(Arc::new(Mutex::new(v)))
+    }
+
+    /// What a node process calls with every event it says.
+    pub fn observer(v: &Arc<Mutex<View>>) -> ravnest_node::events::Observer {
+        let v = v.clone();
+        ravnest_node::events::Observer(Arc::new(move |e: &RunEvent| {
+            v.lock().unwrap_or_else(|p| p.into_inner()).see(e)
+        }))
+    }
+
+    /// The run's report, if its summary came.
+    pub fn summary(&self) -> Option<&RunReport> {
+        self.summary.as_ref()
     }
 
     fn board(&self) -> std::sync::MutexGuard<'_, Board> {
@@ -87,6 +131,9 @@ impl View {
     pub fn see(&mut self, e: &RunEvent) {
         let t = self.t0.elapsed().as_secs_f64();
         self.board().apply(t, e);
+        if let RunEvent::Summary(r) = e {
+            self.summary = Some(r.clone());
+        }
         if matches!(e, RunEvent::Progress { .. } | RunEvent::Eval { .. }) {
             self.tensorboard(false);
         }
@@ -154,7 +201,10 @@ impl View {
     /// the simulator predicts for `s` beside what was measured, the last TensorBoard scalars.
     pub fn finish(&mut self, s: &Scenario, out: &Path, m: &RunReport, spans_svg: Option<String>) {
         self.tensorboard(true);
-        if let Err(e) = self.append_losses(&out.join("events.jsonl")) {
+        // (A `--node` process has only its own node's losses: they are not the steps'.)
+        if !self.board().partial_loss
+            && let Err(e) = self.append_losses(&out.join("events.jsonl"))
+        {
             eprintln!("cannot add the step losses to events.jsonl: {e}");
         }
         let mut snap = self.board().snapshot(2000);

@@ -282,3 +282,91 @@ fn tempfile_dir(tag: &str) -> PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+/// `--node` processes: the coordinator's host's dashboard draws every node from their step
+/// reports (a worker's shows itself), and the host writes `report.html` at the end.
+#[test]
+fn a_node_process_that_hosts_the_coordinator_serves_the_clusters_view_and_writes_the_report() {
+    let dir = tempfile_dir("view-nodes");
+    let ports = free_ports(5);
+    let mut t = String::from("[cluster]\nname = \"viewn\"\nsecret = \"view-secret\"\n\n");
+    for (name, port) in [("a", ports[0]), ("b", ports[1]), ("c", ports[2])] {
+        t += &format!(
+            "[[node]]\nname = \"{name}\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{port}\"\n\n"
+        );
+    }
+    t += "[model]\nkind = \"mlp\"\ndims = [64, 512, 512, 10]\n\n[training]\nglobal_batch = 384\noptimizer = \"sgd-momentum\"\nsync = \"ring\"\nredundancy = \"always\"\n\n[run]\nsteps = 800\nlearning_rate = 0.05\nmomentum = 0.9\nseed = 1\ncheckpoint_every_steps = 400\n";
+    let file = dir.join("cluster.toml");
+    std::fs::write(&file, t).unwrap();
+    let (host_port, worker_port) = (ports[3], ports[4]);
+    let start = |node: &str, port: u16| {
+        Command::new(env!("CARGO_BIN_EXE_ravnest"))
+            .arg("run")
+            .arg(&file)
+            .args(["--node", node, "--dashboard"])
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--out")
+            .arg(dir.join(node))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let mut nodes = vec![start("a", host_port), start("b", worker_port)];
+    nodes.push(
+        Command::new(env!("CARGO_BIN_EXE_ravnest"))
+            .arg("run")
+            .arg(&file)
+            .args(["--node", "c", "--out"])
+            .arg(dir.join("c"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let applied = |m: &str, node: &str| {
+        m.lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!("ravnest_steps_applied_total{{node=\"{node}\"}} "))
+            })
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let t0 = Instant::now();
+    let m = loop {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "no node got to step 20"
+        );
+        if let Some(m) = get(host_port, "/metrics")
+            && ["a", "b", "c"].iter().all(|n| applied(&m, n) > 20.0)
+        {
+            break m;
+        }
+        assert!(
+            nodes.iter_mut().all(|c| c.try_wait().unwrap().is_none()),
+            "a node ended early"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    eprintln!(
+        "the host's /metrics: steps applied a {} b {} c {}",
+        applied(&m, "a"),
+        applied(&m, "b"),
+        applied(&m, "c")
+    );
+    // A worker's page is its own node's.
+    let w = get(worker_port, "/metrics").unwrap();
+    assert!(applied(&w, "b") > 0.0 && applied(&w, "c") == 0.0, "{w}");
+    for mut c in nodes {
+        assert!(c.wait().unwrap().success());
+    }
+    let page =
+        std::fs::read_to_string(dir.join("a").join("report.html")).expect("the host's report.html");
+    assert!(page.contains("\"partial_loss\":true"));
+    assert!(
+        !dir.join("b").join("report.html").exists(),
+        "a worker wrote a report"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -139,6 +139,18 @@ pub enum RunEvent {
     Summary(RunReport),
 }
 
+/// Something that watches a node process's events as it says them (a live view), besides or
+/// instead of the console: it sees every event, the losses and each node's counters included,
+/// in text mode too.
+#[derive(Clone)]
+pub struct Observer(pub std::sync::Arc<dyn Fn(&RunEvent) + Send + Sync>);
+
+impl std::fmt::Debug for Observer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Observer")
+    }
+}
+
 /// A measured link between two nodes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LinkRow {

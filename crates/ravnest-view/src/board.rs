@@ -179,6 +179,13 @@ pub struct Board {
     pub now_s: f64,
     /// Whether the run's summary arrived (it is over).
     pub finished: bool,
+    /// The loss curve is this process's node's share of each step only (a `--node` process:
+    /// the other nodes' losses are in their own processes).
+    pub partial_loss: bool,
+    /// Each node's dashboard, where every node serves one (`--node --dashboard`): (node, URL),
+    /// what the page offers when its stream stops (its process ended; the coordinator may be
+    /// elsewhere now).
+    pub dashboards: Vec<(String, String)>,
     /// Per step: first global sample → (samples, Σ loss): a step's loss over every node
     /// (a redone step's later figures replace its earlier ones, sample range by range).
     #[serde(skip)]
@@ -211,6 +218,8 @@ impl Board {
             step: 0,
             now_s: 0.0,
             finished: false,
+            partial_loss: false,
+            dashboards: Vec::new(),
             losses: BTreeMap::new(),
             grad_norms: BTreeMap::new(),
             version: 0,
@@ -396,6 +405,14 @@ impl Board {
         }
         if let Some(host) = named(what, "`", "` took over as coordinator") {
             self.host = host;
+            // (Its predecessor is lost: that is why it took over.)
+            if let Some(from) = what
+                .split(") from `")
+                .nth(1)
+                .and_then(|r| r.split('`').next())
+            {
+                self.node(from).go_down(t);
+            }
         }
         if what.contains(": planned ") {
             // What happened since the previous plan (a checkpoint is not a reason).

@@ -19,11 +19,26 @@ pub(super) struct Say {
     pub json: bool,
     pub quiet: bool,
     pub node: String,
+    /// Sees every event (a live view).
+    pub observe: Option<crate::events::Observer>,
 }
 
 impl Say {
+    /// Whether the figures for scripts and views (losses, each node's counters) are wanted.
+    pub(super) fn figures(&self) -> bool {
+        self.json || self.observe.is_some()
+    }
+
+    /// Tell only the observer (what it draws of other nodes; no console line).
+    pub(super) fn observe(&self, e: &RunEvent) {
+        if let Some(o) = &self.observe {
+            (o.0)(e);
+        }
+    }
+
     /// Say `e`.
     pub(super) fn say(&self, e: &RunEvent) {
+        self.observe(e);
         if self.quiet {
             return;
         }
@@ -31,8 +46,12 @@ impl Say {
         use std::io::Write;
         if self.json {
             let _ = writeln!(std::io::stdout().lock(), "{}", e.json());
-        } else if !matches!(e, RunEvent::Report(_)) {
-            // (A node's report is printed as the run's table: see `crate::summary`.)
+        } else if !matches!(
+            e,
+            RunEvent::Report(_) | RunEvent::Loss { .. } | RunEvent::GradNorm { .. }
+        ) {
+            // (A node's report is printed as the run's table: see `crate::summary`; losses are
+            // JSON lines only.)
             let text = crate::summary::clip_lines(&format!("[{}] {}", self.node, e.human()));
             let _ = writeln!(std::io::stderr().lock(), "{text}");
         }
@@ -131,7 +150,7 @@ fn own_figures(p: &Progress) -> crate::events::NodeFigures {
 /// The losses the node computed since last said, and the gradient norms it clipped by, as JSON
 /// lines (scripts only: a person reads the progress lines).
 pub(super) fn say_losses(say: &Say, compute: &CandleCompute, counters: &Counters) {
-    if !say.json {
+    if !say.figures() {
         return;
     }
     let norms: Vec<(u64, f64)> = counters
@@ -164,12 +183,12 @@ pub(super) fn say_losses(say: &Say, compute: &CandleCompute, counters: &Counters
 /// model at step 500 did not train 500 steps in half a second).
 pub(super) fn spawn_progress(say: Say, p: Progress) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        // Every half second for scripts (JSON), every two for people.
-        let period = if say.json { 500 } else { 2000 };
+        // Every half second for scripts (JSON) and views, every two for people.
+        let period = if say.figures() { 500 } else { 2000 };
         let mut tick = tokio::time::interval(Duration::from_millis(period));
         let mut last: Option<(std::time::Instant, u64)> = None;
         let mut next_wait = 5u64;
-        let mut printed: Option<u64> = None;
+        let mut printed: Option<(u64, std::time::Instant)> = None;
         loop {
             tick.tick().await;
             if p.compute.started.get().is_none() {
@@ -206,23 +225,28 @@ pub(super) fn spawn_progress(say: Say, p: Progress) -> tokio::task::JoinHandle<(
                 0.0
             };
             last = Some((now, applied));
-            // People get a line when something moved; scripts get every tick.
-            if !say.json && printed == Some(step) {
+            // People get a line every two seconds when something moved; scripts and views get
+            // every tick.
+            let moved = printed.is_none_or(|(s, _)| s != step);
+            let due = printed.is_none_or(|(_, at)| now - at >= Duration::from_millis(1900));
+            let line = say.json || (moved && due);
+            if !line && say.observe.is_none() {
                 continue;
             }
-            printed = Some(step);
-            if say.json {
-                say_losses(&say, &p.compute, &p.counters);
+            if line {
+                printed = Some((step, now));
             }
+            say_losses(&say, &p.compute, &p.counters);
             let loss = p.compute.stats().last_loss;
-            say.say(&RunEvent::Progress {
+            let e = RunEvent::Progress {
                 node: say.node.clone(),
                 step,
                 steps: p.steps,
                 loss: loss.is_finite().then_some(loss),
                 samples_per_s: rate,
-                own: say.json.then(|| own_figures(&p)),
-            });
+                own: say.figures().then(|| own_figures(&p)),
+            };
+            if line { say.say(&e) } else { say.observe(&e) }
         }
     })
 }
@@ -234,6 +258,9 @@ pub(super) struct EventSink {
     file: Option<std::fs::File>,
     say: Say,
     cluster: ravnest_core::ClusterSpec,
+    /// For an observer: the other nodes' counters, from their step reports, and their batches.
+    others: std::collections::BTreeMap<NodeId, crate::events::NodeFigures>,
+    batches: std::collections::BTreeMap<NodeId, u64>,
 }
 
 impl EventSink {
@@ -274,7 +301,38 @@ impl EventSink {
                 json!({"t_s": 0.0, "what": format!("run started at step {start_step}"), "unix_s": unix})
             );
         }
-        EventSink { file, say, cluster }
+        EventSink {
+            file,
+            say,
+            cluster,
+            others: Default::default(),
+            batches: Default::default(),
+        }
+    }
+
+    /// A node's step report, for the observer (a live view of the nodes that are not this
+    /// process's): its counters so far, as a progress event that is not printed.
+    fn stepped(&mut self, node: NodeId, step: u64, compute_ns: u64, comm_ns: u64) {
+        let Some(name) = self.cluster.nodes.get(node.index()).map(|n| n.name.clone()) else {
+            return;
+        };
+        if self.say.observe.is_none() || name == self.say.node {
+            // (This process's node says its own figures, from its counters.)
+            return;
+        }
+        let f = self.others.entry(node).or_default();
+        f.compute_s += compute_ns as f64 * 1e-9;
+        f.comm_s += comm_ns as f64 * 1e-9;
+        f.steps_applied += 1;
+        f.batch = self.batches.get(&node).copied().unwrap_or(0);
+        self.say.observe(&RunEvent::Progress {
+            node: name,
+            step: step + 1,
+            steps: 0,
+            loss: None,
+            samples_per_s: 0.0,
+            own: Some(f.clone()),
+        });
     }
 
     /// Pass on a held-out evaluation (or why one failed).
@@ -308,10 +366,22 @@ impl EventSink {
     /// Pass on an event of the journal (agreed steps are the progress lines' business).
     pub(super) fn note(&mut self, note: &Note) {
         use std::io::Write;
+        if let Note::Stepped {
+            node,
+            step,
+            compute_ns,
+            comm_ns,
+        } = note
+        {
+            return self.stepped(*node, *step, *compute_ns, *comm_ns);
+        }
         let Note::Event(t, e) = note else {
             return;
         };
         learn_member(&mut self.cluster, e);
+        if let Event::Planned { workers, .. } = e {
+            self.batches = workers.iter().copied().collect();
+        }
         let (t_s, what) = (*t as f64 / 1e9, describe(e, &self.cluster));
         if let Some(f) = &mut self.file {
             let mut line = json!({"t_s": t_s, "what": what});

@@ -214,6 +214,7 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
         json: opts.json,
         quiet: opts.quiet,
         node: opts.node.clone(),
+        observe: opts.observe.clone(),
     };
     let started = Instant::now();
     let (tcp, is_coord) = open_port(&opts).await?;
@@ -657,13 +658,16 @@ fn memory_report(su: &Setup, c: &ravnest_runtime::node::NodeCounters) -> NodeRep
     }
 }
 
-/// The run's summary, on stdout (unless `--quiet`).
+/// The run's summary, on stdout (unless `--quiet`), and to the observer.
 fn print_summary(opts: &Options, summary: &RunReport) {
     use std::io::Write;
+    let m = RunEvent::Summary(summary.clone());
+    if let Some(o) = &opts.observe {
+        (o.0)(&m);
+    }
     if opts.quiet {
         return;
     }
-    let m = RunEvent::Summary(summary.clone());
     let text = if opts.json { m.json() } else { m.human() };
     let _ = writeln!(std::io::stdout().lock(), "{text}");
 }

@@ -102,6 +102,8 @@ pub struct Options {
     /// A node not in the cluster file, joining a running cluster (`--join` with a new name):
     /// it registers its name, address and measurements, and is admitted as the next node.
     pub newcomer: bool,
+    /// Watches every event this process says (`run --node --dashboard`).
+    pub observe: Option<crate::events::Observer>,
 }
 
 /// The node whose host coordinates: the configured one, else the first.

@@ -171,6 +171,20 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
         msg: CoordMsg,
         st: &mut CoordState,
     ) -> Result<(), ActorProcessingErr> {
+        // A node's step timings are for observers too (a live view of the other nodes).
+        if let CoordMsg::Net(
+            Addr::Node(from),
+            Envelope::StepDone {
+                step,
+                compute_ns,
+                comm_ns,
+                ..
+            },
+        ) = &msg
+            && !self.log.fenced(self.term())
+        {
+            self.log.stepped(*from, *step, *compute_ns, *comm_ns);
+        }
         let input = match msg {
             CoordMsg::Tick => Input::Tick,
             CoordMsg::PeerDown(n) => Input::PeerDown(n),

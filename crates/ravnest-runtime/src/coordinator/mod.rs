@@ -47,6 +47,18 @@ pub enum Note {
         /// The version.
         step: u64,
     },
+    /// A node reported a finished step with its timings (`Envelope::StepDone`): what a live
+    /// view draws of the nodes that are not this process's. Told, not recorded.
+    Stepped {
+        /// The node.
+        node: ravnest_core::NodeId,
+        /// The step.
+        step: u64,
+        /// Ns it computed its share.
+        compute_ns: u64,
+        /// Ns of communication its compute did not hide.
+        comm_ns: u64,
+    },
 }
 
 /// The run's log and who listens to it. The coordinator and the checkpoint actor record into
@@ -122,6 +134,16 @@ impl Journal {
             log.step_done_ns.len()
         };
         self.tell(Note::Agreed { steps });
+    }
+
+    /// Tell listeners that `node` reported `step` done with these timings (nothing is kept).
+    pub fn stepped(&self, node: ravnest_core::NodeId, step: u64, compute_ns: u64, comm_ns: u64) {
+        self.tell(Note::Stepped {
+            node,
+            step,
+            compute_ns,
+            comm_ns,
+        });
     }
 
     /// Record that the checkpoint round of version `step` was opened at `t_ns`.

@@ -52,6 +52,7 @@ fn a_node_trains_goes_down_and_comes_back() {
         ),
     );
     assert_eq!(b.host, "b");
+    assert_eq!(b.nodes[0].state, NodeState::Down);
     // A joiner not in the file gets a row.
     b.apply(6.0, &cluster("b", "node `c` (not in the cluster file) joins the running cluster: cpu; it gets work at the next epoch"));
     assert_eq!(b.nodes.len(), 3);
