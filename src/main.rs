@@ -568,8 +568,11 @@ fn sim_command(cmd: SimCmd) -> Result<()> {
             .join("sim")
             .join("report.html")
     });
-    view::sim_report(&reports[0], &page)?;
-    eprintln!("report: {}", page.display());
+    // (A page that cannot be written does not fail the simulation: it is said.)
+    match view::sim_report(&reports[0], &page) {
+        Ok(()) => eprintln!("report: {}", page.display()),
+        Err(e) => eprintln!("warning: {e:#}"),
+    }
     let mut compare_error = None;
     if let Some(other) = compare {
         let mut o = opts.clone();

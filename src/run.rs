@@ -502,7 +502,10 @@ fn watch(
             }
             continue;
         };
-        view.see(&v);
+        // (A child's summary is its own; the launcher's, merged from all, comes at the end.)
+        if !matches!(v, RunEvent::Summary(_)) {
+            view.see(&v);
+        }
         if let Some(r) = show(args, bars, i, v) {
             reports[i] = Some(r);
         }

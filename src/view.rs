@@ -21,7 +21,8 @@ pub struct View {
     board: Shared,
     t0: Instant,
     unix0: f64,
-    tb: Option<(EventWriter, u64)>,
+    /// The TensorBoard file, the next step to write, and evaluations written.
+    tb: Option<(EventWriter, u64, usize)>,
     /// The run's report, when its summary came.
     summary: Option<RunReport>,
 }
@@ -69,7 +70,7 @@ impl View {
                     format!("--tensorboard: cannot write in `{}`", dir.display())
                 })?;
                 eprintln!("TensorBoard events: {}", w.path().display());
-                Some((w, 0))
+                Some((w, 0, 0))
             }
             None => None,
         };
@@ -147,7 +148,7 @@ impl View {
 
     /// Scalars of the steps every training node has gone past (all of them at the end).
     fn tensorboard(&mut self, all: bool) {
-        let Some((w, next)) = self.tb.as_mut() else {
+        let Some((w, next, evals)) = self.tb.as_mut() else {
             return;
         };
         let b = self.board.lock().unwrap_or_else(|p| p.into_inner());
@@ -163,14 +164,12 @@ impl View {
         };
         let now = unix_now();
         let mut rows: Vec<(u64, Vec<(&str, f32)>)> = Vec::new();
-        for (step, loss, _) in b.step_losses() {
-            if step >= *next && step < settled {
-                let mut s = vec![("train/loss", loss as f32)];
-                if let Some(n) = b.grad_norms.get(&step) {
-                    s.push(("train/grad_norm", *n as f32));
-                }
-                rows.push((step, s));
+        for (step, loss, _) in b.step_losses_in(*next..settled) {
+            let mut s = vec![("train/loss", loss as f32)];
+            if let Some(n) = b.grad_norms.get(&step) {
+                s.push(("train/grad_norm", *n as f32));
             }
+            rows.push((step, s));
         }
         if let Some(last) = rows.last() {
             let rate = b.throughput.last().map_or(0.0, |t| t.1);
@@ -178,7 +177,7 @@ impl View {
             rows.push((at, vec![("train/samples_per_s", rate as f32)]));
             *next = at + 1;
         }
-        for e in b.evals.iter().filter(|e| all || e.step + 1 >= *next) {
+        for e in b.evals.iter().skip(*evals) {
             rows.push((
                 e.step,
                 vec![
@@ -187,6 +186,7 @@ impl View {
                 ],
             ));
         }
+        *evals = b.evals.len();
         drop(b);
         for (step, s) in rows {
             if let Err(e) = w.scalars(now, step, &s) {

@@ -152,7 +152,7 @@ fn the_dashboard_streams_and_serves_metrics_and_a_browser_draws_it_live_and_afte
         .arg("--out")
         .arg(&out)
         .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
+        .stderr(Stdio::null())
         .spawn()
         .unwrap();
     // Mid-run: past step 20, and not finished.
@@ -179,13 +179,13 @@ fn the_dashboard_streams_and_serves_metrics_and_a_browser_draws_it_live_and_afte
             "no sample of node {node}:\n{metrics}"
         );
     }
-    let steps = stream_steps(port, 3.0);
+    let steps = stream_steps(port, 4.0);
     eprintln!(
-        "the stream sent {} board updates in 3 s: steps {steps:?}",
+        "the stream sent {} board updates in 4 s: steps {steps:?}",
         steps.len()
     );
     assert!(
-        steps.len() >= 3,
+        steps.len() >= 4,
         "fewer than one update a second: {steps:?}"
     );
     assert!(
@@ -338,8 +338,11 @@ fn a_node_process_that_hosts_the_coordinator_serves_the_clusters_view_and_writes
             t0.elapsed() < Duration::from_secs(120),
             "no node got to step 20"
         );
+        // (The host's own node, and the others from their step reports: a node the plan
+        // leaves out for its measured speed, on a busy machine, applies none.)
         if let Some(m) = get(host_port, "/metrics")
-            && ["a", "b", "c"].iter().all(|n| applied(&m, n) > 20.0)
+            && applied(&m, "a") > 20.0
+            && applied(&m, "b") + applied(&m, "c") > 20.0
         {
             break m;
         }
@@ -355,9 +358,15 @@ fn a_node_process_that_hosts_the_coordinator_serves_the_clusters_view_and_writes
         applied(&m, "b"),
         applied(&m, "c")
     );
+    for node in ["a", "b", "c"] {
+        assert!(
+            m.contains(&format!("ravnest_up{{node=\"{node}\"}} 1")),
+            "{m}"
+        );
+    }
     // A worker's page is its own node's.
     let w = get(worker_port, "/metrics").unwrap();
-    assert!(applied(&w, "b") > 0.0 && applied(&w, "c") == 0.0, "{w}");
+    assert!(applied(&w, "a") == 0.0 && applied(&w, "c") == 0.0, "{w}");
     for mut c in nodes {
         assert!(c.wait().unwrap().success());
     }

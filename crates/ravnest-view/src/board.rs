@@ -80,8 +80,10 @@ impl NodeView {
     }
 
     fn go_down(&mut self, t: f64) {
-        if self.state != NodeState::Down {
+        // (A node that reported is done: a loss declared as the run shuts down is not one.)
+        if !matches!(self.state, NodeState::Down | NodeState::Done) {
             self.state = NodeState::Down;
+            self.samples_per_s = 0.0;
             self.down.push((t, None));
         }
     }
@@ -171,7 +173,9 @@ pub struct Board {
     pub events_dropped: u64,
     /// Evaluations.
     pub evals: Vec<EvalRow>,
-    /// The cluster's samples/s over time: (s, samples/s), as the node furthest on says.
+    /// The cluster's samples/s over time: (s, samples/s), as the node furthest on says
+    /// (thinned to half when it passes [`MAX_POINTS`]; a snapshot thins it further).
+    #[serde(skip)]
     pub throughput: Vec<(f64, f64)>,
     /// The furthest step any node holds.
     pub step: u64,
@@ -196,10 +200,16 @@ pub struct Board {
     /// Bumped on every change (the live stream sends a snapshot when it moved).
     #[serde(skip)]
     pub version: u64,
+    /// Whether the journal's line of the first plan came (it repeats the host's plan).
+    #[serde(skip)]
+    first_plan_said: bool,
 }
 
 /// Events kept on the board (the whole list is in `events.jsonl`).
 pub const MAX_EVENTS: usize = 500;
+
+/// Points a node's timeline or the throughput keeps before it is thinned to half.
+pub const MAX_POINTS: usize = 20_000;
 
 impl Board {
     /// An empty board for a cluster with these nodes (its file's order) and steps.
@@ -223,6 +233,7 @@ impl Board {
             losses: BTreeMap::new(),
             grad_norms: BTreeMap::new(),
             version: 0,
+            first_plan_said: false,
         }
     }
 
@@ -303,10 +314,12 @@ impl Board {
                 loss_sum,
                 ..
             } => {
-                self.losses
-                    .entry(*step)
-                    .or_default()
-                    .insert(*first_sample, (*samples, *loss_sum));
+                // A redone step's ranges replace those of its earlier try that they overlap
+                // (another plan may split the same samples otherwise).
+                let parts = self.losses.entry(*step).or_default();
+                let end = first_sample + samples;
+                parts.retain(|a, (n, _)| a + *n <= *first_sample || *a >= end);
+                parts.insert(*first_sample, (*samples, *loss_sum));
             }
             RunEvent::GradNorm { step, norm, .. } => {
                 self.grad_norms.insert(*step, *norm);
@@ -342,10 +355,8 @@ impl Board {
     /// A node's process ended at `t_s`; without its report, it is down.
     pub fn ended(&mut self, t_s: f64, node: &str) {
         self.version += 1;
-        let n = self.node(node);
-        if n.state != NodeState::Done {
-            n.go_down(t_s);
-        }
+        self.now_s = self.now_s.max(t_s);
+        self.node(node).go_down(t_s);
     }
 
     fn progress(
@@ -360,6 +371,9 @@ impl Board {
         self.step = self.step.max(step);
         if step >= self.step && cluster_rate > 0.0 {
             self.throughput.push((t, cluster_rate));
+            if self.throughput.len() > MAX_POINTS {
+                self.throughput = thin(&self.throughput, MAX_POINTS / 2);
+            }
         }
         let n = self.node(node);
         n.step = step;
@@ -370,7 +384,7 @@ impl Board {
             if dt > 0.0 {
                 let compute = ((own.compute_s - before.compute_s) / dt).clamp(0.0, 1.0);
                 let comm = ((own.comm_s - before.comm_s) / dt).clamp(0.0, 1.0 - compute);
-                n.segments.push((*t0, t, compute, comm));
+                push_segment(&mut n.segments, (*t0, t, compute, comm));
                 let applied = own.steps_applied.saturating_sub(before.steps_applied);
                 n.samples_per_s = (applied * own.batch) as f64 / dt;
             }
@@ -414,7 +428,7 @@ impl Board {
                 self.node(from).go_down(t);
             }
         }
-        if what.contains(": planned ") {
+        if kind == EventKind::Plan {
             // What happened since the previous plan (a checkpoint is not a reason).
             let reason = self
                 .events
@@ -423,8 +437,11 @@ impl Board {
                 .take_while(|e| e.kind != EventKind::Plan)
                 .find(|e| e.kind != EventKind::Checkpoint)
                 .map_or_else(|| "a re-plan".to_string(), |e| e.what.clone());
+            self.standby_from(what);
             // The first plan is said twice (the host's plan, then the journal's): kept once.
-            if !(self.plans.len() == 1 && self.events.iter().all(|e| e.kind != EventKind::Plan)) {
+            let said_twice = self.plans.len() == 1 && !self.first_plan_said;
+            self.first_plan_said = true;
+            if !said_twice {
                 self.plans.push(PlanView {
                     t_s: t,
                     reason,
@@ -447,10 +464,41 @@ impl Board {
         }
     }
 
+    /// A data-parallel plan's line ("step K: planned a=64 b=32"): the nodes it leaves out
+    /// are on standby, unless down or done.
+    fn standby_from(&mut self, what: &str) {
+        let Some(list) = what.split(": planned ").nth(1) else {
+            return;
+        };
+        let planned: Vec<&str> = list
+            .split_whitespace()
+            .filter_map(|w| w.split_once('=').map(|(n, _)| n))
+            .collect();
+        if planned.is_empty() {
+            return;
+        }
+        for n in &mut self.nodes {
+            let out = !planned.contains(&n.name.as_str());
+            if out && matches!(n.state, NodeState::Training | NodeState::Measuring) {
+                n.state = NodeState::Standby;
+            } else if !out && n.state == NodeState::Standby {
+                n.state = NodeState::Measuring;
+            }
+        }
+    }
+
     /// Each step's loss over every node that trained it: (step, mean loss, samples).
     pub fn step_losses(&self) -> Vec<(u64, f64, u64)> {
+        self.step_losses_in(0..u64::MAX)
+    }
+
+    /// The same for the steps in `steps`.
+    pub fn step_losses_in(&self, steps: std::ops::Range<u64>) -> Vec<(u64, f64, u64)> {
+        if steps.is_empty() {
+            return Vec::new();
+        }
         self.losses
-            .iter()
+            .range(steps)
             .map(|(s, parts)| {
                 let (n, sum) = parts
                     .values()
@@ -524,6 +572,25 @@ impl Board {
     }
 }
 
+/// Add a timeline interval; intervals under a quarter second are merged into the one before
+/// (a host sees every node's every step), so a timeline keeps about four a second at most.
+fn push_segment(segs: &mut Vec<(f64, f64, f64, f64)>, s: (f64, f64, f64, f64)) {
+    if let Some(last) = segs.last_mut()
+        && last.1 == s.0
+        && last.1 - last.0 < 0.25
+    {
+        let (a, b) = (last.1 - last.0, s.1 - s.0);
+        let w = a + b;
+        if w > 0.0 {
+            last.2 = (last.2 * a + s.2 * b) / w;
+            last.3 = (last.3 * a + s.3 * b) / w;
+        }
+        last.1 = s.1;
+        return;
+    }
+    segs.push(s);
+}
+
 /// At most `n` of `xs`, evenly spaced, the last always kept.
 pub fn thin<T: Clone>(xs: &[T], n: usize) -> Vec<T> {
     if xs.len() <= n || n < 2 {
@@ -545,7 +612,7 @@ fn named(what: &str, pre: &str, post: &str) -> Option<String> {
 fn kind_of(what: &str) -> EventKind {
     if what.contains(" lost") || what.contains("aborted") || what.contains("took over") {
         EventKind::Fault
-    } else if what.contains(": planned ") {
+    } else if what.starts_with("step ") && what.contains(": planned ") {
         EventKind::Plan
     } else if what.contains("joined") || what.contains("joins the running cluster") {
         EventKind::Join

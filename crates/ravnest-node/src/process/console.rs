@@ -258,8 +258,9 @@ pub(super) struct EventSink {
     file: Option<std::fs::File>,
     say: Say,
     cluster: ravnest_core::ClusterSpec,
-    /// For an observer: the other nodes' counters, from their step reports, and their batches.
-    others: std::collections::BTreeMap<NodeId, crate::events::NodeFigures>,
+    /// For an observer: the other nodes' counters, from their step reports (with the last
+    /// step counted: a redone step's report is counted once), and their batches.
+    others: std::collections::BTreeMap<NodeId, (crate::events::NodeFigures, u64)>,
     batches: std::collections::BTreeMap<NodeId, u64>,
 }
 
@@ -320,7 +321,11 @@ impl EventSink {
             // (This process's node says its own figures, from its counters.)
             return;
         }
-        let f = self.others.entry(node).or_default();
+        let (f, last) = self.others.entry(node).or_default();
+        if f.steps_applied > 0 && step <= *last {
+            return;
+        }
+        *last = step;
         f.compute_s += compute_ns as f64 * 1e-9;
         f.comm_s += comm_ns as f64 * 1e-9;
         f.steps_applied += 1;

@@ -150,3 +150,45 @@ fn metrics_have_a_sample_per_node_and_parse_as_prometheus_text() {
         );
     }
 }
+
+#[test]
+fn a_redone_step_split_another_way_replaces_the_ranges_it_overlaps() {
+    let mut b = board();
+    let loss = |first: u64, samples: u64, sum: f64| RunEvent::Loss {
+        node: "a".into(),
+        step: 2,
+        first_sample: first,
+        samples,
+        loss_sum: sum,
+    };
+    b.apply(0.0, &loss(0, 32, 32.0));
+    b.apply(0.0, &loss(32, 32, 32.0));
+    // Redone on one node: the same 64 samples, once.
+    b.apply(1.0, &loss(0, 64, 32.0));
+    assert_eq!(b.step_losses(), vec![(2, 0.5, 64)]);
+}
+
+#[test]
+fn a_leave_is_not_a_re_plan_a_re_plan_puts_the_left_out_on_standby_and_done_stays_done() {
+    let mut b = board();
+    b.apply(0.0, &progress("a", 1, 0.1, 0.0, 1));
+    b.apply(0.0, &progress("b", 1, 0.1, 0.0, 1));
+    b.apply(0.5, &cluster("a", "step 0: planned a=8 b=8"));
+    b.apply(
+        1.0,
+        &cluster(
+            "a",
+            "node `b` asked to leave: planned out at the next epoch (no re-plan for a loss)",
+        ),
+    );
+    b.apply(1.5, &cluster("a", "step 3: planned a=16"));
+    assert_eq!(b.replans(), 1, "{:?}", b.plans);
+    assert_eq!(b.nodes[1].state, NodeState::Standby);
+    let report = ravnest_node::summary::NodeReport {
+        node: "a".into(),
+        ..Default::default()
+    };
+    b.apply(2.0, &RunEvent::Report(report));
+    b.apply(2.5, &cluster("a", "node `a` lost (silent 900 ms)"));
+    assert_eq!(b.nodes[0].state, NodeState::Done);
+}
