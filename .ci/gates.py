@@ -6,7 +6,9 @@
 - no source file over 1,000 lines (the same files);
 - no import circle between modules that do not nest (a parent and its children may name each
   other; two siblings, or cousins, may not both depend on each other, directly or around a
-  longer loop).
+  longer loop);
+- no crate re-exports another of ours (`pub use ravnest_*`): its users name the crate that
+  holds the item, so that what depends on what is what the imports say.
 
 Prints each breach with its place and exits 1 when there is one.
 """
@@ -182,12 +184,20 @@ def main():
         if len(lines) - 1 > MAX_FILE_LINES:
             breaches.append(f"{p}: {len(lines) - 1} lines (at most {MAX_FILE_LINES}: split the module)")
     breaches += circles(files)
+    for p, text in files:
+        for i, line in enumerate(text.split("\n"), 1):
+            m = re.match(r"\s*pub(\([^)]*\))? use (ravnest_\w+)", line)
+            if m and not m.group(1):
+                breaches.append(f"{p}:{i}: re-exports {m.group(2)} (name it where it is used)")
     for b in breaches:
         print(b)
     if breaches:
         print(f"{len(breaches)} shape rule(s) broken")
         return 1
-    print("shape rules hold: no function over 120 lines, no file over 1,000, no import circle")
+    print(
+        "shape rules hold: no function over 120 lines, no file over 1,000, no import circle, "
+        "no re-export of another crate of ours"
+    )
     return 0
 
 

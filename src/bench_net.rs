@@ -9,8 +9,9 @@ use anyhow::{Result, bail};
 use ravnest_core::NodeId;
 use ravnest_core::collective::{CollEffect, CollId, CollInput};
 use ravnest_core::ring::RingMember;
+use ravnest_protocol::msg::{Addr, Envelope};
+use ravnest_runtime::Transport;
 use ravnest_runtime::tcp::LoopbackCluster;
-use ravnest_runtime::{Addr, Envelope, Transport};
 use tokio::sync::mpsc;
 
 /// One measurement.

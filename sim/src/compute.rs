@@ -277,7 +277,7 @@ impl Compute for SimCompute {
 
     fn digest(&self, model: &SimModel, layers: Option<LayerRange>) -> u64 {
         self.parts(model, layers)
-            .map_or(0, ravnest_runtime::digest::digest)
+            .map_or(0, ravnest_protocol::digest::digest)
     }
 
     fn state_stats(&self) -> ravnest_runtime::seams::StateStats {

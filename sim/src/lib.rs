@@ -21,11 +21,15 @@ use std::time::Duration;
 use ravnest_core::config::{Fault, Scenario};
 use ravnest_core::cost::Costs;
 use ravnest_core::{LayerRange, NodeId, PlannerKind};
+use ravnest_protocol::coordinator::Event;
+use ravnest_protocol::coordinator::core::Config;
+use ravnest_protocol::coordinator::succession::Verdict;
+use ravnest_protocol::msg::Addr;
 use ravnest_runtime::checkpoint::{Store, StoreError};
-use ravnest_runtime::coordinator::{Config, Event, Note, RunLog, SharedLog, spawn_leases};
-use ravnest_runtime::node::{Counters, Succession, Verdict};
+use ravnest_runtime::coordinator::{Note, RunLog, SharedLog, spawn_leases};
+use ravnest_runtime::node::{Counters, Succession};
 use ravnest_runtime::supervisor::SupMsg;
-use ravnest_runtime::{Addr, Launch, Nodes, Trace, Transport};
+use ravnest_runtime::{Launch, Nodes, Trace, Transport};
 use serde::Serialize;
 use tokio::time::Instant;
 
@@ -676,7 +680,7 @@ impl Coordinating {
     /// (unless a newer term started meanwhile: a stale coordinator's end is not the run's).
     async fn start(
         &self,
-        succeeds: Option<(ravnest_runtime::msg::Replica, NodeId)>,
+        succeeds: Option<(ravnest_protocol::msg::Replica, NodeId)>,
     ) -> Result<(), ravnest_runtime::LaunchError> {
         let (term, host) = succeeds
             .as_ref()

@@ -16,7 +16,8 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex};
 
 use ravnest_core::{ClusterSpec, Link, NodeId};
-use ravnest_runtime::{Addr, Envelope, Inbox, Trace, Transport, TransportError};
+use ravnest_protocol::msg::{Addr, Envelope};
+use ravnest_runtime::{Inbox, Trace, Transport, TransportError};
 use tokio::sync::Notify;
 use tokio::time::{Duration, Instant};
 

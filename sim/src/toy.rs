@@ -57,7 +57,7 @@ pub fn apply(model: &mut [f32], mean_gradient: &[f32]) {
     }
 }
 
-pub use ravnest_runtime::digest::{digest, sample_range as step_samples};
+use ravnest_protocol::digest::sample_range as step_samples;
 
 /// The model after `steps` single-node steps on the whole global batch.
 pub fn reference_model(steps: u64, global_batch: u64) -> Vec<f32> {

@@ -12,14 +12,14 @@ use ravnest_sim::net::SimNet;
 struct Net(SimNet);
 
 impl ravnest_runtime::Transport for Net {
-    fn register(&self, addr: ravnest_runtime::Addr, inbox: ravnest_runtime::Inbox) {
+    fn register(&self, addr: ravnest_protocol::msg::Addr, inbox: ravnest_runtime::Inbox) {
         self.0.register(addr, inbox)
     }
     fn send(
         &self,
-        from: ravnest_runtime::Addr,
-        to: ravnest_runtime::Addr,
-        env: ravnest_runtime::Envelope,
+        from: ravnest_protocol::msg::Addr,
+        to: ravnest_protocol::msg::Addr,
+        env: ravnest_protocol::msg::Envelope,
     ) -> Result<(), ravnest_runtime::TransportError> {
         self.0.send(from, to, env)
     }
@@ -73,7 +73,8 @@ fn peer_down() {
 /// Arrival times (ms after the start) of 1 MB pushes sent at t = 0 along `flows` on 4 nodes
 /// with 1 Gbit/s interfaces.
 fn arrivals(flows: &[(u32, u32)]) -> Vec<f64> {
-    use ravnest_runtime::{Addr, Envelope, Transport};
+    use ravnest_protocol::msg::{Addr, Envelope};
+    use ravnest_runtime::Transport;
     use std::sync::{Arc, Mutex};
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()

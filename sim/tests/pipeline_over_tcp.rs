@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use ravnest_core::cost::Costs;
 use ravnest_core::{LayerRange, NodeId};
-use ravnest_runtime::coordinator::{Config, Event, Tuning};
+use ravnest_protocol::coordinator::Event;
+use ravnest_protocol::coordinator::core::{Config, Tuning};
 use ravnest_runtime::node::Counters;
 use ravnest_runtime::tcp::LoopbackCluster;
 use ravnest_runtime::{Compute, Launch, Nodes};

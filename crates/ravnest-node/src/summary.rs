@@ -6,7 +6,7 @@
 //!
 //! Console lines stay short: the full event list is in the output folder's `events.jsonl`.
 
-use ravnest_runtime::coordinator::Event;
+use ravnest_protocol::coordinator::Event;
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};

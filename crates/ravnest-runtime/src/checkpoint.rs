@@ -7,7 +7,7 @@
 //! previous checkpoint stays the latest); on completion the merged model goes to a [`Store`]
 //! (files in `ravnest run`, memory in the simulator) and the completion is logged.
 //!
-//! A shard arrives in parts ([`crate::msg::SHARD_PART`] values each, in order); each part goes
+//! A shard arrives in parts ([`ravnest_protocol::msg::SHARD_PART`] values each, in order); each part goes
 //! to the store as it comes ([`Store::put`]: a file on disk in `ravnest run`), its digest is
 //! folded in as it passes, and the store merges the parts into the checkpoint's files when the
 //! round completes. So the process hosting the checkpoint actor never holds the model whole.
@@ -20,10 +20,11 @@ use ravnest_core::LayerRange;
 use ravnest_core::checkpoint::{Aggregator, Manifest, ShardMeta};
 use tokio::time::Instant;
 
-use crate::coordinator::{Event, SharedLog};
-use crate::msg::{Addr, Envelope};
+use crate::coordinator::SharedLog;
 use crate::seams::Transport;
 use crate::trace::Trace;
+use ravnest_protocol::coordinator::Event;
+use ravnest_protocol::msg::{Addr, Envelope};
 
 /// Why a complete checkpoint could not be stored.
 #[derive(Debug, thiserror::Error)]
@@ -129,7 +130,7 @@ pub const EARLY_VERSIONS: usize = 8;
 #[derive(Debug)]
 struct Incoming {
     received: u64,
-    digest: crate::digest::Digest,
+    digest: ravnest_protocol::digest::Digest,
     total: u64,
 }
 
@@ -265,7 +266,7 @@ impl<T: Transport> CheckpointActor<T> {
                 key,
                 Incoming {
                     received: 0,
-                    digest: crate::digest::Digest::default(),
+                    digest: ravnest_protocol::digest::Digest::default(),
                     total,
                 },
             );
@@ -414,8 +415,8 @@ mod tests {
     use ravnest_core::NodeId;
 
     use super::*;
-    use crate::digest::digest;
     use crate::seams::{Inbox, TransportError};
+    use ravnest_protocol::digest::digest;
 
     /// Delivers nothing anywhere; keeps the checkpoint actor's inbox for the test to call.
     #[derive(Clone, Default)]

@@ -18,8 +18,8 @@ use ravnest_core::collective::{CollEffect, CollId, CollInput, CollMsg, Member, R
 use ravnest_core::pack::Packing;
 use ravnest_core::planner::sync::Collective;
 
-use crate::msg::{Addr, Envelope};
 use crate::seams::Transport;
+use ravnest_protocol::msg::{Addr, Envelope};
 
 /// How a collective ended, for the node.
 #[derive(Debug)]

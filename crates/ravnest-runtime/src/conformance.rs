@@ -12,8 +12,8 @@ use ravnest_core::NodeId;
 use ravnest_core::collective::{CollId, CollMsg};
 use ravnest_core::ring::{Phase, RingChunk};
 
-use crate::msg::{Addr, Envelope};
 use crate::seams::{Transport, TransportError};
+use ravnest_protocol::msg::{Addr, Envelope};
 
 /// A transport under test, with a way to crash one of its nodes.
 pub trait TestNet: Transport {

@@ -22,12 +22,13 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::checkpoint::{CheckpointActor, CkMsg, Store};
-use crate::coordinator::{Config, CoordMsg, CoordinatorActor, SharedLog};
-use crate::msg::Replica;
+use crate::coordinator::{CoordMsg, CoordinatorActor, SharedLog};
 use crate::node::{Counters, NodeActor, Start, Succession};
 use crate::seams::{Compute, Transport};
 use crate::supervisor::{SupMsg, SupervisorActor};
 use crate::trace::Trace;
+use ravnest_protocol::coordinator::core::Config;
+use ravnest_protocol::msg::Replica;
 
 /// An actor could not be started.
 #[derive(Debug, thiserror::Error)]

@@ -16,9 +16,7 @@ pub mod checkpoint;
 pub mod collective;
 pub mod conformance;
 pub mod coordinator;
-pub use ravnest_protocol::digest;
 pub mod launch;
-pub use ravnest_protocol::msg;
 pub mod netns;
 pub mod node;
 pub mod seams;
@@ -28,6 +26,5 @@ pub mod trace;
 pub mod wire;
 
 pub use launch::{Launch, LaunchError, Nodes};
-pub use msg::{Addr, Envelope};
 pub use seams::{Compute, Inbox, Transport, TransportError};
 pub use trace::Trace;

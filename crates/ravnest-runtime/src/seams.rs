@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use ravnest_core::{LayerRange, NodeId};
 
-use crate::msg::{Addr, Envelope};
+use ravnest_protocol::msg::{Addr, Envelope};
 
 /// Where a transport hands an arriving envelope: (sender, envelope).
 pub type Inbox = Arc<dyn Fn(Addr, Envelope) + Send + Sync>;
@@ -182,12 +182,12 @@ pub trait Compute: Send + Sync + 'static {
         values: Vec<f32>,
     ) -> Result<Self::Model, ComputeError>;
 
-    /// The digest ([`crate::digest::digest`]) of what [`Compute::export`] gives for `layers`,
+    /// The digest ([`ravnest_protocol::digest::digest`]) of what [`Compute::export`] gives for `layers`,
     /// computed where the values are (0 when `model` does not hold them). Replicas compare it
     /// after every synchronized step.
     fn digest(&self, model: &Self::Model, layers: Option<LayerRange>) -> u64 {
         self.export(model, layers)
-            .map_or(0, |v| crate::digest::digest(&v))
+            .map_or(0, |v| ravnest_protocol::digest::digest(&v))
     }
 
     /// The buckets a gradient is produced in: disjoint ranges of the parameters covering them,

@@ -14,10 +14,10 @@ use ravnest_core::NodeId;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::msg::Addr;
 use crate::node::{NodeActor, NodeMsg, Start, spawn_heartbeat};
 use crate::seams::{Compute, Transport};
 use crate::trace::Trace;
+use ravnest_protocol::msg::Addr;
 
 /// Builds the node actor for an id (its configuration is the same at every incarnation).
 pub type NodeFactory<T, C> = Arc<dyn Fn(NodeId) -> NodeActor<T, C> + Send + Sync>;

@@ -43,9 +43,9 @@ use std::time::Duration;
 use ravnest_core::NodeId;
 use tokio::net::TcpListener;
 
-use crate::msg::{Addr, Envelope};
 use crate::seams::{Inbox, Transport, TransportError};
 use crate::wire;
+use ravnest_protocol::msg::{Addr, Envelope};
 
 pub use agreed::HandshakeError;
 pub use channel::{Channel, NOISE_PROTOCOL};

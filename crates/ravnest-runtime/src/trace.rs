@@ -3,8 +3,8 @@
 
 use std::sync::{Arc, Mutex};
 
-pub use crate::digest::Fnv;
-use crate::msg::Addr;
+use ravnest_protocol::digest::Fnv;
+use ravnest_protocol::msg::Addr;
 
 /// One trace line.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -17,7 +17,7 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 
 use ravnest_core::pack::{Packing, unpack};
 
-use crate::msg::{Addr, Envelope};
+use ravnest_protocol::msg::{Addr, Envelope};
 
 /// Largest frame body accepted: 1 GiB (a 256M-element gradient chunk).
 pub const MAX_FRAME: u32 = 1 << 30;

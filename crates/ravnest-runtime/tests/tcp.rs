@@ -7,9 +7,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ravnest_core::NodeId;
+use ravnest_protocol::msg::{Addr, Envelope};
+use ravnest_runtime::Transport;
 use ravnest_runtime::conformance;
 use ravnest_runtime::tcp::{self, LoopbackCluster, TcpConfig, TcpTransport};
-use ravnest_runtime::{Addr, Envelope, Transport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const SETTLE: Duration = Duration::from_secs(2);

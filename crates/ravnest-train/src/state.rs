@@ -624,9 +624,9 @@ impl ModelState {
         (range.end <= at && out.len() == range.len()).then_some(out)
     }
 
-    /// [`ravnest_runtime::digest::digest`] of what [`ModelState::export`] gives, read in place.
+    /// [`ravnest_protocol::digest::digest`] of what [`ModelState::export`] gives, read in place.
     pub fn digest(&self, model: &CandleModel, layers: Option<LayerRange>) -> u64 {
-        let mut d = ravnest_runtime::digest::Digest::default();
+        let mut d = ravnest_protocol::digest::Digest::default();
         match self.visit(model, layers, Some(&self.counter), &mut |v| d.update(v)) {
             Ok(()) => d.finish(),
             Err(_) => 0,

@@ -728,7 +728,7 @@ mod tests {
                         LayerRange { start: a, end: b },
                     );
                     let values = ravnest_runtime::seams::gather(&flat, &slots).unwrap();
-                    let d = ravnest_runtime::digest::digest(&values);
+                    let d = ravnest_protocol::digest::digest(&values);
                     format!(
                         "{{\"node\":0,\"layers\":[{a},{b}],\"digest\":\"{d:016x}\",\"bytes\":0}}"
                     )

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use ravnest_core::cost::Costs;
 use ravnest_core::{LayerRange, NodeId, Optimizer};
-use ravnest_runtime::coordinator::{Config, Event, Tuning};
+use ravnest_protocol::coordinator::Event;
+use ravnest_protocol::coordinator::core::{Config, Tuning};
 use ravnest_runtime::node::Counters;
 use ravnest_runtime::tcp::LoopbackCluster;
 use ravnest_runtime::{Compute, Launch, Nodes};

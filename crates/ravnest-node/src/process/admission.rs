@@ -9,8 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use ravnest_core::{NodeId, Scenario};
+use ravnest_protocol::msg::{Addr, Envelope};
+use ravnest_runtime::Transport;
 use ravnest_runtime::tcp::{JoinRequest, ShareReply, TcpTransport};
-use ravnest_runtime::{Addr, Envelope, Transport};
 
 use super::{member_section, newcomer_document, share_document, with_coordinator};
 

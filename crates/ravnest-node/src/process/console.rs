@@ -5,7 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ravnest_core::NodeId;
-use ravnest_runtime::coordinator::{Event, Note};
+use ravnest_protocol::coordinator::Event;
+use ravnest_runtime::coordinator::Note;
 use ravnest_runtime::node::Counters;
 use serde_json::json;
 use tokio::time::Instant;

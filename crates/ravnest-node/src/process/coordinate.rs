@@ -7,12 +7,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ravnest_core::{Link, NodeId, Scenario};
-use ravnest_runtime::coordinator::{Config, Event, Note, Tuning, spawn_leases};
-use ravnest_runtime::msg::Capabilities;
-use ravnest_runtime::msg::Replica;
+use ravnest_protocol::coordinator::Event;
+use ravnest_protocol::coordinator::core::{Config, Tuning};
+use ravnest_protocol::msg::Capabilities;
+use ravnest_protocol::msg::Replica;
+use ravnest_protocol::msg::{Addr, Envelope};
+use ravnest_runtime::coordinator::{Note, spawn_leases};
 use ravnest_runtime::node::Counters;
 use ravnest_runtime::tcp::TcpTransport;
-use ravnest_runtime::{Addr, Compute, Envelope, Launch, Transport};
+use ravnest_runtime::{Compute, Launch, Transport};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -49,7 +52,8 @@ pub(super) type Coordinated = (CoordinatorReport, Inbox, Vec<NodeId>);
 
 /// The node's verdicts over the coordinator (fail-over): while this process coordinates, one
 /// that follows another host means a newer term took over, and this one steps down.
-pub(super) type Verdicts = mpsc::UnboundedReceiver<(NodeId, ravnest_runtime::node::Verdict)>;
+pub(super) type Verdicts =
+    mpsc::UnboundedReceiver<(NodeId, ravnest_protocol::coordinator::succession::Verdict)>;
 
 /// The coordinator's host, from registrations to the end of training.
 pub(super) async fn coordinate(
@@ -503,7 +507,7 @@ async fn train(
                 }
             }
             Some((_, v)) = verdicts.recv() => {
-                if let ravnest_runtime::node::Verdict::Follow(next) = v {
+                if let ravnest_protocol::coordinator::succession::Verdict::Follow(next) = v {
                     // A newer term took over while this process was cut off or frozen: stop
                     // at once (no more work, grants or checkpoint rounds from this term).
                     coord.stop(None);

@@ -6,7 +6,8 @@
 
 use std::sync::Arc;
 
-use ravnest_runtime::coordinator::{Event, Note};
+use ravnest_protocol::coordinator::Event;
+use ravnest_runtime::coordinator::Note;
 use ravnest_train::data::Dataset;
 use ravnest_train::net::Network;
 use ravnest_train::store::CheckpointFiles;

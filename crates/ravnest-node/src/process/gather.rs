@@ -5,8 +5,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use ravnest_core::NodeId;
+use ravnest_protocol::msg::{Addr, Envelope};
+use ravnest_runtime::Transport;
 use ravnest_runtime::tcp::TcpTransport;
-use ravnest_runtime::{Addr, Envelope, Transport};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 

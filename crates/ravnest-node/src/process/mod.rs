@@ -29,9 +29,11 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use ravnest_core::{NodeId, Scenario};
-use ravnest_runtime::node::{Counters, Start, Succession, Verdict};
+use ravnest_protocol::coordinator::succession::Verdict;
+use ravnest_protocol::msg::{Addr, Envelope};
+use ravnest_runtime::node::{Counters, Start, Succession};
 use ravnest_runtime::tcp::{PROTOCOL_VERSION, TcpConfig, TcpTransport};
-use ravnest_runtime::{Addr, Envelope, Launch, Nodes, Transport};
+use ravnest_runtime::{Launch, Nodes, Transport};
 use serde_json::{Value, json};
 
 use crate::discover::Announcer;

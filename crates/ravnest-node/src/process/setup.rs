@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ravnest_core::{NodeId, Scenario};
-use ravnest_runtime::msg::Capabilities;
+use ravnest_protocol::msg::Capabilities;
 
 use super::console::Say;
 use super::data::gpt_of;

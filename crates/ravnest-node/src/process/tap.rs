@@ -3,8 +3,9 @@
 
 use std::sync::Arc;
 
+use ravnest_protocol::msg::{Addr, Envelope};
 use ravnest_runtime::tcp::TcpTransport;
-use ravnest_runtime::{Addr, Envelope, Inbox, Transport, TransportError};
+use ravnest_runtime::{Inbox, Transport, TransportError};
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 

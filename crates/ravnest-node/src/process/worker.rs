@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use ravnest_core::NodeId;
 use ravnest_core::stall::{StallClock, credited};
+use ravnest_protocol::coordinator::succession::Verdict;
+use ravnest_protocol::msg::Replica;
 use ravnest_runtime::Transport;
-use ravnest_runtime::msg::Replica;
-use ravnest_runtime::node::Verdict;
 use ravnest_runtime::tcp::TcpTransport;
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
@@ -67,9 +67,9 @@ pub(super) async fn wait_for_finish(
                 }
                 leaving = true;
                 let _ = tcp.send(
-                    ravnest_runtime::Addr::Node(tcp.me()),
-                    ravnest_runtime::Addr::Coordinator,
-                    ravnest_runtime::Envelope::Leave,
+                    ravnest_protocol::msg::Addr::Node(tcp.me()),
+                    ravnest_protocol::msg::Addr::Coordinator,
+                    ravnest_protocol::msg::Envelope::Leave,
                 );
                 say.cluster(
                     "stop requested (Ctrl-C or SIGTERM): leaving the cluster; this node finishes the steps the running epoch counts on it for (Ctrl-C again to stop at once)",

@@ -10,10 +10,10 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::SharedLog;
-use super::core::{Config, Coordinator, Effect, Input};
-use crate::msg::{Addr, Envelope, Replica};
 use crate::seams::Transport;
 use crate::trace::Trace;
+use ravnest_protocol::coordinator::core::{Config, Coordinator, Effect, Input};
+use ravnest_protocol::msg::{Addr, Envelope, Replica};
 
 /// Read-only configuration of a coordinator actor.
 #[derive(Debug)]

@@ -1,10 +1,10 @@
-//! The coordinator: a pure state machine ([`core::Coordinator`]) that plans epochs, watches
-//! heartbeats, agrees steps, halts and re-plans on a loss, and lets nodes join; a thin actor
-//! ([`actor::CoordinatorActor`]) that carries its messages; and the pure helpers that turn a
-//! plan into assignments ([`assign`]).
+//! The coordinator's actor: the pure state machine
+//! ([`ravnest_protocol::coordinator::core::Coordinator`], in the protocol crate) that plans
+//! epochs, watches heartbeats, agrees steps, halts and re-plans on a loss, and lets nodes join,
+//! carried by a thin actor ([`actor::CoordinatorActor`]); and the run's [`Journal`].
 
 pub mod actor;
-pub use ravnest_protocol::coordinator::{Event, assign, core, measure, succession};
+use ravnest_protocol::coordinator::Event;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, LockResult, Mutex, MutexGuard};
@@ -12,7 +12,6 @@ use std::sync::{Arc, LockResult, Mutex, MutexGuard};
 use tokio::sync::mpsc;
 
 pub use actor::{CoordMsg, CoordinatorActor, spawn_leases};
-pub use core::{Config, Coordinator, Effect, Input, Tuning};
 
 /// The coordinator's log: events with their times, and each step's agreement time.
 #[derive(Debug, Clone, Default)]

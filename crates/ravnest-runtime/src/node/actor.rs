@@ -11,8 +11,8 @@ use super::state::{Fetch, NodeMsg, NodeState};
 use super::versions::{Keep, Version};
 use super::{NodeActor, Start, spawn_link_probes};
 use crate::collective::{CollectiveActor, CollectiveMsg};
-use crate::msg::{Addr, Envelope, Work};
 use crate::seams::{Compute, Transport};
+use ravnest_protocol::msg::{Addr, Envelope, Work};
 
 /// Requests for versions this node has not made yet, kept at most.
 const REQUESTS_MAX: usize = 64;

@@ -25,8 +25,8 @@ use ravnest_core::recipe::{clip_factor, scale, sum_sq};
 use super::NodeActor;
 use super::state::NodeState;
 use super::step::Made;
-use crate::msg::{Addr, Envelope, Work};
 use crate::seams::{Compute, Transport};
+use ravnest_protocol::msg::{Addr, Envelope, Work};
 
 /// A node's state, as this backend's node holds it.
 type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
@@ -272,8 +272,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::msg::{ShardWork, StageWork};
     use ravnest_core::LayerRange;
+    use ravnest_protocol::msg::{ShardWork, StageWork};
 
     /// State's test work, over `ring`.
     fn work(ring: Vec<NodeId>) -> Work {

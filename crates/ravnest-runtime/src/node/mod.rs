@@ -2,7 +2,7 @@
 //! its collective actor as backward produces it, applies what comes back, reports each step
 //! asynchronously, and keeps model versions for peers that need them.
 //!
-//! A thin shell: work arrives as a [`Work`](crate::msg::Work) (an epoch), gradients come from the [`Compute`](crate::seams::Compute)
+//! A thin shell: work arrives as a [`Work`](ravnest_protocol::msg::Work) (an epoch), gradients come from the [`Compute`](crate::seams::Compute)
 //! seam, synchronization runs in the node's [`crate::collective::CollectiveActor`], and the
 //! version bookkeeping is [`versions::Versions`]. [`actor`] holds the message handling and the
 //! epoch switches, [`step`] one step's work (data parallel or a pipeline stage).
@@ -10,7 +10,7 @@
 pub mod actor;
 pub mod calibrate;
 mod clip;
-pub use ravnest_protocol::epochs;
+use ravnest_protocol::epochs;
 mod rounds;
 mod shard;
 mod sharded;
@@ -27,9 +27,9 @@ use std::time::Duration;
 use ravnest_core::NodeId;
 use tokio::time::Instant;
 
-pub use crate::coordinator::succession::Verdict;
-use crate::msg::{Addr, Envelope};
 use crate::seams::Transport;
+use ravnest_protocol::coordinator::succession::Verdict;
+use ravnest_protocol::msg::{Addr, Envelope};
 
 pub use state::{NodeMsg, NodeState};
 
@@ -176,7 +176,7 @@ pub struct NodeActor<T, C> {
 }
 
 /// Fail-over on a node: it watches the coordinator (hosted by `host` at the start) and
-/// suspects it after `silence` without a word; [`crate::coordinator::succession::Watch`]
+/// suspects it after `silence` without a word; [`ravnest_protocol::coordinator::succession::Watch`]
 /// decides. The node redirects its transport itself; `on_verdict` is told every verdict (the
 /// process starts a coordinator on [`Verdict::TakeOver`]). It must not block.
 #[derive(Clone)]
@@ -291,6 +291,6 @@ pub fn spawn_heartbeat<T: Transport>(
         Addr::Node(id),
         vec![Addr::Coordinator],
         period,
-        crate::msg::Envelope::Heartbeat,
+        ravnest_protocol::msg::Envelope::Heartbeat,
     )
 }

@@ -16,8 +16,8 @@ use tokio::time::Instant;
 use super::NodeActor;
 use super::state::{Anchor, Carry, Launched, NodeState, OuterMomentum, Running};
 use crate::collective::Outcome;
-use crate::msg::{StepMode, SyncPolicy, Work};
 use crate::seams::{Compute, Transport};
+use ravnest_protocol::msg::{StepMode, SyncPolicy, Work};
 
 /// A node's state, as this backend's node holds it.
 type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;

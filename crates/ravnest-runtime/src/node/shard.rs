@@ -14,7 +14,7 @@ use ravnest_core::NodeId;
 use ravnest_core::collective::RingPart;
 use ravnest_core::ring::RingMode;
 
-use crate::msg::ShardWork;
+use ravnest_protocol::msg::ShardWork;
 
 /// The bucket id bit of a sharded step's all-gather (its reduce-scatter has the bucket's own
 /// index).

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::ProbeWaiters;
 use super::versions::Versions;
 use crate::collective::{CollectiveMsg, Group, Outcome};
-use crate::msg::{Addr, Envelope, StageWork, StepMode, Work};
+use ravnest_protocol::msg::{Addr, Envelope, StageWork, StepMode, Work};
 
 /// Messages a node actor handles.
 #[derive(Debug)]
@@ -187,7 +187,7 @@ pub(crate) struct Anchor {
 
 /// The momentum an outer round made (the same on every replica of the group). It carries over
 /// to the next round of the same epoch, and into the next epoch where the coordinator says
-/// every replica holds it ([`crate::msg::Work::outer_from`]: a switch between epochs of the
+/// every replica holds it ([`ravnest_protocol::msg::Work::outer_from`]: a switch between epochs of the
 /// same sync groups, at the round that made it). Otherwise an epoch starts it again at zero,
 /// on every replica alike (a node that joins, or a restore, has none to bring).
 #[derive(Debug)]
@@ -201,7 +201,11 @@ pub(crate) struct OuterMomentum {
 
 impl OuterMomentum {
     /// Whether the next round of `w` over `layers` goes on from this momentum.
-    pub(super) fn goes_on(&self, w: &crate::msg::Work, layers: Option<LayerRange>) -> bool {
+    pub(super) fn goes_on(
+        &self,
+        w: &ravnest_protocol::msg::Work,
+        layers: Option<LayerRange>,
+    ) -> bool {
         self.layers == layers
             && (self.epoch == w.epoch
                 || (w.outer_from == Some(self.epoch) && self.version == w.step))
@@ -236,8 +240,8 @@ pub(crate) struct Pipe<M, G> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::msg::{SyncPolicy, Work};
     use ravnest_core::planner::sync::Collective;
+    use ravnest_protocol::msg::{SyncPolicy, Work};
 
     /// A node's work of `epoch` from `step`, for tests.
     pub(crate) fn work(epoch: u64, step: u64, outer_from: Option<u64>) -> Work {

@@ -25,9 +25,9 @@ use super::state::{EarlyInput, NodeMsg, NodeState, Pipe, Running};
 use super::versions::Version;
 use super::{NodeActor, Observed, Span, SpanKind};
 use crate::collective::{CollectiveMsg, Group, Outcome};
-use crate::digest::sample_range;
-use crate::msg::{Addr, Envelope, StageWork, StepMode, SyncPolicy, Work};
 use crate::seams::{BucketSink, Compute, ComputeError, Transport};
+use ravnest_protocol::digest::sample_range;
+use ravnest_protocol::msg::{Addr, Envelope, StageWork, StepMode, SyncPolicy, Work};
 
 /// Buckets collected from a backend: (index, values).
 type Parts = Arc<Mutex<Vec<(usize, Vec<f32>)>>>;
@@ -39,7 +39,7 @@ type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
 const HISTORY_MAX: usize = 1 << 18;
 
 /// Parts of a checkpoint shard on their way at once (made, queued or unacknowledged): 4 of
-/// [`crate::msg::SHARD_PART`] values, 4 MiB.
+/// [`ravnest_protocol::msg::SHARD_PART`] values, 4 MiB.
 const SHARD_AHEAD: usize = 4;
 /// How long a shard's writer waits without any part acknowledged before it sends the rest
 /// unpaced (a host that stopped storing: the failure detector, not this wait, decides about it;
@@ -584,7 +584,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let mut patience = SHARD_PATIENCE;
         while offset < total {
             patience = self.pace(Addr::Checkpoint, patience).await;
-            let end = (offset + crate::msg::SHARD_PART).min(total);
+            let end = (offset + ravnest_protocol::msg::SHARD_PART).min(total);
             let Some(part) = self.compute.export_range(model, Some(layers), offset..end) else {
                 return;
             };

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 
 use ravnest_core::LayerRange;
 
-use crate::msg::HeldVersion;
+use ravnest_protocol::msg::HeldVersion;
 
 /// One version of the model.
 #[derive(Debug, Clone)]

@@ -9,9 +9,9 @@ use ravnest_core::NodeId;
 use tokio::time::Instant;
 
 use super::{Succession, Verdict};
-use crate::coordinator::succession::Watch;
-use crate::msg::{Addr, Envelope};
 use crate::seams::Transport;
+use ravnest_protocol::coordinator::succession::Watch;
+use ravnest_protocol::msg::{Addr, Envelope};
 
 /// The watch of node `id`, shared by its inbox and its actor.
 #[derive(Clone)]

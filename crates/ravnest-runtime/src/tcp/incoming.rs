@@ -9,8 +9,8 @@ use ravnest_core::NodeId;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-use crate::msg::Addr;
 use crate::wire;
+use ravnest_protocol::msg::Addr;
 
 use super::channel::{self, RECORD_SPAN};
 use super::config::*;
@@ -152,7 +152,7 @@ impl TcpTransport {
                     if let Some(why) = void {
                         self.log(format!("dropped a frame from node {}: {why}", peer.0));
                     } else {
-                        let part = matches!(env, crate::msg::Envelope::Shard { .. });
+                        let part = matches!(env, ravnest_protocol::msg::Envelope::Shard { .. });
                         self.deliver(from, to, env);
                         if part {
                             self.parts_settle().await;
@@ -210,9 +210,9 @@ fn judge_header(
     peer: NodeId,
     me: NodeId,
     (from, to): (Addr, Addr),
-    env: &crate::msg::Envelope,
+    env: &ravnest_protocol::msg::Envelope,
 ) -> Result<Option<String>, String> {
-    use crate::msg::Envelope;
+    use ravnest_protocol::msg::Envelope;
     let succession = matches!(env, Envelope::Succession(_) | Envelope::Lease { .. });
     match from {
         Addr::Node(n) if n != peer => return Err(format!("claimed to send as {from:?}")),
@@ -240,7 +240,7 @@ fn judge_header(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::msg::Envelope;
+    use ravnest_protocol::msg::Envelope;
 
     #[test]
     fn a_lying_header_drops_the_connection_and_a_void_frame_only_itself() {

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use ravnest_core::NodeId;
 
-use crate::msg::{Addr, Envelope};
 use crate::seams::{Inbox, Transport, TransportError};
 use crate::wire;
+use ravnest_protocol::msg::{Addr, Envelope};
 
 use super::config::*;
 use super::state::*;

@@ -10,9 +10,9 @@ use ravnest_core::NodeId;
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 
-use crate::msg::{Addr, Envelope};
 use crate::seams::Inbox;
 use crate::wire;
+use ravnest_protocol::msg::{Addr, Envelope};
 
 use super::config::*;
 

@@ -27,7 +27,7 @@ use candle_core::{D, DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-pub use ravnest_core::decoder::{Arch, Decoder, HfClass, Rope};
+use ravnest_core::decoder::Decoder;
 
 mod blocks;
 mod fast;

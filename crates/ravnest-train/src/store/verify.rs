@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use ravnest_core::LayerRange;
-use ravnest_runtime::digest::Digest;
+use ravnest_protocol::digest::Digest;
 
 use super::reader::CheckpointReader;
 use super::{CheckpointFiles, LoadError};

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use ravnest_core::NodeId;
-use ravnest_runtime::coordinator::Event;
+use ravnest_protocol::coordinator::Event;
 
 use super::super::console::{describe, learn_member};
 use super::super::options::warmup_steps;
