@@ -8,7 +8,8 @@
   other; two siblings, or cousins, may not both depend on each other, directly or around a
   longer loop);
 - no crate re-exports another of ours (`pub use ravnest_*`): its users name the crate that
-  holds the item, so that what depends on what is what the imports say.
+  holds the item, so that what depends on what is what the imports say;
+- no `use super::*` outside test code: a child module names what it takes from its parent.
 
 Prints each breach with its place and exits 1 when there is one.
 """
@@ -175,6 +176,12 @@ def circles(files):
     return out
 
 
+def in_tests(text, line_no):
+    """Whether line `line_no` (1-based) is inside a `#[cfg(test)]` module of the file."""
+    before = text.split("\n")[: line_no - 1]
+    return any(l.strip() == "#[cfg(test)]" for l in before)
+
+
 def main():
     files = [(p, open(p, errors="replace").read()) for p in rust_files()]
     breaches = []
@@ -189,6 +196,8 @@ def main():
             m = re.match(r"\s*pub(\([^)]*\))? use (ravnest_\w+)", line)
             if m and not m.group(1):
                 breaches.append(f"{p}:{i}: re-exports {m.group(2)} (name it where it is used)")
+            if line.strip() == "use super::*;" and not in_tests(text, i):
+                breaches.append(f"{p}:{i}: `use super::*` (name what the module takes)")
     for b in breaches:
         print(b)
     if breaches:
@@ -196,7 +205,7 @@ def main():
         return 1
     print(
         "shape rules hold: no function over 120 lines, no file over 1,000, no import circle, "
-        "no re-export of another crate of ours"
+        "no re-export of another crate of ours, no `use super::*` outside tests"
     )
     return 0
 

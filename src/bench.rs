@@ -1,8 +1,16 @@
 //! `ravnest bench ...`: what each benchmark is asked on the command line, and its run.
 
+use std::path::PathBuf;
 use std::time::Instant;
 
-use super::*;
+use anyhow::{Context, Result, bail};
+use clap::Subcommand;
+use ravnest_core::PlannerKind;
+
+use super::{
+    bench_ddp, bench_gpt, bench_inputs, bench_net, bench_planners, bench_sharded, bench_slow_link,
+    chaos, emit, one_thread, report, scenarios,
+};
 
 /// What `ravnest bench` measures.
 #[derive(Subcommand, Debug)]

@@ -1,8 +1,11 @@
 //! What a simulated run reports: per node and per fault, take-overs, checkpoint rounds, the
 //! checkers' violations, the model's error against the oracle and the timeline picture.
 
-use super::*;
-
+use super::{
+    BTreeMap, Event, Fault, FaultReport, Hosted, MemStore, NodeId, NodeReport, RunLog, Scenario,
+    SimNet, SimOptions, SimReport, TakeOverReport, Trace, describe, dumped_hash, fault_at,
+    isolates, timeline,
+};
 /// The checks on terms: checkpoints were committed by one coordinator term at a time (terms
 /// never go down from one commit to the next: a stale coordinator wrote nothing after its
 /// successor did), and a coordinator cut off while another took over stepped down once the

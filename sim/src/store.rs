@@ -1,8 +1,7 @@
 //! In-memory checkpoint stores for simulated runs: every checkpoint kept, and the folder's
 //! term (a write from an older term refused, as on disk).
 
-use super::*;
-
+use super::{Arc, Mutex, Store, StoreError};
 /// The simulator's checkpoint store: the latest complete checkpoint, in memory, read back when
 /// the only copy of some layers is lost (a lone pipeline's stage): the restore the planner's
 /// recovery term prices.

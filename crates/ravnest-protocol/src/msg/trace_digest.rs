@@ -1,8 +1,7 @@
 //! The trace's digest of an envelope: FNV-1a over the fields that matter, so that the
 //! simulator's golden trace hashes move only when what travels does.
 
-use super::*;
-
+use super::{CollId, CollMsg, Envelope, Fnv};
 impl Envelope {
     /// A digest of the payload for the trace (FNV-1a over the fields that matter).
     pub fn digest(&self) -> u64 {

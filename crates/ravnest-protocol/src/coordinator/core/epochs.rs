@@ -1,8 +1,12 @@
 //! Epochs: planning the live nodes, staffing a plan from what holders have, waiting when
 //! none fits, and sending each node its work; a switch to the next epoch at a boundary no node
 //! has passed.
-use super::*;
 
+use super::{
+    Assign, BTreeMap, CheckpointDuty, ClusterSpec, Collective, Coordinator, Envelope, Era, Event,
+    Holders, LayerRange, NodeId, Plan, Staffing, SyncMethod, SyncPolicy, Unstaffed, Waiting, Work,
+    assignments, median,
+};
 impl Coordinator {
     /// The plan for the live nodes at the speeds the planner is given (cached: planning is a
     /// pure function of the live set and the speeds).

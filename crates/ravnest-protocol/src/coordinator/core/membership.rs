@@ -1,7 +1,7 @@
 //! Membership: nodes that join (a restart, or a new node given its id by the coordinator's
 //! host), and nodes that ask to leave.
-use super::*;
 
+use super::{Coordinator, Envelope, Event, NodeId, configured};
 impl Coordinator {
     pub(super) fn on_join(&mut self, node: NodeId) {
         self.emit(Event::Joined { node });

@@ -1,7 +1,10 @@
 //! Rebalancing: measured speeds and ring times against the plan's, and a new plan when one
 //! predicts enough gain (or links are slower than assumed).
-use super::*;
 
+use super::{
+    Assign, BTreeMap, Coordinator, Era, Event, NodeId, SpeedEstimate, StepCost, assignments,
+    balanced_bound, compute_bound, configured,
+};
 impl Coordinator {
     /// Whether measurements say a re-plan is worth it (see the module's notes on noise), and
     /// whether a node left out for its measured speed is due another chance.

@@ -1,8 +1,11 @@
 //! Recovery: a lost node halts the running epochs; the survivors say what they hold, and
 //! training resumes from the newest version every replica can make (or from a checkpoint, when
 //! a model part is lost); the watchdog redoes steps that no node completes.
-use super::*;
 
+use super::{
+    BTreeMap, BTreeSet, Coordinator, Effect, Envelope, Era, Event, Halting, HeldVersion, Holders,
+    NodeId,
+};
 impl Coordinator {
     pub(super) fn on_dead(&mut self, node: NodeId, silent_ms: u64) {
         self.emit(Event::Detected { node, silent_ms });

@@ -1,7 +1,7 @@
 //! A stop the user asked for (Ctrl-C, SIGTERM): the run ends early, at the first version no
 //! node has started a step past, checkpointed there, so that `--resume` continues from it.
-use super::*;
 
+use super::{Coordinator, Envelope, Event, NodeId, SyncPolicy};
 impl Coordinator {
     /// End the run early, cleanly. While an epoch runs, its steps in flight finish: the run's
     /// last version becomes the current grant's horizon (under local SGD, the first version
