@@ -208,7 +208,7 @@ impl View {
             eprintln!("cannot add the step losses to events.jsonl: {e}");
         }
         let mut snap = self.board().snapshot(2000);
-        snap["predicted"] = serde_json::json!(predicted_vs_measured(s, m));
+        snap["predicted"] = predicted_vs_measured(s, m);
         if let Some(svg) = spans_svg {
             snap["spans_svg"] = serde_json::json!(svg);
         }
@@ -234,53 +234,45 @@ impl View {
     }
 }
 
-/// `report.html`'s table of what `ravnest sim` predicts for this file beside what the run
-/// measured, per node (HTML).
-fn predicted_vs_measured(s: &Scenario, m: &RunReport) -> String {
+/// What `ravnest sim` predicts for this file beside what the run measured, for
+/// `report.html` to draw: a note, and per node (busy, comm, idle) predicted and measured.
+fn predicted_vs_measured(s: &Scenario, m: &RunReport) -> serde_json::Value {
     let mut opts = ravnest_sim::SimOptions::for_scenario(s);
     opts.steps = s.run.steps.min(200);
     opts.progress = false;
     let sim = match ravnest_sim::run(s, &opts) {
         Ok(r) => r,
         Err(e) => {
-            return format!(
-                "<p>the simulator cannot run this file: {}</p>",
-                esc(&e.to_string())
-            );
+            return serde_json::json!({"note": format!("the simulator cannot run this file: {e}")});
         }
     };
     let measured_rate = m
         .coordinator()
         .map(|(_, c)| c.steady_samples_per_s)
         .unwrap_or(0.0);
-    let mut t = format!(
-        "<p>cluster samples/s: predicted {:.0}, measured {:.0} (steady state). The simulator uses the file's device figures; the run measured its own.</p>",
-        sim.steady_samples_per_s, measured_rate
-    );
-    t += "<table><tr><th>node</th><th class=\"num\">predicted busy</th><th class=\"num\">measured busy</th><th class=\"num\">predicted comm</th><th class=\"num\">measured comm</th><th class=\"num\">predicted idle</th><th class=\"num\">measured idle</th></tr>";
-    for row in &m.nodes {
-        let p = sim.nodes.iter().find(|n| n.name == row.node);
-        let r = row.report.as_ref();
-        let (mb, mc) = (r.and_then(|r| r.steady_busy), r.and_then(|r| r.steady_comm));
-        let f = |x: Option<f64>| x.map_or("–".to_string(), |x| format!("{:.0}%", 100.0 * x));
-        t += &format!(
-            "<tr><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td></tr>",
-            esc(&row.node),
-            f(p.map(|p| p.busy)),
-            f(mb),
-            f(p.map(|p| p.comm)),
-            f(mc),
-            f(p.map(|p| p.idle)),
-            f(mb.zip(mc).map(|(b, c)| (1.0 - b - c).max(0.0))),
-        );
-    }
-    t + "</table>"
-}
-
-fn esc(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
+    let rows: Vec<serde_json::Value> = m
+        .nodes
+        .iter()
+        .map(|row| {
+            let p = sim.nodes.iter().find(|n| n.name == row.node);
+            let r = row.report.as_ref();
+            let measured = r
+                .and_then(|r| r.steady_busy.zip(r.steady_comm))
+                .map(|(b, c)| [b, c, (1.0 - b - c).max(0.0)]);
+            serde_json::json!({
+                "node": row.node,
+                "predicted": p.map(|p| [p.busy, p.comm, p.idle]),
+                "measured": measured,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "note": format!(
+            "cluster samples/s: predicted {:.0}, measured {:.0} (steady state). The simulator uses the file's device figures; the run measured its own.",
+            sim.steady_samples_per_s, measured_rate
+        ),
+        "rows": rows,
+    })
 }
 
 /// `report.html` for a simulated run: the same page, drawn from the simulator's report
@@ -342,15 +334,15 @@ pub fn sim_report(r: &ravnest_sim::SimReport, path: &Path) -> Result<()> {
         });
     }
     let mut snap = b.snapshot(2000);
-    snap["predicted"] = serde_json::json!(format!(
-        "<p>a simulated run (virtual time): {}/{} steps in {:.1} s, {:.0} samples/s, capacity efficiency {:.2}, trace {:016x}</p>",
+    snap["predicted"] = serde_json::json!({"note": format!(
+        "a simulated run (virtual time): {}/{} steps in {:.1} s, {:.0} samples/s, capacity efficiency {:.2}, trace {:016x}",
         r.steps_completed,
         r.steps_requested,
         r.sim_time_s,
         r.samples_per_s,
         r.capacity_efficiency,
         r.trace_hash
-    ));
+    )});
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create `{}`", dir.display()))?;

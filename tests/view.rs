@@ -299,31 +299,26 @@ fn a_node_process_that_hosts_the_coordinator_serves_the_clusters_view_and_writes
     let file = dir.join("cluster.toml");
     std::fs::write(&file, t).unwrap();
     let (host_port, worker_port) = (ports[3], ports[4]);
-    let start = |node: &str, port: u16| {
-        Command::new(env!("CARGO_BIN_EXE_ravnest"))
-            .arg("run")
+    // (Node `c` serves no dashboard.)
+    let start = |node: &str, port: Option<u16>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_ravnest"));
+        c.arg("run")
             .arg(&file)
-            .args(["--node", node, "--dashboard"])
-            .arg(format!("127.0.0.1:{port}"))
-            .arg("--out")
-            .arg(dir.join(node))
-            .stdout(Stdio::null())
+            .args(["--node", node, "--out"])
+            .arg(dir.join(node));
+        if let Some(port) = port {
+            c.arg("--dashboard").arg(format!("127.0.0.1:{port}"));
+        }
+        c.stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap()
     };
-    let mut nodes = vec![start("a", host_port), start("b", worker_port)];
-    nodes.push(
-        Command::new(env!("CARGO_BIN_EXE_ravnest"))
-            .arg("run")
-            .arg(&file)
-            .args(["--node", "c", "--out"])
-            .arg(dir.join("c"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let mut nodes = vec![
+        start("a", Some(host_port)),
+        start("b", Some(worker_port)),
+        start("c", None),
+    ];
     let applied = |m: &str, node: &str| {
         m.lines()
             .find_map(|l| {

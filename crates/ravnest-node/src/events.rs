@@ -125,6 +125,10 @@ pub enum RunEvent {
         /// When, s since training started (the coordinator's events).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         t_s: Option<f64>,
+        /// What it is, for those who classify it (a live view): the coordinator's typed event,
+        /// with names (none for the events nobody classifies).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fact: Option<Fact>,
     },
     /// What a node waits for (registrations, the coordinator).
     Waiting {
@@ -149,6 +153,46 @@ impl std::fmt::Debug for Observer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Observer")
     }
+}
+
+/// A relayed coordinator event by its kind, with node names ([`RunEvent::Cluster`]'s `fact`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Fact {
+    /// A plan from `step`; `nodes` get work under it (workers, stages), the others none.
+    Planned {
+        /// The step it starts at.
+        step: u64,
+        /// The nodes with work.
+        nodes: Vec<String>,
+    },
+    /// A node was declared lost.
+    Lost {
+        /// The node.
+        node: String,
+    },
+    /// The running epoch was halted; steps from `step` on are redone.
+    Aborted {
+        /// The first step not agreed.
+        step: u64,
+    },
+    /// A node (re)joined, or one not in the cluster file was admitted.
+    Joined {
+        /// The node.
+        node: String,
+    },
+    /// `node` took over as coordinator from `from` (which is lost).
+    TookOver {
+        /// The successor.
+        node: String,
+        /// The lost coordinator's host.
+        from: String,
+    },
+    /// The checkpoint of `step` was written.
+    Checkpoint {
+        /// The model version.
+        step: u64,
+    },
 }
 
 /// A measured link between two nodes.
@@ -313,6 +357,7 @@ mod tests {
             node: "a".into(),
             what: "node `b` lost".into(),
             t_s: None,
+            fact: None,
         };
         assert!(!c.json().contains("t_s"), "{}", c.json());
         assert_eq!(c.human(), "node `b` lost");

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use ravnest_node::events::{LinkRow, NodeFigures, PlanRow, RunEvent};
+use ravnest_node::events::{Fact, LinkRow, NodeFigures, PlanRow, RunEvent};
 use serde::Serialize;
 
 /// What a node is doing, as its events tell.
@@ -336,7 +336,9 @@ impl Board {
                 accuracy: *accuracy,
                 perplexity: *perplexity,
             }),
-            RunEvent::Cluster { node, what, .. } => self.cluster_event(t_s, node, what),
+            RunEvent::Cluster {
+                node, what, fact, ..
+            } => self.cluster_event(t_s, node, what, fact.as_ref()),
             RunEvent::Waiting { .. } => {}
             RunEvent::Report(r) => {
                 let n = self.node(&r.node);
@@ -399,57 +401,32 @@ impl Board {
         n.last = Some((t, own.clone()));
     }
 
-    fn cluster_event(&mut self, t: f64, node: &str, what: &str) {
-        let kind = kind_of(what);
-        if let Some(lost) = named(what, "node `", "` lost") {
-            self.node(&lost).go_down(t);
-        }
-        for joined in [
-            named(what, "node `", "` joined"),
-            named(what, "node `", "` (not in the cluster file) joins"),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            let n = self.node(&joined);
-            n.come_back(t);
-            if n.state == NodeState::Down {
-                n.state = NodeState::Measuring;
+    fn cluster_event(&mut self, t: f64, node: &str, what: &str, fact: Option<&Fact>) {
+        let kind = match fact {
+            Some(Fact::Planned { .. }) => EventKind::Plan,
+            Some(Fact::Lost { .. } | Fact::Aborted { .. } | Fact::TookOver { .. }) => {
+                EventKind::Fault
             }
-        }
-        if let Some(host) = named(what, "`", "` took over as coordinator") {
-            self.host = host;
+            Some(Fact::Joined { .. }) => EventKind::Join,
+            Some(Fact::Checkpoint { .. }) => EventKind::Checkpoint,
+            None => EventKind::Info,
+        };
+        match fact {
+            Some(Fact::Lost { node }) => self.node(node).go_down(t),
+            Some(Fact::Joined { node }) => {
+                let n = self.node(node);
+                n.come_back(t);
+                if n.state == NodeState::Down {
+                    n.state = NodeState::Measuring;
+                }
+            }
             // (Its predecessor is lost: that is why it took over.)
-            if let Some(from) = what
-                .split(") from `")
-                .nth(1)
-                .and_then(|r| r.split('`').next())
-            {
+            Some(Fact::TookOver { node, from }) => {
+                self.host = node.clone();
                 self.node(from).go_down(t);
             }
-        }
-        if kind == EventKind::Plan {
-            // What happened since the previous plan (a checkpoint is not a reason).
-            let reason = self
-                .events
-                .iter()
-                .rev()
-                .take_while(|e| e.kind != EventKind::Plan)
-                .find(|e| e.kind != EventKind::Checkpoint)
-                .map_or_else(|| "a re-plan".to_string(), |e| e.what.clone());
-            self.standby_from(what);
-            // The first plan is said twice (the host's plan, then the journal's): kept once.
-            let said_twice = self.plans.len() == 1 && !self.first_plan_said;
-            self.first_plan_said = true;
-            if !said_twice {
-                self.plans.push(PlanView {
-                    t_s: t,
-                    reason,
-                    what: what.to_string(),
-                    rows: Vec::new(),
-                    sync: String::new(),
-                });
-            }
+            Some(Fact::Planned { nodes, .. }) => self.planned(t, what, nodes),
+            _ => {}
         }
         self.events.push(EventRow {
             t_s: t,
@@ -464,26 +441,36 @@ impl Board {
         }
     }
 
-    /// A data-parallel plan's line ("step K: planned a=64 b=32"): the nodes it leaves out
-    /// are on standby, unless down or done.
-    fn standby_from(&mut self, what: &str) {
-        let Some(list) = what.split(": planned ").nth(1) else {
-            return;
-        };
-        let planned: Vec<&str> = list
-            .split_whitespace()
-            .filter_map(|w| w.split_once('=').map(|(n, _)| n))
-            .collect();
-        if planned.is_empty() {
-            return;
-        }
+    /// A plan (`what`, in words) that gives `nodes` work: the others are on standby (unless
+    /// down or done); a re-plan is recorded with what happened since the previous plan.
+    fn planned(&mut self, t: f64, what: &str, nodes: &[String]) {
         for n in &mut self.nodes {
-            let out = !planned.contains(&n.name.as_str());
+            let out = !nodes.contains(&n.name);
             if out && matches!(n.state, NodeState::Training | NodeState::Measuring) {
                 n.state = NodeState::Standby;
             } else if !out && n.state == NodeState::Standby {
                 n.state = NodeState::Measuring;
             }
+        }
+        // (A checkpoint is not a reason.)
+        let reason = self
+            .events
+            .iter()
+            .rev()
+            .take_while(|e| e.kind != EventKind::Plan)
+            .find(|e| e.kind != EventKind::Checkpoint)
+            .map_or_else(|| "a re-plan".to_string(), |e| e.what.clone());
+        // The first plan is said twice (the host's plan, then the journal's): kept once.
+        let said_twice = self.plans.len() == 1 && !self.first_plan_said;
+        self.first_plan_said = true;
+        if !said_twice {
+            self.plans.push(PlanView {
+                t_s: t,
+                reason,
+                what: what.to_string(),
+                rows: Vec::new(),
+                sync: String::new(),
+            });
         }
     }
 
@@ -600,27 +587,6 @@ pub fn thin<T: Clone>(xs: &[T], n: usize) -> Vec<T> {
     (0..n)
         .map(|i| xs[((i as f64 * step).round() as usize).min(xs.len() - 1)].clone())
         .collect()
-}
-
-/// The name between `pre` and `post` when `what` reads `…pre NAME post…`.
-fn named(what: &str, pre: &str, post: &str) -> Option<String> {
-    let end = what.find(post)?;
-    let start = what[..end].rfind(pre)? + pre.len();
-    Some(what[start..end].to_string())
-}
-
-fn kind_of(what: &str) -> EventKind {
-    if what.contains(" lost") || what.contains("aborted") || what.contains("took over") {
-        EventKind::Fault
-    } else if what.starts_with("step ") && what.contains(": planned ") {
-        EventKind::Plan
-    } else if what.contains("joined") || what.contains("joins the running cluster") {
-        EventKind::Join
-    } else if what.starts_with("checkpoint of step") {
-        EventKind::Checkpoint
-    } else {
-        EventKind::Info
-    }
 }
 
 #[cfg(test)]

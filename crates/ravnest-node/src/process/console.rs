@@ -64,6 +64,7 @@ impl Say {
             node: self.node.clone(),
             what: what.into(),
             t_s: None,
+            fact: None,
         });
     }
 
@@ -423,8 +424,48 @@ impl EventSink {
             node: self.say.node.clone(),
             what,
             t_s: Some(t_s),
+            fact: fact_of(e, &self.cluster),
         });
     }
+}
+
+/// What a live view classifies `e` as, with names from `cluster`.
+fn fact_of(e: &Event, cluster: &ravnest_core::ClusterSpec) -> Option<crate::events::Fact> {
+    use crate::events::Fact;
+    let name = |n: &NodeId| {
+        cluster
+            .nodes
+            .get(n.index())
+            .map_or_else(|| format!("node {}", n.0), |x| x.name.clone())
+    };
+    Some(match e {
+        Event::Planned {
+            step,
+            workers,
+            stages,
+            ..
+        } => {
+            let mut nodes: Vec<String> = workers
+                .iter()
+                .filter(|w| w.1 > 0)
+                .map(|w| name(&w.0))
+                .chain(stages.iter().map(|s| name(&s.0)))
+                .collect();
+            nodes.sort();
+            nodes.dedup();
+            Fact::Planned { step: *step, nodes }
+        }
+        Event::Detected { node, .. } => Fact::Lost { node: name(node) },
+        Event::Aborted { step } => Fact::Aborted { step: *step },
+        Event::Joined { node } => Fact::Joined { node: name(node) },
+        Event::Admitted { name, .. } => Fact::Joined { node: name.clone() },
+        Event::TookOver { node, from, .. } => Fact::TookOver {
+            node: name(node),
+            from: name(from),
+        },
+        Event::CheckpointComplete { step, .. } => Fact::Checkpoint { step: *step },
+        _ => return None,
+    })
 }
 
 /// A node admitted from outside the cluster file (`Event::Admitted`) gets its place in

@@ -18,11 +18,32 @@ fn progress(node: &str, step: u64, compute_s: f64, comm_s: f64, applied: u64) ->
 }
 
 fn cluster(node: &str, what: &str) -> RunEvent {
+    said(node, what, None)
+}
+
+/// A relayed coordinator event, in words and as what it is.
+fn said(node: &str, what: &str, fact: Option<Fact>) -> RunEvent {
     RunEvent::Cluster {
         node: node.into(),
         what: what.into(),
         t_s: None,
+        fact,
     }
+}
+
+fn lost(node: &str) -> Option<Fact> {
+    Some(Fact::Lost { node: node.into() })
+}
+
+fn joined(node: &str) -> Option<Fact> {
+    Some(Fact::Joined { node: node.into() })
+}
+
+fn planned(step: u64, nodes: &[&str]) -> Option<Fact> {
+    Some(Fact::Planned {
+        step,
+        nodes: nodes.iter().map(|n| n.to_string()).collect(),
+    })
 }
 
 fn board() -> Board {
@@ -37,24 +58,28 @@ fn a_node_trains_goes_down_and_comes_back() {
     assert_eq!(b.nodes[1].state, NodeState::Training);
     assert_eq!(b.nodes[1].samples_per_s, 16.0);
     assert_eq!(b.nodes[1].segments, vec![(0.0, 1.0, 0.5, 0.25)]);
-    b.apply(2.0, &cluster("a", "node `b` lost (silent 900 ms)"));
+    b.apply(2.0, &said("a", "node `b` lost (silent 900 ms)", lost("b")));
     assert_eq!(b.nodes[1].state, NodeState::Down);
     assert_eq!(b.events[0].kind, EventKind::Fault);
-    b.apply(3.0, &cluster("a", "node `b` joined"));
+    b.apply(3.0, &said("a", "node `b` joined", joined("b")));
     assert_eq!(b.nodes[1].down, vec![(2.0, Some(3.0))]);
     b.apply(4.0, &progress("b", 5, 1.0, 0.3, 3));
     assert_eq!(b.nodes[1].state, NodeState::Training);
     b.apply(
         5.0,
-        &cluster(
+        &said(
             "a",
             "`b` took over as coordinator (term 1) from `a`: training goes on from step 5",
+            Some(Fact::TookOver {
+                node: "b".into(),
+                from: "a".into(),
+            }),
         ),
     );
     assert_eq!(b.host, "b");
     assert_eq!(b.nodes[0].state, NodeState::Down);
     // A joiner not in the file gets a row.
-    b.apply(6.0, &cluster("b", "node `c` (not in the cluster file) joins the running cluster: cpu; it gets work at the next epoch"));
+    b.apply(6.0, &said("b", "node `c` (not in the cluster file) joins the running cluster: cpu; it gets work at the next epoch", joined("c")));
     assert_eq!(b.nodes.len(), 3);
 }
 
@@ -87,11 +112,21 @@ fn re_plans_name_what_led_to_them_and_the_first_plan_counts_once() {
             sync: "ring".into(),
         },
     );
-    b.apply(1.0, &cluster("a", "step 0: planned a=8, b=8"));
+    b.apply(
+        1.0,
+        &said("a", "step 0: planned a=8, b=8", planned(0, &["a", "b"])),
+    );
     assert_eq!(b.replans(), 0);
-    b.apply(2.0, &cluster("a", "checkpoint of step 4 written"));
-    b.apply(3.0, &cluster("a", "node `b` lost (silent 900 ms)"));
-    b.apply(3.1, &cluster("a", "step 5: planned a=16"));
+    b.apply(
+        2.0,
+        &said(
+            "a",
+            "checkpoint of step 4 written",
+            Some(Fact::Checkpoint { step: 4 }),
+        ),
+    );
+    b.apply(3.0, &said("a", "node `b` lost (silent 900 ms)", lost("b")));
+    b.apply(3.1, &said("a", "step 5: planned a=16", planned(5, &["a"])));
     assert_eq!(b.replans(), 1);
     assert_eq!(b.plans[1].reason, "node `b` lost (silent 900 ms)");
 }
@@ -102,7 +137,7 @@ fn the_timeline_splits_time_into_compute_comm_idle_and_down_that_sum_to_at_most_
     b.apply(0.0, &progress("a", 0, 0.0, 0.0, 0));
     b.apply(2.0, &progress("a", 2, 1.0, 0.5, 2));
     b.apply(2.0, &cluster("b", "x"));
-    b.apply(3.0, &cluster("a", "node `a` lost (silent 1 ms)"));
+    b.apply(3.0, &said("a", "node `a` lost (silent 1 ms)", lost("a")));
     b.apply(4.0, &cluster("a", "x"));
     let t = b.timeline(4);
     let a = &t[0];
@@ -173,7 +208,10 @@ fn a_leave_is_not_a_re_plan_a_re_plan_puts_the_left_out_on_standby_and_done_stay
     let mut b = board();
     b.apply(0.0, &progress("a", 1, 0.1, 0.0, 1));
     b.apply(0.0, &progress("b", 1, 0.1, 0.0, 1));
-    b.apply(0.5, &cluster("a", "step 0: planned a=8 b=8"));
+    b.apply(
+        0.5,
+        &said("a", "step 0: planned a=8 b=8", planned(0, &["a", "b"])),
+    );
     b.apply(
         1.0,
         &cluster(
@@ -181,7 +219,7 @@ fn a_leave_is_not_a_re_plan_a_re_plan_puts_the_left_out_on_standby_and_done_stay
             "node `b` asked to leave: planned out at the next epoch (no re-plan for a loss)",
         ),
     );
-    b.apply(1.5, &cluster("a", "step 3: planned a=16"));
+    b.apply(1.5, &said("a", "step 3: planned a=16", planned(3, &["a"])));
     assert_eq!(b.replans(), 1, "{:?}", b.plans);
     assert_eq!(b.nodes[1].state, NodeState::Standby);
     let report = ravnest_node::summary::NodeReport {
@@ -189,6 +227,6 @@ fn a_leave_is_not_a_re_plan_a_re_plan_puts_the_left_out_on_standby_and_done_stay
         ..Default::default()
     };
     b.apply(2.0, &RunEvent::Report(report));
-    b.apply(2.5, &cluster("a", "node `a` lost (silent 900 ms)"));
+    b.apply(2.5, &said("a", "node `a` lost (silent 900 ms)", lost("a")));
     assert_eq!(b.nodes[0].state, NodeState::Done);
 }
