@@ -33,8 +33,17 @@ use ravnest_runtime::chaos::Proxy;
 use ravnest_runtime::tcp;
 use serde_json::Value;
 
+mod joiners;
+use joiners::{JOINERS, judge_newcomers, newcomer, rejoin, seeds};
+
 /// Steps of every chaos run (checkpoints every [`EVERY`]).
 const STEPS: u64 = 150;
+/// How much slower every node computes in a schedule where machines join while the
+/// coordinator is lost: the fail-over takes the silence (4.5 s) of a run whose 150 steps take
+/// about 1.5 s, and a joiner that arrives meanwhile must find training left to join once the
+/// successor is up. (More steps would do too, but the float error of the data-parallel sums
+/// against the single-node replay grows with them past the tolerance.)
+const JOIN_SLOWDOWN: f64 = 10.0;
 const EVERY: u64 = 50;
 /// Faults fire within this long after the plan (training takes about a second undisturbed).
 const WINDOW_MS: u64 = 1200;
@@ -224,10 +233,10 @@ pub fn schedule(seed: u64) -> Schedule {
 }
 
 /// The cluster file: `addresses` are what peers dial, `listens` where the nodes bind.
-fn cluster_text(addresses: &[SocketAddr], listens: &[SocketAddr]) -> String {
+fn cluster_text(addresses: &[SocketAddr], listens: &[SocketAddr], slowdown: f64) -> String {
     let mut t = format!("[cluster]\nname = \"chaos\"\nsecret = \"{SECRET}\"\n\n");
     for (i, name) in NODES.iter().enumerate().take(addresses.len()) {
-        let slow = if *name == "slow" { 2.0 } else { 1.0 };
+        let slow = slowdown * if *name == "slow" { 2.0 } else { 1.0 };
         t += &format!(
             "[[node]]\nname = \"{name}\"\ndevice = \"cpu\"\naddress = \"{}\"\nlisten = \"{}\"\nemulate_slowdown = {slow:.1}\n\n",
             addresses[i], listens[i]
@@ -306,6 +315,9 @@ fn worst_difference(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32
 /// coordinator had open died with it; its successor checkpoints the first synchronized version
 /// after it took over instead, so each interval of [`EVERY`] steps must hold one checkpoint,
 /// and the last step its own. The final one's weights.
+///
+/// A checkpoint is one with a manifest, as the store reads them: a coordinator's host killed
+/// while it wrote one leaves its weights file without a manifest, which no reader takes.
 fn checkpoints(out: &Path, failed: Option<u64>) -> Result<BTreeMap<String, Vec<f32>>> {
     let dir = out.join("checkpoints");
     let mut steps: Vec<u64> = std::fs::read_dir(&dir)
@@ -314,7 +326,7 @@ fn checkpoints(out: &Path, failed: Option<u64>) -> Result<BTreeMap<String, Vec<f
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
             name.strip_prefix("step-")?
-                .strip_suffix(".safetensors")?
+                .strip_suffix(".json")?
                 .parse()
                 .ok()
         })
@@ -363,7 +375,7 @@ fn reference(exe: &Path, root: &Path) -> Result<BTreeMap<String, Vec<f32>>> {
     std::fs::create_dir_all(&dir)?;
     // The first node alone (it is not the slow one).
     let a = free_addr()?;
-    let one = cluster_text(&[a], &[a]);
+    let one = cluster_text(&[a], &[a], 1.0);
     let file = dir.join("one.toml");
     std::fs::write(&file, one)?;
     let out = dir.join("out");
@@ -379,6 +391,31 @@ fn reference(exe: &Path, root: &Path) -> Result<BTreeMap<String, Vec<f32>>> {
     checkpoints(&out, None)
 }
 
+/// How much slower the nodes of schedule `faults` compute: [`JOIN_SLOWDOWN`] where machines
+/// join and the coordinator is lost, not at all otherwise.
+fn slowdown_of(faults: &[Timed]) -> f64 {
+    let joiners = faults
+        .iter()
+        .any(|t| matches!(t.fault, Fault::TwoJoiners { .. }));
+    if joiners && coordinator_lost(faults) {
+        JOIN_SLOWDOWN
+    } else {
+        1.0
+    }
+}
+
+/// Whether a fault of `faults` takes the coordinator away (its process or its links).
+fn coordinator_lost(faults: &[Timed]) -> bool {
+    faults.iter().any(|t| {
+        matches!(
+            t.fault,
+            Fault::KillCoordinator
+                | Fault::FreezeCoordinator { .. }
+                | Fault::Partition { node: 0, .. }
+        )
+    })
+}
+
 /// Something a fault leaves to do later.
 enum Later {
     Cont(u32),
@@ -386,9 +423,6 @@ enum Later {
     Heal(usize),
     Rejoin(usize),
 }
-
-/// The names of the two machines a [`Fault::TwoJoiners`] adds.
-const JOINERS: [&str; 2] = ["new1", "new2"];
 
 /// One schedule's outcome.
 #[derive(Debug)]
@@ -462,15 +496,17 @@ fn run_one(
         .collect::<std::io::Result<Vec<_>>>()?;
     let addresses: Vec<SocketAddr> = proxies.iter().map(|p| p.addr()).collect();
     let file = dir.join("cluster.toml");
-    std::fs::write(&file, cluster_text(&addresses, &listens))?;
     let out = dir.join("out");
     let log = dir.join("stderr.log");
     let faults = match schedule(seed) {
         Schedule::PortInUse { node } => {
+            std::fs::write(&file, cluster_text(&addresses, &listens, 1.0))?;
             return port_in_use(exe, &file, &out, &log, listens[node]);
         }
         Schedule::Faults(f) => f,
     };
+    let slowdown = slowdown_of(&faults);
+    std::fs::write(&file, cluster_text(&addresses, &listens, slowdown))?;
     let full_disk = faults.iter().find_map(|t| match t.fault {
         Fault::DiskFull { step } => Some(step),
         _ => None,
@@ -502,7 +538,9 @@ fn run_one(
                 Later::Cont(pid) => signal(pid, "-CONT"),
                 Later::Undelay(node) => proxies[node].set_delay(Duration::ZERO),
                 Later::Heal(node) => heal(&proxies, node),
-                Later::Rejoin(node) => joined.push(rejoin(exe, &dir, &out, addresses[0], node)?),
+                Later::Rejoin(node) => {
+                    joined.push(rejoin(exe, &dir, &out, &seeds(&addresses, 0, node), node)?)
+                }
             }
         }
         match rx.recv_timeout(Duration::from_millis(20)) {
@@ -528,9 +566,9 @@ fn run_one(
                     forged.push(forge(rt, &f, &listens, seed));
                 }
                 Fault::TwoJoiners { via } => {
-                    for (name, seed_node) in JOINERS.into_iter().zip([0, via]) {
-                        newcomers
-                            .push((name, newcomer(exe, &dir, &out, addresses[seed_node], name)?));
+                    for (name, first) in JOINERS.into_iter().zip([0, via]) {
+                        let seeds = seeds(&addresses, first, usize::MAX);
+                        newcomers.push((name, newcomer(exe, &dir, &out, &seeds, name)?));
                     }
                 }
                 f => later.extend(inject(f, &pids, &proxies)),
@@ -614,75 +652,6 @@ fn heal(proxies: &[Proxy], node: usize) {
     for p in proxies {
         p.refuse_dialer(None);
     }
-}
-
-/// A machine not in the cluster file joins with `--join` (through the node at `seed`), reached
-/// at a port of its own.
-fn newcomer(exe: &Path, dir: &Path, out: &Path, seed: SocketAddr, name: &str) -> Result<Child> {
-    let jlog = std::fs::File::create(dir.join(format!("{name}-join.log")))?;
-    let port = tcp::spare_ports(1)?[0];
-    Ok(Command::new(exe)
-        .args(["run", "--join", &seed.to_string(), "--node", name])
-        .args(["--advertise", &format!("127.0.0.1:{port}")])
-        .args(["--wait", "10", "--json", "--out"])
-        .arg(out.join(name))
-        .env("RAVNEST_SECRET", SECRET)
-        .stdout(Stdio::null())
-        .stderr(jlog)
-        .spawn()?)
-}
-
-/// Joiners end within 20 s of the run, never by a panic; one the coordinator admitted (it said
-/// it joins) ends cleanly. Joiners that come once training is over are turned away, which is no
-/// fault. Says how many were admitted.
-fn judge_newcomers(newcomers: Vec<(&str, Child)>, dir: &Path, log: &Path) -> Result<String> {
-    if newcomers.is_empty() {
-        return Ok(String::new());
-    }
-    let events = std::fs::read_to_string(log.with_extension("jsonl")).unwrap_or_default();
-    let mut admitted = 0;
-    let mut turned_away = Vec::new();
-    for (name, mut child) in newcomers {
-        let status = wait_for(&mut child, Duration::from_secs(20))?;
-        let jlog = dir.join(format!("{name}-join.log"));
-        let said = std::fs::read_to_string(&jlog).unwrap_or_default();
-        if status.is_none() {
-            bail!("the joiner `{name}` did not end; see {}", jlog.display());
-        }
-        if said.contains("panicked") {
-            bail!("the joiner `{name}` panicked; see {}", jlog.display());
-        }
-        if events.contains(&format!("`{name}` (not in the cluster file) joins")) {
-            if status.is_none_or(|s| !s.success()) {
-                bail!(
-                    "the joiner `{name}` was admitted but ended with {status:?}; see {}",
-                    jlog.display()
-                );
-            }
-            admitted += 1;
-        } else if let Some(last) = said.lines().rev().find(|l| !l.trim().is_empty()) {
-            turned_away.push(format!("`{name}`: {}", last.trim()));
-        }
-    }
-    let why = if turned_away.is_empty() {
-        String::new()
-    } else {
-        format!(" ({})", turned_away.join("; "))
-    };
-    Ok(format!("; {admitted} of 2 joiners admitted{why}"))
-}
-
-/// A killed node starts again with `--join` (the first node's address, the secret).
-fn rejoin(exe: &Path, dir: &Path, out: &Path, seed: SocketAddr, node: usize) -> Result<Child> {
-    let jlog = std::fs::File::create(dir.join(format!("{}-rejoin.log", NODES[node])))?;
-    Ok(Command::new(exe)
-        .args(["run", "--join", &seed.to_string(), "--node", NODES[node]])
-        .args(["--json", "--out"])
-        .arg(out)
-        .env("RAVNEST_SECRET", SECRET)
-        .stdout(Stdio::null())
-        .stderr(jlog)
-        .spawn()?)
 }
 
 /// Schedule "port in use": with node's port held, the run must fail fast, naming the port.
@@ -801,15 +770,7 @@ fn judge(
         Fault::DiskFull { step } => Some(step),
         _ => None,
     });
-    let coordinator_lost = faults.iter().any(|t| {
-        matches!(
-            t.fault,
-            Fault::KillCoordinator
-                | Fault::FreezeCoordinator { .. }
-                | Fault::Partition { node: 0, .. }
-        )
-    });
-    if let Some(step) = full_disk.filter(|_| !coordinator_lost) {
+    if let Some(step) = full_disk.filter(|_| !coordinator_lost(faults)) {
         let said = format!("the checkpoint of step {step} could not be written (");
         let events = std::fs::read_to_string(log.with_extension("jsonl")).unwrap_or_default();
         if !events.contains(&said) || !events.contains("no space left on device") {

@@ -9,6 +9,7 @@ mod bench_planners;
 mod bench_sharded;
 mod bench_slow_link;
 mod chaos;
+mod join;
 mod models;
 mod report;
 mod run;
@@ -225,8 +226,9 @@ struct RunCmd {
     node: Option<String>,
     /// Rejoin a running cluster (a restarted node). With HOST:PORT (any running node's
     /// address) and no FILE: fetch the cluster file from that node, authenticated with the
-    /// secret in RAVNEST_SECRET.
-    #[arg(long, value_name = "HOST:PORT", num_args = 0..=1, default_missing_value = "")]
+    /// secret in RAVNEST_SECRET. Several addresses, comma separated, are asked in turn (one
+    /// that is down does not keep this node out).
+    #[arg(long, value_name = "HOST:PORT[,...]", num_args = 0..=1, default_missing_value = "")]
     join: Option<String>,
     /// Continue from the latest checkpoint in the output directory.
     #[arg(long, conflicts_with = "overwrite")]
@@ -611,7 +613,7 @@ fn sim_command(cmd: SimCmd) -> Result<()> {
 /// A fetched cluster file as `run` takes it: (origin, text, steps, newcomer, host); `--steps`
 /// over the file's.
 fn fetched(
-    j: run::Joined,
+    j: join::Joined,
     steps: Option<u64>,
 ) -> (
     String,
@@ -700,7 +702,8 @@ fn run_command(cmd: RunCmd) -> Result<()> {
             let wait = discover_timeout.map_or(ravnest_node::discover::DEFAULT_TIMEOUT, |s| {
                 std::time::Duration::from_secs(s)
             });
-            let j = run::discover_cluster_file(cluster.as_deref(), me, advertise.as_deref(), wait)?;
+            let j =
+                join::discover_cluster_file(cluster.as_deref(), me, advertise.as_deref(), wait)?;
             fetched(j, steps)
         }
         (Some(p), Some(a)) => bail!(
@@ -714,7 +717,7 @@ fn run_command(cmd: RunCmd) -> Result<()> {
             // As long as a worker waits for its cluster (`--wait`), 60 s unless said.
             let patience = std::time::Duration::from_secs(wait.unwrap_or(60));
             fetched(
-                run::fetch_cluster_file(a, me, advertise.as_deref(), patience)?,
+                join::fetch_cluster_file(a, me, advertise.as_deref(), patience)?,
                 steps,
             )
         }

@@ -610,6 +610,10 @@ pub struct Replica {
     /// The nodes the running epochs count on (workers, and peers they fetch from): a
     /// successor resumes from what they hold; a node left idle holds an older version.
     pub involved: Vec<NodeId>,
+    /// Nodes given their place by the coordinator's host (`run --join` with a new name) that
+    /// have not registered yet: a successor admits them when they do, and leases them so that
+    /// they follow it.
+    pub reserved: Vec<NodeId>,
     /// The cluster with the figures the coordinator plans with (measured speeds and links).
     pub cluster: ClusterSpec,
 }

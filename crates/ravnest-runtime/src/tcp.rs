@@ -61,8 +61,8 @@ use state::*;
 /// outer momentum going on across a switch, `Work::outer_from`; 13: the coordinator's lease
 /// carries its term, `Envelope::Lease`; 14: a joiner's request names it, and the coordinator's
 /// host gives a new node its id, `Envelope::Reserve`; 15: a successor's pre-vote,
-/// `Envelope::PreVote`).
-pub const PROTOCOL_VERSION: u32 = 15;
+/// `Envelope::PreVote`; 16: the replica names the nodes given a place, `Replica::reserved`).
+pub const PROTOCOL_VERSION: u32 = 16;
 
 /// Checkpoint parts waiting to be stored in this process before its readers wait.
 const SHARD_PARTS_WAITING: u64 = 4;
@@ -110,7 +110,7 @@ impl TcpTransport {
                 sync_bytes_sent: AtomicU64::new(0),
                 peer_bytes: Mutex::new(std::collections::BTreeMap::new()),
                 auth_failures: AtomicU64::new(0),
-                unsent: AtomicU64::new(0),
+                unsent: Default::default(),
                 settled: tokio::sync::Notify::new(),
                 parts_waiting: AtomicU64::new(0),
                 part_stored: tokio::sync::Notify::new(),
@@ -200,7 +200,7 @@ impl TcpTransport {
     pub async fn drain(&self, limit: Duration) -> bool {
         let deadline = tokio::time::Instant::now() + limit;
         let pending = || {
-            self.inner.unsent.load(Ordering::SeqCst) > 0
+            self.inner.unsent.total() > 0
                 || self
                     .inner
                     .sessions
@@ -320,6 +320,11 @@ impl TcpTransport {
         if let Envelope::Address { node, addr } = env {
             self.advertised(from, node, &addr);
             return;
+        }
+        // A node given its place (`run --join`) is reached at the address it asked with: a
+        // successor that takes over before the node says it itself can still dial it.
+        if let Envelope::Member { id, address, .. } = &env {
+            self.advertised(from, *id, address);
         }
         let inbox = {
             let inboxes = self.inner.inboxes.lock().unwrap();
@@ -483,8 +488,8 @@ impl Transport for TcpTransport {
                 _ => 0,
             };
         }
-        // Queued frames are counted over every link (one counter): an over-count only paces.
-        let queued = self.inner.unsent.load(Ordering::SeqCst) as usize;
+        // Frames queued for the host only: a peer being dialed (a lost one) holds its own.
+        let queued = self.inner.unsent.to(host) as usize;
         let unacked = self
             .inner
             .sessions
@@ -516,11 +521,11 @@ impl Transport for TcpTransport {
         for _ in 0..3 {
             let (generation, tx) = self.link(host);
             // Counted before it is queued, so the writer never takes away what was not added.
-            self.inner.unsent.fetch_add(1, Ordering::SeqCst);
+            self.inner.unsent.add(host, 1);
             match tx.send(frame) {
                 Ok(()) => return Ok(()),
                 Err(back) => {
-                    self.inner.unsent.fetch_sub(1, Ordering::SeqCst);
+                    self.inner.unsent.sub(host, 1);
                     self.inner.settled.notify_waiters();
                     self.unlink(host, generation);
                     frame = back.0;

@@ -522,6 +522,47 @@ async fn drain_returns_once_the_last_frames_are_written_or_given_up() {
     );
 }
 
+/// What waits for a peer being dialed (one that is lost) does not count as in flight to
+/// another: a node pacing its checkpoint parts to the coordinator's host is not held by the
+/// frames it still has for the host a fail-over replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_for_a_peer_being_dialed_are_in_flight_to_it_alone() {
+    let mut peers = BTreeMap::new();
+    for (i, port) in (0..3).zip(ravnest_runtime::tcp::spare_ports(3).unwrap()) {
+        peers.insert(NodeId(i), SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    let cfg = |me: u32| TcpConfig {
+        me: NodeId(me),
+        peers: peers.clone(),
+        listen: None,
+        coordinator: NodeId(1),
+        secret: b"s".to_vec(),
+        max_frame: 1 << 20,
+        connect_window: Duration::from_secs(5),
+        cluster_file: None,
+        encrypt: true,
+    };
+    // Node 2 never listens: its frames wait while it is dialed.
+    let a = TcpTransport::bind(cfg(0), false).await.unwrap();
+    let b = TcpTransport::bind(cfg(1), false).await.unwrap();
+    let got = listen(&b, Addr::Coordinator);
+    let me = Addr::Node(NodeId(0));
+    for _ in 0..20 {
+        a.send(me, Addr::Node(NodeId(2)), Envelope::Heartbeat)
+            .unwrap();
+    }
+    a.send(me, Addr::Coordinator, Envelope::Heartbeat).unwrap();
+    assert!(eventually(SETTLE, || got.lock().unwrap().len() == 1).await);
+    assert!(
+        eventually(SETTLE, || a.in_flight(me, Addr::Checkpoint) == 0).await,
+        "in flight to the host: {}",
+        a.in_flight(me, Addr::Checkpoint)
+    );
+    assert_eq!(a.in_flight(me, Addr::Node(NodeId(2))), 20);
+    a.shutdown();
+    b.shutdown();
+}
+
 /// A peer of another protocol version is told ours and refused; both can say why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_protocol_version_is_refused_with_both_versions_named() {

@@ -3,7 +3,9 @@
 //! the optimizer state in its own file beside it (`step-N.optim.safetensors`), a JSON manifest
 //! (`step-N.json`) and a `latest` pointer. Each is written atomically (temporary file, fsync,
 //! rename, fsync of the directory), and `latest` last, so a crash at any moment leaves either
-//! the previous checkpoint or the new one, never a torn one.
+//! the previous checkpoint or the new one, never a torn one. (A crash between two of a step's
+//! files can leave the weights of that step without its manifest: a checkpoint is one with a
+//! manifest, and readers verify it before they take it.)
 //!
 //! The weights file loads with `safetensors.torch.load_file` straight into the equivalent
 //! `torch.nn` module (`load_state_dict(strict=True)`); its metadata (`__metadata__`) holds

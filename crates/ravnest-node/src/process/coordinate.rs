@@ -99,7 +99,10 @@ pub(super) async fn take_over(
     from: NodeId,
     verdicts: &mut Verdicts,
 ) -> Result<Option<Coordinated>, RunError> {
-    let _leases = leases(h, &r.members, r.term);
+    // Nodes given their place by the predecessor that have not registered get the leases too:
+    // they follow this host and register here.
+    let leased: Vec<NodeId> = r.members.iter().chain(&r.reserved).copied().collect();
+    let _leases = leases(h, &leased, r.term);
     let cluster = r.cluster.clone();
     let name = |n: NodeId| {
         cluster

@@ -265,7 +265,7 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
             .await
             .map(Some)
     } else {
-        match worker::wait_for_finish(&opts, &say, &net, &tcp, &mut verdicts, &mut stops).await {
+        match worker::wait_for_finish(&host, &net, &mut verdicts, &mut stops).await {
             Ok(worker::Ending::Finished) => Ok(None),
             Ok(worker::Ending::Left) => {
                 progress.abort();
@@ -502,6 +502,19 @@ async fn start_node(
         );
     }
     Ok(sup)
+}
+
+/// What a node that joins a running cluster says to the coordinator to be let in (and says
+/// again to a successor, should the host be lost first): where it is reached (the host passes
+/// it on to every peer), then, a new node, what it measured; then it asks to join.
+fn hello(opts: &Options, su: &Setup) -> Vec<Envelope> {
+    let address = opts.advertise.as_ref().map(|addr| Envelope::Address {
+        node: su.me,
+        addr: addr.clone(),
+    });
+    let register = opts.newcomer.then(|| Envelope::Register(su.caps.clone()));
+    let join = opts.join.then_some(Envelope::Join);
+    address.into_iter().chain(register).chain(join).collect()
 }
 
 /// What the progress lines of this process watch.

@@ -6,13 +6,11 @@ use std::time::Duration;
 use ravnest_core::NodeId;
 use ravnest_core::stall::{StallClock, credited};
 use ravnest_protocol::coordinator::succession::Verdict;
-use ravnest_protocol::msg::Replica;
+use ravnest_protocol::msg::{Addr, Envelope, Replica};
 use ravnest_runtime::Transport;
-use ravnest_runtime::tcp::TcpTransport;
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
-use super::console::Say;
 use super::options::{Options, RunError, coordinator_of};
 use super::tap::Tap;
 
@@ -32,13 +30,13 @@ pub(super) enum Ending {
 /// when this node is the successor. A coordinator lost before fail-over is possible (no replica
 /// came yet), or with no successor left, is an error that names it and suggests why.
 pub(super) async fn wait_for_finish(
-    opts: &Options,
-    say: &Say,
+    h: &super::coordinate::Host<'_>,
     net: &Tap,
-    tcp: &TcpTransport,
     verdicts: &mut mpsc::UnboundedReceiver<(NodeId, Verdict)>,
     stops: &mut super::stops::Stops,
 ) -> Result<Ending, RunError> {
+    let (opts, say, tcp) = (h.opts, h.say, h.tcp);
+    let hello = super::hello(h.opts, h.su);
     stops.enter(super::stops::Phase::Training);
     let s = &opts.scenario;
     let name = |n: NodeId| {
@@ -66,11 +64,7 @@ pub(super) async fn wait_for_finish(
                     continue;
                 }
                 leaving = true;
-                let _ = tcp.send(
-                    ravnest_protocol::msg::Addr::Node(tcp.me()),
-                    ravnest_protocol::msg::Addr::Coordinator,
-                    ravnest_protocol::msg::Envelope::Leave,
-                );
+                let _ = tcp.send(Addr::Node(tcp.me()), Addr::Coordinator, Envelope::Leave);
                 say.cluster(
                     "stop requested (Ctrl-C or SIGTERM): leaving the cluster; this node finishes the steps the running epoch counts on it for (Ctrl-C again to stop at once)",
                 );
@@ -84,6 +78,13 @@ pub(super) async fn wait_for_finish(
                     ));
                     host = next;
                     canvassing = false;
+                    // Not let in yet (no replica came): what this node said to the lost host
+                    // to join, it says again to its successor.
+                    if !net.armed.load(std::sync::atomic::Ordering::Relaxed) {
+                        for env in &hello {
+                            let _ = tcp.send(Addr::Node(tcp.me()), Addr::Coordinator, env.clone());
+                        }
+                    }
                 }
                 Verdict::Awaits(next) => say.cluster(format!(
                     "the coordinator on `{}` is silent: waiting for `{}` to take over",

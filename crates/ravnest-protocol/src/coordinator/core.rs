@@ -573,6 +573,8 @@ impl Coordinator {
         c.taking_over = Some((predecessor, r.term));
         c.quorum = r.members.len() + 1;
         c.resume_from = Some(r.involved.iter().copied().collect());
+        // Given their place by the predecessor: admitted here when they register.
+        c.reserved = r.reserved.iter().copied().collect();
         c
     }
 
@@ -955,6 +957,7 @@ impl Coordinator {
             agreed: self.agreed,
             members: self.detector.alive(),
             involved: self.involved().into_iter().collect(),
+            reserved: self.reserved.iter().copied().collect(),
             cluster: self.cfg.cluster.clone(),
         };
         let to: Vec<NodeId> = if all {

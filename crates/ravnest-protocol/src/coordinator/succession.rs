@@ -165,8 +165,22 @@ impl Watch {
 
     /// The coordinator's lease: it is there, of `term`, on `host`. One of this watch's term
     /// (or a newer one) ends whatever this node had given it up for: it is followed again.
+    ///
+    /// A node that holds no replica yet (one that joins, not yet admitted) follows a lease of
+    /// a newer term than it knows to its host: its predecessor was lost before the node was let
+    /// in, and the successor is where it registers.
     pub fn lease(&mut self, term: u32, host: NodeId, now_ms: u64) -> Option<Verdict> {
-        if self.replica.is_none() || term < self.term().max(self.newest) {
+        if self.replica.is_none() {
+            if term <= self.newest || host == self.host {
+                self.newest = self.newest.max(term);
+                return None;
+            }
+            self.newest = term;
+            self.heard(now_ms);
+            self.host = host;
+            return Some(Verdict::Follow(host));
+        }
+        if term < self.term().max(self.newest) {
             return None;
         }
         self.newest = term;
@@ -331,6 +345,7 @@ mod tests {
             agreed: 12,
             members: members.iter().map(|&m| NodeId(m)).collect(),
             involved: members.iter().map(|&m| NodeId(m)).collect(),
+            reserved: Vec::new(),
             cluster: ClusterSpec {
                 name: "t".into(),
                 nodes: Vec::new(),
@@ -464,6 +479,38 @@ mod tests {
             None,
             "an older term is not followed"
         );
+    }
+
+    /// A node not yet let in (a joiner: no replica) follows a newer term's lease to its
+    /// host, where it registers; the same term or an older one, or its own host's, is no news.
+    #[test]
+    fn a_joiner_without_a_replica_follows_a_newer_terms_lease() {
+        let mut w = Watch::new(NodeId(3), NodeId(0), 300, 0);
+        assert_eq!(
+            w.lease(0, NodeId(0), 10),
+            None,
+            "its host, of the term it knows"
+        );
+        assert_eq!(w.lease(1, NodeId(1), 20), Some(Verdict::Follow(NodeId(1))));
+        assert_eq!(w.host(), NodeId(1));
+        assert_eq!(w.lease(1, NodeId(1), 30), None, "followed already");
+        assert_eq!(
+            w.lease(0, NodeId(0), 40),
+            None,
+            "the lost host, of an older term"
+        );
+        assert_eq!(w.host(), NodeId(1));
+        assert!(!w.armed(), "a lease is not a replica: fail-over needs one");
+        assert_eq!(
+            w.tick(5_000),
+            None,
+            "no replica: nothing to decide on a silence"
+        );
+        // Let in: the replica of the term it follows arms it as any member.
+        let mut r = replica(&[1, 2, 3], 1);
+        r.term = 1;
+        assert_eq!(w.replica(r, 5_100), None, "the host it follows already");
+        assert!(w.armed());
     }
 
     #[test]

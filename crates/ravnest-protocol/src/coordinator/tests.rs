@@ -651,3 +651,60 @@ fn joiners_given_ids_in_order_may_register_out_of_order() {
     )));
     assert_eq!(seen, [(3, "q".to_string()), (2, "p".to_string())]);
 }
+
+/// A node given its place by a host that is lost before the node registered: the replica the
+/// members hold names it reserved, and the successor admits it when it registers there.
+#[test]
+fn a_successor_admits_a_node_its_predecessor_gave_a_place() {
+    use crate::msg::Capabilities;
+    let cfg = Config {
+        host: Some(NodeId(0)),
+        ..config(2)
+    };
+    let mut c = Coordinator::new(cfg, 0);
+    let _ = c.start();
+    let reserve = Envelope::Reserve {
+        id: NodeId(2),
+        name: "p".into(),
+        address: "127.0.0.1:9002".into(),
+    };
+    let replica = c
+        .handle(10, Input::Net(NodeId(0), reserve))
+        .into_iter()
+        .find_map(|e| match e {
+            Effect::Send(NodeId(1), Envelope::Succession(r)) => Some(*r),
+            _ => None,
+        })
+        .expect("the reservation is replicated to the other member");
+    assert_eq!(replica.reserved, [NodeId(2)]);
+    assert!(!replica.members.contains(&NodeId(2)), "not a member yet");
+    assert_eq!(replica.cluster.nodes.len(), 3);
+    // Node 1 takes over (term 1) from that replica.
+    let successor = super::succession::Replica {
+        term: 1,
+        host: NodeId(1),
+        ..replica
+    };
+    let cfg = Config {
+        host: Some(NodeId(1)),
+        ..config(2)
+    };
+    let mut s = Coordinator::take_over(cfg, &successor, NodeId(0), 5_000);
+    let _ = s.start();
+    let caps = Capabilities {
+        flops: 2e9,
+        memory_bytes: 1 << 30,
+        device: "cpu (measured)".into(),
+        name: "p".into(),
+        address: None,
+    };
+    let admitted: Vec<_> = s
+        .handle(5_100, Input::Net(NodeId(2), Envelope::Register(caps)))
+        .into_iter()
+        .filter_map(|e| match e {
+            Effect::Event(Event::Admitted { node, name, .. }) => Some((node, name)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(admitted, [(NodeId(2), "p".to_string())]);
+}

@@ -106,7 +106,7 @@ impl Envelope {
                 ] {
                     h.u64(x);
                 }
-                for m in &r.members {
+                for m in r.members.iter().chain(&r.reserved) {
                     h.u64(u64::from(m.0));
                 }
             }

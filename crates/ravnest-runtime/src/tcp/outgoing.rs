@@ -225,7 +225,7 @@ impl TcpTransport {
                 next = if failed { None } else { rx.try_recv().ok() };
             }
             failed = failed || w.flush().await.is_err();
-            self.inner.unsent.fetch_sub(taken, Ordering::SeqCst);
+            self.inner.unsent.sub(peer, taken);
             self.inner.settled.notify_waiters();
         }
         self.closed(peer, generation, rx).await;
@@ -251,7 +251,7 @@ impl TcpTransport {
     ) {
         self.unlink(peer, generation);
         rx.close();
-        self.forget_queued(&mut rx);
+        self.forget_queued(peer, &mut rx);
         let dropped = self.inner.sessions.lock().unwrap().remove(&peer);
         if let Some(d) = dropped
             && !d.unacked.is_empty()
@@ -283,7 +283,7 @@ impl TcpTransport {
             let s = sessions.entry(peer).or_default();
             s.connected = false;
             while let Ok(f) = rx.try_recv() {
-                self.inner.unsent.fetch_sub(1, Ordering::SeqCst);
+                self.inner.unsent.sub(peer, 1);
                 s.unacked.push_back(Arc::new(f));
             }
             self.inner.settled.notify_waiters();
@@ -310,9 +310,13 @@ impl TcpTransport {
     }
 
     /// Frames left in a closed link's queue are lost with it.
-    pub(super) fn forget_queued(&self, rx: &mut mpsc::UnboundedReceiver<wire::Frame>) {
+    pub(super) fn forget_queued(
+        &self,
+        peer: NodeId,
+        rx: &mut mpsc::UnboundedReceiver<wire::Frame>,
+    ) {
         while rx.try_recv().is_ok() {
-            self.inner.unsent.fetch_sub(1, Ordering::SeqCst);
+            self.inner.unsent.sub(peer, 1);
         }
         self.inner.settled.notify_waiters();
     }

@@ -54,7 +54,7 @@ pub(super) struct Inner {
     /// Connections closed because a record failed authentication.
     pub(super) auth_failures: AtomicU64,
     /// Frames queued on links and not yet written and flushed (or dropped with their link).
-    pub(super) unsent: AtomicU64,
+    pub(super) unsent: Unsent,
     /// Told whenever frames leave the queues or are acknowledged (what `drain` waits on).
     pub(super) settled: tokio::sync::Notify,
     /// Checkpoint shard parts handed to this process's checkpoint inbox and not yet stored
@@ -153,5 +153,53 @@ impl Session {
         while self.acked < n && self.unacked.pop_front().is_some() {
             self.acked += 1;
         }
+    }
+}
+
+/// Frames queued on links and not yet written and flushed (or dropped with their link), in all
+/// and per peer: what waits for a peer being dialed (one lost, say) does not pace what goes to
+/// another.
+#[derive(Debug, Default)]
+pub(super) struct Unsent {
+    total: AtomicU64,
+    per_peer: Mutex<BTreeMap<NodeId, u64>>,
+}
+
+impl Unsent {
+    /// `n` frames for `peer` were queued.
+    pub(super) fn add(&self, peer: NodeId, n: u64) {
+        self.total.fetch_add(n, std::sync::atomic::Ordering::SeqCst);
+        *self.per_peer.lock().unwrap().entry(peer).or_default() += n;
+    }
+
+    /// `n` frames for `peer` left the queue (written, or dropped).
+    pub(super) fn sub(&self, peer: NodeId, n: u64) {
+        let _ = self.total.fetch_update(
+            std::sync::atomic::Ordering::SeqCst,
+            std::sync::atomic::Ordering::SeqCst,
+            |t| Some(t.saturating_sub(n)),
+        );
+        let mut per = self.per_peer.lock().unwrap();
+        if let Some(q) = per.get_mut(&peer) {
+            *q = q.saturating_sub(n);
+            if *q == 0 {
+                per.remove(&peer);
+            }
+        }
+    }
+
+    /// Frames queued for any peer.
+    pub(super) fn total(&self) -> u64 {
+        self.total.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Frames queued for `peer`.
+    pub(super) fn to(&self, peer: NodeId) -> u64 {
+        self.per_peer
+            .lock()
+            .unwrap()
+            .get(&peer)
+            .copied()
+            .unwrap_or(0)
     }
 }
