@@ -679,7 +679,7 @@ fn error_run_join_address_problems_are_named() {
     assert!(!out.status.success());
     let e = stderr(&out);
     assert!(
-        e.contains("--join not-an-address: not a reachable host:port"),
+        e.contains("--join not-an-address: `not-an-address` is not a reachable host:port"),
         "{e}"
     );
 
