@@ -9,7 +9,7 @@ use ravnest_core::PlannerKind;
 
 use super::{
     bench_ddp, bench_gpt, bench_inputs, bench_net, bench_planners, bench_sharded, bench_slow_link,
-    chaos, emit, one_thread, report, scenarios,
+    chaos, compute_threads, emit, one_thread, report, scenarios,
 };
 
 /// What `ravnest bench` measures.
@@ -30,6 +30,9 @@ pub(super) enum BenchWhat {
         /// Python with torch and transformers (default: RAVNEST_PYTHON, else python3).
         #[arg(long)]
         python: Option<String>,
+        /// Compute threads on each side (ravnest's rayon pool, PyTorch's set_num_threads).
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
     },
     /// One cluster file trained as the planner chooses and as a pipeline (`[training] layout =
     /// "pipeline"`), real runs side by side: samples/s of each, and each node's held state
@@ -350,9 +353,10 @@ pub(super) fn bench_command(what: BenchWhat) -> Result<()> {
             steps,
             rounds,
             python,
+            threads,
         } => {
-            one_thread()?;
-            emit(&bench_gpt::gpt(python, steps, rounds)?);
+            compute_threads(threads.max(1))?;
+            emit(&bench_gpt::gpt(python, steps, rounds, threads.max(1))?);
             Ok(())
         }
         BenchWhat::Chaos {

@@ -1,7 +1,7 @@
 //! `ravnest bench gpt`: one node training a transformer through ravnest's compute (the step a
 //! node runs: forward, backward, AdamW on its model state) against PyTorch's
 //! `GPT2LMHeadModel` or `LlamaForCausalLM` of the same shape, batch, data and optimizer, on
-//! one thread each, in interleaved rounds.
+//! the same number of threads each (one unless `--threads`), in interleaved rounds.
 
 use std::time::Instant;
 
@@ -45,13 +45,13 @@ const LR: f32 = 1e-3;
 const WEIGHT_DECAY: f32 = 0.01;
 
 /// The PyTorch side: `GPT2LMHeadModel` of the shape (GELU tanh, no dropout, LM head not tied,
-/// as ravnest's), AdamW, one thread, the same kind of data; prints seconds per step of `steps`
+/// as ravnest's), AdamW, the threads it is given, the same kind of data; prints seconds per step of `steps`
 /// timed steps after two untimed ones.
 const TORCH_GPT: &str = r#"
 import sys, time, torch
 from transformers import GPT2Config, GPT2LMHeadModel
-layers, hidden, heads, seq, vocab, batch, steps = map(int, sys.argv[1:8])
-torch.set_num_threads(1)
+layers, hidden, heads, seq, vocab, batch, steps, threads = map(int, sys.argv[1:9])
+torch.set_num_threads(threads)
 torch.manual_seed(1)
 cfg = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=hidden, n_layer=layers, n_head=heads,
                  n_inner=4 * hidden, activation_function="gelu_new", resid_pdrop=0.0,
@@ -81,8 +81,8 @@ print((time.perf_counter() - t) / steps)
 const TORCH_LLAMA: &str = r#"
 import sys, time, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-layers, hidden, heads, kv, inner, seq, vocab, batch, steps = map(int, sys.argv[1:10])
-torch.set_num_threads(1)
+layers, hidden, heads, kv, inner, seq, vocab, batch, steps, threads = map(int, sys.argv[1:11])
+torch.set_num_threads(threads)
 torch.manual_seed(1)
 cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inner,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
@@ -106,8 +106,8 @@ for _ in range(steps):
 print((time.perf_counter() - t) / steps)
 "#;
 
-/// Seconds per PyTorch step at `case`, or why it could not run.
-fn torch_step_s(python: &str, case: &Case, steps: u64) -> Result<f64, String> {
+/// Seconds per PyTorch step at `case` on `threads` threads, or why it could not run.
+fn torch_step_s(python: &str, case: &Case, steps: u64, threads: usize) -> Result<f64, String> {
     let g = case.gpt;
     let (script, sizes) = if g.is_llama() {
         (
@@ -128,13 +128,17 @@ fn torch_step_s(python: &str, case: &Case, steps: u64) -> Result<f64, String> {
     let args: Vec<String> = sizes
         .iter()
         .map(|x| x.to_string())
-        .chain([case.batch.to_string(), steps.to_string()])
+        .chain([
+            case.batch.to_string(),
+            steps.to_string(),
+            threads.to_string(),
+        ])
         .collect();
     let out = std::process::Command::new(python)
         .args(["-c", script])
         .args(&args)
-        .env("OMP_NUM_THREADS", "1")
-        .env("MKL_NUM_THREADS", "1")
+        .env("OMP_NUM_THREADS", threads.to_string())
+        .env("MKL_NUM_THREADS", threads.to_string())
         .output()
         .map_err(|e| format!("cannot start {python}: {e}"))?;
     let text = String::from_utf8_lossy(&out.stdout);
@@ -191,8 +195,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// The table: per case, ravnest's and PyTorch's samples/s (medians of `rounds` interleaved
-/// rounds of `steps` steps) and their ratio.
-pub fn gpt(python: Option<String>, steps: u64, rounds: usize) -> Result<String> {
+/// rounds of `steps` steps) and their ratio, both on `threads` threads (ravnest's are rayon's,
+/// `RAYON_NUM_THREADS`, which the caller set to the same number).
+pub fn gpt(python: Option<String>, steps: u64, rounds: usize, threads: usize) -> Result<String> {
     if steps == 0 || rounds == 0 {
         bail!("--steps and --rounds must be at least 1");
     }
@@ -200,8 +205,13 @@ pub fn gpt(python: Option<String>, steps: u64, rounds: usize) -> Result<String> 
         .or_else(|| std::env::var("RAVNEST_PYTHON").ok())
         .unwrap_or_else(|| "python3".into());
     let mut out = format!(
-        "one node, one thread each, AdamW, byte vocabulary (PyTorch: GPT2LMHeadModel, LlamaForCausalLM); samples/s, median of {rounds} interleaved rounds of {steps} steps\n\n{:<18} {:>6} {:>14} {:>14} {:>8}\n",
-        "shape", "batch", "ravnest", "PyTorch", "ratio"
+        "one node, {threads} thread{} each, AdamW, byte vocabulary (PyTorch: GPT2LMHeadModel, LlamaForCausalLM); samples/s, median of {rounds} interleaved rounds of {steps} steps\n\n{:<18} {:>6} {:>14} {:>14} {:>8}\n",
+        if threads == 1 { "" } else { "s" },
+        "shape",
+        "batch",
+        "ravnest",
+        "PyTorch",
+        "ratio"
     );
     let mut skipped = None;
     for case in &CASES {
@@ -209,7 +219,7 @@ pub fn gpt(python: Option<String>, steps: u64, rounds: usize) -> Result<String> 
         for _ in 0..rounds {
             ours.push(case.batch as f64 / ravnest_step_s(case, steps)?);
             if skipped.is_none() {
-                match torch_step_s(&python, case, steps) {
+                match torch_step_s(&python, case, steps, threads) {
                     Ok(s) => theirs.push(case.batch as f64 / s),
                     Err(why) => skipped = Some(why),
                 }

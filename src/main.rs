@@ -858,11 +858,21 @@ fn load(path: Option<&Path>) -> Result<(String, Scenario)> {
 /// it is not.
 fn one_thread() -> Result<()> {
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        return compute_threads(1);
+    }
+    Ok(())
+}
+
+/// `threads` compute threads for this process (candle's rayon pool): run this command again
+/// with `RAYON_NUM_THREADS` set to it, unless it is already.
+fn compute_threads(threads: usize) -> Result<()> {
+    let want = threads.to_string();
+    if std::env::var("RAYON_NUM_THREADS").ok().as_deref() != Some(want.as_str()) {
         let status = std::process::Command::new(std::env::current_exe()?)
             .args(std::env::args_os().skip(1))
-            .env("RAYON_NUM_THREADS", "1")
+            .env("RAYON_NUM_THREADS", &want)
             .status()
-            .context("cannot restart with RAYON_NUM_THREADS=1")?;
+            .with_context(|| format!("cannot restart with RAYON_NUM_THREADS={want}"))?;
         std::process::exit(status.code().unwrap_or(2));
     }
     Ok(())

@@ -3,6 +3,29 @@
 //! attention, their gradients, and the moves between the `(rows·seq, hidden)` layout and
 //! attention's `(rows·heads, seq, head)`. The fast paths (`gpt::fast`, `gpt::fast_llama`) pair
 //! them with candle's matrix products.
+//!
+//! With more than one compute thread (rayon's pool, which candle's products use too), the
+//! passes that cost most run on all of them, in pieces of whole rows or blocks: each value is
+//! computed as on one thread, so the results are the same bits whatever the threads.
+
+use rayon::prelude::*;
+
+/// Values per piece of an element-wise pass split over threads.
+const GRAIN: usize = 1 << 14;
+
+/// Whether passes are split over threads (the pool has more than one).
+fn threaded() -> bool {
+    rayon::current_num_threads() > 1
+}
+
+/// A piece of a norm's pass: its input rows, and where their output, normalized input and
+/// 1/σ go.
+type RowPiece<'a> = (((&'a [f32], &'a mut [f32]), &'a mut [f32]), &'a mut [f32]);
+
+/// Rows per piece of a row-wise pass over rows `h` wide.
+fn rows_per_piece(h: usize) -> usize {
+    (GRAIN / h.max(1)).max(1)
+}
 
 /// LayerNorm of each row of `x` (`h` wide): (output, the normalized input x̂, 1/σ per row).
 pub fn layer_norm(
@@ -13,19 +36,34 @@ pub fn layer_norm(
     eps: f32,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let rows = x.len() / h;
-    let mut y = Vec::with_capacity(x.len());
-    let mut xhat = Vec::with_capacity(x.len());
-    let mut rstd = Vec::with_capacity(rows);
-    for row in x.chunks_exact(h) {
-        let mean = row.iter().sum::<f32>() / h as f32;
-        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / h as f32;
-        let r = 1.0 / (var + eps).sqrt();
-        rstd.push(r);
-        for ((v, gi), bi) in row.iter().zip(g).zip(b) {
-            let n = (v - mean) * r;
-            xhat.push(n);
-            y.push(n * gi + bi);
+    let mut y = vec![0.0f32; x.len()];
+    let mut xhat = vec![0.0f32; x.len()];
+    let mut rstd = vec![0.0f32; rows];
+    let piece = |(((x, y), xhat), rstd): RowPiece<'_>| {
+        for (((row, y), xhat), r) in x
+            .chunks_exact(h)
+            .zip(y.chunks_exact_mut(h))
+            .zip(xhat.chunks_exact_mut(h))
+            .zip(rstd.iter_mut())
+        {
+            let mean = row.iter().sum::<f32>() / h as f32;
+            let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / h as f32;
+            *r = 1.0 / (var + eps).sqrt();
+            for ((((v, gi), bi), y), n) in row.iter().zip(g).zip(b).zip(y).zip(xhat) {
+                *n = (v - mean) * *r;
+                *y = *n * gi + bi;
+            }
         }
+    };
+    let k = rows_per_piece(h);
+    if threaded() {
+        x.par_chunks(k * h)
+            .zip(y.par_chunks_mut(k * h))
+            .zip(xhat.par_chunks_mut(k * h))
+            .zip(rstd.par_chunks_mut(k))
+            .for_each(piece);
+    } else {
+        piece((((x, &mut y), &mut xhat), &mut rstd));
     }
     (y, xhat, rstd)
 }
@@ -93,12 +131,22 @@ pub fn tanh(x: f32) -> f32 {
 /// GELU (the tanh form GPT-2 uses) of each value: (output, the tanh inside it, kept for the
 /// backward).
 pub fn gelu(f: &[f32]) -> (Vec<f32>, Vec<f32>) {
-    let mut u = Vec::with_capacity(f.len());
-    let mut t = Vec::with_capacity(f.len());
-    for &x in f {
-        let th = tanh(SQRT_2_OVER_PI * (x + GELU_C * x * x * x));
-        t.push(th);
-        u.push(0.5 * x * (1.0 + th));
+    let mut u = vec![0.0f32; f.len()];
+    let mut t = vec![0.0f32; f.len()];
+    let piece = |((f, u), t): ((&[f32], &mut [f32]), &mut [f32])| {
+        for ((&x, u), t) in f.iter().zip(u).zip(t) {
+            let th = tanh(SQRT_2_OVER_PI * (x + GELU_C * x * x * x));
+            *t = th;
+            *u = 0.5 * x * (1.0 + th);
+        }
+    };
+    if threaded() {
+        f.par_chunks(GRAIN)
+            .zip(u.par_chunks_mut(GRAIN))
+            .zip(t.par_chunks_mut(GRAIN))
+            .for_each(piece);
+    } else {
+        piece(((f, &mut u), &mut t));
     }
     (u, t)
 }
@@ -106,9 +154,19 @@ pub fn gelu(f: &[f32]) -> (Vec<f32>, Vec<f32>) {
 /// GELU's backward in place: `du` becomes the gradient of its input `f` (`t`: the tanh the
 /// forward kept).
 pub fn gelu_back(du: &mut [f32], f: &[f32], t: &[f32]) {
-    for ((d, &x), &th) in du.iter_mut().zip(f).zip(t) {
-        let inner = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x);
-        *d *= 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * inner;
+    let piece = |((du, f), t): ((&mut [f32], &[f32]), &[f32])| {
+        for ((d, &x), &th) in du.iter_mut().zip(f).zip(t) {
+            let inner = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x);
+            *d *= 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * inner;
+        }
+    };
+    if threaded() {
+        du.par_chunks_mut(GRAIN)
+            .zip(f.par_chunks(GRAIN))
+            .zip(t.par_chunks(GRAIN))
+            .for_each(piece);
+    } else {
+        piece(((du, f), t));
     }
 }
 
@@ -166,46 +224,67 @@ pub fn merge_heads(
 /// The causal softmax of attention scores in place: each row `i` of each `seq × seq` block
 /// scaled by `scale`, positions after `i` masked out (probability 0).
 pub fn causal_softmax(s: &mut [f32], seq: usize, scale: f32) {
-    for block in s.chunks_exact_mut(seq * seq) {
-        for (i, row) in block.chunks_exact_mut(seq).enumerate() {
-            let (live, masked) = row.split_at_mut(i + 1);
-            let mut max = f32::NEG_INFINITY;
-            for v in live.iter_mut() {
-                *v *= scale;
-                max = max.max(*v);
-            }
-            let mut sum = 0.0f32;
-            for v in live.iter_mut() {
-                *v = (*v - max).exp();
-                sum += *v;
-            }
-            let inv = 1.0 / sum;
-            for v in live.iter_mut() {
-                *v *= inv;
-            }
-            masked.fill(0.0);
+    if threaded() {
+        s.par_chunks_mut(seq * seq)
+            .for_each(|block| causal_softmax_block(block, seq, scale));
+    } else {
+        for block in s.chunks_exact_mut(seq * seq) {
+            causal_softmax_block(block, seq, scale);
         }
+    }
+}
+
+/// [`causal_softmax`] of one `seq × seq` block.
+fn causal_softmax_block(block: &mut [f32], seq: usize, scale: f32) {
+    for (i, row) in block.chunks_exact_mut(seq).enumerate() {
+        let (live, masked) = row.split_at_mut(i + 1);
+        let mut max = f32::NEG_INFINITY;
+        for v in live.iter_mut() {
+            *v *= scale;
+            max = max.max(*v);
+        }
+        let mut sum = 0.0f32;
+        for v in live.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        let inv = 1.0 / sum;
+        for v in live.iter_mut() {
+            *v *= inv;
+        }
+        masked.fill(0.0);
     }
 }
 
 /// The causal softmax's backward in place: `datt` (the gradient of the probabilities `att`)
 /// becomes the gradient of the unscaled scores.
 pub fn causal_softmax_back(datt: &mut [f32], att: &[f32], seq: usize, scale: f32) {
-    for (dblock, ablock) in datt
-        .chunks_exact_mut(seq * seq)
-        .zip(att.chunks_exact(seq * seq))
-    {
-        for (i, (d, a)) in dblock
-            .chunks_exact_mut(seq)
-            .zip(ablock.chunks_exact(seq))
-            .enumerate()
+    if threaded() {
+        datt.par_chunks_mut(seq * seq)
+            .zip(att.par_chunks(seq * seq))
+            .for_each(|(d, a)| causal_softmax_back_block(d, a, seq, scale));
+    } else {
+        for (d, a) in datt
+            .chunks_exact_mut(seq * seq)
+            .zip(att.chunks_exact(seq * seq))
         {
-            let dot: f32 = d[..=i].iter().zip(&a[..=i]).map(|(x, y)| x * y).sum();
-            for j in 0..=i {
-                d[j] = scale * a[j] * (d[j] - dot);
-            }
-            d[i + 1..].fill(0.0);
+            causal_softmax_back_block(d, a, seq, scale);
         }
+    }
+}
+
+/// [`causal_softmax_back`] of one `seq × seq` block.
+fn causal_softmax_back_block(dblock: &mut [f32], ablock: &[f32], seq: usize, scale: f32) {
+    for (i, (d, a)) in dblock
+        .chunks_exact_mut(seq)
+        .zip(ablock.chunks_exact(seq))
+        .enumerate()
+    {
+        let dot: f32 = d[..=i].iter().zip(&a[..=i]).map(|(x, y)| x * y).sum();
+        for j in 0..=i {
+            d[j] = scale * a[j] * (d[j] - dot);
+        }
+        d[i + 1..].fill(0.0);
     }
 }
 
@@ -213,18 +292,33 @@ pub fn causal_softmax_back(datt: &mut [f32], att: &[f32], seq: usize, scale: f32
 /// per row), as transformers' `LlamaRMSNorm`.
 pub fn rms_norm(x: &[f32], g: &[f32], h: usize, eps: f32) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let rows = x.len() / h;
-    let mut y = Vec::with_capacity(x.len());
-    let mut xhat = Vec::with_capacity(x.len());
-    let mut rstd = Vec::with_capacity(rows);
-    for row in x.chunks_exact(h) {
-        let ms = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
-        let r = 1.0 / (ms + eps).sqrt();
-        rstd.push(r);
-        for (v, gi) in row.iter().zip(g) {
-            let n = v * r;
-            xhat.push(n);
-            y.push(n * gi);
+    let mut y = vec![0.0f32; x.len()];
+    let mut xhat = vec![0.0f32; x.len()];
+    let mut rstd = vec![0.0f32; rows];
+    let piece = |(((x, y), xhat), rstd): RowPiece<'_>| {
+        for (((row, y), xhat), r) in x
+            .chunks_exact(h)
+            .zip(y.chunks_exact_mut(h))
+            .zip(xhat.chunks_exact_mut(h))
+            .zip(rstd.iter_mut())
+        {
+            let ms = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
+            *r = 1.0 / (ms + eps).sqrt();
+            for (((v, gi), y), n) in row.iter().zip(g).zip(y).zip(xhat) {
+                *n = v * *r;
+                *y = *n * gi;
+            }
         }
+    };
+    let k = rows_per_piece(h);
+    if threaded() {
+        x.par_chunks(k * h)
+            .zip(y.par_chunks_mut(k * h))
+            .zip(xhat.par_chunks_mut(k * h))
+            .zip(rstd.par_chunks_mut(k))
+            .for_each(piece);
+    } else {
+        piece((((x, &mut y), &mut xhat), &mut rstd));
     }
     (y, xhat, rstd)
 }
@@ -262,27 +356,48 @@ pub fn rms_norm_back(
 /// SwiGLU: `silu(gate) · up` for each value: (output, the sigmoid of the gate, kept for the
 /// backward).
 pub fn swiglu(gate: &[f32], up: &[f32]) -> (Vec<f32>, Vec<f32>) {
-    let sig: Vec<f32> = gate.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
-    let act = gate
-        .iter()
+    let sigmoid = |x: &f32| 1.0 / (1.0 + (-x).exp());
+    let act = |((g, s), u): ((&f32, &f32), &f32)| g * s * u;
+    if !threaded() {
+        let sig: Vec<f32> = gate.iter().map(sigmoid).collect();
+        let a = gate.iter().zip(&sig).zip(up).map(act).collect();
+        return (a, sig);
+    }
+    let sig: Vec<f32> = gate.par_iter().with_min_len(GRAIN).map(sigmoid).collect();
+    let a = gate
+        .par_iter()
         .zip(&sig)
         .zip(up)
-        .map(|((g, s), u)| g * s * u)
+        .with_min_len(GRAIN)
+        .map(act)
         .collect();
-    (act, sig)
+    (a, sig)
 }
 
 /// SwiGLU's backward: the gradients of (gate, up) from the output's `d`.
 pub fn swiglu_back(d: &[f32], gate: &[f32], up: &[f32], sig: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let of_up = |((d, g), s): ((&f32, &f32), &f32)| d * g * s;
+    let of_gate =
+        |(((d, g), s), u): (((&f32, &f32), &f32), &f32)| d * u * s * (1.0 + g * (1.0 - s));
+    if !threaded() {
+        let dup = d.iter().zip(gate).zip(sig).map(of_up).collect();
+        let dgate = d.iter().zip(gate).zip(sig).zip(up).map(of_gate).collect();
+        return (dgate, dup);
+    }
     let dup = d
-        .iter()
-        .zip(gate.iter().zip(sig))
-        .map(|(d, (g, s))| d * g * s)
+        .par_iter()
+        .zip(gate)
+        .zip(sig)
+        .with_min_len(GRAIN)
+        .map(of_up)
         .collect();
     let dgate = d
-        .iter()
-        .zip(gate.iter().zip(sig).zip(up))
-        .map(|(d, ((g, s), u))| d * u * s * (1.0 + g * (1.0 - s)))
+        .par_iter()
+        .zip(gate)
+        .zip(sig)
+        .zip(up)
+        .with_min_len(GRAIN)
+        .map(of_gate)
         .collect();
     (dgate, dup)
 }

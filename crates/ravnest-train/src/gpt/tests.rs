@@ -160,3 +160,64 @@ fn the_hugging_face_config_and_the_metadata_give_the_shape_back() {
         "hi\u{fffd}€"
     );
 }
+
+/// The element-wise passes split over threads give the same bits as on one thread.
+#[test]
+fn element_wise_passes_are_the_same_bits_on_several_threads() {
+    use super::ops;
+    let pool = |n| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build()
+            .unwrap()
+    };
+    let (one, two) = (pool(1), pool(3));
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut values = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % 2001) as f32 / 500.0 - 2.0
+            })
+            .collect()
+    };
+    let (h, seq) = (96, 64);
+    let a = values(h * 700);
+    let b = values(h * 700);
+    let g = values(h);
+    let bias = values(h);
+    let scores = values(seq * seq * 9);
+    let run = |p: &rayon::ThreadPool| {
+        p.install(|| {
+            let ln = ops::layer_norm(&a, &g, &bias, h, 1e-5);
+            let rms = ops::rms_norm(&a, &g, h, 1e-5);
+            let (u, t) = ops::gelu(&a);
+            let mut du = b.clone();
+            ops::gelu_back(&mut du, &a, &t);
+            let sw = ops::swiglu(&a, &b);
+            let swb = ops::swiglu_back(&b, &a, &b, &sw.1);
+            let mut att = scores.clone();
+            ops::causal_softmax(&mut att, seq, 0.125);
+            let mut datt = scores.clone();
+            ops::causal_softmax_back(&mut datt, &att, seq, 0.125);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            [
+                bits(&ln.0),
+                bits(&ln.1),
+                bits(&ln.2),
+                bits(&rms.0),
+                bits(&rms.2),
+                bits(&u),
+                bits(&du),
+                bits(&sw.0),
+                bits(&swb.0),
+                bits(&swb.1),
+                bits(&att),
+                bits(&datt),
+            ]
+        })
+    };
+    assert_eq!(run(&one), run(&two));
+}

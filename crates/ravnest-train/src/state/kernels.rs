@@ -111,25 +111,57 @@ impl candle_core::InplaceOp1 for InPlace<'_> {
 /// `dst[i] = f(src[i], a[i], b[i])` over a CPU tensor's values, in place (`src`: another
 /// tensor of the same length, or `dst`'s own values where `None`); one pass of zipped slices,
 /// which the compiler vectorizes.
-pub(super) fn map_into<F: Fn(f32, f32, f32) -> f32>(
+///
+/// With more than one compute thread, the pass is split over them in pieces: each value is
+/// computed as on one thread, so the bits are the same.
+pub(super) fn map_into<F: Fn(f32, f32, f32) -> f32 + Sync>(
     dst: &Tensor,
     src: Option<&Tensor>,
     a: &[f32],
     b: &[f32],
     f: F,
 ) -> candle_core::Result<()> {
-    dst.inplace_op1(&InPlace(&|d: &mut [f32]| match src {
+    use rayon::prelude::*;
+    const GRAIN: usize = 1 << 15;
+    let threaded = rayon::current_num_threads() > 1 && a.len() > GRAIN;
+    type Piece<'a> = (((&'a mut [f32], Option<&'a [f32]>), &'a [f32]), &'a [f32]);
+    let piece = |(((d, s), a), b): Piece<'_>| match s {
         None => {
             for ((d, a), b) in d.iter_mut().zip(a).zip(b) {
                 *d = f(*d, *a, *b);
             }
         }
         Some(s) => {
-            let _ = with_values(s, None, |s| {
-                for (((d, s), a), b) in d.iter_mut().zip(s).zip(a).zip(b) {
-                    *d = f(*s, *a, *b);
-                }
-            });
+            for (((d, s), a), b) in d.iter_mut().zip(s).zip(a).zip(b) {
+                *d = f(*s, *a, *b);
+            }
+        }
+    };
+    let pass = |d: &mut [f32], s: Option<&[f32]>| {
+        if !threaded {
+            return piece((((d, s), a), b));
+        }
+        let n = d.len().min(a.len()).min(b.len());
+        let n = n.min(s.map_or(n, <[f32]>::len));
+        let (d, a, b) = (&mut d[..n], &a[..n], &b[..n]);
+        match s {
+            None => d
+                .par_chunks_mut(GRAIN)
+                .zip(a.par_chunks(GRAIN))
+                .zip(b.par_chunks(GRAIN))
+                .for_each(|((d, a), b)| piece((((d, None), a), b))),
+            Some(s) => d
+                .par_chunks_mut(GRAIN)
+                .zip(s[..n].par_chunks(GRAIN))
+                .zip(a.par_chunks(GRAIN))
+                .zip(b.par_chunks(GRAIN))
+                .for_each(|(((d, s), a), b)| piece((((d, Some(s)), a), b))),
+        }
+    };
+    dst.inplace_op1(&InPlace(&|d: &mut [f32]| match src {
+        None => pass(d, None),
+        Some(s) => {
+            let _ = with_values(s, None, |s| pass(d, Some(s)));
         }
     }))
 }
