@@ -570,12 +570,22 @@ fn steps_that_never_complete_among_live_nodes_stop_after_the_resyncs() {
     assert_eq!(log.last(), Some(&Effect::Finished));
 }
 
+/// What a node not in the cluster file registers: `flops` measured, 1 GiB.
+fn caps(name: &str, flops: f64) -> crate::msg::Capabilities {
+    crate::msg::Capabilities {
+        flops,
+        memory_bytes: 1 << 30,
+        device: "cpu (measured)".into(),
+        name: name.into(),
+        address: None,
+    }
+}
+
 /// Two nodes not in the cluster file given ids by the coordinator's host (`Reserve`, in order)
 /// register out of order: each is admitted at its own id with what it measured, every node is
 /// told of both in id order, and a reservation out of order or of a taken name is ignored.
 #[test]
 fn joiners_given_ids_in_order_may_register_out_of_order() {
-    use crate::msg::Capabilities;
     let cfg = Config {
         host: Some(NodeId(0)),
         ..config(2)
@@ -591,13 +601,6 @@ fn joiners_given_ids_in_order_may_register_out_of_order() {
                 address: format!("127.0.0.1:{}", 9000 + id),
             },
         )
-    };
-    let caps = |name: &str, flops: f64| Capabilities {
-        flops,
-        memory_bytes: 1 << 30,
-        device: "cpu (measured)".into(),
-        name: name.into(),
-        address: None,
     };
     let members = |effects: &[Effect]| -> Vec<(u32, String)> {
         let mut m: Vec<(u32, String)> = effects
@@ -656,7 +659,6 @@ fn joiners_given_ids_in_order_may_register_out_of_order() {
 /// members hold names it reserved, and the successor admits it when it registers there.
 #[test]
 fn a_successor_admits_a_node_its_predecessor_gave_a_place() {
-    use crate::msg::Capabilities;
     let cfg = Config {
         host: Some(NodeId(0)),
         ..config(2)
@@ -691,15 +693,11 @@ fn a_successor_admits_a_node_its_predecessor_gave_a_place() {
     };
     let mut s = Coordinator::take_over(cfg, &successor, NodeId(0), 5_000);
     let _ = s.start();
-    let caps = Capabilities {
-        flops: 2e9,
-        memory_bytes: 1 << 30,
-        device: "cpu (measured)".into(),
-        name: "p".into(),
-        address: None,
-    };
     let admitted: Vec<_> = s
-        .handle(5_100, Input::Net(NodeId(2), Envelope::Register(caps)))
+        .handle(
+            5_100,
+            Input::Net(NodeId(2), Envelope::Register(caps("p", 2e9))),
+        )
         .into_iter()
         .filter_map(|e| match e {
             Effect::Event(Event::Admitted { node, name, .. }) => Some((node, name)),

@@ -35,24 +35,37 @@ pub fn layer_norm(
     h: usize,
     eps: f32,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let rows = x.len() / h;
+    norm_rows(x, h, |row, y, xhat| {
+        let mean = row.iter().sum::<f32>() / h as f32;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / h as f32;
+        let r = 1.0 / (var + eps).sqrt();
+        for ((((v, gi), bi), y), n) in row.iter().zip(g).zip(b).zip(y).zip(xhat) {
+            *n = (v - mean) * r;
+            *y = *n * gi + bi;
+        }
+        r
+    })
+}
+
+/// A norm's pass over the rows of `x` (`h` wide): `row` writes a row's output and normalized
+/// input and returns its 1/σ; (outputs, normalized inputs, 1/σ per row). On every thread when
+/// there are several, in pieces of whole rows.
+fn norm_rows(
+    x: &[f32],
+    h: usize,
+    row: impl Fn(&[f32], &mut [f32], &mut [f32]) -> f32 + Sync,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let mut y = vec![0.0f32; x.len()];
     let mut xhat = vec![0.0f32; x.len()];
-    let mut rstd = vec![0.0f32; rows];
+    let mut rstd = vec![0.0f32; x.len() / h];
     let piece = |(((x, y), xhat), rstd): RowPiece<'_>| {
-        for (((row, y), xhat), r) in x
+        for (((x, y), xhat), r) in x
             .chunks_exact(h)
             .zip(y.chunks_exact_mut(h))
             .zip(xhat.chunks_exact_mut(h))
             .zip(rstd.iter_mut())
         {
-            let mean = row.iter().sum::<f32>() / h as f32;
-            let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / h as f32;
-            *r = 1.0 / (var + eps).sqrt();
-            for ((((v, gi), bi), y), n) in row.iter().zip(g).zip(b).zip(y).zip(xhat) {
-                *n = (v - mean) * *r;
-                *y = *n * gi + bi;
-            }
+            *r = row(x, y, xhat);
         }
     };
     let k = rows_per_piece(h);
@@ -291,36 +304,15 @@ fn causal_softmax_back_block(dblock: &mut [f32], ablock: &[f32], seq: usize, sca
 /// RMSNorm of each row of `x` (`h` wide): (output, the normalized input x̂ = x / rms, 1/rms
 /// per row), as transformers' `LlamaRMSNorm`.
 pub fn rms_norm(x: &[f32], g: &[f32], h: usize, eps: f32) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let rows = x.len() / h;
-    let mut y = vec![0.0f32; x.len()];
-    let mut xhat = vec![0.0f32; x.len()];
-    let mut rstd = vec![0.0f32; rows];
-    let piece = |(((x, y), xhat), rstd): RowPiece<'_>| {
-        for (((row, y), xhat), r) in x
-            .chunks_exact(h)
-            .zip(y.chunks_exact_mut(h))
-            .zip(xhat.chunks_exact_mut(h))
-            .zip(rstd.iter_mut())
-        {
-            let ms = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
-            *r = 1.0 / (ms + eps).sqrt();
-            for (((v, gi), y), n) in row.iter().zip(g).zip(y).zip(xhat) {
-                *n = v * *r;
-                *y = *n * gi;
-            }
+    norm_rows(x, h, |row, y, xhat| {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        for (((v, gi), y), n) in row.iter().zip(g).zip(y).zip(xhat) {
+            *n = v * r;
+            *y = *n * gi;
         }
-    };
-    let k = rows_per_piece(h);
-    if threaded() {
-        x.par_chunks(k * h)
-            .zip(y.par_chunks_mut(k * h))
-            .zip(xhat.par_chunks_mut(k * h))
-            .zip(rstd.par_chunks_mut(k))
-            .for_each(piece);
-    } else {
-        piece((((x, &mut y), &mut xhat), &mut rstd));
-    }
-    (y, xhat, rstd)
+        r
+    })
 }
 
 /// RMSNorm's backward: adds the input's gradient to `dx` and accumulates the gain's into `dg`.
