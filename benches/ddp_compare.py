@@ -5,13 +5,17 @@
 
 It trains what the Rust side trains: an MLP of widths --dims (Linear, ReLU between
 layers, none after the last), cross-entropy, SGD with momentum, on Fashion-MNIST IDX
-files. It is its own launcher: it spawns --world processes on 127.0.0.1 (gloo) and
+files; or, with --gpt LAYERS,HIDDEN,HEADS,SEQ,VOCAB, transformers' GPT2LMHeadModel of
+that shape (GELU tanh, no dropout, LM head not tied, as ravnest's gpt presets), AdamW,
+on windows of SEQ + 1 bytes of the text file --data (a sample's loss: the mean over its
+tokens). It is its own launcher: it spawns --world processes on 127.0.0.1 (gloo) and
 prints ONE JSON line on stdout; diagnostics go to stderr. Without torch it prints
 {"skipped": "..."} and exits 0; bad arguments or data exit 2.
 
 Data: step s uses rows s*B .. (s+1)*B (B = --global-batch) of a permutation of the
 training rows, np.random.default_rng(seed + pass), a new one each pass; rank r takes
 its slice [offset_r, offset_r + b_r) of that global batch, offsets following --split.
+GPT: step s's B windows start at np.random.default_rng(seed + s)'s draws.
 
 Exact mean gradient: DDP averages gradients over ranks (sum / world). For the update to
 be the mean over the GLOBAL batch even when ranks hold unequal batches, each rank's loss
@@ -102,6 +106,40 @@ def labels_path(images):
     return os.path.join(d, name.replace("images-idx3", "labels-idx1"))
 
 
+def load_text(path, seq):
+    """The text's bytes as (int64 [N] tensor, None): windows of seq + 1 are cut per step."""
+    with open(path, "rb") as f:
+        raw = np.frombuffer(f.read(), np.uint8)
+    if raw.size < seq + 2:
+        raise ValueError(f"{path}: {raw.size} bytes, fewer than a window of {seq + 1}")
+    return torch.from_numpy(raw.astype(np.int64)), None
+
+
+class Windows:
+    """GPT: the global batch of step s as (inputs, targets) [B, seq], windows of the text at
+    np.random.default_rng(seed + s)'s starts."""
+
+    def __init__(self, text, batch, seq, seed):
+        self.text, self.batch, self.seq, self.seed = text, batch, seq, seed
+
+    def get(self, step, off, b):
+        starts = np.random.default_rng(self.seed + step).integers(
+            0, self.text.numel() - self.seq - 1, self.batch)[off:off + b]
+        w = torch.stack([self.text[s:s + self.seq + 1] for s in starts.tolist()])
+        return w[:, :-1], w[:, 1:]
+
+
+class Rows:
+    """MLP: the global batch of step s as (images, labels), rank slice [off, off + b)."""
+
+    def __init__(self, x, y, batch, seed):
+        self.x, self.y, self.batches = x, y, Batches(len(x), batch, seed)
+
+    def get(self, step, off, b):
+        idx = self.batches.indices(step)[off:off + b]
+        return self.x[idx], self.y[idx]
+
+
 def load_data(images):
     """The whole training set as (float32 [N, D] in [0, 1], int64 [N]) tensors."""
     x, y = read_idx(images, 0x803), read_idx(labels_path(images), 0x801)  # checked in main
@@ -126,14 +164,39 @@ class Batches:
 
 # ---------------------------------------------------------------- model and timing
 
-def build_model(dims, seed):
-    torch.manual_seed(seed)  # identical initial weights on every rank
+def build_model(a):
+    torch.manual_seed(a.seed)  # identical initial weights on every rank
+    if a.gpt:
+        from transformers import GPT2Config, GPT2LMHeadModel
+        layers, hidden, heads, seq, vocab = a.gpt
+        cfg = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=hidden, n_layer=layers,
+                         n_head=heads, n_inner=4 * hidden, activation_function="gelu_new",
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         tie_word_embeddings=False)
+        return GPT2LMHeadModel(cfg)
+    dims = a.dims
     layers = []
     for i in range(len(dims) - 1):
         layers.append(torch.nn.Linear(dims[i], dims[i + 1]))
         if i < len(dims) - 2:
             layers.append(torch.nn.ReLU())
     return torch.nn.Sequential(*layers)
+
+
+def loss_sum(model, a, xb, yb):
+    """The sum over the batch of each sample's loss (a GPT sample's: the mean over its tokens)."""
+    if a.gpt:
+        logits = model(input_ids=xb).logits
+        vocab, seq = a.gpt[4], a.gpt[3]
+        return F.cross_entropy(logits.reshape(-1, vocab), yb.reshape(-1), reduction="sum") / seq
+    return F.cross_entropy(model(xb), yb, reduction="sum")
+
+
+def optimizer(params, a):
+    if a.gpt:
+        return torch.optim.AdamW(params, lr=a.lr, betas=(a.momentum, 0.999), eps=1e-8,
+                                 weight_decay=a.weight_decay)
+    return torch.optim.SGD(params, lr=a.lr, momentum=a.momentum)
 
 
 class HookTimer:
@@ -163,17 +226,17 @@ def timed_allreduce(st, bucket):
     return allreduce_hook(None, bucket)  # DDP's default: divide by world, all-reduce
 
 
-def calibrate(model, a, x, y, batches, off, b, factor):
+def calibrate(model, a, data, off, b, factor):
     """Solo samples/s at this rank's batch (or the global one, as ravnest measures it with
     --calib-batch global): plain model, no synchronization."""
     if a.calib_batch == "global":
         off, b = 0, a.global_batch
-    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum)
+    opt = optimizer(model.parameters(), a)
 
     def step(s):
-        idx = batches.indices(s)[off:off + b]
+        xb, yb = data.get(s, off, b)
         t = time.perf_counter()
-        F.cross_entropy(model(x[idx]), y[idx], reduction="sum").div(b).backward()
+        loss_sum(model, a, xb, yb).div(b).backward()
         if factor > 1:
             time.sleep((time.perf_counter() - t) * (factor - 1))
         opt.step()
@@ -203,20 +266,22 @@ def worker(rank, a, port, out):
     torch.set_num_interop_threads(a.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=a.world)
-    x, y = load_data(a.data)
     B, world = a.global_batch, a.world
+    if a.gpt:
+        data = Windows(load_text(a.data, a.gpt[3])[0], B, a.gpt[3], a.seed)
+    else:
+        data = Rows(*load_data(a.data), B, a.seed)
     b, off, factor = a.split[rank], sum(a.split[:rank]), a.slowdown[rank]
-    batches = Batches(len(x), B, a.seed)
-    model = build_model(a.dims, a.seed)
+    model = build_model(a)
     ref = copy.deepcopy(model)  # plain copy: calibration, or the --check-exact reference
-    solo = None if a.check_exact else calibrate(ref, a, x, y, batches, off, b, factor)
+    solo = None if a.check_exact else calibrate(ref, a, data, off, b, factor)
 
     ddp = DDP(model)
     st = HookTimer(factor)
     ddp.register_comm_hook(st, timed_allreduce)
-    opt = torch.optim.SGD(ddp.parameters(), lr=a.lr, momentum=a.momentum)
+    opt = optimizer(ddp.parameters(), a)
     if a.check_exact:
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=a.lr, momentum=a.momentum)
+        ref_opt = optimizer(ref.parameters(), a)
     total = 3 if a.check_exact else a.warmup + a.steps
     warm = 0 if a.check_exact else a.warmup
     losses, busy, wall, diffs = [], [], [], []
@@ -225,16 +290,14 @@ def worker(rank, a, port, out):
             dist.barrier()
             t_prev = t0 = time.perf_counter()
         t_start = time.perf_counter()
-        gidx = batches.indices(g)
-        idx = gidx[off:off + b]
-        xb, yb = x[idx], y[idx]
+        xb, yb = data.get(g, off, b)
         st.begin()
         t_fwd = st.since
-        loss_sum = F.cross_entropy(ddp(xb), yb, reduction="sum")
-        losses.append(loss_sum.item())
+        ls = loss_sum(ddp, a, xb, yb)
+        losses.append(ls.item())
         # DDP divides the all-reduced gradient by world: scale by world / B so that the
         # result is the mean over the global batch whatever the split.
-        (loss_sum * (world / B)).backward()
+        (ls * (world / B)).backward()
         t_opt = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -246,7 +309,8 @@ def worker(rank, a, port, out):
             wall.append(t_end - t_prev)
             t_prev = t_end
         if a.check_exact:
-            F.cross_entropy(ref(x[gidx]), y[gidx]).backward()  # mean over the global batch
+            gx, gy = data.get(g, 0, B)
+            (loss_sum(ref, a, gx, gy) / B).backward()  # mean over the global batch
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
             diffs.append(max((p - q).abs().max().item()
@@ -268,7 +332,10 @@ def parse_args():
     ap.add_argument("--split", default="equal", help="'equal' or per-rank batches, e.g. 96,32")
     ap.add_argument("--slowdown", default=None, help="per-rank factor, e.g. 1,3 (default 1s)")
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum, AdamW's beta1")
+    ap.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's (GPT)")
+    ap.add_argument("--gpt", default=None,
+                    help="LAYERS,HIDDEN,HEADS,SEQ,VOCAB: a GPT on the bytes of --data (a text)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--calib-steps", type=int, default=30)
@@ -289,6 +356,9 @@ def parse_args():
             fail(f"{what}: expected comma-separated numbers, got {text!r}")
 
     a.dims = nums(a.dims, "--dims")
+    a.gpt = nums(a.gpt, "--gpt") if a.gpt else None
+    if a.gpt and (len(a.gpt) != 5 or min(a.gpt) < 1 or a.gpt[1] % a.gpt[2]):
+        fail(f"--gpt {a.gpt}: needs LAYERS,HIDDEN,HEADS,SEQ,VOCAB, HIDDEN a multiple of HEADS")
     if len(a.dims) < 2 or min(a.dims) < 1:
         fail("--dims needs at least two positive widths")
     if a.world < 1 or a.threads < 1 or a.steps < 1 or a.warmup < 0 or a.calib_steps < 1:
@@ -305,6 +375,16 @@ def parse_args():
     a.slowdown = nums(a.slowdown or ",".join(["1"] * a.world), "--slowdown", float)
     if len(a.slowdown) != a.world or min(a.slowdown) < 1.0:
         fail(f"--slowdown {a.slowdown}: needs {a.world} factors >= 1")
+    if a.gpt:
+        try:  # read the text now, for a clear error before any process starts
+            load_text(a.data, a.gpt[3])
+            import transformers  # noqa: F401
+        except ImportError as e:
+            print(json.dumps({"skipped": f"transformers is not importable: {e}"}))
+            sys.exit(0)
+        except Exception as e:  # noqa: BLE001 - missing, too short
+            fail(f"data {a.data}: {e}")
+        return a
     try:  # read the data now, for a clear error before any process starts
         x, y = read_idx(a.data, 0x803), read_idx(labels_path(a.data), 0x801)
     except Exception as e:  # noqa: BLE001 - missing, truncated, not gzip, bad header
@@ -383,7 +463,7 @@ def main():
     sps = steps * B / train_s
     solo = [r["solo"] for r in res]
     print(json.dumps({
-        "framework": "pytorch-ddp", "torch": torch.__version__, "dims": a.dims,
+        "framework": "pytorch-ddp", "torch": torch.__version__, "dims": a.dims, "gpt": a.gpt,
         "world": a.world, "threads": a.threads, "split": a.split, "slowdown": a.slowdown,
         "global_batch": B, "calib_batch": a.calib_batch, "steps": steps, "warmup": a.warmup,
         "train_s": round(train_s, 4), "samples_per_s": round(sps, 1),

@@ -73,32 +73,39 @@ pub(super) enum BenchWhat {
     },
     /// ravnest against PyTorch DDP on the same job, side by side: 2 processes, one of them k
     /// times slower; ravnest heterogeneous and uniform, DDP with the equal split and with the
-    /// split by hand. The PyTorch side needs torch (RAVNEST_PYTHON, or python3), else it is
-    /// skipped.
+    /// split by hand. Two jobs: an MLP on Fashion-MNIST (SGD, global batch 128, 300 steps) and
+    /// gpt-small on a text (AdamW, global batch 32, 20 steps). The PyTorch side needs torch
+    /// (and transformers for the GPT; RAVNEST_PYTHON, or python3), else it is skipped.
     ///
-    /// Example: ravnest bench ddp --rounds 3 --steps 300
+    /// Example: ravnest bench ddp --job gpt --rounds 1
     Ddp {
-        /// Fashion-MNIST training images (IDX); the labels file sits beside it.
+        /// Which job: mlp, gpt, or both.
+        #[arg(long, default_value = "both", value_parser = ["mlp", "gpt", "both"])]
+        job: String,
+        /// The MLP's Fashion-MNIST training images (IDX); the labels file sits beside it.
         #[arg(
             long,
             default_value = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
         )]
         data: PathBuf,
+        /// The GPT's text (its bytes are the tokens).
+        #[arg(long, default_value = "data/eighty-days.txt")]
+        text: PathBuf,
         /// Interleaved rounds (each runs all four).
         #[arg(long, default_value_t = 3)]
         rounds: usize,
-        /// Timed steps per run.
-        #[arg(long, default_value_t = 300)]
-        steps: u64,
-        /// Untimed steps before them.
-        #[arg(long, default_value_t = 20)]
-        warmup: u64,
+        /// Timed steps per run (default: 300 for the MLP, 20 for the GPT).
+        #[arg(long)]
+        steps: Option<u64>,
+        /// Untimed steps before them (default: 20 for the MLP, 4 for the GPT).
+        #[arg(long)]
+        warmup: Option<u64>,
         /// MLP widths.
         #[arg(long, value_delimiter = ',', default_value = "784,512,512,10")]
         dims: Vec<usize>,
-        /// Global batch.
-        #[arg(long, default_value_t = 128)]
-        batch: u64,
+        /// Global batch (default: 128 for the MLP, 32 for the GPT).
+        #[arg(long)]
+        batch: Option<u64>,
         /// How many times slower the second process is.
         #[arg(long, default_value_t = 3.0)]
         slowdown: f64,
@@ -312,7 +319,9 @@ pub(super) fn bench_command(what: BenchWhat) -> Result<()> {
             Ok(())
         }
         BenchWhat::Ddp {
+            job,
             data,
+            text,
             rounds,
             steps,
             warmup,
@@ -320,24 +329,15 @@ pub(super) fn bench_command(what: BenchWhat) -> Result<()> {
             batch,
             slowdown,
             python,
-        } => {
-            if rounds == 0 || steps == 0 || batch < 2 || dims.len() < 2 || slowdown < 1.0 {
-                bail!(
-                    "--rounds, --steps at least 1, --batch at least 2, --dims at least two widths, --slowdown at least 1"
-                );
-            }
-            emit(&bench_ddp::ddp(&bench_ddp::DdpArgs {
-                data,
-                rounds,
-                steps,
-                warmup,
-                dims,
-                batch,
-                slowdown,
-                python,
-            })?);
-            Ok(())
-        }
+        } => ddp_command(
+            &job,
+            [data, text],
+            rounds,
+            (steps, warmup, batch),
+            dims,
+            slowdown,
+            python,
+        ),
         BenchWhat::Sharded {
             file,
             steps,
@@ -529,4 +529,50 @@ fn sim_sweep(first: u64, count: u64) -> Result<()> {
     } else {
         bail!("{text}")
     }
+}
+
+/// `ravnest bench ddp`: the jobs asked for (`mlp`, `gpt` or `both`), one table each; `paths`:
+/// the MLP's images and the GPT's text; `(steps, warmup, batch)` override each job's own.
+fn ddp_command(
+    job: &str,
+    [data, text]: [PathBuf; 2],
+    rounds: usize,
+    (steps, warmup, batch): (Option<u64>, Option<u64>, Option<u64>),
+    dims: Vec<usize>,
+    slowdown: f64,
+    python: Option<String>,
+) -> Result<()> {
+    if rounds == 0
+        || steps == Some(0)
+        || batch.is_some_and(|b| b < 2)
+        || dims.len() < 2
+        || slowdown < 1.0
+    {
+        bail!(
+            "--rounds, --steps at least 1, --batch at least 2, --dims at least two widths, --slowdown at least 1"
+        );
+    }
+    let mut jobs = Vec::new();
+    if job != "gpt" {
+        jobs.push((bench_ddp::Job::Mlp(dims), data, 300, 20, 128, 0.05));
+    }
+    if job != "mlp" {
+        jobs.push((bench_ddp::Job::GptSmall, text, 20, 4, 32, 6e-4));
+    }
+    let mut tables = Vec::new();
+    for (job, data, s, w, b, lr) in jobs {
+        tables.push(bench_ddp::ddp(&bench_ddp::DdpArgs {
+            job,
+            data,
+            rounds,
+            steps: steps.unwrap_or(s),
+            warmup: warmup.unwrap_or(w),
+            batch: batch.unwrap_or(b),
+            lr,
+            slowdown,
+            python: python.clone(),
+        })?);
+    }
+    emit(&tables.join("\n"));
+    Ok(())
 }

@@ -2,8 +2,9 @@
 //!
 //! Two processes with one compute thread each, one of them emulating a device k times slower
 //! (each gradient bucket handed over (k − 1) times its compute time late: the same rule on
-//! both sides), the same MLP, data (Fashion-MNIST IDX files), global batch, optimizer and
-//! steps. Four runs per round, rounds interleaved so that the machine's drift hits every run
+//! both sides), the same model, data, global batch, optimizer and steps. Two jobs: an MLP on
+//! Fashion-MNIST IDX files with SGD and momentum, and gpt-small (transformers'
+//! `GPT2LMHeadModel` of the same shape on the PyTorch side) on a text's bytes with AdamW. Four runs per round, rounds interleaved so that the machine's drift hits every run
 //! alike: ravnest heterogeneous, ravnest with the equal split, DDP with the equal split, and
 //! DDP with the split a person would choose by hand (in proportion to speed). Each side
 //! measures its own solo throughput in situ (both processes computing at once, without
@@ -19,10 +20,41 @@ use serde_json::Value;
 /// The PyTorch side, written to a temporary file when run.
 const DDP_SCRIPT: &str = include_str!("../benches/ddp_compare.py");
 
+/// The model a comparison trains.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Job {
+    /// An MLP of these widths on Fashion-MNIST, SGD with momentum.
+    Mlp(Vec<usize>),
+    /// gpt-small (6 blocks, hidden 384, 6 heads, 128 tokens, bytes) on a text, AdamW.
+    GptSmall,
+}
+
+impl Job {
+    /// The shape of gpt-small as `ddp_compare.py --gpt` takes it: layers, hidden, heads,
+    /// sequence, vocabulary (ravnest's preset `gpt-small`).
+    const GPT_SMALL: &str = "6,384,6,128,256";
+
+    fn describe(&self) -> String {
+        match self {
+            Job::Mlp(dims) => format!(
+                "MLP {}",
+                dims.iter()
+                    .map(|d| d.to_string())
+                    .collect::<Vec<_>>()
+                    .join("-")
+            ),
+            Job::GptSmall => "gpt-small (6 blocks, hidden 384, 128 tokens), AdamW".into(),
+        }
+    }
+}
+
 /// What to compare.
 #[derive(Debug, Clone)]
 pub struct DdpArgs {
-    /// Fashion-MNIST training images (IDX, gzipped or not); labels beside it.
+    /// What is trained.
+    pub job: Job,
+    /// The MLP's Fashion-MNIST training images (IDX, gzipped or not; labels beside it), or
+    /// the GPT's text.
     pub data: PathBuf,
     /// Interleaved rounds.
     pub rounds: usize,
@@ -30,10 +62,10 @@ pub struct DdpArgs {
     pub steps: u64,
     /// Untimed steps before them.
     pub warmup: u64,
-    /// MLP widths.
-    pub dims: Vec<usize>,
     /// Global batch.
     pub batch: u64,
+    /// Learning rate (both sides).
+    pub lr: f64,
     /// How much slower the second process is.
     pub slowdown: f64,
     /// Python with torch (default: `RAVNEST_PYTHON`, else `python3`).
@@ -55,21 +87,35 @@ fn free_port() -> Result<u16> {
 
 /// The cluster file of the ravnest side.
 fn cluster_file(a: &DdpArgs) -> Result<String> {
-    let dims: Vec<String> = a.dims.iter().map(|d| d.to_string()).collect();
+    let (model, optimizer, network) = match &a.job {
+        Job::Mlp(dims) => {
+            let dims: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
+            (
+                format!("kind = \"mlp\"\ndims = [{}]", dims.join(", ")),
+                "sgd-momentum",
+                "",
+            )
+        }
+        Job::GptSmall => (
+            "preset = \"gpt-small\"".to_string(),
+            "adamw",
+            "network = \"gpt\"\nweight_decay = 0.01\n",
+        ),
+    };
     Ok(format!(
         "[cluster]\nname = \"bench-ddp\"\nsecret = \"bench-ddp\"\n\n\
          [[node]]\nname = \"fast\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{}\"\n\n\
          [[node]]\nname = \"slow\"\ndevice = \"cpu\"\naddress = \"127.0.0.1:{}\"\nemulate_slowdown = {:.3}\n\n\
-         [model]\nkind = \"mlp\"\ndims = [{}]\n\n\
-         [training]\nglobal_batch = {}\noptimizer = \"sgd-momentum\"\nsync = \"ring\"\n\n\
-         [run]\nsteps = {}\nlearning_rate = 0.05\nmomentum = 0.9\nseed = 1\ndataset = {:?}\n\
+         [model]\n{model}\n\n\
+         [training]\nglobal_batch = {}\noptimizer = \"{optimizer}\"\nsync = \"ring\"\n\n\
+         [run]\n{network}steps = {}\nlearning_rate = {}\nmomentum = 0.9\nseed = 1\ndataset = {:?}\n\
          checkpoint_every_steps = 0\n",
         free_port()?,
         free_port()?,
         a.slowdown,
-        dims.join(", "),
         a.batch,
         a.warmup + a.steps,
+        a.lr,
         a.data.display().to_string(),
     ))
 }
@@ -126,12 +172,22 @@ fn ddp_run(
     script: &Path,
     split: &str,
 ) -> Result<Result<Figures, String>> {
-    let dims: Vec<String> = a.dims.iter().map(|d| d.to_string()).collect();
-    let out = Command::new(python)
-        .arg(script)
+    let mut cmd = Command::new(python);
+    cmd.arg(script)
         .args(["--world", "2", "--split", split, "--threads", "1"])
         .args(["--slowdown", &format!("1,{}", a.slowdown)])
-        .args(["--dims", &dims.join(",")])
+        .args(["--lr", &a.lr.to_string()]);
+    match &a.job {
+        Job::Mlp(dims) => {
+            let dims: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
+            cmd.args(["--dims", &dims.join(",")]);
+        }
+        Job::GptSmall => {
+            // Seconds per step: a few steps measure the solo throughput, as ravnest's do.
+            cmd.args(["--gpt", Job::GPT_SMALL, "--calib-steps", "5"]);
+        }
+    }
+    let out = cmd
         .args(["--global-batch", &a.batch.to_string()])
         .args(["--steps", &a.steps.to_string()])
         .args(["--warmup", &a.warmup.to_string()])
@@ -185,11 +241,22 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Run the comparison; the table.
 pub fn ddp(a: &DdpArgs) -> Result<String> {
     if !a.data.exists() {
-        bail!(
-            "{}: no such file (Fashion-MNIST comes from Debian's `dataset-fashion-mnist`; or pass --data)",
-            a.data.display()
-        );
+        match a.job {
+            Job::Mlp(_) => bail!(
+                "{}: no such file (Fashion-MNIST comes from Debian's `dataset-fashion-mnist`; or pass --data)",
+                a.data.display()
+            ),
+            Job::GptSmall => bail!(
+                "{}: no such file (the GPT job reads a text: data/eighty-days.txt from the repository's root; or pass --text)",
+                a.data.display()
+            ),
+        }
     }
+    // The cluster file lives elsewhere: it names the data by its absolute path.
+    let a = &DdpArgs {
+        data: std::path::absolute(&a.data)?,
+        ..a.clone()
+    };
     let python = a
         .python
         .clone()
@@ -228,11 +295,10 @@ pub fn ddp(a: &DdpArgs) -> Result<String> {
 }
 
 fn table(a: &DdpArgs, names: &[String], runs: &[Vec<Figures>], skipped: Option<String>) -> String {
-    let dims: Vec<String> = a.dims.iter().map(|d| d.to_string()).collect();
     let mut out = format!(
-        "2 processes x 1 thread, MLP {}, {}, global batch {}, the second process {}x slower; \
+        "2 processes x 1 thread, {}, {}, global batch {}, the second process {}x slower; \
          {} timed steps after {}; {} interleaved rounds (median)\n\n",
-        dims.join("-"),
+        a.job.describe(),
         a.data
             .file_name()
             .and_then(|f| f.to_str())
@@ -271,7 +337,7 @@ fn table(a: &DdpArgs, names: &[String], runs: &[Vec<Figures>], skipped: Option<S
             "-".into()
         };
         out += &format!(
-            "{name:<36} {sps:>9.0} {ratio:>14} {eff:>15.2}   {}\n",
+            "{name:<36} {sps:>9.1} {ratio:>14} {eff:>15.2}   {}\n",
             nodes.join(", ")
         );
     }

@@ -62,7 +62,10 @@ pub fn is_mlp(model: &ModelSpec) -> bool {
 ///   per layer from the last down, each merged with the layers below it until it holds
 ///   [`BUCKET_MIN_PARAMS`] parameters, handed over as soon as backward has it;
 /// - every other model (candle's autograd returns the whole gradient at once): one bucket,
-///   when backward is done; nothing of its round can hide behind compute.
+///   when backward is done; nothing of its round can hide behind compute. (The CPU backend's
+///   hand-written decoder backward hands a GPT's or Llama's gradient over layer by layer, as
+///   an MLP's; a CUDA backend does not. The model charges the decoder's round as exposed, as
+///   on a GPU: on the CPU it is an upper bound.)
 ///
 /// The cost model charges these ([`bucketed_step_s`]) and the simulator hands its gradient
 /// over in the same buckets at the same moments, so plan, simulation and run agree.

@@ -141,6 +141,10 @@ pub struct CoordinatorReport {
     pub solo_sum_samples_per_s: f64,
     /// Achieved samples/s ÷ that sum.
     pub capacity_efficiency: f64,
+    /// What an equal split of the batch would compute: n × the slowest node's samples/s at
+    /// B / n, measured together (no all-reduce counted); 0 when nothing was measured.
+    #[serde(default)]
+    pub equal_split_samples_per_s: f64,
     /// Each node's solo samples/s.
     pub solo_by_node: BTreeMap<String, f64>,
     /// Plans after the first.
@@ -416,7 +420,7 @@ impl CoordinatorReport {
             (0, None) => String::new(),
             (s, None) => format!(" (resumed from the checkpoint of step {s})"),
         };
-        let efficiency = if self.solo_sum_samples_per_s > 0.0 {
+        let mut efficiency = if self.solo_sum_samples_per_s > 0.0 {
             format!(
                 "capacity efficiency: {:.2} (achieved ÷ {:.0} samples/s, the sum of each node's measured solo throughput)\n",
                 self.capacity_efficiency, self.solo_sum_samples_per_s
@@ -424,6 +428,13 @@ impl CoordinatorReport {
         } else {
             String::new()
         };
+        if self.equal_split_samples_per_s > 0.0 && self.solo_by_node.len() > 1 {
+            efficiency += &format!(
+                "against an equal split: {:.2}x ({:.0} samples/s at most: every node at the same batch waits for the slowest, measured together)\n",
+                self.samples_per_s / self.equal_split_samples_per_s,
+                self.equal_split_samples_per_s
+            );
+        }
         let checkpoints: Vec<String> = self.checkpoints.iter().map(u64::to_string).collect();
         let quality = match (self.nats_per_token, self.bits_per_byte) {
             (Some(nats), _) => format!(

@@ -104,6 +104,29 @@ impl Param {
 const C1: usize = 8;
 const C2: usize = 16;
 
+/// Buckets of consecutive layers of `sizes` parameters each, from the last layer down, each
+/// merged with the layers below it until it holds `min` parameters: their ranges in the flat
+/// gradient, in the order backward completes them.
+fn layer_buckets(sizes: &[usize], min: usize) -> Vec<Range<usize>> {
+    let starts: Vec<usize> = std::iter::once(0)
+        .chain(sizes.iter().scan(0, |at, n| {
+            *at += n;
+            Some(*at)
+        }))
+        .collect();
+    let mut out = Vec::new();
+    let mut hi = sizes.len();
+    while hi > 0 {
+        let mut lo = hi - 1;
+        while lo > 0 && starts[hi] - starts[lo] < min {
+            lo -= 1;
+        }
+        out.push(starts[lo]..starts[hi]);
+        hi = lo;
+    }
+    out
+}
+
 impl Network {
     /// The network's tensors, sorted by name, with offsets.
     pub fn layout(&self) -> Vec<Param> {
@@ -214,6 +237,20 @@ impl Network {
                 .into_iter()
                 .map(|b| b.1)
                 .collect(),
+            Network::Gpt(g) => {
+                let sizes: Vec<usize> = (0..g.planner_layers())
+                    .map(|l| {
+                        g.layer_params(l)
+                            .iter()
+                            .map(|p| p.shape.iter().product::<usize>())
+                            .sum()
+                    })
+                    .collect();
+                if sizes.iter().sum::<usize>() != self.params() {
+                    return std::iter::once(0..self.params()).collect();
+                }
+                layer_buckets(&sizes, BUCKET_MIN_PARAMS)
+            }
             _ => std::iter::once(0..self.params()).collect(),
         }
     }
@@ -724,9 +761,35 @@ mod tests {
         }
     }
 
+    /// A decoder's gradient comes layer by layer from the head down (the embedding alone
+    /// holds more than the minimum): the buckets cover it once, top down, on layer bounds.
+    #[test]
+    fn a_gpts_buckets_are_its_layers_from_the_head_down() {
+        let g = crate::gpt::Gpt::gpt2(6, 384, 6, 128, 256);
+        let net = Network::Gpt(g.clone());
+        let b = net.grad_buckets();
+        assert_eq!(b.len(), g.planner_layers(), "{b:?}");
+        let mut end = net.params();
+        for (r, l) in b.iter().zip((0..g.planner_layers()).rev()) {
+            assert_eq!(r.end, end);
+            let n: usize = g
+                .layer_params(l)
+                .iter()
+                .map(|p| p.shape.iter().product::<usize>())
+                .sum();
+            assert_eq!(r.len(), n, "layer {l}");
+            end = r.start;
+        }
+        assert_eq!(end, 0);
+        // Small layers ride with the ones below them.
+        assert_eq!(layer_buckets(&[5, 10, 3, 2], 6), [5..20, 0..5]);
+        assert_eq!(layer_buckets(&[5], 6), [0..5]);
+    }
+
     /// The cost model and the simulator assume the buckets [`ravnest_core::cost::grad_buckets`]
     /// describes: an MLP's per layer (merged up to a minimum size), any other model's whole
-    /// gradient at once. This backend must make exactly those.
+    /// gradient at once (a decoder's comes per layer on the CPU: the model charges it as
+    /// exposed, an upper bound). This backend must make exactly those for the MLP and CNN.
     #[test]
     fn grad_buckets_are_the_ones_the_cost_model_plans_with() {
         let nets = [

@@ -741,6 +741,10 @@ struct Calibration {
     overhead_s: f64,
 }
 
+/// How many times slower than the first node to answer a node may measure and still be
+/// waited for (a node slower still gets no batch worth its link anyway).
+const SLOWEST: u32 = 10;
+
 /// Ask every registered node to measure its step time at once; the answers that came within
 /// the time allowed.
 async fn calibrate(
@@ -761,7 +765,8 @@ async fn calibrate(
         );
     }
     let mut got = BTreeMap::new();
-    let deadline = Instant::now() + Duration::from_millis(CALIBRATE_MS) + Duration::from_secs(20);
+    let start = Instant::now();
+    let mut deadline = start + Duration::from_millis(CALIBRATE_MS) + Duration::from_secs(20);
     while got.len() < nodes.len() {
         match tokio::time::timeout_at(deadline, reg_rx.recv()).await {
             Ok(Some((
@@ -777,6 +782,13 @@ async fn calibrate(
                 && overhead_s.is_finite()
                 && overhead_s >= 0.0 =>
             {
+                // A node measures a few whole steps whatever the time allowed: a model that
+                // takes seconds per step takes that many seconds, on a slower node that many
+                // times more. The others are waited for as long as a node `SLOWEST` times
+                // slower than the first to answer would take.
+                if got.is_empty() {
+                    deadline = deadline.max(Instant::now() + start.elapsed() * SLOWEST);
+                }
                 got.insert(
                     from,
                     Calibration {

@@ -183,7 +183,7 @@ pub async fn calibrate<C: Compute>(bench: &Bench<C>, batch: u64, duration_ms: u6
     let half = u128::from(duration_ms / 2);
     let start = Instant::now();
     let (mut spent, mut runs, mut k) = ([0.0f64; 2], [0u32; 2], 0u64);
-    while k < 6 || (start.elapsed().as_millis() < half && k < 10_000) {
+    while k < 4 || (start.elapsed().as_millis() < half && k < 10_000) {
         let which = (k % 2) as usize;
         spent[which] += bench.step(sizes[which], k).await;
         runs[which] += 1;
@@ -196,7 +196,7 @@ pub async fn calibrate<C: Compute>(bench: &Bench<C>, batch: u64, duration_ms: u6
     // it less, so the first half runs a little fast): the solo figure, and the line's scale.
     let start = Instant::now();
     let (mut full, mut n) = (0.0f64, 0u32);
-    while n < 3 || (start.elapsed().as_millis() < half && n < 10_000) {
+    while n < 2 || (start.elapsed().as_millis() < half && n < 10_000) {
         full += bench.step(sizes[0], k).await;
         n += 1;
         k += 1;

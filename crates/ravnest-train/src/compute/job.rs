@@ -83,25 +83,13 @@ impl Job {
             |e: candle_core::Error| ComputeError::Backend(format!("candle forward/backward: {e}"));
         let loss = match &self.net {
             Network::Gpt(g) => {
-                // One bucket: the whole gradient, in the flat order.
                 let p = by_layer(g, &vars);
-                let all = 0..g.planner_layers();
-                let mut buf = zeroed(self.state.layout.params);
-                let loss = if dev.is_cpu() {
-                    // Written in place into the bucket, tensor by tensor.
-                    let mut slices: Vec<&mut [f32]> = Vec::new();
-                    let mut rest = buf.as_mut_slice();
-                    for t in &self.state.layout.tensors {
-                        let (mine, more) = rest.split_at_mut(t.len);
-                        slices.push(mine);
-                        rest = more;
-                    }
-                    let ts = detached(&p);
-                    let refs: Vec<&[Tensor]> = ts.iter().map(Vec::as_slice).collect();
-                    g.fast_backward(all, &refs, StageInput::Tokens(&x), None, None, &mut slices)
-                        .map_err(failed)?
-                        .1
+                if dev.is_cpu() {
+                    self.decoder_buckets(g, &p, &x, sink).map_err(failed)?
                 } else {
+                    // The whole gradient at once, then its buckets.
+                    let mut buf = zeroed(self.state.layout.params);
+                    let all = 0..g.planner_layers();
                     let (grads, _, loss) = g
                         .stage_backward_with(&dev, all, &p, StageInput::Tokens(&x), None, None)
                         .map_err(failed)?;
@@ -111,10 +99,11 @@ impl Job {
                         crate::state::read(t, |v| buf[at..at + n].copy_from_slice(v))?;
                         at += n;
                     }
+                    for (k, r) in self.net.grad_buckets().into_iter().enumerate() {
+                        sink(k, buf[r].to_vec());
+                    }
                     loss
-                };
-                sink(0, buf);
-                loss
+                }
             }
             net => net
                 .loss_and_grad_buckets_held(&dev, &vars, &x, &y, sink, &mut zeroed)
@@ -123,6 +112,75 @@ impl Job {
         let mut s = self.stats.lock().unwrap();
         s.last_loss = loss / y.len().max(1) as f64;
         s.samples += y.len() as u64;
+        Ok(loss)
+    }
+
+    /// A decoder's gradient by the CPU's hand-written backward, written in place tensor by
+    /// tensor; each bucket of [`Network::grad_buckets`] (layers from the head down) is copied
+    /// out and handed to `sink` as soon as the lowest of its layers is done, so its
+    /// all-reduce runs while the layers below compute. Returns the loss sum.
+    fn decoder_buckets(
+        &self,
+        g: &crate::gpt::Gpt,
+        p: &[Vec<candle_core::Var>],
+        x: &[f32],
+        sink: &mut dyn FnMut(usize, Vec<f32>),
+    ) -> candle_core::Result<f64> {
+        let spare = &self.spare;
+        let take = |n: usize| {
+            let mut b = spare.lock().unwrap().pop().unwrap_or_default();
+            b.clear();
+            b.resize(n, 0.0);
+            b
+        };
+        let buckets = self.net.grad_buckets();
+        let mut buf = take(self.state.layout.params);
+        let mut slices: Vec<&mut [f32]> = Vec::new();
+        let mut rest = buf.as_mut_slice();
+        for t in &self.state.layout.tensors {
+            let (mine, more) = rest.split_at_mut(t.len);
+            slices.push(mine);
+            rest = more;
+        }
+        // Where each layer starts in the flat gradient.
+        let starts: Vec<usize> = p
+            .iter()
+            .scan(0, |at, l| {
+                let here = *at;
+                *at += l.iter().map(|v| v.elem_count()).sum::<usize>();
+                Some(here)
+            })
+            .collect();
+        let mut parts: Vec<Option<Vec<f32>>> = vec![None; buckets.len()];
+        let mut done = |l: usize, grads: &[&mut [f32]]| {
+            let at = starts[l];
+            let Some(k) = buckets.iter().position(|r| r.contains(&at)) else {
+                return;
+            };
+            let r = &buckets[k];
+            let part = parts[k].get_or_insert_with(|| take(r.len()));
+            let mut o = at - r.start;
+            for g in grads {
+                part[o..o + g.len()].copy_from_slice(g);
+                o += g.len();
+            }
+            if at == r.start
+                && let Some(part) = parts[k].take()
+            {
+                sink(k, part);
+            }
+        };
+        let ts = detached(p);
+        let refs: Vec<&[Tensor]> = ts.iter().map(Vec::as_slice).collect();
+        let all = 0..g.planner_layers();
+        let input = StageInput::Tokens(x);
+        let (_, loss) =
+            g.fast_backward_each(all, &refs, input, None, None, &mut slices, &mut done)?;
+        drop(slices);
+        let mut pool = spare.lock().unwrap();
+        if pool.len() < SPARE_BUFFERS {
+            pool.push(buf);
+        }
         Ok(loss)
     }
 

@@ -434,6 +434,24 @@ impl Gpt {
         grad_out: Option<&[f32]>,
         acc: &mut [&mut [f32]],
     ) -> Result<(Vec<f32>, f64)> {
+        self.fast_backward_each(layers, p, input, tokens, grad_out, acc, &mut |_, _| {})
+    }
+
+    /// [`Gpt::fast_backward`], calling `done(l, grads)` as soon as layer `l`'s gradients are
+    /// complete (the layers from the last down), with that layer's slices of `acc`: a
+    /// data-parallel step hands them to the all-reduce while the layers below compute.
+    #[allow(clippy::too_many_arguments)]
+    pub fn fast_backward_each(
+        &self,
+        layers: std::ops::Range<usize>,
+        p: &[&Layer],
+        input: StageInput<'_>,
+        tokens: Option<&[f32]>,
+        grad_out: Option<&[f32]>,
+        acc: &mut [&mut [f32]],
+        done: &mut dyn FnMut(usize, &[&mut [f32]]),
+    ) -> Result<(Vec<f32>, f64)> {
+        let first_layer = layers.start;
         let last = layers.end == self.planner_layers();
         let want: usize = p.iter().map(|l| l.len()).sum();
         if acc.len() != want {
@@ -478,6 +496,7 @@ impl Gpt {
                     dx = Vec::new();
                 }
             }
+            done(first_layer + i, mine);
         }
         Ok((dx, loss))
     }

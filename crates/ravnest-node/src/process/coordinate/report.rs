@@ -205,6 +205,21 @@ pub(super) fn evaluate_gpt(
     (accuracy, Some(sample), Some(nats / std::f64::consts::LN_2))
 }
 
+/// What an equal split of the batch computes: every node at B / n, the batch each was measured
+/// at together, so the step is the slowest node's (no all-reduce counted: a bound in its
+/// favour); 0 without figures.
+fn equal_split(solo: &BTreeMap<NodeId, Calibration>) -> f64 {
+    let slowest = solo
+        .values()
+        .map(|m| m.samples_per_s)
+        .fold(f64::INFINITY, f64::min);
+    if slowest.is_finite() {
+        solo.len() as f64 * slowest
+    } else {
+        0.0
+    }
+}
+
 /// The coordinator's report: throughput (overall, steady, against the nodes' summed solo
 /// capacity), accuracy, checkpoints, plans and the notable events.
 pub(super) fn coordinator_report(
@@ -285,6 +300,7 @@ pub(super) fn coordinator_report(
         steady_samples_per_s: steady,
         warmup_steps: skip as u64,
         solo_sum_samples_per_s: solo_sum,
+        equal_split_samples_per_s: equal_split(solo),
         // A successor (fail-over) has no solo figures: no efficiency then.
         capacity_efficiency: if solo_sum > 0.0 {
             samples_per_s / solo_sum
