@@ -79,6 +79,8 @@ struct Figures {
     efficiency: f64,
     /// Per node: (name, batch, busy, comm, idle).
     nodes: Vec<(String, u64, f64, f64, f64)>,
+    /// ravnest's per node: its step by phase, as the run's report gives it.
+    phases: Vec<(String, Value)>,
 }
 
 fn free_port() -> Result<u16> {
@@ -158,10 +160,23 @@ fn ravnest_run(a: &DdpArgs, planner: &str, dir: &Path, round: usize) -> Result<F
             )
         })
         .collect();
+    let phases = summary["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|n| n["report"]["phases"].is_object())
+        .map(|n| {
+            (
+                n["node"].as_str().unwrap_or("?").to_string(),
+                n["report"]["phases"].clone(),
+            )
+        })
+        .collect();
     Ok(Figures {
         samples_per_s: f(c, "steady_samples_per_s"),
         efficiency: f(c, "steady_samples_per_s") / f(c, "solo_sum_samples_per_s").max(1e-9),
         nodes,
+        phases,
     })
 }
 
@@ -226,6 +241,7 @@ fn ddp_run(
         samples_per_s: f(&v, "samples_per_s"),
         efficiency: f(&v, "capacity_efficiency"),
         nodes,
+        phases: Vec::new(),
     }))
 }
 
@@ -294,6 +310,42 @@ pub fn ddp(a: &DdpArgs) -> Result<String> {
     Ok(table(a, &names, &runs, skipped))
 }
 
+/// ravnest's runs' steps by phase, per node, from the last round (ms per step).
+fn phase_table(names: &[String], runs: &[Vec<Figures>]) -> String {
+    let keys = [
+        ("step", "step_ms"),
+        ("forward", "forward_ms"),
+        ("backward", "backward_ms"),
+        ("slowdown", "slowdown_ms"),
+        ("optimizer", "optimizer_ms"),
+        ("all-reduce", "allreduce_ms"),
+        ("hidden", "hidden_ms"),
+        ("exposed", "exposed_ms"),
+        ("wait", "wait_ms"),
+    ];
+    let mut out = String::new();
+    for (name, figs) in names.iter().zip(runs) {
+        let Some(last) = figs.last().filter(|f| !f.phases.is_empty()) else {
+            continue;
+        };
+        if out.is_empty() {
+            out += &format!("\n{:<36}", "ravnest, ms per step (last round)");
+            for (k, _) in keys {
+                out += &format!(" {k:>10}");
+            }
+            out += "\n";
+        }
+        for (node, p) in &last.phases {
+            out += &format!("{:<36}", format!("{name}: {node}"));
+            for (_, k) in keys {
+                out += &format!(" {:>10.1}", p[k].as_f64().unwrap_or(0.0));
+            }
+            out += "\n";
+        }
+    }
+    out
+}
+
 fn table(a: &DdpArgs, names: &[String], runs: &[Vec<Figures>], skipped: Option<String>) -> String {
     let mut out = format!(
         "2 processes x 1 thread, {}, {}, global batch {}, the second process {}x slower; \
@@ -341,6 +393,7 @@ fn table(a: &DdpArgs, names: &[String], runs: &[Vec<Figures>], skipped: Option<S
             nodes.join(", ")
         );
     }
+    out += &phase_table(names, runs);
     if let Some(why) = skipped {
         out += &format!(
             "\nPyTorch side skipped: {why} (install torch into a virtualenv, `pip install torch numpy`, and point RAVNEST_PYTHON at its python)\n"

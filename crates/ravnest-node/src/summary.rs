@@ -97,6 +97,53 @@ pub struct NodeReport {
     /// version in place of the old, versions share what they have in common).
     #[serde(default)]
     pub full_model_copies_per_step: f64,
+    /// A data-parallel node's steady step by phase (ms per step).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phases: Option<StepPhases>,
+}
+
+/// Where a node's steady steps went, in ms per step (the mean over the steps after the
+/// warm-up): its compute split into forward, backward and the emulated slowdown's waits, the
+/// optimizer, the all-reduce from the first bucket handed over to the last applied (hidden
+/// behind the backward and exposed after it), and the rest, waiting.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepPhases {
+    /// The step, wall time.
+    pub step_ms: f64,
+    /// Forward passes.
+    pub forward_ms: f64,
+    /// Backward passes.
+    pub backward_ms: f64,
+    /// The emulated slowdown's waits (`emulate_slowdown`).
+    pub slowdown_ms: f64,
+    /// The optimizer (applying each reduced bucket, during and after the compute).
+    pub optimizer_ms: f64,
+    /// The all-reduce, first bucket handed over to the last applied.
+    pub allreduce_ms: f64,
+    /// Of it, what ran while the node computed.
+    pub hidden_ms: f64,
+    /// After the compute, waiting for the collectives (and for slower peers in them).
+    pub exposed_ms: f64,
+    /// Neither computing nor in a step's collectives: waiting for the next step.
+    pub wait_ms: f64,
+}
+
+impl StepPhases {
+    /// Its row of the phase table.
+    fn text(&self, node: &str) -> String {
+        format!(
+            "{node:<13} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>9.1} {:>10.1} {:>7.1} {:>7.1} {:>7.1}\n",
+            self.step_ms,
+            self.forward_ms,
+            self.backward_ms,
+            self.slowdown_ms,
+            self.optimizer_ms,
+            self.allreduce_ms,
+            self.hidden_ms,
+            self.exposed_ms,
+            self.wait_ms
+        )
+    }
 }
 
 impl NodeReport {
@@ -310,6 +357,29 @@ impl RunReport {
             "model state (parameters, gradients, optimizer state): {:.1} MiB\n",
             c.model_state_mib
         );
+        let phases: Vec<(&str, StepPhases)> = self
+            .nodes
+            .iter()
+            .filter_map(|n| Some((n.node.as_str(), n.report.as_ref()?.phases?)))
+            .collect();
+        if !phases.is_empty() {
+            out += &format!(
+                "\n{:<13} {:>8} {:>8} {:>8} {:>8} {:>9} {:>10} {:>7} {:>7} {:>7}\n",
+                "ms per step",
+                "step",
+                "forward",
+                "backward",
+                "slowdown",
+                "optimizer",
+                "all-reduce",
+                "hidden",
+                "exposed",
+                "wait"
+            );
+            for (node, p) in phases {
+                out += &p.text(node);
+            }
+        }
         out += &format!(
             "\n{} distinct plan(s); {} re-plan(s) for measured speeds\n",
             c.plans, c.rebalances

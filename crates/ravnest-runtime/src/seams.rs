@@ -112,6 +112,20 @@ pub struct StateStats {
     pub copied_bytes: u64,
 }
 
+/// Where a backend's training steps spent their time, in ns counted since training started on
+/// the node (calibration left out): what the report's per-phase profile is made of.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PhaseNs {
+    /// The forward passes.
+    pub forward_ns: u64,
+    /// The backward passes (the rest of the compute).
+    pub backward_ns: u64,
+    /// The emulated slowdown's waits (`emulate_slowdown`).
+    pub slowdown_ns: u64,
+    /// The optimizer: applying the reduced gradients to the parameters.
+    pub optimizer_ns: u64,
+}
+
 /// Where a backend hands each finished bucket of a step's gradient sum: (bucket index, values).
 /// Owned, so that a backend may run its compute on a thread of its own.
 pub type BucketSink = Arc<dyn Fn(usize, Vec<f32>) + Send + Sync>;
@@ -266,6 +280,11 @@ pub trait Compute: Send + Sync + 'static {
     /// What this backend's model state costs the nodes it serves, counted.
     fn state_stats(&self) -> StateStats {
         StateStats::default()
+    }
+
+    /// Where its training steps spent their time so far (zeros: not counted).
+    fn phase_ns(&self) -> PhaseNs {
+        PhaseNs::default()
     }
 
     /// What a calibration step is on this node ([`Probe`]): the whole model's step, or for a

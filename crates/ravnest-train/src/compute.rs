@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 use ravnest_core::{LayerRange, NodeId};
 use ravnest_runtime::Compute;
-use ravnest_runtime::seams::{BucketSink, ComputeError};
+use ravnest_runtime::seams::{BucketSink, ComputeError, PhaseNs};
 
 use crate::data::Dataset;
 use crate::gpt::StageInput;
@@ -120,6 +120,8 @@ pub struct Stats {
     pub slowdown: (f64, u64),
     /// The losses computed since [`CandleCompute::take_losses`] last took them.
     pub losses: Vec<StepLoss>,
+    /// Where the training steps' time went (data-parallel steps; calibration left out).
+    pub phases: PhaseNs,
 }
 
 impl CandleCompute {
@@ -211,6 +213,13 @@ impl CandleCompute {
     /// The model state (layout, counts).
     pub fn model_state(&self) -> &ModelState {
         &self.state
+    }
+
+    /// Count the optimizer's time since `t` (in training only).
+    fn optimizer_took(&self, t: Instant) {
+        if self.started.get().is_some() {
+            self.stats.lock().unwrap().phases.optimizer_ns += t.elapsed().as_nanos() as u64;
+        }
     }
 
     /// Counters so far (the losses not taken yet left out).
@@ -479,12 +488,22 @@ impl Compute for CandleCompute {
         range: Range<usize>,
         mean_gradient: &[f32],
     ) -> Result<(), ComputeError> {
-        self.state
-            .update_range(model, range, mean_gradient, &crate::device::current())
+        let t = Instant::now();
+        let r = self
+            .state
+            .update_range(model, range, mean_gradient, &crate::device::current());
+        self.optimizer_took(t);
+        r
     }
 
     fn end_update(&self, model: &mut CandleModel) {
+        let t = Instant::now();
         self.state.end_update(model);
+        self.optimizer_took(t);
+    }
+
+    fn phase_ns(&self) -> PhaseNs {
+        self.stats.lock().unwrap().phases
     }
 
     fn shard(&self, model: &CandleModel, owned: LayerRange) -> CandleModel {
@@ -775,17 +794,25 @@ impl Compute for CandleCompute {
         // The gradient of the whole model, while backward makes it, is counted as held.
         let held = Held::new(&self.state.counter, 4 * self.params() as u64);
         let range = samples.clone();
-        let (result, real) = self
+        let (result, timed) = self
             .worker
             .run(move || job.emulated(samples, &model, slowdown, &ready))
             .await
             .unwrap_or_else(|| {
                 let e = ComputeError::Backend("the compute thread is gone".into());
-                (Err(e), Duration::ZERO)
+                (Err(e), job::Timed::default())
             });
         drop(held);
         let mut s = self.stats.lock().unwrap();
-        s.real_compute_s += real.as_secs_f64();
+        s.real_compute_s += timed.real.as_secs_f64();
+        // Training's phases only, not the measurements' before it.
+        if self.started.get().is_some() {
+            let ns = |d: Duration| d.as_nanos() as u64;
+            let forward = ns(timed.forward).min(ns(timed.real));
+            s.phases.forward_ns += forward;
+            s.phases.backward_ns += ns(timed.real) - forward;
+            s.phases.slowdown_ns += ns(timed.slept);
+        }
         let loss_sum = result?;
         // Training's losses only, not the measurements' before it.
         if self.started.get().is_some() {

@@ -15,6 +15,7 @@ pub mod measure;
 pub mod mlp;
 pub mod net;
 pub mod optim;
+pub mod phases;
 pub mod state;
 pub mod store;
 pub mod tok;

@@ -135,6 +135,7 @@ pub fn loss_and_grad(
     // Softmax cross-entropy: loss = Σ −log p[y]; its gradient by the logits is p − onehot(y).
     let k = dims[n];
     let (loss, g) = with_values(&acts[n], |logits| softmax_cross_entropy(logits, k, y))?;
+    crate::phases::forward_done();
     let mut g = Tensor::from_vec(g, (b, k), &dev)?;
     // Backward, last layer first; a bucket goes out as soon as its lowest layer is done.
     let mut bucket = buckets.len();

@@ -567,6 +567,38 @@ fn steady_steps(
     all[all.len().saturating_sub(STEADY_STEPS_MAX)..].to_vec()
 }
 
+/// Its steady steps by phase (after `warmup` steps), from the marks of the first and the last;
+/// `None` without steady steps or where no all-reduce ran (pipelines, local SGD: the phases
+/// describe a data-parallel step).
+fn step_phases(
+    history: &[ravnest_runtime::node::StepMark],
+    warmup: u64,
+) -> Option<crate::summary::StepPhases> {
+    let from = (warmup as usize).max(1);
+    let (a, b) = (history.get(from - 1)?, history.last()?);
+    let steps = (history.len() - from) as f64;
+    if steps < 1.0 || b.allreduce_ns <= a.allreduce_ns {
+        return None;
+    }
+    let ms = |x: u64, y: u64| y.saturating_sub(x) as f64 / 1e6 / steps;
+    let (pa, pb) = (a.phases, b.phases);
+    let step_ms = ms(a.at_ns, b.at_ns);
+    let compute_ms = ms(a.compute_ns, b.compute_ns);
+    let exposed_ms = ms(a.comm_ns, b.comm_ns);
+    let allreduce_ms = ms(a.allreduce_ns, b.allreduce_ns);
+    Some(crate::summary::StepPhases {
+        step_ms,
+        forward_ms: ms(pa.forward_ns, pb.forward_ns),
+        backward_ms: ms(pa.backward_ns, pb.backward_ns),
+        slowdown_ms: ms(pa.slowdown_ns, pb.slowdown_ns),
+        optimizer_ms: ms(pa.optimizer_ns, pb.optimizer_ns),
+        allreduce_ms,
+        hidden_ms: (allreduce_ms - exposed_ms).max(0.0),
+        exposed_ms,
+        wait_ms: (step_ms - compute_ms - exposed_ms).max(0.0),
+    })
+}
+
 /// This node's report: what it applied, computed and sent, its loss and slowdown (and its
 /// activity spans with `--timeline`); on the coordinator's host, with the run's `figures`.
 fn node_report(
@@ -604,6 +636,7 @@ fn node_report(
         .collect();
     let steady = c.steady_fractions(warmup_steps(opts.scenario.run.steps));
     let steady_steps = steady_steps(&c.history, warmup_steps(opts.scenario.run.steps));
+    let phases = step_phases(&c.history, warmup_steps(opts.scenario.run.steps));
     let stats = su.compute.stats();
     NodeReport {
         node: opts.node.clone(),
@@ -637,6 +670,7 @@ fn node_report(
             factor: stats.slowdown.0,
             since_step: stats.slowdown.1,
         },
+        phases,
         ..memory_report(su, &c)
     }
 }
@@ -704,5 +738,57 @@ mod tests {
             read_share_document(&doc).unwrap(),
             ("c.toml".to_string(), "x".to_string(), 40)
         );
+    }
+
+    /// The phases are the differences of the first steady mark and the last, per step: the
+    /// all-reduce's hidden part is what the exposed communication does not cover, the wait
+    /// what neither compute nor communication does.
+    #[test]
+    fn steady_phases_are_per_step_differences_of_the_marks() {
+        use ravnest_runtime::node::StepMark;
+        use ravnest_runtime::seams::PhaseNs;
+        let mark = |v: u64, k: u64| StepMark {
+            version: v,
+            compute_ns: 8_000_000 * k,
+            comm_ns: 1_000_000 * k,
+            at_ns: 10_000_000 * k,
+            batch: 4,
+            allreduce_ns: 3_000_000 * k,
+            phases: PhaseNs {
+                forward_ns: 2_000_000 * k,
+                backward_ns: 4_000_000 * k,
+                slowdown_ns: 2_000_000 * k,
+                optimizer_ns: 500_000 * k,
+            },
+        };
+        // Warm-up: the first 2 steps; the marks after steps 1..=6 (with a slow first step).
+        let mut history: Vec<StepMark> = (1..=6).map(|v| mark(v, v + 1)).collect();
+        history[0].at_ns = 1;
+        let p = step_phases(&history, 2).unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        assert!(close(p.step_ms, 10.0), "{p:?}");
+        assert!(
+            close(p.forward_ms, 2.0) && close(p.backward_ms, 4.0),
+            "{p:?}"
+        );
+        assert!(
+            close(p.slowdown_ms, 2.0) && close(p.optimizer_ms, 0.5),
+            "{p:?}"
+        );
+        assert!(
+            close(p.allreduce_ms, 3.0) && close(p.exposed_ms, 1.0),
+            "{p:?}"
+        );
+        assert!(close(p.hidden_ms, 2.0) && close(p.wait_ms, 1.0), "{p:?}");
+        // Without an all-reduce (a pipeline, local SGD), or without steady steps: none.
+        let none: Vec<StepMark> = history
+            .iter()
+            .map(|m| StepMark {
+                allreduce_ns: 0,
+                ..*m
+            })
+            .collect();
+        assert_eq!(step_phases(&none, 2), None);
+        assert_eq!(step_phases(&history[..2], 2), None);
     }
 }

@@ -61,6 +61,10 @@ pub struct NodeCounters {
     /// Ns between the end of a step's compute and the end of its collectives: communication
     /// that backward did not hide.
     pub comm_ns: u64,
+    /// Ns from a data-parallel step's first gradient bucket handed to the all-reduce to its
+    /// last reduced bucket applied, summed over steps (what of it `comm_ns` does not count
+    /// ran hidden behind the backward pass).
+    pub allreduce_ns: u64,
     /// Steps this node applied.
     pub steps: u64,
     /// Samples per step of its current assignment.
@@ -102,6 +106,10 @@ pub struct StepMark {
     pub at_ns: u64,
     /// The step's batch on this node.
     pub batch: u64,
+    /// [`NodeCounters::allreduce_ns`] so far.
+    pub allreduce_ns: u64,
+    /// The backend's phases so far ([`crate::Compute::phase_ns`]).
+    pub phases: crate::seams::PhaseNs,
 }
 
 impl NodeCounters {

@@ -124,6 +124,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             anchor: None,
             merge: None,
             held: Vec::new(),
+            first_bucket: None,
         };
         match (mode, anchor, at) {
             (StepMode::Launch, Some(anchor), Some(at)) => {
@@ -199,6 +200,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             anchor: None,
             merge: Some(k),
             held: Vec::new(),
+            first_bucket: None,
         });
         if ready {
             self.apply_merge(st, w);

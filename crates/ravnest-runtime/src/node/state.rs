@@ -147,6 +147,9 @@ pub(crate) struct Running<M> {
     /// needs them all before any is applied): (bucket, mean gradient). A stage or a sharded
     /// owner holds them on until the other parts' pieces of the norm are in too.
     pub(super) held: Vec<(u32, Vec<f32>)>,
+    /// A data-parallel step: when backward handed its first bucket to the all-reduce (set on
+    /// the compute thread), for the time its collectives took.
+    pub(super) first_bucket: Option<std::sync::Arc<std::sync::OnceLock<Instant>>>,
 }
 
 /// An overlapped outer round (`Outer::overlap`): its exchange runs during the inner steps

@@ -167,6 +167,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             base = self.compute.shard(&base, sw.owned);
         }
         let group = self.group(st, w);
+        let first_bucket = Arc::new(std::sync::OnceLock::new());
         // The next version starts as version s (shared, not copied); each reduced bucket is
         // applied to it as it comes back.
         st.running = Some(Running {
@@ -183,12 +184,14 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             anchor: None,
             merge: None,
             held: Vec::new(),
+            first_bucket: Some(first_bucket.clone()),
         });
         // Weight b_i / B, applied once, in place: the group's sum is the mean gradient of the
         // whole global batch.
         let scale = 1.0 / w.global_batch.max(1) as f32;
         let (grad_bytes, coll, epoch) = (self.grad_bytes, st.collective.clone(), w.epoch);
         let sink: BucketSink = Arc::new(move |k: usize, mut data: Vec<f32>| {
+            first_bucket.get_or_init(Instant::now);
             for x in &mut data {
                 *x *= scale;
             }
@@ -442,8 +445,15 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         if let Some(since) = r.computed {
             let span = self.span(since, SpanKind::Comm);
             comm_ns = since.elapsed().as_nanos() as u64;
+            // From the first bucket handed over to the last one applied.
+            let allreduce_ns = r
+                .first_bucket
+                .as_ref()
+                .and_then(|f| f.get())
+                .map_or(0, |t| t.elapsed().as_nanos() as u64);
             self.count(|c| {
                 c.comm_ns += comm_ns;
+                c.allreduce_ns += allreduce_ns;
                 c.spans.push(span);
             });
         }
@@ -510,6 +520,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             .then(|| self.compute.export(&model, None))
             .flatten();
         let now_ns = self.t0.elapsed().as_nanos() as u64;
+        let phases = self.compute.phase_ns();
         self.count(|c| {
             c.version = v;
             c.layers = layers;
@@ -527,6 +538,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                     comm_ns: c.comm_ns,
                     at_ns: now_ns,
                     batch: c.batch,
+                    allreduce_ns: c.allreduce_ns,
+                    phases,
                 });
             }
         });
@@ -822,6 +835,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 anchor: None,
                 merge: None,
                 held: Vec::new(),
+                first_bucket: None,
             });
             let id = CollId {
                 epoch: p.epoch,

@@ -15,6 +15,15 @@ use crate::gpt::StageInput;
 use crate::net::Network;
 use crate::state::{CandleModel, ModelState};
 
+/// A step's compute, timed: real compute (forward and backward), of it the forward, and the
+/// emulated slowdown's waits.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Timed {
+    pub(super) real: Duration,
+    pub(super) forward: Duration,
+    pub(super) slept: Duration,
+}
+
 /// The part of a [`CandleCompute`](super::CandleCompute) a gradient needs, owned.
 #[derive(Debug, Clone)]
 pub(super) struct Job {
@@ -193,25 +202,34 @@ impl Job {
         model: &CandleModel,
         slowdown: f64,
         ready: &BucketSink,
-    ) -> (Result<f64, ComputeError>, Duration) {
+    ) -> (Result<f64, ComputeError>, Timed) {
         let slow = slowdown.max(1.0) - 1.0;
-        let mut since = Instant::now();
-        let mut real = Duration::ZERO;
+        let start = Instant::now();
+        let mut since = start;
+        let mut t = Timed::default();
+        crate::phases::take_forward_end();
         let r = self.gradient_buckets(samples, model, &mut |k, v| {
             let took = since.elapsed();
-            real += took;
+            t.real += took;
             if slow > 0.0 {
+                let s = Instant::now();
                 std::thread::sleep(took.mul_f64(slow));
+                t.slept += s.elapsed();
             }
             since = Instant::now();
             ready(k, v);
         });
         let took = since.elapsed();
-        real += took;
+        t.real += took;
         if slow > 0.0 {
+            let s = Instant::now();
             std::thread::sleep(took.mul_f64(slow));
+            t.slept += s.elapsed();
         }
-        (r, real)
+        // The forward ends before the first bucket, so before any emulated wait.
+        t.forward = crate::phases::take_forward_end()
+            .map_or(Duration::ZERO, |end| end.saturating_duration_since(start));
+        (r, t)
     }
 }
 

@@ -458,6 +458,7 @@ impl Gpt {
             candle_core::bail!("{} gradient buffers for {want} tensors", acc.len());
         }
         let (out, kept) = self.fast_run(layers.clone(), p, input, tokens, true)?;
+        crate::phases::forward_done();
         let (loss, mut dx) = match grad_out {
             None if last => (f64::from(out[0]), Vec::new()),
             None => candle_core::bail!("a stage before the last needs its output's gradient"),
