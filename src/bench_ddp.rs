@@ -144,34 +144,21 @@ fn ravnest_run(a: &DdpArgs, planner: &str, dir: &Path, round: usize) -> Result<F
         .with_context(|| format!("`ravnest run` ({planner}) gave no summary ({})", out.status))?;
     let c = &summary["coordinator"];
     let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(0.0);
-    let nodes = summary["nodes"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|n| {
-            let r = &n["report"];
-            let (busy, comm) = (f(r, "steady_busy"), f(r, "steady_comm"));
-            (
-                n["node"].as_str().unwrap_or("?").to_string(),
-                r["batch"].as_u64().unwrap_or(0),
-                busy.min(1.0),
-                comm.min(1.0),
-                (1.0 - busy - comm).max(0.0),
-            )
-        })
-        .collect();
-    let phases = summary["nodes"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|n| n["report"]["phases"].is_object())
-        .map(|n| {
-            (
-                n["node"].as_str().unwrap_or("?").to_string(),
-                n["report"]["phases"].clone(),
-            )
-        })
-        .collect();
+    let (mut nodes, mut phases) = (Vec::new(), Vec::new());
+    for n in summary["nodes"].as_array().into_iter().flatten() {
+        let (name, r) = (n["node"].as_str().unwrap_or("?").to_string(), &n["report"]);
+        let (busy, comm) = (f(r, "steady_busy"), f(r, "steady_comm"));
+        if r["phases"].is_object() {
+            phases.push((name.clone(), r["phases"].clone()));
+        }
+        nodes.push((
+            name,
+            r["batch"].as_u64().unwrap_or(0),
+            busy.min(1.0),
+            comm.min(1.0),
+            (1.0 - busy - comm).max(0.0),
+        ));
+    }
     Ok(Figures {
         samples_per_s: f(c, "steady_samples_per_s"),
         efficiency: f(c, "steady_samples_per_s") / f(c, "solo_sum_samples_per_s").max(1e-9),

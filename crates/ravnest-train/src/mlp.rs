@@ -29,25 +29,35 @@ pub struct LayerSlots {
     pub weight_at: usize,
 }
 
-/// The MLP's buckets: gradient ranges in the order backward finishes them, each the layers
-/// from some `lo` up, merged until it holds at least `min_params` values (a small last layer
-/// rides with the one before it).
-pub fn buckets(slots: &[LayerSlots], min_params: usize) -> Vec<(LayerRange, Range<usize>)> {
+/// Buckets of consecutive layers, each layer's gradient a contiguous range of the flat
+/// gradient (`layers`, in order): from the last layer down, each merged with the layers below
+/// it until it holds at least `min_params` values (a small last layer rides with the one
+/// before it). In the order backward finishes them. The MLP's and the decoder's alike.
+pub fn layer_buckets(
+    layers: &[Range<usize>],
+    min_params: usize,
+) -> Vec<(LayerRange, Range<usize>)> {
     let mut out = Vec::new();
-    let mut hi = slots.len();
+    let mut hi = layers.len();
     while hi > 0 {
         let mut lo = hi - 1;
-        let size = |lo: usize| slots[hi - 1].weight.end - slots[lo].bias.start;
+        let size = |lo: usize| layers[hi - 1].end - layers[lo].start;
         while lo > 0 && size(lo) < min_params {
             lo -= 1;
         }
         out.push((
             LayerRange::from(lo..hi),
-            slots[lo].bias.start..slots[hi - 1].weight.end,
+            layers[lo].start..layers[hi - 1].end,
         ));
         hi = lo;
     }
     out
+}
+
+/// The MLP's buckets ([`layer_buckets`] over its layers' slots).
+pub fn buckets(slots: &[LayerSlots], min_params: usize) -> Vec<(LayerRange, Range<usize>)> {
+    let layers: Vec<Range<usize>> = slots.iter().map(|s| s.bias.start..s.weight.end).collect();
+    layer_buckets(&layers, min_params)
 }
 
 /// An MLP as its hand-written step sees it.

@@ -104,27 +104,20 @@ impl Param {
 const C1: usize = 8;
 const C2: usize = 16;
 
-/// Buckets of consecutive layers of `sizes` parameters each, from the last layer down, each
-/// merged with the layers below it until it holds `min` parameters: their ranges in the flat
-/// gradient, in the order backward completes them.
+/// [`crate::mlp::layer_buckets`] of layers of `sizes` parameters each, laid out one after
+/// another: the buckets' ranges in the flat gradient.
 fn layer_buckets(sizes: &[usize], min: usize) -> Vec<Range<usize>> {
-    let starts: Vec<usize> = std::iter::once(0)
-        .chain(sizes.iter().scan(0, |at, n| {
+    let layers: Vec<Range<usize>> = sizes
+        .iter()
+        .scan(0, |at, n| {
             *at += n;
-            Some(*at)
-        }))
+            Some(*at - n..*at)
+        })
         .collect();
-    let mut out = Vec::new();
-    let mut hi = sizes.len();
-    while hi > 0 {
-        let mut lo = hi - 1;
-        while lo > 0 && starts[hi] - starts[lo] < min {
-            lo -= 1;
-        }
-        out.push(starts[lo]..starts[hi]);
-        hi = lo;
-    }
-    out
+    crate::mlp::layer_buckets(&layers, min)
+        .into_iter()
+        .map(|b| b.1)
+        .collect()
 }
 
 impl Network {

@@ -78,13 +78,7 @@ impl Job {
         sink: &mut dyn FnMut(usize, Vec<f32>),
     ) -> Result<f64, ComputeError> {
         let (x, y) = self.batch(samples)?;
-        let spare = &self.spare;
-        let mut zeroed = |n: usize| {
-            let mut buf = spare.lock().unwrap().pop().unwrap_or_default();
-            buf.clear();
-            buf.resize(n, 0.0);
-            buf
-        };
+        let mut zeroed = |n: usize| self.zeroed(n);
         let dev = crate::device::current();
         let all = 0..self.state.layout.tensors.len();
         let vars = self.state.vars(model, all, &dev)?;
@@ -124,6 +118,14 @@ impl Job {
         Ok(loss)
     }
 
+    /// A zero-filled buffer of `n` values, a spare one reused where there is one.
+    fn zeroed(&self, n: usize) -> Vec<f32> {
+        let mut buf = self.spare.lock().unwrap().pop().unwrap_or_default();
+        buf.clear();
+        buf.resize(n, 0.0);
+        buf
+    }
+
     /// A decoder's gradient by the CPU's hand-written backward, written in place tensor by
     /// tensor; each bucket of [`Network::grad_buckets`] (layers from the head down) is copied
     /// out and handed to `sink` as soon as the lowest of its layers is done, so its
@@ -135,15 +137,8 @@ impl Job {
         x: &[f32],
         sink: &mut dyn FnMut(usize, Vec<f32>),
     ) -> candle_core::Result<f64> {
-        let spare = &self.spare;
-        let take = |n: usize| {
-            let mut b = spare.lock().unwrap().pop().unwrap_or_default();
-            b.clear();
-            b.resize(n, 0.0);
-            b
-        };
         let buckets = self.net.grad_buckets();
-        let mut buf = take(self.state.layout.params);
+        let mut buf = self.zeroed(self.state.layout.params);
         let mut slices: Vec<&mut [f32]> = Vec::new();
         let mut rest = buf.as_mut_slice();
         for t in &self.state.layout.tensors {
@@ -167,7 +162,7 @@ impl Job {
                 return;
             };
             let r = &buckets[k];
-            let part = parts[k].get_or_insert_with(|| take(r.len()));
+            let part = parts[k].get_or_insert_with(|| self.zeroed(r.len()));
             let mut o = at - r.start;
             for g in grads {
                 part[o..o + g.len()].copy_from_slice(g);
@@ -186,7 +181,7 @@ impl Job {
         let (_, loss) =
             g.fast_backward_each(all, &refs, input, None, None, &mut slices, &mut done)?;
         drop(slices);
-        let mut pool = spare.lock().unwrap();
+        let mut pool = self.spare.lock().unwrap();
         if pool.len() < SPARE_BUFFERS {
             pool.push(buf);
         }
@@ -208,7 +203,8 @@ impl Job {
         let mut since = start;
         let mut t = Timed::default();
         crate::phases::take_forward_end();
-        let r = self.gradient_buckets(samples, model, &mut |k, v| {
+        // Count the compute since `since`, then wait (k − 1) times as long.
+        let emulate = |since: Instant, t: &mut Timed| {
             let took = since.elapsed();
             t.real += took;
             if slow > 0.0 {
@@ -216,16 +212,13 @@ impl Job {
                 std::thread::sleep(took.mul_f64(slow));
                 t.slept += s.elapsed();
             }
+        };
+        let r = self.gradient_buckets(samples, model, &mut |k, v| {
+            emulate(since, &mut t);
             since = Instant::now();
             ready(k, v);
         });
-        let took = since.elapsed();
-        t.real += took;
-        if slow > 0.0 {
-            let s = Instant::now();
-            std::thread::sleep(took.mul_f64(slow));
-            t.slept += s.elapsed();
-        }
+        emulate(since, &mut t);
         // The forward ends before the first bucket, so before any emulated wait.
         t.forward = crate::phases::take_forward_end()
             .map_or(Duration::ZERO, |end| end.saturating_duration_since(start));
