@@ -51,7 +51,7 @@ fn keep_freed_pages() {
 /// From now on, freed pages go back to the kernel at once: a node whose plan needs more than
 /// half of its memory budget cannot keep its high water (given back after a second, a pipeline
 /// stage of `scenarios/pipeline-gpt-small.toml` peaked at 150-162 MiB where it holds 56 MiB of
-/// state; 115-119 MiB with this; see docs/architecture.md).
+/// state; 115-119 MiB with this; see docs/layouts.md, "Memory").
 #[allow(unsafe_code)]
 fn purge_at_once() {
     // SAFETY: as above.
@@ -115,10 +115,10 @@ File format: docs/cluster-format.md. Reading the output: docs/reading-reports.md
 Same seed, same trace hash. Reading the output: docs/reading-reports.md.")]
     Sim(SimCmd),
     /// Train for real over TCP. Without --node: start every node of the file as a local
-    /// process (the embedded default: three processes on loopback, one emulating a 3x slower
+    /// process (the embedded default: two processes on loopback, one emulating a 3x slower
     /// device). With --node NAME: be that node (the same command on every machine).
     #[command(after_help = "Examples:
-  ravnest run                                   the embedded local-digits cluster (3 processes)
+  ravnest run                                   the embedded local-digits cluster (2 processes)
   ravnest run --resume                          continue from its latest checkpoint
   ravnest run --overwrite                       start again, replacing its checkpoints
   ravnest run scenarios/local-text.toml --out runs/text

@@ -7,7 +7,7 @@ pub const DEFAULT: (&str, &str) = SHIPPED[2];
 /// The default for `ravnest sim` without a file.
 pub const SIM_DEFAULT: (&str, &str) = SHIPPED[0];
 
-/// The default for `ravnest run` without a file: three local processes.
+/// The default for `ravnest run` without a file: two local processes, one 3x slower.
 pub const RUN_DEFAULT: (&str, &str) = SHIPPED[7];
 
 /// (name, TOML text) of every file in `scenarios/`, in report order (the 1,000-node one last).

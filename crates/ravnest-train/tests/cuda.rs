@@ -114,7 +114,7 @@ fn twenty_sgd_steps_on_the_gpu_end_where_the_cpu_does() {
 
 /// The optimizer a GPU node runs (candle operations) gives the bits the CPU's fused pass gives,
 /// for every optimizer, so replicas on different device kinds stay bit-identical (the rule in
-/// docs/architecture.md, "Replicas and digests").
+/// docs/layouts.md, "Replicas and digests").
 #[test]
 fn the_optimizer_gives_the_cpus_bits_on_the_gpu() {
     use ravnest_core::Optimizer;

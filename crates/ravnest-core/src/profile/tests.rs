@@ -1,7 +1,45 @@
 use super::*;
 
-/// The embedded default's shape: three CPU nodes, the wide digits MLP.
-const SCENARIO: &str = include_str!("../../../../scenarios/local-digits.toml");
+/// Three CPU nodes (two fast, one 3x slower) training the wide digits MLP: the shape the
+/// figures below describe.
+const SCENARIO: &str = r#"
+[cluster]
+name = "local-digits"
+secret = "local-demo-secret"
+
+[[node]]
+name = "fast-a"
+device = "cpu"
+address = "127.0.0.1:47701"
+
+[[node]]
+name = "fast-b"
+device = "cpu"
+address = "127.0.0.1:47702"
+
+[[node]]
+name = "slow"
+device = "cpu"
+address = "127.0.0.1:47703"
+emulate_slowdown = 3.0
+
+[model]
+kind = "mlp"
+name = "mlp-digits-wide"
+dims = [64, 512, 512, 10]
+
+[training]
+global_batch = 384
+optimizer = "sgd-momentum"
+sync = "ring"
+
+[run]
+steps = 200
+learning_rate = 0.05
+momentum = 0.9
+seed = 1
+dataset = "digits"
+"#;
 
 fn scenario() -> Scenario {
     crate::parse(SCENARIO, "local-digits.toml").unwrap()

@@ -26,7 +26,7 @@ proptest! {
     /// The optimizer as candle operations (what runs on a GPU) gives the same bits as the
     /// fused pass (what runs on the CPU), for every optimizer, any values, any scale and
     /// step count: each operation is one correctly rounded IEEE operation in the same
-    /// order, so replicas on different devices stay bit-identical (docs/architecture.md,
+    /// order, so replicas on different devices stay bit-identical (docs/layouts.md,
     /// "Replicas and digests").
     #[test]
     fn the_device_optimizer_gives_the_fused_passs_bits(
