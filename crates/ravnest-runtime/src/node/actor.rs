@@ -8,11 +8,11 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use ravnest_core::{LayerRange, NodeId};
 
 use super::state::{Fetch, NodeMsg, NodeState};
-use super::versions::{Keep, Version};
 use super::{NodeActor, Start, spawn_link_probes};
 use crate::collective::{CollectiveActor, CollectiveMsg};
 use crate::seams::{Compute, Transport};
 use ravnest_protocol::msg::{Addr, Envelope, Work};
+use ravnest_protocol::node::versions::{Keep, Version};
 
 /// Requests for versions this node has not made yet, kept at most.
 const REQUESTS_MAX: usize = 64;

@@ -4,7 +4,7 @@
 //!
 //! A thin shell: work arrives as a [`Work`](ravnest_protocol::msg::Work) (an epoch), gradients come from the [`Compute`](crate::seams::Compute)
 //! seam, synchronization runs in the node's [`crate::collective::CollectiveActor`], and the
-//! version bookkeeping is [`versions::Versions`]. [`actor`] holds the message handling and the
+//! version bookkeeping is [`ravnest_protocol::node::versions::Versions`]. [`actor`] holds the message handling and the
 //! epoch switches, [`step`] one step's work (data parallel or a pipeline stage).
 
 pub mod actor;
@@ -12,11 +12,9 @@ pub mod calibrate;
 mod clip;
 use ravnest_protocol::epochs;
 mod rounds;
-mod shard;
 mod sharded;
 pub mod state;
 pub mod step;
-pub mod versions;
 mod watcher;
 
 use std::collections::BTreeMap;

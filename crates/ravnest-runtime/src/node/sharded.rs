@@ -1,4 +1,4 @@
-//! A sharded step's collectives as they come back ([`super::shard`] says how the ring's
+//! A sharded step's collectives as they come back ([`ravnest_protocol::node::shard`] says how the ring's
 //! chunks fall): each owner updates its part from its reduce-scatter and starts the
 //! all-gather that brings the others its updated values.
 
@@ -8,9 +8,9 @@ use ravnest_core::collective::CollId;
 use ravnest_core::ring::RingMode;
 
 use super::NodeActor;
-use super::shard::{GATHER, ShardLayout};
 use super::state::NodeState;
 use crate::seams::{Compute, Transport};
+use ravnest_protocol::node::shard::{GATHER, ShardLayout};
 
 /// A node's state, as this backend's node holds it.
 type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;

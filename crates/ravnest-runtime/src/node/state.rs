@@ -11,9 +11,9 @@ use ravnest_core::{LayerRange, NodeId};
 use tokio::time::Instant;
 
 use super::ProbeWaiters;
-use super::versions::Versions;
 use crate::collective::{CollectiveMsg, Group, Outcome};
 use ravnest_protocol::msg::{Addr, Envelope, StageWork, StepMode, Work};
+use ravnest_protocol::node::versions::Versions;
 
 /// Messages a node actor handles.
 #[derive(Debug)]
@@ -138,7 +138,7 @@ pub(crate) struct Running<M> {
     pub(super) compute_ns: u64,
     /// A sharded data-parallel step: its chunks (each bucket runs a reduce-scatter, then an
     /// all-gather).
-    pub(super) shard: Option<std::sync::Arc<super::shard::ShardLayout>>,
+    pub(super) shard: Option<std::sync::Arc<ravnest_protocol::node::shard::ShardLayout>>,
     /// An outer round that exchanges deltas: the anchor it started from.
     pub(super) anchor: Option<Anchor>,
     /// A merge step: the step that launched the round it merges.

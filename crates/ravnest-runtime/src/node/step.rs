@@ -20,14 +20,14 @@ use ravnest_core::ring::RingMode;
 use tokio::time::Instant;
 
 use super::rounds::outer_step;
-use super::shard::ShardLayout;
 use super::state::{EarlyInput, NodeMsg, NodeState, Pipe, Running};
-use super::versions::Version;
 use super::{NodeActor, Observed, Span, SpanKind};
 use crate::collective::{CollectiveMsg, Group, Outcome};
 use crate::seams::{BucketSink, Compute, ComputeError, Transport};
 use ravnest_protocol::digest::sample_range;
 use ravnest_protocol::msg::{Addr, Envelope, StageWork, StepMode, SyncPolicy, Work};
+use ravnest_protocol::node::shard::ShardLayout;
+use ravnest_protocol::node::versions::Version;
 
 /// Buckets collected from a backend: (index, values).
 type Parts = Arc<Mutex<Vec<(usize, Vec<f32>)>>>;
@@ -151,7 +151,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
 
     /// A synchronous data-parallel step: buckets enter their collectives as backward makes them.
     /// Sharded, each bucket is reduce-scattered to its parameters' owners instead (see
-    /// [`super::shard`]), and this node keeps only its own part's optimizer state.
+    /// [`ravnest_protocol::node::shard`]), and this node keeps only its own part's optimizer state.
     async fn sync_step(&self, st: &mut State<C>, w: &Work, s: u64, mut base: C::Model) {
         let params = self.compute.params();
         let buckets = self.compute.buckets();

@@ -14,25 +14,25 @@ use ravnest_core::NodeId;
 use ravnest_core::collective::RingPart;
 use ravnest_core::ring::RingMode;
 
-use ravnest_protocol::msg::ShardWork;
+use crate::msg::ShardWork;
 
 /// The bucket id bit of a sharded step's all-gather (its reduce-scatter has the bucket's own
 /// index).
-pub(super) const GATHER: u32 = 1 << 31;
+pub const GATHER: u32 = 1 << 31;
 
 /// A sharded step's chunks over the whole parameter vector.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct ShardLayout {
+pub struct ShardLayout {
     /// Chunk c is parameters `bounds[c]..bounds[c + 1]`.
-    pub(super) bounds: Vec<usize>,
+    pub bounds: Vec<usize>,
     /// This node's parameters (its chunk).
-    pub(super) owned: Range<usize>,
+    pub owned: Range<usize>,
 }
 
 impl ShardLayout {
     /// The chunks of `sw` for node `me` of `ring`, each part's parameters given by
     /// `param_range`; an error says why the parts do not make a ring's chunks.
-    pub(super) fn new(
+    pub fn new(
         sw: &ShardWork,
         ring: &[NodeId],
         me: NodeId,
@@ -75,7 +75,7 @@ impl ShardLayout {
 
     /// The ring part that runs `mode` over `bucket`'s parameters: the chunks cut at the
     /// bucket's own bounds.
-    pub(super) fn part(&self, bucket: &Range<usize>, mode: RingMode) -> RingPart {
+    pub fn part(&self, bucket: &Range<usize>, mode: RingMode) -> RingPart {
         RingPart {
             mode,
             bounds: self
@@ -88,14 +88,14 @@ impl ShardLayout {
 
     /// [`ShardLayout::mine`] counted from the bucket's start: where this node's part sits in
     /// the bucket's values.
-    pub(super) fn mine_in(&self, bucket: &Range<usize>) -> Range<usize> {
+    pub fn mine_in(&self, bucket: &Range<usize>) -> Range<usize> {
         let mine = self.mine(bucket);
         mine.start - bucket.start..mine.end - bucket.start
     }
 
     /// The parameters of `bucket` this node owns (an empty range at the bucket's end when
     /// none).
-    pub(super) fn mine(&self, bucket: &Range<usize>) -> Range<usize> {
+    pub fn mine(&self, bucket: &Range<usize>) -> Range<usize> {
         let (lo, hi) = (
             self.owned.start.max(bucket.start),
             self.owned.end.min(bucket.end),

@@ -5,14 +5,14 @@
 //!
 //! A node that is the only holder of its layers (a stage of a single pipeline) keeps one: no
 //! peer can be a step behind it on those layers, and a loss of any stage restores the latest
-//! checkpoint anyway. A version is the backend's handle ([`crate::seams::Compute::Model`]):
+//! checkpoint anyway. A version is the backend's handle (the runtime's `Compute::Model`):
 //! keeping one shares its values, it never copies them.
 
 use std::collections::BTreeMap;
 
 use ravnest_core::LayerRange;
 
-use ravnest_protocol::msg::HeldVersion;
+use crate::msg::HeldVersion;
 
 /// One version of the model.
 #[derive(Debug, Clone)]
