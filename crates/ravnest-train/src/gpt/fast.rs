@@ -13,6 +13,7 @@
 //! the tests below, forward and gradients, for every kind of stage.
 
 use candle_core::{Device, Tensor};
+use rayon::prelude::*;
 
 use super::fast_llama::LlamaSaved;
 use super::host::{Layer, add_into, tensor, to_vec, values};
@@ -167,8 +168,9 @@ impl Gpt {
         };
         let nt = tensor(nv, (n, h))?;
         let mut probs = to_vec(&self.mm(&nt, &p[p.len() - 1].t()?)?)?;
-        let mut loss = 0.0f64;
-        for (row, &t) in probs.chunks_exact_mut(vocab).zip(&targets) {
+        // Each row's softmax in place, and its log-likelihood of the target; the loss sums
+        // them in row order (on several threads, rows in parallel: the same bits).
+        let softmax = |(row, &t): (&mut [f32], &u32)| {
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let target = row[t as usize] - max;
             let mut sum = 0.0f32;
@@ -176,12 +178,26 @@ impl Gpt {
                 *v = (*v - max).exp();
                 sum += *v;
             }
-            loss -= f64::from(target - sum.ln());
             let inv = 1.0 / sum;
             for v in row.iter_mut() {
                 *v *= inv;
             }
-        }
+            f64::from(target - sum.ln())
+        };
+        let ll: Vec<f64> = if rayon::current_num_threads() > 1 {
+            probs
+                .par_chunks_mut(vocab)
+                .zip(&targets)
+                .map(softmax)
+                .collect()
+        } else {
+            probs
+                .chunks_exact_mut(vocab)
+                .zip(&targets)
+                .map(softmax)
+                .collect()
+        };
+        let loss = ll.iter().fold(0.0f64, |loss, l| loss - l);
         let saved = HeadSaved {
             xhat,
             rstd,
@@ -229,15 +245,7 @@ impl Gpt {
         add_into(acc[4], &self.mm(&sv.y.t()?, &dx2_t)?)?;
         let dy = to_vec(&self.mm(&dx2_t, &p[4].t()?)?)?;
         // Attention: back to heads, the inverse of merge_heads.
-        let mut dyh = vec![0.0f32; n * h];
-        for r in 0..rows {
-            for head in 0..a {
-                for t in 0..s {
-                    let src = &dy[(r * s + t) * h + head * d..][..d];
-                    dyh[((r * a + head) * s + t) * d..][..d].copy_from_slice(src);
-                }
-            }
-        }
+        let dyh = ops::split_to_heads(&dy, s, a, d);
         drop(dy);
         let dyh = Tensor::from_vec(dyh, (rows * a, s, d), &Device::Cpu)?;
         let mut datt = to_vec(&dyh.matmul(&sv.v.t()?)?)?;
@@ -278,11 +286,16 @@ impl Gpt {
         // d(loss)/d(logits) = (p − onehot(target)) / seq.
         let scale = 1.0 / self.seq as f32;
         let mut dl = sv.probs;
-        for (row, &t) in dl.chunks_exact_mut(vocab).zip(&sv.targets) {
+        let grad = |(row, &t): (&mut [f32], &u32)| {
             row[t as usize] -= 1.0;
             for v in row.iter_mut() {
                 *v *= scale;
             }
+        };
+        if rayon::current_num_threads() > 1 {
+            dl.par_chunks_mut(vocab).zip(&sv.targets).for_each(grad);
+        } else {
+            dl.chunks_exact_mut(vocab).zip(&sv.targets).for_each(grad);
         }
         let dl = tensor(dl, (n, vocab))?;
         let head = p.len() - 1;

@@ -82,7 +82,9 @@ fn norm_rows(
 }
 
 /// LayerNorm's backward: adds the input's gradient to `dx` and accumulates the gain's and the
-/// bias's into `dg`, `db`.
+/// bias's into `dg`, `db`. On several threads, `dx` in pieces of whole rows and the gain's and
+/// bias's sums in pieces of whole columns, each column summed over the rows in order: the same
+/// bits as on one thread.
 pub fn layer_norm_back(
     dy: &[f32],
     xhat: &[f32],
@@ -93,6 +95,25 @@ pub fn layer_norm_back(
     db: &mut [f32],
 ) {
     let h = g.len();
+    if threaded() {
+        rows_back(dy, xhat, rstd, h, dx, |dy, xh, r, dx, d| {
+            ln_row_back(dy, xh, r, g, dx, d)
+        });
+        columns(h, dg, Some(db), |c, dg, mut db| {
+            for (dy, xh) in dy.chunks_exact(h).zip(xhat.chunks_exact(h)) {
+                let (dy, xh) = (&dy[c.clone()], &xh[c.clone()]);
+                for i in 0..dg.len() {
+                    dg[i] += dy[i] * xh[i];
+                }
+                if let Some(db) = db.as_deref_mut() {
+                    for (b, v) in db.iter_mut().zip(dy) {
+                        *b += v;
+                    }
+                }
+            }
+        });
+        return;
+    }
     let mut dxhat = vec![0.0f32; h];
     for (((dy, xh), r), dx) in dy
         .chunks_exact(h)
@@ -100,19 +121,87 @@ pub fn layer_norm_back(
         .zip(rstd)
         .zip(dx.chunks_exact_mut(h))
     {
-        let (mut m1, mut m2) = (0.0f32, 0.0f32);
         for i in 0..h {
             dg[i] += dy[i] * xh[i];
             db[i] += dy[i];
-            let d = dy[i] * g[i];
-            dxhat[i] = d;
-            m1 += d;
-            m2 += d * xh[i];
         }
-        let (m1, m2) = (m1 / h as f32, m2 / h as f32);
-        for i in 0..h {
-            dx[i] += r * (dxhat[i] - m1 - xh[i] * m2);
-        }
+        ln_row_back(dy, xh, *r, g, dx, &mut dxhat);
+    }
+}
+
+/// One row of LayerNorm's backward: adds the input's gradient to `dx` (`d`: scratch, a row
+/// wide).
+fn ln_row_back(dy: &[f32], xh: &[f32], r: f32, g: &[f32], dx: &mut [f32], d: &mut [f32]) {
+    let h = g.len();
+    let (mut m1, mut m2) = (0.0f32, 0.0f32);
+    for i in 0..h {
+        let v = dy[i] * g[i];
+        d[i] = v;
+        m1 += v;
+        m2 += v * xh[i];
+    }
+    let (m1, m2) = (m1 / h as f32, m2 / h as f32);
+    for i in 0..h {
+        dx[i] += r * (d[i] - m1 - xh[i] * m2);
+    }
+}
+
+/// A norm's backward over the rows, on every thread in pieces of whole rows: `row` adds a
+/// row's input gradient to its `dx` (with a scratch row).
+fn rows_back(
+    dy: &[f32],
+    xhat: &[f32],
+    rstd: &[f32],
+    h: usize,
+    dx: &mut [f32],
+    row: impl Fn(&[f32], &[f32], f32, &mut [f32], &mut [f32]) + Sync,
+) {
+    let k = rows_per_piece(h);
+    dx.par_chunks_mut(k * h)
+        .zip(dy.par_chunks(k * h))
+        .zip(xhat.par_chunks(k * h))
+        .zip(rstd.par_chunks(k))
+        .for_each(|(((dx, dy), xh), r)| {
+            let mut d = vec![0.0f32; h];
+            for (((dx, dy), xh), r) in dx
+                .chunks_exact_mut(h)
+                .zip(dy.chunks_exact(h))
+                .zip(xh.chunks_exact(h))
+                .zip(r)
+            {
+                row(dy, xh, *r, dx, &mut d);
+            }
+        });
+}
+
+/// Columns per piece of a pass split by columns: about one piece per thread, whole cache
+/// lines.
+fn cols_per_piece(w: usize) -> usize {
+    (w / rayon::current_num_threads().max(1))
+        .next_multiple_of(16)
+        .max(16)
+}
+
+/// A sum over rows split by columns, on every thread: `piece` gets its columns' range and
+/// their parts of `a` (and of `b`), and sums into them over the rows in order, so each column
+/// is summed as on one thread.
+fn columns(
+    w: usize,
+    a: &mut [f32],
+    b: Option<&mut [f32]>,
+    piece: impl Fn(std::ops::Range<usize>, &mut [f32], Option<&mut [f32]>) + Sync,
+) {
+    let c = cols_per_piece(w);
+    match b {
+        Some(b) => a
+            .par_chunks_mut(c)
+            .zip(b.par_chunks_mut(c))
+            .enumerate()
+            .for_each(|(j, (a, b))| piece(j * c..j * c + a.len(), a, Some(b))),
+        None => a
+            .par_chunks_mut(c)
+            .enumerate()
+            .for_each(|(j, a)| piece(j * c..j * c + a.len(), a, None)),
     }
 }
 
@@ -184,27 +273,45 @@ pub fn gelu_back(du: &mut [f32], f: &[f32], t: &[f32]) {
 }
 
 /// `(rows·seq, 3·hidden)` values plus the bias, as q, k and v, each `(rows·heads, seq, head)`.
+/// On several threads, a row (a sequence) per piece: moves, the same bits on any.
 pub fn split_heads(qkv: &[f32], bias: &[f32], seq: usize, heads: usize, d: usize) -> [Vec<f32>; 3] {
     let h = heads * d;
     let n = qkv.len() / (3 * h);
-    let rows = n / seq;
     let mut out = [
         vec![0.0f32; n * h],
         vec![0.0f32; n * h],
         vec![0.0f32; n * h],
     ];
-    for r in 0..rows {
+    // One sequence: its (seq, 3·hidden) values into its (heads, seq, head) block of each.
+    let row = |src: &[f32], q: &mut [f32], k: &mut [f32], v: &mut [f32]| {
         for t in 0..seq {
-            let src = &qkv[(r * seq + t) * 3 * h..(r * seq + t + 1) * 3 * h];
-            for (k, o) in out.iter_mut().enumerate() {
+            let src = &src[t * 3 * h..][..3 * h];
+            for (i, o) in [&mut *q, &mut *k, &mut *v].into_iter().enumerate() {
                 for a in 0..heads {
-                    let at = ((r * heads + a) * seq + t) * d;
-                    let from = k * h + a * d;
+                    let at = (a * seq + t) * d;
+                    let from = i * h + a * d;
                     for e in 0..d {
                         o[at + e] = src[from + e] + bias[from + e];
                     }
                 }
             }
+        }
+    };
+    let [q, k, v] = &mut out;
+    if threaded() {
+        qkv.par_chunks(seq * 3 * h)
+            .zip(q.par_chunks_mut(seq * h))
+            .zip(k.par_chunks_mut(seq * h))
+            .zip(v.par_chunks_mut(seq * h))
+            .for_each(|(((src, q), k), v)| row(src, q, k, v));
+    } else {
+        for (((src, q), k), v) in qkv
+            .chunks_exact(seq * 3 * h)
+            .zip(q.chunks_exact_mut(seq * h))
+            .zip(k.chunks_exact_mut(seq * h))
+            .zip(v.chunks_exact_mut(seq * h))
+        {
+            row(src, q, k, v);
         }
     }
     out
@@ -212,7 +319,7 @@ pub fn split_heads(qkv: &[f32], bias: &[f32], seq: usize, heads: usize, d: usize
 
 /// The inverse move: `(rows·heads, seq, head)` parts to `(rows·seq, heads·head)`, added into
 /// `out` at column `col` of its `width` columns (attention's output, or the gradients of q, k
-/// and v into the gradient of the fused projection).
+/// and v into the gradient of the fused projection). On several threads, a sequence per piece.
 pub fn merge_heads(
     x: &[f32],
     seq: usize,
@@ -222,14 +329,22 @@ pub fn merge_heads(
     width: usize,
     col: usize,
 ) {
-    let rows = x.len() / (heads * seq * d);
-    for r in 0..rows {
+    let row = |x: &[f32], out: &mut [f32]| {
         for a in 0..heads {
             for t in 0..seq {
-                let src = &x[((r * heads + a) * seq + t) * d..][..d];
-                let dst = &mut out[(r * seq + t) * width + col + a * d..][..d];
-                dst.copy_from_slice(src);
+                let src = &x[(a * seq + t) * d..][..d];
+                out[t * width + col + a * d..][..d].copy_from_slice(src);
             }
+        }
+    };
+    let part = heads * seq * d;
+    if threaded() {
+        x.par_chunks(part)
+            .zip(out.par_chunks_mut(seq * width))
+            .for_each(|(x, out)| row(x, out));
+    } else {
+        for (x, out) in x.chunks_exact(part).zip(out.chunks_exact_mut(seq * width)) {
+            row(x, out);
         }
     }
 }
@@ -315,7 +430,8 @@ pub fn rms_norm(x: &[f32], g: &[f32], h: usize, eps: f32) -> (Vec<f32>, Vec<f32>
     })
 }
 
-/// RMSNorm's backward: adds the input's gradient to `dx` and accumulates the gain's into `dg`.
+/// RMSNorm's backward: adds the input's gradient to `dx` and accumulates the gain's into `dg`
+/// (on several threads as [`layer_norm_back`]: the same bits as on one).
 pub fn rms_norm_back(
     dy: &[f32],
     xhat: &[f32],
@@ -325,6 +441,20 @@ pub fn rms_norm_back(
     dg: &mut [f32],
 ) {
     let h = g.len();
+    if threaded() {
+        rows_back(dy, xhat, rstd, h, dx, |dy, xh, r, dx, d| {
+            rms_row_back(dy, xh, r, g, dx, d)
+        });
+        columns(h, dg, None, |c, dg, _| {
+            for (dy, xh) in dy.chunks_exact(h).zip(xhat.chunks_exact(h)) {
+                let (dy, xh) = (&dy[c.clone()], &xh[c.clone()]);
+                for i in 0..dg.len() {
+                    dg[i] += dy[i] * xh[i];
+                }
+            }
+        });
+        return;
+    }
     let mut d = vec![0.0f32; h];
     for (((dy, xh), r), dx) in dy
         .chunks_exact(h)
@@ -332,16 +462,24 @@ pub fn rms_norm_back(
         .zip(rstd)
         .zip(dx.chunks_exact_mut(h))
     {
-        let mut m = 0.0f32;
         for i in 0..h {
             dg[i] += dy[i] * xh[i];
-            d[i] = dy[i] * g[i];
-            m += d[i] * xh[i];
         }
-        let m = m / h as f32;
-        for i in 0..h {
-            dx[i] += r * (d[i] - xh[i] * m);
-        }
+        rms_row_back(dy, xh, *r, g, dx, &mut d);
+    }
+}
+
+/// One row of RMSNorm's backward: adds the input's gradient to `dx` (`d`: scratch).
+fn rms_row_back(dy: &[f32], xh: &[f32], r: f32, g: &[f32], dx: &mut [f32], d: &mut [f32]) {
+    let h = g.len();
+    let mut m = 0.0f32;
+    for i in 0..h {
+        d[i] = dy[i] * g[i];
+        m += d[i] * xh[i];
+    }
+    let m = m / h as f32;
+    for i in 0..h {
+        dx[i] += r * (d[i] - xh[i] * m);
     }
 }
 
@@ -394,17 +532,26 @@ pub fn swiglu_back(d: &[f32], gate: &[f32], up: &[f32], sig: &[f32]) -> (Vec<f32
     (dgate, dup)
 }
 
-/// `(rows·seq, heads·d)` values as `(rows·heads, seq, d)`: the inverse of [`merge_heads`].
+/// `(rows·seq, heads·d)` values as `(rows·heads, seq, d)`: the inverse of [`merge_heads`]
+/// (on several threads, a sequence per piece).
 pub fn split_to_heads(x: &[f32], seq: usize, heads: usize, d: usize) -> Vec<f32> {
     let w = heads * d;
-    let rows = x.len() / (seq * w);
     let mut out = vec![0.0f32; x.len()];
-    for r in 0..rows {
+    let row = |x: &[f32], out: &mut [f32]| {
         for t in 0..seq {
-            let src = &x[(r * seq + t) * w..][..w];
+            let src = &x[t * w..][..w];
             for a in 0..heads {
-                out[((r * heads + a) * seq + t) * d..][..d].copy_from_slice(&src[a * d..][..d]);
+                out[(a * seq + t) * d..][..d].copy_from_slice(&src[a * d..][..d]);
             }
+        }
+    };
+    if threaded() {
+        x.par_chunks(seq * w)
+            .zip(out.par_chunks_mut(seq * w))
+            .for_each(|(x, out)| row(x, out));
+    } else {
+        for (x, out) in x.chunks_exact(seq * w).zip(out.chunks_exact_mut(seq * w)) {
+            row(x, out);
         }
     }
     out
@@ -415,31 +562,58 @@ pub fn split_to_heads(x: &[f32], seq: usize, heads: usize, d: usize) -> Vec<f32>
 /// `back`, the inverse rotation: the gradient of the input from the output's.
 pub fn rope(x: &mut [f32], seq: usize, d: usize, cos: &[f32], sin: &[f32], back: bool) {
     let half = d / 2;
-    for (k, v) in x.chunks_exact_mut(d).enumerate() {
-        let t = k % seq;
-        let (c, s) = (&cos[t * half..][..half], &sin[t * half..][..half]);
-        let (lo, hi) = v.split_at_mut(half);
-        for i in 0..half {
-            let (a, b) = (lo[i], hi[i]);
-            let sn = if back { -s[i] } else { s[i] };
-            lo[i] = a * c[i] - b * sn;
-            hi[i] = b * c[i] + a * sn;
+    // One (row, head)'s sequence: position t is its t-th vector.
+    let block = |x: &mut [f32]| {
+        for (t, v) in x.chunks_exact_mut(d).enumerate() {
+            let (c, s) = (&cos[t * half..][..half], &sin[t * half..][..half]);
+            let (lo, hi) = v.split_at_mut(half);
+            for i in 0..half {
+                let (a, b) = (lo[i], hi[i]);
+                let sn = if back { -s[i] } else { s[i] };
+                lo[i] = a * c[i] - b * sn;
+                hi[i] = b * c[i] + a * sn;
+            }
         }
+    };
+    if threaded() {
+        x.par_chunks_mut(seq * d).for_each(block);
+    } else {
+        x.chunks_exact_mut(seq * d).for_each(block);
     }
 }
 
-/// Add `bias` to every row of `x`.
+/// Add `bias` to every row of `x` (on several threads, in pieces of whole rows).
 pub fn add_bias(x: &mut [f32], bias: &[f32]) {
-    for row in x.chunks_exact_mut(bias.len()) {
-        for (v, b) in row.iter_mut().zip(bias) {
-            *v += b;
+    let add = |x: &mut [f32]| {
+        for row in x.chunks_exact_mut(bias.len()) {
+            for (v, b) in row.iter_mut().zip(bias) {
+                *v += b;
+            }
         }
+    };
+    if threaded() {
+        x.par_chunks_mut(rows_per_piece(bias.len()) * bias.len())
+            .for_each(add);
+    } else {
+        add(x);
     }
 }
 
-/// Σ over rows of `x` (`width` wide), added into `out`.
+/// Σ over rows of `x` (`width` wide), added into `out`. On several threads in pieces of whole
+/// columns, each summed over the rows in order: the same bits as on one.
 pub fn sum_rows(x: &[f32], out: &mut [f32]) {
-    for row in x.chunks_exact(out.len()) {
+    let w = out.len();
+    if threaded() && x.len() >= GRAIN {
+        columns(w, out, None, |c, out, _| {
+            for row in x.chunks_exact(w) {
+                for (o, v) in out.iter_mut().zip(&row[c.clone()]) {
+                    *o += v;
+                }
+            }
+        });
+        return;
+    }
+    for row in x.chunks_exact(w) {
         for (o, v) in out.iter_mut().zip(row) {
             *o += v;
         }

@@ -189,6 +189,8 @@ fn element_wise_passes_are_the_same_bits_on_several_threads() {
     let g = values(h);
     let bias = values(h);
     let scores = values(seq * seq * 9);
+    let qkv = values(3 * h * 25 * 7);
+    let wide = values(3 * h);
     let run = |p: &rayon::ThreadPool| {
         p.install(|| {
             let ln = ops::layer_norm(&a, &g, &bias, h, 1e-5);
@@ -202,8 +204,36 @@ fn element_wise_passes_are_the_same_bits_on_several_threads() {
             ops::causal_softmax(&mut att, seq, 0.125);
             let mut datt = scores.clone();
             ops::causal_softmax_back(&mut datt, &att, seq, 0.125);
+            // The norms' backward: rows in parallel, the gains' sums by columns.
+            let (mut dx, mut dg, mut db) = (b.clone(), g.clone(), bias.clone());
+            ops::layer_norm_back(&b, &ln.1, &ln.2, &g, &mut dx, &mut dg, &mut db);
+            let (mut rdx, mut rdg) = (a.clone(), bias.clone());
+            ops::rms_norm_back(&b, &rms.1, &rms.2, &g, &mut rdx, &mut rdg);
+            // The moves between heads and rows (4 heads of 24, sequences of 25), rotary
+            // positions, biases and the sum over rows.
+            let (heads, d, s) = (4, 24, 25);
+            let [q, k, mut v] = ops::split_heads(&qkv, &wide, s, heads, d);
+            let mut merged = vec![0.0f32; 3 * h * s * 7];
+            ops::merge_heads(&q, s, heads, d, &mut merged, 3 * h, h);
+            let back = ops::split_to_heads(&a[..h * s * 7], s, heads, d);
+            ops::rope(&mut v, s, d, &a[..s * d / 2], &b[..s * d / 2], true);
+            let mut biased = a.clone();
+            ops::add_bias(&mut biased, &bias);
+            let mut sums = g.clone();
+            ops::sum_rows(&b, &mut sums);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             [
+                bits(&dx),
+                bits(&dg),
+                bits(&db),
+                bits(&rdx),
+                bits(&rdg),
+                bits(&k),
+                bits(&merged),
+                bits(&back),
+                bits(&v),
+                bits(&biased),
+                bits(&sums),
                 bits(&ln.0),
                 bits(&ln.1),
                 bits(&ln.2),
