@@ -60,7 +60,8 @@ pub fn is_mlp(model: &ModelSpec) -> bool {
 ///
 /// - an MLP (the CPU backend's hand-written backward, `ravnest-train`'s `mlp.rs`): one bucket
 ///   per layer from the last down, each merged with the layers below it until it holds
-///   [`BUCKET_MIN_PARAMS`] parameters, handed over as soon as backward has it;
+///   [`BUCKET_MIN_PARAMS`] parameters, handed over as soon as backward has its lowest layer's
+///   weight gradient (before the gradient through that layer's weights);
 /// - every other model (candle's autograd returns the whole gradient at once): one bucket,
 ///   when backward is done; nothing of its round can hide behind compute. (The CPU backend's
 ///   hand-written decoder backward hands a GPT's or Llama's gradient over layer by layer, as
@@ -91,8 +92,12 @@ pub fn grad_buckets(model: &ModelSpec) -> Vec<GradBucket> {
         while lo > 0 && params(lo..hi) < BUCKET_MIN_PARAMS {
             lo -= 1;
         }
-        let done = if all_flops > 0.0 {
-            flops(lo..layers) / all_flops
+        // Backward costs each layer its weights' gradient and, above the first layer, the
+        // gradient through its weights (each as much as its forward); a bucket goes out when its
+        // lowest layer's weight gradient is done, before the gradient through that layer.
+        let total = 2.0 * all_flops - flops(0..1);
+        let done = if total > 0.0 {
+            (2.0 * flops(lo + 1..layers) + flops(lo..lo + 1)) / total
         } else {
             (layers - lo) as f64 / layers as f64
         };
@@ -356,7 +361,11 @@ mod tests {
         assert_eq!(b[0].layers, LayerRange::from(1..3));
         assert_eq!(b[1].layers, LayerRange::from(0..1));
         assert!((b[0].bytes_share + b[1].bytes_share - 1.0).abs() < 1e-12);
-        assert!(b[0].ready_at > 0.8 && b[0].ready_at < 1.0, "{b:?}");
+        // fc2's backward (both products) and fc1's weight gradient of all backward's work
+        // (every layer's two products but fc0's one): (2·5,120 + 262,144) / (2·300,032 −
+        // 32,768) of the multiply-adds.
+        let want = (2.0 * 5_120.0 + 262_144.0) / (2.0 * 300_032.0 - 32_768.0);
+        assert!((b[0].ready_at - want).abs() < 1e-3, "{b:?} vs {want}");
         assert_eq!(b[1].ready_at, 1.0);
         // A small MLP is one bucket; a transformer is one bucket whatever its size.
         assert_eq!(

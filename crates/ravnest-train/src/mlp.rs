@@ -172,6 +172,12 @@ pub fn loss_and_grad(
                 }
             }
         })?;
+        // The bucket is complete when its lowest layer's weights and bias are: it goes out
+        // before the gradient flows on through that layer's weights (a product as large as
+        // its weights' own), so its ring runs beside that product.
+        if i == layers.range().start {
+            sink(kb, std::mem::take(&mut buf));
+        }
         if i > 0 {
             // Through the weights, then ReLU's gradient: zero where the layer's output was.
             let gh = g.matmul(&weights[i])?;
@@ -184,9 +190,6 @@ pub fn loss_and_grad(
                 })
             })??;
             g = Tensor::from_vec(masked, (b, dims[i]), &dev)?;
-        }
-        if i == layers.range().start {
-            sink(kb, std::mem::take(&mut buf));
         }
     }
     Ok(loss)
