@@ -3,6 +3,7 @@
 
 use std::future::Future;
 use std::ops::Range;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use ravnest_core::{LayerRange, NodeId};
@@ -35,6 +36,10 @@ pub enum TransportError {
     SenderDown(Addr),
 }
 
+/// What [`Transport::progress`] gives: a wait, armed, that a sender awaits with its own
+/// deadline.
+pub type Progress<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
+
 /// Message-level transport: per-link FIFO delivery of typed envelopes.
 pub trait Transport: Clone + Send + Sync + 'static {
     /// Deliver envelopes for `addr` to `inbox` from now on (a restarted node registers again).
@@ -64,6 +69,13 @@ pub trait Transport: Clone + Send + Sync + 'static {
     /// The checkpoint actor here has stored (or refused) a shard part it was handed: the
     /// transport's count of parts waiting ([`Transport::in_flight`]) goes down.
     fn stored(&self) {}
+    /// A wait that ends when [`Transport::in_flight`] from `from` to `to` may have gone down
+    /// (a peer acknowledged frames, a part was stored here), armed when made: take it, then
+    /// read `in_flight`, then await it, and no change between the two is missed. `None`: this
+    /// transport has no such signal (its `in_flight` is 0, so no sender waits on it).
+    fn progress(&self, _from: Addr, _to: Addr) -> Option<Progress<'_>> {
+        None
+    }
 }
 
 /// Why a compute backend could not do what it was asked.

@@ -480,6 +480,21 @@ impl Transport for TcpTransport {
         self.inner.part_stored.notify_waiters();
     }
 
+    fn progress(&self, _from: Addr, _to: Addr) -> Option<crate::seams::Progress<'_>> {
+        // Acknowledgments and frames leaving the queues tell `settled`; a part stored here
+        // tells `part_stored`. Both are armed before the caller reads the count.
+        let mut settled = Box::pin(self.inner.settled.notified());
+        let mut stored = Box::pin(self.inner.part_stored.notified());
+        settled.as_mut().enable();
+        stored.as_mut().enable();
+        Some(Box::pin(async move {
+            tokio::select! {
+                _ = settled => {}
+                _ = stored => {}
+            }
+        }))
+    }
+
     fn in_flight(&self, _from: Addr, to: Addr) -> usize {
         let Some(host) = self.host(to) else { return 0 };
         if host == self.inner.cfg.me {

@@ -563,6 +563,45 @@ async fn frames_for_a_peer_being_dialed_are_in_flight_to_it_alone() {
     b.shutdown();
 }
 
+/// A sender pacing itself is woken by the transport, not by polling: a wait armed before
+/// frames go out ends once the peer acknowledges them, and by then nothing is in flight; the
+/// same wait armed on a quiet link does not end by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pacing_sender_is_woken_when_its_peer_acknowledges() {
+    let (a, b) = pair(b"s", b"s").await;
+    let got = listen(&a, Addr::Node(NodeId(0)));
+    let (me, to) = (Addr::Node(NodeId(1)), Addr::Node(NodeId(0)));
+    // Connected and settled first.
+    b.send(me, to, Envelope::Heartbeat).unwrap();
+    assert!(eventually(SETTLE, || got.lock().unwrap().len() == 1).await);
+    assert!(eventually(SETTLE, || b.in_flight(me, to) == 0).await);
+    let quiet = b
+        .progress(me, to)
+        .expect("TCP says when frames are acknowledged");
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), quiet)
+            .await
+            .is_err(),
+        "a wait on a quiet link ended by itself"
+    );
+    let mut woken = 0;
+    for _ in 0..5 {
+        let wait = b.progress(me, to).unwrap();
+        b.send(me, to, Envelope::Heartbeat).unwrap();
+        if tokio::time::timeout(SETTLE, wait).await.is_ok() {
+            woken += 1;
+        }
+    }
+    assert_eq!(
+        woken, 5,
+        "a wait armed before its frame went out missed its acknowledgment"
+    );
+    assert!(eventually(SETTLE, || b.in_flight(me, to) == 0).await);
+    assert!(eventually(SETTLE, || got.lock().unwrap().len() == 6).await);
+    a.shutdown();
+    b.shutdown();
+}
+
 /// A peer of another protocol version is told ours and refused; both can say why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_protocol_version_is_refused_with_both_versions_named() {

@@ -78,6 +78,10 @@ impl Transport for Tap {
         self.inner.in_flight(from, to)
     }
 
+    fn progress(&self, from: Addr, to: Addr) -> Option<ravnest_runtime::seams::Progress<'_>> {
+        self.inner.progress(from, to)
+    }
+
     fn stored(&self) {
         self.inner.stored();
     }

@@ -46,8 +46,6 @@ const SHARD_AHEAD: usize = 4;
 /// and the node's watch over the coordinator ticks between its messages, so this wait stays
 /// well under the silence after which the coordinator is suspected).
 const SHARD_PATIENCE: Duration = Duration::from_secs(1);
-/// Between looks at what is on its way.
-const SHARD_NAP: Duration = Duration::from_millis(1);
 
 fn feed(run: &mut StageRun, is_grad: bool, micro: u32, data: Vec<f32>) -> bool {
     let r = if is_grad {
@@ -620,22 +618,27 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     /// Wait while more than [`SHARD_AHEAD`] envelopes to `to` are on their way, for at most
     /// `patience` without one of them acknowledged (each acknowledgment gives the full
     /// [`SHARD_PATIENCE`] back; a peer that stopped acknowledging gets the rest unpaced: the
-    /// failure detector, not this wait, decides about it); what is left of the patience.
+    /// failure detector, not this wait, decides about it); what is left of the patience. The
+    /// transport wakes it when the count may have gone down ([`crate::seams::Transport::progress`]); one
+    /// without that signal is not waited on.
     async fn pace(&self, to: Addr, mut patience: Duration) -> Duration {
         let me = self.me();
-        let mut seen = self.transport.in_flight(me, to);
-        while seen > SHARD_AHEAD && !patience.is_zero() {
-            let nap = SHARD_NAP.min(patience);
-            tokio::time::sleep(nap).await;
-            let now = self.transport.in_flight(me, to);
-            patience = if now < seen {
+        loop {
+            let Some(progress) = self.transport.progress(me, to) else {
+                return patience;
+            };
+            let seen = self.transport.in_flight(me, to);
+            if seen <= SHARD_AHEAD || patience.is_zero() {
+                return patience;
+            }
+            let t0 = Instant::now();
+            let _ = tokio::time::timeout(patience, progress).await;
+            patience = if self.transport.in_flight(me, to) < seen {
                 SHARD_PATIENCE
             } else {
-                patience - nap
+                patience.saturating_sub(t0.elapsed())
             };
-            seen = now;
         }
-        patience
     }
 
     // ---- pipeline stages ------------------------------------------------------------------

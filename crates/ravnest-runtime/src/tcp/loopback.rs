@@ -90,6 +90,10 @@ impl Transport for LoopbackCluster {
         self.host(from).map_or(0, |t| t.in_flight(from, to))
     }
 
+    fn progress(&self, from: Addr, to: Addr) -> Option<crate::seams::Progress<'_>> {
+        self.host(from).and_then(|t| t.progress(from, to))
+    }
+
     fn stored(&self) {
         if let Some(t) = self.host(Addr::Checkpoint) {
             t.stored();
