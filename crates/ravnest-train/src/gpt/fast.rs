@@ -184,7 +184,7 @@ impl Gpt {
             }
             f64::from(target - sum.ln())
         };
-        let ll: Vec<f64> = if rayon::current_num_threads() > 1 {
+        let ll: Vec<f64> = if ops::threaded() {
             probs
                 .par_chunks_mut(vocab)
                 .zip(&targets)
@@ -292,7 +292,7 @@ impl Gpt {
                 *v *= scale;
             }
         };
-        if rayon::current_num_threads() > 1 {
+        if ops::threaded() {
             dl.par_chunks_mut(vocab).zip(&sv.targets).for_each(grad);
         } else {
             dl.chunks_exact_mut(vocab).zip(&sv.targets).for_each(grad);

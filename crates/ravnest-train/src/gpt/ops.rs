@@ -14,7 +14,7 @@ use rayon::prelude::*;
 const GRAIN: usize = 1 << 14;
 
 /// Whether passes are split over threads (the pool has more than one).
-fn threaded() -> bool {
+pub(super) fn threaded() -> bool {
     rayon::current_num_threads() > 1
 }
 
