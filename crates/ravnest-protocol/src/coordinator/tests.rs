@@ -1,19 +1,18 @@
-//! The coordinator's state machine driven without actors: a model of the nodes (each follows
-//! its epoch, its grant and halts by the node actor's own rules, `node::epochs`; a step completes when every member
-//! of its group has entered it, as a collective does), under interleavings and deaths chosen
-//! by proptest. Checked: the run finishes; steps are agreed in order, each once (but after a
-//! roll-back); no node ever runs a step of an epoch at or past the first step of the next one;
-//! the coordinator sends a handful of messages per node per step, not one per step.
-
-use std::collections::{BTreeMap, VecDeque};
+//! The coordinator's state machine driven without actors, with the real nodes' decisions
+//! ([`crate::node::core::NodeCore`], in [`crate::harness`]'s deterministic cluster: a step
+//! completes when every member of its group has entered it, as a collective does), under
+//! interleavings and deaths chosen by proptest. Checked: the run finishes; steps are agreed in
+//! order, each once (but after a roll-back); no node ever runs a step of an epoch at or past
+//! the first step of the next one, nor applies a step twice; the coordinator sends a handful of
+//! messages per node per step, not one per step.
 
 use proptest::prelude::*;
 use ravnest_core::NodeId;
 
 use super::Event;
 use super::core::{Config, Coordinator, Effect, Input};
-use crate::epochs;
-use crate::msg::{Envelope, HeldVersion, Work};
+use crate::harness::{Cluster, Cut};
+use crate::msg::{Envelope, Work};
 
 const STEPS: u64 = 30;
 const TIMEOUT_MS: u64 = 1000;
@@ -53,243 +52,45 @@ fn tight_config() -> Config {
     }
 }
 
-/// A node as the coordinator sees it behave.
-#[derive(Debug, Default)]
-struct Node {
-    alive: bool,
-    epoch: u64,
-    work: Option<Work>,
-    next: Option<Work>,
-    halted: bool,
-    /// Version → synchronized (every step is, in this model).
-    held: BTreeMap<u64, bool>,
-    /// The step it is in (entered its collective), with its epoch.
-    entered: Option<(u64, u64)>,
-    /// Waiting for this version from a peer.
-    fetching: Option<(u64, NodeId)>,
-    inbox: VecDeque<Envelope>,
-    outbox: VecDeque<Envelope>,
-}
-
-impl Node {
-    fn latest(&self) -> Option<u64> {
-        self.held.keys().next_back().copied()
-    }
-
-    fn keep(&mut self, v: u64) {
-        self.held.insert(v, true);
-        while self.held.len() > 2 {
-            self.held.pop_first();
-        }
-    }
-
-    fn activate(&mut self, w: Work) {
-        self.held.retain(|k, _| *k <= w.step);
-        if !self.held.contains_key(&w.step)
-            && let Some(peer) = w.state_from
-        {
-            self.held.clear();
-            self.fetching = Some((w.step, peer));
-        }
-        self.work = Some(w);
-    }
-
-    fn on(&mut self, env: Envelope) {
-        match env {
-            Envelope::Work(w) => {
-                let w = *w;
-                if w.epoch <= self.epoch {
-                    return;
-                }
-                self.epoch = w.epoch;
-                let headed = self.fetching.map(|f| f.0).or(self.latest());
-                if epochs::queues(self.work.as_ref(), self.halted, headed, &w) {
-                    self.next = Some(w);
-                } else {
-                    self.entered = None;
-                    self.next = None;
-                    self.halted = false;
-                    self.activate(w);
-                }
-            }
-            Envelope::Grant { epoch, until } => {
-                for w in [&mut self.work, &mut self.next].into_iter().flatten() {
-                    if w.epoch == epoch {
-                        w.until = w.until.max(until);
-                    }
-                }
-            }
-            Envelope::Halt { epoch } => {
-                self.entered = None;
-                self.halted = true;
-                self.next = None;
-                self.fetching = None;
-                let held = self
-                    .held
-                    .iter()
-                    .map(|(v, s)| HeldVersion {
-                        version: *v,
-                        synced: *s,
-                        layers: None,
-                    })
-                    .collect();
-                self.outbox.push_back(Envelope::Halted { epoch, held });
-            }
-            _ => {}
-        }
-    }
-
-    /// Enter the next step if the epoch allows it. Returns a violation, if any.
-    fn advance(&mut self) -> Result<(), String> {
-        if self.entered.is_some() || self.fetching.is_some() || self.halted {
-            return Ok(());
-        }
-        let Some(latest) = self.latest() else {
-            return Ok(());
-        };
-        if self
-            .next
-            .as_ref()
-            .is_some_and(|n| epochs::starts(n, latest))
-        {
-            let w = self.next.take().expect("checked");
-            if latest > w.step {
-                return Err(format!(
-                    "a node at {latest} passed epoch {}'s start {}",
-                    w.epoch, w.step
-                ));
-            }
-            self.activate(w);
-        }
-        let Some(w) = &self.work else { return Ok(()) };
-        if let Some(n) = &self.next
-            && latest >= n.step
-        {
-            return Err(format!("a node ran epoch {} past {}", w.epoch, n.step));
-        }
-        if epochs::runs(w, latest) {
-            self.entered = Some((w.epoch, latest));
-        }
-        Ok(())
-    }
-}
-
-/// What happens to one node during a run.
-#[derive(Debug, Clone, Copy)]
-struct Cut {
-    /// After this many actions the node is cut off (as if dead: what it sends and what is sent
-    /// to it is lost).
-    at: usize,
-    who: usize,
-    /// After this many more actions it is back, with whatever state it had.
-    back_after: Option<usize>,
-}
-
-/// Run the model: `choices` picks each next action; `cut` cuts a node off (and maybe brings it
-/// back). Returns the coordinator's effects in order.
+/// Run the cluster of `nodes` on [`config`]: `choices` picks each next action; `cut` cuts a
+/// node off (and maybe brings it back). Returns the coordinator's effects in order.
 fn drive(nodes: usize, choices: &[usize], cut: Option<Cut>) -> Result<Vec<Effect>, String> {
     drive_with(config(nodes), choices, cut)
 }
 
-/// [`drive`] with a given configuration.
+/// [`drive`] with a given configuration, on the real nodes' decisions ([`Cluster`]); also
+/// checks, by [`Cluster`]'s counter model, that no step was applied twice or skipped: every
+/// agreed version's digest is its number of steps, and so is every version a node holds at
+/// the end; and that every sample of the agreed steps was trained once.
 fn drive_with(cfg: Config, choices: &[usize], cut: Option<Cut>) -> Result<Vec<Effect>, String> {
-    let nodes = cfg.cluster.nodes.len();
-    let mut c = Coordinator::new(cfg, 0);
-    let mut ns: Vec<Node> = (0..nodes)
-        .map(|_| Node {
-            alive: true,
-            held: BTreeMap::from([(0, true)]),
-            ..Node::default()
-        })
-        .collect();
-    let mut now = 0u64;
-    let mut log = Vec::new();
-    let route = |effects: Vec<Effect>, ns: &mut Vec<Node>, log: &mut Vec<Effect>| {
-        for e in effects {
-            if let Effect::Send(to, env) = &e {
-                ns[to.index()].inbox.push_back(env.clone());
-            }
-            log.push(e);
-        }
-    };
-    let first = c.start();
-    route(first, &mut ns, &mut log);
-    for k in 0..200_000usize {
-        if c.is_finished() {
-            return Ok(log);
-        }
-        if let Some(c) = cut {
-            if k == c.at {
-                let n = &mut ns[c.who];
-                n.alive = false;
-                n.inbox.clear();
-                n.outbox.clear();
-            }
-            if c.back_after.is_some_and(|d| k == c.at + d) {
-                ns[c.who].alive = true;
-            }
-        }
-        // Actions: 0..n deliver to node i; n..2n deliver from node i; 2n: a step completes
-        // where it can; 2n+1: time passes.
-        let pick = choices.get(k).copied().unwrap_or(k) % (2 * nodes + 2);
-        if pick < nodes {
-            let n = &mut ns[pick];
-            if let Some(env) = n.inbox.pop_front()
-                && n.alive
-            {
-                n.on(env);
-            }
-        } else if pick < 2 * nodes {
-            let i = pick - nodes;
-            if let Some(env) = ns[i].outbox.pop_front()
-                && ns[i].alive
-            {
-                let e = c.handle(now, Input::Net(NodeId(i as u32), env));
-                route(e, &mut ns, &mut log);
-            }
-        } else if pick == 2 * nodes {
-            complete_steps(&mut ns);
-        } else {
-            now += 100;
-            for i in 0..nodes {
-                if ns[i].alive {
-                    let e = c.handle(now, Input::Net(NodeId(i as u32), Envelope::Heartbeat));
-                    route(e, &mut ns, &mut log);
-                }
-            }
-            let e = c.handle(now, Input::Tick);
-            route(e, &mut ns, &mut log);
-        }
-        for n in ns.iter_mut().filter(|n| n.alive) {
-            n.advance()?;
-        }
-        serve_fetches(&mut ns);
-    }
-    if std::env::var_os("MODEL_DEBUG").is_some() {
-        for e in &log {
-            if !matches!(e, Effect::Send(_, Envelope::Grant { .. })) {
-                eprintln!("{e:?}");
-            }
-        }
-        for (i, n) in ns.iter().enumerate() {
-            eprintln!(
-                "node {i}: alive {} epoch {} work {:?} next {:?} halted {} held {:?} entered {:?} fetching {:?} inbox {} outbox {}",
-                n.alive,
-                n.epoch,
-                n.work
-                    .as_ref()
-                    .map(|w| (w.epoch, w.step, w.until, w.ring.clone(), w.state_from)),
-                n.next.as_ref().map(|w| (w.epoch, w.step, w.until)),
-                n.halted,
-                n.held,
-                n.entered,
-                n.fetching,
-                n.inbox.len(),
-                n.outbox.len()
-            );
+    let mut c = Cluster::new(cfg);
+    c.drive(choices, cut)?;
+    for e in &c.log {
+        if let Effect::Agreed {
+            step,
+            digest: Some(d),
+        } = e
+            && *d != Cluster::digest(step + 1)
+        {
+            return Err(format!("step {step} agreed on digest {d}"));
         }
     }
-    Err("the run did not finish".into())
+    // (A run that stalled or broke a rule says so to the test, which checks it.)
+    if let Ok(agreed) = agreed_steps(&c.log) {
+        c.trained_once(&agreed)?;
+    }
+    for (i, n) in c.nodes.iter().enumerate() {
+        for h in n.core.versions().held() {
+            let model = n.core.version(h.version).map(|v| v.model);
+            if model != Some(h.version) {
+                return Err(format!(
+                    "node {i} holds version {} as {model:?} steps",
+                    h.version
+                ));
+            }
+        }
+    }
+    Ok(c.log)
 }
 
 /// The reasons of every `Stalled` event in `log`.
@@ -300,49 +101,6 @@ fn stalled(log: &[Effect]) -> Vec<&String> {
             _ => None,
         })
         .collect()
-}
-
-/// A step completes on every member of its group once all of them entered it (the
-/// collective's barrier); a dead member blocks it.
-fn complete_steps(ns: &mut [Node]) {
-    let entered: Vec<(usize, (u64, u64), Vec<NodeId>)> = ns
-        .iter()
-        .enumerate()
-        .filter(|(_, n)| n.alive)
-        .filter_map(|(i, n)| Some((i, n.entered?, n.work.as_ref()?.ring.clone())))
-        .collect();
-    for (i, at, ring) in &entered {
-        let all = ring.iter().all(|m| {
-            let n = &ns[m.index()];
-            n.alive && n.entered == Some(*at)
-        });
-        if all && ns[*i].entered == Some(*at) {
-            for m in ring {
-                let n = &mut ns[m.index()];
-                n.entered = None;
-                n.keep(at.1 + 1);
-                n.outbox.push_back(Envelope::StepDone {
-                    epoch: at.0,
-                    step: at.1,
-                    digest: 7,
-                    compute_ns: 1_000_000,
-                    comm_ns: 0,
-                });
-            }
-        }
-    }
-}
-
-/// A node fetching a version gets it once its holder has it.
-fn serve_fetches(ns: &mut [Node]) {
-    for i in 0..ns.len() {
-        if let Some((v, from)) = ns[i].fetching
-            && ns[from.index()].held.contains_key(&v)
-        {
-            ns[i].fetching = None;
-            ns[i].keep(v);
-        }
-    }
 }
 
 fn agreed_steps(log: &[Effect]) -> Result<Vec<u64>, String> {

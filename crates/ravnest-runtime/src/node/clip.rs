@@ -95,7 +95,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             })
             .sum();
         let (epoch, step) = (r.epoch, r.step);
-        match st.work.as_ref().and_then(|w| route(w, self.id)) {
+        match st.core.work().and_then(|w| route(w, self.id)) {
             None => self.apply_held(st, piece, max).await,
             Some(route) => {
                 self.tell(st, epoch, step, &route, piece);
@@ -111,7 +111,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return;
         };
         let (epoch, step, piece) = (p.epoch, p.step, sum_sq(values));
-        let Some(route) = st.work.as_ref().and_then(|w| route(w, self.id)) else {
+        let Some(route) = st.core.work().and_then(|w| route(w, self.id)) else {
             // A pipeline of one stage: the whole gradient is here.
             st.norms.add(epoch, step, 0, piece);
             return self.try_clip(st).await;
@@ -144,14 +144,14 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         part: u32,
         sq: f64,
     ) {
-        let stale = st.work.as_ref().is_some_and(|w| epoch < w.epoch)
-            || st.versions.latest().is_some_and(|l| step < l);
+        let stale = st.core.work().is_some_and(|w| epoch < w.epoch)
+            || st.core.latest().is_some_and(|l| step < l);
         if stale || !sq.is_finite() || !st.norms.add(epoch, step, part, sq) {
             return;
         }
         let on = st
-            .work
-            .as_ref()
+            .core
+            .work()
             .filter(|w| w.epoch == epoch)
             .and_then(|w| pass_on(w, part));
         if let Some(to) = on {
@@ -173,8 +173,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return;
         };
         let parts = st
-            .work
-            .as_ref()
+            .core
+            .work()
             .and_then(|w| route(w, self.id))
             .map_or(1, |r| r.parts);
         if let Some(r) = st.running.as_ref()
@@ -192,7 +192,9 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         };
         st.norms.forget_before(p.epoch, p.step + 1);
         let Some(mut p) = st.pipe.take() else { return };
-        let Some(w) = st.work.clone() else { return };
+        let Some(w) = st.core.work().cloned() else {
+            return;
+        };
         let mut values = p.clip.take().unwrap_or_default();
         scale(&mut values, clip_factor(total, max));
         self.record_norm(p.step, total);

@@ -2,15 +2,16 @@
 //! its collective actor as backward produces it, applies what comes back, reports each step
 //! asynchronously, and keeps model versions for peers that need them.
 //!
-//! A thin shell: work arrives as a [`Work`](ravnest_protocol::msg::Work) (an epoch), gradients come from the [`Compute`](crate::seams::Compute)
-//! seam, synchronization runs in the node's [`crate::collective::CollectiveActor`], and the
-//! version bookkeeping is [`ravnest_protocol::node::versions::Versions`]. [`actor`] holds the message handling and the
-//! epoch switches, [`step`] one step's work (data parallel or a pipeline stage).
+//! A shell around the node's decisions ([`ravnest_protocol::node::core::NodeCore`]: the epoch
+//! being run and the next one, grants, halts, the versions kept and fetched, peers' requests,
+//! the checkpoint duty): gradients come from the [`Compute`](crate::seams::Compute) seam, and
+//! synchronization runs in the node's [`crate::collective::CollectiveActor`]. [`actor`] hands
+//! the messages to the decisions and carries out their effects, [`step`] runs one step (data
+//! parallel or a pipeline stage).
 
 pub mod actor;
 pub mod calibrate;
 mod clip;
-use ravnest_protocol::epochs;
 mod rounds;
 mod sharded;
 pub mod state;

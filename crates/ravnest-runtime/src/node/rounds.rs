@@ -306,7 +306,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 st.running = None;
             }
             // (After a halt its collectives abort by order: nothing to report.)
-            if !st.halted && st.work.as_ref().is_some_and(|w| w.epoch == id.epoch) {
+            if !st.core.halted() && st.core.work().is_some_and(|w| w.epoch == id.epoch) {
                 self.count(|c| c.aborted += 1);
                 self.fail(
                     id.epoch,
@@ -326,7 +326,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             if let Some(r) = st.running.as_mut() {
                 r.pending = 0;
             }
-            if let Some(w) = st.work.clone() {
+            if let Some(w) = st.core.work().cloned() {
                 self.apply_merge(st, &w);
             }
             self.try_finish(st).await;
@@ -351,9 +351,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return Ok(None);
         }
         let version = w.sync.last_synchronized(w.step, w.end, s);
-        let values = st
-            .versions
-            .get(version)
+        let values = st.core.version(version)
             .and_then(|v| self.compute.export(&v.model, layers))
             .ok_or_else(|| {
                 format!("this node no longer holds version {version}, the anchor of step {s}'s outer round")

@@ -60,10 +60,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 // The only holder of its part makes the next version from this one in place of
                 // it (a lost peer's part comes back from the checkpoint, not from a version
                 // here): what only version `step` held is updated where it is.
-                if st.versions.keeps_one() {
-                    drop(st.versions.take(r.step));
+                if st.core.versions().keeps_one() {
+                    drop(st.core.take(r.step));
                 }
-                for old in st.versions.doomed_by(r.step + 1, true) {
+                for old in st.core.doomed_by(r.step + 1, true) {
                     self.compute.retire(old);
                 }
             }

@@ -1,19 +1,19 @@
 //! A node actor's state and messages: what `actor` (message handling) and `step` (the steps)
 //! share, so that neither imports the other.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 
 use ractor::ActorRef;
+use ravnest_core::LayerRange;
 use ravnest_core::pipeline::StageRun;
-use ravnest_core::{LayerRange, NodeId};
 use tokio::time::Instant;
 
 use super::ProbeWaiters;
 use crate::collective::{CollectiveMsg, Group, Outcome};
-use ravnest_protocol::msg::{Addr, Envelope, StageWork, StepMode, Work};
-use ravnest_protocol::node::versions::Versions;
+use ravnest_protocol::msg::{Addr, Envelope, StageWork, StepMode};
+use ravnest_protocol::node::core::NodeCore;
 
 /// Messages a node actor handles.
 #[derive(Debug)]
@@ -39,32 +39,12 @@ pub(super) struct EarlyInput {
     pub data: Vec<f32>,
 }
 
-/// A model version being fetched from peers before an epoch can start here: the whole model
-/// (`missing` empty, `whole`), or some layers on top of this node's own copy (`model`).
-#[derive(Debug)]
-pub(super) struct Fetch<M> {
-    pub version: u64,
-    pub model: Option<M>,
-    pub missing: BTreeSet<LayerRange>,
-    pub whole: bool,
-}
-
-/// A peer's request for a version: (version, who, layers).
-pub(super) type Request = (u64, NodeId, Option<LayerRange>);
-
 /// A node's mutable state (`M`: the backend's model, `G`: its stage gradient).
 #[derive(Debug)]
 pub struct NodeState<M, G> {
     pub(super) me: Option<ActorRef<NodeMsg>>,
-    /// The newest epoch seen.
-    pub(super) epoch: u64,
-    /// The epoch being run.
-    pub(super) work: Option<Work>,
-    /// The next epoch, from a step this node has not reached yet.
-    pub(super) next_work: Option<Work>,
-    /// Stopped by a halt until the next epoch arrives.
-    pub(super) halted: bool,
-    pub(super) versions: Versions<M>,
+    /// The node's decisions: epochs, halts, the versions kept and fetched, peers' requests.
+    pub(super) core: NodeCore<M>,
     /// The outer momentum of local SGD's last round (DiLoCo).
     pub(super) outer_momentum: Option<OuterMomentum>,
     /// Overlapped outer rounds still to merge, by the step that launched them.
@@ -76,9 +56,6 @@ pub struct NodeState<M, G> {
     /// The pipeline stage step in progress.
     pub(super) pipe: Option<Pipe<M, G>>,
     pub(super) early_pipe: Vec<EarlyInput>,
-    pub(super) fetching: Option<Fetch<M>>,
-    /// Versions asked for before this node had them.
-    pub(super) requests: Vec<Request>,
     pub(super) collective: Option<ActorRef<CollectiveMsg>>,
     /// The sync group of the current epoch.
     pub(super) group: Option<(u64, Arc<Group>)>,
@@ -91,23 +68,18 @@ pub struct NodeState<M, G> {
     pub(super) norms: ravnest_core::recipe::NormPieces,
 }
 
-impl<M, G> Default for NodeState<M, G> {
-    fn default() -> Self {
+impl<M, G> NodeState<M, G> {
+    /// A node's state around its decisions.
+    pub(super) fn new(core: NodeCore<M>) -> Self {
         NodeState {
             me: None,
-            epoch: 0,
-            work: None,
-            next_work: None,
-            halted: false,
-            versions: Versions::default(),
+            core,
             outer_momentum: None,
             rounds: BTreeMap::new(),
             carry: None,
             running: None,
             pipe: None,
             early_pipe: Vec::new(),
-            fetching: None,
-            requests: Vec::new(),
             collective: None,
             group: None,
             probes: ProbeWaiters::default(),

@@ -26,8 +26,8 @@ use crate::collective::{CollectiveMsg, Group, Outcome};
 use crate::seams::{BucketSink, Compute, ComputeError, Transport};
 use ravnest_protocol::digest::sample_range;
 use ravnest_protocol::msg::{Addr, Envelope, StageWork, StepMode, SyncPolicy, Work};
+use ravnest_protocol::node::core::{self, Input};
 use ravnest_protocol::node::shard::ShardLayout;
-use ravnest_protocol::node::versions::Version;
 
 /// Buckets collected from a backend: (index, values).
 type Parts = Arc<Mutex<Vec<(usize, Vec<f32>)>>>;
@@ -129,8 +129,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
 
     /// Run step `s` of the current epoch (this node holds version `s`).
     pub(super) async fn run_step(&self, st: &mut State<C>, s: u64) {
-        let Some(w) = st.work.clone() else { return };
-        let Some(base) = st.versions.get(s).map(|v| v.model.clone()) else {
+        let Some(w) = st.core.work().cloned() else {
+            return;
+        };
+        let Some(base) = st.core.version(s).map(|v| v.model.clone()) else {
             return;
         };
         let base = match self.start_from(st, &w, s, base) {
@@ -385,7 +387,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             ))
         } else if r.mode == StepMode::Average {
             let mut sum = sum;
-            let outer = match (r.anchor.take(), st.work.as_ref()) {
+            let outer = match (r.anchor.take(), st.core.work()) {
                 (Some(anchor), Some(w)) => {
                     let made = (r.layers, id.step + 1);
                     outer_step(&mut st.outer_momentum, w, made, &anchor, &mut sum)
@@ -403,7 +405,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 // Every peer of this collective computed from version `step`: none will roll
                 // back past it, so what keeping version `step + 1` will forget is free now, and
                 // the update may write into its memory.
-                for old in st.versions.doomed_by(r.step + 1, true) {
+                for old in st.core.doomed_by(r.step + 1, true) {
                     self.compute.retire(old);
                 }
             }
@@ -491,8 +493,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         };
         // What this node holds whole (with optimizer state): a stage's layers, a sharded
         // worker's part (beside every weight), else the whole model.
-        let shard = st.work.as_ref().and_then(|w| w.shard.as_ref());
-        let layers = layers.or(shard.map(|s| s.owned));
+        let layers = st.core.made_layers(layers);
         // A stage's digest covers what it holds of its layers (their optimizer state too), as
         // its checkpoint shard does. Only a synchronized version's digest is compared (replicas
         // differ between local SGD's rounds): the others are not hashed, and report 0.
@@ -513,7 +514,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 values,
             }
         });
-        let last = st.work.as_ref().is_some_and(|w| v == w.end);
+        let last = st.core.is_last(v);
         let final_model = (last && layers.is_none())
             .then(|| self.compute.export(&model, None))
             .flatten();
@@ -541,48 +542,28 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 });
             }
         });
-        st.versions.insert(
-            v,
-            Version {
-                model: model.clone(),
-                synced,
-                layers,
-            },
-        );
-        self.send(
-            Addr::Coordinator,
-            Envelope::StepDone {
-                epoch,
-                step,
-                digest: d,
-                compute_ns: spent.compute_ns,
-                comm_ns: spent.comm_ns,
-            },
-        );
-        if synced {
-            self.write_shard(st, v, &model).await;
-        }
-        self.serve_requests(st);
+        let made = core::Made {
+            epoch,
+            step,
+            model,
+            synced,
+            layers,
+            digest: d,
+            compute_ns: spent.compute_ns,
+            comm_ns: spent.comm_ns,
+        };
+        let effects = st.core.handle(Input::Made(made));
+        self.perform(st, effects).await;
         if let Some(me) = &st.me {
             let _ = me.cast(NodeMsg::Advance);
         }
     }
 
-    /// The writer of a sync group sends its shard of a checkpoint version when it makes it.
-    async fn write_shard(&self, st: &mut State<C>, v: u64, model: &C::Model) {
-        let Some(w) = st.work.as_mut() else { return };
-        let Some(duty) = w.checkpoint.as_mut() else {
-            return;
-        };
-        let due = duty.due(v, w.end);
-        duty.advance(v, w.end);
-        if !due {
-            return;
-        }
-        let layers = duty.layers;
-        // In parts, each made when the one before the last few has arrived: a shard never sits
-        // whole in host memory here (nor in the transport's queue, which keeps a part until the
-        // peer acknowledges it).
+    /// Send the shard of `layers` of checkpoint version `v` (this node's duty) in parts, each
+    /// made when the one before the last few has arrived: a shard never sits whole in host
+    /// memory here (nor in the transport's queue, which keeps a part until the peer
+    /// acknowledges it).
+    pub(super) async fn write_shard(&self, v: u64, layers: LayerRange, model: &C::Model) {
         let d = self.compute.digest(model, Some(layers));
         let total: usize = self
             .compute
@@ -804,7 +785,9 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     /// and maybe average the layers. Clipped, a stage that applies its own gradient waits here
     /// (in `st.pipe`) for the other stages' pieces of the norm ([`super::clip`]).
     async fn stage_done(&self, st: &mut State<C>, mut p: Pipe<C::Model, C::StageGrad>) {
-        let Some(w) = st.work.clone() else { return };
+        let Some(w) = st.core.work().cloned() else {
+            return;
+        };
         let Some(grad) = p.grad.take() else {
             return self.fail(
                 p.epoch,
@@ -850,8 +833,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         }
         // Applied here: the only holder of these layers makes the next version from this one
         // in place of it (nobody can need version `step` once `step + 1` exists).
-        if st.versions.keeps_one() {
-            st.versions.take(p.step);
+        if st.core.versions().keeps_one() {
+            st.core.take(p.step);
         }
         if self.compute.max_grad_norm().is_some() {
             p.clip = Some(self.compute.stage_grad_values(grad, scale));
@@ -908,8 +891,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         // still on its way): keep it. Epochs older than the one being run (not the newest one
         // seen: a node finishes its epoch's steps below the next epoch's start) are void, and
         // so are steps already done.
-        let running = st.work.as_ref().map_or(0, |w| w.epoch);
-        let behind = st.versions.latest().is_some_and(|l| step < l);
+        let running = st.core.work().map_or(0, |w| w.epoch);
+        let behind = st.core.latest().is_some_and(|l| step < l);
         if epoch >= running && !behind && st.early_pipe.len() < 1 << 16 {
             st.early_pipe.push(EarlyInput {
                 epoch,

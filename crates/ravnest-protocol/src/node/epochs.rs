@@ -1,6 +1,6 @@
 //! The node's epoch rules, pure: when a new epoch waits for the running one to reach its first
-//! step, when it starts, and which step an epoch lets a node run. The node actor follows them;
-//! the coordinator's model-based tests drive their model nodes by the same functions.
+//! step, when it starts, and which step an epoch lets a node run. [`super::core::NodeCore`]
+//! decides by them.
 
 use crate::msg::Work;
 
