@@ -108,8 +108,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             .latest()
             .and_then(|v| st.core.version(v))
             .map(|v| v.model.clone());
-        let bench = super::calibrate::Bench::new(self.compute.clone(), self.id, model);
-        let c = super::calibrate::calibrate(&bench, batch, duration_ms).await;
+        let mut bench = super::calibrate::Bench::new(self.compute.clone(), self.id, model);
+        let c = super::calibrate::calibrate(&mut bench, batch, duration_ms).await;
         Envelope::Measured {
             samples_per_s: c.samples_per_s,
             per_sample_s: c.per_sample_s,
@@ -255,19 +255,15 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 // Ids unique to this node: its id in the high bits.
                 let first = (u64::from(self.id.0) << 40) + st.probe_seq;
                 st.probe_seq += 6 * peers.len() as u64 + 1;
-                spawn_link_probes(
-                    self.transport.clone(),
-                    self.id,
-                    peers,
-                    st.probes.clone(),
-                    first,
-                );
+                st.probes.retain(|(_, tx)| !tx.is_closed());
+                let round = spawn_link_probes(self.transport.clone(), self.id, peers, first);
+                st.probes.push(round);
             }
             Envelope::Probe {
                 id, echo: false, ..
             } => {
-                if let Some(tx) = st.probes.lock().unwrap().remove(&id) {
-                    let _ = tx.send(());
+                if let Some((_, tx)) = st.probes.iter().find(|(ids, _)| ids.contains(&id)) {
+                    let _ = tx.send(id);
                 }
             }
             Envelope::Probe {

@@ -9,7 +9,7 @@
 //! it by their share of the model's work. So a model no node can hold is never built whole to
 //! be measured, here or anywhere.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use ravnest_core::NodeId;
 use tokio::time::Instant;
@@ -37,7 +37,7 @@ pub struct Bench<C: Compute> {
     node: NodeId,
     probe: Probe,
     model: Option<C::Model>,
-    scratch: Arc<Mutex<C::Model>>,
+    scratch: C::Model,
 }
 
 impl<C: Compute> std::fmt::Debug for Bench<C> {
@@ -63,7 +63,7 @@ impl<C: Compute> Bench<C> {
             }
         };
         Bench {
-            scratch: Arc::new(Mutex::new(scratch)),
+            scratch,
             compute,
             node,
             probe,
@@ -73,7 +73,7 @@ impl<C: Compute> Bench<C> {
 
     /// Seconds of one training step of `batch` samples (step number `k`), whole-model
     /// equivalent.
-    pub async fn step(&self, batch: u64, k: u64) -> f64 {
+    pub async fn step(&mut self, batch: u64, k: u64) -> f64 {
         let t = Instant::now();
         match self.probe {
             Probe::Whole => self.whole(batch, k).await,
@@ -90,31 +90,44 @@ impl<C: Compute> Bench<C> {
         t.elapsed().as_secs_f64()
     }
 
-    async fn whole(&self, batch: u64, k: u64) {
-        let buckets = self.compute.buckets();
-        let apply: BucketSink = {
-            let (scratch, compute) = (self.scratch.clone(), self.compute.clone());
-            Arc::new(move |b: usize, g: Vec<f32>| {
-                if let Some(r) = buckets.get(b) {
-                    let _ = compute.apply_update(&mut scratch.lock().unwrap(), r.clone(), &g);
-                }
-            })
-        };
+    async fn whole(&mut self, batch: u64, k: u64) {
         let Some(model) = self.model.clone() else {
             return;
         };
-        let _ = self
+        // Each bucket's gradient comes from the compute thread and is applied to the scratch
+        // version here as it comes, as a step applies its reduced buckets.
+        let (tx, mut made) = tokio::sync::mpsc::unbounded_channel::<(usize, Vec<f32>)>();
+        let sink: BucketSink = Arc::new(move |b: usize, g: Vec<f32>| {
+            let _ = tx.send((b, g));
+        });
+        let (compute, scratch) = (self.compute.clone(), &mut self.scratch);
+        let buckets = compute.buckets();
+        let mut apply = |(b, g): (usize, Vec<f32>)| {
+            if let Some(r) = buckets.get(b) {
+                let _ = compute.apply_update(scratch, r.clone(), &g);
+            }
+        };
+        let pass = self
             .compute
-            .gradient_sum(self.node, k, 0..batch, model, apply)
-            .await;
-        self.compute.end_update(&mut self.scratch.lock().unwrap());
+            .gradient_sum(self.node, k, 0..batch, model, sink);
+        tokio::pin!(pass);
+        loop {
+            tokio::select! {
+                _ = &mut pass => break,
+                Some(part) = made.recv() => apply(part),
+            }
+        }
+        while let Ok(part) = made.try_recv() {
+            apply(part);
+        }
+        self.compute.end_update(&mut self.scratch);
     }
 
     /// Forward and backward of `layers` over `batch` samples in micro-batches, then the
     /// optimizer on the scratch version. `input`: values per sample of the layers' input
     /// (0: they start from the samples themselves); the output's gradient is made up (ones).
     async fn layers(
-        &self,
+        &mut self,
         batch: u64,
         k: u64,
         layers: ravnest_core::LayerRange,
@@ -123,7 +136,7 @@ impl<C: Compute> Bench<C> {
     ) {
         let (c, node) = (&self.compute, self.node);
         // A handle for the passes, let go before the optimizer updates the probe in place.
-        let model = self.scratch.lock().unwrap().clone();
+        let model = self.scratch.clone();
         let mut acc = None;
         let mut start = 0;
         while start < batch {
@@ -158,8 +171,10 @@ impl<C: Compute> Bench<C> {
         }
         drop(model);
         if let Some(g) = acc {
-            let mut scratch = self.scratch.lock().unwrap();
-            let _ = c.apply_stage_grad(&mut scratch, layers, g, 1.0 / batch.max(1) as f32);
+            let scale = 1.0 / batch.max(1) as f32;
+            let _ = self
+                .compute
+                .apply_stage_grad(&mut self.scratch, layers, g, scale);
         }
     }
 }
@@ -177,7 +192,11 @@ pub struct Calibrated {
 
 /// Calibrate `bench` at `batch` for about `duration_ms`: the line through steps of the batch and
 /// of a quarter of it (first half), scaled to full steps alone (second half).
-pub async fn calibrate<C: Compute>(bench: &Bench<C>, batch: u64, duration_ms: u64) -> Calibrated {
+pub async fn calibrate<C: Compute>(
+    bench: &mut Bench<C>,
+    batch: u64,
+    duration_ms: u64,
+) -> Calibrated {
     let sizes = [batch.max(1), (batch / 4).max(1)];
     bench.step(sizes[0], 0).await;
     let half = u128::from(duration_ms / 2);

@@ -217,7 +217,8 @@ pub enum Start {
     Empty,
 }
 
-pub(crate) type ProbeWaiters = Arc<Mutex<BTreeMap<u64, tokio::sync::oneshot::Sender<()>>>>;
+/// Where the echoes of a round of link probes go: the ids it uses, and its task's inbox.
+pub(crate) type ProbeRound = (Range<u64>, tokio::sync::mpsc::UnboundedSender<u64>);
 
 /// Elements of the small probe (latency) and of the large one (bandwidth: 1 MiB).
 pub const PROBE_SMALL: usize = 16;
@@ -233,25 +234,25 @@ pub fn link_from_round_trips(small_s: f64, large_s: f64) -> (f64, f64) {
     (small_s / 2.0 * 1e3, gbps)
 }
 
-/// Measure the links from `me` to `peers` (best of three round trips each) and report them
-/// to the coordinator. Runs beside the actor, which routes the echoes back by id.
+/// Measure the links from `me` to `peers` (best of three round trips each, with the ids from
+/// `first` on) and report them to the coordinator. Runs beside the actor, which hands it the
+/// echoes by the round it returns.
 pub(crate) fn spawn_link_probes<T: Transport>(
     transport: T,
     me: NodeId,
     peers: Vec<NodeId>,
-    waiters: ProbeWaiters,
-    first_id: u64,
-) {
+    first: u64,
+) -> ProbeRound {
+    let ids = first..first + 6 * peers.len() as u64 + 1;
+    let (tx, mut echoes) = tokio::sync::mpsc::unbounded_channel::<u64>();
     tokio::spawn(async move {
-        let mut id = first_id;
+        let mut id = first;
         let mut links = Vec::new();
         for peer in peers {
             let mut best = [f64::INFINITY; 2];
             for (k, len) in [(0, PROBE_SMALL), (1, PROBE_LARGE)] {
                 for _ in 0..3 {
                     id += 1;
-                    let (tx, rx) = tokio::sync::oneshot::channel();
-                    waiters.lock().unwrap().insert(id, tx);
                     let t = Instant::now();
                     let sent = transport.send(
                         Addr::Node(me),
@@ -262,15 +263,23 @@ pub(crate) fn spawn_link_probes<T: Transport>(
                             echo: true,
                         },
                     );
+                    // An echo of an earlier probe that timed out is passed over.
+                    let echoed = async {
+                        while let Some(got) = echoes.recv().await {
+                            if got == id {
+                                return true;
+                            }
+                        }
+                        false
+                    };
                     if sent.is_ok()
                         && matches!(
-                            tokio::time::timeout(Duration::from_secs(5), rx).await,
-                            Ok(Ok(()))
+                            tokio::time::timeout(Duration::from_secs(5), echoed).await,
+                            Ok(true)
                         )
                     {
                         best[k] = best[k].min(t.elapsed().as_secs_f64());
                     }
-                    waiters.lock().unwrap().remove(&id);
                 }
             }
             if best.iter().all(|b| b.is_finite()) {
@@ -284,6 +293,7 @@ pub(crate) fn spawn_link_probes<T: Transport>(
             Envelope::LinkReport { links },
         );
     });
+    (ids, tx)
 }
 
 /// A node process's heartbeat: a task beside the actor (so a long compute does not silence

@@ -10,7 +10,7 @@ use ravnest_core::LayerRange;
 use ravnest_core::pipeline::StageRun;
 use tokio::time::Instant;
 
-use super::ProbeWaiters;
+use super::ProbeRound;
 use crate::collective::{CollectiveMsg, Group, Outcome};
 use ravnest_protocol::msg::{Addr, Envelope, StageWork, StepMode};
 use ravnest_protocol::node::core::NodeCore;
@@ -59,7 +59,8 @@ pub struct NodeState<M, G> {
     pub(super) collective: Option<ActorRef<CollectiveMsg>>,
     /// The sync group of the current epoch.
     pub(super) group: Option<(u64, Arc<Group>)>,
-    pub(super) probes: ProbeWaiters,
+    /// The rounds of link probes under way.
+    pub(super) probes: Vec<ProbeRound>,
     pub(super) probe_seq: u64,
     /// Fail-over: the watch over the coordinator's tick, and its ticker.
     pub(super) watcher: Option<super::watcher::Tick>,
@@ -82,7 +83,7 @@ impl<M, G> NodeState<M, G> {
             early_pipe: Vec::new(),
             collective: None,
             group: None,
-            probes: ProbeWaiters::default(),
+            probes: Vec::new(),
             probe_seq: 0,
             watcher: None,
             watch_ticker: None,

@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ravnest_core::LayerRange;
@@ -28,9 +28,6 @@ use ravnest_protocol::digest::sample_range;
 use ravnest_protocol::msg::{Addr, Envelope, StageWork, StepMode, SyncPolicy, Work};
 use ravnest_protocol::node::core::{self, Input};
 use ravnest_protocol::node::shard::ShardLayout;
-
-/// Buckets collected from a backend: (index, values).
-type Parts = Arc<Mutex<Vec<(usize, Vec<f32>)>>>;
 
 /// A node's state, as this backend's node holds it.
 type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
@@ -239,30 +236,55 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 .gradient_sum(self.id, s, samples, model, ready)
                 .await;
         }
-        let acc: Arc<Mutex<BTreeMap<usize, Vec<f32>>>> = Arc::default();
+        // The sums of the micro-batches so far, by bucket. Each micro-batch's buckets come from
+        // the compute thread and are added in here as they come (this node's memory does not
+        // hold two gradients); the last one's sink adds the sums into its buckets and hands
+        // them on.
+        let mut acc: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
         let mut start = samples.start;
         while start < samples.end {
             let end = (start + chunk).min(samples.end);
-            let last = end == samples.end;
-            let sink: BucketSink = {
-                let (acc, ready) = (acc.clone(), ready.clone());
-                Arc::new(move |k: usize, mut data: Vec<f32>| {
-                    let prev = acc.lock().unwrap().remove(&k);
-                    if let Some(prev) = prev {
-                        for (d, p) in data.iter_mut().zip(&prev) {
+            if end == samples.end {
+                let acc = Arc::new(acc);
+                let sink: BucketSink = Arc::new(move |k: usize, mut data: Vec<f32>| {
+                    if let Some(prev) = acc.get(&k) {
+                        for (d, p) in data.iter_mut().zip(prev) {
                             *d += p;
                         }
                     }
-                    if last {
-                        ready(k, data);
-                    } else {
-                        acc.lock().unwrap().insert(k, data);
-                    }
-                })
+                    ready(k, data);
+                });
+                return self
+                    .compute
+                    .gradient_sum(self.id, s, start..end, model, sink)
+                    .await;
+            }
+            let (tx, mut made) = tokio::sync::mpsc::unbounded_channel::<(usize, Vec<f32>)>();
+            let sink: BucketSink = Arc::new(move |k: usize, data: Vec<f32>| {
+                let _ = tx.send((k, data));
+            });
+            let add = |acc: &mut BTreeMap<usize, Vec<f32>>, (k, data): (usize, Vec<f32>)| match acc
+                .get_mut(&k)
+            {
+                Some(sum) => sum.iter_mut().zip(&data).for_each(|(s, d)| *s += d),
+                None => {
+                    acc.insert(k, data);
+                }
             };
-            self.compute
-                .gradient_sum(self.id, s, start..end, model.clone(), sink)
-                .await?;
+            let pass = self
+                .compute
+                .gradient_sum(self.id, s, start..end, model.clone(), sink);
+            tokio::pin!(pass);
+            let result = loop {
+                tokio::select! {
+                    r = &mut pass => break r,
+                    Some(part) = made.recv() => add(&mut acc, part),
+                }
+            };
+            result?;
+            while let Ok(part) = made.try_recv() {
+                add(&mut acc, part);
+            }
             start = end;
         }
         Ok(())
@@ -297,11 +319,11 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         mode: StepMode,
     ) {
         let params = self.compute.params();
-        let parts: Parts = Arc::default();
-        let sink: BucketSink = {
-            let parts = parts.clone();
-            Arc::new(move |k: usize, data: Vec<f32>| parts.lock().unwrap().push((k, data)))
-        };
+        // The buckets come from the compute thread: (index, values).
+        let (parts, collected) = std::sync::mpsc::channel::<(usize, Vec<f32>)>();
+        let sink: BucketSink = Arc::new(move |k: usize, data: Vec<f32>| {
+            let _ = parts.send((k, data));
+        });
         let t = Instant::now();
         let samples = sample_range(s, w.global_batch, w.offset, w.batch);
         let result = self
@@ -314,8 +336,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let buckets = self.compute.buckets();
         let mut mean = vec![0.0f32; params];
         let inv = 1.0 / w.batch.max(1) as f32;
-        let parts = std::mem::take(&mut *parts.lock().unwrap());
-        for (k, data) in parts {
+        for (k, data) in collected.try_iter() {
             if let Some(r) = buckets.get(k).filter(|r| r.len() == data.len()) {
                 for (m, g) in mean[r.clone()].iter_mut().zip(&data) {
                     *m = g * inv;
