@@ -651,7 +651,7 @@ fn local_resume_command(args: &RunArgs, out: &Path) -> String {
 /// The timeline of a local run from its nodes' reports: one lane per node on the clock all
 /// the processes share, with the coordinator's events as markers.
 fn timeline(m: &RunReport, events: &Path) -> ravnest_sim::timeline::Timeline {
-    use ravnest_runtime::node::SpanKind;
+    use ravnest_runtime::counters::SpanKind;
     use ravnest_sim::timeline::{Lane, Timeline};
     let abs = |r: &NodeReport, ns: u64| r.t0_unix_ns.unwrap_or(0) + ns;
     let origin = m

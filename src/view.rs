@@ -278,7 +278,7 @@ fn predicted_vs_measured(s: &Scenario, m: &RunReport) -> serde_json::Value {
 /// `report.html` for a simulated run: the same page, drawn from the simulator's report
 /// (its timeline, faults and per-node figures; a simulation has no loss curve).
 pub fn sim_report(r: &ravnest_sim::SimReport, path: &Path) -> Result<()> {
-    use ravnest_runtime::node::SpanKind;
+    use ravnest_runtime::counters::SpanKind;
     use ravnest_view::board::NodeState;
     let names: Vec<String> = r.timeline.lanes.iter().map(|l| l.name.clone()).collect();
     let mut b = Board::new(

@@ -27,7 +27,8 @@ use ravnest_protocol::coordinator::succession::Verdict;
 use ravnest_protocol::msg::Addr;
 use ravnest_runtime::checkpoint::{Store, StoreError};
 use ravnest_runtime::coordinator::{Note, RunLog, SharedLog, spawn_leases};
-use ravnest_runtime::node::{Counters, Succession};
+use ravnest_runtime::counters::Counters;
+use ravnest_runtime::node::Succession;
 use ravnest_runtime::supervisor::SupMsg;
 use ravnest_runtime::{Launch, Nodes, Trace, Transport};
 use serde::Serialize;
@@ -812,7 +813,7 @@ async fn simulate(
     let toy = compute.toy();
     let compute = Arc::new(compute);
     let grad_bytes = costs.grad_bytes(all);
-    let counters: Counters = Arc::default();
+    let counters = Counters::default();
     let launch = Launch::new(net.clone()).at(t0).traced(trace.clone());
     let log = launch.journal();
     let spawned = |e: ravnest_runtime::LaunchError| SimError::Unsupported(e.to_string());
@@ -895,7 +896,7 @@ async fn simulate(
     }
 
     let log = log.snapshot();
-    let counters = counters.lock().unwrap().clone();
+    let counters = counters.snapshot();
     let mut r = report(
         s, opts, toy, first_plan, &log, &counters, &net, &trace, end_ns, per_step, violations,
     );

@@ -51,7 +51,7 @@ pub(super) fn stale_violations(
 pub(super) fn picture(
     s: &Scenario,
     log: &RunLog,
-    counters: &BTreeMap<NodeId, ravnest_runtime::node::NodeCounters>,
+    counters: &BTreeMap<NodeId, ravnest_runtime::counters::NodeCounters>,
     down: Vec<Vec<(u64, u64)>>,
     end_ns: u64,
 ) -> timeline::Timeline {
@@ -140,7 +140,7 @@ pub(super) fn checked_checkpoints(log: &RunLog, violations: &mut Vec<String>) ->
 pub(super) fn model_error(
     s: &Scenario,
     toy: &crate::toy::Toy,
-    counters: &BTreeMap<NodeId, ravnest_runtime::node::NodeCounters>,
+    counters: &BTreeMap<NodeId, ravnest_runtime::counters::NodeCounters>,
     steps_completed: u64,
     local_sgd: bool,
     violations: &mut Vec<String>,
@@ -184,7 +184,7 @@ pub(super) fn model_error(
 pub(super) fn node_reports(
     s: &Scenario,
     first_plan: &ravnest_core::Plan,
-    counters: &BTreeMap<NodeId, ravnest_runtime::node::NodeCounters>,
+    counters: &BTreeMap<NodeId, ravnest_runtime::counters::NodeCounters>,
     net: &SimNet,
     end_ns: u64,
 ) -> Vec<NodeReport> {
@@ -399,7 +399,7 @@ pub(super) fn report(
     toy: crate::toy::Toy,
     first_plan: &ravnest_core::Plan,
     log: &RunLog,
-    counters: &BTreeMap<NodeId, ravnest_runtime::node::NodeCounters>,
+    counters: &BTreeMap<NodeId, ravnest_runtime::counters::NodeCounters>,
     net: &SimNet,
     trace: &Trace,
     end_ns: u64,

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use ravnest_runtime::node::SpanKind;
+use ravnest_runtime::counters::SpanKind;
 
 /// One node's lane.
 #[derive(Debug, Clone, Default)]

@@ -10,7 +10,7 @@ use ravnest_core::cost::Costs;
 use ravnest_core::{LayerRange, NodeId};
 use ravnest_protocol::coordinator::Event;
 use ravnest_protocol::coordinator::core::{Config, Tuning};
-use ravnest_runtime::node::Counters;
+use ravnest_runtime::counters::Counters;
 use ravnest_runtime::tcp::LoopbackCluster;
 use ravnest_runtime::{Compute, Launch, Nodes};
 use ravnest_sim::compute::SimCompute;
@@ -41,7 +41,7 @@ fn a_pipeline_trains_over_real_tcp() {
         let toy = compute.toy();
         let net = LoopbackCluster::start(4, b"tcp-pipeline").await.unwrap();
         let t0 = tokio::time::Instant::now();
-        let counters: Counters = Arc::default();
+        let counters = Counters::default();
         let launch = Launch::new(net.clone()).at(t0);
         let nodes = Nodes::new(compute.clone(), (0..4).map(NodeId).collect(), 1 << 20)
             .heartbeat(Duration::from_millis(50))
@@ -83,7 +83,7 @@ fn a_pipeline_trains_over_real_tcp() {
         assert!(sent.iter().all(|&b| b > 0), "every stage sent: {sent:?}");
 
         let reference = toy.reference_model(STEPS, BATCH);
-        let counters = counters.lock().unwrap();
+        let counters = counters.snapshot();
         let mut covered = vec![false; reference.len()];
         for (id, c) in counters.iter() {
             let o = c.observed.as_ref().expect("observed");

@@ -23,7 +23,8 @@ use tokio::time::Instant;
 
 use crate::checkpoint::{CheckpointActor, CkMsg, Store};
 use crate::coordinator::{CoordMsg, CoordinatorActor, SharedLog};
-use crate::node::{Counters, NodeActor, Start, Succession};
+use crate::counters::Counters;
+use crate::node::{NodeActor, Start, Succession};
 use crate::seams::{Compute, Transport};
 use crate::supervisor::{SupMsg, SupervisorActor};
 use crate::trace::Trace;

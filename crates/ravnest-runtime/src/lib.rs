@@ -16,6 +16,7 @@ pub mod checkpoint;
 pub mod collective;
 pub mod conformance;
 pub mod coordinator;
+pub mod counters;
 pub mod launch;
 pub mod netns;
 pub mod node;

@@ -10,7 +10,7 @@ use std::time::Duration;
 use ravnest_core::{NodeId, Optimizer};
 use ravnest_protocol::coordinator::Event;
 use ravnest_protocol::coordinator::core::{Config, Tuning};
-use ravnest_runtime::node::Counters;
+use ravnest_runtime::counters::Counters;
 use ravnest_runtime::tcp::LoopbackCluster;
 use ravnest_runtime::{Launch, Nodes};
 use ravnest_train::compute::CandleCompute;
@@ -77,7 +77,7 @@ async fn equivalence(net: Network, data: Dataset, sync: &str) {
     let compute = Arc::new(CandleCompute::new(net.clone(), data, optim, 11, 1.0));
     let net_tcp = LoopbackCluster::start(3, b"equivalence").await.unwrap();
     let t0 = tokio::time::Instant::now();
-    let counters: Counters = Arc::default();
+    let counters = Counters::default();
     let launch = Launch::new(net_tcp.clone()).at(t0);
     let ids = vec![NodeId(0), NodeId(1), NodeId(2)];
     let nodes = Nodes::new(compute.clone(), ids, 4 * compute.model_len() as u64)
@@ -148,7 +148,7 @@ async fn equivalence(net: Network, data: Dataset, sync: &str) {
         let mean: Vec<f32> = sum.iter().map(|g| g / BATCH as f32).collect();
         compute.step_now(&mut reference, &mean);
     }
-    let counters = counters.lock().unwrap();
+    let counters = counters.snapshot();
     for (id, c) in counters.iter() {
         assert_eq!(c.version, STEPS, "node {id:?} version");
         let o = c.observed.as_ref().expect("observed");

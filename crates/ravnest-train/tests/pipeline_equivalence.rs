@@ -15,7 +15,7 @@ use ravnest_core::cost::Costs;
 use ravnest_core::{LayerRange, NodeId, Optimizer};
 use ravnest_protocol::coordinator::Event;
 use ravnest_protocol::coordinator::core::{Config, Tuning};
-use ravnest_runtime::node::Counters;
+use ravnest_runtime::counters::Counters;
 use ravnest_runtime::tcp::LoopbackCluster;
 use ravnest_runtime::{Compute, Launch, Nodes};
 use ravnest_train::compute::CandleCompute;
@@ -197,7 +197,7 @@ async fn pipeline_equals(stages: usize, kind: Optimizer, reference: &[f32]) -> f
     let s = ravnest_core::parse(&cluster_text(stages, memory_gib, kind), "pipeline-equiv").unwrap();
     let compute = backend(kind);
     let (log, counters) = train_over_tcp(&s, &compute).await;
-    let counters = counters.lock().unwrap();
+    let counters = counters.snapshot();
     let planned: Vec<Vec<(NodeId, u64)>> = log
         .events
         .iter()
@@ -248,7 +248,7 @@ async fn train_over_tcp(
     let tcp = LoopbackCluster::start(nodes_n as u32, b"pipeline-equivalence")
         .await
         .unwrap();
-    let counters: Counters = Arc::default();
+    let counters = Counters::default();
     let launch = Launch::new(tcp.clone()).at(tokio::time::Instant::now());
     let nodes = Nodes::new(compute.clone(), ids.clone(), 4 * compute.model_len() as u64)
         .grad_bytes(4 * compute.params() as u64)
@@ -306,7 +306,7 @@ async fn train_over_tcp(
 /// what it made: the parameter range its versions apply to is a run of whole layers, smaller
 /// than the model. Sorted by layer, checked to tile the model.
 fn held_layers(
-    counters: &std::collections::BTreeMap<NodeId, ravnest_runtime::node::NodeCounters>,
+    counters: &std::collections::BTreeMap<NodeId, ravnest_runtime::counters::NodeCounters>,
     compute: &CandleCompute,
 ) -> Vec<(NodeId, LayerRange)> {
     let params = compute.params();
@@ -350,7 +350,7 @@ fn held_layers(
 /// largest difference (each within [`TOLERANCE`]).
 fn compare(
     held: &[(NodeId, LayerRange)],
-    counters: &std::collections::BTreeMap<NodeId, ravnest_runtime::node::NodeCounters>,
+    counters: &std::collections::BTreeMap<NodeId, ravnest_runtime::counters::NodeCounters>,
     compute: &CandleCompute,
     reference: &[f32],
     what: &str,
@@ -413,7 +413,7 @@ async fn sharded_equals(kind: Optimizer, reference: &[f32]) -> f32 {
     let s = ravnest_core::parse(&cluster_of(&memory, kind, "sharded"), "sharded-equiv").unwrap();
     let compute = backend(kind);
     let (log, counters) = train_over_tcp(&s, &compute).await;
-    let counters = counters.lock().unwrap();
+    let counters = counters.snapshot();
     let planned = log
         .events
         .iter()

@@ -7,7 +7,7 @@ use std::time::Duration;
 use ravnest_core::NodeId;
 use ravnest_protocol::coordinator::Event;
 use ravnest_runtime::coordinator::Note;
-use ravnest_runtime::node::Counters;
+use ravnest_runtime::counters::Counters;
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -114,19 +114,17 @@ pub(super) struct Progress {
 
 /// This node's own figures so far, for a live view.
 fn own_figures(p: &Progress) -> crate::events::NodeFigures {
-    let (compute_s, comm_s, steps_applied, batch) =
-        p.counters
-            .lock()
-            .unwrap()
-            .get(&p.me)
-            .map_or((0.0, 0.0, 0, 0), |c| {
-                (
-                    c.compute_ns as f64 * 1e-9,
-                    c.comm_ns as f64 * 1e-9,
-                    c.steps,
-                    c.batch,
-                )
-            });
+    let (compute_s, comm_s, steps_applied, batch) = p
+        .counters
+        .read(p.me, |c| {
+            (
+                c.compute_ns as f64 * 1e-9,
+                c.comm_ns as f64 * 1e-9,
+                c.steps,
+                c.batch,
+            )
+        })
+        .unwrap_or((0.0, 0.0, 0, 0));
     let peers = p
         .net
         .peer_bytes()
@@ -155,12 +153,7 @@ pub(super) fn say_losses(say: &Say, compute: &CandleCompute, counters: &Counters
     if !say.figures() {
         return;
     }
-    let norms: Vec<(u64, f64)> = counters
-        .lock()
-        .unwrap()
-        .values_mut()
-        .flat_map(|c| std::mem::take(&mut c.grad_norms))
-        .collect();
+    let norms = counters.take_grad_norms();
     for (step, norm) in norms {
         say.say(&RunEvent::GradNorm {
             node: say.node.clone(),
@@ -214,10 +207,8 @@ pub(super) fn spawn_progress(say: Say, p: Progress) -> tokio::task::JoinHandle<(
             }
             let (step, applied) = p
                 .counters
-                .lock()
-                .unwrap()
-                .get(&p.me)
-                .map_or((0, 0), |c| (c.version, c.steps));
+                .read(p.me, |c| (c.version, c.steps))
+                .unwrap_or((0, 0));
             let now = std::time::Instant::now();
             // The first interval starts when training started here.
             let (t, a) = last.unwrap_or_else(|| (*p.compute.started.get().expect("started"), 0));

@@ -13,7 +13,7 @@ use ravnest_protocol::msg::Capabilities;
 use ravnest_protocol::msg::Replica;
 use ravnest_protocol::msg::{Addr, Envelope};
 use ravnest_runtime::coordinator::{Note, spawn_leases};
-use ravnest_runtime::node::Counters;
+use ravnest_runtime::counters::Counters;
 use ravnest_runtime::tcp::TcpTransport;
 use ravnest_runtime::{Compute, Launch, Transport};
 use tokio::sync::mpsc;

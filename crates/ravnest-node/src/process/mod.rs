@@ -31,7 +31,8 @@ use std::time::Duration;
 use ravnest_core::{NodeId, Scenario};
 use ravnest_protocol::coordinator::succession::Verdict;
 use ravnest_protocol::msg::{Addr, Envelope};
-use ravnest_runtime::node::{Counters, Start, Succession};
+use ravnest_runtime::counters::Counters;
+use ravnest_runtime::node::{Start, Succession};
 use ravnest_runtime::tcp::{PROTOCOL_VERSION, TcpConfig, TcpTransport};
 use ravnest_runtime::{Launch, Nodes, Transport};
 use serde_json::{Value, json};
@@ -546,7 +547,7 @@ fn progress_of(opts: &Options, su: &Setup, net: &Tap, counters: &Counters) -> Pr
 /// Each step after the first `warmup` of `history` (the latest [`STEADY_STEPS_MAX`]), as the
 /// differences of consecutive entries.
 fn steady_steps(
-    history: &[ravnest_runtime::node::StepMark],
+    history: &[ravnest_runtime::counters::StepMark],
     warmup: u64,
 ) -> Vec<ravnest_core::profile::StepSample> {
     let from = (warmup as usize).max(1);
@@ -571,7 +572,7 @@ fn steady_steps(
 /// `None` without steady steps or where no all-reduce ran (pipelines, local SGD: the phases
 /// describe a data-parallel step).
 fn step_phases(
-    history: &[ravnest_runtime::node::StepMark],
+    history: &[ravnest_runtime::counters::StepMark],
     warmup: u64,
 ) -> Option<crate::summary::StepPhases> {
     let from = (warmup as usize).max(1);
@@ -609,12 +610,7 @@ fn node_report(
     tcp: &TcpTransport,
     t0: Instant,
 ) -> NodeReport {
-    let c = counters
-        .lock()
-        .unwrap()
-        .get(&su.me)
-        .cloned()
-        .unwrap_or_default();
+    let c = counters.read(su.me, Clone::clone).unwrap_or_default();
     // Times on a clock every process on the machine shares: ns since the Unix epoch.
     let t0_unix_ns = opts.spans.then(|| {
         std::time::SystemTime::now()
@@ -628,8 +624,8 @@ fn node_report(
         .filter(|_| opts.spans)
         .map(|sp| {
             let kind = match sp.kind {
-                ravnest_runtime::node::SpanKind::Compute => "compute",
-                ravnest_runtime::node::SpanKind::Comm => "comm",
+                ravnest_runtime::counters::SpanKind::Compute => "compute",
+                ravnest_runtime::counters::SpanKind::Comm => "comm",
             };
             (sp.start_ns, sp.end_ns, kind.to_string())
         })
@@ -678,7 +674,7 @@ fn node_report(
 /// What this node's model state cost: the most its backend held at once, the process's peak
 /// resident memory when training ended (against what it held before the model existed), and
 /// the copies of the state it holds made per step (counted by the backend).
-fn memory_report(su: &Setup, c: &ravnest_runtime::node::NodeCounters) -> NodeReport {
+fn memory_report(su: &Setup, c: &ravnest_runtime::counters::NodeCounters) -> NodeReport {
     let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
     let state = ravnest_runtime::Compute::state_stats(su.compute.as_ref());
     let peak = su
@@ -745,7 +741,7 @@ mod tests {
     /// what neither compute nor communication does.
     #[test]
     fn steady_phases_are_per_step_differences_of_the_marks() {
-        use ravnest_runtime::node::StepMark;
+        use ravnest_runtime::counters::StepMark;
         use ravnest_runtime::seams::PhaseNs;
         let mark = |v: u64, k: u64| StepMark {
             version: v,

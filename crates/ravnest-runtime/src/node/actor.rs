@@ -10,6 +10,7 @@ use ravnest_core::{LayerRange, NodeId};
 use super::state::{NodeMsg, NodeState};
 use super::{NodeActor, Start, spawn_link_probes};
 use crate::collective::{CollectiveActor, CollectiveMsg};
+use crate::counters::Count;
 use crate::seams::{Compute, Transport};
 use ravnest_protocol::msg::{Addr, Envelope};
 use ravnest_protocol::node::core::{Effect, Input, NodeCore};
@@ -28,8 +29,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let _ = self.transport.send(self.me(), to, env);
     }
 
-    pub(super) fn count(&self, f: impl FnOnce(&mut super::NodeCounters)) {
-        f(self.counters.lock().unwrap().entry(self.id).or_default());
+    pub(super) fn record(&self, count: Count) {
+        self.counters.record(self.id, count);
     }
 
     /// Hand the node's decisions an input and carry out what they say, but a step to run.
@@ -45,7 +46,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 Effect::Send(to, env) => self.send(to, env),
                 Effect::Abandon => {
                     if st.running.take().is_some() || st.pipe.take().is_some() {
-                        self.count(|c| c.aborted += 1);
+                        self.record(Count::Aborted);
                     }
                 }
                 Effect::Activated { epoch, step } => {

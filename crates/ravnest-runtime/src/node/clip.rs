@@ -25,6 +25,7 @@ use ravnest_core::recipe::{clip_factor, scale, sum_sq};
 use super::NodeActor;
 use super::state::NodeState;
 use super::step::Made;
+use crate::counters::Count;
 use crate::seams::{Compute, Transport};
 use ravnest_protocol::msg::{Addr, Envelope, Work};
 
@@ -263,11 +264,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     /// The step's global gradient norm before clipping, for the events.
     fn record_norm(&self, step: u64, total: f64) {
         let norm = total.max(0.0).sqrt();
-        self.count(|c| {
-            if c.grad_norms.len() < 1 << 16 {
-                c.grad_norms.push((step, norm));
-            }
-        });
+        self.record(Count::GradNorm { step, norm });
     }
 }
 

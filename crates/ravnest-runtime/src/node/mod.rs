@@ -18,142 +18,19 @@ pub mod state;
 pub mod step;
 mod watcher;
 
-use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ravnest_core::NodeId;
 use tokio::time::Instant;
 
+use crate::counters::Counters;
 use crate::seams::Transport;
 use ravnest_protocol::coordinator::succession::Verdict;
 use ravnest_protocol::msg::{Addr, Envelope};
 
 pub use state::{NodeMsg, NodeState};
-
-/// What a node was doing during a [`Span`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SpanKind {
-    /// Computing a step.
-    Compute,
-    /// Waiting for a step's collectives after its compute (communication not hidden).
-    Comm,
-}
-
-/// An interval of activity, ns since the start of the run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Span {
-    /// Start.
-    pub start_ns: u64,
-    /// End.
-    pub end_ns: u64,
-    /// Activity.
-    pub kind: SpanKind,
-}
-
-/// Per-node counters, shared with whoever reports.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct NodeCounters {
-    /// Ns spent computing.
-    pub compute_ns: u64,
-    /// Ns between the end of a step's compute and the end of its collectives: communication
-    /// that backward did not hide.
-    pub comm_ns: u64,
-    /// Ns from a data-parallel step's first gradient bucket handed to the all-reduce to its
-    /// last reduced bucket applied, summed over steps (what of it `comm_ns` does not count
-    /// ran hidden behind the backward pass).
-    pub allreduce_ns: u64,
-    /// Steps this node applied.
-    pub steps: u64,
-    /// Samples per step of its current assignment.
-    pub batch: u64,
-    /// Steps abandoned under it (a halt).
-    pub aborted: u64,
-    /// The latest model version this node made.
-    pub version: u64,
-    /// The layers it holds of that version (`None`: the whole model).
-    pub layers: Option<ravnest_core::LayerRange>,
-    /// What the node holds of that version, exported after each step when the nodes were
-    /// launched to be observed ([`crate::Nodes::observe`]: tests and the simulator's
-    /// checkers); `None` otherwise (a real run never copies its model to report it).
-    pub observed: Option<Observed>,
-    /// The whole model at the run's last version, exported once there by a node that holds
-    /// it whole (what a report evaluates when no final checkpoint could be read).
-    pub final_model: Option<Vec<f32>>,
-    /// Under clipping (`[run] max_grad_norm`), each step's global gradient norm before
-    /// clipping, as this node computed it: (step, norm). Whoever reports takes them.
-    pub grad_norms: Vec<(u64, f64)>,
-    /// Activity intervals, in order (for timelines).
-    pub spans: Vec<Span>,
-    /// A mark after each step, so a report can leave out the first steps (warm-up) of a run,
-    /// and a profile can tell each step's figures (differences of consecutive marks) at its
-    /// batch.
-    pub history: Vec<StepMark>,
-}
-
-/// Where a node's counters stood after one step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct StepMark {
-    /// The model version the step made.
-    pub version: u64,
-    /// [`NodeCounters::compute_ns`] so far.
-    pub compute_ns: u64,
-    /// [`NodeCounters::comm_ns`] so far.
-    pub comm_ns: u64,
-    /// Nanoseconds since the node started.
-    pub at_ns: u64,
-    /// The step's batch on this node.
-    pub batch: u64,
-    /// [`NodeCounters::allreduce_ns`] so far.
-    pub allreduce_ns: u64,
-    /// The backend's phases so far ([`crate::Compute::phase_ns`]).
-    pub phases: crate::seams::PhaseNs,
-}
-
-impl NodeCounters {
-    /// (busy, comm) fractions of the wall time between making version `from` and the last
-    /// step, or `None` when that span is not in the history.
-    pub fn steady_fractions(&self, from: u64) -> Option<(f64, f64)> {
-        let start = self.history.iter().find(|h| h.version == from)?;
-        let end = self.history.last()?;
-        let wall = end.at_ns.checked_sub(start.at_ns).filter(|w| *w > 0)? as f64;
-        Some((
-            (end.compute_ns - start.compute_ns) as f64 / wall,
-            (end.comm_ns - start.comm_ns) as f64 / wall,
-        ))
-    }
-}
-
-/// A node's model as an observer sees it: version `version`'s values at `slots` of the flat
-/// model (parameters, then optimizer state), in order.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Observed {
-    /// The version.
-    pub version: u64,
-    /// Where the values sit in the flat model.
-    pub slots: Vec<Range<usize>>,
-    /// The values.
-    pub values: Vec<f32>,
-}
-
-impl Observed {
-    /// The values of flat-model range `r`, if the node holds all of it.
-    pub fn range(&self, r: Range<usize>) -> Option<&[f32]> {
-        let mut at = 0;
-        for s in &self.slots {
-            if s.start <= r.start && r.end <= s.end {
-                let off = at + r.start - s.start;
-                return self.values.get(off..off + r.len());
-            }
-            at += s.len();
-        }
-        None
-    }
-}
-
-/// Counters of every node.
-pub type Counters = Arc<Mutex<BTreeMap<NodeId, NodeCounters>>>;
 
 /// A node actor (read-only configuration; mutable state lives in [`NodeState`]).
 #[derive(Debug)]

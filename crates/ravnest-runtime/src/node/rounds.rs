@@ -16,6 +16,7 @@ use tokio::time::Instant;
 use super::NodeActor;
 use super::state::{Anchor, Carry, Launched, NodeState, OuterMomentum, Running};
 use crate::collective::Outcome;
+use crate::counters::Count;
 use crate::seams::{Compute, Transport};
 use ravnest_protocol::msg::{StepMode, SyncPolicy, Work};
 
@@ -307,7 +308,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             }
             // (After a halt its collectives abort by order: nothing to report.)
             if !st.core.halted() && st.core.work().is_some_and(|w| w.epoch == id.epoch) {
-                self.count(|c| c.aborted += 1);
+                self.record(Count::Aborted);
                 self.fail(
                     id.epoch,
                     format!("the outer round of step {} could not run", id.step),

@@ -19,10 +19,11 @@ use ravnest_core::pipeline::{Ready, StageRun, micro_batches};
 use ravnest_core::ring::RingMode;
 use tokio::time::Instant;
 
+use super::NodeActor;
 use super::rounds::outer_step;
 use super::state::{EarlyInput, NodeMsg, NodeState, Pipe, Running};
-use super::{NodeActor, Observed, Span, SpanKind};
 use crate::collective::{CollectiveMsg, Group, Outcome};
+use crate::counters::{Count, MadeCount, Observed, Span, SpanKind};
 use crate::seams::{BucketSink, Compute, ComputeError, Transport};
 use ravnest_protocol::digest::sample_range;
 use ravnest_protocol::msg::{Addr, Envelope, StageWork, StepMode, SyncPolicy, Work};
@@ -31,9 +32,6 @@ use ravnest_protocol::node::shard::ShardLayout;
 
 /// A node's state, as this backend's node holds it.
 type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
-
-/// Steps of history kept per node (a few MB at most).
-const HISTORY_MAX: usize = 1 << 18;
 
 /// Parts of a checkpoint shard on their way at once (made, queued or unacknowledged): 4 of
 /// [`ravnest_protocol::msg::SHARD_PART`] values, 4 MiB.
@@ -67,15 +65,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     fn computed(&self, since: Instant) -> u64 {
         let span = self.span(since, SpanKind::Compute);
         let ns = since.elapsed().as_nanos() as u64;
-        self.count(|c| {
-            c.compute_ns += ns;
-            match c.spans.last_mut() {
-                Some(last) if last.kind == span.kind && last.end_ns == span.start_ns => {
-                    last.end_ns = span.end_ns;
-                }
-                _ => c.spans.push(span),
-            }
-        });
+        self.record(Count::Compute { ns, span });
         ns
     }
 
@@ -136,7 +126,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             Ok(b) => b,
             Err(e) => return self.fail(w.epoch, e),
         };
-        self.count(|c| c.batch = w.batch);
+        self.record(Count::Batch(w.batch));
         if let Some(sw) = w.stage.clone() {
             return self.start_stage(st, &w, sw, s, base).await;
         }
@@ -383,7 +373,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             // A halt drops the running step before its collectives report their abort: this
             // one failed on its own (it could not start), and waiting would wait forever.
             st.running = None;
-            self.count(|c| c.aborted += 1);
+            self.record(Count::Aborted);
             return self.fail(
                 id.epoch,
                 format!(
@@ -472,10 +462,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 .as_ref()
                 .and_then(|f| f.get())
                 .map_or(0, |t| t.elapsed().as_nanos() as u64);
-            self.count(|c| {
-                c.comm_ns += comm_ns;
-                c.allreduce_ns += allreduce_ns;
-                c.spans.push(span);
+            self.record(Count::Comm {
+                comm_ns,
+                allreduce_ns,
+                span,
             });
         }
         self.finish_step(
@@ -539,30 +529,14 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let final_model = (last && layers.is_none())
             .then(|| self.compute.export(&model, None))
             .flatten();
-        let now_ns = self.t0.elapsed().as_nanos() as u64;
-        let phases = self.compute.phase_ns();
-        self.count(|c| {
-            c.version = v;
-            c.layers = layers;
-            if observed.is_some() {
-                c.observed = observed;
-            }
-            if final_model.is_some() {
-                c.final_model = final_model;
-            }
-            c.steps += 1;
-            if c.history.len() < HISTORY_MAX {
-                c.history.push(super::StepMark {
-                    version: v,
-                    compute_ns: c.compute_ns,
-                    comm_ns: c.comm_ns,
-                    at_ns: now_ns,
-                    batch: c.batch,
-                    allreduce_ns: c.allreduce_ns,
-                    phases,
-                });
-            }
-        });
+        self.record(Count::Made(Box::new(MadeCount {
+            version: v,
+            layers,
+            observed,
+            final_model,
+            at_ns: self.t0.elapsed().as_nanos() as u64,
+            phases: self.compute.phase_ns(),
+        })));
         let made = core::Made {
             epoch,
             step,

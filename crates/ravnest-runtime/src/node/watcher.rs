@@ -2,6 +2,12 @@
 //! [`Watch`] behind a lock, fed from the node's inbox
 //! before its mailbox (a node busy with a long step still hears the coordinator, follows a
 //! successor, and tells a stale coordinator of the newer term at once), and ticked by the node.
+//!
+//! The watch acts inside the transport's callback, before the node's mailbox gets the next
+//! envelope: the transport is redirected to a successor before the node answers anything that
+//! successor sent after its replica (its first halt). The one lock is the price of that order.
+//! (A task of its own that owns the watch was tried: the node's answers then went to the old
+//! host for a moment, and the chaos suite's take-overs stalled.)
 
 use std::sync::{Arc, Mutex};
 

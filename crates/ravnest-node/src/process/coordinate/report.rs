@@ -80,10 +80,8 @@ pub(super) fn evaluate(h: &Host<'_>, end: u64) -> (f64, Option<Sample>, Option<f
         Ok(m) => m,
         Err(_) => h
             .counters
-            .lock()
-            .unwrap()
-            .get(&su.me)
-            .and_then(|c| c.final_model.clone())
+            .read(su.me, |c| c.final_model.clone())
+            .flatten()
             .unwrap_or_default(),
     };
     let weights = &model[..su.compute.params().min(model.len())];
