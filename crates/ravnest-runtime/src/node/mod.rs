@@ -55,7 +55,7 @@ pub struct NodeActor<T, C> {
     pub t0: Instant,
     /// Fail-over: how the node watches the coordinator, and whom it tells what it decides.
     pub succession: Option<Succession>,
-    /// Export the model into the counters after every step ([`NodeCounters::observed`]).
+    /// Export the model into the counters after every step ([`crate::counters::NodeCounters::observed`]).
     pub observe: bool,
 }
 
