@@ -1,11 +1,14 @@
 //! The node's pure parts, which the runtime's node actor drives: its decisions as a state
 //! machine ([`core`]: epochs, halts, versions kept and fetched, peers' requests, the
-//! checkpoint duty), the rules by which an epoch queues, starts and runs ([`epochs`]), the
-//! model versions it keeps ([`versions`]) and a sharded step's ring layout ([`shard`]). Like
-//! the coordinator, they read no clock and do no I/O; a version's values are the backend's
-//! handle, a type parameter here.
+//! checkpoint duty), where the pieces of a clipped step's norm go ([`clip`]), the rules by
+//! which an epoch queues, starts and runs ([`epochs`]), the model versions it keeps
+//! ([`versions`]), local SGD's outer rounds ([`outer`]) and a sharded step's ring layout
+//! ([`shard`]). Like the coordinator, they read
+//! no clock and do no I/O; a version's values are the backend's handle, a type parameter here.
 
+pub mod clip;
 pub mod core;
 pub mod epochs;
+pub mod outer;
 pub mod shard;
 pub mod versions;

@@ -14,50 +14,15 @@ use ravnest_core::collective::CollId;
 use tokio::time::Instant;
 
 use super::NodeActor;
-use super::state::{Anchor, Carry, Launched, NodeState, OuterMomentum, Running};
+use super::state::{Carry, Launched, NodeState, Running};
 use crate::collective::Outcome;
 use crate::counters::Count;
 use crate::seams::{Compute, Transport};
 use ravnest_protocol::msg::{StepMode, SyncPolicy, Work};
+use ravnest_protocol::node::outer::{Anchor, OuterMomentum, outer_step};
 
 /// A node's state, as this backend's node holds it.
 type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
-
-/// An outer round's step, in place in `sum` (the group's sum becomes the new values), from
-/// the round's anchor, with the momentum of the epoch's round before (see
-/// [`ravnest_core::outer`]), which it replaces.
-pub(super) fn outer_step(
-    momentum: &mut Option<OuterMomentum>,
-    w: &Work,
-    (layers, made): (Option<LayerRange>, u64),
-    anchor: &Anchor,
-    sum: &mut [f32],
-) -> Result<(), String> {
-    let SyncPolicy::LocalSgd { outer, .. } = w.sync else {
-        return Err("an outer round outside local SGD".into());
-    };
-    let before = momentum.take().filter(|m| m.goes_on(w, layers));
-    let m = ravnest_core::outer::step(
-        &outer,
-        &anchor.values,
-        sum,
-        anchor.params,
-        before.as_ref().map(|m| m.values.as_slice()),
-    )
-    .ok_or_else(|| {
-        format!(
-            "the outer round from version {} does not fit it",
-            anchor.version
-        )
-    })?;
-    *momentum = Some(OuterMomentum {
-        epoch: w.epoch,
-        version: made,
-        layers,
-        values: m,
-    });
-    Ok(())
-}
 
 impl<T: Transport, C: Compute> NodeActor<T, C> {
     /// The round step `s` ends (`mode`: waited for, launched, or merged), from `local`, this

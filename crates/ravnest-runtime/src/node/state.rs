@@ -14,6 +14,7 @@ use super::ProbeRound;
 use crate::collective::{CollectiveMsg, Group, Outcome};
 use ravnest_protocol::msg::{Addr, Envelope, StageWork, StepMode};
 use ravnest_protocol::node::core::NodeCore;
+use ravnest_protocol::node::outer::{Anchor, OuterMomentum};
 
 /// Messages a node actor handles.
 #[derive(Debug)]
@@ -150,44 +151,6 @@ pub(crate) struct Carry {
     pub(super) values: Vec<f32>,
 }
 
-/// The anchor of an outer round: the version every replica agreed on at the round's start.
-#[derive(Debug)]
-pub(crate) struct Anchor {
-    /// Its version.
-    pub(super) version: u64,
-    /// Its exported values (parameters first).
-    pub(super) values: Vec<f32>,
-    /// How many of them are parameters.
-    pub(super) params: usize,
-}
-
-/// The momentum an outer round made (the same on every replica of the group). It carries over
-/// to the next round of the same epoch, and into the next epoch where the coordinator says
-/// every replica holds it ([`ravnest_protocol::msg::Work::outer_from`]: a switch between epochs of the
-/// same sync groups, at the round that made it). Otherwise an epoch starts it again at zero,
-/// on every replica alike (a node that joins, or a restore, has none to bring).
-#[derive(Debug)]
-pub(crate) struct OuterMomentum {
-    pub(super) epoch: u64,
-    /// The version its round made.
-    pub(super) version: u64,
-    pub(super) layers: Option<LayerRange>,
-    pub(super) values: Vec<f32>,
-}
-
-impl OuterMomentum {
-    /// Whether the next round of `w` over `layers` goes on from this momentum.
-    pub(super) fn goes_on(
-        &self,
-        w: &ravnest_protocol::msg::Work,
-        layers: Option<LayerRange>,
-    ) -> bool {
-        self.layers == layers
-            && (self.epoch == w.epoch
-                || (w.outer_from == Some(self.epoch) && self.version == w.step))
-    }
-}
-
 /// A pipeline stage's step in progress.
 #[derive(Debug)]
 pub(crate) struct Pipe<M, G> {
@@ -211,55 +174,4 @@ pub(crate) struct Pipe<M, G> {
     /// Clipped: the stage's mean gradient, done, waiting for the other stages' pieces of the
     /// norm before it is applied.
     pub(super) clip: Option<Vec<f32>>,
-}
-
-#[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-    use ravnest_core::planner::sync::Collective;
-    use ravnest_protocol::msg::{SyncPolicy, Work};
-
-    /// A node's work of `epoch` from `step`, for tests.
-    pub(crate) fn work(epoch: u64, step: u64, outer_from: Option<u64>) -> Work {
-        Work {
-            epoch,
-            step,
-            until: step + 4,
-            end: 100,
-            offset: 0,
-            batch: 8,
-            global_batch: 16,
-            chunk: 0,
-            ring: Vec::new(),
-            state_from: None,
-            sync: SyncPolicy::EveryStep,
-            collective: Collective::Ring,
-            group_size: 0,
-            stage: None,
-            checkpoint: None,
-            shard: None,
-            outer_from,
-        }
-    }
-
-    #[test]
-    fn the_outer_momentum_goes_on_only_where_every_replica_holds_it() {
-        let m = OuterMomentum {
-            epoch: 3,
-            version: 40,
-            layers: None,
-            values: vec![0.5],
-        };
-        // Its own epoch's next round.
-        assert!(m.goes_on(&work(3, 20, None), None));
-        // A switch at the round that made it, between epochs of the same groups.
-        assert!(m.goes_on(&work(4, 40, Some(3)), None));
-        // A restore to another version, a switch from another epoch, a plain new epoch, or
-        // other layers: it starts again at zero.
-        assert!(!m.goes_on(&work(4, 30, Some(3)), None));
-        assert!(!m.goes_on(&work(5, 40, Some(4)), None));
-        assert!(!m.goes_on(&work(4, 40, None), None));
-        let layers = Some(LayerRange::new(0, 2));
-        assert!(!m.goes_on(&work(3, 20, None), layers));
-    }
 }

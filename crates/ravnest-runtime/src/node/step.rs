@@ -20,7 +20,6 @@ use ravnest_core::ring::RingMode;
 use tokio::time::Instant;
 
 use super::NodeActor;
-use super::rounds::outer_step;
 use super::state::{EarlyInput, NodeMsg, NodeState, Pipe, Running};
 use crate::collective::{CollectiveMsg, Group, Outcome};
 use crate::counters::{Count, MadeCount, Observed, Span, SpanKind};
@@ -28,6 +27,7 @@ use crate::seams::{BucketSink, Compute, ComputeError, Transport};
 use ravnest_protocol::digest::sample_range;
 use ravnest_protocol::msg::{Addr, Envelope, StageWork, StepMode, SyncPolicy, Work};
 use ravnest_protocol::node::core::{self, Input};
+use ravnest_protocol::node::outer::outer_step;
 use ravnest_protocol::node::shard::ShardLayout;
 
 /// A node's state, as this backend's node holds it.
