@@ -184,7 +184,9 @@ pub struct CoordinatorReport {
     pub steady_samples_per_s: f64,
     /// Steps left out as warm-up.
     pub warmup_steps: u64,
-    /// The sum of every node's solo samples/s, measured together.
+    /// The sum of every node's solo samples/s, measured together, each at the batch it trains
+    /// in the last data-parallel plan (its calibrated line there; B / n for a node left out or
+    /// a pipeline's).
     pub solo_sum_samples_per_s: f64,
     /// Achieved samples/s ÷ that sum.
     pub capacity_efficiency: f64,
@@ -192,7 +194,7 @@ pub struct CoordinatorReport {
     /// B / n, measured together (no all-reduce counted); 0 when nothing was measured.
     #[serde(default)]
     pub equal_split_samples_per_s: f64,
-    /// Each node's solo samples/s.
+    /// Each node's solo samples/s (as in the sum).
     pub solo_by_node: BTreeMap<String, f64>,
     /// Plans after the first.
     pub replans: u64,
@@ -492,7 +494,7 @@ impl CoordinatorReport {
         };
         let mut efficiency = if self.solo_sum_samples_per_s > 0.0 {
             format!(
-                "capacity efficiency: {:.2} (achieved ÷ {:.0} samples/s, the sum of each node's measured solo throughput)\n",
+                "capacity efficiency: {:.2} (achieved ÷ {:.0} samples/s, the sum of each node's measured solo throughput at its batch)\n",
                 self.capacity_efficiency, self.solo_sum_samples_per_s
             )
         } else {

@@ -218,6 +218,39 @@ fn equal_split(solo: &BTreeMap<NodeId, Calibration>) -> f64 {
     }
 }
 
+/// Each node's solo throughput at the batch it trains: the line its calibration fitted (fixed
+/// seconds per step and seconds per sample, measured with every node computing at once) at its
+/// batch in the run's last data-parallel plan, `b / (overhead + b · per_sample)`. A node that
+/// plan leaves out, and every node of a pipeline plan (its calibration stands for the whole
+/// model), counts at the batch it was measured at (B / n). What a node can do alone depends on
+/// its batch: measured at B / n only, a node given more than that is undercounted, and the
+/// efficiency against the sum can pass 1.
+fn solo_at_batch(
+    solo: &BTreeMap<NodeId, Calibration>,
+    events: &[(u64, Event)],
+) -> BTreeMap<NodeId, f64> {
+    let planned = events.iter().rev().find_map(|(_, e)| match e {
+        Event::Planned {
+            workers, stages, ..
+        } => Some((workers, stages.is_empty())),
+        _ => None,
+    });
+    solo.iter()
+        .map(|(id, m)| {
+            let at = match planned {
+                Some((workers, true)) => workers.iter().find(|w| w.0 == *id).map(|w| w.1),
+                _ => None,
+            };
+            let step_s = at.map(|b| m.overhead_s + b as f64 * m.per_sample_s);
+            let figure = match (at, step_s) {
+                (Some(b), Some(t)) if b > 0 && t > 0.0 => b as f64 / t,
+                _ => m.samples_per_s,
+            };
+            (*id, figure)
+        })
+        .collect()
+}
+
 /// The coordinator's report: throughput (overall, steady, against the nodes' summed solo
 /// capacity), accuracy, checkpoints, plans and the notable events.
 pub(super) fn coordinator_report(
@@ -247,8 +280,9 @@ pub(super) fn coordinator_report(
         }
         _ => samples_per_s,
     };
-    // Each node's solo throughput at the batch it measured (B / n), fixed costs included.
-    let solo_sum: f64 = solo.values().map(|m| m.samples_per_s).sum();
+    // Each node's solo throughput at the batch it trains, fixed costs included.
+    let at_batch = solo_at_batch(solo, &log.events);
+    let solo_sum: f64 = at_batch.values().sum();
     let checkpoints: Vec<u64> = log
         .events
         .iter()
@@ -305,9 +339,9 @@ pub(super) fn coordinator_report(
         } else {
             0.0
         },
-        solo_by_node: solo
+        solo_by_node: at_batch
             .iter()
-            .map(|(id, m)| (cluster.nodes[id.index()].name.clone(), m.samples_per_s))
+            .map(|(id, x)| (cluster.nodes[id.index()].name.clone(), *x))
             .collect(),
         replans: plans.saturating_sub(1) as u64,
         accuracy: q.accuracy,
@@ -401,4 +435,56 @@ fn resume_command(h: &Host<'_>) -> String {
         o.node,
         o.out_dir.display()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(samples_per_s: f64, per_sample_s: f64, overhead_s: f64) -> Calibration {
+        Calibration {
+            samples_per_s,
+            per_sample_s,
+            overhead_s,
+        }
+    }
+
+    fn planned(workers: Vec<(NodeId, u64)>, pipeline: bool) -> (u64, Event) {
+        let stages = if pipeline {
+            vec![(NodeId(0), ravnest_core::LayerRange::new(0, 1))]
+        } else {
+            Vec::new()
+        };
+        let e = Event::Planned {
+            step: 0,
+            workers,
+            stages,
+            samples: Vec::new(),
+        };
+        (0, e)
+    }
+
+    #[test]
+    fn a_nodes_solo_figure_is_its_line_at_the_batch_it_trains() {
+        // Measured at 16 each (B / n): 0.1 s + 0.01 s per sample, and 0.3 s + 0.03 s.
+        let solo = BTreeMap::from([
+            (NodeId(0), line(16.0 / 0.26, 0.01, 0.1)),
+            (NodeId(1), line(16.0 / 0.78, 0.03, 0.3)),
+        ]);
+        // The last plan gives 24 and 8: the fast node does more at 24 than at 16, the slow
+        // one less at 8.
+        let events = vec![
+            planned(vec![(NodeId(0), 16), (NodeId(1), 16)], false),
+            planned(vec![(NodeId(0), 24), (NodeId(1), 8)], false),
+        ];
+        let at = solo_at_batch(&solo, &events);
+        assert!((at[&NodeId(0)] - 24.0 / 0.34).abs() < 1e-9);
+        assert!((at[&NodeId(1)] - 8.0 / 0.54).abs() < 1e-9);
+        // Left out by the plan, or no plan, or a pipeline: the figure at B / n.
+        let events = vec![planned(vec![(NodeId(0), 32)], false)];
+        assert_eq!(solo_at_batch(&solo, &events)[&NodeId(1)], 16.0 / 0.78);
+        assert_eq!(solo_at_batch(&solo, &[])[&NodeId(0)], 16.0 / 0.26);
+        let events = vec![planned(vec![(NodeId(0), 24), (NodeId(1), 8)], true)];
+        assert_eq!(solo_at_batch(&solo, &events)[&NodeId(0)], 16.0 / 0.26);
+    }
 }
