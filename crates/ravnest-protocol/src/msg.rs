@@ -231,6 +231,31 @@ impl SyncPolicy {
 }
 
 impl Work {
+    /// For tests: epoch `epoch` of data-parallel steps every one synchronized, from `step` and
+    /// granted below `until`, the run ending at 100, over `ring`; 8 samples of 16.
+    #[cfg(test)]
+    pub(crate) fn for_test(epoch: u64, step: u64, until: u64, ring: Vec<NodeId>) -> Work {
+        Work {
+            epoch,
+            step,
+            until,
+            end: 100,
+            offset: 0,
+            batch: 8,
+            global_batch: 16,
+            chunk: 0,
+            ring,
+            state_from: None,
+            sync: SyncPolicy::EveryStep,
+            collective: Collective::Ring,
+            group_size: 0,
+            stage: None,
+            checkpoint: None,
+            shard: None,
+            outer_from: None,
+        }
+    }
+
     /// How step `s` of this epoch is synchronized.
     pub fn mode(&self, s: u64) -> StepMode {
         self.sync.mode(self.step, self.end, s)

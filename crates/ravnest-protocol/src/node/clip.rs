@@ -51,31 +51,12 @@ pub fn pass_on(w: &Work, part: u32) -> Option<NodeId> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::msg::{ShardWork, StageWork, SyncPolicy};
+    use crate::msg::{ShardWork, StageWork};
     use ravnest_core::LayerRange;
-    use ravnest_core::planner::sync::Collective;
 
     /// Epoch 1's work from step 0, over `ring`.
     fn work(ring: Vec<NodeId>) -> Work {
-        Work {
-            epoch: 1,
-            step: 0,
-            until: 4,
-            end: 100,
-            offset: 0,
-            batch: 8,
-            global_batch: 16,
-            chunk: 0,
-            ring,
-            state_from: None,
-            sync: SyncPolicy::EveryStep,
-            collective: Collective::Ring,
-            group_size: 0,
-            stage: None,
-            checkpoint: None,
-            shard: None,
-            outer_from: None,
-        }
+        Work::for_test(1, 0, 4, ring)
     }
 
     fn stage(stage: u32, stages: u32) -> StageWork {

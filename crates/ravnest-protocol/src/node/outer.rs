@@ -83,28 +83,12 @@ pub fn outer_step(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ravnest_core::planner::sync::Collective;
 
-    /// A node's work of `epoch` from `step`, for tests.
+    /// A node's work of `epoch` from `step`, its outer momentum from `outer_from`.
     fn work(epoch: u64, step: u64, outer_from: Option<u64>) -> Work {
         Work {
-            epoch,
-            step,
-            until: step + 4,
-            end: 100,
-            offset: 0,
-            batch: 8,
-            global_batch: 16,
-            chunk: 0,
-            ring: Vec::new(),
-            state_from: None,
-            sync: SyncPolicy::EveryStep,
-            collective: Collective::Ring,
-            group_size: 0,
-            stage: None,
-            checkpoint: None,
-            shard: None,
             outer_from,
+            ..Work::for_test(epoch, step, step + 4, Vec::new())
         }
     }
 

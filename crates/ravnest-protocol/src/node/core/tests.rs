@@ -1,33 +1,14 @@
 use proptest::prelude::*;
-use ravnest_core::planner::sync::Collective;
 use ravnest_core::{LayerRange, NodeId};
 
 use super::*;
-use crate::msg::{CheckpointDuty, ShardWork, StageWork, SyncPolicy};
+use crate::msg::{CheckpointDuty, ShardWork, StageWork};
 
 const ME: NodeId = NodeId(0);
 
 /// Epoch `epoch` from `step`, granted to `until`, the run ending at 100.
 fn work(epoch: u64, step: u64, until: u64) -> Work {
-    Work {
-        epoch,
-        step,
-        until,
-        end: 100,
-        offset: 0,
-        batch: 8,
-        global_batch: 16,
-        chunk: 0,
-        ring: vec![ME, NodeId(1)],
-        state_from: None,
-        sync: SyncPolicy::EveryStep,
-        collective: Collective::Ring,
-        group_size: 0,
-        stage: None,
-        checkpoint: None,
-        shard: None,
-        outer_from: None,
-    }
+    Work::for_test(epoch, step, until, vec![ME, NodeId(1)])
 }
 
 /// The counter model's version `step + 1`.
