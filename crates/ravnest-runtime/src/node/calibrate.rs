@@ -14,7 +14,7 @@ use std::sync::Arc;
 use ravnest_core::NodeId;
 use tokio::time::Instant;
 
-use crate::seams::{BucketSink, Compute, Probe};
+use crate::seams::{Compute, Probe};
 
 /// (seconds per sample, fixed seconds per step) of the line through a mean step time `t1` at
 /// batch `b1` and `t2` at `b2`; all per sample when noise hid the fixed cost.
@@ -96,30 +96,15 @@ impl<C: Compute> Bench<C> {
         };
         // Each bucket's gradient comes from the compute thread and is applied to the scratch
         // version here as it comes, as a step applies its reduced buckets.
-        let (tx, mut made) = tokio::sync::mpsc::unbounded_channel::<(usize, Vec<f32>)>();
-        let sink: BucketSink = Arc::new(move |b: usize, g: Vec<f32>| {
-            let _ = tx.send((b, g));
-        });
-        let (compute, scratch) = (self.compute.clone(), &mut self.scratch);
+        let (compute, scratch) = (&self.compute, &mut self.scratch);
         let buckets = compute.buckets();
-        let mut apply = |(b, g): (usize, Vec<f32>)| {
+        let pass = |sink| compute.gradient_sum(self.node, k, 0..batch, model, sink);
+        let _ = super::with_buckets(pass, |b, g| {
             if let Some(r) = buckets.get(b) {
                 let _ = compute.apply_update(scratch, r.clone(), &g);
             }
-        };
-        let pass = self
-            .compute
-            .gradient_sum(self.node, k, 0..batch, model, sink);
-        tokio::pin!(pass);
-        loop {
-            tokio::select! {
-                _ = &mut pass => break,
-                Some(part) = made.recv() => apply(part),
-            }
-        }
-        while let Ok(part) = made.try_recv() {
-            apply(part);
-        }
+        })
+        .await;
         self.compute.end_update(&mut self.scratch);
     }
 

@@ -26,7 +26,7 @@ use ravnest_core::NodeId;
 use tokio::time::Instant;
 
 use crate::counters::Counters;
-use crate::seams::Transport;
+use crate::seams::{BucketSink, Transport};
 use ravnest_protocol::coordinator::succession::Verdict;
 use ravnest_protocol::msg::{Addr, Envelope};
 
@@ -171,6 +171,34 @@ pub(crate) fn spawn_link_probes<T: Transport>(
         );
     });
     (ids, tx)
+}
+
+/// Run the compute `pass` with a bucket sink whose buckets are handed to `on` here, on the
+/// caller's task, as the compute thread makes them (and those still on their way when the pass
+/// ends): the compute thread and the caller share nothing. The pass's result.
+async fn with_buckets<R, F>(
+    pass: impl FnOnce(BucketSink) -> F,
+    mut on: impl FnMut(usize, Vec<f32>),
+) -> R
+where
+    F: std::future::Future<Output = R>,
+{
+    let (tx, mut made) = tokio::sync::mpsc::unbounded_channel::<(usize, Vec<f32>)>();
+    let sink: BucketSink = Arc::new(move |k: usize, data: Vec<f32>| {
+        let _ = tx.send((k, data));
+    });
+    let pass = pass(sink);
+    tokio::pin!(pass);
+    let result = loop {
+        tokio::select! {
+            r = &mut pass => break r,
+            Some((k, data)) = made.recv() => on(k, data),
+        }
+    };
+    while let Ok((k, data)) = made.try_recv() {
+        on(k, data);
+    }
+    result
 }
 
 /// A node process's heartbeat: a task beside the actor (so a long compute does not silence

@@ -19,8 +19,8 @@ use ravnest_core::pipeline::{Ready, StageRun, micro_batches};
 use ravnest_core::ring::RingMode;
 use tokio::time::Instant;
 
-use super::NodeActor;
 use super::state::{EarlyInput, NodeMsg, NodeState, Pipe, Running};
+use super::{NodeActor, with_buckets};
 use crate::collective::{CollectiveMsg, Group, Outcome};
 use crate::counters::{Count, MadeCount, Observed, Span, SpanKind};
 use crate::seams::{BucketSink, Compute, ComputeError, Transport};
@@ -249,32 +249,17 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                     .gradient_sum(self.id, s, start..end, model, sink)
                     .await;
             }
-            let (tx, mut made) = tokio::sync::mpsc::unbounded_channel::<(usize, Vec<f32>)>();
-            let sink: BucketSink = Arc::new(move |k: usize, data: Vec<f32>| {
-                let _ = tx.send((k, data));
-            });
-            let add = |acc: &mut BTreeMap<usize, Vec<f32>>, (k, data): (usize, Vec<f32>)| match acc
-                .get_mut(&k)
-            {
+            let pass = |sink| {
+                self.compute
+                    .gradient_sum(self.id, s, start..end, model.clone(), sink)
+            };
+            with_buckets(pass, |k, data| match acc.get_mut(&k) {
                 Some(sum) => sum.iter_mut().zip(&data).for_each(|(s, d)| *s += d),
                 None => {
                     acc.insert(k, data);
                 }
-            };
-            let pass = self
-                .compute
-                .gradient_sum(self.id, s, start..end, model.clone(), sink);
-            tokio::pin!(pass);
-            let result = loop {
-                tokio::select! {
-                    r = &mut pass => break r,
-                    Some(part) = made.recv() => add(&mut acc, part),
-                }
-            };
-            result?;
-            while let Ok(part) = made.try_recv() {
-                add(&mut acc, part);
-            }
+            })
+            .await?;
             start = end;
         }
         Ok(())
@@ -309,29 +294,23 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         mode: StepMode,
     ) {
         let params = self.compute.params();
-        // The buckets come from the compute thread: (index, values).
-        let (parts, collected) = std::sync::mpsc::channel::<(usize, Vec<f32>)>();
-        let sink: BucketSink = Arc::new(move |k: usize, data: Vec<f32>| {
-            let _ = parts.send((k, data));
-        });
         let t = Instant::now();
         let samples = sample_range(s, w.global_batch, w.offset, w.batch);
-        let result = self
-            .gradient_sum(s, samples, w.chunk, base.clone(), sink)
-            .await;
-        if let Err(e) = result {
-            self.computed(t);
-            return self.fail(w.epoch, e.to_string());
-        }
         let buckets = self.compute.buckets();
         let mut mean = vec![0.0f32; params];
         let inv = 1.0 / w.batch.max(1) as f32;
-        for (k, data) in collected.try_iter() {
+        let pass = |sink| self.gradient_sum(s, samples, w.chunk, base.clone(), sink);
+        let result = with_buckets(pass, |k, data| {
             if let Some(r) = buckets.get(k).filter(|r| r.len() == data.len()) {
                 for (m, g) in mean[r.clone()].iter_mut().zip(&data) {
                     *m = g * inv;
                 }
             }
+        })
+        .await;
+        if let Err(e) = result {
+            self.computed(t);
+            return self.fail(w.epoch, e.to_string());
         }
         if let Some(max) = self.compute.max_grad_norm() {
             // Local SGD: each node clips its own gradient (DiLoCo's inner optimizer).
