@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use ravnest_core::cost::GradBucket;
 use ravnest_core::{LayerRange, NodeId};
 use ravnest_runtime::Compute;
-use ravnest_runtime::seams::{BucketSink, ComputeError};
+use ravnest_runtime::seams::{BucketSink, ComputeError, StagePass};
 
 use crate::toy::{self, Toy};
 
@@ -313,13 +313,16 @@ impl Compute for SimCompute {
 
     async fn stage_forward(
         &self,
-        node: NodeId,
-        _step: u64,
-        samples: Range<u64>,
-        layers: LayerRange,
+        pass: StagePass<'_>,
         model: &SimModel,
-        input: Option<&[f32]>,
     ) -> Result<Vec<f32>, ComputeError> {
+        let StagePass {
+            node,
+            samples,
+            layers,
+            input,
+            ..
+        } = pass;
         let share = self.layer_share(layers)?;
         let params = model
             .get(self.toy().param_range(layers))
@@ -341,16 +344,18 @@ impl Compute for SimCompute {
 
     async fn stage_backward(
         &self,
-        node: NodeId,
-        _step: u64,
-        samples: Range<u64>,
-        layers: LayerRange,
+        pass: StagePass<'_>,
         _model: &SimModel,
-        _input: Option<&[f32]>,
-        output: &[f32],
-        grad_out: Option<&[f32]>,
         acc: Option<Vec<f32>>,
     ) -> Result<(Vec<f32>, Vec<f32>), ComputeError> {
+        let StagePass {
+            node,
+            samples,
+            layers,
+            output,
+            grad_out,
+            ..
+        } = pass;
         let share = self.layer_share(layers)?;
         let n = samples.end - samples.start;
         let want = n as usize * toy::DIM;

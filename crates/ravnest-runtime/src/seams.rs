@@ -9,6 +9,7 @@ use std::sync::Arc;
 use ravnest_core::{LayerRange, NodeId};
 
 use ravnest_protocol::msg::{Addr, Envelope};
+use ravnest_protocol::node::stage::Pass;
 
 /// Where a transport hands an arriving envelope: (sender, envelope).
 pub type Inbox = Arc<dyn Fn(Addr, Envelope) + Send + Sync>;
@@ -141,6 +142,51 @@ pub struct PhaseNs {
 /// Where a backend hands each finished bucket of a step's gradient sum: (bucket index, values).
 /// Owned, so that a backend may run its compute on a thread of its own.
 pub type BucketSink = Arc<dyn Fn(usize, Vec<f32>) + Send + Sync>;
+
+/// One micro-batch's pass through a pipeline stage's layers, as the node hands it to the
+/// compute ([`Compute::stage_forward`], [`Compute::stage_backward`]).
+#[derive(Debug, Clone)]
+pub struct StagePass<'a> {
+    /// The node computing it.
+    pub node: NodeId,
+    /// The step.
+    pub step: u64,
+    /// The micro-batch's global samples.
+    pub samples: Range<u64>,
+    /// The stage's layers.
+    pub layers: LayerRange,
+    /// The previous stage's output (`None` on the first stage, which reads the samples).
+    pub input: Option<&'a [f32]>,
+    /// A backward's: the forward's output (empty for a forward).
+    pub output: &'a [f32],
+    /// A backward's: the gradient of the output from the next stage (`None` on the last
+    /// stage, from the loss; and for a forward).
+    pub grad_out: Option<&'a [f32]>,
+}
+
+impl<'a> StagePass<'a> {
+    /// `pass` of step `step`'s schedule on `layers` of node `node`.
+    pub fn of(node: NodeId, step: u64, layers: LayerRange, pass: &'a Pass) -> Self {
+        let (input, output, grad_out) = match pass {
+            Pass::Forward { input, .. } => (input, &[][..], None),
+            Pass::Backward {
+                input,
+                output,
+                grad,
+                ..
+            } => (input, &output[..], grad.as_deref()),
+        };
+        StagePass {
+            node,
+            step,
+            samples: pass.samples(),
+            layers,
+            input: input.as_deref(),
+            output,
+            grad_out,
+        }
+    }
+}
 
 /// How a node computes one training step and applies an update, and what it holds.
 ///
@@ -320,35 +366,25 @@ pub trait Compute: Send + Sync + 'static {
         false
     }
 
-    /// Forward of one micro-batch through `layers` of `model`: from `input`, the previous
-    /// stage's output, or from the samples on the first stage. Returns the output activations.
+    /// Forward of one micro-batch through `pass.layers` of `model`: from `pass.input`, the
+    /// previous stage's output, or from the samples on the first stage. Returns the output
+    /// activations.
     fn stage_forward(
         &self,
-        _node: NodeId,
-        _step: u64,
-        _samples: Range<u64>,
-        _layers: LayerRange,
+        _pass: StagePass<'_>,
         _model: &Self::Model,
-        _input: Option<&[f32]>,
     ) -> impl Future<Output = Result<Vec<f32>, ComputeError>> + Send {
         std::future::ready(Err(ComputeError::Unsupported(NO_STAGES)))
     }
 
-    /// Backward of one micro-batch through `layers`, given the forward's `input` and `output`
-    /// and the gradient of the output (`None` on the last stage: from the loss). Adds the
-    /// *sum* over the samples of the gradient of the layers' parameters to `acc` (`None`: the
-    /// first micro-batch of the step) and returns it with the gradient of the input.
-    #[allow(clippy::too_many_arguments)]
+    /// Backward of one micro-batch through `pass.layers`, given the forward's input and
+    /// output and the gradient of the output (`None` on the last stage: from the loss). Adds
+    /// the *sum* over the samples of the gradient of the layers' parameters to `acc` (`None`:
+    /// the first micro-batch of the step) and returns it with the gradient of the input.
     fn stage_backward(
         &self,
-        _node: NodeId,
-        _step: u64,
-        _samples: Range<u64>,
-        _layers: LayerRange,
+        _pass: StagePass<'_>,
         _model: &Self::Model,
-        _input: Option<&[f32]>,
-        _output: &[f32],
-        _grad_out: Option<&[f32]>,
         _acc: Option<Self::StageGrad>,
     ) -> impl Future<Output = Result<(Self::StageGrad, Vec<f32>), ComputeError>> + Send {
         std::future::ready(Err(ComputeError::Unsupported(NO_STAGES)))

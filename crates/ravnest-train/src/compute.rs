@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 use ravnest_core::{LayerRange, NodeId};
 use ravnest_runtime::Compute;
-use ravnest_runtime::seams::{BucketSink, ComputeError, PhaseNs};
+use ravnest_runtime::seams::{BucketSink, ComputeError, PhaseNs, StagePass};
 
 use crate::data::Dataset;
 use crate::gpt::StageInput;
@@ -590,13 +590,16 @@ impl Compute for CandleCompute {
 
     async fn stage_forward(
         &self,
-        _node: NodeId,
-        step: u64,
-        samples: Range<u64>,
-        layers: LayerRange,
+        pass: StagePass<'_>,
         model: &CandleModel,
-        input: Option<&[f32]>,
     ) -> Result<Vec<f32>, ComputeError> {
+        let StagePass {
+            step,
+            samples,
+            layers,
+            input,
+            ..
+        } = pass;
         let rows = samples.end - samples.start;
         let kept_in = input.map_or(0, |i| i.len() as u64 * 4);
         self.count(layers, rows, kept_in)?;
@@ -630,16 +633,19 @@ impl Compute for CandleCompute {
 
     async fn stage_backward(
         &self,
-        _node: NodeId,
-        step: u64,
-        samples: Range<u64>,
-        layers: LayerRange,
+        pass: StagePass<'_>,
         model: &CandleModel,
-        input: Option<&[f32]>,
-        output: &[f32],
-        grad_out: Option<&[f32]>,
         acc: Option<CandleGrad>,
     ) -> Result<(CandleGrad, Vec<f32>), ComputeError> {
+        let StagePass {
+            step,
+            samples,
+            layers,
+            input,
+            output,
+            grad_out,
+            ..
+        } = pass;
         let rows = samples.end - samples.start;
         let range = samples.clone();
         self.count(layers, rows, 0)?;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use ravnest_core::{LayerRange, Optimizer};
 use ravnest_runtime::Compute;
+use ravnest_runtime::seams::StagePass;
 use ravnest_train::compute::CandleCompute;
 use ravnest_train::data::Dataset;
 use ravnest_train::gpt::Gpt;
@@ -91,36 +92,29 @@ async fn a_stage_holds_its_layers_and_an_update_copies_nothing() {
         0,
         "nothing is made before it is used"
     );
-    let out = c
-        .stage_forward(
-            ravnest_core::NodeId(0),
-            0,
-            0..2,
-            l,
-            &base,
-            Some(&vec![0.1; 2 * GPT.seq * GPT.hidden]),
-        )
-        .await
-        .unwrap();
+    let input = vec![0.1; 2 * GPT.seq * GPT.hidden];
+    let pass = StagePass {
+        node: ravnest_core::NodeId(0),
+        step: 0,
+        samples: 0..2,
+        layers: l,
+        input: Some(&input),
+        output: &[],
+        grad_out: None,
+    };
+    let out = c.stage_forward(pass.clone(), &base).await.unwrap();
     assert_eq!(out.len(), 2 * GPT.seq * GPT.hidden);
     let per_param = 4 * 3; // parameters, m and v
     let r = c.param_range(l);
     assert_eq!(c.state_stats().held_bytes, (per_param * r.len()) as u64);
     let before = c.export(&base, Some(l)).unwrap();
-    let (grad, _) = c
-        .stage_backward(
-            ravnest_core::NodeId(0),
-            0,
-            0..2,
-            l,
-            &base,
-            Some(&vec![0.1; 2 * GPT.seq * GPT.hidden]),
-            &out,
-            Some(&vec![0.01; out.len()]),
-            None,
-        )
-        .await
-        .unwrap();
+    let grad_out = vec![0.01; out.len()];
+    let backward = StagePass {
+        output: &out,
+        grad_out: Some(&grad_out),
+        ..pass
+    };
+    let (grad, _) = c.stage_backward(backward, &base, None).await.unwrap();
     let mut next = base.clone();
     c.apply_stage_grad(&mut next, l, grad, 0.5).unwrap();
     assert_eq!(

@@ -2,8 +2,9 @@
 //! machine ([`core`]: epochs, halts, versions kept and fetched, peers' requests, the
 //! checkpoint duty), where the pieces of a clipped step's norm go ([`clip`]), the rules by
 //! which an epoch queues, starts and runs ([`epochs`]), the model versions it keeps
-//! ([`versions`]), local SGD's outer rounds ([`outer`]) and a sharded step's ring layout
-//! ([`shard`]). Like the coordinator, they read
+//! ([`versions`]), local SGD's outer rounds ([`outer`]), a sharded step's ring layout
+//! ([`shard`]) and a pipeline stage's step ([`stage`]: its 1F1B order, what it sends, its
+//! early inputs). Like the coordinator, they read
 //! no clock and do no I/O; a version's values are the backend's handle, a type parameter here.
 
 pub mod clip;
@@ -11,4 +12,5 @@ pub mod core;
 pub mod epochs;
 pub mod outer;
 pub mod shard;
+pub mod stage;
 pub mod versions;

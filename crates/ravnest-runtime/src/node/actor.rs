@@ -14,6 +14,7 @@ use crate::counters::Count;
 use crate::seams::{Compute, Transport};
 use ravnest_protocol::msg::{Addr, Envelope};
 use ravnest_protocol::node::core::{Effect, Input, NodeCore};
+use ravnest_protocol::node::stage::StageInput;
 
 /// A node's state, as this backend's node holds it.
 type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
@@ -50,8 +51,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                     }
                 }
                 Effect::Activated { epoch, step } => {
-                    st.early_pipe
-                        .retain(|e| e.epoch > epoch || (e.epoch == epoch && e.step >= step));
+                    st.early_pipe.activated(epoch, step);
                     if let Some(c) = &st.collective {
                         let _ = c.cast(CollectiveMsg::Halt(epoch.saturating_sub(1)));
                     }
@@ -208,25 +208,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                     let _ = c.cast(CollectiveMsg::Net(msg));
                 }
             }
-            Envelope::Activation {
-                epoch,
-                step,
-                micro,
-                data,
-                ..
-            } => {
-                self.on_stage_input(st, epoch, step, false, micro, data)
-                    .await
-            }
-            Envelope::ActivationGrad {
-                epoch,
-                step,
-                micro,
-                data,
-                ..
-            } => {
-                self.on_stage_input(st, epoch, step, true, micro, data)
-                    .await
+            env @ (Envelope::Activation { .. } | Envelope::ActivationGrad { .. }) => {
+                if let Ok(input) = StageInput::of(env) {
+                    self.on_stage_input(st, input).await
+                }
             }
             Envelope::GradNorm {
                 epoch,

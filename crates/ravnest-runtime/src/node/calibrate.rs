@@ -14,7 +14,7 @@ use std::sync::Arc;
 use ravnest_core::NodeId;
 use tokio::time::Instant;
 
-use crate::seams::{Compute, Probe};
+use crate::seams::{Compute, Probe, StagePass};
 
 /// (seconds per sample, fixed seconds per step) of the line through a mean step time `t1` at
 /// batch `b1` and `t2` at `b2`; all per sample when noise hid the fixed cost.
@@ -128,25 +128,21 @@ impl<C: Compute> Bench<C> {
             let end = (start + micro).min(batch);
             let rows = (end - start) as usize;
             let x = (input > 0).then(|| vec![0.1f32; rows * input]);
-            let Ok(out) = c
-                .stage_forward(node, k, start..end, layers, &model, x.as_deref())
-                .await
-            else {
+            let pass = |output, grad_out| StagePass {
+                node,
+                step: k,
+                samples: start..end,
+                layers,
+                input: x.as_deref(),
+                output,
+                grad_out,
+            };
+            let Ok(out) = c.stage_forward(pass(&[], None), &model).await else {
                 return;
             };
             let grad_out = (out.len() > 1).then(|| vec![1e-3f32; out.len()]);
             match c
-                .stage_backward(
-                    node,
-                    k,
-                    start..end,
-                    layers,
-                    &model,
-                    x.as_deref(),
-                    &out,
-                    grad_out.as_deref(),
-                    acc.take(),
-                )
+                .stage_backward(pass(&out, grad_out.as_deref()), &model, acc.take())
                 .await
             {
                 Ok((g, _)) => acc = Some(g),

@@ -71,7 +71,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let Some(values) = p.clip.as_ref() else {
             return;
         };
-        let (epoch, step, piece) = (p.epoch, p.step, sum_sq(values));
+        let (epoch, step, piece) = (p.stage.epoch, p.stage.step, sum_sq(values));
         let Some(route) = st.core.work().and_then(|w| route(w, self.id)) else {
             // A pipeline of one stage: the whole gradient is here.
             st.norms.add(epoch, step, 0, piece);
@@ -148,17 +148,17 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let Some(p) = st.pipe.as_ref().filter(|p| p.clip.is_some()) else {
             return;
         };
-        let Some(total) = st.norms.total(p.epoch, p.step, parts) else {
+        let Some(total) = st.norms.total(p.stage.epoch, p.stage.step, parts) else {
             return;
         };
-        st.norms.forget_before(p.epoch, p.step + 1);
+        st.norms.forget_before(p.stage.epoch, p.stage.step + 1);
         let Some(mut p) = st.pipe.take() else { return };
         let Some(w) = st.core.work().cloned() else {
             return;
         };
         let mut values = p.clip.take().unwrap_or_default();
         scale(&mut values, clip_factor(total, max));
-        self.record_norm(p.step, total);
+        self.record_norm(p.stage.step, total);
         let made = Made::of(&p);
         let mut next = p.model;
         let applied = self

@@ -7,14 +7,14 @@ use std::sync::Arc;
 
 use ractor::ActorRef;
 use ravnest_core::LayerRange;
-use ravnest_core::pipeline::StageRun;
 use tokio::time::Instant;
 
 use super::ProbeRound;
 use crate::collective::{CollectiveMsg, Group, Outcome};
-use ravnest_protocol::msg::{Addr, Envelope, StageWork, StepMode};
+use ravnest_protocol::msg::{Addr, Envelope, StepMode};
 use ravnest_protocol::node::core::NodeCore;
 use ravnest_protocol::node::outer::{Anchor, OuterMomentum};
+use ravnest_protocol::node::stage::{Early, Stage};
 
 /// Messages a node actor handles.
 #[derive(Debug)]
@@ -28,16 +28,6 @@ pub enum NodeMsg {
     Advance,
     /// Fail-over: consult the watch over the coordinator.
     Watch,
-}
-
-/// An activation or gradient that arrived before its step started here.
-#[derive(Debug)]
-pub(super) struct EarlyInput {
-    pub epoch: u64,
-    pub step: u64,
-    pub is_grad: bool,
-    pub micro: u32,
-    pub data: Vec<f32>,
 }
 
 /// A node's mutable state (`M`: the backend's model, `G`: its stage gradient).
@@ -56,7 +46,8 @@ pub struct NodeState<M, G> {
     pub(super) running: Option<Running<M>>,
     /// The pipeline stage step in progress.
     pub(super) pipe: Option<Pipe<M, G>>,
-    pub(super) early_pipe: Vec<EarlyInput>,
+    /// Activations and gradients that came before their stage step started here.
+    pub(super) early_pipe: Early,
     pub(super) collective: Option<ActorRef<CollectiveMsg>>,
     /// The sync group of the current epoch.
     pub(super) group: Option<(u64, Arc<Group>)>,
@@ -81,7 +72,7 @@ impl<M, G> NodeState<M, G> {
             carry: None,
             running: None,
             pipe: None,
-            early_pipe: Vec::new(),
+            early_pipe: Early::default(),
             collective: None,
             group: None,
             probes: Vec::new(),
@@ -151,23 +142,15 @@ pub(crate) struct Carry {
     pub(super) values: Vec<f32>,
 }
 
-/// A pipeline stage's step in progress.
+/// A pipeline stage's step in progress: the protocol's [`Stage`] (its order, its
+/// activations), and what the compute holds for it.
 #[derive(Debug)]
 pub(crate) struct Pipe<M, G> {
-    pub(super) epoch: u64,
-    pub(super) step: u64,
-    pub(super) global_batch: u64,
-    pub(super) sw: StageWork,
-    pub(super) run: StageRun,
-    /// Global sample ranges of the micro-batches.
-    pub(super) micros: Vec<Range<u64>>,
+    pub(super) stage: Stage,
     /// Model version `step`.
     pub(super) model: M,
-    /// This stage's layers, and where their parameters sit in the flat model.
-    pub(super) layers: LayerRange,
+    /// Where this stage's layers' parameters sit in the flat model.
     pub(super) range: Range<usize>,
-    /// Forward input and output per micro-batch awaiting its backward.
-    pub(super) saved: BTreeMap<u32, (Option<Vec<f32>>, Vec<f32>)>,
     /// Σ of the layers' parameter gradients so far (kept by the backend).
     pub(super) grad: Option<G>,
     pub(super) compute_ns: u64,

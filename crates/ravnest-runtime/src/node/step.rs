@@ -15,20 +15,20 @@ use std::time::Duration;
 use ravnest_core::LayerRange;
 use ravnest_core::collective::{CollId, RingPart};
 use ravnest_core::pack::Packing;
-use ravnest_core::pipeline::{Ready, StageRun, micro_batches};
 use ravnest_core::ring::RingMode;
 use tokio::time::Instant;
 
-use super::state::{EarlyInput, NodeMsg, NodeState, Pipe, Running};
+use super::state::{NodeMsg, NodeState, Pipe, Running};
 use super::{NodeActor, with_buckets};
 use crate::collective::{CollectiveMsg, Group, Outcome};
 use crate::counters::{Count, MadeCount, Observed, Span, SpanKind};
-use crate::seams::{BucketSink, Compute, ComputeError, Transport};
+use crate::seams::{BucketSink, Compute, ComputeError, StagePass, Transport};
 use ravnest_protocol::digest::sample_range;
 use ravnest_protocol::msg::{Addr, Envelope, StageWork, StepMode, SyncPolicy, Work};
 use ravnest_protocol::node::core::{self, Input};
 use ravnest_protocol::node::outer::outer_step;
 use ravnest_protocol::node::shard::ShardLayout;
+use ravnest_protocol::node::stage::{Pass, Stage, StageInput};
 
 /// A node's state, as this backend's node holds it.
 type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
@@ -41,15 +41,6 @@ const SHARD_AHEAD: usize = 4;
 /// and the node's watch over the coordinator ticks between its messages, so this wait stays
 /// well under the silence after which the coordinator is suspected).
 const SHARD_PATIENCE: Duration = Duration::from_secs(1);
-
-fn feed(run: &mut StageRun, is_grad: bool, micro: u32, data: Vec<f32>) -> bool {
-    let r = if is_grad {
-        run.gradient(micro, data)
-    } else {
-        run.activation(micro, data)
-    };
-    r.is_ok()
-}
 
 impl<T: Transport, C: Compute> NodeActor<T, C> {
     fn span(&self, since: Instant, kind: SpanKind) -> Span {
@@ -608,146 +599,73 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         s: u64,
         model: C::Model,
     ) {
-        let layers = sw.layers;
-        let range = self.compute.param_range(layers);
+        let range = self.compute.param_range(sw.layers);
         let params = self.compute.params();
-        if sw.stage >= sw.stages || layers.is_empty() || range.end > params || range.is_empty() {
-            return self.fail(
-                w.epoch,
-                format!(
-                    "malformed stage work: stage {} of {}, layers {layers}, parameters {}..{} of a model of {params}",
-                    sw.stage, sw.stages, range.start, range.end,
-                ),
-            );
-        }
-        let first = sample_range(s, w.global_batch, w.offset, w.batch).start;
-        let micros: Vec<Range<u64>> = micro_batches(w.batch, sw.micro_batch)
-            .into_iter()
-            .map(|r| first + r.start..first + r.end)
-            .collect();
-        let mut run = StageRun::new(sw.stages as usize, sw.stage as usize, micros.len() as u32);
-        let (mine, later): (Vec<EarlyInput>, Vec<EarlyInput>) = std::mem::take(&mut st.early_pipe)
-            .into_iter()
-            .partition(|e| e.epoch == w.epoch && e.step == s);
-        st.early_pipe = later;
-        for e in mine {
-            // An input the schedule refuses (duplicate, out of range) is dropped: the step then
-            // waits, and the coordinator's halt ends it.
-            feed(&mut run, e.is_grad, e.micro, e.data);
-        }
+        let stage = match Stage::start(w, sw, s, &range, params, &mut st.early_pipe) {
+            Ok(stage) => stage,
+            Err(e) => return self.fail(w.epoch, e),
+        };
         st.pipe = Some(Pipe {
-            epoch: w.epoch,
-            step: s,
-            global_batch: w.global_batch,
-            grad: None,
-            sw,
-            run,
-            micros,
+            stage,
             model,
-            layers,
             range,
-            saved: BTreeMap::new(),
+            grad: None,
             compute_ns: 0,
             clip: None,
         });
         self.pump(st).await;
     }
 
-    /// One forward or backward of the stage's schedule; `Err` says why the step cannot go on.
-    async fn stage_op(
+    /// Run one pass of the stage's schedule; its output (a forward's activations, a
+    /// backward's input gradient), or why the step cannot go on.
+    async fn stage_pass(
         &self,
         p: &mut Pipe<C::Model, C::StageGrad>,
-        ready: Ready,
-    ) -> Result<(), String> {
-        match ready {
-            Ready::Forward { micro, input } => {
-                let samples = p.micros[micro as usize].clone();
-                let n = samples.end - samples.start;
-                let out = self
-                    .compute
-                    .stage_forward(
-                        self.id,
-                        p.step,
-                        samples,
-                        p.layers,
-                        &p.model,
-                        input.as_deref(),
-                    )
-                    .await
-                    .map_err(|e| e.to_string())?;
-                if let Some(next) = p.sw.next {
-                    self.send(
-                        Addr::Node(next),
-                        Envelope::Activation {
-                            epoch: p.epoch,
-                            step: p.step,
-                            micro,
-                            data: out.clone(),
-                            virtual_bytes: p.sw.out_bytes_per_sample * n,
-                        },
-                    );
-                }
-                p.saved.insert(micro, (input, out));
-                Ok(())
-            }
-            Ready::Backward { micro, grad } => {
-                let samples = p.micros[micro as usize].clone();
-                let n = samples.end - samples.start;
-                let (input, output) = p.saved.remove(&micro).unwrap_or_default();
+        pass: &Pass,
+    ) -> Result<Vec<f32>, String> {
+        let (step, layers) = (p.stage.step, p.stage.layers());
+        let at = StagePass::of(self.id, step, layers, pass);
+        let out = match pass {
+            Pass::Forward { .. } => self.compute.stage_forward(at, &p.model).await,
+            Pass::Backward { .. } => {
                 let acc = p.grad.take();
-                let (g, grad_in) = self
-                    .compute
-                    .stage_backward(
-                        self.id,
-                        p.step,
-                        samples,
-                        p.layers,
-                        &p.model,
-                        input.as_deref(),
-                        &output,
-                        grad.as_deref(),
-                        acc,
-                    )
-                    .await
-                    .map_err(|e| e.to_string())?;
-                p.grad = Some(g);
-                if let Some(prev) = p.sw.prev {
-                    self.send(
-                        Addr::Node(prev),
-                        Envelope::ActivationGrad {
-                            epoch: p.epoch,
-                            step: p.step,
-                            micro,
-                            data: grad_in,
-                            virtual_bytes: p.sw.in_bytes_per_sample * n,
-                        },
-                    );
-                }
-                Ok(())
+                let backward = self.compute.stage_backward(at, &p.model, acc).await;
+                backward.map(|(g, grad_in)| {
+                    p.grad = Some(g);
+                    grad_in
+                })
             }
-        }
+        };
+        out.map_err(|e| e.to_string())
     }
 
     /// Run every operation of the stage's schedule whose input is here, in order; when the
     /// schedule is done, hand the layers' gradient to the stage's sync group.
     async fn pump(&self, st: &mut State<C>) {
         while let Some(p) = st.pipe.as_mut() {
-            let Some(ready) = p.run.next_ready() else {
+            let Some(pass) = p.stage.next() else {
                 break;
             };
             let t = Instant::now();
-            let result = self.stage_op(p, ready).await;
+            let result = self.stage_pass(p, &pass).await;
             p.compute_ns += self.computed(t);
-            if let Err(reason) = result {
-                let epoch = p.epoch;
-                st.pipe = None;
-                return self.fail(epoch, reason);
+            match result {
+                Ok(out) => {
+                    if let Some((to, env)) = p.stage.ran(pass, out) {
+                        self.send(to, env);
+                    }
+                }
+                Err(reason) => {
+                    let epoch = p.stage.epoch;
+                    st.pipe = None;
+                    return self.fail(epoch, reason);
+                }
             }
         }
         if st
             .pipe
             .as_ref()
-            .is_some_and(|p| p.run.done() && p.clip.is_none())
+            .is_some_and(|p| p.stage.done() && p.clip.is_none())
             && let Some(p) = st.pipe.take()
         {
             self.stage_done(st, p).await;
@@ -764,26 +682,27 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         };
         let Some(grad) = p.grad.take() else {
             return self.fail(
-                p.epoch,
+                p.stage.epoch,
                 format!(
                     "step {} of layers {} computed no gradient",
-                    p.step, p.layers
+                    p.stage.step,
+                    p.stage.layers()
                 ),
             );
         };
-        let layers = Some(p.sw.layers);
-        let mode = w.mode(p.step);
+        let layers = Some(p.stage.layers());
+        let mode = w.mode(p.stage.step);
         let alone = w.ring.len() <= 1;
         let scale = match mode {
-            StepMode::Sync => 1.0 / p.global_batch.max(1) as f32,
+            StepMode::Sync => 1.0 / p.stage.global_batch.max(1) as f32,
             _ => 1.0 / w.batch.max(1) as f32,
         };
         if mode == StepMode::Sync && !alone {
             let contribution = self.compute.stage_grad_values(grad, scale);
             let group = self.group(st, &w);
             st.running = Some(Running {
-                epoch: p.epoch,
-                step: p.step,
+                epoch: p.stage.epoch,
+                step: p.stage.step,
                 mode: StepMode::Sync,
                 layers,
                 targets: vec![p.range.clone()],
@@ -798,17 +717,17 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 first_bucket: None,
             });
             let id = CollId {
-                epoch: p.epoch,
-                step: p.step,
+                epoch: p.stage.epoch,
+                step: p.stage.step,
                 bucket: 0,
             };
             // A stage's gradient stands for its layers' bytes, not the whole model's.
-            return self.start_collective(st, id, group, contribution, p.sw.sync_bytes, None);
+            return self.start_collective(st, id, group, contribution, p.stage.sw.sync_bytes, None);
         }
         // Applied here: the only holder of these layers makes the next version from this one
         // in place of it (nobody can need version `step` once `step + 1` exists).
         if st.core.versions().keeps_one() {
-            st.core.take(p.step);
+            st.core.take(p.stage.step);
         }
         if self.compute.max_grad_norm().is_some() {
             p.clip = Some(self.compute.stage_grad_values(grad, scale));
@@ -842,40 +761,19 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             .await
     }
 
-    /// An activation or gradient from a neighbouring stage.
-    pub(super) async fn on_stage_input(
-        &self,
-        st: &mut State<C>,
-        epoch: u64,
-        step: u64,
-        is_grad: bool,
-        micro: u32,
-        data: Vec<f32>,
-    ) {
+    /// An activation or gradient from a neighbouring stage: fed to its step, or kept until
+    /// that step starts here.
+    pub(super) async fn on_stage_input(&self, st: &mut State<C>, input: StageInput) {
         if let Some(p) = st.pipe.as_mut()
-            && p.epoch == epoch
-            && p.step == step
+            && p.stage.takes(&input)
         {
-            if feed(&mut p.run, is_grad, micro, data) {
+            if p.stage.feed(input) {
                 self.pump(st).await;
             }
             return;
         }
-        // Its step has not started here yet (the neighbour is ahead, or its epoch's work is
-        // still on its way): keep it. Epochs older than the one being run (not the newest one
-        // seen: a node finishes its epoch's steps below the next epoch's start) are void, and
-        // so are steps already done.
         let running = st.core.work().map_or(0, |w| w.epoch);
-        let behind = st.core.latest().is_some_and(|l| step < l);
-        if epoch >= running && !behind && st.early_pipe.len() < 1 << 16 {
-            st.early_pipe.push(EarlyInput {
-                epoch,
-                step,
-                is_grad,
-                micro,
-                data,
-            });
-        }
+        st.early_pipe.keep(input, running, st.core.latest());
     }
 }
 
@@ -891,9 +789,9 @@ pub(super) struct Made {
 impl Made {
     pub(super) fn of<M, G>(p: &Pipe<M, G>) -> Made {
         Made {
-            epoch: p.epoch,
-            step: p.step,
-            layers: p.sw.layers,
+            epoch: p.stage.epoch,
+            step: p.stage.step,
+            layers: p.stage.layers(),
             compute_ns: p.compute_ns,
         }
     }

@@ -5,9 +5,14 @@
 //!
 //! The watch acts inside the transport's callback, before the node's mailbox gets the next
 //! envelope: the transport is redirected to a successor before the node answers anything that
-//! successor sent after its replica (its first halt). The one lock is the price of that order.
-//! (A task of its own that owns the watch was tried: the node's answers then went to the old
-//! host for a moment, and the chaos suite's take-overs stalled.)
+//! successor sent after its replica (its first halt). The one lock is the price of that order:
+//! the transport judges each frame that claims to come from the coordinator by the host this
+//! node follows (`tcp::incoming::judge_header`), so the redirect must be done before the
+//! transport reads the successor's next frame, on the thread that delivers. A task that owns
+//! the watch was tried twice (beside the node's mailbox, and in front of it with every envelope
+//! passing through it in order): either way the successor's first halt came in before the
+//! redirect and was dropped as a stale coordinator's, and the chaos suite's seed 14 stalled
+//! after `peer` took over.
 
 use std::sync::{Arc, Mutex};
 
