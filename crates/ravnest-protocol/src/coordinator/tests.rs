@@ -464,3 +464,86 @@ fn a_successor_admits_a_node_its_predecessor_gave_a_place() {
         .collect();
     assert_eq!(admitted, [(NodeId(2), "p".to_string())]);
 }
+
+/// A successor's halt that is lost (a connection reset as it takes over, or a node that still
+/// followed the old host when it came) is asked again, as in any halt: the watchdog sends it
+/// again to the members that have not answered, and the successor resumes once they do.
+#[test]
+fn a_successor_asks_again_for_a_halt_that_was_lost() {
+    let cfg = config(3);
+    let replica = crate::msg::Replica {
+        term: 1,
+        host: NodeId(1),
+        epoch: 0,
+        floor: 0,
+        agreed: 4,
+        members: vec![NodeId(1), NodeId(2)],
+        involved: vec![NodeId(0), NodeId(1), NodeId(2)],
+        reserved: Vec::new(),
+        cluster: cfg.cluster.clone(),
+    };
+    let cfg = Config {
+        host: Some(NodeId(1)),
+        ..cfg
+    };
+    let mut s = Coordinator::take_over(cfg, &replica, NodeId(0), 10_000);
+    let halts = |effects: &[Effect]| -> Vec<NodeId> {
+        effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Send(n, Envelope::Halt { .. }) => Some(*n),
+                _ => None,
+            })
+            .collect()
+    };
+    let first = s.start();
+    assert_eq!(halts(&first), [NodeId(1), NodeId(2)]);
+    let epoch = first
+        .iter()
+        .find_map(|e| match e {
+            Effect::Send(_, Envelope::Halt { epoch }) => Some(*epoch),
+            _ => None,
+        })
+        .unwrap();
+    let held = vec![crate::msg::HeldVersion {
+        version: 4,
+        synced: true,
+        layers: None,
+    }];
+    // Node 1 answers; node 2's halt was lost. Both stay alive (heartbeats).
+    let _ = s.handle(
+        10_010,
+        Input::Net(
+            NodeId(1),
+            Envelope::Halted {
+                epoch,
+                held: held.clone(),
+            },
+        ),
+    );
+    let mut again = Vec::new();
+    for t in (10_100..20_000).step_by(100) {
+        for n in [1, 2] {
+            let _ = s.handle(t, Input::Net(NodeId(n), Envelope::Heartbeat));
+        }
+        again.extend(halts(&s.handle(t, Input::Tick)));
+        if !again.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(
+        again,
+        [NodeId(2)],
+        "the lost halt is sent again, only to node 2"
+    );
+    let resumed = s.handle(
+        20_000,
+        Input::Net(NodeId(2), Envelope::Halted { epoch, held }),
+    );
+    assert!(
+        resumed
+            .iter()
+            .any(|e| matches!(e, Effect::Send(_, Envelope::Work(w)) if w.step == 4)),
+        "the successor resumes from step 4: {resumed:?}"
+    );
+}

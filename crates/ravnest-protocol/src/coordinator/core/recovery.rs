@@ -77,7 +77,10 @@ impl Coordinator {
         let limit = (2 * self.cfg.heartbeat_timeout_ms)
             .max((self.cfg.tuning.watchdog_steps * step) as u64)
             << self.resyncs.min(8);
-        if self.eras.is_empty() || self.now_ms.saturating_sub(self.last_progress_ms) <= limit {
+        // Nothing runs before the first epoch, but a successor's halt does (it has no epoch of
+        // its own yet): one of its halts lost is asked again as any other.
+        let idle = self.eras.is_empty() && self.halting.is_none();
+        if idle || self.now_ms.saturating_sub(self.last_progress_ms) <= limit {
             return;
         }
         self.last_progress_ms = self.now_ms;
