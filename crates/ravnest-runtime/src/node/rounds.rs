@@ -1,25 +1,19 @@
 //! Local SGD's outer rounds on a node: what a replica contributes, the outer step on the
-//! group's sum, and overlapped rounds.
-//!
-//! A waited round ([`StepMode::Average`]) exchanges and applies its outer step within its
-//! step. An overlapped round is launched ([`StepMode::Launch`]): its exchange starts, and the
-//! replica goes on with its inner steps from its own values. `delay` steps later the round is
-//! merged ([`StepMode::Merge`]): the version that step makes is the round's outer step on its
-//! anchor, the same on every replica (checkpoints, restarts and the next round's anchor take
-//! it), while the replica goes on from it with its inner progress since the launch carried
-//! over ([`ravnest_core::outer::carry_onto`], held as a [`Carry`] for the next step).
+//! group's sum, and overlapped rounds, whose bookkeeping (launched, merged, the values
+//! carried after a merge) is the protocol's [`ravnest_protocol::node::outer::Rounds`]; here
+//! the values move in and out of the model and the exchanges run.
 
 use ravnest_core::LayerRange;
 use ravnest_core::collective::CollId;
 use tokio::time::Instant;
 
 use super::NodeActor;
-use super::state::{Carry, Launched, NodeState, Running};
+use super::state::{NodeState, Running};
 use crate::collective::Outcome;
 use crate::counters::Count;
 use crate::seams::{Compute, Transport};
 use ravnest_protocol::msg::{StepMode, SyncPolicy, Work};
-use ravnest_protocol::node::outer::{Anchor, OuterMomentum, outer_step};
+use ravnest_protocol::node::outer::Anchor;
 
 /// A node's state, as this backend's node holds it.
 type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
@@ -94,17 +88,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         };
         match (mode, anchor, at) {
             (StepMode::Launch, Some(anchor), Some(at)) => {
-                st.rounds.retain(|_, r| r.epoch == w.epoch);
-                st.rounds.insert(
-                    s,
-                    Launched {
-                        epoch: w.epoch,
-                        layers,
-                        anchor,
-                        at,
-                        sum: None,
-                    },
-                );
+                st.rounds.launch(w.epoch, s, layers, anchor, at);
                 // The replica goes on from its own values: nothing to wait for.
                 running.targets.clear();
                 running.pending = 0;
@@ -144,14 +128,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         layers: Option<LayerRange>,
         ns: u64,
     ) {
-        st.rounds.retain(|_, r| r.epoch == w.epoch);
-        let Some((&k, round)) = st.rounds.range(..s).next_back() else {
-            return self.fail(
-                w.epoch,
-                format!("step {s} merges an outer round that this node never launched"),
-            );
+        let (k, ready) = match st.rounds.to_merge(w.epoch, s) {
+            Ok(m) => m,
+            Err(e) => return self.fail(w.epoch, e),
         };
-        let ready = round.sum.is_some();
         st.running = Some(Running {
             epoch: w.epoch,
             step: s,
@@ -178,58 +158,22 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     fn apply_merge(&self, st: &mut State<C>, w: &Work) {
         let Some(r) = st.running.as_mut() else { return };
         let Some(k) = r.merge else { return };
-        let merged = match st.rounds.remove(&k) {
-            Some(round) => {
-                let made = (w, r.step + 1);
-                self.merged(&mut st.outer_momentum, made, round, &r.next, r.layers)
-            }
-            None => Err(format!("the outer round of step {k} is gone")),
-        };
+        let merged = self
+            .compute
+            .export(&r.next, r.layers)
+            .ok_or_else(|| format!("this node does not hold {:?} to merge", r.layers))
+            .and_then(|own| st.rounds.merge(k, w, r.step + 1, r.layers, own))
+            .and_then(|sum| {
+                let model = self.compute.import(Some(&r.next), r.layers, sum);
+                model.map_err(|e| e.to_string())
+            });
         match merged {
-            Ok((model, values)) => {
-                r.next = model;
-                st.carry = Some(Carry {
-                    epoch: w.epoch,
-                    version: r.step + 1,
-                    layers: r.layers,
-                    values,
-                });
-            }
+            Ok(model) => r.next = model,
             Err(e) => {
                 st.running = None;
                 self.fail(w.epoch, e);
             }
         }
-    }
-
-    /// A launched round merged into `local`: (the merged version, this replica's own values).
-    fn merged(
-        &self,
-        momentum: &mut Option<OuterMomentum>,
-        (w, made): (&Work, u64),
-        round: Launched,
-        local: &C::Model,
-        layers: Option<LayerRange>,
-    ) -> Result<(C::Model, Vec<f32>), String> {
-        let mut sum = round
-            .sum
-            .ok_or("an outer round merged before its sum came")?;
-        let mut own = self
-            .compute
-            .export(local, layers)
-            .ok_or_else(|| format!("this node does not hold {layers:?} to merge"))?;
-        outer_step(momentum, w, (round.layers, made), &round.anchor, &mut sum)?;
-        if !ravnest_core::outer::carry_onto(&sum, &round.at, &mut own, round.anchor.params) {
-            return Err(format!(
-                "the outer round from version {} does not fit this node's values",
-                round.anchor.version
-            ));
-        }
-        let model = self
-            .compute
-            .import(Some(local), layers, sum)
-            .map_err(|e| e.to_string())?;
-        Ok((model, own))
     }
 
     /// The model step `s` starts from: version `s`, or, right after a merge, this replica's
@@ -241,12 +185,12 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         s: u64,
         base: C::Model,
     ) -> Result<C::Model, String> {
-        match st.carry.take() {
-            Some(c) if c.epoch == w.epoch && c.version == s => self
+        match st.rounds.carry_for(w.epoch, s) {
+            Some((layers, values)) => self
                 .compute
-                .import(Some(&base), c.layers, c.values)
+                .import(Some(&base), layers, values)
                 .map_err(|e| e.to_string()),
-            _ => Ok(base),
+            None => Ok(base),
         }
     }
 
@@ -257,17 +201,13 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let id = match outcome {
             Outcome::Done { id, .. } | Outcome::Aborted { id } => *id,
         };
-        if !st
-            .rounds
-            .get(&id.step)
-            .is_some_and(|r| r.epoch == id.epoch && r.sum.is_none())
-        {
+        if !st.rounds.awaits(id.epoch, id.step) {
             return false;
         }
         let Outcome::Done { sum, .. } = outcome else {
             // Its epoch's rounds are void. A halted or replaced epoch's rounds end so (their
             // outer steps are lost with the epoch); the running epoch's cannot go on.
-            st.rounds.retain(|_, r| r.epoch != id.epoch);
+            st.rounds.abort(id.epoch);
             if st.running.as_ref().is_some_and(|r| r.epoch == id.epoch) {
                 st.running = None;
             }
@@ -281,9 +221,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             }
             return true;
         };
-        if let Some(r) = st.rounds.get_mut(&id.step) {
-            r.sum = Some(std::mem::take(sum));
-        }
+        st.rounds.sum_came(id.step, std::mem::take(sum));
         let waiting = st
             .running
             .as_ref()

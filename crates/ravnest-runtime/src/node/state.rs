@@ -1,7 +1,6 @@
 //! A node actor's state and messages: what `actor` (message handling) and `step` (the steps)
 //! share, so that neither imports the other.
 
-use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -13,7 +12,7 @@ use super::ProbeRound;
 use crate::collective::{CollectiveMsg, Group, Outcome};
 use ravnest_protocol::msg::{Addr, Envelope, StepMode};
 use ravnest_protocol::node::core::NodeCore;
-use ravnest_protocol::node::outer::{Anchor, OuterMomentum};
+use ravnest_protocol::node::outer::{Anchor, Rounds};
 use ravnest_protocol::node::stage::{Early, Stage};
 
 /// Messages a node actor handles.
@@ -36,12 +35,9 @@ pub struct NodeState<M, G> {
     pub(super) me: Option<ActorRef<NodeMsg>>,
     /// The node's decisions: epochs, halts, the versions kept and fetched, peers' requests.
     pub(super) core: NodeCore<M>,
-    /// The outer momentum of local SGD's last round (DiLoCo).
-    pub(super) outer_momentum: Option<OuterMomentum>,
-    /// Overlapped outer rounds still to merge, by the step that launched them.
-    pub(super) rounds: BTreeMap<u64, Launched>,
-    /// What this replica goes on from after a merge: its own values, not the merged version.
-    pub(super) carry: Option<Carry>,
+    /// Local SGD's rounds: overlapped ones in flight, the carry after a merge, the outer
+    /// momentum (DiLoCo).
+    pub(super) rounds: Rounds,
     /// The data-parallel step in progress.
     pub(super) running: Option<Running<M>>,
     /// The pipeline stage step in progress.
@@ -67,9 +63,7 @@ impl<M, G> NodeState<M, G> {
         NodeState {
             me: None,
             core,
-            outer_momentum: None,
-            rounds: BTreeMap::new(),
-            carry: None,
+            rounds: Rounds::default(),
             running: None,
             pipe: None,
             early_pipe: Early::default(),
@@ -115,31 +109,6 @@ pub(crate) struct Running<M> {
     /// A data-parallel step: when backward handed its first bucket to the all-reduce (set on
     /// the compute thread), for the time its collectives took.
     pub(super) first_bucket: Option<std::sync::Arc<std::sync::OnceLock<Instant>>>,
-}
-
-/// An overlapped outer round (`Outer::overlap`): its exchange runs during the inner steps
-/// after it, until the step that merges it.
-#[derive(Debug)]
-pub(crate) struct Launched {
-    pub(super) epoch: u64,
-    pub(super) layers: Option<LayerRange>,
-    /// Its anchor.
-    pub(super) anchor: Anchor,
-    /// This replica's values when it launched the round (its inner progress after them is
-    /// carried over onto the merged values).
-    pub(super) at: Vec<f32>,
-    /// The group's sum, once it came back.
-    pub(super) sum: Option<Vec<f32>>,
-}
-
-/// The values a replica goes on from at step `version` of `epoch` in place of that version
-/// (the merged one, which every replica agrees on): its own progress since the round on top.
-#[derive(Debug)]
-pub(crate) struct Carry {
-    pub(super) epoch: u64,
-    pub(super) version: u64,
-    pub(super) layers: Option<LayerRange>,
-    pub(super) values: Vec<f32>,
 }
 
 /// A pipeline stage's step in progress: the protocol's [`Stage`] (its order, its

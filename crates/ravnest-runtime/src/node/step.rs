@@ -371,7 +371,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             let outer = match (r.anchor.take(), st.core.work()) {
                 (Some(anchor), Some(w)) => {
                     let made = (r.layers, id.step + 1);
-                    outer_step(&mut st.outer_momentum, w, made, &anchor, &mut sum)
+                    outer_step(&mut st.rounds.momentum, w, made, &anchor, &mut sum)
                 }
                 _ => Ok(()),
             };
