@@ -3,9 +3,10 @@
 //! checkpoint duty), where the pieces of a clipped step's norm go ([`clip`]), the rules by
 //! which an epoch queues, starts and runs ([`epochs`]), the model versions it keeps
 //! ([`versions`]), local SGD's outer rounds ([`outer`]), a sharded step's ring layout
-//! ([`shard`]) and a pipeline stage's step ([`stage`]: its 1F1B order, what it sends, its
-//! early inputs). Like the coordinator, they read
-//! no clock and do no I/O; a version's values are the backend's handle, a type parameter here.
+//! ([`shard`]), a step's collectives as they come back ([`step`]) and a pipeline stage's step
+//! ([`stage`]: its 1F1B order, what it sends, its early inputs). Like the coordinator, they
+//! read no clock and do no I/O; a version's values are the backend's handle, a type parameter
+//! here.
 
 pub mod clip;
 pub mod core;
@@ -13,4 +14,5 @@ pub mod epochs;
 pub mod outer;
 pub mod shard;
 pub mod stage;
+pub mod step;
 pub mod versions;

@@ -2,8 +2,8 @@
 //! the layout: as `torch.nn.utils.clip_grad_norm_` after DDP's averaging, every parameter's
 //! gradient is scaled by `min(1, max / (norm + 1e-6))`, `norm` over all of them.
 //!
-//! - Data parallel: a node holds the step's reduced buckets until all are in ([`Running`]'s
-//!   `held`), and clips them by their own norm: it holds the whole gradient.
+//! - Data parallel: a node holds the step's reduced buckets until all are in ([`Collect`]'s
+//!   held buckets), and clips them by their own norm: it holds the whole gradient.
 //! - Sharded: each owner holds its reduce-scatters' results the same way, sums the squares of
 //!   the part it owns, and sends that piece to the rest of its ring ([`Envelope::GradNorm`]).
 //! - A pipeline: each stage sums the squares of its layers' gradient (reduced with its sync
@@ -15,7 +15,7 @@
 //! agree bit for bit. A halt drops the held step with the running one; the pieces of older
 //! steps are forgotten as steps are applied.
 //!
-//! [`Running`]: super::state::Running
+//! [`Collect`]: ravnest_protocol::node::step::Collect
 //! [`NormPieces`]: ravnest_core::recipe::NormPieces
 
 use ravnest_core::collective::CollId;
@@ -40,22 +40,17 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let Some(max) = self.compute.max_grad_norm() else {
             return;
         };
-        let Some(r) = st.running.as_ref() else { return };
-        if r.held.len() < r.targets.len() {
+        let Some(r) = st.running.as_ref().filter(|r| r.c.all_held()) else {
             return;
-        }
-        let piece: f64 = r
-            .held
-            .iter()
-            .map(|(k, g)| {
-                let target = &r.targets[*k as usize];
-                match &r.shard {
+        };
+        let piece: f64 =
+            r.c.held()
+                .map(|(target, g)| match &r.shard {
                     Some(l) => sum_sq(&g[l.mine_in(target)]),
                     None => sum_sq(g),
-                }
-            })
-            .sum();
-        let (epoch, step) = (r.epoch, r.step);
+                })
+                .sum();
+        let (epoch, step) = (r.c.epoch, r.c.step);
         match st.core.work().and_then(|w| route(w, self.id)) {
             None => self.apply_held(st, piece, max).await,
             Some(route) => {
@@ -139,9 +134,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             .and_then(|w| route(w, self.id))
             .map_or(1, |r| r.parts);
         if let Some(r) = st.running.as_ref()
-            && !r.held.is_empty()
-            && r.held.len() == r.targets.len()
-            && let Some(total) = st.norms.total(r.epoch, r.step, parts)
+            && r.c.all_held()
+            && let Some(total) = st.norms.total(r.c.epoch, r.c.step, parts)
         {
             return self.apply_held(st, total, max).await;
         }
@@ -176,14 +170,13 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     async fn apply_held(&self, st: &mut State<C>, total: f64, max: f32) {
         let f = clip_factor(total, max);
         let Some(r) = st.running.as_mut() else { return };
-        st.norms.forget_before(r.epoch, r.step + 1);
-        self.record_norm(r.step, total);
-        let held = std::mem::take(&mut r.held);
-        let (epoch, step, layout) = (r.epoch, r.step, r.shard.clone());
+        st.norms.forget_before(r.c.epoch, r.c.step + 1);
+        self.record_norm(r.c.step, total);
+        let held = r.c.take_held();
+        let (epoch, step, layout) = (r.c.epoch, r.c.step, r.shard.clone());
         let mut gathers = Vec::new();
         let mut applied = Ok(());
-        for (k, mut g) in held {
-            let target = r.targets[k as usize].clone();
+        for (k, target, mut g) in held {
             if applied.is_err() {
                 continue;
             }

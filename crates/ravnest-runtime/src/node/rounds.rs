@@ -5,7 +5,6 @@
 
 use ravnest_core::LayerRange;
 use ravnest_core::collective::CollId;
-use tokio::time::Instant;
 
 use super::NodeActor;
 use super::state::{NodeState, Running};
@@ -14,6 +13,7 @@ use crate::counters::Count;
 use crate::seams::{Compute, Transport};
 use ravnest_protocol::msg::{StepMode, SyncPolicy, Work};
 use ravnest_protocol::node::outer::Anchor;
+use ravnest_protocol::node::step::Collect;
 
 /// A node's state, as this backend's node holds it.
 type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
@@ -69,29 +69,16 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             bucket: 0,
         };
         let virtual_bytes = self.round_bytes(contribution.len(), layers);
-        let len = contribution.len();
-        let mut running = Running {
-            epoch: w.epoch,
-            step: s,
-            mode,
-            layers,
-            targets: std::iter::once(0..len).collect(),
-            next: local,
-            pending: 1,
-            computed: Some(Instant::now()),
-            compute_ns: ns,
-            shard: None,
-            anchor: None,
-            merge: None,
-            held: Vec::new(),
-            first_bucket: None,
+        // Launched, the replica goes on from its own values: nothing to wait for.
+        let targets = match mode {
+            StepMode::Launch => Vec::new(),
+            _ => vec![0..contribution.len()],
         };
+        let c = Collect::new((w.epoch, s), mode, layers, targets, false);
+        let mut running = Running::computed(c, local, ns);
         match (mode, anchor, at) {
             (StepMode::Launch, Some(anchor), Some(at)) => {
                 st.rounds.launch(w.epoch, s, layers, anchor, at);
-                // The replica goes on from its own values: nothing to wait for.
-                running.targets.clear();
-                running.pending = 0;
             }
             (StepMode::Launch, ..) => {
                 return self.fail(w.epoch, "an overlapped round without an anchor".into());
@@ -132,21 +119,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             Ok(m) => m,
             Err(e) => return self.fail(w.epoch, e),
         };
+        let c = Collect::waiting((w.epoch, s), StepMode::Merge, layers, usize::from(!ready));
         st.running = Some(Running {
-            epoch: w.epoch,
-            step: s,
-            mode: StepMode::Merge,
-            layers,
-            targets: Vec::new(),
-            next: local,
-            pending: usize::from(!ready),
-            computed: Some(Instant::now()),
-            compute_ns: ns,
-            shard: None,
-            anchor: None,
             merge: Some(k),
-            held: Vec::new(),
-            first_bucket: None,
+            ..Running::computed(c, local, ns)
         });
         if ready {
             self.apply_merge(st, w);
@@ -160,11 +136,11 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let Some(k) = r.merge else { return };
         let merged = self
             .compute
-            .export(&r.next, r.layers)
-            .ok_or_else(|| format!("this node does not hold {:?} to merge", r.layers))
-            .and_then(|own| st.rounds.merge(k, w, r.step + 1, r.layers, own))
+            .export(&r.next, r.c.layers)
+            .ok_or_else(|| format!("this node does not hold {:?} to merge", r.c.layers))
+            .and_then(|own| st.rounds.merge(k, w, r.c.step + 1, r.c.layers, own))
             .and_then(|sum| {
-                let model = self.compute.import(Some(&r.next), r.layers, sum);
+                let model = self.compute.import(Some(&r.next), r.c.layers, sum);
                 model.map_err(|e| e.to_string())
             });
         match merged {
@@ -208,7 +184,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             // Its epoch's rounds are void. A halted or replaced epoch's rounds end so (their
             // outer steps are lost with the epoch); the running epoch's cannot go on.
             st.rounds.abort(id.epoch);
-            if st.running.as_ref().is_some_and(|r| r.epoch == id.epoch) {
+            if st.running.as_ref().is_some_and(|r| r.c.epoch == id.epoch) {
                 st.running = None;
             }
             // (After a halt its collectives abort by order: nothing to report.)
@@ -225,10 +201,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let waiting = st
             .running
             .as_ref()
-            .is_some_and(|r| r.epoch == id.epoch && r.merge == Some(id.step) && r.pending > 0);
+            .is_some_and(|r| r.c.epoch == id.epoch && r.merge == Some(id.step) && !r.c.settled());
         if waiting {
             if let Some(r) = st.running.as_mut() {
-                r.pending = 0;
+                r.c.landed();
             }
             if let Some(w) = st.core.work().cloned() {
                 self.apply_merge(st, &w);

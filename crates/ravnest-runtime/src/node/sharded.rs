@@ -1,6 +1,8 @@
-//! A sharded step's collectives as they come back ([`ravnest_protocol::node::shard`] says how the ring's
-//! chunks fall): each owner updates its part from its reduce-scatter and starts the
-//! all-gather that brings the others its updated values.
+//! A sharded step's collectives as they come back ([`ravnest_protocol::node::shard`] says how
+//! the ring's chunks fall): each owner updates its part from its reduce-scatter and starts the
+//! all-gather that brings the others its updated values; an all-gather's values go around the
+//! owner's part. Clipped, the reduce-scatters' results wait for each other and for the other
+//! owners' pieces of the norm ([`super::clip`]).
 
 use std::ops::Range;
 
@@ -8,7 +10,7 @@ use ravnest_core::collective::CollId;
 use ravnest_core::ring::RingMode;
 
 use super::NodeActor;
-use super::state::NodeState;
+use super::state::{NodeState, Running};
 use crate::seams::{Compute, Transport};
 use ravnest_protocol::node::shard::{GATHER, ShardLayout};
 
@@ -16,74 +18,27 @@ use ravnest_protocol::node::shard::{GATHER, ShardLayout};
 type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
 
 impl<T: Transport, C: Compute> NodeActor<T, C> {
-    /// A sharded step's collective of bucket `id` came back: a reduce-scatter gave this node
-    /// the summed gradient of the bucket's parameters it owns, which it updates (it alone holds
-    /// their optimizer state) and starts the all-gather of the updated values; an all-gather
-    /// brought the other owners' updated parameters. Clipped, the reduce-scatters' results wait
-    /// for each other and for the other owners' pieces of the norm ([`super::clip`]).
-    pub(super) async fn on_shard_outcome(
+    /// A sharded step's all-gather of bucket `target` came back: the other owners' updated
+    /// parameters, around this node's part, go into the version being made.
+    pub(super) fn gathered(
         &self,
-        st: &mut State<C>,
-        id: CollId,
+        r: &mut Running<C::Model>,
+        target: &Range<usize>,
         sum: Vec<f32>,
-        layout: &ShardLayout,
-    ) {
-        let gather = id.bucket & GATHER != 0;
-        let k = id.bucket & !GATHER;
-        let Some(r) = st.running.as_mut() else { return };
-        let Some(target) = r.targets.get(k as usize).cloned() else {
-            return;
+    ) -> Result<(), String> {
+        let Some(layout) = r.shard.clone() else {
+            return Err("an all-gather of a step that is not sharded".into());
         };
-        if sum.len() != target.len() {
-            st.running = None;
-            let reason = format!(
-                "the collective of step {} bucket {k} gave {} values for {}",
-                id.step,
-                sum.len(),
-                target.len()
-            );
-            return self.fail(id.epoch, reason);
-        }
-        let done = if gather {
-            let mine = layout.mine(&target);
-            let local = |x: &Range<usize>| x.start - target.start..x.end - target.start;
-            let (before, after) = (target.start..mine.start, mine.end..target.end);
-            let set = |m: &mut C::Model, x: &Range<usize>| match x.is_empty() {
-                true => Ok(()),
-                false => self.compute.set_params(m, x.clone(), &sum[local(x)]),
-            };
-            let result = set(&mut r.next, &before).and_then(|()| set(&mut r.next, &after));
-            self.compute.recycle(sum);
-            result.map_err(|e| e.to_string())
-        } else {
-            if r.pending == 2 * r.targets.len() {
-                // The only holder of its part makes the next version from this one in place of
-                // it (a lost peer's part comes back from the checkpoint, not from a version
-                // here): what only version `step` held is updated where it is.
-                if st.core.versions().keeps_one() {
-                    drop(st.core.take(r.step));
-                }
-                for old in st.core.doomed_by(r.step + 1, true) {
-                    self.compute.retire(old);
-                }
-            }
-            let Some(r) = st.running.as_mut() else { return };
-            if self.compute.max_grad_norm().is_some() {
-                r.held.push((k, sum));
-                r.pending = r.pending.saturating_sub(1);
-                return self.clip_held(st).await;
-            }
-            self.update_owned(&mut r.next, &target, sum, layout)
-                .map(|values| self.start_gather(st, id, &target, values, layout))
+        let mine = layout.mine(target);
+        let local = |x: &Range<usize>| x.start - target.start..x.end - target.start;
+        let (before, after) = (target.start..mine.start, mine.end..target.end);
+        let set = |m: &mut C::Model, x: &Range<usize>| match x.is_empty() {
+            true => Ok(()),
+            false => self.compute.set_params(m, x.clone(), &sum[local(x)]),
         };
-        if let Err(reason) = done {
-            st.running = None;
-            return self.fail(id.epoch, reason);
-        }
-        if let Some(r) = st.running.as_mut() {
-            r.pending = r.pending.saturating_sub(1);
-        }
-        self.try_finish(st).await;
+        let result = set(&mut r.next, &before).and_then(|()| set(&mut r.next, &after));
+        self.compute.recycle(sum);
+        result.map_err(|e| e.to_string())
     }
 
     /// Apply the optimizer to this node's part of bucket `target` from the reduced `sum`, and

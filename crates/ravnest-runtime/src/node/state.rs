@@ -5,15 +5,15 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use ractor::ActorRef;
-use ravnest_core::LayerRange;
 use tokio::time::Instant;
 
 use super::ProbeRound;
 use crate::collective::{CollectiveMsg, Group, Outcome};
-use ravnest_protocol::msg::{Addr, Envelope, StepMode};
+use ravnest_protocol::msg::{Addr, Envelope};
 use ravnest_protocol::node::core::NodeCore;
 use ravnest_protocol::node::outer::{Anchor, Rounds};
 use ravnest_protocol::node::stage::{Early, Stage};
+use ravnest_protocol::node::step::Collect;
 
 /// Messages a node actor handles.
 #[derive(Debug)]
@@ -78,20 +78,15 @@ impl<M, G> NodeState<M, G> {
     }
 }
 
-/// A step whose collectives are running.
+/// A step whose collectives are running: their bookkeeping (the protocol's [`Collect`]), and
+/// the version being made.
 #[derive(Debug)]
 pub(crate) struct Running<M> {
-    pub(super) epoch: u64,
-    pub(super) step: u64,
-    pub(super) mode: StepMode,
-    pub(super) layers: Option<LayerRange>,
-    /// Where each collective's result goes: parameter ranges (a gradient), or nothing (an
-    /// averaged model: the exported layers come back whole).
-    pub(super) targets: Vec<Range<usize>>,
+    /// Which results are still to come, where each goes, the ones held for the norm.
+    pub(super) c: Collect,
     /// The version being made: version `step` (shared, not copied) with the results applied
     /// to it as they come back.
     pub(super) next: M,
-    pub(super) pending: usize,
     /// When the compute ended (the collectives may still run).
     pub(super) computed: Option<Instant>,
     pub(super) compute_ns: u64,
@@ -102,13 +97,26 @@ pub(crate) struct Running<M> {
     pub(super) anchor: Option<Anchor>,
     /// A merge step: the step that launched the round it merges.
     pub(super) merge: Option<u64>,
-    /// Reduced buckets held until every one is in, under gradient clipping (the global norm
-    /// needs them all before any is applied): (bucket, mean gradient). A stage or a sharded
-    /// owner holds them on until the other parts' pieces of the norm are in too.
-    pub(super) held: Vec<(u32, Vec<f32>)>,
     /// A data-parallel step: when backward handed its first bucket to the all-reduce (set on
     /// the compute thread), for the time its collectives took.
     pub(super) first_bucket: Option<std::sync::Arc<std::sync::OnceLock<Instant>>>,
+}
+
+impl<M> Running<M> {
+    /// The collectives `c` of a step whose compute just ended (`compute_ns` of it), making
+    /// `next`.
+    pub(super) fn computed(c: Collect, next: M, compute_ns: u64) -> Self {
+        Running {
+            c,
+            next,
+            computed: Some(Instant::now()),
+            compute_ns,
+            shard: None,
+            anchor: None,
+            merge: None,
+            first_bucket: None,
+        }
+    }
 }
 
 /// A pipeline stage's step in progress: the protocol's [`Stage`] (its order, its

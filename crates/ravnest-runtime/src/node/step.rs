@@ -29,6 +29,7 @@ use ravnest_protocol::node::core::{self, Input};
 use ravnest_protocol::node::outer::outer_step;
 use ravnest_protocol::node::shard::ShardLayout;
 use ravnest_protocol::node::stage::{Pass, Stage, StageInput};
+use ravnest_protocol::node::step::{Arrival, Collect};
 
 /// A node's state, as this backend's node holds it.
 type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
@@ -148,21 +149,18 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let first_bucket = Arc::new(std::sync::OnceLock::new());
         // The next version starts as version s (shared, not copied); each reduced bucket is
         // applied to it as it comes back.
+        let c = Collect::new(
+            (w.epoch, s),
+            StepMode::Sync,
+            None,
+            buckets.clone(),
+            shard.is_some(),
+        );
         st.running = Some(Running {
-            epoch: w.epoch,
-            step: s,
-            mode: StepMode::Sync,
-            layers: None,
-            targets: buckets.clone(),
-            next: base.clone(),
-            pending: buckets.len() * if shard.is_some() { 2 } else { 1 },
             computed: None,
-            compute_ns: 0,
             shard: shard.clone(),
-            anchor: None,
-            merge: None,
-            held: Vec::new(),
             first_bucket: Some(first_bucket.clone()),
+            ..Running::computed(c, base.clone(), 0)
         });
         // Weight b_i / B, applied once, in place: the group's sum is the mean gradient of the
         // whole global batch.
@@ -324,7 +322,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         self.try_finish(st).await;
     }
 
-    /// A collective ended.
+    /// A collective ended: its result is applied to the version being made (clipped, held
+    /// for the norm; sharded, this node's part updated and its all-gather started).
     pub(super) async fn on_outcome(&self, st: &mut State<C>, mut outcome: Outcome) {
         if self.on_round_outcome(st, &mut outcome).await {
             return;
@@ -332,11 +331,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let id = match &outcome {
             Outcome::Done { id, .. } | Outcome::Aborted { id } => *id,
         };
-        let Some(r) = st
-            .running
-            .as_mut()
-            .filter(|r| r.epoch == id.epoch && r.step == id.step)
-        else {
+        let Some(r) = st.running.as_mut().filter(|r| r.c.owns(id)) else {
             return;
         };
         let Outcome::Done { sum, .. } = outcome else {
@@ -352,59 +347,70 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                 ),
             );
         };
-        if let Some(layout) = r.shard.clone() {
-            return self.on_shard_outcome(st, id, sum, &layout).await;
-        }
-        let Some(target) = r.targets.get(id.bucket as usize).cloned() else {
-            return;
-        };
-        let applied = if target.len() != sum.len() {
-            Err(format!(
-                "the collective of step {} bucket {} gave {} values for {}",
-                id.step,
-                id.bucket,
-                sum.len(),
-                target.len()
-            ))
-        } else if r.mode == StepMode::Average {
-            let mut sum = sum;
-            let outer = match (r.anchor.take(), st.core.work()) {
-                (Some(anchor), Some(w)) => {
-                    let made = (r.layers, id.step + 1);
-                    outer_step(&mut st.rounds.momentum, w, made, &anchor, &mut sum)
+        let applied = match r.c.arrived(id, sum.len()) {
+            Ok(None) => return,
+            Err(reason) => Err(reason),
+            Ok(Some(Arrival::Gathered { target, .. })) => self.gathered(r, &target, sum),
+            Ok(Some(Arrival::Reduced { .. })) if r.c.mode == StepMode::Average => {
+                let mut sum = sum;
+                let outer = match (r.anchor.take(), st.core.work()) {
+                    (Some(anchor), Some(w)) => {
+                        let made = (r.c.layers, id.step + 1);
+                        outer_step(&mut st.rounds.momentum, w, made, &anchor, &mut sum)
+                    }
+                    _ => Ok(()),
+                };
+                outer.and_then(|()| {
+                    self.compute
+                        .import(Some(&r.next), r.c.layers, sum)
+                        .map(|m| r.next = m)
+                        .map_err(|e| e.to_string())
+                })
+            }
+            Ok(Some(Arrival::Reduced {
+                bucket,
+                target,
+                first,
+            })) => {
+                if first {
+                    // Every peer of this collective computed from version `step`: none will
+                    // roll back past it, so what keeping version `step + 1` will forget is
+                    // free now, and the update may write into its memory. Sharded, the only
+                    // holder of its part makes the next version from this one in place of it
+                    // (a lost peer's part comes back from the checkpoint, not from a version
+                    // here).
+                    if r.shard.is_some() && st.core.versions().keeps_one() {
+                        drop(st.core.take(r.c.step));
+                    }
+                    for old in st.core.doomed_by(r.c.step + 1, true) {
+                        self.compute.retire(old);
+                    }
                 }
-                _ => Ok(()),
-            };
-            outer.and_then(|()| {
-                self.compute
-                    .import(Some(&r.next), r.layers, sum)
-                    .map(|m| r.next = m)
-                    .map_err(|e| e.to_string())
-            })
-        } else {
-            if r.pending == r.targets.len() {
-                // Every peer of this collective computed from version `step`: none will roll
-                // back past it, so what keeping version `step + 1` will forget is free now, and
-                // the update may write into its memory.
-                for old in st.core.doomed_by(r.step + 1, true) {
-                    self.compute.retire(old);
+                if self.compute.max_grad_norm().is_some() {
+                    // Clipped, the buckets wait for each other: the norm is the whole
+                    // gradient's.
+                    r.c.hold(bucket, sum);
+                    return self.clip_held(st).await;
+                }
+                match r.shard.clone() {
+                    Some(l) => self
+                        .update_owned(&mut r.next, &target, sum, &l)
+                        .map(|values| self.start_gather(st, id, &target, values, &l)),
+                    None => {
+                        let applied = self.compute.apply_update(&mut r.next, target, &sum);
+                        self.compute.recycle(sum);
+                        applied.map_err(|e| e.to_string())
+                    }
                 }
             }
-            if self.compute.max_grad_norm().is_some() {
-                // Clipped, the buckets wait for each other: the norm is the whole gradient's.
-                r.held.push((id.bucket, sum));
-                r.pending = r.pending.saturating_sub(1);
-                return self.clip_held(st).await;
-            }
-            let applied = self.compute.apply_update(&mut r.next, target, &sum);
-            self.compute.recycle(sum);
-            applied.map_err(|e| e.to_string())
         };
         if let Err(reason) = applied {
             st.running = None;
             return self.fail(id.epoch, reason);
         }
-        r.pending = r.pending.saturating_sub(1);
+        if let Some(r) = st.running.as_mut() {
+            r.c.landed();
+        }
         self.try_finish(st).await;
     }
 
@@ -413,13 +419,13 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         if !st
             .running
             .as_ref()
-            .is_some_and(|r| r.pending == 0 && r.computed.is_some() && r.held.is_empty())
+            .is_some_and(|r| r.c.settled() && r.computed.is_some())
         {
             return;
         }
         let Some(r) = st.running.take() else { return };
         let mut next = r.next;
-        if r.mode == StepMode::Sync {
+        if r.c.mode == StepMode::Sync {
             self.compute.end_update(&mut next);
         }
         let mut comm_ns = 0;
@@ -440,11 +446,11 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         }
         self.finish_step(
             st,
-            r.epoch,
-            r.step,
+            r.c.epoch,
+            r.c.step,
             next,
-            r.layers,
-            r.mode.synchronized(),
+            r.c.layers,
+            r.c.mode.synchronized(),
             Spent {
                 compute_ns: r.compute_ns,
                 comm_ns,
@@ -700,22 +706,14 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         if mode == StepMode::Sync && !alone {
             let contribution = self.compute.stage_grad_values(grad, scale);
             let group = self.group(st, &w);
-            st.running = Some(Running {
-                epoch: p.stage.epoch,
-                step: p.stage.step,
-                mode: StepMode::Sync,
+            let c = Collect::new(
+                (p.stage.epoch, p.stage.step),
+                StepMode::Sync,
                 layers,
-                targets: vec![p.range.clone()],
-                next: p.model,
-                pending: 1,
-                computed: Some(Instant::now()),
-                compute_ns: p.compute_ns,
-                shard: None,
-                anchor: None,
-                merge: None,
-                held: Vec::new(),
-                first_bucket: None,
-            });
+                vec![p.range.clone()],
+                false,
+            );
+            st.running = Some(Running::computed(c, p.model, p.compute_ns));
             let id = CollId {
                 epoch: p.stage.epoch,
                 step: p.stage.step,
