@@ -26,6 +26,7 @@ use crate::seams::{BucketSink, Compute, ComputeError, StagePass, Transport};
 use ravnest_protocol::digest::sample_range;
 use ravnest_protocol::msg::{Addr, Envelope, StageWork, StepMode, SyncPolicy, Work};
 use ravnest_protocol::node::core::{self, Input};
+use ravnest_protocol::node::duty::{Next, ShardWriter};
 use ravnest_protocol::node::outer::outer_step;
 use ravnest_protocol::node::shard::ShardLayout;
 use ravnest_protocol::node::stage::{Pass, Stage, StageInput};
@@ -33,15 +34,6 @@ use ravnest_protocol::node::step::{Arrival, Collect};
 
 /// A node's state, as this backend's node holds it.
 type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
-
-/// Parts of a checkpoint shard on their way at once (made, queued or unacknowledged): 4 of
-/// [`ravnest_protocol::msg::SHARD_PART`] values, 4 MiB.
-const SHARD_AHEAD: usize = 4;
-/// How long a shard's writer waits without any part acknowledged before it sends the rest
-/// unpaced (a host that stopped storing: the failure detector, not this wait, decides about it;
-/// and the node's watch over the coordinator ticks between its messages, so this wait stays
-/// well under the silence after which the coordinator is suspected).
-const SHARD_PATIENCE: Duration = Duration::from_secs(1);
 
 impl<T: Transport, C: Compute> NodeActor<T, C> {
     fn span(&self, since: Instant, kind: SpanKind) -> Span {
@@ -531,65 +523,48 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     }
 
     /// Send the shard of `layers` of checkpoint version `v` (this node's duty) in parts, each
-    /// made when the one before the last few has arrived: a shard never sits whole in host
-    /// memory here (nor in the transport's queue, which keeps a part until the peer
-    /// acknowledges it).
+    /// made when it may go ([`ShardWriter`]: paced by the host's acknowledgements).
     pub(super) async fn write_shard(&self, v: u64, layers: LayerRange, model: &C::Model) {
         let d = self.compute.digest(model, Some(layers));
-        let total: usize = self
-            .compute
-            .layer_slots(layers)
-            .iter()
-            .map(|r| r.len())
-            .sum();
+        let slots = self.compute.layer_slots(layers);
+        let total: usize = slots.iter().map(|r| r.len()).sum();
         let per_value = self.model_bytes as f64 / self.compute.model_len().max(1) as f64;
-        let mut offset = 0;
-        let mut patience = SHARD_PATIENCE;
-        while offset < total {
-            patience = self.pace(Addr::Checkpoint, patience).await;
-            let end = (offset + ravnest_protocol::msg::SHARD_PART).min(total);
-            let Some(part) = self.compute.export_range(model, Some(layers), offset..end) else {
+        let mut writer = ShardWriter::new(total, ravnest_protocol::msg::SHARD_PART);
+        let (me, to) = (self.me(), Addr::Checkpoint);
+        loop {
+            // Armed before the count is read: no acknowledgement between the two is missed.
+            let progress = self.transport.progress(me, to);
+            let in_flight = progress.is_some().then(|| self.transport.in_flight(me, to));
+            let now_ms = self.t0.elapsed().as_millis() as u64;
+            let range = match writer.next(now_ms, in_flight) {
+                Next::Done => return,
+                Next::Wait => {
+                    let patience = Duration::from_millis(writer.patience_ms());
+                    if let Some(p) = progress {
+                        let _ = tokio::time::timeout(patience, p).await;
+                    }
+                    continue;
+                }
+                Next::Part(r) => r,
+            };
+            let Some(part) = self
+                .compute
+                .export_range(model, Some(layers), range.clone())
+            else {
                 return;
             };
             self.send(
-                Addr::Checkpoint,
+                to,
                 Envelope::Shard {
                     step: v,
                     layers,
                     digest: d,
                     virtual_bytes: (per_value * part.len() as f64) as u64,
                     model: part,
-                    offset: offset as u64,
+                    offset: range.start as u64,
                     total: total as u64,
                 },
             );
-            offset = end;
-        }
-    }
-
-    /// Wait while more than [`SHARD_AHEAD`] envelopes to `to` are on their way, for at most
-    /// `patience` without one of them acknowledged (each acknowledgment gives the full
-    /// [`SHARD_PATIENCE`] back; a peer that stopped acknowledging gets the rest unpaced: the
-    /// failure detector, not this wait, decides about it); what is left of the patience. The
-    /// transport wakes it when the count may have gone down ([`crate::seams::Transport::progress`]); one
-    /// without that signal is not waited on.
-    async fn pace(&self, to: Addr, mut patience: Duration) -> Duration {
-        let me = self.me();
-        loop {
-            let Some(progress) = self.transport.progress(me, to) else {
-                return patience;
-            };
-            let seen = self.transport.in_flight(me, to);
-            if seen <= SHARD_AHEAD || patience.is_zero() {
-                return patience;
-            }
-            let t0 = Instant::now();
-            let _ = tokio::time::timeout(patience, progress).await;
-            patience = if self.transport.in_flight(me, to) < seen {
-                SHARD_PATIENCE
-            } else {
-                patience.saturating_sub(t0.elapsed())
-            };
         }
     }
 
