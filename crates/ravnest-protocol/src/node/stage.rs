@@ -2,7 +2,7 @@
 //! its inputs arrive), what each one sends to the neighbouring stages, and where an input that
 //! came before its step started here waits.
 //!
-//! The driver (the runtime's node) runs each [`Pass`] that [`Stage::next`] hands it on its
+//! The driver (the runtime's node) runs each [`Pass`] that [`Stage::next_pass`] hands it on its
 //! compute, gives the result back to [`Stage::ran`], and sends what that returns. The model, and
 //! the gradient the passes accumulate, are the driver's: this machine holds the activations
 //! and the order only. It reads no clock and does no I/O.
@@ -246,7 +246,7 @@ impl Stage {
 
     /// The next pass, when its input is here; `None` while it waits, or when done. The driver
     /// runs it and hands it back to [`Stage::ran`] before asking again.
-    pub fn next(&mut self) -> Option<Pass> {
+    pub fn next_pass(&mut self) -> Option<Pass> {
         let pass = match self.run.next_ready()? {
             Ready::Forward { micro, input } => Pass::Forward {
                 micro,

@@ -72,7 +72,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         // Launched, the replica goes on from its own values: nothing to wait for.
         let targets = match mode {
             StepMode::Launch => Vec::new(),
-            _ => vec![0..contribution.len()],
+            _ => std::iter::once(0..contribution.len()).collect(),
         };
         let c = Collect::new((w.epoch, s), mode, layers, targets, false);
         let mut running = Running::computed(c, local, ns);

@@ -624,7 +624,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     /// schedule is done, hand the layers' gradient to the stage's sync group.
     async fn pump(&self, st: &mut State<C>) {
         while let Some(p) = st.pipe.as_mut() {
-            let Some(pass) = p.stage.next() else {
+            let Some(pass) = p.stage.next_pass() else {
                 break;
             };
             let t = Instant::now();

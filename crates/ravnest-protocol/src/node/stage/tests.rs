@@ -113,7 +113,7 @@ fn pipeline(stages: u32, batch: u64, micro: u64, late: &[usize], picks: &[usize]
                 *slot = Some(start(k, stages, 7, batch, micro, &mut early[k as usize]));
             }
             let Some(s) = slot.as_mut() else { continue };
-            while let Some(pass) = s.next() {
+            while let Some(pass) = s.next_pass() {
                 ran[k as usize].push((matches!(pass, Pass::Forward { .. }), pass.micro()));
                 let out = compute(k, &pass);
                 if let (Pass::Backward { .. }, 0) = (&pass, k) {
