@@ -18,6 +18,7 @@ pub mod conformance;
 pub mod coordinator;
 pub mod counters;
 pub mod launch;
+pub mod measure;
 pub mod netns;
 pub mod node;
 pub mod seams;

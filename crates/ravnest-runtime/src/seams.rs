@@ -461,3 +461,31 @@ pub fn spawn_beats<T: Transport>(
         }
     })
 }
+
+/// Run the compute `pass` with a bucket sink whose buckets are handed to `on` here, on the
+/// caller's task, as the compute thread makes them (and those still on their way when the pass
+/// ends): the compute thread and the caller share nothing. The pass's result.
+pub(crate) async fn with_buckets<R, F>(
+    pass: impl FnOnce(BucketSink) -> F,
+    mut on: impl FnMut(usize, Vec<f32>),
+) -> R
+where
+    F: std::future::Future<Output = R>,
+{
+    let (tx, mut made) = tokio::sync::mpsc::unbounded_channel::<(usize, Vec<f32>)>();
+    let sink: BucketSink = Arc::new(move |k: usize, data: Vec<f32>| {
+        let _ = tx.send((k, data));
+    });
+    let pass = pass(sink);
+    tokio::pin!(pass);
+    let result = loop {
+        tokio::select! {
+            r = &mut pass => break r,
+            Some((k, data)) = made.recv() => on(k, data),
+        }
+    };
+    while let Ok((k, data)) = made.try_recv() {
+        on(k, data);
+    }
+    result
+}

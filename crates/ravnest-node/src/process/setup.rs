@@ -368,7 +368,7 @@ async fn measure(
         }) / 1e9
     });
     // The model's training step, or for a model this node cannot hold, a block standing for it.
-    let mut bench = ravnest_runtime::node::calibrate::Bench::new(compute.clone(), me, None);
+    let mut bench = ravnest_runtime::measure::calibrate::Bench::new(compute.clone(), me, None);
     let b = u64::from(s.training.global_batch).clamp(1, 512);
     bench.step(b.min(8), 0).await;
     // The best of three: other processes on the machine may be measuring at the same time.

@@ -8,9 +8,10 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use ravnest_core::{LayerRange, NodeId};
 
 use super::state::{NodeMsg, NodeState};
-use super::{NodeActor, Start, spawn_link_probes};
+use super::{NodeActor, Start};
 use crate::collective::{CollectiveActor, CollectiveMsg};
 use crate::counters::Count;
+use crate::measure::links::spawn_link_probes;
 use crate::seams::{Compute, Transport};
 use ravnest_protocol::msg::{Addr, Envelope};
 use ravnest_protocol::node::core::{Effect, Input, NodeCore};
@@ -100,7 +101,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         }
     }
 
-    /// This node's training step time as a function of its batch ([`super::calibrate`]),
+    /// This node's training step time as a function of its batch ([`crate::measure::calibrate`]),
     /// from its latest version (or the initial model), the optimizer applied to a scratch
     /// version.
     async fn calibrate(&self, st: &State<C>, batch: u64, duration_ms: u64) -> Envelope {
@@ -109,8 +110,8 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             .latest()
             .and_then(|v| st.core.version(v))
             .map(|v| v.model.clone());
-        let mut bench = super::calibrate::Bench::new(self.compute.clone(), self.id, model);
-        let c = super::calibrate::calibrate(&mut bench, batch, duration_ms).await;
+        let mut bench = crate::measure::calibrate::Bench::new(self.compute.clone(), self.id, model);
+        let c = crate::measure::calibrate::calibrate(&mut bench, batch, duration_ms).await;
         Envelope::Measured {
             samples_per_s: c.samples_per_s,
             per_sample_s: c.per_sample_s,

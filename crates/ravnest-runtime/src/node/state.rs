@@ -7,8 +7,8 @@ use std::sync::Arc;
 use ractor::ActorRef;
 use tokio::time::Instant;
 
-use super::ProbeRound;
 use crate::collective::{CollectiveMsg, Group, Outcome};
+use crate::measure::links::ProbeRound;
 use ravnest_protocol::msg::{Addr, Envelope};
 use ravnest_protocol::node::core::NodeCore;
 use ravnest_protocol::node::outer::{Anchor, Rounds};

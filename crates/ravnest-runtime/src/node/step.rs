@@ -18,11 +18,11 @@ use ravnest_core::pack::Packing;
 use ravnest_core::ring::RingMode;
 use tokio::time::Instant;
 
+use super::NodeActor;
 use super::state::{NodeMsg, NodeState, Pipe, Running};
-use super::{NodeActor, with_buckets};
 use crate::collective::{CollectiveMsg, Group, Outcome};
 use crate::counters::{Count, MadeCount, Observed, Span, SpanKind};
-use crate::seams::{BucketSink, Compute, ComputeError, StagePass, Transport};
+use crate::seams::{BucketSink, Compute, ComputeError, StagePass, Transport, with_buckets};
 use ravnest_protocol::digest::sample_range;
 use ravnest_protocol::msg::{Addr, Envelope, StageWork, StepMode, SyncPolicy, Work};
 use ravnest_protocol::node::core::{self, Input};

@@ -99,7 +99,7 @@ impl<C: Compute> Bench<C> {
         let (compute, scratch) = (&self.compute, &mut self.scratch);
         let buckets = compute.buckets();
         let pass = |sink| compute.gradient_sum(self.node, k, 0..batch, model, sink);
-        let _ = super::with_buckets(pass, |b, g| {
+        let _ = crate::seams::with_buckets(pass, |b, g| {
             if let Some(r) = buckets.get(b) {
                 let _ = compute.apply_update(scratch, r.clone(), &g);
             }
