@@ -1,12 +1,14 @@
 //! Where the pieces of a step's global gradient norm go under clipping, when no node holds the
 //! whole gradient: a sharded owner tells the rest of its ring; a pipeline stage tells its
 //! neighbours in its replica, who pass each piece on away from where it came, so that every
-//! stage gets every piece once. The runtime's node sends and sums them
+//! stage gets every piece once. [`Norms`] keeps the pieces a node has, says what it sends on,
+//! and when a step's norm is whole; the runtime's node clips and applies
 //! (`ravnest_runtime::node::clip`).
 
 use ravnest_core::NodeId;
+use ravnest_core::recipe::NormPieces;
 
-use crate::msg::Work;
+use crate::msg::{Envelope, Work};
 
 /// Where this node's piece of a step's norm goes.
 #[derive(Debug, PartialEq, Eq)]
@@ -45,6 +47,80 @@ pub fn pass_on(w: &Work, part: u32) -> Option<NodeId> {
         std::cmp::Ordering::Less => sw.next,
         std::cmp::Ordering::Greater => sw.prev,
         std::cmp::Ordering::Equal => None,
+    }
+}
+
+/// The pieces of steps' norms a node has (its own and its peers'), under clipping.
+#[derive(Debug, Default)]
+pub struct Norms {
+    pieces: NormPieces,
+}
+
+/// A piece of step `step`'s norm of `epoch`, to node `to`.
+fn piece(to: NodeId, epoch: u64, step: u64, part: u32, sq: f64) -> (NodeId, Envelope) {
+    let env = Envelope::GradNorm {
+        epoch,
+        step,
+        part,
+        sq,
+    };
+    (to, env)
+}
+
+impl Norms {
+    /// This node's piece `sq` of step `step`'s norm under `w` (`None`: no work, one part):
+    /// kept, and the pieces it sends along its route.
+    pub fn mine(
+        &mut self,
+        w: Option<&Work>,
+        me: NodeId,
+        (epoch, step): (u64, u64),
+        sq: f64,
+    ) -> Vec<(NodeId, Envelope)> {
+        match w.and_then(|w| route(w, me)) {
+            None => {
+                self.pieces.add(epoch, step, 0, sq);
+                Vec::new()
+            }
+            Some(r) => {
+                self.pieces.add(epoch, step, r.part, sq);
+                let to = r.to.into_iter();
+                to.map(|n| piece(n, epoch, step, r.part, sq)).collect()
+            }
+        }
+    }
+
+    /// A peer's piece `sq` of part `part` of step `step`'s norm, this node running `w` and
+    /// holding versions up to `latest`: `None` when it is refused (a step or an epoch this node
+    /// is past, a value that is not finite, a part already in); else where it is passed on (a
+    /// stage passes pieces away from their origin).
+    pub fn theirs(
+        &mut self,
+        (w, latest): (Option<&Work>, Option<u64>),
+        (epoch, step): (u64, u64),
+        part: u32,
+        sq: f64,
+    ) -> Option<Option<(NodeId, Envelope)>> {
+        let stale = w.is_some_and(|w| epoch < w.epoch) || latest.is_some_and(|l| step < l);
+        if stale || !sq.is_finite() || !self.pieces.add(epoch, step, part, sq) {
+            return None;
+        }
+        let on = w
+            .filter(|w| w.epoch == epoch)
+            .and_then(|w| pass_on(w, part));
+        Some(on.map(|to| piece(to, epoch, step, part, sq)))
+    }
+
+    /// The square of step `step`'s norm, once the piece of every part of node `me`'s layout
+    /// under `w` is in.
+    pub fn total(&self, w: Option<&Work>, me: NodeId, (epoch, step): (u64, u64)) -> Option<f64> {
+        let parts = w.and_then(|w| route(w, me)).map_or(1, |r| r.parts);
+        self.pieces.total(epoch, step, parts)
+    }
+
+    /// Step `step` of `epoch` is applied: the pieces of it and of earlier steps go.
+    pub fn forget_through(&mut self, epoch: u64, step: u64) {
+        self.pieces.forget_before(epoch, step + 1);
     }
 }
 
@@ -127,5 +203,62 @@ mod tests {
             ..work(vec![NodeId(1)])
         };
         assert_eq!(route(&alone, NodeId(1)), None);
+    }
+
+    /// Through `Norms`, every stage of a pipeline ends with the same total: each stage's own
+    /// piece and every other stage's, once; a piece of a step this node is past, one that is
+    /// not finite, or one already in is refused.
+    #[test]
+    fn every_stage_sums_every_piece_through_norms() {
+        let stages = 4u32;
+        let works: Vec<Work> = (0..stages)
+            .map(|s| Work {
+                stage: Some(stage(s, stages)),
+                ..work(vec![NodeId(10 + s)])
+            })
+            .collect();
+        let at = |n: NodeId| (n.0 - 10) as usize;
+        let mut norms: Vec<Norms> = (0..stages).map(|_| Norms::default()).collect();
+        let mut net = Vec::new();
+        for k in 0..stages as usize {
+            let sq = (k + 1) as f64;
+            net.extend(norms[k].mine(Some(&works[k]), NodeId(10 + k as u32), (1, 5), sq));
+        }
+        while let Some((to, env)) = net.pop() {
+            let Envelope::GradNorm {
+                epoch,
+                step,
+                part,
+                sq,
+            } = env
+            else {
+                panic!("{env:?}")
+            };
+            let k = at(to);
+            let on = norms[k].theirs((Some(&works[k]), Some(5)), (epoch, step), part, sq);
+            net.extend(on.expect("taken once"));
+        }
+        for (k, n) in norms.iter_mut().enumerate() {
+            let me = NodeId(10 + k as u32);
+            assert_eq!(
+                n.total(Some(&works[k]), me, (1, 5)),
+                Some(10.0),
+                "stage {k}"
+            );
+            let w = (Some(&works[k]), Some(5));
+            assert!(n.theirs(w, (1, 5), 0, 1.0).is_none(), "a part already in");
+            assert!(
+                n.theirs(w, (1, 4), 0, 1.0).is_none(),
+                "a step this node is past"
+            );
+            assert!(n.theirs(w, (0, 6), 0, 1.0).is_none(), "an older epoch");
+            assert!(n.theirs(w, (1, 6), 0, f64::NAN).is_none(), "not finite");
+            n.forget_through(1, 5);
+            assert_eq!(n.total(Some(&works[k]), me, (1, 5)), None, "forgotten");
+        }
+        // Holding the whole gradient, a node's own piece is the norm.
+        let mut alone = Norms::default();
+        assert!(alone.mine(None, NodeId(1), (1, 5), 2.5).is_empty());
+        assert_eq!(alone.total(None, NodeId(1), (1, 5)), Some(2.5));
     }
 }

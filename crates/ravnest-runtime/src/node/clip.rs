@@ -10,13 +10,13 @@
 //!   group first, when it has one) and sends the piece to its neighbours in its replica, who
 //!   pass each piece on away from where it came, so that every stage gets every piece.
 //!
-//! A node applies its held gradient once the pieces of every part are in ([`NormPieces`]): all
+//! A node applies its held gradient once the pieces of every part are in ([`Norms`]): all
 //! of them sum the same pieces in part order and clip by the same factor, so replicas still
 //! agree bit for bit. A halt drops the held step with the running one; the pieces of older
 //! steps are forgotten as steps are applied.
 //!
 //! [`Collect`]: ravnest_protocol::node::step::Collect
-//! [`NormPieces`]: ravnest_core::recipe::NormPieces
+//! [`Norms`]: ravnest_protocol::node::clip::Norms
 
 use ravnest_core::collective::CollId;
 use ravnest_core::recipe::{clip_factor, scale, sum_sq};
@@ -26,8 +26,8 @@ use super::state::NodeState;
 use super::step::Made;
 use crate::counters::Count;
 use crate::seams::{Compute, Transport};
-use ravnest_protocol::msg::{Addr, Envelope};
-use ravnest_protocol::node::clip::{Route, pass_on, route};
+use ravnest_protocol::msg::Addr;
+use ravnest_protocol::node::clip::route;
 
 /// A node's state, as this backend's node holds it.
 type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
@@ -50,14 +50,13 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
                     None => sum_sq(g),
                 })
                 .sum();
-        let (epoch, step) = (r.c.epoch, r.c.step);
-        match st.core.work().and_then(|w| route(w, self.id)) {
-            None => self.apply_held(st, piece, max).await,
-            Some(route) => {
-                self.tell(st, epoch, step, &route, piece);
-                self.try_clip(st).await;
-            }
+        let at = (r.c.epoch, r.c.step);
+        if st.core.work().and_then(|w| route(w, self.id)).is_none() {
+            // The whole gradient is here: its own norm.
+            return self.apply_held(st, piece, max).await;
         }
+        self.tell(st, at, piece);
+        self.try_clip(st).await;
     }
 
     /// A stage that applies its own gradient has it (`Pipe::clip`): send its piece of the norm.
@@ -66,26 +65,15 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let Some(values) = p.clip.as_ref() else {
             return;
         };
-        let (epoch, step, piece) = (p.stage.epoch, p.stage.step, sum_sq(values));
-        let Some(route) = st.core.work().and_then(|w| route(w, self.id)) else {
-            // A pipeline of one stage: the whole gradient is here.
-            st.norms.add(epoch, step, 0, piece);
-            return self.try_clip(st).await;
-        };
-        self.tell(st, epoch, step, &route, piece);
+        let (at, piece) = ((p.stage.epoch, p.stage.step), sum_sq(values));
+        // A pipeline of one stage: the whole gradient is here, its piece the norm.
+        self.tell(st, at, piece);
         self.try_clip(st).await;
     }
 
-    /// Record this node's piece and send it along its route.
-    fn tell(&self, st: &mut State<C>, epoch: u64, step: u64, route: &Route, sq: f64) {
-        st.norms.add(epoch, step, route.part, sq);
-        for &to in &route.to {
-            let piece = Envelope::GradNorm {
-                epoch,
-                step,
-                part: route.part,
-                sq,
-            };
+    /// Keep this node's piece of a step's norm and send it along its route.
+    fn tell(&self, st: &mut State<C>, at: (u64, u64), sq: f64) {
+        for (to, piece) in st.norms.mine(st.core.work(), self.id, at, sq) {
             self.send(Addr::Node(to), piece);
         }
     }
@@ -100,23 +88,11 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         part: u32,
         sq: f64,
     ) {
-        let stale = st.core.work().is_some_and(|w| epoch < w.epoch)
-            || st.core.latest().is_some_and(|l| step < l);
-        if stale || !sq.is_finite() || !st.norms.add(epoch, step, part, sq) {
+        let seen = (st.core.work(), st.core.latest());
+        let Some(on) = st.norms.theirs(seen, (epoch, step), part, sq) else {
             return;
-        }
-        let on = st
-            .core
-            .work()
-            .filter(|w| w.epoch == epoch)
-            .and_then(|w| pass_on(w, part));
-        if let Some(to) = on {
-            let piece = Envelope::GradNorm {
-                epoch,
-                step,
-                part,
-                sq,
-            };
+        };
+        if let Some((to, piece)) = on {
             self.send(Addr::Node(to), piece);
         }
         self.try_clip(st).await;
@@ -128,24 +104,20 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let Some(max) = self.compute.max_grad_norm() else {
             return;
         };
-        let parts = st
-            .core
-            .work()
-            .and_then(|w| route(w, self.id))
-            .map_or(1, |r| r.parts);
+        let (w, me) = (st.core.work(), self.id);
         if let Some(r) = st.running.as_ref()
             && r.c.all_held()
-            && let Some(total) = st.norms.total(r.c.epoch, r.c.step, parts)
+            && let Some(total) = st.norms.total(w, me, (r.c.epoch, r.c.step))
         {
             return self.apply_held(st, total, max).await;
         }
         let Some(p) = st.pipe.as_ref().filter(|p| p.clip.is_some()) else {
             return;
         };
-        let Some(total) = st.norms.total(p.stage.epoch, p.stage.step, parts) else {
+        let Some(total) = st.norms.total(w, me, (p.stage.epoch, p.stage.step)) else {
             return;
         };
-        st.norms.forget_before(p.stage.epoch, p.stage.step + 1);
+        st.norms.forget_through(p.stage.epoch, p.stage.step);
         let Some(mut p) = st.pipe.take() else { return };
         let Some(w) = st.core.work().cloned() else {
             return;
@@ -170,7 +142,7 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     async fn apply_held(&self, st: &mut State<C>, total: f64, max: f32) {
         let f = clip_factor(total, max);
         let Some(r) = st.running.as_mut() else { return };
-        st.norms.forget_before(r.c.epoch, r.c.step + 1);
+        st.norms.forget_through(r.c.epoch, r.c.step);
         self.record_norm(r.c.step, total);
         let held = r.c.take_held();
         let (epoch, step, layout) = (r.c.epoch, r.c.step, r.shard.clone());

@@ -54,7 +54,7 @@ pub struct NodeState<M, G> {
     pub(super) watcher: Option<super::watcher::Tick>,
     pub(super) watch_ticker: Option<tokio::task::JoinHandle<()>>,
     /// Pieces of steps' gradient norms from the other parts of the model (clipping).
-    pub(super) norms: ravnest_core::recipe::NormPieces,
+    pub(super) norms: ravnest_protocol::node::clip::Norms,
 }
 
 impl<M, G> NodeState<M, G> {
