@@ -5,7 +5,8 @@
 //! - Data parallel: a node holds the step's reduced buckets until all are in ([`Collect`]'s
 //!   held buckets), and clips them by their own norm: it holds the whole gradient.
 //! - Sharded: each owner holds its reduce-scatters' results the same way, sums the squares of
-//!   the part it owns, and sends that piece to the rest of its ring ([`Envelope::GradNorm`]).
+//!   the part it owns, and sends that piece to the rest of its ring
+//!   ([`ravnest_protocol::msg::Envelope::GradNorm`]).
 //! - A pipeline: each stage sums the squares of its layers' gradient (reduced with its sync
 //!   group first, when it has one) and sends the piece to its neighbours in its replica, who
 //!   pass each piece on away from where it came, so that every stage gets every piece.
