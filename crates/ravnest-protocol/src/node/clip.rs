@@ -151,17 +151,22 @@ mod tests {
         }
     }
 
+    /// Each stage's work in a pipeline of `stages` on nodes 10, 11, ...
+    fn pipeline(stages: u32) -> Vec<Work> {
+        (0..stages)
+            .map(|s| Work {
+                stage: Some(stage(s, stages)),
+                ..work(vec![NodeId(10 + s)])
+            })
+            .collect()
+    }
+
     /// Pieces passed along a pipeline reach every stage exactly once: from each stage, a piece
     /// travels both ways to the ends and stops there.
     #[test]
     fn every_stage_gets_every_piece_once() {
         for stages in 1..7u32 {
-            let works: Vec<Work> = (0..stages)
-                .map(|s| Work {
-                    stage: Some(stage(s, stages)),
-                    ..work(vec![NodeId(10 + s)])
-                })
-                .collect();
+            let works = pipeline(stages);
             let at = |n: NodeId| (n.0 - 10) as usize;
             let mut got = vec![vec![0u32; stages as usize]; stages as usize];
             for origin in 0..stages {
@@ -211,12 +216,7 @@ mod tests {
     #[test]
     fn every_stage_sums_every_piece_through_norms() {
         let stages = 4u32;
-        let works: Vec<Work> = (0..stages)
-            .map(|s| Work {
-                stage: Some(stage(s, stages)),
-                ..work(vec![NodeId(10 + s)])
-            })
-            .collect();
+        let works = pipeline(stages);
         let at = |n: NodeId| (n.0 - 10) as usize;
         let mut norms: Vec<Norms> = (0..stages).map(|_| Norms::default()).collect();
         let mut net = Vec::new();

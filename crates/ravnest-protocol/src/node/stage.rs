@@ -38,6 +38,7 @@ pub struct StageInput {
 impl StageInput {
     /// The stage input `env` carries; any other envelope back.
     pub fn of(env: Envelope) -> Result<StageInput, Envelope> {
+        let is_grad = matches!(env, Envelope::ActivationGrad { .. });
         match env {
             Envelope::Activation {
                 epoch,
@@ -45,14 +46,8 @@ impl StageInput {
                 micro,
                 data,
                 ..
-            } => Ok(StageInput {
-                epoch,
-                step,
-                is_grad: false,
-                micro,
-                data,
-            }),
-            Envelope::ActivationGrad {
+            }
+            | Envelope::ActivationGrad {
                 epoch,
                 step,
                 micro,
@@ -61,7 +56,7 @@ impl StageInput {
             } => Ok(StageInput {
                 epoch,
                 step,
-                is_grad: true,
+                is_grad,
                 micro,
                 data,
             }),
