@@ -11,6 +11,7 @@ mod bench_slow_link;
 mod chaos;
 mod join;
 mod models;
+mod relay;
 mod report;
 mod run;
 mod scenarios;
@@ -168,6 +169,13 @@ document with the folder's tokenizer.json (bytes for ravnest's byte-level GPTs),
 tokens added; window i feeds tokens [iN, iN+N) and predicts tokens [iN+1, iN+N+1); a last
 partial window is dropped. --json prints {\"loss\": ..., \"tokens\": ...}.")]
     Eval(EvalCmd),
+    /// Relay for nodes behind NATs: they reserve a slot here and are dialled through it, and
+    /// pairs punch direct connections through it where their NATs allow.
+    #[command(after_help = "Example:
+  ravnest relay --listen 203.0.113.7:4001 --seed my-relay
+
+Then in the cluster file: [cluster] relays = [\"<the address it prints>\"]. How-to: docs/internet.md.")]
+    Relay(relay::RelayCmd),
     /// List the device catalog and the model presets.
     #[command(after_help = "Example:
   ravnest catalog
@@ -350,6 +358,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench { what } => bench_command(what),
         Command::Generate(cmd) => models::generate_command(cmd),
         Command::Eval(cmd) => models::eval_command(cmd),
+        Command::Relay(cmd) => relay::relay_command(cmd),
         Command::Catalog => {
             emit(&report::catalog_text());
             Ok(())

@@ -100,6 +100,10 @@ pub struct NodeReport {
     /// A data-parallel node's steady step by phase (ms per step).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phases: Option<StepPhases>,
+    /// Over libp2p (`[cluster] relays`): how it reached each peer at the end, by name
+    /// (`direct`, `direct (hole punched)`, `relayed`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub paths: BTreeMap<String, String>,
 }
 
 /// Where a node's steady steps went, in ms per step (the mean over the steps after the

@@ -21,6 +21,7 @@ pub mod launch;
 pub mod measure;
 pub mod netns;
 pub mod node;
+pub mod p2p;
 pub mod seams;
 pub mod supervisor;
 pub mod tcp;

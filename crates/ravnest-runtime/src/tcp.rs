@@ -28,6 +28,7 @@
 mod agreed;
 mod channel;
 mod config;
+mod conn;
 mod handshake;
 mod incoming;
 mod loopback;
@@ -43,8 +44,10 @@ use std::time::Duration;
 use ravnest_core::NodeId;
 use tokio::net::TcpListener;
 
+use crate::p2p::P2pNet;
 use crate::seams::{Inbox, Transport, TransportError};
 use crate::wire;
+use conn::Conn;
 use ravnest_protocol::msg::{Addr, Envelope};
 
 pub use agreed::HandshakeError;
@@ -95,10 +98,67 @@ impl TcpTransport {
         listener: TcpListener,
         verbose: bool,
     ) -> std::io::Result<TcpTransport> {
-        let local = listener.local_addr()?;
-        let t = TcpTransport {
+        let t = TcpTransport::with(cfg, listener.local_addr()?, verbose, None);
+        let me = t.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, remote)) = listener.accept().await else {
+                    continue;
+                };
+                let _ = stream.set_nodelay(true);
+                let me2 = me.clone();
+                let h = tokio::spawn(async move {
+                    // A connection closed before its first byte is a reachability check (a
+                    // starting node seeing whether its coordinator listens; a port scan), not
+                    // a peer: nothing to say.
+                    let mut first = [0u8; 1];
+                    let peeked =
+                        tokio::time::timeout(Duration::from_secs(10), stream.peek(&mut first));
+                    if matches!(peeked.await, Ok(Ok(0))) {
+                        return;
+                    }
+                    me2.serve(Conn::Tcp(stream), remote.to_string()).await
+                });
+                me.inner.tasks.lock().unwrap().push(h.abort_handle());
+            }
+        });
+        t.inner.tasks.lock().unwrap().push(task.abort_handle());
+        Ok(t)
+    }
+
+    /// The same transport over libp2p ([`crate::p2p`]): peers are dialled by their `PeerId`,
+    /// directly or through a relay, and ravnest's handshake, sessions and frames run on a
+    /// libp2p stream per ordered pair. `cfg.encrypt` should be off: each libp2p connection is
+    /// already Noise-encrypted end to end.
+    pub fn over_p2p(cfg: TcpConfig, net: P2pNet, local: SocketAddr, verbose: bool) -> TcpTransport {
+        let mut incoming = net.incoming();
+        let t = TcpTransport::with(cfg, local, verbose, Some(net));
+        let me = t.clone();
+        let task = tokio::spawn(async move {
+            while let Some((node, peer, stream)) = incoming.recv().await {
+                let me2 = me.clone();
+                let remote = match node {
+                    Some(n) => format!("node {} ({peer})", n.0),
+                    None => format!("{peer}"),
+                };
+                let h = tokio::spawn(async move { me2.serve(Conn::P2p(stream), remote).await });
+                me.inner.tasks.lock().unwrap().push(h.abort_handle());
+            }
+        });
+        t.inner.tasks.lock().unwrap().push(task.abort_handle());
+        t
+    }
+
+    /// The libp2p side, when this transport runs over it.
+    pub fn p2p(&self) -> Option<&P2pNet> {
+        self.inner.p2p.as_ref()
+    }
+
+    fn with(cfg: TcpConfig, local: SocketAddr, verbose: bool, p2p: Option<P2pNet>) -> TcpTransport {
+        TcpTransport {
             inner: Arc::new(Inner {
                 local,
+                p2p,
                 inboxes: Mutex::default(),
                 early: Mutex::default(),
                 links: Mutex::default(),
@@ -131,21 +191,7 @@ impl TcpTransport {
                 gone: Mutex::default(),
                 cfg,
             }),
-        };
-        let me = t.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((stream, remote)) = listener.accept().await else {
-                    continue;
-                };
-                let _ = stream.set_nodelay(true);
-                let me2 = me.clone();
-                let h = tokio::spawn(async move { me2.serve(stream, remote).await });
-                me.inner.tasks.lock().unwrap().push(h.abort_handle());
-            }
-        });
-        t.inner.tasks.lock().unwrap().push(task.abort_handle());
-        Ok(t)
+        }
     }
 
     /// The address this transport listens on.
@@ -235,6 +281,9 @@ impl TcpTransport {
         self.inner.sessions.lock().unwrap().clear();
         for t in self.inner.tasks.lock().unwrap().drain(..) {
             t.abort();
+        }
+        if let Some(net) = &self.inner.p2p {
+            net.shutdown();
         }
     }
 

@@ -28,7 +28,7 @@ use ctx::Ctx;
 use faults::resolve_fault;
 use models::resolve_model;
 use nodes::{
-    NodeDefaults, Nodes, cluster_name, find_node, resolve_default_link, resolve_nodes,
+    NodeDefaults, Nodes, cluster_name, find_node, network, resolve_default_link, resolve_nodes,
     resolve_pair_links,
 };
 use raw::FileToml;
@@ -95,6 +95,7 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
     let pair_links = resolve_pair_links(ctx, file.links.as_ref(), default_link, &lookup_node)?;
 
     let cluster_name = cluster_name(ctx, file.cluster.as_ref());
+    let (p2p, relays) = network(ctx, file.cluster.as_ref())?;
     let coordinator = match file.cluster.as_ref().and_then(|c| c.coordinator.as_ref()) {
         Some(c) => Some(lookup_node(c)?),
         None => None,
@@ -102,6 +103,8 @@ fn resolve(ctx: &Ctx<'_>, file: FileToml) -> Result<Scenario, ConfigError> {
     let run = RunSettings {
         secret: file.cluster.as_ref().and_then(|c| c.secret.clone()),
         coordinator,
+        p2p,
+        relays,
         emulate_slowdown: slowdown,
         devices: raw_devices,
         ..RunSettings::default()

@@ -290,6 +290,53 @@ pub(super) fn resolve_pair_links(
     Ok(pair_links)
 }
 
+/// `[cluster] transport` and `relays`: whether `run` goes over libp2p, and through which
+/// relays. Relays imply libp2p; each must name its relay's peer id (the multiaddr itself is
+/// parsed where libp2p is, by the node).
+pub(super) fn network(
+    ctx: &Ctx<'_>,
+    cluster: Option<&ClusterToml>,
+) -> Result<(bool, Vec<String>), ConfigError> {
+    let Some(c) = cluster else {
+        return Ok((false, Vec::new()));
+    };
+    let mut relays = Vec::new();
+    for r in c.relays.iter().flatten() {
+        let text = r.get_ref().trim();
+        if !text.starts_with('/') || !text.contains("/p2p/") {
+            return Err(ctx.err(
+                Some(&r.span()),
+                format!(
+                    "`[cluster] relays`: `{text}` is not a relay's multiaddr; write it as \
+                     `ravnest relay` prints it: /ip4/HOST/tcp/PORT/p2p/PEER_ID"
+                ),
+            ));
+        }
+        relays.push(text.to_string());
+    }
+    let p2p = match c.transport.as_ref() {
+        None => !relays.is_empty(),
+        Some(t) => match t.get_ref().as_str() {
+            "p2p" => true,
+            "tcp" if relays.is_empty() => false,
+            "tcp" => {
+                return Err(ctx.err(
+                    Some(&t.span()),
+                    "`[cluster] transport = \"tcp\"` cannot use `relays`: relays need \
+                     `transport = \"p2p\"` (or no `transport`)",
+                ));
+            }
+            other => {
+                return Err(ctx.err(
+                    Some(&t.span()),
+                    format!("`[cluster] transport`: unknown `{other}`; known: tcp, p2p"),
+                ));
+            }
+        },
+    };
+    Ok((p2p, relays))
+}
+
 /// `[cluster] name`, else the file name without its directory and `.toml`.
 pub(super) fn cluster_name(ctx: &Ctx<'_>, cluster: Option<&ClusterToml>) -> String {
     cluster.and_then(|c| c.name.clone()).unwrap_or_else(|| {

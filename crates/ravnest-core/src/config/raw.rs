@@ -29,6 +29,8 @@ pub(super) struct ClusterToml {
     pub(super) name: Option<String>,
     pub(super) secret: Option<String>,
     pub(super) coordinator: Option<Spanned<String>>,
+    pub(super) transport: Option<Spanned<String>>,
+    pub(super) relays: Option<Vec<Spanned<String>>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -114,6 +114,11 @@ pub struct RunSettings {
     pub secret: Option<String>,
     /// Coordinator node.
     pub coordinator: Option<NodeId>,
+    /// Nodes reach each other over libp2p (`[cluster] transport = "p2p"`, or `relays`):
+    /// through relays and punched holes, for peers behind NATs.
+    pub p2p: bool,
+    /// The relays (`/ip4/HOST/tcp/PORT/p2p/PEER_ID`) nodes reserve a slot on.
+    pub relays: Vec<String>,
     /// Per-node compute slowdown to emulate a slower device (1.0 = none), by node index.
     pub emulate_slowdown: Vec<f64>,
     /// Each node's `device` as written (`cpu`, `cuda:1`, `rtx3090`), by node index: where
@@ -225,6 +230,8 @@ impl Default for RunSettings {
         RunSettings {
             secret: None,
             coordinator: None,
+            p2p: false,
+            relays: Vec::new(),
             emulate_slowdown: Vec::new(),
             devices: Vec::new(),
             steps: 300,

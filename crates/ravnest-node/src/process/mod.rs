@@ -198,7 +198,8 @@ pub fn tcp_config(s: &Scenario, origin: &str, me: NodeId) -> Result<TcpConfig, R
         max_frame: ravnest_runtime::wire::MAX_FRAME,
         connect_window: Duration::from_secs(30),
         cluster_file: None,
-        encrypt: true,
+        // Over libp2p each connection is already encrypted end to end (Noise): not twice.
+        encrypt: !s.run.p2p,
     })
 }
 
@@ -224,7 +225,10 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
     let mut reg_rx = registrations(&tcp, is_coord);
     // A worker's coordinator must be reachable within the registration window, counted from
     // this process's start (`--wait` bounds the whole start-up, measuring included).
-    let _reach = (!is_coord && !opts.join).then(|| reach_coordinator(&opts, started));
+    // (Over libp2p the coordinator may be behind a NAT: its transport says if it cannot be
+    // reached.)
+    let direct = !opts.scenario.run.p2p;
+    let _reach = (direct && !is_coord && !opts.join).then(|| reach_coordinator(&opts, started));
     let su = setup::setup(&opts, &say).await?;
     // Found by `run --discover` while this process runs: dropped on every way out of this
     // function, which says goodbye.
@@ -341,8 +345,47 @@ async fn open_port(opts: &Options) -> Result<(TcpTransport, bool), RunError> {
     let mut cfg = tcp_config(s, &opts.origin, me)?;
     cfg.cluster_file = opts.share.as_deref().map(Arc::from);
     let verbose = (!opts.json && !opts.quiet) || std::env::var_os("RAVNEST_LOG_NET").is_some();
-    let tcp = TcpTransport::bind(cfg, verbose).await?;
+    let tcp = if s.run.p2p {
+        p2p_port(opts, cfg, verbose).await?
+    } else {
+        TcpTransport::bind(cfg, verbose).await?
+    };
     Ok((tcp, me == coordinator_of(s)))
+}
+
+/// The transport over libp2p (`[cluster] relays`, `transport = "p2p"`): listen, reserve a
+/// slot on every relay (a node behind a NAT is dialled through it), then the same sessions as
+/// over TCP. A relay that gives no reservation in time is named, and the run goes on (peers
+/// that can dial this node directly still do).
+async fn p2p_port(opts: &Options, cfg: TcpConfig, verbose: bool) -> Result<TcpTransport, RunError> {
+    use ravnest_runtime::p2p::{P2pConfig, P2pNet, relay_addr};
+    let s = &opts.scenario;
+    let mut relays = Vec::new();
+    for r in &s.run.relays {
+        relays.push(
+            relay_addr(r).map_err(|e| {
+                RunError::Config(format!("{}: `[cluster] relays`: {e}", opts.origin))
+            })?,
+        );
+    }
+    let listen = cfg.listen.unwrap_or(cfg.peers[&cfg.me]);
+    let net = P2pNet::start(P2pConfig {
+        me: cfg.me,
+        secret: cfg.secret.clone(),
+        listen,
+        relays,
+        peers: cfg.peers.clone(),
+    })
+    .await
+    .map_err(|e| RunError::Config(format!("node `{}`: {e}", opts.node)))?;
+    for r in net.reserved(Duration::from_secs(10)).await {
+        eprintln!(
+            "warning: node `{}`: relay {r} gave no reservation within 10 s; peers that cannot \
+             dial this node directly cannot reach it through that relay",
+            opts.node
+        );
+    }
+    Ok(TcpTransport::over_p2p(cfg, net, listen, verbose))
 }
 
 /// Until the coordinator's address accepts a connection: past the registration window from
@@ -667,8 +710,22 @@ fn node_report(
             since_step: stats.slowdown.1,
         },
         phases,
+        paths: paths(opts, tcp),
         ..memory_report(su, &c)
     }
+}
+
+/// Over libp2p, how this node reaches each peer by name: direct, direct (hole punched), or
+/// relayed.
+fn paths(opts: &Options, tcp: &TcpTransport) -> BTreeMap<String, String> {
+    let Some(net) = tcp.p2p() else {
+        return BTreeMap::new();
+    };
+    let nodes = &opts.scenario.cluster.nodes;
+    net.paths()
+        .into_iter()
+        .filter_map(|(n, p)| Some((nodes.get(n.index())?.name.clone(), p.to_string())))
+        .collect()
 }
 
 /// What this node's model state cost: the most its backend held at once, the process's peak

@@ -30,13 +30,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
+use super::conn::{Conn, ReadHalf, WriteHalf};
 use hmac::Mac;
 use snow::StatelessTransportState;
 use tokio::io::{
     AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter, ReadBuf,
 };
-use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
 use super::agreed::{HandshakeError, HmacSha256, Transcript};
 use super::config::HANDSHAKE_TIMEOUT;
@@ -417,8 +416,8 @@ impl<W: AsyncWrite + Unpin> AsyncWrite for SealWriter<W> {
 
 /// A connection's reading end: buffered plain bytes, or the channel.
 pub(super) enum Rx {
-    Plain(BufReader<OwnedReadHalf>),
-    Sealed(OpenReader<OwnedReadHalf>),
+    Plain(BufReader<ReadHalf>),
+    Sealed(OpenReader<ReadHalf>),
 }
 
 impl Rx {
@@ -451,8 +450,8 @@ impl AsyncRead for Rx {
 
 /// A connection's writing end: buffered plain bytes, or the channel.
 pub(super) enum Tx {
-    Plain(BufWriter<OwnedWriteHalf>),
-    Sealed(SealWriter<OwnedWriteHalf>),
+    Plain(BufWriter<WriteHalf>),
+    Sealed(SealWriter<WriteHalf>),
 }
 
 impl AsyncWrite for Tx {
@@ -487,12 +486,7 @@ pub(super) type Sizes = (usize, usize);
 
 /// Split an authenticated connection into its ends: through the channel when it has `keys`
 /// (buffers `sealed`), else plain (buffers `plain`).
-pub(super) fn split(
-    stream: TcpStream,
-    keys: Option<Keys>,
-    plain: Sizes,
-    sealed: Sizes,
-) -> (Rx, Tx) {
+pub(super) fn split(stream: Conn, keys: Option<Keys>, plain: Sizes, sealed: Sizes) -> (Rx, Tx) {
     let (r, w) = stream.into_split();
     match keys {
         None => (

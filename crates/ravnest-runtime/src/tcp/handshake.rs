@@ -11,6 +11,8 @@ use ravnest_core::NodeId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use super::conn::{Conn, Io};
+
 use crate::wire;
 
 use super::PROTOCOL_VERSION;
@@ -77,8 +79,8 @@ pub(super) fn nonce() -> [u8; 32] {
 
 /// Send a dialer's hello (magic, our version, an id, a fresh nonce) and read the listener's
 /// first status byte; a version refusal comes back as the error naming both versions.
-pub(super) async fn hello(
-    s: &mut TcpStream,
+pub(super) async fn hello<S: Io>(
+    s: &mut S,
     magic: &[u8; 4],
     id: u32,
     who: &str,
@@ -106,15 +108,15 @@ pub(super) async fn hello(
 
 /// The dialer's side. Returns, once the listener has accepted us, what was agreed: its
 /// incarnation and how many frames of our session with it it has delivered, among others.
-pub(super) async fn handshake_dial(
-    s: &mut TcpStream,
+pub(super) async fn handshake_dial<S: Io>(
+    s: &mut S,
     cfg: &TcpConfig,
     peer: NodeId,
     incarnation: u64,
 ) -> Result<Transcript, HandshakeError> {
-    let who = match s.peer_addr() {
-        Ok(a) => format!("node {} at {a}", peer.0),
-        Err(_) => format!("node {}", peer.0),
+    let who = match s.peer() {
+        Some(a) => format!("node {} at {a}", peer.0),
+        None => format!("node {}", peer.0),
     };
     let (nc, status) = hello(s, MAGIC, cfg.me.0, &who).await?;
     match status {
@@ -182,10 +184,10 @@ pub(super) enum Accepted {
 
 /// The listener's side. Returns the authenticated peer; `admit` says whether an
 /// authenticated node may connect now (not while its live connection is open).
-pub(super) async fn handshake_accept(
-    s: &mut TcpStream,
+pub(super) async fn handshake_accept<S: Io>(
+    s: &mut S,
     cfg: &TcpConfig,
-    remote: SocketAddr,
+    remote: &str,
     incarnation: u64,
     answer: impl FnOnce(&JoinRequest) -> Option<ShareReply>,
     admit: impl Fn(NodeId, u64) -> Option<(u64, u64)>,
@@ -284,8 +286,8 @@ fn encode_request(r: &JoinRequest) -> Vec<u8> {
 }
 
 /// Read a joiner's request (its bytes too, which its MAC covers).
-async fn read_request(
-    s: &mut TcpStream,
+async fn read_request<S: Io>(
+    s: &mut S,
     who: &str,
 ) -> Result<(JoinRequest, Vec<u8>), HandshakeError> {
     let mut raw = Vec::new();
@@ -314,8 +316,8 @@ async fn read_request(
 /// The listener's side of `--join HOST:PORT`: prove we hold the secret, check that the
 /// joiner does (its MAC covers its request), then answer the request (`answer`): the cluster
 /// file, or where to ask, or why not, under a MAC.
-pub(super) async fn send_cluster_file(
-    s: &mut TcpStream,
+pub(super) async fn send_cluster_file<S: Io>(
+    s: &mut S,
     cfg: &TcpConfig,
     answer: impl FnOnce(&JoinRequest) -> Option<ShareReply>,
     version: u32,
@@ -486,6 +488,11 @@ pub async fn dial_as(
     let mut s = timed(TcpStream::connect(addr), &who).await?;
     let t = handshake_dial(&mut s, &cfg, listener, rand::random()).await?;
     let keys = establish(&mut s, secret, &t, true, &who).await?;
-    let (rx, tx) = split(s, Some(keys), (64, 64), (RECORD_SPAN, RECORD_SPAN));
+    let (rx, tx) = split(
+        Conn::Tcp(s),
+        Some(keys),
+        (64, 64),
+        (RECORD_SPAN, RECORD_SPAN),
+    );
     Ok(Channel::new(rx, tx))
 }

@@ -1,13 +1,12 @@
 //! The listener's side: accepting a connection (handshake, one live connection per node) and
 //! delivering what arrives on it, acknowledging the session's count.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::conn::Conn;
 use ravnest_core::NodeId;
 use tokio::io::AsyncWriteExt;
-use tokio::net::TcpStream;
 
 use crate::wire;
 use ravnest_protocol::msg::Addr;
@@ -65,20 +64,11 @@ impl TcpTransport {
     /// An accepted connection: authenticate, then read frames until it ends, acknowledging
     /// what was delivered. Its end is not a peer's death (the failure detector decides that on
     /// heartbeats): the peer dials again and sends what we had not delivered.
-    pub(super) async fn serve(&self, mut stream: TcpStream, remote: SocketAddr) {
-        // A connection closed before its first byte is a reachability check (a starting node
-        // seeing whether its coordinator listens; a port scan), not a peer: nothing to say.
-        let mut first = [0u8; 1];
-        if matches!(
-            tokio::time::timeout(std::time::Duration::from_secs(10), stream.peek(&mut first)).await,
-            Ok(Ok(0))
-        ) {
-            return;
-        }
+    pub(super) async fn serve(&self, mut stream: Conn, remote: String) {
         let accepted = handshake_accept(
             &mut stream,
             &self.inner.cfg,
-            remote,
+            &remote,
             self.inner.incarnation,
             |r| self.share_answer(r),
             |p, inc| self.admit(p, inc),

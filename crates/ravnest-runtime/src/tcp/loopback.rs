@@ -61,6 +61,41 @@ impl LoopbackCluster {
         Ok(LoopbackCluster { nodes })
     }
 
+    /// `n` nodes over libp2p ([`crate::p2p`]) on free loopback ports, no relay: the same
+    /// sessions on libp2p streams, each connection encrypted by libp2p's Noise.
+    pub async fn start_p2p(n: u32, secret: &[u8]) -> Result<LoopbackCluster, String> {
+        let ports = super::spare_ports(n as usize).map_err(|e| e.to_string())?;
+        let peers: BTreeMap<NodeId, std::net::SocketAddr> = (0..n)
+            .zip(&ports)
+            .map(|(i, p)| (NodeId(i), std::net::SocketAddr::from(([127, 0, 0, 1], *p))))
+            .collect();
+        let mut nodes = BTreeMap::new();
+        for i in 0..n {
+            let me = NodeId(i);
+            let net = crate::p2p::P2pNet::start(crate::p2p::P2pConfig {
+                me,
+                secret: secret.to_vec(),
+                listen: peers[&me],
+                relays: Vec::new(),
+                peers: peers.clone(),
+            })
+            .await?;
+            let cfg = TcpConfig {
+                me,
+                peers: peers.clone(),
+                listen: None,
+                coordinator: NodeId(0),
+                secret: secret.to_vec(),
+                max_frame: wire::MAX_FRAME,
+                connect_window: Duration::from_secs(2),
+                cluster_file: None,
+                encrypt: false,
+            };
+            nodes.insert(me, TcpTransport::over_p2p(cfg, net, peers[&me], false));
+        }
+        Ok(LoopbackCluster { nodes })
+    }
+
     fn host(&self, a: Addr) -> Option<&TcpTransport> {
         match a {
             Addr::Coordinator | Addr::Checkpoint => self

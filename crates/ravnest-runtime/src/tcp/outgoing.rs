@@ -14,6 +14,7 @@ use crate::wire;
 
 use super::agreed::*;
 use super::channel::{self, AUTH_FAILED, RECORD_SPAN, Rx, Tx};
+use super::conn::Conn;
 use super::handshake::*;
 use super::state::*;
 
@@ -50,10 +51,22 @@ impl TcpTransport {
             if self.inner.gone.lock().unwrap().contains(&peer) {
                 return None;
             }
-            let addr = self.dial_addr(peer)?;
-            match TcpStream::connect(addr).await {
+            let (addr, conn) = match &self.inner.p2p {
+                Some(net) => (
+                    format!("{}", net.peer_of(peer)),
+                    net.open(peer).await.map(Conn::P2p),
+                ),
+                None => {
+                    let addr = self.dial_addr(peer)?;
+                    let s = TcpStream::connect(addr).await.map(|s| {
+                        let _ = s.set_nodelay(true);
+                        Conn::Tcp(s)
+                    });
+                    (addr.to_string(), s.map_err(|e| e.to_string()))
+                }
+            };
+            match conn {
                 Ok(mut s) => {
-                    let _ = s.set_nodelay(true);
                     match self.handshake(&mut s, peer).await {
                         Ok((keys, t)) => {
                             self.saw_incarnation_dialed(peer, t.listener_incarnation);
@@ -96,7 +109,7 @@ impl TcpTransport {
     /// The dialer's handshake on `s`, then the channel's when we encrypt.
     async fn handshake(
         &self,
-        s: &mut TcpStream,
+        s: &mut Conn,
         peer: NodeId,
     ) -> Result<(Option<channel::Keys>, Transcript), HandshakeError> {
         let cfg = &self.inner.cfg;

@@ -36,6 +36,8 @@ pub(super) type Link = (u64, mpsc::UnboundedSender<wire::Frame>);
 pub(super) struct Inner {
     pub(super) cfg: TcpConfig,
     pub(super) local: SocketAddr,
+    /// The libp2p side peers are reached through, when not plain TCP.
+    pub(super) p2p: Option<crate::p2p::P2pNet>,
     pub(super) inboxes: Mutex<BTreeMap<Addr, Inbox>>,
     /// Envelopes that came for an address before its inbox was registered.
     pub(super) early: Mutex<BTreeMap<Addr, Vec<(Addr, Envelope)>>>,

@@ -1,0 +1,337 @@
+//! The task that drives a node's libp2p swarm: listens, keeps a reservation on every relay,
+//! connects to peers when asked (every address the node may be reached at: its own, and a
+//! circuit through each relay), and closes a pair's relayed connection once a direct one is up
+//! (hole punched), so the streams move to it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use libp2p::core::transport::ListenerId;
+use libp2p::identity::Keypair;
+use libp2p::multiaddr::Protocol;
+use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
+use libp2p::swarm::{ConnectionId, DialError, NetworkBehaviour, SwarmEvent};
+use libp2p::{Multiaddr, PeerId, Swarm, dcutr, identify, noise, ping, relay, tcp, yamux};
+use ravnest_core::NodeId;
+use tokio::sync::{mpsc, oneshot};
+
+use super::{P2pConfig, Path, tcp_addr};
+
+/// How often a relay without a reservation is asked again (one that restarted, or another).
+const RESERVE_AGAIN: Duration = Duration::from_secs(2);
+
+#[derive(NetworkBehaviour)]
+pub(super) struct Behaviour {
+    relay: relay::client::Behaviour,
+    identify: identify::Behaviour,
+    ping: ping::Behaviour,
+    dcutr: dcutr::Behaviour,
+    stream: libp2p_stream::Behaviour,
+}
+
+/// What the handle asks of the task.
+pub(super) enum Cmd {
+    /// Be connected to this node; answer when a connection is up, or why none could be.
+    Connect {
+        node: NodeId,
+        done: oneshot::Sender<Result<(), String>>,
+    },
+    /// Close every connection to this node (what a NAT that forgets a mapping, or a peer whose
+    /// address changes, does to them).
+    Disconnect(NodeId),
+}
+
+/// What the task and the handle share: the connections, the relays' reservations, the log.
+#[derive(Default)]
+pub(super) struct Shared {
+    nodes: BTreeMap<PeerId, (NodeId, SocketAddr)>,
+    conns: BTreeMap<PeerId, BTreeMap<ConnectionId, bool>>,
+    met_relayed: BTreeSet<PeerId>,
+    relays: BTreeMap<PeerId, (Multiaddr, bool)>,
+    pub(super) tasks: Vec<tokio::task::AbortHandle>,
+    pub(super) log: Vec<String>,
+}
+
+impl Shared {
+    pub(super) fn node_of(&self, peer: &PeerId) -> Option<NodeId> {
+        self.nodes.get(peer).map(|n| n.0)
+    }
+
+    pub(super) fn unreserved(&self) -> Vec<Multiaddr> {
+        let open = self.relays.values().filter(|(_, r)| !r);
+        open.map(|(a, _)| a.clone()).collect()
+    }
+
+    pub(super) fn paths(&self) -> BTreeMap<NodeId, Path> {
+        let mut out = BTreeMap::new();
+        for (peer, conns) in &self.conns {
+            let Some(node) = self.node_of(peer) else {
+                continue;
+            };
+            let path = match (conns.values().any(|r| !r), self.met_relayed.contains(peer)) {
+                (true, false) => Path::Direct,
+                (true, true) => Path::Punched,
+                (false, _) if conns.is_empty() => continue,
+                (false, _) => Path::Relayed,
+            };
+            out.insert(node, path);
+        }
+        out
+    }
+}
+
+type Started = (
+    mpsc::UnboundedSender<Cmd>,
+    Arc<Mutex<Shared>>,
+    libp2p_stream::Control,
+    tokio::task::AbortHandle,
+);
+
+/// Build the swarm, listen, and start its task.
+pub(super) async fn spawn(
+    key: Keypair,
+    cfg: &P2pConfig,
+    nodes: BTreeMap<PeerId, (NodeId, SocketAddr)>,
+) -> Result<Started, String> {
+    let mut swarm = libp2p::SwarmBuilder::with_existing_identity(key)
+        .with_tokio()
+        .with_tcp(
+            tcp::Config::default().nodelay(true),
+            noise::Config::new,
+            yamux::Config::default,
+        )
+        .map_err(|e| format!("libp2p's TCP transport: {e}"))?
+        .with_relay_client(noise::Config::new, yamux::Config::default)
+        .map_err(|e| format!("libp2p's relay client: {e}"))?
+        .with_behaviour(|key, relay| Behaviour {
+            relay,
+            identify: identify::Behaviour::new(identify::Config::new(
+                "/ravnest/id/1".into(),
+                key.public(),
+            )),
+            ping: ping::Behaviour::new(ping::Config::new()),
+            dcutr: dcutr::Behaviour::new(key.public().to_peer_id()),
+            stream: libp2p_stream::Behaviour::new(),
+        })
+        .map_err(|e| format!("libp2p's behaviour: {e}"))?
+        .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(60)))
+        .build();
+    swarm
+        .listen_on(tcp_addr(cfg.listen))
+        .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
+    let control = swarm.behaviour().stream.new_control();
+    let mut shared = Shared {
+        nodes,
+        ..Shared::default()
+    };
+    for r in &cfg.relays {
+        if let Some(Protocol::P2p(id)) = r.iter().last() {
+            shared.relays.insert(id, (r.clone(), false));
+        }
+    }
+    let state = Arc::new(Mutex::new(shared));
+    let (tx, rx) = mpsc::unbounded_channel();
+    let driver = Driver {
+        swarm,
+        state: state.clone(),
+        relays: cfg.relays.clone(),
+        listeners: std::collections::HashMap::new(),
+        waiters: BTreeMap::new(),
+        by_node: state
+            .lock()
+            .unwrap()
+            .nodes
+            .iter()
+            .map(|(p, (n, a))| (*n, (*p, *a)))
+            .collect(),
+    };
+    let task = tokio::spawn(driver.run(rx));
+    Ok((tx, state, control, task.abort_handle()))
+}
+
+struct Driver {
+    swarm: Swarm<Behaviour>,
+    state: Arc<Mutex<Shared>>,
+    relays: Vec<Multiaddr>,
+    /// The circuit listener on each relay (its reservation), while it lives.
+    listeners: std::collections::HashMap<ListenerId, PeerId>,
+    waiters: BTreeMap<PeerId, Vec<oneshot::Sender<Result<(), String>>>>,
+    by_node: BTreeMap<NodeId, (PeerId, SocketAddr)>,
+}
+
+impl Driver {
+    async fn run(mut self, mut cmds: mpsc::UnboundedReceiver<Cmd>) {
+        let mut reserve = tokio::time::interval(RESERVE_AGAIN);
+        loop {
+            tokio::select! {
+                cmd = cmds.recv() => match cmd {
+                    Some(Cmd::Connect { node, done }) => self.connect(node, done),
+                    Some(Cmd::Disconnect(node)) => {
+                        if let Some(&(peer, _)) = self.by_node.get(&node) {
+                            let _ = self.swarm.disconnect_peer_id(peer);
+                        }
+                    }
+                    None => return,
+                },
+                ev = self.swarm.select_next_some() => self.on_event(ev),
+                _ = reserve.tick() => self.reserve(),
+            }
+        }
+    }
+
+    fn log(&self, line: String) {
+        let mut s = self.state.lock().unwrap();
+        if s.log.len() < 10_000 {
+            s.log.push(line);
+        }
+    }
+
+    /// Listen through every relay that has no circuit listener (the first time, and after a
+    /// relay's connection went).
+    fn reserve(&mut self) {
+        let held: BTreeSet<PeerId> = self.listeners.values().copied().collect();
+        for r in self.relays.clone() {
+            let Some(Protocol::P2p(id)) = r.iter().last() else {
+                continue;
+            };
+            if held.contains(&id) {
+                continue;
+            }
+            match self.swarm.listen_on(r.clone().with(Protocol::P2pCircuit)) {
+                Ok(l) => {
+                    self.listeners.insert(l, id);
+                }
+                Err(e) => self.log(format!("cannot listen through relay {r}: {e}")),
+            }
+        }
+    }
+
+    fn connect(&mut self, node: NodeId, done: oneshot::Sender<Result<(), String>>) {
+        let Some(&(peer, direct)) = self.by_node.get(&node) else {
+            let _ = done.send(Err(format!("node {} is not in the cluster file", node.0)));
+            return;
+        };
+        if self.swarm.is_connected(&peer) {
+            let _ = done.send(Ok(()));
+            return;
+        }
+        self.waiters.entry(peer).or_default().push(done);
+        let mut addrs = vec![tcp_addr(direct)];
+        for r in &self.relays {
+            addrs.push(r.clone().with(Protocol::P2pCircuit));
+        }
+        let opts = DialOpts::peer_id(peer)
+            .addresses(addrs)
+            .condition(PeerCondition::DisconnectedAndNotDialing)
+            .build();
+        match self.swarm.dial(opts) {
+            Ok(()) | Err(DialError::DialPeerConditionFalse(_)) => {}
+            Err(e) => self.fail(peer, format!("cannot dial node {} ({peer}): {e}", node.0)),
+        }
+    }
+
+    fn fail(&mut self, peer: PeerId, why: String) {
+        for w in self.waiters.remove(&peer).unwrap_or_default() {
+            let _ = w.send(Err(why.clone()));
+        }
+    }
+
+    fn on_event(&mut self, ev: SwarmEvent<BehaviourEvent>) {
+        match ev {
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                connection_id,
+                endpoint,
+                ..
+            } => {
+                let relayed = endpoint.is_relayed();
+                let close = {
+                    let mut s = self.state.lock().unwrap();
+                    if relayed {
+                        s.met_relayed.insert(peer_id);
+                    }
+                    let conns = s.conns.entry(peer_id).or_default();
+                    conns.insert(connection_id, relayed);
+                    // A direct connection is up: the relayed ones go (their streams' sessions
+                    // resend on the direct one).
+                    let direct = conns.values().any(|r| !r);
+                    let relayed: Vec<ConnectionId> =
+                        conns.iter().filter(|(_, r)| **r).map(|(c, _)| *c).collect();
+                    if direct { relayed } else { Vec::new() }
+                };
+                if !close.is_empty() {
+                    self.log(format!(
+                        "{peer_id}: direct now; its relayed connection closes"
+                    ));
+                }
+                for c in close {
+                    self.swarm.close_connection(c);
+                }
+                for w in self.waiters.remove(&peer_id).unwrap_or_default() {
+                    let _ = w.send(Ok(()));
+                }
+            }
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                connection_id,
+                ..
+            } => {
+                let mut s = self.state.lock().unwrap();
+                if let Some(c) = s.conns.get_mut(&peer_id) {
+                    c.remove(&connection_id);
+                }
+            }
+            SwarmEvent::OutgoingConnectionError {
+                peer_id: Some(peer),
+                error,
+                ..
+            } => {
+                if !self.swarm.is_connected(&peer) {
+                    let node = self.state.lock().unwrap().node_of(&peer);
+                    let who = node.map_or(format!("{peer}"), |n| format!("node {} ({peer})", n.0));
+                    let why = match error {
+                        DialError::WrongPeerId { obtained, .. } => format!(
+                            "the peer at {who}'s address is {obtained}, not {who}: another \
+                             cluster, or a node with another secret"
+                        ),
+                        e => format!("cannot connect to {who}: {e}"),
+                    };
+                    self.fail(peer, why);
+                }
+            }
+            SwarmEvent::ListenerClosed {
+                listener_id,
+                reason,
+                ..
+            } => {
+                if let Some(relay) = self.listeners.remove(&listener_id) {
+                    let mut s = self.state.lock().unwrap();
+                    if let Some(r) = s.relays.get_mut(&relay) {
+                        r.1 = false;
+                    }
+                    drop(s);
+                    self.log(format!("lost the reservation on relay {relay}: {reason:?}"));
+                }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Relay(
+                relay::client::Event::ReservationReqAccepted { relay_peer_id, .. },
+            )) => {
+                let mut s = self.state.lock().unwrap();
+                if let Some(r) = s.relays.get_mut(&relay_peer_id) {
+                    r.1 = true;
+                }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Dcutr(dcutr::Event {
+                remote_peer_id,
+                result,
+            })) => match result {
+                Ok(_) => self.log(format!("{remote_peer_id}: hole punched")),
+                Err(e) => self.log(format!("{remote_peer_id}: no hole punched ({e}); relayed")),
+            },
+            _ => {}
+        }
+    }
+}
