@@ -154,8 +154,9 @@ pub(super) enum BenchWhat {
         #[arg(long, default_value_t = 3)]
         rounds: usize,
     },
-    /// Ring all-reduce over loopback TCP: algorithm and bus bandwidth for 2, 3 and 4 ranks, on
-    /// plain and encrypted connections side by side.
+    /// Ring all-reduce over loopback: algorithm and bus bandwidth for 2, 3 and 4 ranks, on
+    /// plain and encrypted TCP connections and on libp2p (what peers behind NATs use), side by
+    /// side.
     #[command(
         after_help = "Example:\n  ravnest bench allreduce --sizes 1,16,64 --nodes 2,4\n  ravnest bench allreduce --sizes 64 --nodes 2,4 --channel encrypted"
     )]
@@ -169,8 +170,9 @@ pub(super) enum BenchWhat {
         /// Timed rounds per cell.
         #[arg(long, default_value_t = 5)]
         reps: usize,
-        /// Connections: plain, encrypted, or both side by side (with their ratio).
-        #[arg(long, default_value = "both", value_parser = ["both", "plain", "encrypted"])]
+        /// Connections: plain, encrypted, p2p, both (plain and encrypted TCP), or all three side
+        /// by side (with their ratios).
+        #[arg(long, default_value = "all", value_parser = ["all", "both", "plain", "encrypted", "p2p"])]
         channel: String,
     },
     /// Predicted samples/s of every planner on every shipped scenario (or the given files).
@@ -309,10 +311,13 @@ pub(super) fn bench_command(what: BenchWhat) -> Result<()> {
             if nodes.iter().any(|&n| n < 2) || reps == 0 {
                 bail!("--nodes must be 2 or more and --reps at least 1");
             }
-            let modes: &[bool] = match channel.as_str() {
-                "plain" => &[false],
-                "encrypted" => &[true],
-                _ => &[false, true],
+            use bench_net::Channel;
+            let modes: &[Channel] = match channel.as_str() {
+                "plain" => &[Channel::Plain],
+                "encrypted" => &[Channel::Encrypted],
+                "p2p" => &[Channel::P2p],
+                "both" => &[Channel::Plain, Channel::Encrypted],
+                _ => &[Channel::Plain, Channel::Encrypted, Channel::P2p],
             };
             let rows = bench_net::measure(&nodes, &sizes, reps, modes)?;
             emit(&bench_net::table(&rows));

@@ -1,7 +1,9 @@
 //! `ravnest bench allreduce`: ring all-reduce over loopback TCP, the same `RingMember` and
 //! `TcpTransport` that `ravnest run` uses, one transport per rank (each with its own sockets,
 //! handshake and frames), timed from start until every rank holds the sum; with connections
-//! plain and encrypted (`TcpConfig::encrypt`), rounds interleaved, side by side.
+//! plain and encrypted (`TcpConfig::encrypt`), and over libp2p (`ravnest_runtime::p2p`: the
+//! same sessions on libp2p streams, Noise-encrypted, direct on loopback), rounds interleaved,
+//! side by side.
 
 use std::time::{Duration, Instant};
 
@@ -23,8 +25,29 @@ pub struct Row {
     pub bytes: usize,
     /// Median seconds per all-reduce.
     pub secs: f64,
-    /// Whether the connections were encrypted.
-    pub encrypted: bool,
+    /// What the connections were.
+    pub channel: Channel,
+}
+
+/// The connections a measurement ran on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Channel {
+    /// TCP, frames in the clear.
+    Plain,
+    /// TCP, ravnest's Noise channel (AES-256-GCM).
+    Encrypted,
+    /// libp2p streams (Noise, ChaCha20-Poly1305; yamux), direct.
+    P2p,
+}
+
+impl Channel {
+    fn name(self) -> &'static str {
+        match self {
+            Channel::Plain => "plain",
+            Channel::Encrypted => "encrypted",
+            Channel::P2p => "p2p",
+        }
+    }
 }
 
 impl Row {
@@ -97,10 +120,14 @@ async fn one_round(net: &LoopbackCluster, n: usize, len: usize, epoch: u64) -> R
     Ok(t.elapsed())
 }
 
-/// Measure every (n, size), `reps` rounds each (after one warm-up), on plain and/or encrypted
-/// connections (`modes`: the values of `encrypt`), their rounds interleaved so that the
-/// machine's drift hits both alike.
-pub fn measure(ns: &[usize], sizes_mib: &[usize], reps: usize, modes: &[bool]) -> Result<Vec<Row>> {
+/// Measure every (n, size), `reps` rounds each (after one warm-up), on each of `modes`, their
+/// rounds interleaved so that the machine's drift hits them alike.
+pub fn measure(
+    ns: &[usize],
+    sizes_mib: &[usize],
+    reps: usize,
+    modes: &[Channel],
+) -> Result<Vec<Row>> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -109,8 +136,16 @@ pub fn measure(ns: &[usize], sizes_mib: &[usize], reps: usize, modes: &[bool]) -
         let mut rows = Vec::new();
         for &n in ns {
             let mut nets = Vec::new();
-            for &encrypt in modes {
-                nets.push(LoopbackCluster::start_with(n as u32, b"bench", encrypt).await?);
+            for &mode in modes {
+                nets.push(match mode {
+                    Channel::P2p => LoopbackCluster::start_p2p(n as u32, b"bench")
+                        .await
+                        .map_err(anyhow::Error::msg)?,
+                    c => {
+                        LoopbackCluster::start_with(n as u32, b"bench", c == Channel::Encrypted)
+                            .await?
+                    }
+                });
             }
             let mut epoch = 0;
             for &mib in sizes_mib {
@@ -126,13 +161,13 @@ pub fn measure(ns: &[usize], sizes_mib: &[usize], reps: usize, modes: &[bool]) -
                         }
                     }
                 }
-                for (&encrypted, mut times) in modes.iter().zip(times) {
+                for (&channel, mut times) in modes.iter().zip(times) {
                     times.sort_by(f64::total_cmp);
                     rows.push(Row {
                         n,
                         bytes: len * 4,
                         secs: times[times.len() / 2],
-                        encrypted,
+                        channel,
                     });
                 }
             }
@@ -146,14 +181,11 @@ pub fn measure(ns: &[usize], sizes_mib: &[usize], reps: usize, modes: &[bool]) -
     })
 }
 
-fn channel(encrypted: bool) -> &'static str {
-    if encrypted { "encrypted" } else { "plain" }
-}
-
-/// The table; then, for every cell measured both ways, plain against encrypted.
+/// The table; then, for every cell measured on two channels, their busbw side by side: plain
+/// TCP against encrypted TCP, and libp2p against encrypted TCP.
 pub fn table(rows: &[Row]) -> String {
     let mut out = format!(
-        "ring all-reduce over loopback TCP (median of the rounds; encrypted: {})\n\n  n       size  channel          time   algbw GB/s   busbw GB/s\n",
+        "ring all-reduce over loopback (median of the rounds; encrypted: {}; p2p: libp2p, Noise ChaCha20-Poly1305 + yamux, direct)\n\n  n       size  channel          time   algbw GB/s   busbw GB/s\n",
         ravnest_runtime::tcp::NOISE_PROTOCOL
     );
     for r in rows {
@@ -161,26 +193,36 @@ pub fn table(rows: &[Row]) -> String {
             "{:>3} {:>6} MiB  {:<9} {:>8.1} ms {:>12.3} {:>12.3}\n",
             r.n,
             r.bytes >> 20,
-            channel(r.encrypted),
+            r.channel.name(),
             r.secs * 1e3,
             r.algbw(),
             r.busbw()
         );
     }
-    let pairs: Vec<(&Row, &Row)> = rows
-        .iter()
-        .filter(|p| !p.encrypted)
-        .filter_map(|p| {
-            rows.iter()
-                .find(|e| e.encrypted && (e.n, e.bytes) == (p.n, p.bytes))
-                .map(|e| (p, e))
-        })
-        .collect();
-    if !pairs.is_empty() {
-        out += "\nplain vs encrypted busbw\n\n  n       size   plain GB/s   encrypted GB/s   encrypted/plain\n";
+    for (a, b) in [
+        (Channel::Plain, Channel::Encrypted),
+        (Channel::Encrypted, Channel::P2p),
+    ] {
+        let pairs: Vec<(&Row, &Row)> = rows
+            .iter()
+            .filter(|p| p.channel == a)
+            .filter_map(|p| {
+                rows.iter()
+                    .find(|e| e.channel == b && (e.n, e.bytes) == (p.n, p.bytes))
+                    .map(|e| (p, e))
+            })
+            .collect();
+        if pairs.is_empty() {
+            continue;
+        }
+        let (x, y) = (a.name(), b.name());
+        out += &format!(
+            "\n{x} vs {y} busbw\n\n  n       size {x:>12} GB/s {y:>12} GB/s {:>17}\n",
+            format!("{y}/{x}")
+        );
         for (p, e) in pairs {
             out += &format!(
-                "{:>3} {:>6} MiB {:>12.3} {:>16.3} {:>17.2}\n",
+                "{:>3} {:>6} MiB {:>17.3} {:>17.3} {:>17.2}\n",
                 p.n,
                 p.bytes >> 20,
                 p.busbw(),

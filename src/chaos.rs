@@ -31,6 +31,7 @@ use anyhow::{Context, Result, bail};
 use ravnest_core::NodeId;
 use ravnest_runtime::chaos::Proxy;
 use ravnest_runtime::tcp;
+use ravnest_train::store::compare::{float_tensors, worst_difference};
 use serde_json::Value;
 
 mod joiners;
@@ -254,61 +255,6 @@ fn free_addr() -> Result<SocketAddr> {
     )))
 }
 
-/// A safetensors file's float tensors (name -> values), optimizer state left out.
-fn weights(path: &Path) -> Result<BTreeMap<String, Vec<f32>>> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let n = u64::from_le_bytes(
-        bytes
-            .get(..8)
-            .context("shorter than a safetensors header")?
-            .try_into()?,
-    ) as usize;
-    let header: Value = serde_json::from_slice(bytes.get(8..8 + n).context("cut header")?)?;
-    let data = &bytes[8 + n..];
-    let mut out = BTreeMap::new();
-    for (k, v) in header.as_object().context("header is not an object")? {
-        if k == "__metadata__" || k.starts_with("optim") {
-            continue;
-        }
-        let at = |i: usize| v["data_offsets"][i].as_u64().unwrap_or(0) as usize;
-        let raw = data.get(at(0)..at(1)).context("tensor outside the file")?;
-        out.insert(
-            k.clone(),
-            raw.chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-                .collect(),
-        );
-    }
-    Ok(out)
-}
-
-/// The largest relative difference between two models, tensor by tensor:
-/// |a - b| / |b| (Euclidean norms).
-fn worst_difference(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f64 {
-    if a.keys().ne(b.keys()) {
-        return f64::INFINITY;
-    }
-    let mut worst = 0f64;
-    for (k, x) in a {
-        let y = &b[k];
-        if x.len() != y.len() {
-            return f64::INFINITY;
-        }
-        let (mut d, mut n) = (0f64, 0f64);
-        for (p, q) in x.iter().zip(y) {
-            d += (*p as f64 - *q as f64).powi(2);
-            n += (*q as f64).powi(2);
-        }
-        let r = d.sqrt() / n.sqrt().max(1e-12);
-        worst = if r.is_nan() {
-            f64::INFINITY
-        } else {
-            worst.max(r)
-        };
-    }
-    worst
-}
-
 /// Every checkpoint a run of [`STEPS`] writes, present and readable, and written by one
 /// coordinator term at a time: the terms in their manifests never go down from one step to the
 /// next (a stale coordinator wrote nothing after its successor did). A round that a lost
@@ -344,7 +290,9 @@ fn checkpoints(out: &Path, failed: Option<u64>) -> Result<BTreeMap<String, Vec<f
     let mut terms: Vec<(u64, u64)> = Vec::new();
     for &step in &steps {
         let f = dir.join(format!("step-{step:08}.safetensors"));
-        let w = weights(&f).with_context(|| format!("checkpoint of step {step}"))?;
+        let w = float_tensors(&f)
+            .map_err(anyhow::Error::msg)
+            .with_context(|| format!("checkpoint of step {step}"))?;
         if step == STEPS {
             last = Some(w);
         }

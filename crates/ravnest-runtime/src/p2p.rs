@@ -164,6 +164,13 @@ impl P2pNet {
         node_peer(&self.secret, node)
     }
 
+    /// Hear each line the network task logs from now on.
+    pub fn hear(&self) -> mpsc::UnboundedReceiver<String> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.state.lock().unwrap().hear = Some(tx);
+        rx
+    }
+
     /// What the network task logged (reservations lost, holes punched or not).
     pub fn log_lines(&self) -> Vec<String> {
         self.state.lock().unwrap().log.clone()

@@ -128,11 +128,27 @@ impl TcpTransport {
 
     /// The same transport over libp2p ([`crate::p2p`]): peers are dialled by their `PeerId`,
     /// directly or through a relay, and ravnest's handshake, sessions and frames run on a
-    /// libp2p stream per ordered pair. `cfg.encrypt` should be off: each libp2p connection is
-    /// already Noise-encrypted end to end.
+    /// libp2p stream per ordered pair, sealed by the same channel (`cfg.encrypt`): libp2p's
+    /// own layer between nodes is plaintext ([`crate::p2p`]).
     pub fn over_p2p(cfg: TcpConfig, net: P2pNet, local: SocketAddr, verbose: bool) -> TcpTransport {
         let mut incoming = net.incoming();
+        let mut heard = net.hear();
         let t = TcpTransport::with(cfg, local, verbose, Some(net));
+        let me = t.clone();
+        let task = tokio::spawn(async move {
+            // Every line with RAVNEST_LOG_NET (the paths matter when a run goes wrong);
+            // otherwise as the transport's own lines.
+            let all = std::env::var_os("RAVNEST_LOG_NET").is_some();
+            while let Some(line) = heard.recv().await {
+                if all {
+                    eprintln!("ravnest: node {}: {line}", me.inner.cfg.me.0);
+                    me.record(line);
+                } else {
+                    me.log(line);
+                }
+            }
+        });
+        t.inner.tasks.lock().unwrap().push(task.abort_handle());
         let me = t.clone();
         let task = tokio::spawn(async move {
             while let Some((node, peer, stream)) = incoming.recv().await {

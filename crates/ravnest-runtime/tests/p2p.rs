@@ -135,7 +135,7 @@ fn a_node_with_another_secret_is_refused_by_name() {
             max_frame: ravnest_runtime::wire::MAX_FRAME,
             connect_window: Duration::from_secs(1),
             cluster_file: None,
-            encrypt: false,
+            encrypt: true,
         };
         let a0 = TcpTransport::over_p2p(cfg, net, me, false);
         a0.send(

@@ -27,6 +27,7 @@ use crate::gpt::Gpt;
 use crate::net::Network;
 use crate::optim::Optim;
 
+pub mod compare;
 pub mod reader;
 mod verify;
 mod write;

@@ -198,8 +198,7 @@ pub fn tcp_config(s: &Scenario, origin: &str, me: NodeId) -> Result<TcpConfig, R
         max_frame: ravnest_runtime::wire::MAX_FRAME,
         connect_window: Duration::from_secs(30),
         cluster_file: None,
-        // Over libp2p each connection is already encrypted end to end (Noise): not twice.
-        encrypt: !s.run.p2p,
+        encrypt: true,
     })
 }
 

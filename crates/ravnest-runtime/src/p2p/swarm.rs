@@ -53,6 +53,8 @@ pub(super) struct Shared {
     relays: BTreeMap<PeerId, (Multiaddr, bool)>,
     pub(super) tasks: Vec<tokio::task::AbortHandle>,
     pub(super) log: Vec<String>,
+    /// Who hears each line as it is logged.
+    pub(super) hear: Option<mpsc::UnboundedSender<String>>,
 }
 
 impl Shared {
@@ -90,6 +92,17 @@ type Started = (
     tokio::task::AbortHandle,
 );
 
+/// Between two nodes, libp2p's own layer runs in the clear (its plaintext protocol: keys
+/// exchanged, not proved): what it carries that matters, ravnest's frames, is sealed by the
+/// transport's own channel (AES-256-GCM, keyed from the cluster secret and bound to the
+/// handshake), which proves the secret too. With a relay (which knows no secret) Noise is
+/// negotiated instead, the second choice. Sealing the frames once, with AES-GCM, is what keeps
+/// a libp2p link near TCP's bandwidth (`ravnest bench allreduce`): libp2p's Noise and TLS both
+/// seal with ChaCha20-Poly1305, 2.9x the CPU per byte of AES-GCM on this machine's CPUs.
+fn clear(key: &Keypair) -> Result<libp2p::plaintext::Config, std::convert::Infallible> {
+    Ok(libp2p::plaintext::Config::new(key))
+}
+
 /// Build the swarm, listen, and start its task.
 pub(super) async fn spawn(
     key: Keypair,
@@ -100,11 +113,11 @@ pub(super) async fn spawn(
         .with_tokio()
         .with_tcp(
             tcp::Config::default().nodelay(true),
-            noise::Config::new,
+            (clear, noise::Config::new),
             yamux::Config::default,
         )
         .map_err(|e| format!("libp2p's TCP transport: {e}"))?
-        .with_relay_client(noise::Config::new, yamux::Config::default)
+        .with_relay_client((clear, noise::Config::new), yamux::Config::default)
         .map_err(|e| format!("libp2p's relay client: {e}"))?
         .with_behaviour(|key, relay| Behaviour {
             relay,
@@ -184,8 +197,19 @@ impl Driver {
 
     fn log(&self, line: String) {
         let mut s = self.state.lock().unwrap();
+        if let Some(h) = &s.hear {
+            let _ = h.send(line.clone());
+        }
         if s.log.len() < 10_000 {
             s.log.push(line);
+        }
+    }
+
+    /// The node a peer is, for the log.
+    fn who(&self, peer: PeerId) -> String {
+        match self.state.lock().unwrap().node_of(&peer) {
+            Some(n) => format!("node {}", n.0),
+            None => format!("{peer}"),
         }
     }
 
@@ -233,6 +257,19 @@ impl Driver {
         }
     }
 
+    /// A peer reached through a relay: dial its own address too (a public peer's answers,
+    /// whatever hole punching does; a NAT'd one's fails, harmlessly).
+    fn try_direct(&mut self, peer: PeerId) {
+        let Some(addr) = self.state.lock().unwrap().nodes.get(&peer).map(|n| n.1) else {
+            return;
+        };
+        let opts = DialOpts::peer_id(peer)
+            .addresses(vec![tcp_addr(addr)])
+            .condition(PeerCondition::Always)
+            .build();
+        let _ = self.swarm.dial(opts);
+    }
+
     fn fail(&mut self, peer: PeerId, why: String) {
         for w in self.waiters.remove(&peer).unwrap_or_default() {
             let _ = w.send(Err(why.clone()));
@@ -263,9 +300,12 @@ impl Driver {
                     if direct { relayed } else { Vec::new() }
                 };
                 if !close.is_empty() {
-                    self.log(format!(
-                        "{peer_id}: direct now; its relayed connection closes"
-                    ));
+                    let who = self.who(peer_id);
+                    self.log(format!("{who}: direct now; its relayed connection closes"));
+                }
+                if relayed && close.is_empty() {
+                    self.log(format!("{}: connected through a relay", self.who(peer_id)));
+                    self.try_direct(peer_id);
                 }
                 for c in close {
                     self.swarm.close_connection(c);
@@ -328,8 +368,11 @@ impl Driver {
                 remote_peer_id,
                 result,
             })) => match result {
-                Ok(_) => self.log(format!("{remote_peer_id}: hole punched")),
-                Err(e) => self.log(format!("{remote_peer_id}: no hole punched ({e}); relayed")),
+                Ok(_) => self.log(format!("{}: hole punched", self.who(remote_peer_id))),
+                Err(e) => self.log(format!(
+                    "{}: no hole punched ({e})",
+                    self.who(remote_peer_id)
+                )),
             },
             _ => {}
         }

@@ -62,7 +62,7 @@ impl LoopbackCluster {
     }
 
     /// `n` nodes over libp2p ([`crate::p2p`]) on free loopback ports, no relay: the same
-    /// sessions on libp2p streams, each connection encrypted by libp2p's Noise.
+    /// sessions, sealed by the same channel, on libp2p streams.
     pub async fn start_p2p(n: u32, secret: &[u8]) -> Result<LoopbackCluster, String> {
         let ports = super::spare_ports(n as usize).map_err(|e| e.to_string())?;
         let peers: BTreeMap<NodeId, std::net::SocketAddr> = (0..n)
@@ -89,7 +89,7 @@ impl LoopbackCluster {
                 max_frame: wire::MAX_FRAME,
                 connect_window: Duration::from_secs(2),
                 cluster_file: None,
-                encrypt: false,
+                encrypt: true,
             };
             nodes.insert(me, TcpTransport::over_p2p(cfg, net, peers[&me], false));
         }
