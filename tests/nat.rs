@@ -367,6 +367,39 @@ fn training_goes_on_over_punched_holes_when_the_relay_dies() {
     }
 }
 
+/// A home router gets another public address in the middle of the run (its NAT's mappings go
+/// with the old one): its node's connections die, it reconnects from the new address, and the
+/// run goes on to the last step with every node training.
+#[test]
+fn a_home_whose_address_changes_reconnects_and_goes_on() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(mut bed) = bed("nat-renumber", [Nat::Easy, Nat::Easy], true, Job::ring(8.0)) else {
+        return;
+    };
+    let rx = bed.start();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut events = Vec::new();
+    while let Ok(v) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        let planned = v["what"].as_str().unwrap_or_default().contains("planned");
+        events.push(v);
+        if planned {
+            break;
+        }
+    }
+    assert!(Instant::now() < deadline, "no plan: {events:?}");
+    std::thread::sleep(Duration::from_secs(2));
+    bed.net.renumber(0).unwrap();
+    let moved = Instant::now();
+    let s = summary(&rx, Duration::from_secs(240));
+    assert!(
+        moved.elapsed() > Duration::from_secs(3),
+        "the run ended before the move: {s}"
+    );
+    eprintln!("notable: {}", s["coordinator"]["notable_events"]);
+    assert_eq!(s["coordinator"]["steps"], STEPS, "{s}");
+    every_node_trained(&s, 3);
+}
+
 /// Two nodes at home, one behind a symmetric NAT, so their only path is the relay, whose link is
 /// shaped to 20 Mbit/s (tc on its host): they measure a slow link, and the planner (ravnest's,
 /// `sync` left to it) chooses local SGD with an outer step (DiLoCo) over a ring every step, and

@@ -302,6 +302,18 @@ impl NatNet {
         format!("192.168.{}.2", h + 1)
     }
 
+    /// Give home router `h` another public address (as an ISP does to a home line): what its
+    /// hosts' connections were masqueraded to is gone with the old one.
+    pub fn renumber(&self, h: usize) -> Result<(), NetnsError> {
+        // The old one goes first: a second address on the subnet would be a secondary one,
+        // which Linux removes with the primary.
+        let router = format!("{}r{h}", self.prefix);
+        let old = format!("203.0.113.{}/24", 100 + h);
+        ip(&["-n", &router, "addr", "del", &old, "dev", "eth0"])?;
+        let new = format!("203.0.113.{}/24", 150 + h);
+        ip(&["-n", &router, "addr", "add", &new, "dev", "eth0"])
+    }
+
     /// Limit public host `i`'s sending to `rate_mbit` Mbit/s (a token bucket under its delay).
     pub fn shape_public(&self, i: usize, rate_mbit: f64) -> Result<(), NetnsError> {
         let rate = format!("{}kbit", (rate_mbit * 1000.0).round().max(8.0) as u64);

@@ -17,6 +17,7 @@
 //! `PeerId`, so nothing but the relay's address needs to be written down, and a dialled peer
 //! is checked by libp2p to be the node it was dialled as. Ordinary relays hold no secret.
 
+mod frames;
 mod relay;
 mod swarm;
 
@@ -38,8 +39,12 @@ pub use relay::{RelayServer, fresh_relay_key, relay_key};
 /// The stream protocol a node's frames travel on (its version is the wire protocol's).
 pub const PROTOCOL: StreamProtocol = StreamProtocol::new("/ravnest/frames/16");
 
-/// A libp2p stream as tokio reads and writes it.
-pub type P2pStream = Compat<libp2p::Stream>;
+/// A libp2p stream as tokio reads and writes it (failing at once if its connection is given
+/// up).
+pub type P2pStream = Compat<frames::Doomed>;
+
+/// How long opening a stream may take (connecting included) before it is tried again.
+const OPEN_WINDOW: Duration = Duration::from_secs(10);
 
 /// Node `node`'s key pair in the cluster whose secret is `secret`.
 pub fn node_key(secret: &[u8], node: NodeId) -> Keypair {
@@ -123,7 +128,6 @@ pub struct P2pNet {
     me: NodeId,
     secret: Arc<[u8]>,
     cmds: mpsc::UnboundedSender<swarm::Cmd>,
-    control: libp2p_stream::Control,
     state: Arc<Mutex<swarm::Shared>>,
     task: Arc<tokio::task::AbortHandle>,
 }
@@ -143,12 +147,11 @@ impl P2pNet {
         for (&n, &a) in &cfg.peers {
             peers.insert(node_peer(&cfg.secret, n), (n, a));
         }
-        let (cmds, state, control, task) = swarm::spawn(key, &cfg, peers).await?;
+        let (cmds, state, task) = swarm::spawn(key, &cfg, peers).await?;
         Ok(P2pNet {
             me: cfg.me,
             secret: cfg.secret.into(),
             cmds,
-            control,
             state,
             task: Arc::new(task),
         })
@@ -189,35 +192,33 @@ impl P2pNet {
         }
     }
 
-    /// Open a stream to `peer`: connect (directly, or through a relay) if not connected.
+    /// Open a stream to `peer` on the best connection to it (directly, or through a relay),
+    /// connecting if there is none.
     pub async fn open(&self, peer: NodeId) -> Result<P2pStream, String> {
         let id = node_peer(&self.secret, peer);
         let (done, rx) = oneshot::channel();
         self.cmds
-            .send(swarm::Cmd::Connect { node: peer, done })
+            .send(swarm::Cmd::Open { node: peer, done })
             .map_err(|_| "the network task stopped".to_string())?;
-        rx.await
-            .map_err(|_| "the network task stopped".to_string())??;
-        let mut control = self.control.clone();
-        let s = control
-            .open_stream(id, PROTOCOL)
-            .await
-            .map_err(|e| format!("cannot open a stream to node {} ({id}): {e}", peer.0))?;
-        Ok(s.compat())
+        let who = format!("node {} ({id})", peer.0);
+        match tokio::time::timeout(OPEN_WINDOW, rx).await {
+            Ok(Ok(Ok(s))) => Ok(s.compat()),
+            Ok(Ok(Err(e))) => Err(e),
+            Ok(Err(_)) => Err(format!("{who}: its connection went while a stream opened")),
+            Err(_) => Err(format!("{who}: no stream opened within {OPEN_WINDOW:?}")),
+        }
     }
 
     /// Streams opened by peers, with the node each claims to be by its `PeerId` (`None`: not a
     /// node of this cluster; ravnest's handshake decides).
     pub fn incoming(&self) -> mpsc::UnboundedReceiver<(Option<NodeId>, PeerId, P2pStream)> {
-        let mut control = self.control.clone();
         let (tx, rx) = mpsc::unbounded_channel();
         let state = self.state.clone();
-        let Ok(mut streams) = control.accept(PROTOCOL) else {
+        let Some(mut streams) = self.state.lock().unwrap().inbound.take() else {
             return rx;
         };
         let h = tokio::spawn(async move {
-            use futures::StreamExt;
-            while let Some((peer, s)) = streams.next().await {
+            while let Some((peer, s)) = streams.recv().await {
                 let node = state.lock().unwrap().node_of(&peer);
                 if tx.send((node, peer, s.compat())).is_err() {
                     return;
@@ -228,7 +229,7 @@ impl P2pNet {
         rx
     }
 
-    /// Close every connection to `peer` now (a test's NAT that forgets its mapping); the
+    /// Give up every connection to `peer` now (a test's NAT that forgets its mapping); the
     /// sessions on them go on over the next.
     pub fn disconnect(&self, peer: NodeId) {
         let _ = self.cmds.send(swarm::Cmd::Disconnect(peer));

@@ -1,7 +1,9 @@
 //! The task that drives a node's libp2p swarm: listens, keeps a reservation on every relay,
-//! connects to peers when asked (every address the node may be reached at: its own, and a
-//! circuit through each relay), and closes a pair's relayed connection once a direct one is up
-//! (hole punched), so the streams move to it.
+//! opens the frames' streams on the best live connection to a peer (connecting when there is
+//! none: at the peer's own address, and by a circuit through each relay), and gives a
+//! connection up when a better or newer one makes it stale (hole punched past a relay; the
+//! peer at a new address) or when it stops answering pings: its streams fail at once and
+//! their sessions go on over the next.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -16,8 +18,9 @@ use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
 use libp2p::swarm::{ConnectionId, DialError, NetworkBehaviour, SwarmEvent};
 use libp2p::{Multiaddr, PeerId, Swarm, dcutr, identify, noise, ping, relay, tcp, yamux};
 use ravnest_core::NodeId;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
+use super::frames::{Doomed, Frames, Opener};
 use super::{P2pConfig, Path, tcp_addr};
 
 /// How often a relay without a reservation is asked again (one that restarted, or another).
@@ -29,18 +32,15 @@ pub(super) struct Behaviour {
     identify: identify::Behaviour,
     ping: ping::Behaviour,
     dcutr: dcutr::Behaviour,
-    stream: libp2p_stream::Behaviour,
+    frames: Frames,
 }
 
 /// What the handle asks of the task.
 pub(super) enum Cmd {
-    /// Be connected to this node; answer when a connection is up, or why none could be.
-    Connect {
-        node: NodeId,
-        done: oneshot::Sender<Result<(), String>>,
-    },
-    /// Close every connection to this node (what a NAT that forgets a mapping, or a peer whose
-    /// address changes, does to them).
+    /// Open a frames' stream to this node (connecting if need be).
+    Open { node: NodeId, done: Opener },
+    /// Give up every connection to this node (what a NAT that forgets a mapping, or a peer
+    /// whose address changes, does to them).
     Disconnect(NodeId),
 }
 
@@ -48,7 +48,10 @@ pub(super) enum Cmd {
 #[derive(Default)]
 pub(super) struct Shared {
     nodes: BTreeMap<PeerId, (NodeId, SocketAddr)>,
-    conns: BTreeMap<PeerId, BTreeMap<ConnectionId, bool>>,
+    /// Each peer's live connections: relayed or not, and the peer's address on it.
+    conns: BTreeMap<PeerId, BTreeMap<ConnectionId, (bool, Multiaddr)>>,
+    /// The streams peers opened, until the transport takes them.
+    pub(super) inbound: Option<mpsc::UnboundedReceiver<(PeerId, Doomed)>>,
     met_relayed: BTreeSet<PeerId>,
     relays: BTreeMap<PeerId, (Multiaddr, bool)>,
     pub(super) tasks: Vec<tokio::task::AbortHandle>,
@@ -73,7 +76,8 @@ impl Shared {
             let Some(node) = self.node_of(peer) else {
                 continue;
             };
-            let path = match (conns.values().any(|r| !r), self.met_relayed.contains(peer)) {
+            let direct = conns.values().any(|(r, _)| !r);
+            let path = match (direct, self.met_relayed.contains(peer)) {
                 (true, false) => Path::Direct,
                 (true, true) => Path::Punched,
                 (false, _) if conns.is_empty() => continue,
@@ -85,10 +89,47 @@ impl Shared {
     }
 }
 
+/// The connections to close now that `new` is up among a peer's `conns`: with a direct one
+/// up, every relayed one (their streams' sessions resend on the direct one); and a direct one
+/// that reaches the peer at another address than the newest (its address changed: the old
+/// one is dead or dying). Also whether the latter happened.
+fn stale(
+    conns: &BTreeMap<ConnectionId, (bool, Multiaddr)>,
+    new: ConnectionId,
+) -> (Vec<ConnectionId>, Vec<ConnectionId>) {
+    let direct = conns.values().any(|(r, _)| !r);
+    let relayed = conns
+        .iter()
+        .filter(|(_, (r, _))| *r && direct)
+        .map(|(c, _)| *c)
+        .collect();
+    let mut moved = Vec::new();
+    if let Some((false, at)) = conns.get(&new) {
+        for (c, (r, a)) in conns {
+            if *c != new && !r && place(a) != place(at) {
+                moved.push(*c);
+            }
+        }
+    }
+    (relayed, moved)
+}
+
+/// An address's host and port (without the `/p2p/` a dialled one ends in).
+fn place(a: &Multiaddr) -> Vec<Protocol<'_>> {
+    a.iter()
+        .filter(|p| matches!(p, Protocol::Ip4(_) | Protocol::Ip6(_) | Protocol::Tcp(_)))
+        .collect()
+}
+
+/// The connection to open a stream on: the newest direct one, else the newest relayed one.
+fn best(conns: &BTreeMap<ConnectionId, (bool, Multiaddr)>) -> Option<ConnectionId> {
+    let direct = conns.iter().rev().find(|(_, (r, _))| !r);
+    direct.or_else(|| conns.iter().next_back()).map(|(c, _)| *c)
+}
+
 type Started = (
     mpsc::UnboundedSender<Cmd>,
     Arc<Mutex<Shared>>,
-    libp2p_stream::Control,
     tokio::task::AbortHandle,
 );
 
@@ -109,6 +150,7 @@ pub(super) async fn spawn(
     cfg: &P2pConfig,
     nodes: BTreeMap<PeerId, (NodeId, SocketAddr)>,
 ) -> Result<Started, String> {
+    let (inbound_tx, inbound) = mpsc::unbounded_channel();
     let mut swarm = libp2p::SwarmBuilder::with_existing_identity(key)
         .with_tokio()
         .with_tcp(
@@ -125,9 +167,13 @@ pub(super) async fn spawn(
                 "/ravnest/id/1".into(),
                 key.public(),
             )),
-            ping: ping::Behaviour::new(ping::Config::new()),
+            ping: ping::Behaviour::new(
+                ping::Config::new()
+                    .with_interval(Duration::from_secs(2))
+                    .with_timeout(Duration::from_secs(8)),
+            ),
             dcutr: dcutr::Behaviour::new(key.public().to_peer_id()),
-            stream: libp2p_stream::Behaviour::new(),
+            frames: Frames::new(inbound_tx),
         })
         .map_err(|e| format!("libp2p's behaviour: {e}"))?
         .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(60)))
@@ -135,9 +181,9 @@ pub(super) async fn spawn(
     swarm
         .listen_on(tcp_addr(cfg.listen))
         .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
-    let control = swarm.behaviour().stream.new_control();
     let mut shared = Shared {
         nodes,
+        inbound: Some(inbound),
         ..Shared::default()
     };
     for r in &cfg.relays {
@@ -153,6 +199,7 @@ pub(super) async fn spawn(
         relays: cfg.relays.clone(),
         listeners: std::collections::HashMap::new(),
         waiters: BTreeMap::new(),
+        dialing: BTreeSet::new(),
         by_node: state
             .lock()
             .unwrap()
@@ -162,7 +209,7 @@ pub(super) async fn spawn(
             .collect(),
     };
     let task = tokio::spawn(driver.run(rx));
-    Ok((tx, state, control, task.abort_handle()))
+    Ok((tx, state, task.abort_handle()))
 }
 
 struct Driver {
@@ -171,7 +218,10 @@ struct Driver {
     relays: Vec<Multiaddr>,
     /// The circuit listener on each relay (its reservation), while it lives.
     listeners: std::collections::HashMap<ListenerId, PeerId>,
-    waiters: BTreeMap<PeerId, Vec<oneshot::Sender<Result<(), String>>>>,
+    /// Streams asked for, waiting for a connection.
+    waiters: BTreeMap<PeerId, Vec<Opener>>,
+    /// Peers being dialled.
+    dialing: BTreeSet<PeerId>,
     by_node: BTreeMap<NodeId, (PeerId, SocketAddr)>,
 }
 
@@ -181,10 +231,13 @@ impl Driver {
         loop {
             tokio::select! {
                 cmd = cmds.recv() => match cmd {
-                    Some(Cmd::Connect { node, done }) => self.connect(node, done),
+                    Some(Cmd::Open { node, done }) => self.open(node, done),
                     Some(Cmd::Disconnect(node)) => {
                         if let Some(&(peer, _)) = self.by_node.get(&node) {
-                            let _ = self.swarm.disconnect_peer_id(peer);
+                            let conns = self.state.lock().unwrap().conns.get(&peer).cloned();
+                            for c in conns.unwrap_or_default().into_keys() {
+                                self.give_up(peer, c);
+                            }
                         }
                     }
                     None => return,
@@ -233,28 +286,43 @@ impl Driver {
         }
     }
 
-    fn connect(&mut self, node: NodeId, done: oneshot::Sender<Result<(), String>>) {
+    fn open(&mut self, node: NodeId, done: Opener) {
         let Some(&(peer, direct)) = self.by_node.get(&node) else {
             let _ = done.send(Err(format!("node {} is not in the cluster file", node.0)));
             return;
         };
-        if self.swarm.is_connected(&peer) {
-            let _ = done.send(Ok(()));
+        let conn = self.state.lock().unwrap().conns.get(&peer).and_then(best);
+        if let Some(c) = conn {
+            self.swarm.behaviour_mut().frames.open(peer, c, done);
             return;
         }
         self.waiters.entry(peer).or_default().push(done);
+        if !self.dialing.insert(peer) {
+            return;
+        }
         let mut addrs = vec![tcp_addr(direct)];
         for r in &self.relays {
             addrs.push(r.clone().with(Protocol::P2pCircuit));
         }
+        // `Always`: connections given up may still be closing.
         let opts = DialOpts::peer_id(peer)
             .addresses(addrs)
-            .condition(PeerCondition::DisconnectedAndNotDialing)
+            .condition(PeerCondition::Always)
             .build();
-        match self.swarm.dial(opts) {
-            Ok(()) | Err(DialError::DialPeerConditionFalse(_)) => {}
-            Err(e) => self.fail(peer, format!("cannot dial node {} ({peer}): {e}", node.0)),
+        if let Err(e) = self.swarm.dial(opts) {
+            self.dialing.remove(&peer);
+            self.fail(peer, format!("cannot dial node {} ({peer}): {e}", node.0));
         }
+    }
+
+    /// Stop using connection `conn` to `peer`: its streams fail now (their sessions go on over
+    /// another), and it closes.
+    fn give_up(&mut self, peer: PeerId, conn: ConnectionId) {
+        if let Some(c) = self.state.lock().unwrap().conns.get_mut(&peer) {
+            c.remove(&conn);
+        }
+        self.swarm.behaviour_mut().frames.give_up(conn);
+        self.swarm.close_connection(conn);
     }
 
     /// A peer reached through a relay: dial its own address too (a public peer's answers,
@@ -271,6 +339,7 @@ impl Driver {
     }
 
     fn fail(&mut self, peer: PeerId, why: String) {
+        self.dialing.remove(&peer);
         for w in self.waiters.remove(&peer).unwrap_or_default() {
             let _ = w.send(Err(why.clone()));
         }
@@ -285,20 +354,20 @@ impl Driver {
                 ..
             } => {
                 let relayed = endpoint.is_relayed();
-                let close = {
+                let remote = endpoint.get_remote_address().clone();
+                let (close, moved) = {
                     let mut s = self.state.lock().unwrap();
                     if relayed {
                         s.met_relayed.insert(peer_id);
                     }
                     let conns = s.conns.entry(peer_id).or_default();
-                    conns.insert(connection_id, relayed);
-                    // A direct connection is up: the relayed ones go (their streams' sessions
-                    // resend on the direct one).
-                    let direct = conns.values().any(|r| !r);
-                    let relayed: Vec<ConnectionId> =
-                        conns.iter().filter(|(_, r)| **r).map(|(c, _)| *c).collect();
-                    if direct { relayed } else { Vec::new() }
+                    conns.insert(connection_id, (relayed, remote.clone()));
+                    stale(conns, connection_id)
                 };
+                if !moved.is_empty() {
+                    let who = self.who(peer_id);
+                    self.log(format!("{who}: now at {remote}; its old connection closes"));
+                }
                 if !close.is_empty() {
                     let who = self.who(peer_id);
                     self.log(format!("{who}: direct now; its relayed connection closes"));
@@ -307,11 +376,22 @@ impl Driver {
                     self.log(format!("{}: connected through a relay", self.who(peer_id)));
                     self.try_direct(peer_id);
                 }
-                for c in close {
-                    self.swarm.close_connection(c);
+                for c in close.into_iter().chain(moved) {
+                    self.give_up(peer_id, c);
                 }
+                self.dialing.remove(&peer_id);
+                let conn = self
+                    .state
+                    .lock()
+                    .unwrap()
+                    .conns
+                    .get(&peer_id)
+                    .and_then(best);
                 for w in self.waiters.remove(&peer_id).unwrap_or_default() {
-                    let _ = w.send(Ok(()));
+                    match conn {
+                        Some(c) => self.swarm.behaviour_mut().frames.open(peer_id, c, w),
+                        None => drop(w),
+                    }
                 }
             }
             SwarmEvent::ConnectionClosed {
@@ -329,7 +409,8 @@ impl Driver {
                 error,
                 ..
             } => {
-                if !self.swarm.is_connected(&peer) {
+                let live = self.state.lock().unwrap().conns.get(&peer).and_then(best);
+                if live.is_none() {
                     let node = self.state.lock().unwrap().node_of(&peer);
                     let who = node.map_or(format!("{peer}"), |n| format!("node {} ({peer})", n.0));
                     let why = match error {
@@ -363,6 +444,19 @@ impl Driver {
                 if let Some(r) = s.relays.get_mut(&relay_peer_id) {
                     r.1 = true;
                 }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Ping(ping::Event {
+                peer,
+                connection,
+                result: Err(e),
+            })) => {
+                // A connection that stopped answering (a NAT that forgot it, a peer gone from
+                // its address) goes: its streams' sessions go on over the next one.
+                self.log(format!(
+                    "{}: a connection stopped answering ({e})",
+                    self.who(peer)
+                ));
+                self.give_up(peer, connection);
             }
             SwarmEvent::Behaviour(BehaviourEvent::Dcutr(dcutr::Event {
                 remote_peer_id,
