@@ -24,6 +24,9 @@ pub fn fetch_cluster_file(
     advertise: Option<&str>,
     patience: Duration,
 ) -> Result<Joined> {
+    if addr.trim_start().starts_with('/') {
+        return fetch_through_relay(addr.trim(), me, advertise, patience);
+    }
     let seeds = join_addresses(addr)?;
     let deadline = Instant::now() + patience;
     let (doc, from) = 'asking: loop {
@@ -62,6 +65,61 @@ pub fn fetch_cluster_file(
     let newcomer = ravnest_node::process::is_newcomer_document(&doc, me);
     Ok(Joined {
         origin: format!("{origin} (from {from})"),
+        text,
+        steps,
+        newcomer,
+        host: ravnest_node::process::share_coordinator(&doc),
+    })
+}
+
+/// `--join /ip4/R/tcp/P/p2p/RELAY/p2p-circuit/p2p/NODE`: the cluster file from that node
+/// through the relay (the line its coordinator's host prints at start), over libp2p; asked
+/// again while the node does not answer, until `patience` is spent.
+fn fetch_through_relay(
+    addr: &str,
+    me: &str,
+    advertise: Option<&str>,
+    patience: Duration,
+) -> Result<Joined> {
+    use ravnest_runtime::tcp::{Fetched, HandshakeError, JoinRequest};
+    let to = ravnest_runtime::p2p::node_addr(addr).map_err(|e| anyhow::anyhow!("--join {e}"))?;
+    let secret = std::env::var(ravnest_node::process::SECRET_ENV)
+        .unwrap_or_else(|_| ravnest_node::process::DEFAULT_SECRET.to_string());
+    let request = JoinRequest {
+        name: me.to_string(),
+        address: advertise.unwrap_or_default().to_string(),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let deadline = Instant::now() + patience;
+    let doc = loop {
+        let fetched = rt.block_on(ravnest_runtime::tcp::fetch_cluster_file_p2p(
+            &to,
+            secret.as_bytes(),
+            &request,
+        ));
+        match fetched {
+            Ok(Fetched::File(doc)) => break doc,
+            Ok(Fetched::Elsewhere(host)) => bail!(
+                "--join {addr}: this node does not give new nodes their place; ask the coordinator's host (at {host}) with the `--join` line it printed at its start"
+            ),
+            Err(HandshakeError::Io(e)) if Instant::now() + JOIN_RETRY < deadline => {
+                eprintln!(
+                    "--join {addr}: {e}; asking again in {} s (at most {} s in all: --wait)",
+                    JOIN_RETRY.as_secs(),
+                    patience.as_secs()
+                );
+                std::thread::sleep(JOIN_RETRY);
+            }
+            Err(e) => return Err(explained(&format!("--join {addr}"), e)),
+        }
+    };
+    let (origin, text, steps) = ravnest_node::process::read_share_document(&doc)
+        .with_context(|| format!("--join {addr}"))?;
+    let newcomer = ravnest_node::process::is_newcomer_document(&doc, me);
+    Ok(Joined {
+        origin: format!("{origin} (from {addr})"),
         text,
         steps,
         newcomer,

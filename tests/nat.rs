@@ -400,6 +400,67 @@ fn a_home_whose_address_changes_reconnects_and_goes_on() {
     every_node_trained(&s, 3);
 }
 
+/// A node at home behind the symmetric NAT is killed mid-run and started again with only the
+/// coordinator's `--join` line (through the relay, no file): it fetches the cluster file over
+/// the relay, rejoins, and the run trains every step.
+#[test]
+fn a_node_rejoins_through_the_relay_with_the_join_line() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(mut bed) = bed(
+        "nat-join",
+        [Nat::Easy, Nat::Symmetric],
+        true,
+        Job::ring(8.0),
+    ) else {
+        return;
+    };
+    let rx = bed.start();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut events = Vec::new();
+    while let Ok(v) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        let planned = v["what"].as_str().unwrap_or_default().contains("planned");
+        events.push(v);
+        if planned {
+            break;
+        }
+    }
+    assert!(Instant::now() < deadline, "no plan: {events:?}");
+    std::thread::sleep(Duration::from_secs(1));
+    // b is the second node started (after the relay and a).
+    let b = &mut bed.procs.0[2];
+    b.kill().unwrap();
+    b.wait().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let relay = ravnest_runtime::p2p::relay_addr(&relay_addr()).unwrap();
+    let ticket = ravnest_runtime::p2p::ticket(&relay, b"nat-secret", ravnest_core::NodeId(0));
+    let again = Command::new("ip")
+        .env("RAVNEST_SECRET", "nat-secret")
+        .args(["netns", "exec", &bed.net.home_ns(1), exe(), "run"])
+        .args([
+            "--join",
+            &ticket.to_string(),
+            "--node",
+            "b",
+            "--json",
+            "--out",
+        ])
+        .arg(bed.dir.join("out-b2"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    bed.procs.0.push(again);
+    let s = summary(&rx, Duration::from_secs(240));
+    let notable = s["coordinator"]["notable_events"].to_string();
+    eprintln!("notable: {notable}");
+    assert_eq!(s["coordinator"]["steps"], STEPS, "{s}");
+    assert!(
+        notable.contains("`b` joined"),
+        "b did not rejoin: {notable}"
+    );
+    every_node_trained(&s, 3);
+}
+
 /// Two nodes at home, one behind a symmetric NAT, so their only path is the relay, whose link is
 /// shaped to 20 Mbit/s (tc on its host): they measure a slow link, and the planner (ravnest's,
 /// `sync` left to it) chooses local SGD with an outer step (DiLoCo) over a ring every step, and

@@ -75,6 +75,22 @@ pub fn relay_addr(text: &str) -> Result<Multiaddr, String> {
     Ok(addr)
 }
 
+/// A node's address as a joiner pastes it (`.../p2p/PEER_ID`, through a relay's circuit or
+/// not), checked.
+pub fn node_addr(text: &str) -> Result<Multiaddr, String> {
+    let addr: Multiaddr = text
+        .trim()
+        .parse()
+        .map_err(|e| format!("`{text}` is not a multiaddr ({e})"))?;
+    if !matches!(addr.iter().last(), Some(Protocol::P2p(_))) {
+        return Err(format!(
+            "`{text}` does not end in the node's /p2p/<peer id> (its coordinator's host prints \
+             the line to paste at its start)"
+        ));
+    }
+    Ok(addr)
+}
+
 /// `host:port` as a TCP multiaddr.
 pub fn tcp_addr(a: SocketAddr) -> Multiaddr {
     let ip = match a.ip() {
@@ -229,6 +245,12 @@ impl P2pNet {
         rx
     }
 
+    /// Node `node` (one that joined after this node started) listens at `at`.
+    pub fn learn(&self, node: NodeId, at: SocketAddr) {
+        let peer = node_peer(&self.secret, node);
+        let _ = self.cmds.send(swarm::Cmd::Learn(node, peer, at));
+    }
+
     /// Give up every connection to `peer` now (a test's NAT that forgets its mapping); the
     /// sessions on them go on over the next.
     pub fn disconnect(&self, peer: NodeId) {
@@ -247,6 +269,25 @@ impl P2pNet {
         }
         self.task.abort();
     }
+}
+
+/// A stream to the node at `addr` (`/ip4/R/tcp/P/p2p/RELAY/p2p-circuit/p2p/NODE` through a
+/// relay, or `/ip4/H/tcp/P/p2p/NODE` directly) for a process that is not a node yet: what
+/// `run --join` fetches the cluster file on. The swarm behind it stops with the handle.
+pub async fn dial_node(addr: &Multiaddr) -> Result<(P2pStream, tokio::task::AbortHandle), String> {
+    let (s, task) = tokio::time::timeout(OPEN_WINDOW, swarm::dial_once(addr.clone()))
+        .await
+        .map_err(|_| format!("no connection to {addr} within {OPEN_WINDOW:?}"))??;
+    Ok((s.compat(), task))
+}
+
+/// The address a joiner pastes after `run --join` to reach node `node` of the cluster whose
+/// secret is `secret` through `relay`.
+pub fn ticket(relay: &Multiaddr, secret: &[u8], node: NodeId) -> Multiaddr {
+    relay
+        .clone()
+        .with(Protocol::P2pCircuit)
+        .with(Protocol::P2p(node_peer(secret, node)))
 }
 
 #[cfg(test)]

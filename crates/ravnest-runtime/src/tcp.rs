@@ -53,7 +53,7 @@ use ravnest_protocol::msg::{Addr, Envelope};
 pub use agreed::HandshakeError;
 pub use channel::{Channel, NOISE_PROTOCOL};
 pub use config::{JoinRequest, LIVE_MS, PeerDownHook, ShareReply, Sharer, TcpConfig};
-pub use handshake::{Fetched, dial_as, fetch_cluster_file};
+pub use handshake::{Fetched, dial_as, fetch_cluster_file, fetch_cluster_file_p2p};
 pub use loopback::LoopbackCluster;
 pub use ports::spare_ports;
 pub use state::TcpTransport;
@@ -458,6 +458,9 @@ impl TcpTransport {
             return;
         };
         let old = self.inner.dial_addrs.lock().unwrap().insert(node, sa);
+        if let Some(net) = &self.inner.p2p {
+            net.learn(node, sa);
+        }
         if old != Some(sa) {
             self.log(format!("node {} is reached at {sa}", node.0));
             // A link dialed to the old address leads nowhere: the next envelope dials again.

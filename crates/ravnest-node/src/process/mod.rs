@@ -372,7 +372,7 @@ async fn p2p_port(opts: &Options, cfg: TcpConfig, verbose: bool) -> Result<TcpTr
         me: cfg.me,
         secret: cfg.secret.clone(),
         listen,
-        relays,
+        relays: relays.clone(),
         peers: cfg.peers.clone(),
     })
     .await
@@ -383,6 +383,14 @@ async fn p2p_port(opts: &Options, cfg: TcpConfig, verbose: bool) -> Result<TcpTr
              dial this node directly cannot reach it through that relay",
             opts.node
         );
+    }
+    if cfg.me == coordinator_of(s) && !opts.quiet {
+        for r in &relays {
+            let t = ravnest_runtime::p2p::ticket(r, &cfg.secret, cfg.me);
+            eprintln!(
+                "join through the relay: RAVNEST_SECRET=... ravnest run --join {t} --node NAME"
+            );
+        }
     }
     Ok(TcpTransport::over_p2p(cfg, net, listen, verbose))
 }

@@ -39,6 +39,8 @@ pub(super) struct Behaviour {
 pub(super) enum Cmd {
     /// Open a frames' stream to this node (connecting if need be).
     Open { node: NodeId, done: Opener },
+    /// This node (one that joined) is at this address.
+    Learn(NodeId, PeerId, SocketAddr),
     /// Give up every connection to this node (what a NAT that forgets a mapping, or a peer
     /// whose address changes, does to them).
     Disconnect(NodeId),
@@ -144,14 +146,13 @@ fn clear(key: &Keypair) -> Result<libp2p::plaintext::Config, std::convert::Infal
     Ok(libp2p::plaintext::Config::new(key))
 }
 
-/// Build the swarm, listen, and start its task.
-pub(super) async fn spawn(
+/// A node's swarm: TCP (its plaintext between nodes, Noise with relays), yamux, the relay
+/// client, identify, ping, DCUtR, and the frames' streams (what peers open goes to `inbound`).
+fn build(
     key: Keypair,
-    cfg: &P2pConfig,
-    nodes: BTreeMap<PeerId, (NodeId, SocketAddr)>,
-) -> Result<Started, String> {
-    let (inbound_tx, inbound) = mpsc::unbounded_channel();
-    let mut swarm = libp2p::SwarmBuilder::with_existing_identity(key)
+    inbound_tx: mpsc::UnboundedSender<(PeerId, Doomed)>,
+) -> Result<Swarm<Behaviour>, String> {
+    let swarm = libp2p::SwarmBuilder::with_existing_identity(key)
         .with_tokio()
         .with_tcp(
             tcp::Config::default().nodelay(true),
@@ -178,6 +179,60 @@ pub(super) async fn spawn(
         .map_err(|e| format!("libp2p's behaviour: {e}"))?
         .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(60)))
         .build();
+    Ok(swarm)
+}
+
+/// A stream to the node at `addr` (`.../p2p/PEER`, through a relay's circuit or not) from a
+/// swarm of a key of its own, for a process that is not a node yet (`run --join` through a
+/// relay). The swarm lives as long as the returned task runs.
+pub(super) async fn dial_once(
+    addr: libp2p::Multiaddr,
+) -> Result<(Doomed, tokio::task::AbortHandle), String> {
+    let Some(Protocol::P2p(peer)) = addr.iter().last() else {
+        return Err(format!(
+            "`{addr}` does not end in the node's /p2p/<peer id>"
+        ));
+    };
+    let (inbound_tx, _inbound) = mpsc::unbounded_channel();
+    let mut swarm = build(Keypair::generate_ed25519(), inbound_tx)?;
+    swarm
+        .dial(addr.clone())
+        .map_err(|e| format!("cannot dial {addr}: {e}"))?;
+    let conn = loop {
+        match swarm.select_next_some().await {
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                connection_id,
+                ..
+            } if peer_id == peer => break connection_id,
+            SwarmEvent::OutgoingConnectionError { error, .. } => {
+                return Err(format!("cannot reach {addr}: {error}"));
+            }
+            _ => {}
+        }
+    };
+    let (done, rx) = tokio::sync::oneshot::channel();
+    swarm.behaviour_mut().frames.open(peer, conn, done);
+    let task = tokio::spawn(async move {
+        loop {
+            swarm.select_next_some().await;
+        }
+    });
+    match rx.await {
+        Ok(Ok(s)) => Ok((s, task.abort_handle())),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(format!("{addr}: the connection went while a stream opened")),
+    }
+}
+
+/// Build the swarm, listen, and start its task.
+pub(super) async fn spawn(
+    key: Keypair,
+    cfg: &P2pConfig,
+    nodes: BTreeMap<PeerId, (NodeId, SocketAddr)>,
+) -> Result<Started, String> {
+    let (inbound_tx, inbound) = mpsc::unbounded_channel();
+    let mut swarm = build(key, inbound_tx)?;
     swarm
         .listen_on(tcp_addr(cfg.listen))
         .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
@@ -232,6 +287,10 @@ impl Driver {
             tokio::select! {
                 cmd = cmds.recv() => match cmd {
                     Some(Cmd::Open { node, done }) => self.open(node, done),
+                    Some(Cmd::Learn(node, peer, at)) => {
+                        self.by_node.insert(node, (peer, at));
+                        self.state.lock().unwrap().nodes.insert(peer, (node, at));
+                    }
                     Some(Cmd::Disconnect(node)) => {
                         if let Some(&(peer, _)) = self.by_node.get(&node) {
                             let conns = self.state.lock().unwrap().conns.get(&peer).cloned();

@@ -391,7 +391,35 @@ pub async fn fetch_cluster_file(
 ) -> Result<Fetched, HandshakeError> {
     let who = format!("node at {addr}");
     let mut s = timed(TcpStream::connect(addr), &who).await?;
-    let (nc, status) = hello(&mut s, CONFIG_MAGIC, 0, &who).await?;
+    fetch_on(&mut s, &who, secret, request).await
+}
+
+/// The same through libp2p: the node at `addr` (a relay's circuit to it, or its own address,
+/// ending in its `/p2p/` peer id; [`crate::p2p::ticket`]).
+pub async fn fetch_cluster_file_p2p(
+    addr: &libp2p::Multiaddr,
+    secret: &[u8],
+    request: &JoinRequest,
+) -> Result<Fetched, HandshakeError> {
+    let who = format!("node at {addr}");
+    let (s, swarm) = crate::p2p::dial_node(addr)
+        .await
+        .map_err(|e| HandshakeError::Io(format!("{who}: {e}")))?;
+    let r = fetch_on(&mut Conn::P2p(s), &who, secret, request).await;
+    swarm.abort();
+    r
+}
+
+/// The joiner's side of the cluster-file exchange on a connection to `who`.
+async fn fetch_on<S: Io>(
+    s: &mut S,
+    who: &str,
+    secret: &[u8],
+    request: &JoinRequest,
+) -> Result<Fetched, HandshakeError> {
+    let who = who.to_string();
+    let s = &mut *s;
+    let (nc, status) = hello(s, CONFIG_MAGIC, 0, &who).await?;
     match status {
         OK => {}
         UNKNOWN_NODE => {
