@@ -297,3 +297,33 @@ fn adamw_with_lossy_outer_rounds_is_refused_and_auto_rounds_stay_exact() {
     .to_string();
     assert!(e.contains("models/x") && e.contains("t.toml:14"), "{e}");
 }
+
+/// `[cluster] relays` and `transport`: relays imply libp2p; a relay that is not a multiaddr
+/// with its peer id, relays with `transport = "tcp"`, and an unknown transport are refused at
+/// their line.
+#[test]
+fn relays_and_the_transport_are_checked() {
+    let with =
+        |cluster: &str| BASE.replacen("[links]", &format!("[cluster]\n{cluster}\n\n[links]"), 1);
+    let relay = "/ip4/203.0.113.7/tcp/4001/p2p/12D3KooWabc";
+    let s = parse(&with(&format!("relays = [\"{relay}\"]")), "t.toml").unwrap();
+    assert!(s.run.p2p);
+    assert_eq!(s.run.relays, vec![relay.to_string()]);
+    let s = parse(&with("transport = \"p2p\""), "t.toml").unwrap();
+    assert!(s.run.p2p && s.run.relays.is_empty());
+    assert!(!parse(BASE, "t.toml").unwrap().run.p2p);
+    let cases = [
+        ("relays = [\"203.0.113.7:4001\"]", "not a relay's multiaddr"),
+        (
+            &*format!("transport = \"tcp\"\nrelays = [\"{relay}\"]"),
+            "cannot use `relays`",
+        ),
+        ("transport = \"quic\"", "unknown `quic`"),
+    ];
+    for (cluster, needle) in cases {
+        let e = parse(&with(cluster), "t.toml").expect_err(cluster);
+        let shown = e.to_string();
+        assert!(shown.contains(needle), "{cluster}: {shown}");
+        assert_eq!(e.at.map(|a| a.0), Some(2), "{cluster}: {shown}");
+    }
+}

@@ -224,10 +224,7 @@ async fn run_async(opts: Options) -> Result<NodeReport, RunError> {
     let mut reg_rx = registrations(&tcp, is_coord);
     // A worker's coordinator must be reachable within the registration window, counted from
     // this process's start (`--wait` bounds the whole start-up, measuring included).
-    // (Over libp2p the coordinator may be behind a NAT: its transport says if it cannot be
-    // reached.)
-    let direct = !opts.scenario.run.p2p;
-    let _reach = (direct && !is_coord && !opts.join).then(|| reach_coordinator(&opts, started));
+    let _reach = (!is_coord && !opts.join).then(|| reach_coordinator(&opts, started));
     let su = setup::setup(&opts, &say).await?;
     // Found by `run --discover` while this process runs: dropped on every way out of this
     // function, which says goodbye.
@@ -397,9 +394,13 @@ async fn p2p_port(opts: &Options, cfg: TcpConfig, verbose: bool) -> Result<TcpTr
 
 /// Until the coordinator's address accepts a connection: past the registration window from
 /// `started`, the process ends with an error that names the address (a typo in it, a
-/// coordinator not started, a firewall). Stopped when dropped.
+/// coordinator not started, a firewall). Stopped when dropped. Not over libp2p: there the
+/// coordinator may be behind a NAT, and the transport says when it cannot be reached.
 fn reach_coordinator(opts: &Options, started: Instant) -> options::AbortOnDrop {
     let s = &opts.scenario;
+    if s.run.p2p {
+        return options::AbortOnDrop(tokio::spawn(async {}));
+    }
     let c = &s.cluster.nodes[coordinator_of(s).index()];
     let (name, at) = (c.name.clone(), c.address.clone().unwrap_or_default());
     let deadline = started + opts.register_timeout;

@@ -404,6 +404,56 @@ impl Driver {
         }
     }
 
+    /// A connection to `peer_id` is up: give up what it makes stale, open the streams waiting
+    /// for one, and, if it is relayed, dial the peer's own address too.
+    fn on_connected(
+        &mut self,
+        peer_id: PeerId,
+        connection_id: ConnectionId,
+        endpoint: &libp2p::core::ConnectedPoint,
+    ) {
+        let relayed = endpoint.is_relayed();
+        let remote = endpoint.get_remote_address().clone();
+        let (close, moved) = {
+            let mut s = self.state.lock().unwrap();
+            if relayed {
+                s.met_relayed.insert(peer_id);
+            }
+            let conns = s.conns.entry(peer_id).or_default();
+            conns.insert(connection_id, (relayed, remote.clone()));
+            stale(conns, connection_id)
+        };
+        if !moved.is_empty() {
+            let who = self.who(peer_id);
+            self.log(format!("{who}: now at {remote}; its old connection closes"));
+        }
+        if !close.is_empty() {
+            let who = self.who(peer_id);
+            self.log(format!("{who}: direct now; its relayed connection closes"));
+        }
+        if relayed && close.is_empty() {
+            self.log(format!("{}: connected through a relay", self.who(peer_id)));
+            self.try_direct(peer_id);
+        }
+        for c in close.into_iter().chain(moved) {
+            self.give_up(peer_id, c);
+        }
+        self.dialing.remove(&peer_id);
+        let conn = self
+            .state
+            .lock()
+            .unwrap()
+            .conns
+            .get(&peer_id)
+            .and_then(best);
+        for w in self.waiters.remove(&peer_id).unwrap_or_default() {
+            match conn {
+                Some(c) => self.swarm.behaviour_mut().frames.open(peer_id, c, w),
+                None => drop(w),
+            }
+        }
+    }
+
     fn on_event(&mut self, ev: SwarmEvent<BehaviourEvent>) {
         match ev {
             SwarmEvent::ConnectionEstablished {
@@ -411,48 +461,7 @@ impl Driver {
                 connection_id,
                 endpoint,
                 ..
-            } => {
-                let relayed = endpoint.is_relayed();
-                let remote = endpoint.get_remote_address().clone();
-                let (close, moved) = {
-                    let mut s = self.state.lock().unwrap();
-                    if relayed {
-                        s.met_relayed.insert(peer_id);
-                    }
-                    let conns = s.conns.entry(peer_id).or_default();
-                    conns.insert(connection_id, (relayed, remote.clone()));
-                    stale(conns, connection_id)
-                };
-                if !moved.is_empty() {
-                    let who = self.who(peer_id);
-                    self.log(format!("{who}: now at {remote}; its old connection closes"));
-                }
-                if !close.is_empty() {
-                    let who = self.who(peer_id);
-                    self.log(format!("{who}: direct now; its relayed connection closes"));
-                }
-                if relayed && close.is_empty() {
-                    self.log(format!("{}: connected through a relay", self.who(peer_id)));
-                    self.try_direct(peer_id);
-                }
-                for c in close.into_iter().chain(moved) {
-                    self.give_up(peer_id, c);
-                }
-                self.dialing.remove(&peer_id);
-                let conn = self
-                    .state
-                    .lock()
-                    .unwrap()
-                    .conns
-                    .get(&peer_id)
-                    .and_then(best);
-                for w in self.waiters.remove(&peer_id).unwrap_or_default() {
-                    match conn {
-                        Some(c) => self.swarm.behaviour_mut().frames.open(peer_id, c, w),
-                        None => drop(w),
-                    }
-                }
-            }
+            } => self.on_connected(peer_id, connection_id, &endpoint),
             SwarmEvent::ConnectionClosed {
                 peer_id,
                 connection_id,
