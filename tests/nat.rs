@@ -333,7 +333,7 @@ fn training_goes_on_over_punched_holes_when_the_relay_dies() {
         "nat-relay-dies",
         [Nat::Easy, Nat::Easy],
         true,
-        Job::ring(8.0),
+        Job::ring(4.0),
     ) else {
         return;
     };
@@ -349,7 +349,7 @@ fn training_goes_on_over_punched_holes_when_the_relay_dies() {
         }
     }
     assert!(Instant::now() < deadline, "no plan: {events:?}");
-    std::thread::sleep(Duration::from_secs(3));
+    std::thread::sleep(Duration::from_secs(1));
     let relay = &mut bed.procs.0[0];
     relay.kill().unwrap();
     relay.wait().unwrap();
@@ -373,7 +373,7 @@ fn training_goes_on_over_punched_holes_when_the_relay_dies() {
 #[test]
 fn a_home_whose_address_changes_reconnects_and_goes_on() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(mut bed) = bed("nat-renumber", [Nat::Easy, Nat::Easy], true, Job::ring(8.0)) else {
+    let Some(mut bed) = bed("nat-renumber", [Nat::Easy, Nat::Easy], true, Job::ring(4.0)) else {
         return;
     };
     let rx = bed.start();
@@ -387,12 +387,12 @@ fn a_home_whose_address_changes_reconnects_and_goes_on() {
         }
     }
     assert!(Instant::now() < deadline, "no plan: {events:?}");
-    std::thread::sleep(Duration::from_secs(2));
+    std::thread::sleep(Duration::from_secs(1));
     bed.net.renumber(0).unwrap();
     let moved = Instant::now();
     let s = summary(&rx, Duration::from_secs(240));
     assert!(
-        moved.elapsed() > Duration::from_secs(3),
+        moved.elapsed() > Duration::from_secs(2),
         "the run ended before the move: {s}"
     );
     eprintln!("notable: {}", s["coordinator"]["notable_events"]);
@@ -410,7 +410,7 @@ fn a_node_rejoins_through_the_relay_with_the_join_line() {
         "nat-join",
         [Nat::Easy, Nat::Symmetric],
         true,
-        Job::ring(8.0),
+        Job::ring(4.0),
     ) else {
         return;
     };
@@ -474,7 +474,7 @@ fn a_relayed_link_of_20_mbit_gets_diloco() {
     let job = Job {
         slowdown: 1.0,
         sync: "outer_precision = \"int8\"\nouter_overlap = true",
-        steps: 1500,
+        steps: 1000,
     };
     let Some(mut bed) = bed("nat-shaped", [Nat::Easy, Nat::Symmetric], false, job) else {
         return;

@@ -23,6 +23,12 @@ use tokio::sync::mpsc;
 use super::frames::{Doomed, Frames, Opener};
 use super::{P2pConfig, Path, tcp_addr};
 
+/// How often each connection is pinged, and how long an answer may take before the
+/// connection is given up (a relayed link's queue under a round of bulk: well under a second
+/// at 20 Mbit/s).
+const PING_EVERY: Duration = Duration::from_secs(1);
+const PING_PATIENCE: Duration = Duration::from_secs(5);
+
 /// How often a relay without a reservation is asked again (one that restarted, or another).
 const RESERVE_AGAIN: Duration = Duration::from_secs(2);
 
@@ -170,8 +176,8 @@ fn build(
             )),
             ping: ping::Behaviour::new(
                 ping::Config::new()
-                    .with_interval(Duration::from_secs(2))
-                    .with_timeout(Duration::from_secs(8)),
+                    .with_interval(PING_EVERY)
+                    .with_timeout(PING_PATIENCE),
             ),
             dcutr: dcutr::Behaviour::new(key.public().to_peer_id()),
             frames: Frames::new(inbound_tx),
