@@ -247,6 +247,20 @@ fn summary(rx: &std::sync::mpsc::Receiver<Value>, limit: Duration) -> Value {
     panic!("no summary within {limit:?}: {seen:?}");
 }
 
+/// Wait for the first plan (every pair has met by then: the link probes).
+fn planned(rx: &std::sync::mpsc::Receiver<Value>) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut events = Vec::new();
+    while let Ok(v) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        let planned = v["what"].as_str().unwrap_or_default().contains("planned");
+        events.push(v);
+        if planned {
+            break;
+        }
+    }
+    assert!(Instant::now() < deadline, "no plan: {events:?}");
+}
+
 /// Each node's paths to its peers, from the summary: `(node, peer) -> path`.
 fn paths(s: &Value) -> Vec<(String, String, String)> {
     let mut out = Vec::new();
@@ -344,16 +358,7 @@ fn training_goes_on_over_punched_holes_when_the_relay_dies() {
     };
     let rx = bed.start();
     // Once planned, every pair has met (the link probes); give the holes a moment.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut events = Vec::new();
-    while let Ok(v) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-        let planned = v["what"].as_str().unwrap_or_default().contains("planned");
-        events.push(v);
-        if planned {
-            break;
-        }
-    }
-    assert!(Instant::now() < deadline, "no plan: {events:?}");
+    planned(&rx);
     std::thread::sleep(Duration::from_secs(1));
     let relay = &mut bed.procs.0[0];
     relay.kill().unwrap();
@@ -390,16 +395,7 @@ fn a_home_that_moves_and_a_node_that_restarts_through_the_relay_both_rejoin() {
         return;
     };
     let rx = bed.start();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut events = Vec::new();
-    while let Ok(v) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-        let planned = v["what"].as_str().unwrap_or_default().contains("planned");
-        events.push(v);
-        if planned {
-            break;
-        }
-    }
-    assert!(Instant::now() < deadline, "no plan: {events:?}");
+    planned(&rx);
     std::thread::sleep(Duration::from_secs(1));
     bed.net.renumber(0).unwrap();
     let moved = Instant::now();

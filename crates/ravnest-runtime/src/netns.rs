@@ -50,7 +50,6 @@ impl ShapedNet {
         })?;
         ip(&["-n", &sw, "link", "add", "br0", "type", "bridge"])?;
         ip(&["-n", &sw, "link", "set", "br0", "up"])?;
-        let rate = format!("{}kbit", (rate_mbit * 1000.0).round().max(8.0) as u64);
         for i in 0..nodes {
             let ns = net.ns(i);
             ip(&["netns", "add", &ns])?;
@@ -66,11 +65,7 @@ impl ShapedNet {
             ip(&["-n", &ns, "link", "set", "lo", "up"])?;
             ip(&["-n", &sw, "link", "set", &p, "master", "br0"])?;
             ip(&["-n", &sw, "link", "set", &p, "up"])?;
-            let tc = [
-                "netns", "exec", &ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
-                &rate, "burst", "32kb", "latency", "400ms",
-            ];
-            ip(&tc).map_err(|e| NetnsError(format!("cannot shape the link: {e}")))?;
+            tbf(&ns, rate_mbit).map_err(|e| NetnsError(format!("cannot shape the link: {e}")))?;
         }
         Ok(net)
     }
@@ -316,17 +311,20 @@ impl NatNet {
 
     /// Limit public host `i`'s sending to `rate_mbit` Mbit/s (a token bucket under its delay).
     pub fn shape_public(&self, i: usize, rate_mbit: f64) -> Result<(), NetnsError> {
-        let rate = format!("{}kbit", (rate_mbit * 1000.0).round().max(8.0) as u64);
         let ns = self.public_ns(i);
         exec(&ns, &["tc", "qdisc", "del", "dev", "eth0", "root"]).ok();
-        exec(
-            &ns,
-            &[
-                "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", &rate, "burst", "32kb",
-                "latency", "400ms",
-            ],
-        )
+        tbf(&ns, rate_mbit)
     }
+}
+
+/// Limit what namespace `ns` sends on its `eth0` to `rate_mbit` Mbit/s (a token bucket).
+fn tbf(ns: &str, rate_mbit: f64) -> Result<(), NetnsError> {
+    let rate = format!("{}kbit", (rate_mbit * 1000.0).round().max(8.0) as u64);
+    let cmd = [
+        "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", &rate, "burst", "32kb",
+        "latency", "400ms",
+    ];
+    exec(ns, &cmd)
 }
 
 /// Run `cmd` in namespace `ns`; its error output on failure.

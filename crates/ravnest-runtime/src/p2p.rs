@@ -63,29 +63,25 @@ pub fn node_peer(secret: &[u8], node: NodeId) -> PeerId {
 /// A relay's address as a user pastes it (`/ip4/A/tcp/P/p2p/ID`), checked: it must name the
 /// relay's `PeerId` (a relay is authenticated like any peer).
 pub fn relay_addr(text: &str) -> Result<Multiaddr, String> {
-    let addr: Multiaddr = text
-        .trim()
-        .parse()
-        .map_err(|e| format!("`{text}` is not a multiaddr ({e})"))?;
-    if !matches!(addr.iter().last(), Some(Protocol::P2p(_))) {
-        return Err(format!(
-            "`{text}` does not end in the relay's /p2p/<peer id> (`ravnest relay` prints it)"
-        ));
-    }
-    Ok(addr)
+    peer_addr(text, "the relay's", "`ravnest relay` prints it")
 }
 
 /// A node's address as a joiner pastes it (`.../p2p/PEER_ID`, through a relay's circuit or
 /// not), checked.
 pub fn node_addr(text: &str) -> Result<Multiaddr, String> {
+    let hint = "its coordinator's host prints the line to paste at its start";
+    peer_addr(text, "the node's", hint)
+}
+
+/// A multiaddr that ends in `whose` `/p2p/<peer id>`; `hint` says where to find one.
+fn peer_addr(text: &str, whose: &str, hint: &str) -> Result<Multiaddr, String> {
     let addr: Multiaddr = text
         .trim()
         .parse()
         .map_err(|e| format!("`{text}` is not a multiaddr ({e})"))?;
     if !matches!(addr.iter().last(), Some(Protocol::P2p(_))) {
         return Err(format!(
-            "`{text}` does not end in the node's /p2p/<peer id> (its coordinator's host prints \
-             the line to paste at its start)"
+            "`{text}` does not end in {whose} /p2p/<peer id> ({hint})"
         ));
     }
     Ok(addr)
