@@ -8,8 +8,8 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Waker};
 
 use futures::task::AtomicWaker;
@@ -35,6 +35,14 @@ pub(super) type Opener = oneshot::Sender<Result<Doomed, String>>;
 #[derive(Debug, Default)]
 pub(super) struct Doom {
     given_up: AtomicBool,
+    /// The wakers of the streams on it (each stream its own: one waiting to read on one
+    /// stream must be woken as surely as one writing on another).
+    streams: Mutex<Vec<Weak<Wakers>>>,
+}
+
+/// What one stream waits on.
+#[derive(Debug, Default)]
+struct Wakers {
     reader: AtomicWaker,
     writer: AtomicWaker,
 }
@@ -43,8 +51,21 @@ impl Doom {
     /// Give the connection up: every stream on it fails now.
     pub(super) fn fall(&self) {
         self.given_up.store(true, Ordering::SeqCst);
-        self.reader.wake();
-        self.writer.wake();
+        for w in self.streams.lock().unwrap().drain(..) {
+            if let Some(w) = w.upgrade() {
+                w.reader.wake();
+                w.writer.wake();
+            }
+        }
+    }
+
+    /// A new stream's wakers, woken when the connection is given up.
+    fn watch(&self) -> Arc<Wakers> {
+        let w = Arc::new(Wakers::default());
+        let mut streams = self.streams.lock().unwrap();
+        streams.retain(|s| s.strong_count() > 0);
+        streams.push(Arc::downgrade(&w));
+        w
     }
 }
 
@@ -53,6 +74,7 @@ impl Doom {
 pub struct Doomed {
     inner: libp2p::Stream,
     doom: Arc<Doom>,
+    wakers: Arc<Wakers>,
 }
 
 impl Doomed {
@@ -74,7 +96,7 @@ impl futures::AsyncRead for Doomed {
         cx: &mut Context<'_>,
         buf: &mut [u8],
     ) -> Poll<io::Result<usize>> {
-        self.check(&self.doom.reader, cx.waker())?;
+        self.check(&self.wakers.reader, cx.waker())?;
         Pin::new(&mut self.inner).poll_read(cx, buf)
     }
 }
@@ -85,17 +107,17 @@ impl futures::AsyncWrite for Doomed {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        self.check(&self.doom.writer, cx.waker())?;
+        self.check(&self.wakers.writer, cx.waker())?;
         Pin::new(&mut self.inner).poll_write(cx, buf)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        self.check(&self.doom.writer, cx.waker())?;
+        self.check(&self.wakers.writer, cx.waker())?;
         Pin::new(&mut self.inner).poll_flush(cx)
     }
 
     fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        self.check(&self.doom.writer, cx.waker())?;
+        self.check(&self.wakers.writer, cx.waker())?;
         Pin::new(&mut self.inner).poll_close(cx)
     }
 }
@@ -211,6 +233,7 @@ impl Handler {
     fn doomed(&self, inner: libp2p::Stream) -> Doomed {
         Doomed {
             inner,
+            wakers: self.doom.watch(),
             doom: self.doom.clone(),
         }
     }
