@@ -26,6 +26,19 @@ pub fn ip(args: &[&str]) -> Result<(), NetnsError> {
     Ok(())
 }
 
+/// The error when the first namespace cannot be made: the machine does not allow them.
+fn no_namespaces(e: NetnsError) -> NetnsError {
+    NetnsError(format!(
+        "network namespaces are needed (root, iproute2, Linux) and none could be made here: {e}"
+    ))
+}
+
+/// A bridge `br0`, up, in namespace `ns`: the switch the other namespaces' cables plug into.
+fn bridge(ns: &str) -> Result<(), NetnsError> {
+    ip(&["-n", ns, "link", "add", "br0", "type", "bridge"])?;
+    ip(&["-n", ns, "link", "set", "br0", "up"])
+}
+
 /// Network namespaces joined by a bridge, each node's egress shaped; removed on drop.
 #[derive(Debug)]
 pub struct ShapedNet {
@@ -42,14 +55,8 @@ impl ShapedNet {
             nodes: 0,
         };
         let sw = net.switch();
-        ip(&["netns", "add", &sw]).map_err(|e| {
-            NetnsError(format!(
-                "network namespaces are needed (root, iproute2, Linux) and none could be made \
-                 here: {e}"
-            ))
-        })?;
-        ip(&["-n", &sw, "link", "add", "br0", "type", "bridge"])?;
-        ip(&["-n", &sw, "link", "set", "br0", "up"])?;
+        ip(&["netns", "add", &sw]).map_err(no_namespaces)?;
+        bridge(&sw)?;
         for i in 0..nodes {
             let ns = net.ns(i);
             ip(&["netns", "add", &ns])?;
@@ -125,14 +132,8 @@ impl NatNet {
             prefix: format!("rvnat{}", std::process::id() % 100_000),
             made: Vec::new(),
         };
-        let wan = net.add("wan").map_err(|e| {
-            NetnsError(format!(
-                "network namespaces are needed (root, iproute2, Linux) and none could be made \
-                 here: {e}"
-            ))
-        })?;
-        ip(&["-n", &wan, "link", "add", "br0", "type", "bridge"])?;
-        ip(&["-n", &wan, "link", "set", "br0", "up"])?;
+        let wan = net.add("wan").map_err(no_namespaces)?;
+        bridge(&wan)?;
         for i in 0..public {
             let ns = net.add(&format!("p{i}"))?;
             net.cable(&ns, "eth0", &wan, &format!("p{i}"), delay_ms)?;

@@ -13,6 +13,27 @@ use ravnest_protocol::msg::{Addr, Envelope};
 use super::config::*;
 use super::state::*;
 
+/// Node `me`'s view of a loopback cluster at `peers`: node 0 hosts the coordinator, a dial is
+/// given 2 s.
+fn member(
+    me: NodeId,
+    peers: &BTreeMap<NodeId, std::net::SocketAddr>,
+    secret: &[u8],
+    encrypt: bool,
+) -> TcpConfig {
+    TcpConfig {
+        me,
+        peers: peers.clone(),
+        listen: None,
+        coordinator: NodeId(0),
+        secret: secret.to_vec(),
+        max_frame: wire::MAX_FRAME,
+        connect_window: Duration::from_secs(2),
+        cluster_file: None,
+        encrypt,
+    }
+}
+
 /// Several TCP transports in one process (one per node, on loopback), seen as one transport:
 /// for the conformance suite and tests. `send` goes out through the sender's own transport.
 #[derive(Debug, Clone)]
@@ -45,17 +66,7 @@ impl LoopbackCluster {
         }
         let mut nodes = BTreeMap::new();
         for (i, listener) in (0..n).zip(listeners) {
-            let cfg = TcpConfig {
-                me: NodeId(i),
-                peers: peers.clone(),
-                listen: None,
-                coordinator: NodeId(0),
-                secret: secret.to_vec(),
-                max_frame: wire::MAX_FRAME,
-                connect_window: Duration::from_secs(2),
-                cluster_file: None,
-                encrypt,
-            };
+            let cfg = member(NodeId(i), &peers, secret, encrypt);
             nodes.insert(NodeId(i), TcpTransport::on(cfg, listener, false)?);
         }
         Ok(LoopbackCluster { nodes })
@@ -80,17 +91,7 @@ impl LoopbackCluster {
                 peers: peers.clone(),
             })
             .await?;
-            let cfg = TcpConfig {
-                me,
-                peers: peers.clone(),
-                listen: None,
-                coordinator: NodeId(0),
-                secret: secret.to_vec(),
-                max_frame: wire::MAX_FRAME,
-                connect_window: Duration::from_secs(2),
-                cluster_file: None,
-                encrypt: true,
-            };
+            let cfg = member(me, &peers, secret, true);
             nodes.insert(me, TcpTransport::over_p2p(cfg, net, peers[&me], false));
         }
         Ok(LoopbackCluster { nodes })
