@@ -18,6 +18,7 @@
 //! is checked by libp2p to be the node it was dialled as. Ordinary relays hold no secret.
 
 mod frames;
+mod mux;
 mod relay;
 mod swarm;
 

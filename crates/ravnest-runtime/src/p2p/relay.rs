@@ -10,8 +10,9 @@ use futures::StreamExt;
 use libp2p::identity::Keypair;
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
-use libp2p::{Multiaddr, PeerId, Swarm, identify, noise, ping, relay, tcp, yamux};
+use libp2p::{Multiaddr, PeerId, Swarm, identify, noise, ping, relay, tcp};
 
+use super::mux::Yamux;
 use super::tcp_addr;
 
 /// A relay's key pair from a seed (a file's bytes, a phrase): the same seed gives the same
@@ -66,7 +67,7 @@ impl RelayServer {
             .with_tcp(
                 tcp::Config::default().nodelay(true),
                 noise::Config::new,
-                yamux::Config::default,
+                Yamux::new,
             )
             .map_err(|e| format!("libp2p's TCP transport: {e}"))?
             .with_behaviour(|key| Behaviour {

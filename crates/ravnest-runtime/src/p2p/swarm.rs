@@ -16,11 +16,12 @@ use libp2p::identity::Keypair;
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
 use libp2p::swarm::{ConnectionId, DialError, NetworkBehaviour, SwarmEvent};
-use libp2p::{Multiaddr, PeerId, Swarm, dcutr, identify, noise, ping, relay, tcp, yamux};
+use libp2p::{Multiaddr, PeerId, Swarm, dcutr, identify, noise, ping, relay, tcp};
 use ravnest_core::NodeId;
 use tokio::sync::mpsc;
 
 use super::frames::{Doomed, Frames, Opener};
+use super::mux::Yamux;
 use super::{P2pConfig, Path, tcp_addr};
 
 /// How often each connection is pinged, and how long an answer may take before the
@@ -163,10 +164,10 @@ fn build(
         .with_tcp(
             tcp::Config::default().nodelay(true),
             (clear, noise::Config::new),
-            yamux::Config::default,
+            Yamux::new,
         )
         .map_err(|e| format!("libp2p's TCP transport: {e}"))?
-        .with_relay_client((clear, noise::Config::new), yamux::Config::default)
+        .with_relay_client((clear, noise::Config::new), Yamux::new)
         .map_err(|e| format!("libp2p's relay client: {e}"))?
         .with_behaviour(|key, relay| Behaviour {
             relay,
