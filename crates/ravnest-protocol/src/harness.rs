@@ -15,14 +15,26 @@
 //! of an epoch at or past the first step of the epoch queued behind it, none starts a queued
 //! epoch after passing its first step, and every step starts from a model equal to its
 //! version.
+//!
+//! Fail-over ([`Cluster::hosted`]): the coordinator lives in a node's process, and dies with
+//! it. Every node runs the real [`Watch`] as its process does (before its decisions see an
+//! envelope; ticked with the time), the hosts send leases, a successor canvasses its pre-vote
+//! among the nodes and takes over with [`Coordinator::take_over`], and nodes send to the host
+//! they follow. A stale host that comes back steps down when it hears of the newer term (its
+//! process exits, as the simulator's and a real one's do).
 
 use std::collections::{BTreeMap, VecDeque};
 
 use ravnest_core::NodeId;
 
 use crate::coordinator::core::{Config, Coordinator, Effect, Input};
+use crate::coordinator::succession::{Verdict, Watch};
 use crate::msg::{Addr, Envelope};
 use crate::node::core::{self, NodeCore};
+
+/// How long the nodes' watches wait without a word from the coordinator (ms; the simulator
+/// waits three heartbeat timeouts).
+pub const SILENCE_MS: u64 = 3000;
 
 /// The counter model: steps applied.
 pub type Model = u64;
@@ -36,14 +48,29 @@ pub struct Node {
     pub core: NodeCore<Model>,
     /// The step it is in (entered its collective): (epoch, step).
     pub entered: Option<(u64, u64)>,
-    /// Envelopes to it, in order.
-    pub inbox: VecDeque<Envelope>,
+    /// Envelopes to it, in order, with their sender.
+    pub inbox: VecDeque<(Addr, Envelope)>,
     /// Envelopes from it to the coordinator, in order.
     pub outbox: VecDeque<Envelope>,
     /// Every step it started: (epoch, step).
     pub ran: Vec<(u64, u64)>,
     /// Every checkpoint shard it wrote: version.
     pub shards: Vec<u64>,
+    /// Its watch over the coordinator (fail-over only).
+    pub watch: Option<Watch>,
+    /// The host whose coordinator it sends to.
+    pub follows: NodeId,
+}
+
+/// A coordinator and the node whose process runs it.
+#[derive(Debug)]
+pub struct Hosted {
+    /// Its decisions.
+    pub core: Coordinator,
+    /// The node it lives with (`None`: it never dies).
+    pub host: Option<NodeId>,
+    /// Its term.
+    pub term: u32,
 }
 
 /// What happens to one node during a run.
@@ -58,17 +85,22 @@ pub struct Cut {
     pub back_after: Option<usize>,
 }
 
-/// The coordinator, the nodes, the time, and everything the coordinator did.
+/// The coordinators, the nodes, the time, and everything the coordinators did.
 #[derive(Debug)]
 pub struct Cluster {
-    /// The coordinator.
-    pub coordinator: Coordinator,
+    /// Every coordinator started, by term (the last is the newest); one without fail-over.
+    pub coordinators: Vec<Hosted>,
+    /// What a successor is configured with.
+    cfg: Config,
     /// The nodes, by id.
     pub nodes: Vec<Node>,
     /// Milliseconds since the start.
     pub now: u64,
-    /// The coordinator's effects, in order.
+    /// The coordinators' effects, in order.
     pub log: Vec<Effect>,
+    /// Each take-over: where the log stood, and the steps the successor's replica said were
+    /// agreed (steps its predecessor agreed later are made again).
+    pub take_overs: Vec<(usize, u64)>,
     /// Each step's last completion: its epoch, the global batch, and the samples (offset,
     /// batch) of each node that owns samples in it (a worker, a pipeline's first stage).
     pub trained: BTreeMap<u64, Trained>,
@@ -86,11 +118,31 @@ pub struct Trained {
 }
 
 impl Cluster {
-    /// A cluster of `cfg`'s nodes, each holding the initial model (version 0), started.
+    /// A cluster of `cfg`'s nodes, each holding the initial model (version 0), started; its
+    /// coordinator never dies.
     pub fn new(cfg: Config) -> Self {
+        Self::start(cfg, None)
+    }
+
+    /// The same, the coordinator hosted by node `host`'s process, with fail-over: it dies with
+    /// the node, and a successor takes over.
+    pub fn hosted(cfg: Config, host: NodeId) -> Self {
+        let cfg = Config {
+            host: Some(host),
+            ..cfg
+        };
+        Self::start(cfg, Some(host))
+    }
+
+    fn start(cfg: Config, host: Option<NodeId>) -> Self {
         let n = cfg.cluster.nodes.len();
         let mut c = Cluster {
-            coordinator: Coordinator::new(cfg, 0),
+            coordinators: vec![Hosted {
+                core: Coordinator::new(cfg.clone(), 0),
+                host,
+                term: 0,
+            }],
+            cfg,
             nodes: (0..n)
                 .map(|i| Node {
                     alive: true,
@@ -100,15 +152,39 @@ impl Cluster {
                     outbox: VecDeque::new(),
                     ran: Vec::new(),
                     shards: Vec::new(),
+                    watch: host.map(|h| Watch::new(NodeId(i as u32), h, SILENCE_MS, 0)),
+                    follows: host.unwrap_or(NodeId(0)),
                 })
                 .collect(),
             now: 0,
             log: Vec::new(),
+            take_overs: Vec::new(),
             trained: BTreeMap::new(),
         };
-        let first = c.coordinator.start();
-        c.route(first);
+        let first = c.coordinators[0].core.start();
+        c.route(0, first);
         c
+    }
+
+    /// The newest coordinator.
+    pub fn coordinator(&self) -> &Coordinator {
+        &self.coordinators[self.coordinators.len() - 1].core
+    }
+
+    /// Whether coordinator `k` runs: its host is alive.
+    fn runs(&self, k: usize) -> bool {
+        self.coordinators[k]
+            .host
+            .is_none_or(|h| self.nodes[h.index()].alive)
+    }
+
+    /// The coordinator node `i` sends to: the newest one its followed host runs, if it runs.
+    fn followed(&self, i: usize) -> Option<usize> {
+        let f = self.nodes[i].follows;
+        let k = (0..self.coordinators.len())
+            .rev()
+            .find(|&k| self.coordinators[k].host.is_none_or(|h| h == f))?;
+        self.runs(k).then_some(k)
     }
 
     /// How many actions [`Cluster::act`] chooses from.
@@ -124,8 +200,9 @@ impl Cluster {
         let n = self.nodes.len();
         let pick = pick % self.actions();
         if pick < n {
-            if let Some(env) = self.nodes[pick].inbox.pop_front()
+            if let Some((from, env)) = self.nodes[pick].inbox.pop_front()
                 && self.nodes[pick].alive
+                && !self.watch(pick, from, &env)
             {
                 self.deliver(pick, env)?;
             }
@@ -133,25 +210,17 @@ impl Cluster {
             let i = pick - n;
             if let Some(env) = self.nodes[i].outbox.pop_front()
                 && self.nodes[i].alive
+                && let Some(k) = self.followed(i)
             {
-                let e = self
-                    .coordinator
+                let e = self.coordinators[k]
+                    .core
                     .handle(self.now, Input::Net(NodeId(i as u32), env));
-                self.route(e);
+                self.route(k, e);
             }
         } else if pick == 2 * n {
             self.complete_steps()?;
         } else {
-            self.now += 100;
-            for i in 0..n {
-                if self.nodes[i].alive {
-                    let beat = Input::Net(NodeId(i as u32), Envelope::Heartbeat);
-                    let e = self.coordinator.handle(self.now, beat);
-                    self.route(e);
-                }
-            }
-            let e = self.coordinator.handle(self.now, Input::Tick);
-            self.route(e);
+            self.pass_time();
         }
         for i in 0..n {
             if self.nodes[i].alive && self.nodes[i].entered.is_none() {
@@ -159,6 +228,49 @@ impl Cluster {
             }
         }
         Ok(())
+    }
+
+    /// 100 ms pass: the live nodes' heartbeats reach the coordinator each follows, the
+    /// coordinators tick and send their leases, and the watches tick.
+    fn pass_time(&mut self) {
+        self.now += 100;
+        for i in 0..self.nodes.len() {
+            if self.nodes[i].alive
+                && let Some(k) = self.followed(i)
+            {
+                let beat = Input::Net(NodeId(i as u32), Envelope::Heartbeat);
+                let e = self.coordinators[k].core.handle(self.now, beat);
+                self.route(k, e);
+            }
+        }
+        for k in 0..self.coordinators.len() {
+            if !self.runs(k) {
+                continue;
+            }
+            let e = self.coordinators[k].core.handle(self.now, Input::Tick);
+            self.route(k, e);
+            let Some(host) = self.coordinators[k].host else {
+                continue;
+            };
+            let lease = Envelope::Lease {
+                term: self.coordinators[k].term,
+                host,
+            };
+            for node in &mut self.nodes {
+                // (One lease waiting per node is enough: the next says no more.)
+                if !node.inbox.contains(&(Addr::Coordinator, lease.clone())) {
+                    node.inbox.push_back((Addr::Coordinator, lease.clone()));
+                }
+            }
+        }
+        for i in 0..self.nodes.len() {
+            if self.nodes[i].alive
+                && let Some(w) = self.nodes[i].watch.as_mut()
+            {
+                let v = w.tick(self.now);
+                self.act_on(i, v);
+            }
+        }
     }
 
     /// Cut node `i` off (its queues are emptied), or bring it back.
@@ -171,12 +283,106 @@ impl Cluster {
         }
     }
 
-    fn route(&mut self, effects: Vec<Effect>) {
+    /// Coordinator `k`'s effects: what it sends reaches the nodes' inboxes.
+    fn route(&mut self, k: usize, effects: Vec<Effect>) {
+        if !self.runs(k) {
+            return;
+        }
         for e in effects {
             if let Effect::Send(to, env) = &e {
-                self.nodes[to.index()].inbox.push_back(env.clone());
+                let inbox = &mut self.nodes[to.index()].inbox;
+                inbox.push_back((Addr::Coordinator, env.clone()));
             }
             self.log.push(e);
+        }
+    }
+
+    /// An envelope for node `i`, before its decisions: its watch's part (true: consumed), as
+    /// the node's process does it.
+    fn watch(&mut self, i: usize, from: Addr, env: &Envelope) -> bool {
+        let now = self.now;
+        let Some(w) = self.nodes[i].watch.as_mut() else {
+            return false;
+        };
+        if from == Addr::Coordinator {
+            w.heard(now);
+        }
+        let stale = |w: &Watch, term, host: NodeId| {
+            w.answer(term, host)
+                .map(|a| (host, Envelope::Succession(Box::new(a))))
+        };
+        let (reply, verdict) = match (env, from) {
+            (Envelope::Succession(r), _) => {
+                (stale(w, r.term, r.host), w.replica((**r).clone(), now))
+            }
+            (Envelope::Lease { term, host }, _) => {
+                (stale(w, *term, *host), w.lease(*term, *host, now))
+            }
+            (Envelope::PreVote { term }, Addr::Node(candidate)) => {
+                let granted = w.grant(*term, now);
+                (
+                    Some((
+                        candidate,
+                        Envelope::PreVoted {
+                            term: *term,
+                            granted,
+                        },
+                    )),
+                    None,
+                )
+            }
+            (Envelope::PreVoted { term, granted }, Addr::Node(voter)) => {
+                (None, w.voted(voter, *term, *granted))
+            }
+            _ => return false,
+        };
+        if let Some((to, env)) = reply {
+            let me = Addr::Node(NodeId(i as u32));
+            self.nodes[to.index()].inbox.push_back((me, env));
+        }
+        self.act_on(i, verdict);
+        true
+    }
+
+    /// Carry out node `i`'s watch's verdict, as its process does.
+    fn act_on(&mut self, i: usize, v: Option<Verdict>) {
+        let me = NodeId(i as u32);
+        match v {
+            Some(Verdict::Follow(h) | Verdict::Resumed(h)) => {
+                self.nodes[i].follows = h;
+                // A host of an older term hears of the newer one: it steps down, and its
+                // process exits.
+                let newest = self.coordinators.iter().map(|c| c.term).max();
+                if self
+                    .coordinators
+                    .iter()
+                    .any(|c| c.host == Some(me) && Some(c.term) < newest)
+                    && h != me
+                {
+                    self.set_alive(i, false);
+                }
+            }
+            Some(Verdict::TakeOver(r)) => {
+                let from = self.nodes[i].follows;
+                self.nodes[i].follows = me;
+                self.take_overs.push((self.log.len(), r.agreed));
+                let core = Coordinator::take_over(self.cfg.clone(), &r, from, self.now);
+                self.coordinators.push(Hosted {
+                    core,
+                    host: Some(me),
+                    term: r.term,
+                });
+                let k = self.coordinators.len() - 1;
+                let first = self.coordinators[k].core.start();
+                self.route(k, first);
+            }
+            Some(Verdict::Canvass { term, voters }) => {
+                for v in voters {
+                    let ask = (Addr::Node(me), Envelope::PreVote { term });
+                    self.nodes[v.index()].inbox.push_back(ask);
+                }
+            }
+            Some(Verdict::Awaits(_) | Verdict::CutOff(_) | Verdict::Lost(_)) | None => {}
         }
     }
 
@@ -243,7 +449,8 @@ impl Cluster {
             match e {
                 core::Effect::Send(Addr::Coordinator, env) => self.nodes[i].outbox.push_back(env),
                 core::Effect::Send(Addr::Node(to), env) => {
-                    self.nodes[to.index()].inbox.push_back(env)
+                    let from = Addr::Node(NodeId(i as u32));
+                    self.nodes[to.index()].inbox.push_back((from, env))
                 }
                 core::Effect::Send(..) => {}
                 core::Effect::Abandon => self.nodes[i].entered = None,
@@ -261,7 +468,8 @@ impl Cluster {
                         layers,
                         virtual_bytes: 0,
                     };
-                    self.nodes[to.index()].inbox.push_back(state);
+                    let from = Addr::Node(NodeId(i as u32));
+                    self.nodes[to.index()].inbox.push_back((from, state));
                 }
                 core::Effect::WriteShard { version, .. } => self.nodes[i].shards.push(version),
                 core::Effect::Run { step } => self.run(i, step)?,
@@ -390,7 +598,7 @@ impl Cluster {
     /// not finish in 200,000 actions.
     pub fn drive(&mut self, choices: &[usize], cut: Option<Cut>) -> Result<(), String> {
         for k in 0..200_000usize {
-            if self.coordinator.is_finished() {
+            if self.coordinator().is_finished() {
                 return Ok(());
             }
             if let Some(c) = cut {

@@ -65,6 +65,23 @@ fn drive(nodes: usize, choices: &[usize], cut: Option<Cut>) -> Result<Vec<Effect
 fn drive_with(cfg: Config, choices: &[usize], cut: Option<Cut>) -> Result<Vec<Effect>, String> {
     let mut c = Cluster::new(cfg);
     c.drive(choices, cut)?;
+    checked(&c)?;
+    Ok(c.log)
+}
+
+/// [`drive`] with fail-over: the coordinator lives in node 0's process ([`Cluster::hosted`]).
+/// Returns the cluster at the end; checked as [`drive_with`] does.
+fn drive_hosted(nodes: usize, choices: &[usize], cut: Option<Cut>) -> Result<Cluster, String> {
+    let mut c = Cluster::hosted(config(nodes), NodeId(0));
+    c.drive(choices, cut)?;
+    checked(&c)?;
+    Ok(c)
+}
+
+/// The counter model's checks of a run: every agreed version's digest is its number of steps,
+/// and so is every version a node holds at the end; every sample of the agreed steps trained
+/// once.
+fn checked(c: &Cluster) -> Result<(), String> {
     for e in &c.log {
         if let Effect::Agreed {
             step,
@@ -76,7 +93,7 @@ fn drive_with(cfg: Config, choices: &[usize], cut: Option<Cut>) -> Result<Vec<Ef
         }
     }
     // (A run that stalled or broke a rule says so to the test, which checks it.)
-    if let Ok(agreed) = agreed_steps(&c.log) {
+    if let Ok(agreed) = agreed_across(&c.log, &c.take_overs) {
         c.trained_once(&agreed)?;
     }
     for (i, n) in c.nodes.iter().enumerate() {
@@ -90,7 +107,7 @@ fn drive_with(cfg: Config, choices: &[usize], cut: Option<Cut>) -> Result<Vec<Ef
             }
         }
     }
-    Ok(c.log)
+    Ok(())
 }
 
 /// The reasons of every `Stalled` event in `log`.
@@ -104,8 +121,18 @@ fn stalled(log: &[Effect]) -> Vec<&String> {
 }
 
 fn agreed_steps(log: &[Effect]) -> Result<Vec<u64>, String> {
+    agreed_across(log, &[])
+}
+
+/// The steps agreed, in order, across the coordinators of a run: at each take-over (where the
+/// log stood, the steps the successor's replica held agreed) what the predecessor agreed
+/// after its last replica is made again by the successor.
+fn agreed_across(log: &[Effect], take_overs: &[(usize, u64)]) -> Result<Vec<u64>, String> {
     let mut agreed: Vec<u64> = Vec::new();
-    for e in log {
+    for (i, e) in log.iter().enumerate() {
+        for (_, from) in take_overs.iter().filter(|(at, _)| *at == i) {
+            agreed.truncate(*from as usize);
+        }
         match e {
             Effect::Agreed { step, .. } => {
                 if agreed.last().is_some_and(|l| *step != l + 1)
@@ -176,6 +203,96 @@ proptest! {
         let agreed = agreed_steps(&log).map_err(TestCaseError::fail)?;
         prop_assert_eq!(agreed, (0..STEPS).collect::<Vec<_>>());
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Fail-over: the node whose process hosts the coordinator dies at any moment, and the
+    /// coordinator with it. The successor (node 1) takes over on its pre-vote, halts the
+    /// survivors, resumes from a version they all hold, and finishes; steps are agreed in
+    /// order, none applied twice, every sample trained once.
+    #[test]
+    fn the_coordinators_host_dying_at_any_moment_is_survived(
+        nodes in 2usize..5,
+        at in 0usize..600,
+        choices in prop::collection::vec(0usize..64, 0..3000),
+    ) {
+        let cut = Cut { at, who: 0, back_after: None };
+        let c = drive_hosted(nodes, &choices, Some(cut)).map_err(TestCaseError::fail)?;
+        let agreed = agreed_across(&c.log, &c.take_overs).map_err(TestCaseError::fail)?;
+        prop_assert_eq!(agreed, (0..STEPS).collect::<Vec<_>>());
+        if !c.nodes[0].alive {
+            // (Unless the run finished before the cut.)
+            prop_assert_eq!(c.take_overs.len(), 1);
+            prop_assert_eq!(c.coordinators.last().and_then(|h| h.host), Some(NodeId(1)));
+        }
+    }
+
+    /// The host is cut off and comes back (a partition that heals) at any moment: if a
+    /// successor took over meanwhile, the old host hears of the newer term, steps down and its
+    /// process exits, and the successor finishes the run; if not, the host goes on. Either way
+    /// steps are agreed in order, none applied twice, and at most one successor starts.
+    #[test]
+    fn a_host_cut_off_and_back_steps_down_or_goes_on(
+        nodes in 2usize..5,
+        at in 0usize..400,
+        back in 20usize..600,
+        choices in prop::collection::vec(0usize..64, 0..3000),
+    ) {
+        let cut = Cut { at, who: 0, back_after: Some(back) };
+        let c = drive_hosted(nodes, &choices, Some(cut)).map_err(TestCaseError::fail)?;
+        let agreed = agreed_across(&c.log, &c.take_overs).map_err(TestCaseError::fail)?;
+        prop_assert_eq!(agreed, (0..STEPS).collect::<Vec<_>>());
+        prop_assert!(c.take_overs.len() <= 1, "{} take-overs", c.take_overs.len());
+        if !c.take_overs.is_empty() && c.now > 0 {
+            prop_assert_eq!(c.coordinators.last().and_then(|h| h.host), Some(NodeId(1)));
+        }
+    }
+}
+
+/// A host that dies mid-run, one interleaving, its story checked step by step: the successor
+/// canvasses the other members, takes over in term 1, halts every survivor, and the new
+/// epoch (numbered in term 1's range) finishes the run without node 0.
+#[test]
+fn a_successor_takes_over_from_a_dead_host_and_finishes() {
+    let cut = Cut {
+        at: 300,
+        who: 0,
+        back_after: None,
+    };
+    let c = drive_hosted(3, &[], Some(cut)).unwrap();
+    assert_eq!(c.take_overs.len(), 1, "one take-over");
+    let (at, _) = c.take_overs[0];
+    let after = &c.log[at..];
+    let halted: Vec<NodeId> = after
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Send(n, Envelope::Halt { .. }) => Some(*n),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        halted.contains(&NodeId(1)) && halted.contains(&NodeId(2)),
+        "{halted:?}"
+    );
+    let last = after
+        .iter()
+        .rev()
+        .find_map(|e| match e {
+            Effect::Send(_, Envelope::Work(w)) => Some(w.as_ref()),
+            _ => None,
+        })
+        .expect("the successor hands out work");
+    assert!(
+        last.epoch >= super::succession::term_epoch(1),
+        "epoch {}",
+        last.epoch
+    );
+    assert_eq!(last.ring, vec![NodeId(1), NodeId(2)]);
+    let agreed = agreed_across(&c.log, &c.take_overs).unwrap();
+    assert_eq!(agreed, (0..STEPS).collect::<Vec<_>>());
+    assert!(c.coordinator().is_finished());
 }
 
 #[test]
