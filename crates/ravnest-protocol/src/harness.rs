@@ -304,43 +304,14 @@ impl Cluster {
         let Some(w) = self.nodes[i].watch.as_mut() else {
             return false;
         };
-        if from == Addr::Coordinator {
-            w.heard(now);
-        }
-        let stale = |w: &Watch, term, host: NodeId| {
-            w.answer(term, host)
-                .map(|a| (host, Envelope::Succession(Box::new(a))))
+        let Some(heard) = w.on_envelope(from, env, now) else {
+            return false;
         };
-        let (reply, verdict) = match (env, from) {
-            (Envelope::Succession(r), _) => {
-                (stale(w, r.term, r.host), w.replica((**r).clone(), now))
-            }
-            (Envelope::Lease { term, host }, _) => {
-                (stale(w, *term, *host), w.lease(*term, *host, now))
-            }
-            (Envelope::PreVote { term }, Addr::Node(candidate)) => {
-                let granted = w.grant(*term, now);
-                (
-                    Some((
-                        candidate,
-                        Envelope::PreVoted {
-                            term: *term,
-                            granted,
-                        },
-                    )),
-                    None,
-                )
-            }
-            (Envelope::PreVoted { term, granted }, Addr::Node(voter)) => {
-                (None, w.voted(voter, *term, *granted))
-            }
-            _ => return false,
-        };
-        if let Some((to, env)) = reply {
+        if let Some((to, env)) = heard.reply {
             let me = Addr::Node(NodeId(i as u32));
             self.nodes[to.index()].inbox.push_back((me, env));
         }
-        self.act_on(i, verdict);
+        self.act_on(i, heard.verdict);
         true
     }
 

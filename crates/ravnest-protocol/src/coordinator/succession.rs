@@ -21,6 +21,7 @@ use ravnest_core::NodeId;
 use ravnest_core::stall::{StallClock, credited};
 
 pub use crate::msg::Replica;
+use crate::msg::{Addr, Envelope};
 
 /// The first epoch of coordinator term `term`: terms own disjoint, increasing epoch ranges.
 pub fn term_epoch(term: u32) -> u64 {
@@ -79,6 +80,15 @@ pub enum Verdict {
     CutOff(String),
     /// No successor is left (every member is suspected): training cannot go on.
     Lost(String),
+}
+
+/// What a watch made of an envelope that was its own ([`Watch::on_envelope`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Heard {
+    /// An envelope for another node: (to, what).
+    pub reply: Option<(NodeId, Envelope)>,
+    /// What the watch decided.
+    pub verdict: Option<Verdict>,
 }
 
 /// Silences a successor canvasses in vain before it judges itself cut off.
@@ -156,6 +166,45 @@ impl Watch {
             .as_ref()
             .filter(|r| r.term > term && host != self.me)
             .cloned()
+    }
+
+    /// An envelope for this node from `from`, before its decisions see it: anything from the
+    /// coordinator is a sign of life; a replica, a lease or a pre-vote is the watch's alone.
+    /// `None`: not the watch's (the node's decisions take it). Else what goes back to another
+    /// node (the newer replica to a stale coordinator's host, whose node follows it and whose
+    /// process steps down; the answer to a pre-vote), and what the watch decided.
+    pub fn on_envelope(&mut self, from: Addr, env: &Envelope, now_ms: u64) -> Option<Heard> {
+        if from == Addr::Coordinator {
+            self.heard(now_ms);
+        }
+        let stale = |w: &Watch, term, host: NodeId| {
+            w.answer(term, host)
+                .map(|a| (host, Envelope::Succession(Box::new(a))))
+        };
+        let (reply, verdict) = match (env, from) {
+            (Envelope::Succession(r), _) => {
+                let reply = stale(self, r.term, r.host);
+                (reply, self.replica((**r).clone(), now_ms))
+            }
+            (Envelope::Lease { term, host }, _) => {
+                let reply = stale(self, *term, *host);
+                (reply, self.lease(*term, *host, now_ms))
+            }
+            // A successor's pre-vote: did this node lose the coordinator too?
+            (Envelope::PreVote { term }, Addr::Node(candidate)) => {
+                let granted = self.grant(*term, now_ms);
+                let answer = Envelope::PreVoted {
+                    term: *term,
+                    granted,
+                };
+                (Some((candidate, answer)), None)
+            }
+            (Envelope::PreVoted { term, granted }, Addr::Node(voter)) => {
+                (None, self.voted(voter, *term, *granted))
+            }
+            _ => return None,
+        };
+        Some(Heard { reply, verdict })
     }
 
     /// Something came from the coordinator.
@@ -590,6 +639,50 @@ mod tests {
         );
         assert_eq!(stale.replica(newer, 5000), Some(Verdict::Follow(NodeId(1))));
         assert_eq!(stale.host(), NodeId(1));
+    }
+
+    #[test]
+    fn an_envelope_is_the_watchs_when_it_is_about_succession() {
+        let mut w = Watch::new(NodeId(3), NodeId(0), 300, 0);
+        let mut newer = replica(&[1, 2, 3], 1);
+        newer.term = 1;
+        // A node's own work is not the watch's; from the coordinator it is a sign of life.
+        let halt = Envelope::Halt { epoch: 7 };
+        assert_eq!(w.on_envelope(Addr::Coordinator, &halt, 250), None);
+        assert_eq!(w.tick(500), None, "heard at 250: not silent at 500");
+        // The newer replica is the watch's: it follows node 1.
+        let heard = w.on_envelope(
+            Addr::Coordinator,
+            &Envelope::Succession(Box::new(newer.clone())),
+            600,
+        );
+        assert_eq!(
+            heard.map(|h| h.verdict),
+            Some(Some(Verdict::Follow(NodeId(1))))
+        );
+        // The old host's lease is answered with that replica, to the old host.
+        let lease = Envelope::Lease {
+            term: 0,
+            host: NodeId(0),
+        };
+        let heard = w.on_envelope(Addr::Coordinator, &lease, 700).unwrap();
+        assert_eq!(
+            heard.reply,
+            Some((NodeId(0), Envelope::Succession(Box::new(newer))))
+        );
+        // A pre-vote is answered to the candidate; a vote is taken from a node only.
+        let heard = w
+            .on_envelope(Addr::Node(NodeId(2)), &Envelope::PreVote { term: 2 }, 800)
+            .unwrap();
+        assert!(matches!(
+            heard.reply,
+            Some((NodeId(2), Envelope::PreVoted { term: 2, .. }))
+        ));
+        let vote = Envelope::PreVoted {
+            term: 2,
+            granted: true,
+        };
+        assert_eq!(w.on_envelope(Addr::Coordinator, &vote, 900), None);
     }
 
     #[test]

@@ -66,47 +66,20 @@ impl<T: Transport> Watcher<T> {
     /// (true: consumed here).
     pub(super) fn on_envelope(&self, from: Addr, env: &Envelope) -> bool {
         let now = self.now_ms();
-        // What goes back to another node: the newer replica to a stale coordinator's host (its
-        // node follows it, and its process steps down), or the answer to a pre-vote.
-        let (reply, verdict) = {
-            let mut w = self.watch.lock().unwrap_or_else(|p| p.into_inner());
-            if from == Addr::Coordinator {
-                w.heard(now);
-            }
-            let stale = |w: &Watch, term, host: NodeId| {
-                w.answer(term, host)
-                    .map(|a| (host, Envelope::Succession(Box::new(a))))
-            };
-            match (env, from) {
-                (Envelope::Succession(r), _) => {
-                    let reply = stale(&w, r.term, r.host);
-                    (reply, w.replica((**r).clone(), now))
-                }
-                (Envelope::Lease { term, host }, _) => {
-                    let reply = stale(&w, *term, *host);
-                    (reply, w.lease(*term, *host, now))
-                }
-                // A successor's pre-vote: did this node lose the coordinator too?
-                (Envelope::PreVote { term }, Addr::Node(candidate)) => {
-                    let granted = w.grant(*term, now);
-                    let answer = Envelope::PreVoted {
-                        term: *term,
-                        granted,
-                    };
-                    (Some((candidate, answer)), None)
-                }
-                (Envelope::PreVoted { term, granted }, Addr::Node(voter)) => {
-                    (None, w.voted(voter, *term, *granted))
-                }
-                _ => return false,
-            }
+        let heard = self
+            .watch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .on_envelope(from, env, now);
+        let Some(heard) = heard else {
+            return false;
         };
-        if let Some((to, env)) = reply {
+        if let Some((to, env)) = heard.reply {
             let _ = self
                 .transport
                 .send(Addr::Node(self.id), Addr::Node(to), env);
         }
-        self.act(verdict);
+        self.act(heard.verdict);
         true
     }
 
