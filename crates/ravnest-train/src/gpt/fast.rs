@@ -12,11 +12,11 @@
 //! Checked against the autograd path (the reference: [`super::Gpt::stage_backward_with`]) in
 //! the tests below, forward and gradients, for every kind of stage.
 
-use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use super::fast_llama::LlamaSaved;
-use super::host::{Layer, add_into, tensor, to_vec, values};
+use super::gemm::{self, Mat};
+use super::host::{Layer, Weights, values};
 use super::ops;
 use super::{Gpt, StageInput};
 
@@ -26,25 +26,25 @@ type Result<T> = candle_core::Result<T>;
 struct BlockSaved {
     xhat1: Vec<f32>,
     rstd1: Vec<f32>,
-    n1: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    att: Tensor,
-    y: Tensor,
+    n1: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    y: Vec<f32>,
     xhat2: Vec<f32>,
     rstd2: Vec<f32>,
-    n2: Tensor,
+    n2: Vec<f32>,
     f: Vec<f32>,
     th: Vec<f32>,
-    u: Tensor,
+    u: Vec<f32>,
 }
 
 /// What the head's forward keeps: the final norm's pieces and the probabilities.
 pub(super) struct HeadSaved {
     xhat: Vec<f32>,
     rstd: Vec<f32>,
-    n: Tensor,
+    n: Vec<f32>,
     probs: Vec<f32>,
     targets: Vec<u32>,
 }
@@ -93,49 +93,35 @@ impl Gpt {
         let n = rows * s;
         let eps = self.arch.norm_eps as f32;
         let inner = self.arch.intermediate;
-        let (n1, xhat1, rstd1) = values(&p[0], |g| {
-            values(&p[1], |b| ops::layer_norm(&x, g, b, h, eps))
-        })??;
-        let n1 = tensor(n1, (n, h))?;
-        let qkv = self.mm(&n1, &p[2])?;
-        let [q, k, v] = values(&qkv, |qkv| {
-            values(&p[3], |bias| ops::split_heads(qkv, bias, s, a, d))
-        })??;
+        let w = Weights::of(p)?;
+        let (n1, xhat1, rstd1) = ops::layer_norm(&x, w.get(0)?, w.get(1)?, h, eps);
+        let qkv = self.matmul(Mat::new(&n1, n, h), w.mat(2)?)?;
+        let [q, k, v] = ops::split_heads(&qkv, w.get(3)?, s, a, d);
         drop(qkv);
-        let shape = (rows * a, s, d);
-        let (q, k, v) = (
-            Tensor::from_vec(q, shape, &Device::Cpu)?,
-            Tensor::from_vec(k, shape, &Device::Cpu)?,
-            Tensor::from_vec(v, shape, &Device::Cpu)?,
-        );
-        let mut att = to_vec(&q.matmul(&k.t()?)?)?;
+        // One (seq, head) matrix per row and head.
+        let (heads, sd, ss) = (rows * a, s * d, s * s);
+        let mut att = gemm::bmm(
+            heads,
+            (Mat::new(&q, s, d), sd),
+            (Mat::new(&k, s, d).t(), sd),
+        )?;
         ops::causal_softmax(&mut att, s, 1.0 / (d as f32).sqrt());
-        let att = Tensor::from_vec(att, (rows * a, s, s), &Device::Cpu)?;
-        let yh = att.matmul(&v)?;
+        let yh = gemm::bmm(heads, (Mat::new(&att, s, s), ss), (Mat::new(&v, s, d), sd))?;
         let mut y = vec![0.0f32; n * h];
-        values(&yh, |yh| ops::merge_heads(yh, s, a, d, &mut y, h, 0))?;
+        ops::merge_heads(&yh, s, a, d, &mut y, h, 0);
         drop(yh);
-        let y = tensor(y, (n, h))?;
-        let mut x2 = to_vec(&self.mm(&y, &p[4])?)?;
-        values(&p[5], |b| ops::add_bias(&mut x2, b))?;
-        for (o, i) in x2.iter_mut().zip(&x) {
-            *o += i;
-        }
+        let mut x2 = self.matmul(Mat::new(&y, n, h), w.mat(4)?)?;
+        ops::add_bias(&mut x2, w.get(5)?);
+        ops::add_into(&mut x2, &x);
         drop(x);
-        let (n2, xhat2, rstd2) = values(&p[6], |g| {
-            values(&p[7], |b| ops::layer_norm(&x2, g, b, h, eps))
-        })??;
-        let n2 = tensor(n2, (n, h))?;
-        let mut f = to_vec(&self.mm(&n2, &p[8])?)?;
-        values(&p[9], |b| ops::add_bias(&mut f, b))?;
+        let (n2, xhat2, rstd2) = ops::layer_norm(&x2, w.get(6)?, w.get(7)?, h, eps);
+        let mut f = self.matmul(Mat::new(&n2, n, h), w.mat(8)?)?;
+        ops::add_bias(&mut f, w.get(9)?);
         let (u, th) = ops::gelu(&f);
-        let u = tensor(u, (n, inner))?;
-        let mut out = to_vec(&self.mm(&u, &p[10])?)?;
-        values(&p[11], |b| ops::add_bias(&mut out, b))?;
-        for (o, i) in out.iter_mut().zip(&x2) {
-            *o += i;
-        }
-        let saved = save.then(|| BlockSaved {
+        let mut out = self.matmul(Mat::new(&u, n, inner), w.mat(10)?)?;
+        ops::add_bias(&mut out, w.get(11)?);
+        ops::add_into(&mut out, &x2);
+        let saved = save.then_some(BlockSaved {
             xhat1,
             rstd1,
             n1,
@@ -159,15 +145,13 @@ impl Gpt {
         let (h, vocab) = (self.hidden, self.vocab);
         let n = x.len() / h;
         let eps = self.arch.norm_eps as f32;
+        let w = Weights::of(p)?;
         let (nv, xhat, rstd) = if self.is_llama() {
-            values(&p[0], |g| ops::rms_norm(x, g, h, eps))?
+            ops::rms_norm(x, w.get(0)?, h, eps)
         } else {
-            values(&p[0], |g| {
-                values(&p[1], |b| ops::layer_norm(x, g, b, h, eps))
-            })??
+            ops::layer_norm(x, w.get(0)?, w.get(1)?, h, eps)
         };
-        let nt = tensor(nv, (n, h))?;
-        let mut probs = to_vec(&self.mm(&nt, &p[p.len() - 1].t()?)?)?;
+        let mut probs = self.matmul(Mat::new(&nv, n, h), w.mat(p.len() - 1)?.t())?;
         // Each row's softmax in place, and its log-likelihood of the target; the loss sums
         // them in row order (on several threads, rows in parallel: the same bits).
         let softmax = |(row, &t): (&mut [f32], &u32)| {
@@ -201,7 +185,7 @@ impl Gpt {
         let saved = HeadSaved {
             xhat,
             rstd,
-            n: nt,
+            n: nv,
             probs,
             targets,
         };
@@ -219,64 +203,57 @@ impl Gpt {
         let d = h / a;
         let n = dout.len() / h;
         let rows = n / s;
+        let inner = self.arch.intermediate;
+        let w = Weights::of(p)?;
         ops::sum_rows(&dout, acc[11]);
-        let dout_t = tensor(dout, (n, h))?;
         // MLP out: u · W + b.
-        add_into(acc[10], &self.mm(&sv.u.t()?, &dout_t)?)?;
-        let mut df = to_vec(&self.mm(&dout_t, &p[10].t()?)?)?;
+        let dout_m = Mat::new(&dout, n, h);
+        self.matmul_add(acc[10], Mat::new(&sv.u, n, inner).t(), dout_m)?;
+        let mut df = self.matmul(dout_m, w.mat(10)?.t())?;
         drop(sv.u);
         ops::gelu_back(&mut df, &sv.f, &sv.th);
         ops::sum_rows(&df, acc[9]);
-        let df = tensor(df, (n, self.arch.intermediate))?;
-        add_into(acc[8], &self.mm(&sv.n2.t()?, &df)?)?;
-        let dn2 = to_vec(&self.mm(&df, &p[8].t()?)?)?;
+        let df_m = Mat::new(&df, n, inner);
+        self.matmul_add(acc[8], Mat::new(&sv.n2, n, h).t(), df_m)?;
+        let dn2 = self.matmul(df_m, w.mat(8)?.t())?;
         drop(df);
         // The residual: dx2 = dout + LayerNorm 2's backward.
-        let mut dx2 = to_vec(&dout_t)?;
-        drop(dout_t);
+        let mut dx2 = dout;
         let (dg2, db2) = pair(acc, 6, 7);
-        values(&p[6], |g| {
-            ops::layer_norm_back(&dn2, &sv.xhat2, &sv.rstd2, g, &mut dx2, dg2, db2)
-        })?;
+        ops::layer_norm_back(&dn2, &sv.xhat2, &sv.rstd2, w.get(6)?, &mut dx2, dg2, db2);
         drop(dn2);
         // Attention's projection.
         ops::sum_rows(&dx2, acc[5]);
-        let dx2_t = tensor(dx2, (n, h))?;
-        add_into(acc[4], &self.mm(&sv.y.t()?, &dx2_t)?)?;
-        let dy = to_vec(&self.mm(&dx2_t, &p[4].t()?)?)?;
+        let dx2_m = Mat::new(&dx2, n, h);
+        self.matmul_add(acc[4], Mat::new(&sv.y, n, h).t(), dx2_m)?;
+        let dy = self.matmul(dx2_m, w.mat(4)?.t())?;
         // Attention: back to heads, the inverse of merge_heads.
         let dyh = ops::split_to_heads(&dy, s, a, d);
         drop(dy);
-        let dyh = Tensor::from_vec(dyh, (rows * a, s, d), &Device::Cpu)?;
-        let mut datt = to_vec(&dyh.matmul(&sv.v.t()?)?)?;
-        let dv = sv.att.t()?.matmul(&dyh)?;
+        let (heads, sd, ss) = (rows * a, s * d, s * s);
+        let dyh_m = (Mat::new(&dyh, s, d), sd);
+        let mut datt = gemm::bmm(heads, dyh_m, (Mat::new(&sv.v, s, d).t(), sd))?;
+        let dv = gemm::bmm(heads, (Mat::new(&sv.att, s, s).t(), ss), dyh_m)?;
         drop(dyh);
-        values(&sv.att, |att| {
-            ops::causal_softmax_back(&mut datt, att, s, 1.0 / (d as f32).sqrt())
-        })?;
-        let dscores = Tensor::from_vec(datt, (rows * a, s, s), &Device::Cpu)?;
-        let dq = dscores.matmul(&sv.k)?;
-        let dk = dscores.t()?.matmul(&sv.q)?;
-        drop(dscores);
+        ops::causal_softmax_back(&mut datt, &sv.att, s, 1.0 / (d as f32).sqrt());
+        let dscores = Mat::new(&datt, s, s);
+        let dq = gemm::bmm(heads, (dscores, ss), (Mat::new(&sv.k, s, d), sd))?;
+        let dk = gemm::bmm(heads, (dscores.t(), ss), (Mat::new(&sv.q, s, d), sd))?;
+        drop(datt);
         let mut dqkv = vec![0.0f32; n * 3 * h];
         for (i, part) in [&dq, &dk, &dv].into_iter().enumerate() {
-            values(part, |x| {
-                ops::merge_heads(x, s, a, d, &mut dqkv, 3 * h, i * h)
-            })?;
+            ops::merge_heads(part, s, a, d, &mut dqkv, 3 * h, i * h);
         }
         drop((dq, dk, dv));
         ops::sum_rows(&dqkv, acc[3]);
-        let dqkv = tensor(dqkv, (n, 3 * h))?;
-        add_into(acc[2], &self.mm(&sv.n1.t()?, &dqkv)?)?;
-        let dn1 = to_vec(&self.mm(&dqkv, &p[2].t()?)?)?;
+        let dqkv_m = Mat::new(&dqkv, n, 3 * h);
+        self.matmul_add(acc[2], Mat::new(&sv.n1, n, h).t(), dqkv_m)?;
+        let dn1 = self.matmul(dqkv_m, w.mat(2)?.t())?;
         drop(dqkv);
         // The residual: dx = dx2 + LayerNorm 1's backward.
-        let mut dx = to_vec(&dx2_t)?;
-        drop(dx2_t);
+        let mut dx = dx2;
         let (dg1, db1) = pair(acc, 0, 1);
-        values(&p[0], |g| {
-            ops::layer_norm_back(&dn1, &sv.xhat1, &sv.rstd1, g, &mut dx, dg1, db1)
-        })?;
+        ops::layer_norm_back(&dn1, &sv.xhat1, &sv.rstd1, w.get(0)?, &mut dx, dg1, db1);
         Ok(dx)
     }
 
@@ -297,22 +274,19 @@ impl Gpt {
         } else {
             dl.chunks_exact_mut(vocab).zip(&sv.targets).for_each(grad);
         }
-        let dl = tensor(dl, (n, vocab))?;
+        let w = Weights::of(p)?;
         let head = p.len() - 1;
-        add_into(acc[head], &self.mm(&dl.t()?, &sv.n)?)?;
-        let dn = to_vec(&self.mm(&dl, &p[head])?)?;
+        let dl_m = Mat::new(&dl, n, vocab);
+        self.matmul_add(acc[head], dl_m.t(), Mat::new(&sv.n, n, h))?;
+        let dn = self.matmul(dl_m, w.mat(head)?)?;
         drop(dl);
         let mut dx = vec![0.0f32; n * h];
         if self.is_llama() {
-            values(&p[0], |g| {
-                ops::rms_norm_back(&dn, &sv.xhat, &sv.rstd, g, &mut dx, acc[0])
-            })?;
+            ops::rms_norm_back(&dn, &sv.xhat, &sv.rstd, w.get(0)?, &mut dx, acc[0]);
             return Ok(dx);
         }
         let (dg, db) = pair(acc, 0, 1);
-        values(&p[0], |g| {
-            ops::layer_norm_back(&dn, &sv.xhat, &sv.rstd, g, &mut dx, dg, db)
-        })?;
+        ops::layer_norm_back(&dn, &sv.xhat, &sv.rstd, w.get(0)?, &mut dx, dg, db);
         Ok(dx)
     }
 
@@ -526,6 +500,7 @@ fn pair<'a>(acc: &'a mut [&mut [f32]], i: usize, j: usize) -> (&'a mut [f32], &'
 mod tests {
     use super::*;
     use candle_core::Var;
+    use candle_core::{Device, Tensor};
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
@@ -657,8 +632,12 @@ mod tests {
             }
             // A product's result is a bf16 value.
             let g16 = g.computing(super::super::Numerics::Bf16);
-            let m = g16.mm(&ts[1][2], &ts[1][2].t().unwrap()).unwrap();
-            let v = m.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let (r, c) = ts[1][2].dims2().unwrap();
+            let v = values(&ts[1][2], |w| {
+                g16.matmul(Mat::new(w, r, c), Mat::new(w, r, c).t())
+            })
+            .unwrap()
+            .unwrap();
             assert!(v.iter().all(|&x| x.to_bits() & 0xffff == 0), "{v:?}");
         }
     }

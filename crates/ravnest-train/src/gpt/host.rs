@@ -1,7 +1,9 @@
-//! What the hand-written CPU passes share: reading a contiguous f32 tensor's values in place,
-//! making one from host values, matrix products, and adding a product into a gradient buffer.
+//! What the hand-written CPU passes share: reading a contiguous f32 tensor's values in place
+//! (one call, or a layer's tensors for a pass), matrix products (rounded under bf16).
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
+
+use super::gemm::{self, Mat};
 
 type Result<T> = candle_core::Result<T>;
 
@@ -14,43 +16,83 @@ pub(super) fn values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     }
 }
 
-pub(super) fn tensor(v: Vec<f32>, shape: (usize, usize)) -> Result<Tensor> {
-    Tensor::from_vec(v, shape, &Device::Cpu)
-}
-
-pub(super) fn to_vec(t: &Tensor) -> Result<Vec<f32>> {
-    values(t, <[f32]>::to_vec)
-}
-
 impl super::Gpt {
-    /// `a · b` (a matrix product; `b` may be a transposed view). Under
-    /// [`Numerics::Bf16`](super::Numerics::Bf16) both factors and the product are rounded to
-    /// bf16, and the sums are f32, as a GPU's bf16 matrix product computes.
-    pub(super) fn mm(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    /// `a · b`. Under [`Numerics::Bf16`](super::Numerics::Bf16) both factors and the product
+    /// are rounded to bf16, and the sums are f32, as a GPU's bf16 matrix product computes.
+    pub(super) fn matmul(&self, a: Mat, b: Mat) -> Result<Vec<f32>> {
         match self.1 {
-            super::Numerics::Fp32 => a.matmul(b),
-            super::Numerics::Bf16 => bf16(&bf16(a)?.matmul(&bf16(b)?)?),
+            super::Numerics::Fp32 => gemm::mm(a, b),
+            super::Numerics::Bf16 => {
+                let (ra, rb) = (rounded(a.values()), rounded(b.values()));
+                let mut out = gemm::mm(a.over(&ra), b.over(&rb))?;
+                out.iter_mut().for_each(|x| *x = round_bf16(*x));
+                Ok(out)
+            }
+        }
+    }
+
+    /// `dst += a · b`, the product as [`Gpt::matmul`] computes it.
+    pub(super) fn matmul_add(&self, dst: &mut [f32], a: Mat, b: Mat) -> Result<()> {
+        match self.1 {
+            super::Numerics::Fp32 => gemm::mm_add(dst, a, b),
+            super::Numerics::Bf16 => {
+                let p = self.matmul(a, b)?;
+                if p.len() != dst.len() {
+                    candle_core::bail!("{} values for a product of {}", dst.len(), p.len());
+                }
+                dst.iter_mut().zip(&p).for_each(|(d, x)| *d += x);
+                Ok(())
+            }
         }
     }
 }
 
-/// `t`'s values rounded to bf16 (to the nearest, ties to even), kept as f32: one pass over
-/// a contiguous tensor or a transposed one (a weight's view), else through candle's casts.
-pub(super) fn bf16(t: &Tensor) -> Result<Tensor> {
-    let round = |t: &Tensor| {
-        let v = values(t, |v| {
-            v.iter().map(|&x| round_bf16(x)).collect::<Vec<f32>>()
-        })?;
-        Tensor::from_vec(v, t.shape(), &Device::Cpu)
-    };
-    if t.is_contiguous() {
-        return round(t);
+fn rounded(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| round_bf16(x)).collect()
+}
+
+/// A layer's parameters' values, read in place for as long as this lives (each tensor's
+/// storage held for reading, as [`values`] holds it for one call).
+pub(super) struct Weights<'a>(Vec<(candle_core::StorageRef<'a>, usize, usize, Vec<usize>)>);
+
+impl<'a> Weights<'a> {
+    /// The tensors of `p`: contiguous f32 on the CPU, or an error.
+    pub(super) fn of(p: &'a Layer) -> Result<Self> {
+        p.iter()
+            .map(|t| {
+                let (storage, layout) = t.storage_and_layout();
+                match (&*storage, layout.contiguous_offsets()) {
+                    (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(_)), Some((a, b))) => {
+                        Ok((storage, a, b, t.dims().to_vec()))
+                    }
+                    _ => {
+                        candle_core::bail!("the fast path reads contiguous f32 tensors on the CPU")
+                    }
+                }
+            })
+            .collect::<Result<_>>()
+            .map(Weights)
     }
-    if t.rank() == 2 && t.t()?.is_contiguous() {
-        return round(&t.t()?)?.t();
+
+    /// Tensor `i`'s values.
+    pub(super) fn get(&self, i: usize) -> Result<&[f32]> {
+        match self.0.get(i) {
+            Some((s, a, b, _)) => match &**s {
+                candle_core::Storage::Cpu(cpu) => Ok(&cpu.as_slice::<f32>()?[*a..*b]),
+                _ => candle_core::bail!("the fast path reads tensors on the CPU"),
+            },
+            None => candle_core::bail!("the layer has no tensor {i}"),
+        }
     }
-    t.to_dtype(candle_core::DType::BF16)?
-        .to_dtype(candle_core::DType::F32)
+
+    /// Tensor `i`, a matrix.
+    pub(super) fn mat(&self, i: usize) -> Result<Mat<'_>> {
+        let v = self.get(i)?;
+        match self.0[i].3[..] {
+            [rows, cols] => Ok(Mat::new(v, rows, cols)),
+            ref dims => candle_core::bail!("tensor {i} of the layer is {dims:?}, not a matrix"),
+        }
+    }
 }
 
 /// `x` rounded to the nearest bf16 (ties to even), as f32; NaN stays NaN, infinities stay.
@@ -66,12 +108,3 @@ pub(super) fn round_bf16(x: f32) -> f32 {
 /// The parameters of one layer as the fast path reads them (its tensors in
 /// [`Gpt::layer_params`](super::Gpt::layer_params) order, contiguous on the CPU).
 pub(super) type Layer = [Tensor];
-
-/// Add the values of `t` into `acc`.
-pub(super) fn add_into(acc: &mut [f32], t: &Tensor) -> Result<()> {
-    values(t, |v| {
-        for (a, x) in acc.iter_mut().zip(v) {
-            *a += x;
-        }
-    })
-}

@@ -32,6 +32,7 @@ use ravnest_core::decoder::Decoder;
 mod blocks;
 mod fast;
 mod fast_llama;
+mod gemm;
 mod hf;
 mod host;
 pub mod ops;

@@ -582,6 +582,22 @@ pub fn rope(x: &mut [f32], seq: usize, d: usize, cos: &[f32], sin: &[f32], back:
     }
 }
 
+/// `x += y`, value by value (a residual); on every thread, in pieces, when there are several.
+pub fn add_into(x: &mut [f32], y: &[f32]) {
+    let add = |(x, y): (&mut [f32], &[f32])| {
+        for (a, b) in x.iter_mut().zip(y) {
+            *a += b;
+        }
+    };
+    if threaded() && x.len() >= 2 * GRAIN {
+        x.par_chunks_mut(GRAIN)
+            .zip(y.par_chunks(GRAIN))
+            .for_each(add);
+    } else {
+        add((x, y));
+    }
+}
+
 /// Add `bias` to every row of `x` (on several threads, in pieces of whole rows).
 pub fn add_bias(x: &mut [f32], bias: &[f32]) {
     let add = |x: &mut [f32]| {
