@@ -292,16 +292,12 @@ impl CandleCompute {
         let dev = crate::device::current();
         let mut parts = Vec::with_capacity(buckets.len());
         self.job()
-            .gradient_buckets(samples, model, &mut |k, mut g| {
-                for x in &mut g {
-                    *x *= inv;
-                }
-                parts.push((k, g));
-            })
+            .gradient_buckets(samples, model, &mut |k, g| parts.push((k, g)))
             .map(drop)?;
+        // The sum's mean is taken by the optimizer's pass (its `scale`), not a pass of its own.
         for (k, g) in parts {
             self.state
-                .update_range(model, buckets[k].clone(), &g, &dev)?;
+                .update_range(model, buckets[k].clone(), &g, inv, &dev)?;
         }
         self.state.end_update(model);
         Ok(())
@@ -489,9 +485,9 @@ impl Compute for CandleCompute {
         mean_gradient: &[f32],
     ) -> Result<(), ComputeError> {
         let t = Instant::now();
-        let r = self
-            .state
-            .update_range(model, range, mean_gradient, &crate::device::current());
+        let r =
+            self.state
+                .update_range(model, range, mean_gradient, 1.0, &crate::device::current());
         self.optimizer_took(t);
         r
     }

@@ -733,16 +733,18 @@ impl ModelState {
         Ok(())
     }
 
-    /// Apply a step's host gradient of parameters `range` (a union of whole tensors).
+    /// Apply a step's host gradient of parameters `range` (a union of whole tensors), times
+    /// `scale` (a sum's mean: the optimizer's pass multiplies, not a pass of its own).
     pub fn update_range(
         &self,
         model: &mut CandleModel,
         range: Range<usize>,
         grad: &[f32],
+        scale: f32,
         dev: &Device,
     ) -> Result<(), ComputeError> {
         self.each_tensor_in(range, grad, "gradient values", |i, g| {
-            self.update(model, i, Grad::Host(g), 1.0, dev)
+            self.update(model, i, Grad::Host(g), scale, dev)
         })
     }
 

@@ -1,6 +1,7 @@
 //! The optimizer's step on one tensor: fused over host values on the CPU, composed of candle
 //! operations elsewhere, and the in-place writes they end with.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor, Var};
@@ -166,6 +167,90 @@ pub(super) fn map_into<F: Fn(f32, f32, f32) -> f32 + Sync>(
     }))
 }
 
+/// `(w, m, v)[i] = f(w[i], m[i], v[i], g[i])` over three CPU tensors' values in place (read
+/// from `src`'s three where given, else from `dst`'s own), in one pass; on several threads in
+/// pieces, each value computed as on one thread (the same bits).
+fn map3_into<F>(
+    dst: [&Tensor; 3],
+    src: Option<[&Tensor; 3]>,
+    g: &[f32],
+    f: F,
+) -> candle_core::Result<()>
+where
+    F: Fn(f32, f32, f32, f32) -> (f32, f32, f32) + Sync,
+{
+    use rayon::prelude::*;
+    const GRAIN: usize = 1 << 14;
+    let other = |t: &&Tensor| t.elem_count() != g.len();
+    if dst.iter().any(other) || src.is_some_and(|s| s.iter().any(other)) {
+        candle_core::bail!("an optimizer pass over tensors of other lengths than its gradient");
+    }
+    type Src<'a> = Option<[&'a [f32]; 3]>;
+    // One piece: `at` is where its values start.
+    let piece = |at: usize, w: &mut [f32], m: &mut [f32], v: &mut [f32], s: Src<'_>| {
+        let g = &g[at..at + w.len()];
+        match s {
+            None => {
+                for (((w, m), v), g) in w.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+                    (*w, *m, *v) = f(*w, *m, *v, *g);
+                }
+            }
+            Some([sw, sm, sv]) => {
+                let n = w.len();
+                let (sw, sm, sv) = (&sw[at..at + n], &sm[at..at + n], &sv[at..at + n]);
+                let out = w.iter_mut().zip(m.iter_mut()).zip(v.iter_mut());
+                for ((((w, m), v), g), ((x, y), z)) in out.zip(g).zip(sw.iter().zip(sm).zip(sv)) {
+                    (*w, *m, *v) = f(*x, *y, *z, *g);
+                }
+            }
+        }
+    };
+    let pass = |w: &mut [f32], m: &mut [f32], v: &mut [f32], s: Src<'_>| {
+        if rayon::current_num_threads() > 1 && g.len() > 2 * GRAIN {
+            w.par_chunks_mut(GRAIN)
+                .zip(m.par_chunks_mut(GRAIN))
+                .zip(v.par_chunks_mut(GRAIN))
+                .enumerate()
+                .for_each(|(k, ((w, m), v))| piece(k * GRAIN, w, m, v, s));
+        } else {
+            piece(0, w, m, v, s);
+        }
+    };
+    let failed = std::cell::Cell::new(None);
+    let [tw, tm, tv] = dst;
+    // Each in-place op lends its values to a `Fn`; the inner ones borrow the outer ones'.
+    tm.inplace_op1(&InPlace(&|m: &mut [f32]| {
+        let m = RefCell::new(m);
+        let r = tv.inplace_op1(&InPlace(&|v: &mut [f32]| {
+            let v = RefCell::new(v);
+            let r = tw.inplace_op1(&InPlace(&|w: &mut [f32]| {
+                let (mut m, mut v) = (m.borrow_mut(), v.borrow_mut());
+                let Some([a, b, c]) = src else {
+                    return pass(w, &mut m, &mut v, None);
+                };
+                let r = with_values(a, None, |a| {
+                    with_values(b, None, |b| {
+                        with_values(c, None, |c| pass(w, &mut m, &mut v, Some([a, b, c])))
+                    })
+                });
+                if let Err(e) = r.and_then(|r| r).and_then(|r| r) {
+                    failed.set(Some(candle_core::Error::Msg(e.to_string())));
+                }
+            }));
+            if let Err(e) = r {
+                failed.set(Some(e));
+            }
+        }));
+        if let Err(e) = r {
+            failed.set(Some(e));
+        }
+    }))?;
+    match failed.into_inner() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
 /// The optimizer's step of tensor `src` written into `dst`'s buffers (`src` itself where
 /// `None`: in place), when both are contiguous f32 values on the CPU of one shape and nothing
 /// else shares `dst` (false otherwise: nothing was changed). The same operations, in the same
@@ -218,23 +303,17 @@ pub(super) fn step_into(
             ravnest_core::Optimizer::Adamw => {
                 let [b1, nb1, b2, nb2, c1, c2, eps] = optim.adamw_constants(t);
                 let wd = optim.weight_decay;
-                map_into(&dst.state[0], from(Some(0)), g, g, |m, g, _| {
-                    b1 * m + nb1 * (g * scale)
-                })?;
-                map_into(&dst.state[1], from(Some(1)), g, g, |v, g, _| {
-                    let g = g * scale;
-                    b2 * v + nb2 * g * g
-                })?;
-                with_values(&dst.state[0], None, |m| {
-                    with_values(&dst.state[1], None, |v| {
-                        map_into(w, from(None), m, v, |w, m, v| {
-                            let update = (m / c1) / ((v / c2).sqrt() + eps);
-                            w - lr * (update + wd * w)
-                        })
-                    })
-                })
-                .and_then(|r| r)
-                .map_err(|e| candle_core::Error::Msg(e.to_string()))?
+                // The state first, then the parameter from the new state, as `Optim::update`
+                // computes them: one pass over the four arrays instead of three passes.
+                let step = |w: f32, m: f32, v: f32, g: f32| {
+                    let m = b1 * m + nb1 * (g * scale);
+                    let gs = g * scale;
+                    let v = b2 * v + nb2 * gs * gs;
+                    let update = (m / c1) / ((v / c2).sqrt() + eps);
+                    (w - lr * (update + wd * w), m, v)
+                };
+                let src = src.map(|s| [s.param.as_tensor(), &s.state[0], &s.state[1]]);
+                map3_into([w, &dst.state[0], &dst.state[1]], src, g, step)
             }
         }
     };
