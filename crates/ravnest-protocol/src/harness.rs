@@ -104,6 +104,9 @@ pub struct Cluster {
     /// Each step's last completion: its epoch, the global batch, and the samples (offset,
     /// batch) of each node that owns samples in it (a worker, a pipeline's first stage).
     pub trained: BTreeMap<u64, Trained>,
+    /// Each node's compute time per sample of its share, ns (the counter model's step: empty,
+    /// every step of every node takes 1 ms).
+    pub ns_per_sample: Vec<u64>,
 }
 
 /// The samples a step trained in the epoch that last completed it.
@@ -157,6 +160,7 @@ impl Cluster {
                 })
                 .collect(),
             now: 0,
+            ns_per_sample: Vec::new(),
             log: Vec::new(),
             take_overs: Vec::new(),
             trained: BTreeMap::new(),
@@ -510,6 +514,10 @@ impl Cluster {
                     }
                     t.parts.push((w.offset, w.batch));
                 }
+                let compute_ns = match (self.ns_per_sample.get(i), n.core.work()) {
+                    (Some(ns), Some(w)) => ns * w.batch,
+                    _ => 1_000_000,
+                };
                 let Some(model) = n.core.version(at.1).map(|v| v.model + 1) else {
                     return Err(format!("node {i} lost version {} during its step", at.1));
                 };
@@ -520,7 +528,7 @@ impl Cluster {
                     synced: true,
                     layers: None,
                     digest: Self::digest(model),
-                    compute_ns: 1_000_000,
+                    compute_ns,
                     comm_ns: 0,
                 };
                 let effects = n.core.handle(core::Input::Made(made));

@@ -279,9 +279,9 @@ impl CandleCompute {
     }
 
     /// One whole training step of `model` on `samples`, here and now: the gradient sum,
-    /// weighted by 1 / samples in place, each bucket applied as backward hands it over, then
-    /// the step ended. What a node does in a step, without the runtime (a bare loop to
-    /// compare the framework with).
+    /// weighted by 1 / samples in the optimizer's pass, each bucket applied as backward hands
+    /// it over, then the step ended. What a node does in a step, without the runtime (a bare
+    /// loop to compare the framework with).
     pub fn train_step(
         &self,
         model: &mut CandleModel,

@@ -143,6 +143,12 @@ fn leases(h: &Host<'_>, nodes: &[NodeId], term: u32) -> AbortOnDrop {
 /// What the coordinator of this run is given on `cluster` (the measured figures), hosted here.
 fn config(h: &Host<'_>, cluster: &ravnest_core::ClusterSpec) -> Config {
     let (s, su) = (&h.opts.scenario, h.su);
+    let base = Config::new(
+        cluster.clone(),
+        su.compute.net.model_spec(),
+        s.training.clone(),
+        s.run.steps,
+    );
     Config {
         planner: h.opts.planner,
         heartbeat_timeout_ms: s.run.heartbeat_timeout_ms,
@@ -150,18 +156,29 @@ fn config(h: &Host<'_>, cluster: &ravnest_core::ClusterSpec) -> Config {
         checkpoint_at_end: true,
         allow_pipeline: su.compute.runs_stages(),
         tuning: Tuning {
-            // Fixed per-step costs dominate the figure of a tiny share.
-            measure_min_batch: 16,
+            measure_min_batch: measure_min_batch(cluster, base.train_flops),
             ..Tuning::default()
         },
         host: Some(su.me),
-        ..Config::new(
-            cluster.clone(),
-            su.compute.net.model_spec(),
-            s.training.clone(),
-            s.run.steps,
-        )
+        ..base
     }
+}
+
+/// The smallest share whose step time is measured: fixed per-step costs dominate the figure
+/// of a tiny share, so a share is measured where its samples take at least as long as the
+/// step's fixed cost on every node, and from 16 samples whatever they take. (An MLP's sample
+/// takes microseconds against milliseconds of fixed cost: 16. A GPT's takes a tenth of a
+/// second: 1, so the slow node's share of a few samples is measured too.)
+fn measure_min_batch(cluster: &ravnest_core::ClusterSpec, train_flops: f64) -> u64 {
+    cluster
+        .ids()
+        .map(|n| {
+            let node = cluster.node(n);
+            let per_sample = train_flops / node.flops.max(f64::MIN_POSITIVE);
+            (node.step_overhead_s.max(0.0) / per_sample.max(f64::MIN_POSITIVE)).ceil()
+        })
+        .fold(1.0, f64::max)
+        .min(16.0) as u64
 }
 
 /// Wait for every node of the file to register (saying what it waits for every few seconds),

@@ -145,6 +145,14 @@ pub struct Tuning {
     pub patience: u32,
     /// ...at least this many steps after the current epoch started.
     pub settle_steps: u64,
+    /// The first fit (once per coordinator): when every worker of the plan has been measured
+    /// for this many steps at its own share, under the run's own contention...
+    pub fit_steps: u64,
+    /// ...the measured figures re-plan if that is predicted to shorten the slowest node's
+    /// compute by this fraction (and by more than the noise of the figures). The calibration
+    /// measures every node at an equal share for a second or so; a share off by one sample is
+    /// several percent of every step for the rest of the run.
+    pub fit_gain: f64,
     /// Shares smaller than this many samples are not measured (fixed per-step costs would
     /// dominate the figure).
     pub measure_min_batch: u64,
@@ -179,6 +187,8 @@ impl Default for Tuning {
             min_gain: 0.25,
             patience: 2,
             settle_steps: 8,
+            fit_steps: 4,
+            fit_gain: 0.04,
             measure_min_batch: 0,
             probation_steps: 20,
             replan_memory_steps: 100,
@@ -425,6 +435,9 @@ pub struct Coordinator {
     over: u32,
     /// The steps at which measurements re-planned.
     rebalanced_at: Vec<u64>,
+    /// Whether the first fit was judged (a successor's starts judged: its plan's figures are
+    /// its predecessor's, measured already).
+    fitted: bool,
     last_planned: Option<PlanShape>,
     plan_cache: Option<(Vec<u64>, Vec<NodeId>, Plan)>,
     local_sgd: bool,
@@ -522,6 +535,7 @@ impl Coordinator {
             leaving: BTreeSet::new(),
             over: 0,
             rebalanced_at: Vec::new(),
+            fitted: false,
             last_planned: None,
             plan_cache: None,
             local_sgd: false,
@@ -571,6 +585,7 @@ impl Coordinator {
         c.floor = r.floor;
         c.catch_up = r.floor;
         c.taking_over = Some((predecessor, r.term));
+        c.fitted = true;
         c.quorum = r.members.len() + 1;
         c.resume_from = Some(r.involved.iter().copied().collect());
         // Given their place by the predecessor: admitted here when they register.

@@ -664,3 +664,64 @@ fn a_successor_asks_again_for_a_halt_that_was_lost() {
         "the successor resumes from step 4: {resumed:?}"
     );
 }
+
+/// Two nodes of the same device, so planned 1200 / 1200; node 1 computes `slower` times as
+/// long per sample as node 0. Returns the run's re-plans (step, predicted gain) and node 1's
+/// (epoch, batch) in order.
+/// (step, predicted gain) of each re-plan; node 1's (epoch, batch) in order.
+type FitRun = (Vec<(u64, f64)>, Vec<(u64, u64)>);
+
+fn first_fit_run(slower: f64) -> FitRun {
+    let mut c = Cluster::new(config(2));
+    c.ns_per_sample = vec![1_000_000, (1_000_000.0 * slower) as u64];
+    c.drive(&[], None).unwrap();
+    checked(&c).unwrap();
+    let replans = c
+        .log
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Event(Event::Rebalanced {
+                step,
+                predicted_gain,
+                ..
+            }) => Some((*step, *predicted_gain)),
+            _ => None,
+        })
+        .collect();
+    // Node 1's batch in each epoch it was given work in, in order.
+    let mut batches: Vec<(u64, u64)> = Vec::new();
+    for e in &c.log {
+        if let Effect::Send(NodeId(1), Envelope::Work(w)) = e
+            && batches.last().is_none_or(|&(epoch, _)| epoch != w.epoch)
+        {
+            batches.push((w.epoch, w.batch));
+        }
+    }
+    (replans, batches)
+}
+
+/// The calibration put a node 20% slower than it is on the same figures as the other (inside
+/// the drift margin, so the drift rule would never move it): after `fit_steps` steps of its own
+/// share the first fit re-splits once, giving it fewer samples; a node as fast as planned is
+/// left alone.
+#[test]
+fn the_first_fit_resplits_a_share_the_calibration_got_wrong_once() {
+    let fit = super::core::Tuning::default().fit_steps;
+    let (replans, batches) = first_fit_run(1.2);
+    assert_eq!(replans.len(), 1, "{replans:?}");
+    // 2400 in proportion to speed: 1309 / 1091.
+    assert_eq!(batches.len(), 2, "{batches:?}");
+    assert_eq!(batches[0].1, 1200);
+    assert!((1080..1100).contains(&batches[1].1), "{batches:?}");
+    let (step, gain) = replans[0];
+    assert!(
+        step >= fit && step < fit + 3,
+        "re-planned after step {step}"
+    );
+    assert!((0.05..0.15).contains(&gain), "predicted gain {gain}");
+    let (replans, _) = first_fit_run(1.0);
+    assert!(replans.is_empty(), "{replans:?}");
+    // 2% off: less than the first fit's threshold.
+    let (replans, _) = first_fit_run(1.02);
+    assert!(replans.is_empty(), "{replans:?}");
+}

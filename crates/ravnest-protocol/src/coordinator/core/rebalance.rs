@@ -24,13 +24,6 @@ impl Coordinator {
             .iter()
             .filter(|&&at| at + t.replan_memory_steps > self.agreed)
             .count() as u64;
-        if self.agreed < cur.from + t.settle_steps {
-            return;
-        }
-        let settled = self.agreed >= cur.from + t.settle_steps * (1 + 2 * recent);
-        if self.calibrate_links(&cur) {
-            return;
-        }
         // Each node's cost as measured: the plan's figures times its smoothed ratio; a node
         // never measured, its configured figures times the contention the workers show.
         let typical = self.typical_contention(&cur);
@@ -46,6 +39,30 @@ impl Coordinator {
             })
             .collect();
         let cost = |n: NodeId| measured.get(&n).copied().unwrap_or((1.0, 0.0));
+        let now = compute_bound(&cur.assigns, cost);
+        if self.first_fit_due(&cur) {
+            self.fitted = true;
+            // What a figure's median of `fit_steps` may be off by: the noisiest worker's
+            // step-to-step spread over the square root of the figures.
+            let spread = cur
+                .workers()
+                .filter_map(|n| self.measured.get(&n))
+                .map(|m| m.log_spread() / (m.len() as f64).sqrt())
+                .fold(0.0, f64::max);
+            // Only a new split between the same workers: whether a node pays for its place in
+            // the ring is the drift rule's question, on figures of more steps.
+            let (gain, same) = self.gain_on(&measured, &cost, now);
+            if same && gain >= t.fit_gain && gain.ln_1p() >= t.noise_margin * spread {
+                return self.rebalance(&cur, measured, gain);
+            }
+        }
+        if self.agreed < cur.from + t.settle_steps {
+            return;
+        }
+        let settled = self.agreed >= cur.from + t.settle_steps * (1 + 2 * recent);
+        if self.calibrate_links(&cur) {
+            return;
+        }
         // Drifted: off by the margin, and by more than this node's own noise (on a shared
         // machine a step can take twice as long now and then; a median of nine still moves).
         let threshold = |n: NodeId, m: &SpeedEstimate| match self.on_probation.contains(&n) {
@@ -60,37 +77,72 @@ impl Coordinator {
         let drifted = cur.workers().any(|n| off(n) >= 1.0);
         // Twice the margin on both counts (a node that turned 3x slower): no need to wait.
         let glaring = cur.workers().any(|n| off(n) >= 2.0);
-        let now = compute_bound(&cur.assigns, cost);
         if !drifted || now <= balanced_bound(&cur.assigns, cost) * (1.0 + t.min_gain) {
             self.over = 0;
             return;
         }
         // The plan the measurements ask for, and what it would gain.
-        let live = self.detector.alive();
-        let saved = std::mem::replace(&mut self.assumed, measured.clone());
-        let gain = self
-            .plan_live(&live)
-            .ok()
-            .and_then(|(p, sub)| {
-                let (assigns, _) =
-                    assignments(&p, &live, &sub, &self.cfg.model, &self.cfg.training).ok()?;
-                Some(now / compute_bound(&assigns, cost).max(f64::MIN_POSITIVE))
-            })
-            .unwrap_or(1.0)
-            - 1.0;
+        let (gain, _) = self.gain_on(&measured, &cost, now);
         self.over = if gain >= t.min_gain { self.over + 1 } else { 0 };
         // A glaring drift does not wait for patience, nor for the longer settling that recent
         // re-plans ask of a smaller one.
         let sure = glaring && gain >= 2.0 * t.min_gain;
         if !sure && (self.over < t.patience || !settled) {
-            self.assumed = saved;
             return;
         }
+        self.rebalance(&cur, measured, gain);
+    }
+
+    /// Whether the first fit is to be judged now: not yet judged, and every worker of `cur`
+    /// measured for `fit_steps` steps of it (the plan's own figure aside).
+    fn first_fit_due(&self, cur: &Era) -> bool {
+        let k = self.cfg.tuning.fit_steps;
+        !self.fitted
+            && self.agreed >= cur.from + k
+            && cur
+                .workers()
+                .all(|n| self.measured.get(&n).is_some_and(|m| m.len() as u64 > k))
+    }
+
+    /// How much shorter than `now` the slowest node's compute would be on the plan made from
+    /// the `measured` figures (0 when none can be made), and whether that plan's workers are
+    /// the current epoch's.
+    fn gain_on(
+        &mut self,
+        measured: &BTreeMap<NodeId, StepCost>,
+        cost: &dyn Fn(NodeId) -> StepCost,
+        now: f64,
+    ) -> (f64, bool) {
+        let live = self.detector.alive();
+        let saved = std::mem::replace(&mut self.assumed, measured.clone());
+        let workers = |a: &[Assign]| -> Vec<NodeId> {
+            a.iter().filter(|a| a.batch > 0).map(|a| a.node).collect()
+        };
+        let current = workers(&self.eras[0].assigns);
+        let (gain, same) = self
+            .plan_live(&live)
+            .ok()
+            .and_then(|(p, sub)| {
+                let (assigns, _) =
+                    assignments(&p, &live, &sub, &self.cfg.model, &self.cfg.training).ok()?;
+                let gain = now / compute_bound(&assigns, cost).max(f64::MIN_POSITIVE);
+                Some((gain, workers(&assigns) == current))
+            })
+            .unwrap_or((1.0, false));
+        self.assumed = saved;
+        (gain - 1.0, same)
+    }
+
+    /// Re-plan on the `measured` figures (they become the ones assumed), predicted to gain
+    /// `gain`.
+    fn rebalance(&mut self, cur: &Era, measured: BTreeMap<NodeId, StepCost>, gain: f64) {
+        let saved = std::mem::replace(&mut self.assumed, measured);
         let speeds = cur
             .workers()
             .map(|n| {
                 let before = saved.get(&n).map_or(0.0, |c| c.0);
-                (n, before, cost(n).0)
+                let after = self.assumed.get(&n).map_or(0.0, |c| c.0);
+                (n, before, after)
             })
             .collect();
         self.measured.clear();
