@@ -435,8 +435,9 @@ pub struct Coordinator {
     over: u32,
     /// The steps at which measurements re-planned.
     rebalanced_at: Vec<u64>,
-    /// Whether the first fit was judged (a successor's starts judged: its plan's figures are
-    /// its predecessor's, measured already).
+    /// Whether the first fit is over: it re-planned, or its figures filled their window
+    /// without asking to (a successor's starts over: its plan's figures are its
+    /// predecessor's, measured already).
     fitted: bool,
     last_planned: Option<PlanShape>,
     plan_cache: Option<(Vec<u64>, Vec<NodeId>, Plan)>,

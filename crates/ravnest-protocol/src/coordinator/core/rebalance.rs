@@ -41,7 +41,13 @@ impl Coordinator {
         let cost = |n: NodeId| measured.get(&n).copied().unwrap_or((1.0, 0.0));
         let now = compute_bound(&cur.assigns, cost);
         if self.first_fit_due(&cur) {
-            self.fitted = true;
+            // Judged at each step until the figures fill their window (noisy first steps
+            // may hide the gain at first), or once it re-plans.
+            self.fitted = cur.workers().all(|n| {
+                self.measured
+                    .get(&n)
+                    .is_some_and(|m| m.len() >= t.speed_window)
+            });
             // What a figure's median of `fit_steps` may be off by: the noisiest worker's
             // step-to-step spread over the square root of the figures.
             let spread = cur
@@ -93,8 +99,8 @@ impl Coordinator {
         self.rebalance(&cur, measured, gain);
     }
 
-    /// Whether the first fit is to be judged now: not yet judged, and every worker of `cur`
-    /// measured for `fit_steps` steps of it (the plan's own figure aside).
+    /// Whether the first fit is to be judged now: not judged for good yet, and every worker of
+    /// `cur` measured for `fit_steps` steps of it (the plan's own figure aside).
     fn first_fit_due(&self, cur: &Era) -> bool {
         let k = self.cfg.tuning.fit_steps;
         !self.fitted
@@ -147,6 +153,7 @@ impl Coordinator {
             .collect();
         self.measured.clear();
         self.on_probation.clear();
+        self.fitted = true;
         self.rebalanced_at.push(self.agreed);
         self.emit(Event::Rebalanced {
             step: self.agreed,
