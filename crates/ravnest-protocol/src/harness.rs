@@ -96,8 +96,12 @@ pub struct Cluster {
     pub nodes: Vec<Node>,
     /// Milliseconds since the start.
     pub now: u64,
-    /// The coordinators' effects, in order.
+    /// The coordinators' effects, in order, but for those of a coordinator a newer term
+    /// superseded (a host cut off and back before it hears of its successor).
     pub log: Vec<Effect>,
+    /// What superseded coordinators did: their envelopes still reach the nodes (which must
+    /// ignore them), but their steps agreed are not the run's.
+    pub stale: Vec<Effect>,
     /// Each take-over: where the log stood, and the steps the successor's replica said were
     /// agreed (steps its predecessor agreed later are made again).
     pub take_overs: Vec<(usize, u64)>,
@@ -160,6 +164,7 @@ impl Cluster {
                 })
                 .collect(),
             now: 0,
+            stale: Vec::new(),
             ns_per_sample: Vec::new(),
             log: Vec::new(),
             take_overs: Vec::new(),
@@ -292,12 +297,17 @@ impl Cluster {
         if !self.runs(k) {
             return;
         }
+        let term = self.coordinators[k].term;
+        let superseded = self.coordinators.iter().any(|c| c.term > term);
         for e in effects {
             if let Effect::Send(to, env) = &e {
                 let inbox = &mut self.nodes[to.index()].inbox;
                 inbox.push_back((Addr::Coordinator, env.clone()));
             }
-            self.log.push(e);
+            match superseded {
+                true => self.stale.push(e),
+                false => self.log.push(e),
+            }
         }
     }
 
