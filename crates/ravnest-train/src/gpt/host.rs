@@ -31,7 +31,7 @@ impl super::Gpt {
         }
     }
 
-    /// `dst += a · b`, the product as [`Gpt::matmul`] computes it.
+    /// `dst += a · b`, the product as [`matmul`](super::Gpt::matmul) computes it.
     pub(super) fn matmul_add(&self, dst: &mut [f32], a: Mat, b: Mat) -> Result<()> {
         match self.1 {
             super::Numerics::Fp32 => gemm::mm_add(dst, a, b),
