@@ -177,7 +177,7 @@ fn ravnest_step_s(case: &Case, steps: u64) -> Result<f64> {
     let net = ravnest_train::net::Network::Gpt(g);
     let c =
         ravnest_train::compute::CandleCompute::new(net, std::sync::Arc::new(data), optim, 1, 1.0);
-    let mut model = ravnest_runtime::Compute::initial(&c, None);
+    let mut model = ravnest_protocol::node::values::Values::initial(&c, None);
     let b = case.batch;
     for k in 0..2 {
         c.train_step(&mut model, k * b..(k + 1) * b)?;

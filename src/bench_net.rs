@@ -352,7 +352,7 @@ fn bare_loop(
     batch: u64,
     steps: u64,
 ) -> Result<(f64, ravnest_train::compute::CandleCompute)> {
-    use ravnest_runtime::Compute;
+    use ravnest_protocol::node::values::Values;
     let data = std::sync::Arc::new(ravnest_train::data::Dataset::load("digits")?.split().0);
     let optim = ravnest_train::optim::Optim {
         kind: ravnest_core::Optimizer::SgdMomentum,

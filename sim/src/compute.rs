@@ -9,8 +9,9 @@ use std::sync::{Arc, Mutex};
 
 use ravnest_core::cost::GradBucket;
 use ravnest_core::{LayerRange, NodeId};
+use ravnest_protocol::node::values::{ComputeError, Values};
 use ravnest_runtime::Compute;
-use ravnest_runtime::seams::{BucketSink, ComputeError, StagePass};
+use ravnest_runtime::seams::{BucketSink, StagePass};
 
 use crate::toy::{self, Toy};
 
@@ -234,7 +235,7 @@ impl SimCompute {
     }
 }
 
-impl Compute for SimCompute {
+impl Values for SimCompute {
     type Model = SimModel;
     type StageGrad = Vec<f32>;
 
@@ -280,14 +281,6 @@ impl Compute for SimCompute {
             .map_or(0, ravnest_protocol::digest::digest)
     }
 
-    fn state_stats(&self) -> ravnest_runtime::seams::StateStats {
-        let copied_bytes = self.0.lock().unwrap().copied_bytes;
-        ravnest_runtime::seams::StateStats {
-            copied_bytes,
-            ..Default::default()
-        }
-    }
-
     fn param_range(&self, layers: LayerRange) -> Range<usize> {
         self.toy().param_range(layers)
     }
@@ -305,6 +298,66 @@ impl Compute for SimCompute {
     ) -> Result<(), ComputeError> {
         let mean = self.stage_grad_values(grad, scale);
         self.apply_update(model, self.toy().param_range(layers), &mean)
+    }
+
+    /// The buckets the real runtime hands the simulated model's gradient over in
+    /// ([`SimCompute::with_buckets`]), so the simulator overlaps communication with compute
+    /// exactly as far as the real runtime does and the cost model says.
+    fn buckets(&self) -> Vec<Range<usize>> {
+        self.toy_buckets(self.params())
+            .into_iter()
+            .map(|b| b.0)
+            .collect()
+    }
+
+    fn set_params(
+        &self,
+        model: &mut SimModel,
+        range: Range<usize>,
+        values: &[f32],
+    ) -> Result<(), ComputeError> {
+        let m = self.own(model);
+        let len = m.len();
+        match m.get_mut(range.clone()) {
+            Some(w) if w.len() == values.len() => {
+                w.copy_from_slice(values);
+                Ok(())
+            }
+            _ => Err(ComputeError::Shape(format!(
+                "{} values for {range:?} of a {len}-value model",
+                values.len(),
+            ))),
+        }
+    }
+
+    fn apply_update(
+        &self,
+        model: &mut SimModel,
+        range: Range<usize>,
+        mean_gradient: &[f32],
+    ) -> Result<(), ComputeError> {
+        let m = self.own(model);
+        let len = m.len();
+        match m.get_mut(range.clone()) {
+            Some(w) if w.len() == mean_gradient.len() => {
+                toy::apply(w, mean_gradient);
+                Ok(())
+            }
+            _ => Err(ComputeError::Shape(format!(
+                "an update of {} values for {range:?} of a {len}-value model",
+                mean_gradient.len(),
+            ))),
+        }
+    }
+}
+
+impl Compute for SimCompute {
+    fn state_stats(&self) -> ravnest_runtime::seams::StateStats {
+        let copied_bytes = self.0.lock().unwrap().copied_bytes;
+        ravnest_runtime::seams::StateStats {
+            copied_bytes,
+            ..Default::default()
+        }
     }
 
     fn runs_stages(&self) -> bool {
@@ -382,56 +435,6 @@ impl Compute for SimCompute {
             *a += b;
         }
         Ok((sum, grad_in))
-    }
-
-    /// The buckets the real runtime hands the simulated model's gradient over in
-    /// ([`SimCompute::with_buckets`]), so the simulator overlaps communication with compute
-    /// exactly as far as the real runtime does and the cost model says.
-    fn buckets(&self) -> Vec<Range<usize>> {
-        self.toy_buckets(self.params())
-            .into_iter()
-            .map(|b| b.0)
-            .collect()
-    }
-
-    fn set_params(
-        &self,
-        model: &mut SimModel,
-        range: Range<usize>,
-        values: &[f32],
-    ) -> Result<(), ComputeError> {
-        let m = self.own(model);
-        let len = m.len();
-        match m.get_mut(range.clone()) {
-            Some(w) if w.len() == values.len() => {
-                w.copy_from_slice(values);
-                Ok(())
-            }
-            _ => Err(ComputeError::Shape(format!(
-                "{} values for {range:?} of a {len}-value model",
-                values.len(),
-            ))),
-        }
-    }
-
-    fn apply_update(
-        &self,
-        model: &mut SimModel,
-        range: Range<usize>,
-        mean_gradient: &[f32],
-    ) -> Result<(), ComputeError> {
-        let m = self.own(model);
-        let len = m.len();
-        match m.get_mut(range.clone()) {
-            Some(w) if w.len() == mean_gradient.len() => {
-                toy::apply(w, mean_gradient);
-                Ok(())
-            }
-            _ => Err(ComputeError::Shape(format!(
-                "an update of {} values for {range:?} of a {len}-value model",
-                mean_gradient.len(),
-            ))),
-        }
     }
 
     async fn gradient_sum(

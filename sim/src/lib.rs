@@ -28,7 +28,7 @@ use ravnest_protocol::msg::Addr;
 use ravnest_runtime::checkpoint::{Store, StoreError};
 use ravnest_runtime::coordinator::{Note, RunLog, SharedLog, spawn_leases};
 use ravnest_runtime::counters::Counters;
-use ravnest_runtime::node::Succession;
+use ravnest_runtime::succession::Succession;
 use ravnest_runtime::supervisor::SupMsg;
 use ravnest_runtime::{Launch, Nodes, Trace, Transport};
 use serde::Serialize;

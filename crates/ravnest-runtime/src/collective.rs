@@ -52,6 +52,23 @@ pub struct Group {
     pub packing: Packing,
 }
 
+impl Group {
+    /// The group of an epoch's work `w`: its ring, and its outer rounds' packing (a gradient
+    /// travels as `fp32`).
+    pub fn of(w: &ravnest_protocol::msg::Work) -> Self {
+        let packing = match w.sync {
+            ravnest_protocol::msg::SyncPolicy::LocalSgd { outer, .. } => outer.packing,
+            ravnest_protocol::msg::SyncPolicy::EveryStep => Packing::Fp32,
+        };
+        Group {
+            ring: w.ring.clone(),
+            collective: w.collective,
+            group_size: w.group_size,
+            packing,
+        }
+    }
+}
+
 /// Messages a collective actor handles.
 #[derive(Debug)]
 pub enum CollectiveMsg {

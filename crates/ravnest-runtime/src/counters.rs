@@ -9,6 +9,8 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use ravnest_core::{LayerRange, NodeId};
+use ravnest_protocol::node::core::Made;
+use ravnest_protocol::node::values::Values;
 
 /// Steps of history kept per node (a few MB at most).
 const HISTORY_MAX: usize = 1 << 18;
@@ -66,6 +68,44 @@ pub struct MadeCount {
     pub at_ns: u64,
     /// The backend's phases so far.
     pub phases: crate::seams::PhaseNs,
+}
+
+impl MadeCount {
+    /// What a node records of version `made.step + 1` it made on `values` (`observe`: with what
+    /// it holds of it; `last`: the run's last version, whose whole model is kept), `at_ns`
+    /// since it started, with the backend's `phases` so far.
+    pub fn of<V: Values>(
+        values: &V,
+        made: &Made<V::Model>,
+        (observe, last): (bool, bool),
+        at_ns: u64,
+        phases: crate::seams::PhaseNs,
+    ) -> Self {
+        let (version, layers) = (made.step + 1, made.layers);
+        let observed = observe.then(|| {
+            let slots = match layers {
+                Some(l) => values.layer_slots(l),
+                None => std::iter::once(0..values.model_len()).collect(),
+            };
+            let values = values.export(&made.model, layers).unwrap_or_default();
+            Observed {
+                version,
+                slots,
+                values,
+            }
+        });
+        let final_model = (last && layers.is_none())
+            .then(|| values.export(&made.model, None))
+            .flatten();
+        MadeCount {
+            version,
+            layers,
+            observed,
+            final_model,
+            at_ns,
+            phases,
+        }
+    }
 }
 
 /// The book of every node's counters: nodes record into it, reporters read it.

@@ -23,6 +23,7 @@ pub mod netns;
 pub mod node;
 pub mod p2p;
 pub mod seams;
+pub mod succession;
 pub mod supervisor;
 pub mod tcp;
 pub mod trace;

@@ -1,6 +1,7 @@
 //! The two seams: how envelopes travel ([`Transport`]) and how a training step is computed
 //! ([`Compute`]). The simulator and the real runtime each implement both.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::ops::Range;
 use std::pin::Pin;
@@ -10,6 +11,7 @@ use ravnest_core::{LayerRange, NodeId};
 
 use ravnest_protocol::msg::{Addr, Envelope};
 use ravnest_protocol::node::stage::Pass;
+use ravnest_protocol::node::values::{ComputeError, NO_STAGES, Values};
 
 /// Where a transport hands an arriving envelope: (sender, envelope).
 pub type Inbox = Arc<dyn Fn(Addr, Envelope) + Send + Sync>;
@@ -77,20 +79,6 @@ pub trait Transport: Clone + Send + Sync + 'static {
     fn progress(&self, _from: Addr, _to: Addr) -> Option<Progress<'_>> {
         None
     }
-}
-
-/// Why a compute backend could not do what it was asked.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ComputeError {
-    /// The backend cannot do this at all.
-    #[error("this compute backend does not {0}")]
-    Unsupported(&'static str),
-    /// The inputs do not fit the model (a malformed assignment or message).
-    #[error("{0}")]
-    Shape(String),
-    /// The backend failed (candle's own error, in words).
-    #[error("{0}")]
-    Backend(String),
 }
 
 /// What a node's calibration measures ([`Compute::probe`]).
@@ -190,129 +178,17 @@ impl<'a> StagePass<'a> {
 
 /// How a node computes one training step and applies an update, and what it holds.
 ///
-/// The backend owns the model state: a [`Compute::Model`] is one version of what a node holds
+/// The backend owns the model state: a [`Values::Model`] is one version of what a node holds
 /// (the layers of its stage, or the whole model), parameters and optimizer state in the
 /// backend's own form (candle tensors on the node's device; the simulator's host vector). The
 /// runtime keeps versions as opaque handles and never copies one: an update makes new values
 /// in the version it is applied to, and leaves every other version as it was. What crosses to
 /// host memory is only what travels: gradient buckets for the all-reduce, and layers that
-/// move ([`Compute::export`] / [`Compute::import`]: a fetch, a checkpoint shard, an average).
-pub trait Compute: Send + Sync + 'static {
-    /// One version of what a node holds. Cloning it is cheap (it shares the values).
-    type Model: Clone + Send + Sync + std::fmt::Debug + 'static;
-    /// A pipeline stage's parameter gradient, summed over the micro-batches of a step, kept
-    /// where the backend computes until the step's synchronization asks for it.
-    type StageGrad: Send + Sync + std::fmt::Debug + 'static;
-
-    /// Values of the whole model in its flat form (parameters, then optimizer state): the
-    /// order of the wire and of checkpoints.
-    fn model_len(&self) -> usize;
-
-    /// Parameters of the whole model (a gradient has this many; they come first in the flat
-    /// form).
-    fn params(&self) -> usize;
-
-    /// The model a run starts from (the same on every node: seeded, or the checkpoint a
-    /// resumed run starts from), holding `layers` (`None`: all of them). A backend may make
-    /// the values where they are first used, so that a stage never builds the layers it does
-    /// not run.
-    fn initial(&self, layers: Option<LayerRange>) -> Self::Model;
-
-    /// The version [`Compute::initial`] is (a resumed run starts from a checkpoint).
-    fn initial_version(&self) -> u64 {
-        0
-    }
-
-    /// `model` keeping only `layers` (a stage drops what it no longer runs). A backend that
-    /// holds its model whole may return it as it is.
-    fn retain(&self, model: &Self::Model, _layers: LayerRange) -> Self::Model {
-        model.clone()
-    }
-
-    /// The values of `layers` (`None`: the whole model) in the flat order of
-    /// [`Compute::layer_slots`], for what must travel; `None` when `model` does not hold them.
-    fn export(&self, model: &Self::Model, layers: Option<LayerRange>) -> Option<Vec<f32>>;
-
-    /// Values `range` of what [`Compute::export`] gives for `layers` (one part of a shard that
-    /// travels in parts): only that part is made in host memory. `None` when `model` does not
-    /// hold `layers` or `range` is outside them.
-    fn export_range(
-        &self,
-        model: &Self::Model,
-        layers: Option<LayerRange>,
-        range: Range<usize>,
-    ) -> Option<Vec<f32>> {
-        self.export(model, layers)?.get(range).map(<[f32]>::to_vec)
-    }
-
-    /// `base` (or nothing) with `layers` (`None`: the whole model) set from `values`, as
-    /// [`Compute::export`] made them.
-    fn import(
-        &self,
-        base: Option<&Self::Model>,
-        layers: Option<LayerRange>,
-        values: Vec<f32>,
-    ) -> Result<Self::Model, ComputeError>;
-
-    /// The digest ([`ravnest_protocol::digest::digest`]) of what [`Compute::export`] gives for `layers`,
-    /// computed where the values are (0 when `model` does not hold them). Replicas compare it
-    /// after every synchronized step.
-    fn digest(&self, model: &Self::Model, layers: Option<LayerRange>) -> u64 {
-        self.export(model, layers)
-            .map_or(0, |v| ravnest_protocol::digest::digest(&v))
-    }
-
-    /// The buckets a gradient is produced in: disjoint ranges of the parameters covering them,
-    /// in the order [`Compute::gradient_sum`] finishes them (the last layers first, as
-    /// backward runs), so each can be reduced while the rest is still being computed.
-    fn buckets(&self) -> Vec<Range<usize>> {
-        std::iter::once(0..self.params()).collect()
-    }
-
-    /// Sharded data parallel: `model` keeping the optimizer state of `owned` only, every
-    /// parameter still held. A backend that holds its model whole may return it as it is.
-    fn shard(&self, model: &Self::Model, _owned: LayerRange) -> Self::Model {
-        model.clone()
-    }
-
-    /// Set parameters `range` (whole tensors) of `model` from `values`: what an all-gather
-    /// of a sharded step brought from the part's owner.
-    fn set_params(
-        &self,
-        _model: &mut Self::Model,
-        _range: Range<usize>,
-        _values: &[f32],
-    ) -> Result<(), ComputeError> {
-        Err(ComputeError::Unsupported(
-            "set parameters (sharded data parallel)",
-        ))
-    }
-
-    /// Apply the optimizer to parameters `range` of `model` (and their optimizer state) with
-    /// the averaged gradient of those parameters. A step's update is applied bucket by bucket,
-    /// then [`Compute::end_update`] once.
-    fn apply_update(
-        &self,
-        model: &mut Self::Model,
-        range: Range<usize>,
-        mean_gradient: &[f32],
-    ) -> Result<(), ComputeError>;
-
-    /// Called once after every part of a step's update was applied (an optimizer's step
-    /// counter advances here).
-    fn end_update(&self, _model: &mut Self::Model) {}
-
-    /// A version no one will roll back to any more, handed back at the first update of the
-    /// step that makes the next: a backend may write that step's update into its buffers.
-    fn retire(&self, _old: Self::Model) {}
-
-    /// A gradient bucket's buffer, done with: a backend may reuse it for the next step's
-    /// buckets (memory it already has mapped, allocated and freed on its own thread).
-    fn recycle(&self, _buffer: Vec<f32>) {}
-
+/// move ([`Values::export`] / [`Values::import`]: a fetch, a checkpoint shard, an average).
+pub trait Compute: Values + Send + Sync + 'static {
     /// Forward and backward over the global sample indices `samples` of `step` with `model`.
     /// Hands the *sum* over those samples of the per-sample gradient to `ready`, bucket by
-    /// bucket, in the order of [`Compute::buckets`], each as soon as it is known.
+    /// bucket, in the order of [`Values::buckets`], each as soon as it is known.
     fn gradient_sum(
         &self,
         node: NodeId,
@@ -321,19 +197,6 @@ pub trait Compute: Send + Sync + 'static {
         model: Self::Model,
         ready: BucketSink,
     ) -> impl Future<Output = Result<(), ComputeError>> + Send;
-
-    /// Where `layers`' parameters sit in the flat model. A backend that does not split its
-    /// model by layer holds it as one range.
-    fn param_range(&self, _layers: LayerRange) -> Range<usize> {
-        0..self.params()
-    }
-
-    /// Every part of the flat model that belongs to `layers`: their parameters
-    /// ([`Compute::param_range`]) first, then their optimizer state where it sits apart. What
-    /// a stage holds, fetches, hands over and writes into a checkpoint shard.
-    fn layer_slots(&self, layers: LayerRange) -> Vec<Range<usize>> {
-        std::iter::once(self.param_range(layers)).collect()
-    }
 
     /// What this backend's model state costs the nodes it serves, counted.
     fn state_stats(&self) -> StateStats {
@@ -349,15 +212,6 @@ pub trait Compute: Send + Sync + 'static {
     /// model too big for it, a few layers standing for it.
     fn probe(&self) -> Probe {
         Probe::Whole
-    }
-
-    /// Clip the global norm of each step's averaged gradient to this (`[run] max_grad_norm`):
-    /// a data-parallel node then holds a step's reduced buckets until all are in, and scales
-    /// them by `min(1, max / (norm + 1e-6))` before applying any, as
-    /// `torch.nn.utils.clip_grad_norm_` does after DDP's averaging; under local SGD, each
-    /// node's own gradient. `None`: no clipping.
-    fn max_grad_norm(&self) -> Option<f32> {
-        None
     }
 
     /// Whether this backend runs pipeline stages ([`Compute::stage_forward`] and
@@ -389,24 +243,6 @@ pub trait Compute: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(Self::StageGrad, Vec<f32>), ComputeError>> + Send {
         std::future::ready(Err(ComputeError::Unsupported(NO_STAGES)))
     }
-
-    /// A stage's gradient times `scale`, as host values in the order of the stage's
-    /// parameters ([`Compute::param_range`]): what its sync group all-reduces.
-    fn stage_grad_values(&self, _grad: Self::StageGrad, _scale: f32) -> Vec<f32> {
-        Vec::new()
-    }
-
-    /// Apply a stage's own gradient times `scale` to `layers` of `model` (a sync group of one,
-    /// or a local step: nothing travels), then end the update.
-    fn apply_stage_grad(
-        &self,
-        _model: &mut Self::Model,
-        _layers: LayerRange,
-        _grad: Self::StageGrad,
-        _scale: f32,
-    ) -> Result<(), ComputeError> {
-        Err(ComputeError::Unsupported(NO_STAGES))
-    }
 }
 
 /// The values of `model` at `slots`, in order (`None` when a slot lies outside it).
@@ -432,9 +268,6 @@ pub fn scatter(model: &mut [f32], slots: &[Range<usize>], values: &[f32]) -> boo
     }
     fits
 }
-
-/// What a backend without pipeline support cannot do.
-pub const NO_STAGES: &str = "run pipeline stages";
 
 /// Liveness beats: a task that sends `beat` from `from` to each of `to` every `period` (a
 /// node's heartbeat to its coordinator; the coordinator's lease to the nodes). It ends when
@@ -488,4 +321,53 @@ where
         on(k, data);
     }
     result
+}
+
+/// `compute`'s forward and backward on node `node` over `samples` of step `s` in micro-batches of `chunk` samples (0:
+/// all at once), their gradients accumulated: `ready` gets each bucket's sum over all of
+/// `samples` when the last micro-batch has made it (a worker whose memory does not hold its
+/// share at once).
+pub(crate) async fn gradient_sum<C: Compute>(
+    compute: &C,
+    node: NodeId,
+    s: u64,
+    samples: Range<u64>,
+    chunk: u64,
+    model: C::Model,
+    ready: BucketSink,
+) -> Result<(), ComputeError> {
+    if chunk == 0 || chunk >= samples.end - samples.start {
+        return compute.gradient_sum(node, s, samples, model, ready).await;
+    }
+    // The sums of the micro-batches so far, by bucket. Each micro-batch's buckets come from
+    // the compute thread and are added in here as they come (this node's memory does not
+    // hold two gradients); the last one's sink adds the sums into its buckets and hands
+    // them on.
+    let mut acc: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
+    let mut start = samples.start;
+    while start < samples.end {
+        let end = (start + chunk).min(samples.end);
+        if end == samples.end {
+            let acc = Arc::new(acc);
+            let sink: BucketSink = Arc::new(move |k: usize, mut data: Vec<f32>| {
+                if let Some(prev) = acc.get(&k) {
+                    for (d, p) in data.iter_mut().zip(prev) {
+                        *d += p;
+                    }
+                }
+                ready(k, data);
+            });
+            return compute.gradient_sum(node, s, start..end, model, sink).await;
+        }
+        let pass = |sink| compute.gradient_sum(node, s, start..end, model.clone(), sink);
+        with_buckets(pass, |k, data| match acc.get_mut(&k) {
+            Some(sum) => sum.iter_mut().zip(&data).for_each(|(s, d)| *s += d),
+            None => {
+                acc.insert(k, data);
+            }
+        })
+        .await?;
+        start = end;
+    }
+    Ok(())
 }

@@ -6,8 +6,9 @@ use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use ravnest_core::{LayerRange, NodeId};
+use ravnest_protocol::node::values::{ComputeError, Values};
 use ravnest_runtime::Compute;
-use ravnest_runtime::seams::{BucketSink, ComputeError, PhaseNs, StagePass};
+use ravnest_runtime::seams::{BucketSink, PhaseNs, StagePass};
 
 use crate::data::Dataset;
 use crate::gpt::StageInput;
@@ -47,7 +48,7 @@ pub struct CandleCompute {
     pub micro_batch: u64,
     /// The model state this backend makes and updates (per tensor, on the device).
     state: Arc<ModelState>,
-    /// Clip each step's global gradient norm to this ([`Compute::max_grad_norm`]).
+    /// Clip each step's global gradient norm to this ([`Values::max_grad_norm`]).
     pub max_grad_norm: Option<f32>,
 }
 
@@ -206,7 +207,7 @@ impl CandleCompute {
     /// The seeded initial model (or the resumed checkpoint), whole and flat: the single-node
     /// reference of tests and benchmarks.
     pub fn initial_model(&self) -> Vec<f32> {
-        let m = ravnest_runtime::Compute::initial(self, None);
+        let m = ravnest_protocol::node::values::Values::initial(self, None);
         self.state.export(&m, None).unwrap_or_default()
     }
 
@@ -360,9 +361,9 @@ impl CandleCompute {
         + Send
         + 'static,
     ) -> Result<R, ComputeError> {
-        let g = self
-            .gpt()
-            .ok_or(ComputeError::Unsupported(ravnest_runtime::seams::NO_STAGES))?;
+        let g = self.gpt().ok_or(ComputeError::Unsupported(
+            ravnest_protocol::node::values::NO_STAGES,
+        ))?;
         let job = self.job();
         let slowdown = self.slowdown_now();
         {
@@ -420,7 +421,7 @@ fn stage_failed(e: candle_core::Error) -> ComputeError {
     ComputeError::Backend(format!("candle stage: {e}"))
 }
 
-impl Compute for CandleCompute {
+impl Values for CandleCompute {
     type Model = CandleModel;
     type StageGrad = CandleGrad;
 
@@ -498,10 +499,6 @@ impl Compute for CandleCompute {
         self.optimizer_took(t);
     }
 
-    fn phase_ns(&self) -> PhaseNs {
-        self.stats.lock().unwrap().phases
-    }
-
     fn shard(&self, model: &CandleModel, owned: LayerRange) -> CandleModel {
         self.state.shard(model, owned)
     }
@@ -537,6 +534,76 @@ impl Compute for CandleCompute {
 
     fn layer_slots(&self, layers: LayerRange) -> Vec<Range<usize>> {
         layer_slots(&self.net, &self.optim, layers)
+    }
+
+    fn max_grad_norm(&self) -> Option<f32> {
+        self.max_grad_norm
+    }
+
+    fn stage_grad_values(&self, grad: CandleGrad, scale: f32) -> Vec<f32> {
+        let mut out = Vec::new();
+        match &grad.sum {
+            GradSum::Host(bufs) => {
+                for (_, v) in bufs {
+                    out.extend(v.iter().map(|x| x * scale));
+                }
+            }
+            GradSum::Device(ts) => {
+                for (_, t) in ts {
+                    let _ = crate::state::read(t, |v| out.extend(v.iter().map(|x| x * scale)));
+                }
+            }
+        }
+        out
+    }
+
+    fn apply_stage_grad(
+        &self,
+        model: &mut CandleModel,
+        _layers: LayerRange,
+        grad: CandleGrad,
+        scale: f32,
+    ) -> Result<(), ComputeError> {
+        // On the compute thread, where the stage's tensors are made: its allocator reuses what
+        // the last step's update freed.
+        let (state, spare) = (self.state.clone(), self.spare.clone());
+        let mut m = std::mem::replace(model, state.empty());
+        let (m, r) = self
+            .worker
+            .run_here(move || {
+                let dev = crate::device::current();
+                let CandleGrad { sum, _held } = grad;
+                let each: Vec<(usize, Result<(), ComputeError>)> = match &sum {
+                    GradSum::Host(bufs) => bufs
+                        .iter()
+                        .map(|(i, v)| (*i, Grad::Host(v)))
+                        .map(|(i, g)| (i, state.update(&mut m, i, g, scale, &dev)))
+                        .collect(),
+                    GradSum::Device(ts) => ts
+                        .iter()
+                        .map(|(i, t)| (*i, state.update(&mut m, *i, Grad::Device(t), scale, &dev)))
+                        .collect(),
+                };
+                if let Some((_, Err(e))) = each.into_iter().find(|r| r.1.is_err()) {
+                    return (m, Err(e));
+                }
+                state.end_update(&mut m);
+                if let GradSum::Host(bufs) = sum {
+                    let mut pool = spare.lock().unwrap();
+                    pool.extend(bufs.into_iter().map(|b| b.1));
+                    pool.truncate(SPARE_BUFFERS.max(64));
+                }
+                (m, Ok(()))
+            })
+            .ok_or_else(|| ComputeError::Backend("the compute thread is gone".into()))?;
+        *model = m;
+        r
+    }
+}
+
+impl Compute for CandleCompute {
+    fn phase_ns(&self) -> PhaseNs {
+        self.stats.lock().unwrap().phases
     }
 
     fn state_stats(&self) -> ravnest_runtime::seams::StateStats {
@@ -578,10 +645,6 @@ impl Compute for CandleCompute {
 
     fn runs_stages(&self) -> bool {
         self.gpt().is_some()
-    }
-
-    fn max_grad_norm(&self) -> Option<f32> {
-        self.max_grad_norm
     }
 
     async fn stage_forward(
@@ -706,66 +769,6 @@ impl Compute for CandleCompute {
             }
         }
         Ok((sum, gin))
-    }
-
-    fn stage_grad_values(&self, grad: CandleGrad, scale: f32) -> Vec<f32> {
-        let mut out = Vec::new();
-        match &grad.sum {
-            GradSum::Host(bufs) => {
-                for (_, v) in bufs {
-                    out.extend(v.iter().map(|x| x * scale));
-                }
-            }
-            GradSum::Device(ts) => {
-                for (_, t) in ts {
-                    let _ = crate::state::read(t, |v| out.extend(v.iter().map(|x| x * scale)));
-                }
-            }
-        }
-        out
-    }
-
-    fn apply_stage_grad(
-        &self,
-        model: &mut CandleModel,
-        _layers: LayerRange,
-        grad: CandleGrad,
-        scale: f32,
-    ) -> Result<(), ComputeError> {
-        // On the compute thread, where the stage's tensors are made: its allocator reuses what
-        // the last step's update freed.
-        let (state, spare) = (self.state.clone(), self.spare.clone());
-        let mut m = std::mem::replace(model, state.empty());
-        let (m, r) = self
-            .worker
-            .run_here(move || {
-                let dev = crate::device::current();
-                let CandleGrad { sum, _held } = grad;
-                let each: Vec<(usize, Result<(), ComputeError>)> = match &sum {
-                    GradSum::Host(bufs) => bufs
-                        .iter()
-                        .map(|(i, v)| (*i, Grad::Host(v)))
-                        .map(|(i, g)| (i, state.update(&mut m, i, g, scale, &dev)))
-                        .collect(),
-                    GradSum::Device(ts) => ts
-                        .iter()
-                        .map(|(i, t)| (*i, state.update(&mut m, *i, Grad::Device(t), scale, &dev)))
-                        .collect(),
-                };
-                if let Some((_, Err(e))) = each.into_iter().find(|r| r.1.is_err()) {
-                    return (m, Err(e));
-                }
-                state.end_update(&mut m);
-                if let GradSum::Host(bufs) = sum {
-                    let mut pool = spare.lock().unwrap();
-                    pool.extend(bufs.into_iter().map(|b| b.1));
-                    pool.truncate(SPARE_BUFFERS.max(64));
-                }
-                (m, Ok(()))
-            })
-            .ok_or_else(|| ComputeError::Backend("the compute thread is gone".into()))?;
-        *model = m;
-        r
     }
 
     async fn gradient_sum(

@@ -13,7 +13,7 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use ravnest_runtime::seams::ComputeError;
+use ravnest_protocol::node::values::ComputeError;
 
 use crate::gpt::Gpt;
 use crate::load_error::LoadError;

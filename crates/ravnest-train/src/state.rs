@@ -26,7 +26,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::{Device, Storage, Tensor, Var};
 use ravnest_core::LayerRange;
-use ravnest_runtime::seams::{ComputeError, StateStats};
+use ravnest_protocol::node::values::ComputeError;
+use ravnest_runtime::seams::StateStats;
 
 pub use crate::layout::{Layout, TensorMeta};
 use crate::net::Network;

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use ravnest_core::{LayerRange, Optimizer};
+use ravnest_protocol::node::values::Values;
 use ravnest_runtime::Compute;
 use ravnest_runtime::seams::StagePass;
 use ravnest_train::compute::CandleCompute;

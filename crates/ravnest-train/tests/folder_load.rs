@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ravnest_core::{LayerRange, Optimizer};
+use ravnest_protocol::node::values::Values;
 use ravnest_runtime::Compute;
 use ravnest_train::compute::CandleCompute;
 use ravnest_train::gpt::Gpt;

@@ -2,7 +2,7 @@
 //! loopback TCP transport per node, train a real multi-block GPT ([`Network::Gpt`] in candle,
 //! through [`CandleCompute`]'s stage forward and backward) as a pipeline of 2 and of 3 stages
 //! (1F1B, 4 micro-batches a step) for K steps; every stage's layers, parameters and optimizer
-//! state ([`Compute::layer_slots`]), must equal K single-node steps on the same global batches
+//! state ([`Values::layer_slots`](ravnest_protocol::node::values::Values::layer_slots)), must equal K single-node steps on the same global batches
 //! within 1e-4, under AdamW and under SGD with momentum. The coordinator chooses the stage
 //! count from the cluster file: each node's `memory_gib` is set so that the model fits no node
 //! whole, no pipeline of fewer stages fits, and one of the wanted count does.
@@ -15,6 +15,7 @@ use ravnest_core::cost::Costs;
 use ravnest_core::{LayerRange, NodeId, Optimizer};
 use ravnest_protocol::coordinator::Event;
 use ravnest_protocol::coordinator::core::{Config, Tuning};
+use ravnest_protocol::node::values::Values;
 use ravnest_runtime::counters::Counters;
 use ravnest_runtime::tcp::LoopbackCluster;
 use ravnest_runtime::{Compute, Launch, Nodes};

@@ -27,6 +27,7 @@ use crate::events::RunEvent;
 use crate::summary::CoordinatorReport;
 
 mod report;
+use ravnest_protocol::node::values::Values;
 use report::coordinator_report;
 
 /// What the coordinator's host works with.

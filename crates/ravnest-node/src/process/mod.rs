@@ -32,7 +32,8 @@ use ravnest_core::{NodeId, Scenario};
 use ravnest_protocol::coordinator::succession::Verdict;
 use ravnest_protocol::msg::{Addr, Envelope};
 use ravnest_runtime::counters::Counters;
-use ravnest_runtime::node::{Start, Succession};
+use ravnest_runtime::node::Start;
+use ravnest_runtime::succession::Succession;
 use ravnest_runtime::tcp::{PROTOCOL_VERSION, TcpConfig, TcpTransport};
 use ravnest_runtime::{Launch, Nodes, Transport};
 use serde_json::{Value, json};
@@ -750,7 +751,7 @@ fn memory_report(su: &Setup, c: &ravnest_runtime::counters::NodeCounters) -> Nod
         .unwrap_or(0);
     // One version of what the node holds: its layers' parameters and optimizer state.
     let one_version = match c.layers {
-        Some(l) => ravnest_runtime::Compute::layer_slots(su.compute.as_ref(), l)
+        Some(l) => ravnest_protocol::node::values::Values::layer_slots(su.compute.as_ref(), l)
             .iter()
             .map(|r| r.len())
             .sum::<usize>(),

@@ -3,7 +3,7 @@
 //! neighbours in its replica, who pass each piece on away from where it came, so that every
 //! stage gets every piece once. [`Norms`] keeps the pieces a node has, says what it sends on,
 //! and when a step's norm is whole; the runtime's node clips and applies
-//! (`ravnest_runtime::node::clip`).
+//! ([`super::machine`], whose `clip` module is the driver of clipping).
 
 use ravnest_core::NodeId;
 use ravnest_core::recipe::NormPieces;

@@ -210,6 +210,25 @@ pub async fn calibrate<C: Compute>(
     }
 }
 
+/// What node `node` reports of its training step time as a function of its batch
+/// ([`calibrate`]), measured from `model` (its latest version; `None`: the initial model), the
+/// optimizer applied to a scratch version.
+pub async fn measured<C: Compute>(
+    compute: Arc<C>,
+    node: NodeId,
+    model: Option<C::Model>,
+    batch: u64,
+    duration_ms: u64,
+) -> ravnest_protocol::msg::Envelope {
+    let mut bench = Bench::new(compute, node, model);
+    let c = calibrate(&mut bench, batch, duration_ms).await;
+    ravnest_protocol::msg::Envelope::Measured {
+        samples_per_s: c.samples_per_s,
+        per_sample_s: c.per_sample_s,
+        overhead_s: c.overhead_s,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

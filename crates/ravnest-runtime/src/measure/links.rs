@@ -31,7 +31,7 @@ pub fn link_from_round_trips(small_s: f64, large_s: f64) -> (f64, f64) {
 /// Measure the links from `me` to `peers` (best of three round trips each, with the ids from
 /// `first` on) and report them to the coordinator. Runs beside the actor, which hands it the
 /// echoes by the round it returns.
-pub(crate) fn spawn_link_probes<T: Transport>(
+fn spawn_link_probes<T: Transport>(
     transport: T,
     me: NodeId,
     peers: Vec<NodeId>,
@@ -88,4 +88,57 @@ pub(crate) fn spawn_link_probes<T: Transport>(
         );
     });
     (ids, tx)
+}
+
+/// A node's link probes: the rounds it runs (each beside the node, handed its echoes by id),
+/// and its echo of its peers' probes.
+#[derive(Debug, Default)]
+pub(crate) struct Probes {
+    rounds: Vec<ProbeRound>,
+    seq: u64,
+}
+
+impl Probes {
+    /// An envelope to node `me` from `from`: a probe's is handled here (a round started on
+    /// [`Envelope::ProbePeers`], a peer's probe echoed, an echo handed to its round); any
+    /// other comes back.
+    pub(crate) fn on_envelope<T: Transport>(
+        &mut self,
+        transport: &T,
+        me: NodeId,
+        from: Addr,
+        env: Envelope,
+    ) -> Result<(), Envelope> {
+        match env {
+            Envelope::ProbePeers { peers } => {
+                // Ids unique to this node: its id in the high bits.
+                let first = (u64::from(me.0) << 40) + self.seq;
+                self.seq += 6 * peers.len() as u64 + 1;
+                self.rounds.retain(|(_, tx)| !tx.is_closed());
+                let round = spawn_link_probes(transport.clone(), me, peers, first);
+                self.rounds.push(round);
+            }
+            Envelope::Probe {
+                id, echo: false, ..
+            } => {
+                if let Some((_, tx)) = self.rounds.iter().find(|(ids, _)| ids.contains(&id)) {
+                    let _ = tx.send(id);
+                }
+            }
+            Envelope::Probe {
+                id,
+                data,
+                echo: true,
+            } => {
+                let echo = Envelope::Probe {
+                    id,
+                    data,
+                    echo: false,
+                };
+                let _ = transport.send(Addr::Node(me), from, echo);
+            }
+            env => return Err(env),
+        }
+        Ok(())
+    }
 }

@@ -12,12 +12,8 @@
 //! is [`crate::measure`]'s.
 
 pub mod actor;
-mod clip;
-mod rounds;
-mod sharded;
 pub mod state;
 pub mod step;
-mod watcher;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,7 +23,6 @@ use tokio::time::Instant;
 
 use crate::counters::Counters;
 use crate::seams::Transport;
-use ravnest_protocol::coordinator::succession::Verdict;
 use ravnest_protocol::msg::Addr;
 
 pub use state::{NodeMsg, NodeState};
@@ -54,32 +49,9 @@ pub struct NodeActor<T, C> {
     /// Start of the run (spans are measured from it).
     pub t0: Instant,
     /// Fail-over: how the node watches the coordinator, and whom it tells what it decides.
-    pub succession: Option<Succession>,
+    pub succession: Option<crate::succession::Succession>,
     /// Export the model into the counters after every step ([`crate::counters::NodeCounters::observed`]).
     pub observe: bool,
-}
-
-/// Fail-over on a node: it watches the coordinator (hosted by `host` at the start) and
-/// suspects it after `silence` without a word; [`ravnest_protocol::coordinator::succession::Watch`]
-/// decides. The node redirects its transport itself; `on_verdict` is told every verdict (the
-/// process starts a coordinator on [`Verdict::TakeOver`]). It must not block.
-#[derive(Clone)]
-pub struct Succession {
-    /// The coordinator's host at the start.
-    pub host: NodeId,
-    /// Silence after which the coordinator is suspected.
-    pub silence: Duration,
-    /// Told each verdict.
-    pub on_verdict: Arc<dyn Fn(NodeId, Verdict) + Send + Sync>,
-}
-
-impl std::fmt::Debug for Succession {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Succession")
-            .field("host", &self.host)
-            .field("silence", &self.silence)
-            .finish()
-    }
 }
 
 /// Whether the node starts with the initial model or must fetch state (it restarted).

@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use ravnest_runtime::seams::{BucketSink, ComputeError};
+use ravnest_protocol::node::values::ComputeError;
+use ravnest_runtime::seams::BucketSink;
 
 use super::Stats;
 use crate::data::Dataset;

@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor, Var};
-use ravnest_runtime::seams::ComputeError;
+use ravnest_protocol::node::values::ComputeError;
 
 use super::{Grad, Held, Slot, StateCounter, backend, with_values};
 use crate::optim::Optim;

@@ -8,7 +8,7 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use ravnest_runtime::seams::ComputeError;
+use ravnest_protocol::node::values::ComputeError;
 
 use super::{CheckpointFiles, LoadError};
 

@@ -1,7 +1,8 @@
-//! A node's watch over the coordinator, as its process runs it: the pure
-//! [`Watch`] behind a lock, fed from the node's inbox
-//! before its mailbox (a node busy with a long step still hears the coordinator, follows a
-//! successor, and tells a stale coordinator of the newer term at once), and ticked by the node.
+//! Fail-over, as a node's process runs it: how it watches the coordinator ([`Succession`]),
+//! and the watch itself ([`Watcher`]: the pure [`Watch`] behind a lock). The watch is not the
+//! node actor's: it is fed from the node's inbox before its mailbox, on the transport's thread
+//! (a node busy with a long step still hears the coordinator, follows a successor, and tells a
+//! stale coordinator of the newer term at once), and ticked by the node.
 //!
 //! The watch acts inside the transport's callback, before the node's mailbox gets the next
 //! envelope: the transport is redirected to a successor before the node answers anything that
@@ -15,18 +16,41 @@
 //! after `peer` took over.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use ravnest_core::NodeId;
 use tokio::time::Instant;
 
-use super::{Succession, Verdict};
 use crate::seams::Transport;
-use ravnest_protocol::coordinator::succession::Watch;
+use ravnest_protocol::coordinator::succession::{Verdict, Watch};
 use ravnest_protocol::msg::{Addr, Envelope};
+
+/// Fail-over on a node: it watches the coordinator (hosted by `host` at the start) and
+/// suspects it after `silence` without a word; [`ravnest_protocol::coordinator::succession::Watch`]
+/// decides. The node redirects its transport itself; `on_verdict` is told every verdict (the
+/// process starts a coordinator on [`Verdict::TakeOver`]). It must not block.
+#[derive(Clone)]
+pub struct Succession {
+    /// The coordinator's host at the start.
+    pub host: NodeId,
+    /// Silence after which the coordinator is suspected.
+    pub silence: Duration,
+    /// Told each verdict.
+    pub on_verdict: Arc<dyn Fn(NodeId, Verdict) + Send + Sync>,
+}
+
+impl std::fmt::Debug for Succession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Succession")
+            .field("host", &self.host)
+            .field("silence", &self.silence)
+            .finish()
+    }
+}
 
 /// The watch of node `id`, shared by its inbox and its actor.
 #[derive(Clone)]
-pub(super) struct Watcher<T> {
+pub(crate) struct Watcher<T> {
     id: NodeId,
     transport: T,
     succession: Succession,
@@ -35,7 +59,7 @@ pub(super) struct Watcher<T> {
 }
 
 impl<T: Transport> Watcher<T> {
-    pub(super) fn new(id: NodeId, transport: T, succession: Succession, t0: Instant) -> Self {
+    pub(crate) fn new(id: NodeId, transport: T, succession: Succession, t0: Instant) -> Self {
         let silence_ms = succession.silence.as_millis() as u64;
         let now_ms = t0.elapsed().as_millis() as u64;
         Watcher {
@@ -57,14 +81,14 @@ impl<T: Transport> Watcher<T> {
     }
 
     /// How often the node ticks it: a tenth of the silence.
-    pub(super) fn period(&self) -> std::time::Duration {
+    pub(crate) fn period(&self) -> std::time::Duration {
         (self.succession.silence / 10).max(std::time::Duration::from_millis(10))
     }
 
     /// An envelope for this node, before its mailbox: the watch's part of it. Anything from
     /// the coordinator is a sign of life; a replica, a lease or a pre-vote is the watch's alone
     /// (true: consumed here).
-    pub(super) fn on_envelope(&self, from: Addr, env: &Envelope) -> bool {
+    pub(crate) fn on_envelope(&self, from: Addr, env: &Envelope) -> bool {
         let now = self.now_ms();
         let heard = self
             .watch
@@ -84,7 +108,7 @@ impl<T: Transport> Watcher<T> {
     }
 
     /// Time passed (the node's ticker).
-    pub(super) fn tick(&self) {
+    pub(crate) fn tick(&self) {
         let now = self.now_ms();
         let v = self
             .watch
@@ -117,7 +141,7 @@ impl<T: Transport> Watcher<T> {
 }
 
 /// The node's handle on its watcher's tick (the actor's state does not name the transport).
-pub(crate) struct Tick(pub(super) Box<dyn Fn() + Send + Sync>);
+pub(crate) struct Tick(pub(crate) Box<dyn Fn() + Send + Sync>);
 
 impl std::fmt::Debug for Tick {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

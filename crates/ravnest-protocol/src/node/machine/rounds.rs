@@ -1,51 +1,42 @@
 //! Local SGD's outer rounds on a node: what a replica contributes, the outer step on the
 //! group's sum, and overlapped rounds, whose bookkeeping (launched, merged, the values
-//! carried after a merge) is the protocol's [`ravnest_protocol::node::outer::Rounds`]; here
-//! the values move in and out of the model and the exchanges run.
+//! carried after a merge) is [`Rounds`](crate::node::outer::Rounds); here the values move in
+//! and out of the model and the exchanges start.
 
 use ravnest_core::LayerRange;
 use ravnest_core::collective::CollId;
 
-use super::NodeActor;
-use super::state::{NodeState, Running};
-use crate::collective::Outcome;
-use crate::counters::Count;
-use crate::seams::{Compute, Transport};
-use ravnest_protocol::msg::{StepMode, SyncPolicy, Work};
-use ravnest_protocol::node::outer::Anchor;
-use ravnest_protocol::node::step::Collect;
+use super::{Act, Machine, Running};
+use crate::msg::{StepMode, SyncPolicy, Work};
+use crate::node::outer::Anchor;
+use crate::node::step::Collect;
+use crate::node::values::Values;
 
-/// A node's state, as this backend's node holds it.
-type State<C> = NodeState<<C as Compute>::Model, <C as Compute>::StageGrad>;
-
-impl<T: Transport, C: Compute> NodeActor<T, C> {
+impl<V: Values> Machine<V> {
     /// The round step `s` ends (`mode`: waited for, launched, or merged), from `local`, this
-    /// node's model after the step's local update (`layers` of it, or the whole). The values
-    /// travel: they are exported, and the round's values are imported back. Under an outer
-    /// optimizer, or packed, what travels is the change since the round's anchor, weighted by
-    /// this node's batch share.
+    /// node's model after the step's local update (`layers` of it, or the whole; its compute
+    /// `ns`). The values travel: they are exported, and the round's values are imported back.
+    /// Under an outer optimizer, or packed, what travels is the change since the round's
+    /// anchor, weighted by this node's batch share.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn round(
-        &self,
-        st: &mut State<C>,
+        &mut self,
         w: &Work,
         s: u64,
-        local: C::Model,
+        local: V::Model,
         layers: Option<LayerRange>,
         ns: u64,
         mode: StepMode,
     ) {
         if mode == StepMode::Merge {
-            return self.merge(st, w, s, local, layers, ns);
+            return self.merge(w, s, local, layers, ns);
         }
         let share = w.batch as f32 / w.global_batch.max(1) as f32;
-        let Some(mut contribution) = self.compute.export(&local, layers) else {
-            return self.fail(
-                w.epoch,
-                format!("this node does not hold {layers:?} to average"),
-            );
+        let Some(mut contribution) = self.values.export(&local, layers) else {
+            let reason = format!("this node does not hold {layers:?} to average");
+            return self.fail(w.epoch, reason);
         };
-        let anchor = match self.anchor(st, w, s, layers) {
+        let anchor = match self.anchor(w, s, layers) {
             Ok(a) => a,
             Err(e) => return self.fail(w.epoch, e),
         };
@@ -53,16 +44,12 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         match &anchor {
             Some(a) => {
                 if !ravnest_core::outer::contribution(&mut contribution, &a.values, share) {
-                    return self.fail(w.epoch, format!("anchor {} has another length", a.version));
+                    let reason = format!("anchor {} has another length", a.version);
+                    return self.fail(w.epoch, reason);
                 }
             }
-            None => {
-                for x in &mut contribution {
-                    *x *= share;
-                }
-            }
+            None => contribution.iter_mut().for_each(|x| *x *= share),
         }
-        let group = self.group(st, w);
         let id = CollId {
             epoch: w.epoch,
             step: s,
@@ -78,140 +65,129 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         let mut running = Running::computed(c, local, ns);
         match (mode, anchor, at) {
             (StepMode::Launch, Some(anchor), Some(at)) => {
-                st.rounds.launch(w.epoch, s, layers, anchor, at);
+                self.rounds.launch(w.epoch, s, layers, anchor, at);
             }
             (StepMode::Launch, ..) => {
                 return self.fail(w.epoch, "an overlapped round without an anchor".into());
             }
             (_, anchor, _) => running.anchor = anchor,
         }
-        st.running = Some(running);
-        self.start_collective(st, id, group, contribution, virtual_bytes, None);
+        self.running = Some(running);
+        self.collective(id, contribution, virtual_bytes, None);
     }
 
     /// The bytes an outer round of `len` exchanged values of `layers` stands for: the
     /// gradient's bytes per parameter's worth of them.
     fn round_bytes(&self, len: usize, layers: Option<LayerRange>) -> u64 {
         let params = self.params_of(layers);
-        (self.grad_bytes as f64 * len as f64 / params.max(1) as f64 * self.round_factor) as u64
+        let bytes = self.sizes.grad_bytes as f64 * len as f64 / params.max(1) as f64;
+        (bytes * self.sizes.round_factor) as u64
     }
 
     /// How many parameters `layers` (`None`: the whole model) have: the first values of
     /// their export.
     fn params_of(&self, layers: Option<LayerRange>) -> usize {
         match layers {
-            Some(l) => self.compute.param_range(l).len(),
-            None => self.compute.params(),
+            Some(l) => self.values.param_range(l).len(),
+            None => self.values.params(),
         }
     }
 
     /// Step `s` merges the epoch's launched round (its sum may still be on its way).
-    fn merge(
-        &self,
-        st: &mut State<C>,
-        w: &Work,
-        s: u64,
-        local: C::Model,
-        layers: Option<LayerRange>,
-        ns: u64,
-    ) {
-        let (k, ready) = match st.rounds.to_merge(w.epoch, s) {
+    fn merge(&mut self, w: &Work, s: u64, local: V::Model, layers: Option<LayerRange>, ns: u64) {
+        let (k, ready) = match self.rounds.to_merge(w.epoch, s) {
             Ok(m) => m,
             Err(e) => return self.fail(w.epoch, e),
         };
         let c = Collect::waiting((w.epoch, s), StepMode::Merge, layers, usize::from(!ready));
-        st.running = Some(Running {
+        self.running = Some(Running {
             merge: Some(k),
             ..Running::computed(c, local, ns)
         });
         if ready {
-            self.apply_merge(st, w);
+            self.apply_merge(w);
         }
     }
 
     /// The running merge step's round is in: its version becomes the round's outer step, and
     /// this replica's own values (its progress since the launch on top) wait for the next step.
-    fn apply_merge(&self, st: &mut State<C>, w: &Work) {
-        let Some(r) = st.running.as_mut() else { return };
+    fn apply_merge(&mut self, w: &Work) {
+        let values = self.values.clone();
+        let Some(r) = self.running.as_mut() else {
+            return;
+        };
         let Some(k) = r.merge else { return };
-        let merged = self
-            .compute
+        let merged = values
             .export(&r.next, r.c.layers)
             .ok_or_else(|| format!("this node does not hold {:?} to merge", r.c.layers))
-            .and_then(|own| st.rounds.merge(k, w, r.c.step + 1, r.c.layers, own))
+            .and_then(|own| self.rounds.merge(k, w, r.c.step + 1, r.c.layers, own))
             .and_then(|sum| {
-                let model = self.compute.import(Some(&r.next), r.c.layers, sum);
+                let model = values.import(Some(&r.next), r.c.layers, sum);
                 model.map_err(|e| e.to_string())
             });
         match merged {
             Ok(model) => r.next = model,
-            Err(e) => {
-                st.running = None;
-                self.fail(w.epoch, e);
-            }
+            Err(e) => self.fail_step(w.epoch, e),
         }
     }
 
-    /// The model step `s` starts from: version `s`, or, right after a merge, this replica's
-    /// own values in place of it.
+    /// The model step `s` of `w` starts from: version `s` (`base`), or, right after a merge,
+    /// this replica's own values in place of it.
     pub(super) fn start_from(
-        &self,
-        st: &mut State<C>,
+        &mut self,
         w: &Work,
         s: u64,
-        base: C::Model,
-    ) -> Result<C::Model, String> {
-        match st.rounds.carry_for(w.epoch, s) {
+        base: V::Model,
+    ) -> Result<V::Model, String> {
+        match self.rounds.carry_for(w.epoch, s) {
             Some((layers, values)) => self
-                .compute
+                .values
                 .import(Some(&base), layers, values)
                 .map_err(|e| e.to_string()),
             None => Ok(base),
         }
     }
 
-    /// A collective of an overlapped round ended: its sum is kept for the step that merges it
-    /// (which goes on if it was waiting for it); an abort fails the epoch (the merge would wait
-    /// for ever). `false`: not such a round.
-    pub(super) async fn on_round_outcome(&self, st: &mut State<C>, outcome: &mut Outcome) -> bool {
-        let id = match outcome {
-            Outcome::Done { id, .. } | Outcome::Aborted { id } => *id,
-        };
-        if !st.rounds.awaits(id.epoch, id.step) {
-            return false;
+    /// A collective ended (`sum`: its result; `None`: aborted). One of an overlapped round:
+    /// its sum is kept for the step that merges it (which goes on if it was waiting for it);
+    /// an abort fails the epoch (the merge would wait for ever); `None` is returned. Any
+    /// other: `Some(sum)`, for the running step.
+    pub(super) fn round_outcome(
+        &mut self,
+        id: CollId,
+        sum: Option<Vec<f32>>,
+    ) -> Option<Option<Vec<f32>>> {
+        if !self.rounds.awaits(id.epoch, id.step) {
+            return Some(sum);
         }
-        let Outcome::Done { sum, .. } = outcome else {
+        let Some(sum) = sum else {
             // Its epoch's rounds are void. A halted or replaced epoch's rounds end so (their
             // outer steps are lost with the epoch); the running epoch's cannot go on.
-            st.rounds.abort(id.epoch);
-            if st.running.as_ref().is_some_and(|r| r.c.epoch == id.epoch) {
-                st.running = None;
+            self.rounds.abort(id.epoch);
+            if self.running.as_ref().is_some_and(|r| r.c.epoch == id.epoch) {
+                self.running = None;
             }
             // (After a halt its collectives abort by order: nothing to report.)
-            if !st.core.halted() && st.core.work().is_some_and(|w| w.epoch == id.epoch) {
-                self.record(Count::Aborted);
-                self.fail(
-                    id.epoch,
-                    format!("the outer round of step {} could not run", id.step),
-                );
+            if !self.core.halted() && self.core.work().is_some_and(|w| w.epoch == id.epoch) {
+                self.acts.push(Act::Aborted);
+                let reason = format!("the outer round of step {} could not run", id.step);
+                self.fail(id.epoch, reason);
             }
-            return true;
+            return None;
         };
-        st.rounds.sum_came(id.step, std::mem::take(sum));
-        let waiting = st
+        self.rounds.sum_came(id.step, sum);
+        let waiting = self
             .running
-            .as_ref()
-            .is_some_and(|r| r.c.epoch == id.epoch && r.merge == Some(id.step) && !r.c.settled());
-        if waiting {
-            if let Some(r) = st.running.as_mut() {
-                r.c.landed();
+            .as_mut()
+            .filter(|r| r.c.epoch == id.epoch && r.merge == Some(id.step) && !r.c.settled());
+        if let Some(r) = waiting {
+            r.c.landed();
+            if let Some(w) = self.core.work().cloned() {
+                self.apply_merge(&w);
             }
-            if let Some(w) = st.core.work().cloned() {
-                self.apply_merge(st, &w);
-            }
-            self.try_finish(st).await;
+            self.try_finish();
         }
-        true
+        None
     }
 
     /// The anchor of the outer round that step `s` ends: the newest version the schedule
@@ -219,7 +195,6 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
     /// agreed on (`None`: a plain average of values).
     fn anchor(
         &self,
-        st: &State<C>,
         w: &Work,
         s: u64,
         layers: Option<LayerRange>,
@@ -231,8 +206,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
             return Ok(None);
         }
         let version = w.sync.last_synchronized(w.step, w.end, s);
-        let values = st.core.version(version)
-            .and_then(|v| self.compute.export(&v.model, layers))
+        let values = self
+            .core
+            .version(version)
+            .and_then(|v| self.values.export(&v.model, layers))
             .ok_or_else(|| {
                 format!("this node no longer holds version {version}, the anchor of step {s}'s outer round")
             })?;
