@@ -28,7 +28,10 @@ hook runs when a bucket's gradient is ready, before its all-reduce starts; it me
 the compute since the forward began (first bucket) or since the previous bucket, and
 sleeps (k-1) x that on the backward thread, delaying this rank's contribution exactly
 as a k-times slower device would, with compute/all-reduce overlap kept. The optimizer
-step is not slowed (the Rust side does not slow it either).
+step is not slowed (the Rust side does not slow it either). As on the Rust side, the compute
+measured is the thread's CPU time when it runs on one thread (a device k times slower takes
+k times the work, not k times the moments the scheduler gave its core to another process),
+else wall time.
 
 Per-rank time over the timed steps (fractions of that rank's wall time, sum to 1):
   busy = batch gather + forward + backward compute + emulated sleep + optimizer step
@@ -42,6 +45,7 @@ does), slowdown included, with no synchronization; capacity efficiency =
 achieved samples/s / sum of the ranks' solo samples/s.
 """
 import argparse
+import threading
 import copy
 import gzip
 import json
@@ -199,6 +203,21 @@ def optimizer(params, a):
     return torch.optim.SGD(params, lr=a.lr, momentum=a.momentum)
 
 
+class Work:
+    """The work since a moment, for the straggler emulation: this thread's CPU time since
+    then when the compute runs on one thread (and on this thread), else the wall time."""
+
+    def __init__(self):
+        self.wall, self.cpu = time.perf_counter(), time.thread_time()
+        self.thread = threading.get_ident()
+
+    def took(self):
+        wall = time.perf_counter() - self.wall
+        if torch.get_num_threads() > 1 or threading.get_ident() != self.thread:
+            return wall
+        return min(time.thread_time() - self.cpu, wall)
+
+
 class HookTimer:
     """DDP comm-hook state: this rank's compute and emulated sleep within one step."""
 
@@ -207,7 +226,7 @@ class HookTimer:
         self.begin()
 
     def begin(self):
-        self.since = time.perf_counter()
+        self.since = Work()
         self.compute = self.slept = 0.0
         self.buckets = 0
 
@@ -215,14 +234,14 @@ class HookTimer:
 def timed_allreduce(st, bucket):
     # Runs on the backward thread when a bucket's gradient is complete: the time since the
     # forward began (or the previous bucket) is this rank's compute for it.
-    took = time.perf_counter() - st.since
-    st.compute += took
+    wall = time.perf_counter() - st.since.wall
+    st.compute += wall
     st.buckets += 1
     if st.extra > 0:
         t = time.perf_counter()
-        time.sleep(took * st.extra)
+        time.sleep(st.since.took() * st.extra)
         st.slept += time.perf_counter() - t
-    st.since = time.perf_counter()
+    st.since = Work()
     return allreduce_hook(None, bucket)  # DDP's default: divide by world, all-reduce
 
 
@@ -235,10 +254,10 @@ def calibrate(model, a, data, off, b, factor):
 
     def step(s):
         xb, yb = data.get(s, off, b)
-        t = time.perf_counter()
+        t = Work()
         loss_sum(model, a, xb, yb).div(b).backward()
         if factor > 1:
-            time.sleep((time.perf_counter() - t) * (factor - 1))
+            time.sleep(t.took() * (factor - 1))
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -292,7 +311,7 @@ def worker(rank, a, port, out):
         t_start = time.perf_counter()
         xb, yb = data.get(g, off, b)
         st.begin()
-        t_fwd = st.since
+        t_fwd = st.since.wall
         ls = loss_sum(ddp, a, xb, yb)
         losses.append(ls.item())
         # DDP divides the all-reduced gradient by world: scale by world / B so that the

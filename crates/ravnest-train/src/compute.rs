@@ -375,13 +375,13 @@ impl CandleCompute {
         let (result, real) = self
             .worker
             .run(move || {
-                let t = Instant::now();
+                let (t, cpu) = (Instant::now(), job::thread_cpu());
                 let r = job
                     .batch(samples)
                     .and_then(|(tokens, _)| op(&g, &tokens, &crate::device::current(), &job.state));
                 let took = t.elapsed();
                 if slowdown > 1.0 {
-                    std::thread::sleep(took.mul_f64(slowdown - 1.0));
+                    std::thread::sleep(job::work_time(took, cpu).mul_f64(slowdown - 1.0));
                 }
                 (r, took)
             })

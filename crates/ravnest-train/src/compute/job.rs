@@ -201,22 +201,22 @@ impl Job {
     ) -> (Result<f64, ComputeError>, Timed) {
         let slow = slowdown.max(1.0) - 1.0;
         let start = Instant::now();
-        let mut since = start;
+        let mut since = (start, thread_cpu());
         let mut t = Timed::default();
         crate::phases::take_forward_end();
         // Count the compute since `since`, then wait (k − 1) times as long.
-        let emulate = |since: Instant, t: &mut Timed| {
-            let took = since.elapsed();
+        let emulate = |(wall, cpu): (Instant, Option<Duration>), t: &mut Timed| {
+            let took = wall.elapsed();
             t.real += took;
             if slow > 0.0 {
                 let s = Instant::now();
-                std::thread::sleep(took.mul_f64(slow));
+                std::thread::sleep(work_time(took, cpu).mul_f64(slow));
                 t.slept += s.elapsed();
             }
         };
         let r = self.gradient_buckets(samples, model, &mut |k, v| {
             emulate(since, &mut t);
-            since = Instant::now();
+            since = (Instant::now(), thread_cpu());
             ready(k, v);
         });
         emulate(since, &mut t);
@@ -224,6 +224,30 @@ impl Job {
         t.forward = crate::phases::take_forward_end()
             .map_or(Duration::ZERO, |end| end.saturating_duration_since(start));
         (r, t)
+    }
+}
+
+/// This thread's time on a CPU so far (Linux's `/proc/thread-self/schedstat`); `None` where
+/// that cannot be read.
+pub(crate) fn thread_cpu() -> Option<Duration> {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    let ns: u64 = s.split_whitespace().next()?.parse().ok()?;
+    Some(Duration::from_nanos(ns))
+}
+
+/// The time a compute on this thread that started at CPU time `cpu` (and took `wall`) worked,
+/// for an emulated slower device to wait k − 1 times as long: a device k times slower takes k
+/// times the work, not k times the moments the host's scheduler gave the core to another
+/// process (on a shared machine those made the emulated device three times as noisy as the
+/// others). Its CPU time, where the compute runs on this one thread and that can be read;
+/// else `wall`.
+pub(crate) fn work_time(wall: Duration, cpu: Option<Duration>) -> Duration {
+    if rayon::current_num_threads() > 1 {
+        return wall;
+    }
+    match (cpu, thread_cpu()) {
+        (Some(a), Some(b)) if b >= a => (b - a).min(wall),
+        _ => wall,
     }
 }
 
@@ -249,4 +273,51 @@ pub(super) fn by_layer(
             this.to_vec()
         })
         .collect()
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::{thread_cpu, work_time};
+
+    /// On one compute thread, an emulated device's work is its CPU time: a wait (the scheduler
+    /// giving the core away, here a sleep) is not work; spinning is, never more than the wall.
+    #[test]
+    fn a_wait_is_not_work_and_work_is_at_most_the_wall_time() {
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        one.install(|| {
+            let (t, cpu) = (Instant::now(), thread_cpu());
+            assert!(cpu.is_some(), "/proc/thread-self/schedstat is read");
+            std::thread::sleep(Duration::from_millis(40));
+            let waited = work_time(t.elapsed(), cpu);
+            assert!(
+                waited < Duration::from_millis(20),
+                "{waited:?} of a 40 ms sleep"
+            );
+            let (t, cpu) = (Instant::now(), thread_cpu());
+            let mut x = 0u64;
+            while t.elapsed() < Duration::from_millis(40) {
+                x = std::hint::black_box(x.wrapping_add(1));
+            }
+            let (wall, worked) = (t.elapsed(), work_time(t.elapsed(), cpu));
+            assert!(
+                worked <= wall && worked > Duration::ZERO,
+                "{worked:?} of {wall:?}"
+            );
+        });
+        // Where the compute has several threads, its one thread's CPU time is not its work.
+        let two = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        two.install(|| {
+            let cpu = thread_cpu();
+            let wall = Duration::from_millis(7);
+            assert_eq!(work_time(wall, cpu), wall);
+        });
+    }
 }
