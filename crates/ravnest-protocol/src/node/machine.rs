@@ -271,19 +271,9 @@ impl<V: Values> Machine<V> {
         self.running.is_some() || self.pipe.is_some()
     }
 
-    /// The running step's id (its epoch and step), if one runs.
-    pub fn running(&self) -> Option<(u64, u64)> {
-        self.running.as_ref().map(|r| (r.c.epoch, r.c.step))
-    }
-
     /// Drop the step in progress (its epoch is over); whether there was one.
-    pub fn abandon(&mut self) -> bool {
+    fn abandon(&mut self) -> bool {
         self.running.take().is_some() || self.pipe.take().is_some()
-    }
-
-    /// Epoch `epoch` runs from step `step`: inputs kept for earlier steps go.
-    pub fn activated(&mut self, epoch: u64, step: u64) {
-        self.early.activated(epoch, step);
     }
 
     /// Epoch `epoch` cannot go on here: tell the coordinator why.
