@@ -201,7 +201,9 @@ impl Job {
     ) -> (Result<f64, ComputeError>, Timed) {
         let slow = slowdown.max(1.0) - 1.0;
         let start = Instant::now();
-        let mut since = (start, thread_cpu());
+        // The thread's CPU time is read only where a wait is emulated.
+        let cpu = || if slow > 0.0 { thread_cpu() } else { None };
+        let mut since = (start, cpu());
         let mut t = Timed::default();
         crate::phases::take_forward_end();
         // Count the compute since `since`, then wait (k − 1) times as long.
@@ -216,7 +218,7 @@ impl Job {
         };
         let r = self.gradient_buckets(samples, model, &mut |k, v| {
             emulate(since, &mut t);
-            since = (Instant::now(), thread_cpu());
+            since = (Instant::now(), cpu());
             ready(k, v);
         });
         emulate(since, &mut t);
