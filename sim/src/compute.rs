@@ -40,6 +40,28 @@ struct State {
     /// runtime's, from the cost model: [`ravnest_core::cost::grad_buckets`]).
     buckets: Vec<GradBucket>,
     copied_bytes: u64,
+    /// Data-parallel computes (forward and backward) running now, on any node.
+    computing: u32,
+    /// Bucket updates applied while every node's data-parallel compute ran (see
+    /// [`SimCompute::updates_in_backward`]).
+    updates_in_backward: u64,
+}
+
+/// A data-parallel compute running: counted while it lives (a compute dropped half-way, its
+/// step halted, ends too).
+struct Computing<'a>(&'a SimCompute);
+
+impl<'a> Computing<'a> {
+    fn start(c: &'a SimCompute) -> Self {
+        c.0.lock().unwrap().computing += 1;
+        Computing(c)
+    }
+}
+
+impl Drop for Computing<'_> {
+    fn drop(&mut self) {
+        self.0.0.lock().unwrap().computing -= 1;
+    }
 }
 
 /// Simulated compute for every node of a cluster.
@@ -61,7 +83,17 @@ impl SimCompute {
             secs_per_sample,
             buckets: Vec::new(),
             copied_bytes: 0,
+            computing: 0,
+            updates_in_backward: 0,
         })))
+    }
+
+    /// Bucket updates applied while every node's data-parallel compute still ran (the updating
+    /// node's own included). A node applies each bucket's sum as it comes back, while its
+    /// backward goes on; were updates applied only once the node's compute had ended, there
+    /// would be none.
+    pub fn updates_in_backward(&self) -> u64 {
+        self.0.lock().unwrap().updates_in_backward
     }
 
     /// Hand a data-parallel step's gradient over in `buckets` (in order, each when its share
@@ -336,6 +368,12 @@ impl Values for SimCompute {
         range: Range<usize>,
         mean_gradient: &[f32],
     ) -> Result<(), ComputeError> {
+        {
+            let mut s = self.0.lock().unwrap();
+            if s.computing as usize == s.secs_per_sample.len() {
+                s.updates_in_backward += 1;
+            }
+        }
         let m = self.own(model);
         let len = m.len();
         match m.get_mut(range.clone()) {
@@ -445,6 +483,7 @@ impl Compute for SimCompute {
         model: SimModel,
         ready: BucketSink,
     ) -> Result<(), ComputeError> {
+        let _computing = Computing::start(self);
         let secs = self.secs(node, samples.end - samples.start, 1.0, Fixed::Charged);
         // Each phase ends at its time from the step's start: tokio's timer rounds every
         // sleep up to its next millisecond, and phases slept one after another would add that

@@ -226,6 +226,9 @@ pub struct SimReport {
     /// The picture's data (not in JSON: it can be large).
     #[serde(skip)]
     pub timeline: timeline::Timeline,
+    /// Bucket updates applied while every node's data-parallel compute still ran
+    /// ([`SimCompute::updates_in_backward`]).
+    pub updates_in_backward: u64,
 }
 
 /// One timed action of the fault schedule.
@@ -904,6 +907,7 @@ async fn simulate(
         r.faults.push(fault_report(s, &log, &f));
     }
     r.timeline = picture(s, &log, &counters, down, end_ns);
+    r.updates_in_backward = compute.updates_in_backward();
     Ok(r)
 }
 

@@ -499,5 +499,6 @@ pub(super) fn report(
         trace_len: trace.len(),
         trace_hash: dumped_hash(trace),
         timeline: timeline::Timeline::default(),
+        updates_in_backward: 0,
     }
 }

@@ -931,3 +931,22 @@ fn a_ring_slower_than_its_links_is_measured_and_the_plan_follows() {
         assert!(n.steps < 40, "{} worked {} of 60 steps", n.name, n.steps);
     }
 }
+
+#[test]
+fn a_node_applies_each_buckets_sum_while_its_backward_goes_on() {
+    // Two identical nodes on a fast link, an MLP handed over in two buckets: the first
+    // bucket's sum comes back while both nodes still compute the second. Were a node to take
+    // its collectives' outcomes only once its own compute had ended, no update would be
+    // applied while every node computes.
+    let text = "[links]\nbandwidth_gbps = 100.0\nlatency_ms = 0.01\n\
+                [[node]]\nname = \"g\"\ndevice = \"rtx3090\"\ncount = 2\n\
+                [model]\nkind = \"mlp\"\ndims = [784, 8192, 100, 10]\n\
+                [training]\nglobal_batch = 4096\noptimizer = \"sgd-momentum\"\n\
+                sync = \"ring\"\n";
+    let s = ravnest_core::parse(text, "two-3090s").unwrap();
+    let r = run(&s, &opts(&s, 1, 6)).unwrap();
+    assert!(r.violations.is_empty(), "{:?}", r.violations);
+    assert_eq!(r.steps_completed, 6);
+    assert!(r.planned.starts_with("data parallel"), "{}", r.planned);
+    assert!(r.updates_in_backward >= 6, "{}", r.updates_in_backward);
+}

@@ -89,10 +89,15 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
         myself: ActorRef<NodeMsg>,
         start: Start,
     ) -> Result<State<C>, ActorProcessingErr> {
+        // Outcomes wait in a channel, the node told of each: a step whose compute runs applies
+        // them as they come (see `NodeActor::sync_step`), not when its compute has ended.
+        let (done, outcomes_rx) = tokio::sync::mpsc::unbounded_channel();
         let outcomes = {
             let me = myself.clone();
             Arc::new(move |o| {
-                let _ = me.cast(NodeMsg::Collective(o));
+                if done.send(o).is_ok() {
+                    let _ = me.cast(NodeMsg::Collective);
+                }
             })
         };
         let (collective, _) = Actor::spawn_linked(
@@ -143,6 +148,7 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
         let mut st = State::<C> {
             me: Some(myself.clone()),
             collective: Some(collective),
+            outcomes: Some(outcomes_rx),
             ..NodeState::new(Machine::new(core, self.compute.clone(), sizes))
         };
         // The watch ticks between the node's messages: a gap (a long step) is its own stall,
@@ -165,7 +171,11 @@ impl<T: Transport, C: Compute> Actor for NodeActor<T, C> {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             NodeMsg::Net(from, env) => self.on_net(st, from, env).await,
-            NodeMsg::Collective(outcome) => self.on_outcome(st, outcome).await,
+            NodeMsg::Collective => {
+                while let Some(o) = st.outcomes.as_mut().and_then(|r| r.try_recv().ok()) {
+                    self.on_outcome(st, o).await;
+                }
+            }
             NodeMsg::Advance => self.advance(st).await,
             NodeMsg::Watch => {
                 if let Some(tick) = &st.watcher {

@@ -4,6 +4,7 @@
 use std::sync::{Arc, OnceLock};
 
 use ractor::ActorRef;
+use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::Instant;
 
 use crate::collective::{CollectiveMsg, Group, Outcome};
@@ -17,8 +18,9 @@ use ravnest_protocol::node::machine::Machine;
 pub enum NodeMsg {
     /// An envelope from the network.
     Net(Addr, Envelope),
-    /// The node's collective actor finished (or abandoned) a collective.
-    Collective(Outcome),
+    /// The node's collective actor finished (or abandoned) a collective: its outcome waits in
+    /// [`NodeState::outcomes`] (where a step whose compute runs takes it at once).
+    Collective,
     /// Go on with the next step (sent to itself after each step, so that messages that came
     /// in meanwhile, a halt or a new epoch, are seen first).
     Advance,
@@ -36,6 +38,8 @@ pub struct NodeState<C: Compute> {
     /// When the step in progress spent its time.
     pub(super) clock: Clock,
     pub(super) collective: Option<ActorRef<CollectiveMsg>>,
+    /// The collectives' outcomes, in the order they ended.
+    pub(super) outcomes: Option<UnboundedReceiver<Outcome>>,
     /// The sync group of the current epoch.
     pub(super) group: Option<(u64, Arc<Group>)>,
     /// The link probes under way.
@@ -53,6 +57,7 @@ impl<C: Compute> NodeState<C> {
             node,
             clock: Clock::default(),
             collective: None,
+            outcomes: None,
             group: None,
             probes: Probes::default(),
             watcher: None,

@@ -6,7 +6,10 @@
 //! Data parallel: the backend hands the gradient sum bucket by bucket (last layers first); each
 //! bucket is weighted by b_i / B in place and starts its own collective at once, on the compute
 //! thread, so the ring of the last layers runs while backward computes the first ones. Each
-//! bucket's sum comes back to [`Machine::outcome`], which applies it to its parameters. A
+//! bucket's sum comes back to [`Machine::outcome`], which applies it to its parameters at once,
+//! while backward still computes (the node's outcomes wait in a channel its step reads beside
+//! the compute, not in its mailbox): only the last bucket's update is after the compute. (Not
+//! sharded: a sharded node updates its part in place, after the compute.) A
 //! pipeline stage runs its micro-batches in 1F1B order as activations and gradients arrive
 //! ([`NodeActor::pump`]), then [`Machine::passes_ran`] reduces or applies its layers' gradient.
 //!
@@ -152,6 +155,10 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         // Weight b_i / B, applied once, in place: the group's sum is the mean gradient of the
         // whole global batch.
         let scale = 1.0 / w.global_batch.max(1) as f32;
+        // A sharded node updates its part in place once the compute has let go of the version
+        // it started from (it holds one copy of its part's state): its sums wait for the
+        // compute's end. Otherwise each update writes the new version's own buffers.
+        let overlap = shard.is_none();
         let (grad_bytes, coll, epoch) = (self.grad_bytes, st.collective.clone(), w.epoch);
         let sink: BucketSink = Arc::new(move |k: usize, mut data: Vec<f32>| {
             first_bucket.get_or_init(Instant::now);
@@ -179,7 +186,23 @@ impl<T: Transport, C: Compute> NodeActor<T, C> {
         });
         let t = Instant::now();
         let samples = sample_range(s, w.global_batch, w.offset, w.batch);
-        let result = gradient_sum(&*self.compute, self.id, s, samples, w.chunk, base, sink).await;
+        let pass = gradient_sum(&*self.compute, self.id, s, samples, w.chunk, base, sink);
+        tokio::pin!(pass);
+        // The buckets' outcomes are applied while backward computes the rest: each bucket's
+        // optimizer update is off the step's critical path, but the last one's.
+        let result = loop {
+            let outcome = async {
+                match st.outcomes.as_mut() {
+                    Some(rx) => rx.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                biased;
+                r = &mut pass => break r,
+                Some(o) = outcome, if overlap => self.on_outcome(st, o).await,
+            }
+        };
         let ns = self.computed(t);
         st.clock.computed = Some(Instant::now());
         st.node.computed(w.epoch, ns, result);
