@@ -297,6 +297,28 @@ pub fn ddp(a: &DdpArgs) -> Result<String> {
     Ok(table(a, &names, &runs, skipped))
 }
 
+/// Each round's ratios of ravnest to the DDP run it is measured against (its own split to DDP
+/// split by hand, the equal split to DDP's): a median of a few rounds hides how far one round
+/// is from the next on a shared machine. Empty without the PyTorch side.
+fn round_ratios(runs: &[Vec<Figures>]) -> String {
+    let each = |ours: usize, theirs: usize| -> Vec<String> {
+        runs[ours]
+            .iter()
+            .zip(&runs[theirs])
+            .map(|(a, b)| format!("{:.2}x", a.samples_per_s / b.samples_per_s.max(1e-9)))
+            .collect()
+    };
+    let (split, equal) = (each(0, 3), each(1, 2));
+    if split.is_empty() {
+        return String::new();
+    }
+    format!(
+        "\neach round: ravnest heterogeneous / DDP split by hand {}; uniform / DDP equal {}\n",
+        split.join(" "),
+        equal.join(" ")
+    )
+}
+
 /// ravnest's runs' steps by phase, per node, from the last round (ms per step).
 fn phase_table(names: &[String], runs: &[Vec<Figures>]) -> String {
     let keys = [
@@ -380,6 +402,7 @@ fn table(a: &DdpArgs, names: &[String], runs: &[Vec<Figures>], skipped: Option<S
             nodes.join(", ")
         );
     }
+    out += &round_ratios(runs);
     out += &phase_table(names, runs);
     if let Some(why) = skipped {
         out += &format!(
@@ -388,4 +411,34 @@ fn table(a: &DdpArgs, names: &[String], runs: &[Vec<Figures>], skipped: Option<S
     }
     out += "\nbusy: computing (the emulated slowdown included); comm: waiting for the all-reduce after compute; idle: the rest. Per-node figures are from the last round.\n";
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Figures, round_ratios};
+
+    fn at(samples_per_s: f64) -> Figures {
+        Figures {
+            samples_per_s,
+            ..Figures::default()
+        }
+    }
+
+    /// Each round's ravnest run against the same round's DDP run; nothing without PyTorch.
+    #[test]
+    fn each_rounds_ratio_is_to_the_same_rounds_ddp() {
+        let runs = vec![
+            vec![at(16.5), at(15.0)],
+            vec![at(8.2), at(9.0)],
+            vec![at(7.0), at(7.5)],
+            vec![at(13.3), at(15.0)],
+        ];
+        assert_eq!(
+            round_ratios(&runs),
+            "\neach round: ravnest heterogeneous / DDP split by hand 1.24x 1.00x; \
+             uniform / DDP equal 1.17x 1.20x\n"
+        );
+        let no_torch = vec![vec![at(16.5)], vec![at(8.2)], vec![], vec![]];
+        assert_eq!(round_ratios(&no_torch), "");
+    }
 }
